@@ -1,0 +1,127 @@
+# smoe build. `make` builds the static and shared library and the programs;
+# the CUDA backends are built only where nvcc exists (SMOE_CUDA=0 forces a
+# CPU-only build). `make run` runs the main job, `make test` the CPU tests.
+
+VERSION_MAJOR := $(shell sed -n 's/^\#define SMOE_VERSION_MAJOR \([0-9]*\)/\1/p' include/smoe.h)
+VERSION_MINOR := $(shell sed -n 's/^\#define SMOE_VERSION_MINOR \([0-9]*\)/\1/p' include/smoe.h)
+VERSION_PATCH := $(shell sed -n 's/^\#define SMOE_VERSION_PATCH \([0-9]*\)/\1/p' include/smoe.h)
+VERSION := $(VERSION_MAJOR).$(VERSION_MINOR).$(VERSION_PATCH)
+
+CC      ?= cc
+BUILD   ?= build
+OPT     ?= -O2
+CFLAGS  ?= $(OPT) -g
+CFLAGS  += -std=c11 -Wall -Wextra -Wno-unused-parameter -fPIC -fopenmp -fvisibility=hidden \
+           -Iinclude -Isrc -D_GNU_SOURCE $(SANFLAGS)
+LDLIBS  += $(SANFLAGS) -fopenmp -lm -lpthread
+
+NVCC    ?= $(shell command -v nvcc 2>/dev/null)
+ifeq ($(NVCC),)
+SMOE_CUDA ?= 0
+else
+SMOE_CUDA ?= 1
+endif
+
+CPU_SRC  := $(wildcard src/*.c src/cpu/*.c)
+CPU_OBJ  := $(CPU_SRC:%.c=$(BUILD)/%.o)
+CUDA_OBJ :=
+
+ifeq ($(SMOE_CUDA),1)
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+# Portable kernels: sm_80 machine code plus sm_90 (H100 runs it natively).
+CUDA_ARCH_PORTABLE ?= -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90
+# Hopper-only kernels (wgmma, setmaxnreg need the "a" target).
+CUDA_ARCH_SM90 ?= -gencode=arch=compute_90a,code=sm_90a
+NVCCFLAGS ?= -O3 -lineinfo
+NVCCFLAGS += -std=c++17 -Xcompiler -fPIC,-fvisibility=hidden -Iinclude -Isrc -DSMOE_WITH_CUDA \
+             --expt-relaxed-constexpr
+CFLAGS   += -DSMOE_WITH_CUDA
+CU_SRC    := $(wildcard src/cuda/*.cu)
+CU90_SRC  := $(wildcard src/cuda/sm90/*_sm90.cu)
+CUDA_OBJ  := $(CU_SRC:%.cu=$(BUILD)/%.o) $(CU90_SRC:%.cu=$(BUILD)/%.o)
+LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++ -ldl
+endif
+
+LIB_OBJ := $(CPU_OBJ) $(CUDA_OBJ)
+LIB_A   := $(BUILD)/libsmoe.a
+LIB_SO  := $(BUILD)/libsmoe.so
+
+TEST_SRC  := $(wildcard tests/test_*.c)
+TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
+GPU_TEST_SRC := $(wildcard tests/gpu/test_*.c)
+GPU_TEST_BIN := $(GPU_TEST_SRC:tests/gpu/%.c=$(BUILD)/tests/gpu/%)
+PROGS := $(BUILD)/smoe_run $(BUILD)/example $(BUILD)/smoe_bench
+
+.PHONY: all lib run test test-gpu sanitize bench clean print-version
+all: lib $(PROGS) $(TEST_BIN) $(GPU_TEST_BIN)
+lib: $(LIB_A) $(LIB_SO)
+
+print-version:
+	@echo $(VERSION)
+
+$(BUILD)/%.o: %.c include/smoe.h src/smoe_internal.h $(wildcard src/*.h src/cpu/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/src/cuda/sm90/%.o: src/cuda/sm90/%.cu include/smoe.h src/smoe_internal.h $(wildcard src/cuda/*.h src/cuda/*.cuh src/cuda/sm90/*.cuh)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) $(CUDA_ARCH_SM90) -c $< -o $@
+
+$(BUILD)/src/cuda/%.o: src/cuda/%.cu include/smoe.h src/smoe_internal.h $(wildcard src/cuda/*.h src/cuda/*.cuh)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) $(CUDA_ARCH_PORTABLE) -c $< -o $@
+
+$(LIB_A): $(LIB_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(LIB_SO): $(LIB_OBJ)
+	$(CC) -shared -o $@ $^ $(LDLIBS)
+
+$(BUILD)/smoe_run: bench/run.c bench/grid.h $(LIB_A)
+	$(CC) $(CFLAGS) $< -o $@ $(LIB_A) $(LDLIBS)
+
+$(BUILD)/smoe_bench: bench/bench.c bench/grid.h $(LIB_A)
+	$(CC) $(CFLAGS) $< -o $@ $(LIB_A) $(LDLIBS)
+
+$(BUILD)/example: examples/example.c $(LIB_A)
+	$(CC) $(CFLAGS) $< -o $@ $(LIB_A) $(LDLIBS)
+
+$(BUILD)/tests/%: tests/%.c tests/testutil.h $(LIB_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests $< -o $@ $(LIB_A) $(LDLIBS)
+
+$(BUILD)/tests/gpu/%: tests/gpu/%.c tests/testutil.h $(LIB_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests $< -o $@ $(LIB_A) $(LDLIBS)
+
+# The main job: one layer forward and backward on the best backend, checked
+# against the reference. ARGS picks the configuration (see README.md).
+run: $(BUILD)/smoe_run
+	$(BUILD)/smoe_run $(ARGS)
+
+test: $(TEST_BIN) $(BUILD)/example
+	@set -e; pass=0; fail=0; \
+	for t in $(TEST_BIN); do \
+	  if $$t; then pass=$$((pass+1)); else fail=$$((fail+1)); echo "FAILED: $$t"; fi; \
+	done; \
+	if $(BUILD)/example >/dev/null; then pass=$$((pass+1)); else fail=$$((fail+1)); echo "FAILED: example"; fi; \
+	echo "$$pass passed, $$fail failed"; test $$fail -eq 0
+
+test-gpu: $(GPU_TEST_BIN)
+	@set -e; pass=0; fail=0; \
+	for t in $(GPU_TEST_BIN); do \
+	  if $$t; then pass=$$((pass+1)); else fail=$$((fail+1)); echo "FAILED: $$t"; fi; \
+	done; \
+	echo "$$pass passed, $$fail failed"; test $$fail -eq 0
+
+bench: $(BUILD)/smoe_bench
+	$(BUILD)/smoe_bench $(ARGS)
+
+# The CPU tests again under AddressSanitizer and UndefinedBehaviorSanitizer.
+sanitize:
+	$(MAKE) BUILD=build-san SMOE_CUDA=0 OPT=-O1 \
+	  SANFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all" test
+
+clean:
+	rm -rf build build-san

@@ -1,0 +1,260 @@
+/*
+ * smoe.h -- the public API of smoe, a Mixture-of-Experts feed-forward layer
+ * for training (forward and backward), with the algorithm of SonicMoE
+ * (arXiv 2512.14080). This header is the manual.
+ *
+ * Legend (the paper's names, used for every shape below):
+ *   T  tokens                      d  hidden size
+ *   n  expert intermediate size    E  experts
+ *   K  experts per token           R  routed rows (token, expert) pairs:
+ *                                     T*K for token choice, variable for
+ *                                     GENERAL routing and token rounding
+ *
+ * The layer, for token t routed to experts e_1..e_K with scores s_1..s_K:
+ *   h   = W1[e] x_t + b1[e]              (2n values)
+ *   a   = act(h)                         (n values; gated: act(gate) * up)
+ *   y   = W2[e] a + b2[e]                (d values)
+ *   o_t = sum_k s_k y_k
+ *
+ * Memory: the caller owns all of it. smoe_layer_workspace_bytes() and
+ * smoe_layer_saved_bytes() say how many bytes a call needs; forward and
+ * backward never allocate and never synchronise the host with the device.
+ * On the CUDA backends every pointer is a device pointer and `stream` is a
+ * cudaStream_t (NULL: the legacy default stream). On the CPU backend every
+ * pointer is a host pointer and `stream` is ignored.
+ *
+ * Errors: every call returns a smoe_status. On error nothing is written to
+ * any output, and smoe_last_error() (thread-local) says what was wrong, with
+ * the offending value.
+ *
+ * All matrices are row-major and contiguous.
+ */
+#ifndef SMOE_H
+#define SMOE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SMOE_VERSION_MAJOR 0
+#define SMOE_VERSION_MINOR 1
+#define SMOE_VERSION_PATCH 0
+#define SMOE_VERSION_NUMBER \
+    (SMOE_VERSION_MAJOR * 10000 + SMOE_VERSION_MINOR * 100 + SMOE_VERSION_PATCH)
+
+#if defined(_WIN32)
+#define SMOE_API __declspec(dllexport)
+#else
+#define SMOE_API __attribute__((visibility("default")))
+#endif
+
+/* ---------------------------------------------------------------- status */
+
+typedef enum smoe_status {
+    SMOE_SUCCESS = 0,
+    SMOE_ERROR_NULL_POINTER,     /* a required pointer is NULL */
+    SMOE_ERROR_INVALID_SIZE,     /* a size is zero, negative, too large or misaligned */
+    SMOE_ERROR_INVALID_VALUE,    /* an enum, flag, index or score is out of range */
+    SMOE_ERROR_UNSUPPORTED,      /* a valid combination this backend cannot run */
+    SMOE_ERROR_NO_DEVICE,        /* the backend asked for has no device here */
+    SMOE_ERROR_OUT_OF_MEMORY,    /* smoe_layer_create could not allocate the handle */
+    SMOE_ERROR_BACKEND,          /* the CUDA runtime or cuBLAS returned an error */
+    SMOE_ERROR_INTERNAL          /* a bug in smoe: please report it */
+} smoe_status;
+
+SMOE_API const char *smoe_status_string(smoe_status s);
+/* The message of the last failed call on this thread ("" if none). */
+SMOE_API const char *smoe_last_error(void);
+SMOE_API const char *smoe_version_string(void);
+
+/* ----------------------------------------------------------------- enums */
+
+typedef enum smoe_dtype {
+    SMOE_DTYPE_F32 = 0,
+    SMOE_DTYPE_BF16 = 1,
+    SMOE_DTYPE_F64 = 2   /* CPU backend only: for gradient checks */
+} smoe_dtype;
+
+typedef enum smoe_activation {
+    SMOE_ACT_SWIGLU = 0, /* silu(gate) * up                       (gated) */
+    SMOE_ACT_GEGLU,      /* gelu_tanh(gate) * up                  (gated) */
+    SMOE_ACT_REGLU,      /* relu(gate) * up                       (gated) */
+    SMOE_ACT_RELU2,      /* relu(h)^2                         (not gated) */
+    SMOE_ACT_RELU,       /* relu(h)                           (not gated) */
+    SMOE_ACT_SILU,       /* silu(h)                           (not gated) */
+    SMOE_ACT_GELU        /* gelu_tanh(h)                      (not gated) */
+} smoe_activation;
+/* Gated activations give W1 2n rows per expert (gate and up); the others n. */
+
+typedef enum smoe_w1_layout {
+    SMOE_W1_INTERLEAVED = 0,  /* row 2j gate j, row 2j+1 up j (SonicMoE) */
+    SMOE_W1_CONCATENATED = 1  /* rows [0,n) gate, [n,2n) up (Hugging Face) */
+} smoe_w1_layout;
+
+typedef enum smoe_routing {
+    SMOE_ROUTING_TOPK_SOFTMAX = 0, /* top-K logits, softmax over those K */
+    SMOE_ROUTING_SOFTMAX_TOPK = 1, /* softmax over E, top-K probabilities,
+                                      renormalised if desc.renormalize */
+    SMOE_ROUTING_GENERAL = 2       /* caller's (token, expert, score) triples */
+} smoe_routing;
+
+typedef enum smoe_rounding {
+    SMOE_ROUND_OFF = 0,
+    SMOE_ROUND_UP,       /* each expert's count rounded up to a multiple of M */
+    SMOE_ROUND_DOWN,     /* ... down ... */
+    SMOE_ROUND_NEAREST   /* ... to the nearest multiple (ties up) */
+} smoe_rounding;
+/* Token rounding (training only; inference uses plain token choice) works on
+ * top of the token-choice selection of TOPK_SOFTMAX or SOFTMAX_TOPK (both
+ * pick the K largest logits). Kept token-choice pairs score their
+ * renormalised softmax probability p_e / sum_{j in top-K} p_j; pairs added
+ * by rounding up score p_e. Gradients flow through both into the logits.
+ * See README.md, "Token rounding". */
+
+typedef enum smoe_backend {
+    SMOE_BACKEND_AUTO = 0, /* the best backend present (Hopper, CUDA, CPU) */
+    SMOE_BACKEND_CPU,      /* portable C11: the reference */
+    SMOE_BACKEND_CUDA,     /* portable CUDA kernels (sm_80 and later) */
+    SMOE_BACKEND_SM90      /* Hopper kernels (sm_90a: TMA, wgmma) */
+} smoe_backend;
+
+/* ------------------------------------------------------------ descriptor */
+
+typedef struct smoe_layer_desc {
+    int64_t d;                   /* hidden size */
+    int64_t n;                   /* expert intermediate size */
+    int64_t E;                   /* experts */
+    int64_t K;                   /* experts per token (token-choice modes) */
+    smoe_activation activation;
+    smoe_w1_layout w1_layout;    /* only read for gated activations */
+    int has_bias;                /* b1 (E, 2n or n) and b2 (E, d) */
+    smoe_routing routing;
+    int renormalize;             /* SOFTMAX_TOPK: renormalise the K scores */
+    smoe_rounding rounding;      /* token rounding (needs SOFTMAX_TOPK) */
+    int64_t round_tile;          /* M for token rounding (default 128) */
+    smoe_dtype dtype;            /* storage of x, weights, out, saved state */
+    smoe_backend backend;
+    int device;                  /* CUDA device ordinal (CUDA backends) */
+} smoe_layer_desc;
+
+/* d=n=E=K=0 (the caller must set them), SwiGLU, interleaved, no bias,
+ * TOPK_SOFTMAX, rounding off with M=128, bf16, AUTO backend, device 0. */
+SMOE_API smoe_layer_desc smoe_layer_desc_default(void);
+
+typedef struct smoe_layer smoe_layer; /* opaque */
+
+/* Validates desc and picks the backend. */
+SMOE_API smoe_status smoe_layer_create(const smoe_layer_desc *desc, smoe_layer **out);
+SMOE_API void smoe_layer_free(smoe_layer *layer); /* NULL is fine */
+
+/* The backend that runs this layer, and the kernel path it takes, e.g.
+ * "cpu", "cuda-sm80 (mma.sync)", "sm90 (tma+wgmma)". */
+SMOE_API smoe_backend smoe_layer_backend(const smoe_layer *layer);
+SMOE_API const char *smoe_layer_path_name(const smoe_layer *layer);
+SMOE_API smoe_layer_desc smoe_layer_get_desc(const smoe_layer *layer);
+
+/* ------------------------------------------------------------ memory */
+
+/* Bytes of scratch one forward or backward call with T tokens needs.
+ * `pairs` is the number of GENERAL triples (ignored by other modes; pass 0).
+ * Returns 0 (and sets smoe_last_error) on invalid sizes. */
+SMOE_API size_t smoe_layer_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t pairs);
+
+/* Bytes of state a training forward leaves for backward: H (R x 2n), the
+ * sorted rows' scores and tokens, the routing metadata, and for
+ * SOFTMAX_TOPK/token rounding the fp32 router logits. Exact for token choice
+ * and GENERAL; a worst case (R <= T*K + E*(M-1), capped at T*E) for token
+ * rounding. Inference needs none. */
+SMOE_API size_t smoe_layer_saved_bytes(const smoe_layer *layer, int64_t T, int64_t pairs);
+
+/* ------------------------------------------------------------ forward */
+
+typedef struct smoe_forward_args {
+    int64_t T;                    /* tokens (>= 1) */
+    const void *x;                /* (T, d)  dtype */
+    const void *router_w;         /* (E, d)  dtype; not GENERAL */
+    /* GENERAL routing: `pairs` triples sorted by token (ascending; ties in
+     * any order, each (token, expert) at most once). Not read otherwise. */
+    int64_t pairs;
+    const int32_t *pair_token;    /* (pairs) in [0, T) */
+    const int32_t *pair_expert;   /* (pairs) in [0, E) */
+    const float *pair_score;      /* (pairs) */
+    const void *w1;               /* (E, 2n, d) gated or (E, n, d)  dtype */
+    const void *b1;               /* (E, 2n) or (E, n)  dtype; if has_bias */
+    const void *w2;               /* (E, d, n)  dtype */
+    const void *b2;               /* (E, d)  dtype; if has_bias */
+    void *out;                    /* (T, d)  dtype, overwritten */
+    float *router_logits;         /* (T, E) fp32, optional output (NULL: none) */
+    int32_t *expert_counts;       /* (E) int32, optional: rows per expert */
+    int inference;                /* 1: nothing saved, `saved` may be NULL */
+} smoe_forward_args;
+
+SMOE_API smoe_status smoe_layer_forward(smoe_layer *layer, const smoe_forward_args *args,
+                                        void *saved, void *workspace, void *stream);
+
+/* ------------------------------------------------------------ backward */
+
+/* A gradient output. ptr NULL: not wanted (not computed). dtype: the layer's
+ * dtype or SMOE_DTYPE_F32 (fp32 main-grad). accumulate 0: overwritten;
+ * 1: added to what the buffer holds (accumulation in fp32). */
+typedef struct smoe_grad {
+    void *ptr;
+    smoe_dtype dtype;
+    int accumulate;
+} smoe_grad;
+
+typedef struct smoe_backward_args {
+    int64_t T;                   /* as in forward */
+    const void *x;               /* (T, d)  the forward's inputs, unchanged */
+    const void *router_w;        /* (E, d)  not GENERAL */
+    int64_t pairs;               /* GENERAL: as in forward */
+    const void *w1;              /* (E, 2n|n, d) */
+    const void *w2;              /* (E, d, n) */
+    const void *b2;              /* (E, d) if has_bias */
+    const void *dout;            /* (T, d)  dtype: gradient of the loss wrt out */
+    const float *dlogits_extra;  /* (T, E) fp32, optional: gradient of the
+                                    caller's own loss (an aux loss) wrt the
+                                    router_logits output; added to the router
+                                    gradient. Not GENERAL. */
+    smoe_grad dx;                /* (T, d) */
+    smoe_grad drouter_w;         /* (E, d)  not GENERAL */
+    smoe_grad dw1;               /* (E, 2n|n, d) */
+    smoe_grad db1;               /* (E, 2n|n)  if has_bias */
+    smoe_grad dw2;               /* (E, d, n) */
+    smoe_grad db2;               /* (E, d)  if has_bias */
+    smoe_grad dpair_score;       /* (pairs) fp32 only; GENERAL */
+} smoe_backward_args;
+
+/* `saved` is the block the training forward filled; it is only read. */
+SMOE_API smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *args,
+                                         const void *saved, void *workspace, void *stream);
+
+/* ------------------------------------------------------------ lower level */
+
+/* Routing alone, on the CPU, from fp32 logits (T, E): the same code the CPU
+ * backend uses, and the GPU tests' reference. For token-choice modes writes
+ * expert (T, K) and score (T, K), each token's experts in descending score
+ * (ties: lower expert first). Token rounding writes triples instead
+ * (sorted by token, then expert) into pair_* of capacity `cap` and their
+ * number into *pairs. */
+typedef struct smoe_routing_result {
+    int32_t *expert;      /* (T, K)  token choice */
+    float *score;         /* (T, K)  token choice */
+    int64_t cap;          /* token rounding: capacity of the pair arrays */
+    int32_t *pair_token;  /* (cap) */
+    int32_t *pair_expert; /* (cap) */
+    float *pair_score;    /* (cap) */
+    int64_t *pairs;       /* number written */
+} smoe_routing_result;
+
+SMOE_API smoe_status smoe_route_cpu(const smoe_layer_desc *desc, int64_t T,
+                                    const float *logits, smoe_routing_result *res);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SMOE_H */

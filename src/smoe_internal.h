@@ -1,0 +1,134 @@
+/*
+ * smoe_internal.h -- what the core (src/smoe.c) shares with the backends
+ * (src/cpu/, src/cuda/): the layer object, the error helpers, the layout of
+ * the saved-for-backward block, and the backend operations table.
+ *
+ * Division of labour: src/smoe.c validates every argument (sizes, pointers,
+ * flags, buffer sizes, host-visible GENERAL triples on the CPU) before a
+ * backend sees a call, so a backend may assume its arguments are well formed
+ * except where it alone can check them (device-resident data).
+ */
+#ifndef SMOE_INTERNAL_H
+#define SMOE_INTERNAL_H
+
+#include "smoe.h"
+
+#include <stdarg.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------ errors */
+
+/* Records a printf-style message as this thread's smoe_last_error() and
+ * returns `status`, so callers can `return smoe_fail(...)`. */
+smoe_status smoe_fail(smoe_status status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+void smoe_clear_error(void);
+
+#define SMOE_RETURN_ERROR_IF(cond, status, ...) \
+    do { if (cond) return smoe_fail((status), __VA_ARGS__); } while (0)
+#define SMOE_FORWARD_IF_ERROR(expr) \
+    do { smoe_status smoe_st_ = (expr); if (smoe_st_ != SMOE_SUCCESS) return smoe_st_; } while (0)
+
+/* ------------------------------------------------------------ layer */
+
+typedef struct smoe_backend_ops smoe_backend_ops;
+
+struct smoe_layer {
+    smoe_layer_desc desc;
+    int gated;            /* activation has a gate half */
+    int64_t h_cols;       /* columns of H (rows of W1 per expert): 2n or n */
+    smoe_backend backend; /* resolved, never AUTO */
+    const smoe_backend_ops *ops;
+    void *state;          /* backend private (cuBLAS handle, device props...) */
+    char path_name[96];
+};
+
+size_t smoe_dtype_size(smoe_dtype t);
+
+/* Rows the routing can produce for T tokens (and `pairs` GENERAL triples):
+ * T*K for token choice, pairs for GENERAL, and for token rounding up or to
+ * nearest min(T*E, T*K + E*(M-1)). Inference ignores rounding. */
+int64_t smoe_row_capacity(const smoe_layer *layer, int64_t T, int64_t pairs, int inference);
+
+/* Does the backward need the fp32 router logits (T, E) kept? True for
+ * SOFTMAX_TOPK and token rounding (the full softmax is differentiated). */
+int smoe_saves_logits(const smoe_layer *layer);
+
+/* ------------------------------------------------------------ saved block */
+
+/* The saved-for-backward block, identical on every backend. Each section
+ * starts at a multiple of SMOE_ALIGN bytes from the block's start.
+ * "Assignments" are the routed (token, expert) pairs in token-major order
+ * (token ascending, then the routing's order within a token): for token
+ * choice assignment t*K + k is the token's k-th choice. "Rows" are the same
+ * pairs sorted by expert, then by token: the GEMMs' row order.
+ *
+ *   h            (cap, h_cols) dtype   pre-activation W1 x + b1, per row
+ *   row_score    (cap) fp32            routing score of each row
+ *   row_token    (cap) int32           token of each row (gather index)
+ *   assign_row   (cap) int32           row of each assignment
+ *   assign_expert(cap) int32           expert of each assignment
+ *   token_offset (T+1) int32           assignments of token t are
+ *                                      [token_offset[t], token_offset[t+1])
+ *   expert_offset(E+1) int32           rows of expert e are
+ *                                      [expert_offset[e], expert_offset[e+1]);
+ *                                      expert_offset[E] is R
+ *   logits       (T, E) fp32           only if smoe_saves_logits()
+ * Entries past R (cap > R) are unspecified and never read.
+ */
+#define SMOE_ALIGN 256
+
+typedef struct smoe_saved_layout {
+    int64_t T, cap;
+    size_t h, row_score, row_token, assign_row, assign_expert;
+    size_t token_offset, expert_offset, logits; /* logits: 0 if absent */
+    size_t total;
+} smoe_saved_layout;
+
+void smoe_saved_layout_make(const smoe_layer *layer, int64_t T, int64_t cap,
+                            smoe_saved_layout *out);
+
+/* Typed views of a saved block (host or device addresses alike). */
+typedef struct smoe_saved_view {
+    void *h;
+    float *row_score;
+    int32_t *row_token, *assign_row, *assign_expert, *token_offset, *expert_offset;
+    float *logits; /* NULL if absent */
+} smoe_saved_view;
+
+smoe_saved_view smoe_saved_view_make(const smoe_saved_layout *l, void *base);
+
+/* ------------------------------------------------------------ backends */
+
+struct smoe_backend_ops {
+    /* Scratch for one forward or backward with T tokens and a row capacity
+     * of `cap`, the larger of the two. */
+    size_t (*workspace_bytes)(const smoe_layer *layer, int64_t T, int64_t cap);
+    smoe_status (*forward)(smoe_layer *layer, const smoe_forward_args *args,
+                           const smoe_saved_layout *saved_layout, void *saved,
+                           void *workspace, void *stream);
+    smoe_status (*backward)(smoe_layer *layer, const smoe_backward_args *args,
+                            const smoe_saved_layout *saved_layout, const void *saved,
+                            void *workspace, void *stream);
+    void (*destroy)(smoe_layer *layer); /* frees layer->state; may be NULL */
+};
+
+/* Each backend's constructor fills layer->ops, state and path_name. */
+smoe_status smoe_cpu_layer_init(smoe_layer *layer);
+#ifdef SMOE_WITH_CUDA
+/* Returns SMOE_ERROR_NO_DEVICE when no usable device (or, for SM90, no
+ * sm_90 device) is present, with a message. */
+smoe_status smoe_cuda_layer_init(smoe_layer *layer, int want_sm90);
+#endif
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SMOE_INTERNAL_H */
