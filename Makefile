@@ -35,10 +35,14 @@ CUDA_ARCH_SM90 ?= -gencode=arch=compute_90a,code=sm_90a
 NVCCFLAGS ?= -O3 -lineinfo
 NVCCFLAGS += -std=c++17 -Xcompiler -fPIC,-fvisibility=hidden -Iinclude -Isrc -DSMOE_WITH_CUDA \
              --expt-relaxed-constexpr
-CFLAGS   += -DSMOE_WITH_CUDA
+CFLAGS   += -DSMOE_WITH_CUDA -I$(CUDA_HOME)/include
 CU_SRC    := $(wildcard src/cuda/*.cu)
 CU90_SRC  := $(wildcard src/cuda/sm90/*_sm90.cu)
 CUDA_OBJ  := $(CU_SRC:%.cu=$(BUILD)/%.o) $(CU90_SRC:%.cu=$(BUILD)/%.o)
+ifneq ($(CU90_SRC),)
+NVCCFLAGS += -DSMOE_WITH_SM90
+CFLAGS    += -DSMOE_WITH_SM90
+endif
 LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++ -ldl
 endif
 
@@ -48,9 +52,13 @@ LIB_SO  := $(BUILD)/libsmoe.so
 
 TEST_SRC  := $(wildcard tests/test_*.c)
 TEST_BIN  := $(TEST_SRC:tests/%.c=$(BUILD)/tests/%)
+PROGS := $(BUILD)/smoe_run $(BUILD)/example
+# GPU tests and the benchmark need the CUDA runtime.
+ifeq ($(SMOE_CUDA),1)
 GPU_TEST_SRC := $(wildcard tests/gpu/test_*.c)
 GPU_TEST_BIN := $(GPU_TEST_SRC:tests/gpu/%.c=$(BUILD)/tests/gpu/%)
-PROGS := $(BUILD)/smoe_run $(BUILD)/example $(BUILD)/smoe_bench
+PROGS += $(if $(wildcard bench/bench.c),$(BUILD)/smoe_bench)
+endif
 
 .PHONY: all lib run test test-gpu sanitize bench clean print-version
 all: lib $(PROGS) $(TEST_BIN) $(GPU_TEST_BIN)

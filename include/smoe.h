@@ -232,6 +232,17 @@ typedef struct smoe_backward_args {
 SMOE_API smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *args,
                                          const void *saved, void *workspace, void *stream);
 
+/* CUDA backends: data that lives on the device and that the host cannot
+ * read without waiting (the GENERAL triples) is checked by the kernels. A bad
+ * triple (token or expert out of range, tokens not sorted) is skipped, never
+ * read out of bounds, and recorded in the workspace; the results of that
+ * call are then not to be used. This call waits for `stream` and returns the
+ * status recorded by the last forward that used `workspace`, with its
+ * message: the one smoe call that synchronises, for debugging and tests.
+ * CPU backend: host data is checked before any work; returns SMOE_SUCCESS. */
+SMOE_API smoe_status smoe_layer_check_device(smoe_layer *layer, const void *workspace,
+                                             void *stream);
+
 /* ------------------------------------------------------------ lower level */
 
 /* Routing alone, on the CPU, from fp32 logits (T, E): the same code the CPU

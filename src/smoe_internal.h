@@ -69,7 +69,10 @@ int smoe_saves_logits(const smoe_layer *layer);
  * choice assignment t*K + k is the token's k-th choice. "Rows" are the same
  * pairs sorted by expert, then by token: the GEMMs' row order.
  *
- *   h            (cap, h_cols) dtype   pre-activation W1 x + b1, per row
+ *   h            (cap, h_cols) dtype   pre-activation W1 x + b1, per row,
+ *                                      always in interleaved order (gate j
+ *                                      at column 2j, up j at 2j+1) whatever
+ *                                      W1's layout; non-gated: n columns
  *   row_score    (cap) fp32            routing score of each row
  *   row_token    (cap) int32           token of each row (gather index)
  *   assign_row   (cap) int32           row of each assignment

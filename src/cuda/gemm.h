@@ -1,0 +1,115 @@
+/*
+ * gemm.h -- the six grouped GEMMs of the MoE layer on the GPU (DESIGN.md
+ * section 6), as a table of launchers. Two implementations fill the table:
+ * the portable one (grouped_gemm.cu, mma.sync + cp.async, sm_80 and later)
+ * and the Hopper one (sm90/grouped_gemm_sm90.cu, TMA + wgmma, sm_90a).
+ * The layer (cuda_layer.cu) calls through the table; an entry the Hopper
+ * table leaves NULL runs the portable kernel, and the layer's path name says
+ * which kernels ran (no silent fallback).
+ *
+ * Conventions, for every launcher:
+ *  - bf16 storage, fp32 accumulation. All pointers are device pointers.
+ *  - Rows are sorted by expert: rows of expert e are
+ *    [expert_offset[e], expert_offset[e+1]), read on the device. The host
+ *    knows only `cap` >= R, the row capacity, and sizes grids for it (or runs
+ *    persistent grids); nothing waits for the device.
+ *  - H, dH, A, A' are row-major with cap rows. H and dH have h_cols columns
+ *    in interleaved order (gate j at 2j, up j at 2j+1) when gated, whatever
+ *    W1's layout: the W1 loaders map a logical row c of W1 to its physical
+ *    row (w1_row() below).
+ *  - Rows past R are neither read nor written.
+ *  - Launch errors are returned as SMOE_ERROR_BACKEND with a message.
+ *  - Deterministic: no atomics on floating-point values.
+ */
+#ifndef SMOE_CUDA_GEMM_H
+#define SMOE_CUDA_GEMM_H
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "smoe_internal.h"
+
+typedef __nv_bfloat16 bf16;
+
+typedef struct smoe_gemm_problem {
+    int64_t d, n;             /* hidden, intermediate */
+    int64_t h_cols;           /* 2n gated, n otherwise */
+    int64_t E;
+    int64_t cap;              /* row capacity (>= R) */
+    int gated;
+    smoe_activation act;
+    smoe_w1_layout w1_layout;
+    const int32_t *expert_offset; /* (E+1) */
+    const int32_t *row_token;     /* (cap) token of each row */
+    const float *row_score;       /* (cap) score of each row */
+    int num_sms;              /* of the device, for persistent grids */
+} smoe_gemm_problem;
+
+/* Physical W1 row of logical row c (interleaved order). */
+static inline __host__ __device__ int64_t smoe_w1_row(int64_t c, int64_t n, int gated,
+                                                      smoe_w1_layout layout)
+{
+    if (!gated || layout == SMOE_W1_INTERLEAVED) return c;
+    return (c & 1) ? n + (c >> 1) : (c >> 1);
+}
+
+typedef struct smoe_gemm_ops {
+    const char *name; /* e.g. "mma.sync" or "tma+wgmma" */
+
+    /* Scratch bytes the launchers below need (dS partial sums...). */
+    size_t (*scratch_bytes)(const smoe_gemm_problem *p);
+
+    /* 1. Up-projection: H[r] = X[row_token[r]] W1[e]^T + b1[e] (b1 may be
+     *    NULL); A[r] = act(H[r]) (n columns). h NULL: inference, H not
+     *    written. x (T, d), w1 (E, h_cols, d), b1 (E, h_cols), h (cap,
+     *    h_cols), a (cap, n). */
+    smoe_status (*up)(const smoe_gemm_problem *p, const bf16 *x, const bf16 *w1,
+                      const bf16 *b1, bf16 *h, bf16 *a, void *scratch, cudaStream_t s);
+
+    /* 2. Down-projection: Y[r] = A[r] W2[e]^T + b2[e] (b2 may be NULL).
+     *    a (cap, n), w2 (E, d, n), b2 (E, d), y (cap, d). */
+    smoe_status (*down)(const smoe_gemm_problem *p, const bf16 *a, const bf16 *w2,
+                        const bf16 *b2, bf16 *y, void *scratch, cudaStream_t s);
+
+    /* 3. dH: dA'[r] = dO[row_token[r]] W2[e] (n columns), then per row with
+     *    A = act(H[r]) recomputed and s = row_score[r]:
+     *      ds[r]       = <dA'[r], A> (+ <dO[token], b2[e]> if b2 != NULL),
+     *                    partial sums over N tiles reduced in a fixed order;
+     *      a_scaled[r] = s * A                     (cap, n), for dW2
+     *      dh[r]       = s * dact(H[r], dA'[r])    (cap, h_cols)
+     *    dout (T, d), w2 (E, d, n), h (cap, h_cols), ds (cap) fp32. */
+    smoe_status (*dh)(const smoe_gemm_problem *p, const bf16 *dout, const bf16 *w2,
+                      const bf16 *b2, const bf16 *h, bf16 *dh, bf16 *a_scaled,
+                      float *ds, void *scratch, cudaStream_t s);
+
+    /* 4. dW2[e] (d, n) = sum over rows r of e of dO[row_token[r]]^T a_scaled[r].
+     *    out_dtype BF16 or F32; accumulate 0 overwrites, 1 adds (in fp32).
+     *    Experts with no rows: zeros (overwrite) or untouched (accumulate). */
+    smoe_status (*dw2)(const smoe_gemm_problem *p, const bf16 *dout, const bf16 *a_scaled,
+                       void *dw2, smoe_dtype out_dtype, int accumulate, void *scratch,
+                       cudaStream_t s);
+
+    /* 5. dX~[r] = dH[r] W1[e] (d columns; W1 rows mapped by smoe_w1_row).
+     *    dh (cap, h_cols), w1 (E, h_cols, d), dxt (cap, d). */
+    smoe_status (*dxt)(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *w1,
+                       bf16 *dxt, void *scratch, cudaStream_t s);
+
+    /* 6. dW1[e] (h_cols, d) = sum over rows r of e of dH[r]^T X[row_token[r]],
+     *    logical row c written to physical row smoe_w1_row(c). Same output
+     *    rules as dw2. */
+    smoe_status (*dw1)(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *x,
+                       void *dw1, smoe_dtype out_dtype, int accumulate, void *scratch,
+                       cudaStream_t s);
+} smoe_gemm_ops;
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+extern const smoe_gemm_ops smoe_gemm_ops_sm80; /* grouped_gemm.cu */
+extern const smoe_gemm_ops smoe_gemm_ops_sm90; /* sm90/grouped_gemm_sm90.cu; NULL entries
+                                                  run the portable kernel */
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SMOE_CUDA_GEMM_H */
