@@ -84,6 +84,9 @@ int smoe_saves_logits(const smoe_layer *layer);
  *                                      expert_offset[E] is R
  *   logits       (T, E) fp32           only if smoe_saves_logits()
  * Entries past R (cap > R) are unspecified and never read.
+ * F64 layers (CPU only): row_score and logits hold double instead of fp32,
+ * so the fp64 reference keeps its router exact (the view's float pointers
+ * then point at doubles).
  */
 #define SMOE_ALIGN 256
 
@@ -120,6 +123,10 @@ struct smoe_backend_ops {
                             const smoe_saved_layout *saved_layout, const void *saved,
                             void *workspace, void *stream);
     void (*destroy)(smoe_layer *layer); /* frees layer->state; may be NULL */
+    /* smoe_layer_check_device(): wait for `stream`, return the status the
+     * last forward recorded in `workspace` (with smoe_fail's message). NULL:
+     * the backend checks everything on the host and the call succeeds. */
+    smoe_status (*check_device)(smoe_layer *layer, const void *workspace, void *stream);
 };
 
 /* Each backend's constructor fills layer->ops, state and path_name. */
