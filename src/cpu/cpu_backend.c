@@ -1,0 +1,698 @@
+/*
+ * cpu_backend.c -- the CPU backend: plain C11 with OpenMP, the reference
+ * (oracle) of every GPU test. DESIGN.md sections 2-5, computed the simple
+ * way, row by row.
+ *
+ * Numerics. Every sum runs in double, in a fixed order, so the results are
+ * deterministic whatever the thread count (each output element is summed by
+ * one thread, over rows in ascending order). Every intermediate the GPU
+ * stores in the layer's dtype is rounded to it here too: H (saved), and the
+ * transient A, Y, A' = s*A, dH, dX~. Intermediates the GPU keeps in fp32
+ * (router logits, scores, dS, dlogits) are rounded to fp32. dA' is the fp32
+ * accumulator of the GPU's dH epilogue and is not stored, so it is not
+ * rounded. A BF16 layer is therefore the "bf16-rounding reference" and an
+ * F64 layer (nothing rounded; scores and logits double in the saved block)
+ * the exact fp64 reference.
+ *
+ * Memory: the saved block holds H and O(R) + O(T*E) metadata only; Y, A,
+ * dX~ and the converted inputs live in the workspace.
+ */
+#include "smoe_internal.h"
+#include "routing.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+/* ------------------------------------------------------------ dtypes */
+
+static inline double bf16_bits_to_double(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return (double)f;
+}
+
+/* fp32 -> bf16, round to nearest even; NaN stays NaN. */
+static inline uint16_t float_to_bf16_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline double load(const void *p, smoe_dtype t, int64_t i)
+{
+    switch (t) {
+    case SMOE_DTYPE_F32: return (double)((const float *)p)[i];
+    case SMOE_DTYPE_BF16: return bf16_bits_to_double(((const uint16_t *)p)[i]);
+    default: return ((const double *)p)[i];
+    }
+}
+
+/* Double to storage: through fp32 for BF16, as a fp32 accumulator would. */
+static inline void store(void *p, smoe_dtype t, int64_t i, double v)
+{
+    switch (t) {
+    case SMOE_DTYPE_F32: ((float *)p)[i] = (float)v; break;
+    case SMOE_DTYPE_BF16: ((uint16_t *)p)[i] = float_to_bf16_bits((float)v); break;
+    default: ((double *)p)[i] = v; break;
+    }
+}
+
+static inline double round_to(smoe_dtype t, double v)
+{
+    switch (t) {
+    case SMOE_DTYPE_F32: return (double)(float)v;
+    case SMOE_DTYPE_BF16: return bf16_bits_to_double(float_to_bf16_bits((float)v));
+    default: return v;
+    }
+}
+
+/* fp32 intermediates (logits, scores, dS, dlogits): kept double in F64. */
+static inline double round_f32(const smoe_layer *layer, double v)
+{
+    return layer->desc.dtype == SMOE_DTYPE_F64 ? v : (double)(float)v;
+}
+
+/* Writes one gradient element: overwrite, or add to what the buffer holds. */
+static inline void grad_put(const smoe_grad *g, int64_t i, double v)
+{
+    if (g->accumulate) v += load(g->ptr, g->dtype, i);
+    store(g->ptr, g->dtype, i, v);
+}
+
+/* Scores and logits in the saved block: fp32, double for F64 layers. */
+static inline double saved_f(const smoe_layer *layer, const float *p, int64_t i)
+{
+    return layer->desc.dtype == SMOE_DTYPE_F64 ? ((const double *)(const void *)p)[i]
+                                               : (double)p[i];
+}
+
+static inline void saved_f_put(const smoe_layer *layer, float *p, int64_t i, double v)
+{
+    if (layer->desc.dtype == SMOE_DTYPE_F64)
+        ((double *)(void *)p)[i] = v;
+    else
+        p[i] = (float)v;
+}
+
+/* ------------------------------------------------------------ activations */
+
+static const double GELU_C = 0.7978845608028654; /* sqrt(2/pi) */
+
+static inline double act_f(smoe_activation a, double x)
+{
+    switch (a) {
+    case SMOE_ACT_SWIGLU:
+    case SMOE_ACT_SILU: return x / (1.0 + exp(-x));
+    case SMOE_ACT_GEGLU:
+    case SMOE_ACT_GELU: return 0.5 * x * (1.0 + tanh(GELU_C * (x + 0.044715 * x * x * x)));
+    case SMOE_ACT_REGLU:
+    case SMOE_ACT_RELU: return x > 0.0 ? x : 0.0;
+    case SMOE_ACT_RELU2: return x > 0.0 ? x * x : 0.0;
+    }
+    return 0.0;
+}
+
+static inline double act_df(smoe_activation a, double x)
+{
+    switch (a) {
+    case SMOE_ACT_SWIGLU:
+    case SMOE_ACT_SILU: {
+        double sg = 1.0 / (1.0 + exp(-x));
+        return sg * (1.0 + x * (1.0 - sg));
+    }
+    case SMOE_ACT_GEGLU:
+    case SMOE_ACT_GELU: {
+        double th = tanh(GELU_C * (x + 0.044715 * x * x * x));
+        return 0.5 * (1.0 + th) +
+               0.5 * x * (1.0 - th * th) * GELU_C * (1.0 + 3.0 * 0.044715 * x * x);
+    }
+    case SMOE_ACT_REGLU:
+    case SMOE_ACT_RELU: return x > 0.0 ? 1.0 : 0.0;
+    case SMOE_ACT_RELU2: return x > 0.0 ? 2.0 * x : 0.0;
+    }
+    return 0.0;
+}
+
+/* Physical W1 row (and b1 column) of logical, interleaved-order row c. */
+static inline int64_t w1_row(const smoe_layer *layer, int64_t c)
+{
+    if (!layer->gated || layer->desc.w1_layout == SMOE_W1_INTERLEAVED) return c;
+    return (c & 1) ? layer->desc.n + (c >> 1) : (c >> 1);
+}
+
+static inline double dot(const double *a, const double *b, int64_t len)
+{
+    double s = 0.0;
+    for (int64_t i = 0; i < len; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* ------------------------------------------------------------ workspace */
+
+typedef struct cpu_ws {
+    double *xd;       /* (T, d) x in double */
+    double *wr;       /* (E, d) router weight in double (not GENERAL) */
+    double *wbuf;     /* one expert's W1 (h_cols, d) or W2 (d, n) / W2^T (n, d) */
+    double *gbuf;     /* one expert's weight gradient, same size */
+    /* forward */
+    void *meta;       /* saved-shaped block used when nothing is saved (inference) */
+    float *logits32;  /* (T, E) */
+    double *logits64; /* (T, E) */
+    void *route;      /* routing scratch */
+    double *ascore;   /* (cap) assignment scores */
+    double *a;        /* (cap, n) A */
+    double *y;        /* (cap, d) Y */
+    /* backward */
+    double *dod;      /* (T, d) dO in double */
+    double *ds;       /* (cap) dS */
+    double *ap;       /* (cap, n) A' = s*A */
+    double *dh;       /* (cap, h_cols) dH */
+    double *dxt;      /* (cap, d) dX~ */
+    double *dxd;      /* (T, d) dX */
+    double *dl;       /* (T, E) dlogits */
+    double *rp;       /* (3E) router backward per token: p, dp, logits */
+    int32_t *ridx;    /* (K) */
+    float *rl32;      /* (E) */
+    size_t total;
+} cpu_ws;
+
+typedef struct ws_bump {
+    char *base;
+    size_t off;
+} ws_bump;
+
+static void *ws_take(ws_bump *b, size_t bytes)
+{
+    size_t off = b->off;
+    b->off = (off + bytes + 255) / 256 * 256;
+    return b->base ? b->base + off : NULL;
+}
+
+/* The workspace plan of a forward (backward = 0) or a backward; with base
+ * NULL only the size. */
+static void ws_plan(const smoe_layer *layer, int64_t T, int64_t cap, int backward, void *base,
+                    cpu_ws *w)
+{
+    const smoe_layer_desc *D = &layer->desc;
+    const size_t d = (size_t)D->d, n = (size_t)D->n, E = (size_t)D->E, t = (size_t)T;
+    const size_t hc = (size_t)layer->h_cols, c = (size_t)cap;
+    const int general = D->routing == SMOE_ROUTING_GENERAL;
+    size_t wsz = hc * d > d * n ? hc * d : d * n;
+    ws_bump b = {(char *)base, 0};
+    memset(w, 0, sizeof *w);
+    w->xd = (double *)ws_take(&b, t * d * 8);
+    w->wr = general ? NULL : (double *)ws_take(&b, E * d * 8);
+    w->wbuf = (double *)ws_take(&b, wsz * 8);
+    if (!backward) {
+        smoe_saved_layout l;
+        smoe_saved_layout_make(layer, T, cap, &l);
+        w->meta = ws_take(&b, l.total);
+        if (!general) {
+            size_t r0 = smoe_route_scratch_bytes(D, T, 0), r1 = smoe_route_scratch_bytes(D, T, 1);
+            w->logits32 = (float *)ws_take(&b, t * E * 4);
+            w->logits64 = (double *)ws_take(&b, t * E * 8);
+            w->route = ws_take(&b, r0 > r1 ? r0 : r1);
+        }
+        w->ascore = (double *)ws_take(&b, c * 8);
+        w->a = (double *)ws_take(&b, c * n * 8);
+        w->y = (double *)ws_take(&b, c * d * 8);
+    } else {
+        w->gbuf = (double *)ws_take(&b, wsz * 8);
+        w->dod = (double *)ws_take(&b, t * d * 8);
+        w->ds = (double *)ws_take(&b, c * 8);
+        w->ap = (double *)ws_take(&b, c * n * 8);
+        w->dh = (double *)ws_take(&b, c * hc * 8);
+        w->dxt = (double *)ws_take(&b, c * d * 8);
+        w->dxd = (double *)ws_take(&b, t * d * 8);
+        if (!general) {
+            w->dl = (double *)ws_take(&b, t * E * 8);
+            w->rp = (double *)ws_take(&b, 3 * E * 8);
+            w->ridx = (int32_t *)ws_take(&b, (size_t)D->K * 4);
+            w->rl32 = (float *)ws_take(&b, E * 4);
+        }
+    }
+    w->total = b.off;
+}
+
+static size_t cpu_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t cap)
+{
+    cpu_ws f, b;
+    ws_plan(layer, T, cap, 0, NULL, &f);
+    ws_plan(layer, T, cap, 1, NULL, &b);
+    return f.total > b.total ? f.total : b.total;
+}
+
+/* Converts rows [0, rows) of `cols` elements into double. */
+static void to_double(const void *src, smoe_dtype t, int64_t offset, int64_t count, double *dst)
+{
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < count; i++) dst[i] = load(src, t, offset + i);
+}
+
+/* Expert e's W1 (h_cols, d) into wbuf in logical (interleaved) row order. */
+static void load_w1(const smoe_layer *layer, const void *w1, int64_t e, double *dst)
+{
+    const int64_t hc = layer->h_cols, d = layer->desc.d;
+    const smoe_dtype t = layer->desc.dtype;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < hc; c++) {
+        int64_t src = (e * hc + w1_row(layer, c)) * d;
+        for (int64_t i = 0; i < d; i++) dst[c * d + i] = load(w1, t, src + i);
+    }
+}
+
+/* ------------------------------------------------------------ forward */
+
+/* Metadata from token-major assignments (token_offset, assign_expert and
+ * scores already in place): counts, expert offsets, rows sorted by expert
+ * then token, each row's token and score, each assignment's row. */
+static void build_metadata(const smoe_layer *layer, int64_t T, const double *ascore,
+                           const smoe_saved_view *v, int32_t *counts_out)
+{
+    const int64_t E = layer->desc.E;
+    const int32_t R = v->token_offset[T];
+    int32_t *off = v->expert_offset;
+    /* off[e+1] counts expert e, then becomes e's start, then (as the fill
+     * cursor) e's end, which is expert_offset[e+1]. */
+    for (int64_t e = 0; e <= E; e++) off[e] = 0;
+    for (int32_t a = 0; a < R; a++) off[v->assign_expert[a] + 1]++;
+    int32_t running = 0;
+    for (int64_t e = 0; e < E; e++) {
+        int32_t c = off[e + 1];
+        if (counts_out) counts_out[e] = c;
+        off[e + 1] = running;
+        running += c;
+    }
+    /* Assignments are token-major, so each expert's rows come out by token. */
+    for (int64_t t = 0; t < T; t++)
+        for (int32_t a = v->token_offset[t]; a < v->token_offset[t + 1]; a++) {
+            int32_t r = off[v->assign_expert[a] + 1]++;
+            v->row_token[r] = (int32_t)t;
+            saved_f_put(layer, v->row_score, r, round_f32(layer, ascore[a]));
+            v->assign_row[a] = r;
+        }
+}
+
+static smoe_status cpu_forward(smoe_layer *layer, const smoe_forward_args *args,
+                               const smoe_saved_layout *L, void *saved, void *workspace,
+                               void *stream)
+{
+    (void)stream;
+    const smoe_layer_desc *D = &layer->desc;
+    const smoe_dtype dt = D->dtype;
+    const int64_t T = args->T, d = D->d, n = D->n, E = D->E, hc = layer->h_cols;
+    const int general = D->routing == SMOE_ROUTING_GENERAL;
+    const int gated = layer->gated;
+    cpu_ws w;
+    ws_plan(layer, T, L->cap, 0, workspace, &w);
+    smoe_saved_view v = smoe_saved_view_make(L, saved ? saved : w.meta);
+
+    to_double(args->x, dt, 0, T * d, w.xd);
+
+    /* 1. router and routing */
+    if (!general) {
+        to_double(args->router_w, dt, 0, E * d, w.wr);
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t e = 0; e < E; e++) {
+                double l = dot(w.xd + t * d, w.wr + e * d, d);
+                w.logits64[t * E + e] = l;
+                w.logits32[t * E + e] = (float)l;
+            }
+        smoe_assignments as;
+        as.token_offset = v.token_offset;
+        as.expert = v.assign_expert;
+        as.score = w.ascore;
+        as.cap = L->cap;
+        as.R = 0;
+        SMOE_FORWARD_IF_ERROR(smoe_route_assign(D, T, !args->inference, w.logits32,
+                                                dt == SMOE_DTYPE_F64 ? w.logits64 : NULL,
+                                                w.route, &as));
+    } else {
+        for (int64_t t = 0; t <= T; t++) v.token_offset[t] = 0;
+        for (int64_t a = 0; a < args->pairs; a++) {
+            v.token_offset[args->pair_token[a] + 1]++;
+            v.assign_expert[a] = args->pair_expert[a];
+            w.ascore[a] = (double)args->pair_score[a];
+        }
+        for (int64_t t = 0; t < T; t++) v.token_offset[t + 1] += v.token_offset[t];
+    }
+
+    /* 2. metadata */
+    build_metadata(layer, T, w.ascore, &v, args->expert_counts);
+    const int32_t *off = v.expert_offset;
+
+    /* 3. up-projection: H (saved, dtype) and A (rounded to dtype) */
+    for (int64_t e = 0; e < E; e++) {
+        if (off[e] == off[e + 1]) continue;
+        load_w1(layer, args->w1, e, w.wbuf);
+#pragma omp parallel for schedule(static)
+        for (int64_t r = off[e]; r < off[e + 1]; r++) {
+            const double *x = w.xd + (int64_t)v.row_token[r] * d;
+            if (gated) {
+                for (int64_t j = 0; j < n; j++) {
+                    double g = dot(w.wbuf + (2 * j) * d, x, d);
+                    double u = dot(w.wbuf + (2 * j + 1) * d, x, d);
+                    if (D->has_bias) {
+                        g += load(args->b1, dt, e * hc + w1_row(layer, 2 * j));
+                        u += load(args->b1, dt, e * hc + w1_row(layer, 2 * j + 1));
+                    }
+                    store(v.h, dt, r * hc + 2 * j, g);
+                    store(v.h, dt, r * hc + 2 * j + 1, u);
+                    w.a[r * n + j] = round_to(dt, act_f(D->activation, g) * u);
+                }
+            } else {
+                for (int64_t j = 0; j < n; j++) {
+                    double h = dot(w.wbuf + j * d, x, d);
+                    if (D->has_bias) h += load(args->b1, dt, e * hc + j);
+                    store(v.h, dt, r * hc + j, h);
+                    w.a[r * n + j] = round_to(dt, act_f(D->activation, h));
+                }
+            }
+        }
+    }
+
+    /* 4. down-projection: Y = A W2^T + b2 (rounded to dtype) */
+    for (int64_t e = 0; e < E; e++) {
+        if (off[e] == off[e + 1]) continue;
+        to_double(args->w2, dt, e * d * n, d * n, w.wbuf);
+#pragma omp parallel for schedule(static)
+        for (int64_t r = off[e]; r < off[e + 1]; r++)
+            for (int64_t i = 0; i < d; i++) {
+                double y = dot(w.wbuf + i * n, w.a + r * n, n);
+                if (D->has_bias) y += load(args->b2, dt, e * d + i);
+                w.y[r * d + i] = round_to(dt, y);
+            }
+    }
+
+    /* 5. aggregation: o_t = sum over the token's assignments of s * Y[row] */
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < d; i++) {
+            double o = 0.0;
+            for (int32_t a = v.token_offset[t]; a < v.token_offset[t + 1]; a++) {
+                int32_t r = v.assign_row[a];
+                o += saved_f(layer, v.row_score, r) * w.y[(int64_t)r * d + i];
+            }
+            store(args->out, dt, t * d + i, o);
+        }
+
+    /* optional outputs and the saved logits */
+    if (!general && args->router_logits)
+        memcpy(args->router_logits, w.logits32, (size_t)(T * E) * sizeof(float));
+    if (!general && saved && v.logits) {
+        for (int64_t i = 0; i < T * E; i++)
+            saved_f_put(layer, v.logits, i, dt == SMOE_DTYPE_F64 ? w.logits64[i]
+                                                                 : (double)w.logits32[i]);
+    }
+    return SMOE_SUCCESS;
+}
+
+/* ------------------------------------------------------------ backward */
+
+/* The saved block must be one a training forward with this T filled. */
+static smoe_status check_saved(const smoe_layer *layer, const smoe_saved_view *v, int64_t T,
+                               int64_t cap)
+{
+    const int64_t E = layer->desc.E;
+    const int32_t R = v->expert_offset[E];
+    int ok = v->expert_offset[0] == 0 && v->token_offset[0] == 0 && R >= 0 && R <= cap &&
+             v->token_offset[T] == R;
+    for (int64_t e = 0; ok && e < E; e++) ok = v->expert_offset[e] <= v->expert_offset[e + 1];
+    for (int64_t t = 0; ok && t < T; t++) ok = v->token_offset[t] <= v->token_offset[t + 1];
+    for (int32_t r = 0; ok && r < R; r++) ok = v->row_token[r] >= 0 && v->row_token[r] < T;
+    for (int32_t a = 0; ok && a < R; a++)
+        ok = v->assign_row[a] >= 0 && v->assign_row[a] < R && v->assign_expert[a] >= 0 &&
+             v->assign_expert[a] < E;
+    SMOE_RETURN_ERROR_IF(!ok, SMOE_ERROR_INVALID_VALUE,
+                         "smoe_layer_backward: the saved block was not filled by a training "
+                         "forward with T = %lld (rows %d, capacity %lld)",
+                         (long long)T, (int)R, (long long)cap);
+    return SMOE_SUCCESS;
+}
+
+/* Router backward for one token: dlogits (E) from the dS of its
+ * assignments, through the routing mode's softmax. */
+static void router_grad_token(const smoe_layer *layer, int64_t t, const smoe_saved_view *v,
+                              const double *ds, const cpu_ws *w, double *dl)
+{
+    const smoe_layer_desc *D = &layer->desc;
+    const int64_t E = D->E, K = D->K;
+    const int32_t a0 = v->token_offset[t], a1 = v->token_offset[t + 1];
+    for (int64_t e = 0; e < E; e++) dl[e] = 0.0;
+    if (D->routing == SMOE_ROUTING_TOPK_SOFTMAX && D->rounding == SMOE_ROUND_OFF) {
+        /* s = softmax over the K selected: ds_k -> s_k (dS_k - sum_j s_j dS_j) */
+        double sum = 0.0;
+        for (int32_t a = a0; a < a1; a++) {
+            int32_t r = v->assign_row[a];
+            sum += saved_f(layer, v->row_score, r) * ds[r];
+        }
+        for (int32_t a = a0; a < a1; a++) {
+            int32_t r = v->assign_row[a];
+            dl[v->assign_expert[a]] = saved_f(layer, v->row_score, r) * (ds[r] - sum);
+        }
+        return;
+    }
+    /* Through the full softmax p over E (saved logits). Scores are p_e or
+     * p_e / Z, Z = sum of p over the token's K token-choice experts. Token
+     * rounding: kept token-choice pairs p_e / Z (Z over all K, also those
+     * rounding dropped), pairs rounding added p_e. SOFTMAX_TOPK: p_e / Z if
+     * renormalised, else p_e. */
+    double *p = w->rp, *dp = w->rp + E, *l64 = w->rp + 2 * E;
+    for (int64_t e = 0; e < E; e++) {
+        l64[e] = saved_f(layer, v->logits, t * E + e);
+        w->rl32[e] = (float)l64[e];
+    }
+    smoe_softmax_probs(w->rl32, l64, E, p);
+    smoe_topk_select(w->rl32, E, K, w->ridx);
+    double z = 0.0;
+    for (int64_t k = 0; k < K; k++) z += p[w->ridx[k]];
+    for (int64_t e = 0; e < E; e++) dp[e] = 0.0;
+    const int rounding = D->rounding != SMOE_ROUND_OFF;
+    for (int32_t a = a0; a < a1; a++) {
+        int32_t e = v->assign_expert[a];
+        double g = ds[v->assign_row[a]];
+        int normalised;
+        if (rounding) {
+            normalised = 0;
+            for (int64_t k = 0; k < K; k++) normalised |= w->ridx[k] == e;
+        } else {
+            normalised = D->renormalize;
+        }
+        if (normalised) {
+            /* s = p_e / Z: ds/dp_j = [j == e] / Z - p_e / Z^2 [j in top-K] */
+            dp[e] += g / z;
+            for (int64_t k = 0; k < K; k++) dp[w->ridx[k]] -= g * p[e] / (z * z);
+        } else {
+            dp[e] += g;
+        }
+    }
+    double pdp = 0.0;
+    for (int64_t e = 0; e < E; e++) pdp += p[e] * dp[e];
+    for (int64_t e = 0; e < E; e++) dl[e] = p[e] * (dp[e] - pdp);
+}
+
+static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *args,
+                                const smoe_saved_layout *L, const void *saved, void *workspace,
+                                void *stream)
+{
+    (void)stream;
+    const smoe_layer_desc *D = &layer->desc;
+    const smoe_dtype dt = D->dtype;
+    const smoe_activation act = D->activation;
+    const int64_t T = args->T, d = D->d, n = D->n, E = D->E, hc = layer->h_cols;
+    const int general = D->routing == SMOE_ROUTING_GENERAL;
+    const int gated = layer->gated;
+    cpu_ws w;
+    ws_plan(layer, T, L->cap, 1, workspace, &w);
+    smoe_saved_view v = smoe_saved_view_make(L, (void *)(uintptr_t)saved);
+    SMOE_FORWARD_IF_ERROR(check_saved(layer, &v, T, L->cap));
+    const int32_t *off = v.expert_offset;
+    const int32_t R = off[E];
+
+    to_double(args->x, dt, 0, T * d, w.xd);
+    to_double(args->dout, dt, 0, T * d, w.dod);
+
+    /* 1. dA' = dO[token] W2[e]; dS, A' = s*A, dH = s * dact(H, dA') */
+    for (int64_t e = 0; e < E; e++) {
+        if (off[e] == off[e + 1]) continue;
+        /* W2[e]^T (n, d) so that each dA'_j is a contiguous dot product */
+#pragma omp parallel for schedule(static)
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t i = 0; i < d; i++)
+                w.wbuf[j * d + i] = load(args->w2, dt, (e * d + i) * n + j);
+#pragma omp parallel for schedule(static)
+        for (int64_t r = off[e]; r < off[e + 1]; r++) {
+            const double *g = w.dod + (int64_t)v.row_token[r] * d;
+            const double s = saved_f(layer, v.row_score, r);
+            double dsr = 0.0;
+            for (int64_t j = 0; j < n; j++) {
+                double dap = round_f32(layer, dot(w.wbuf + j * d, g, d));
+                double a;
+                if (gated) {
+                    double hg = load(v.h, dt, r * hc + 2 * j);
+                    double hu = load(v.h, dt, r * hc + 2 * j + 1);
+                    double fg = act_f(act, hg);
+                    a = fg * hu;
+                    w.dh[r * hc + 2 * j] = round_to(dt, s * dap * act_df(act, hg) * hu);
+                    w.dh[r * hc + 2 * j + 1] = round_to(dt, s * dap * fg);
+                } else {
+                    double h = load(v.h, dt, r * hc + j);
+                    a = act_f(act, h);
+                    w.dh[r * hc + j] = round_to(dt, s * dap * act_df(act, h));
+                }
+                dsr += dap * a;
+                w.ap[r * n + j] = round_to(dt, s * a);
+            }
+            if (D->has_bias)
+                for (int64_t i = 0; i < d; i++) dsr += g[i] * load(args->b2, dt, e * d + i);
+            w.ds[r] = round_f32(layer, dsr);
+        }
+    }
+
+    /* 2. dW2[e] = sum over rows of dO[token]^T A'; db2[e] = sum of s * dO */
+    if (args->dw2.ptr || args->db2.ptr) {
+        for (int64_t e = 0; e < E; e++) {
+            const int32_t r0 = off[e], r1 = off[e + 1];
+            if (r0 == r1) {
+                /* no rows: zeros when overwriting, untouched when accumulating */
+                if (args->dw2.ptr && !args->dw2.accumulate)
+                    for (int64_t i = 0; i < d * n; i++) store(args->dw2.ptr, args->dw2.dtype, e * d * n + i, 0.0);
+                if (args->db2.ptr && !args->db2.accumulate)
+                    for (int64_t i = 0; i < d; i++) store(args->db2.ptr, args->db2.dtype, e * d + i, 0.0);
+                continue;
+            }
+#pragma omp parallel for schedule(static)
+            for (int64_t i = 0; i < d; i++) {
+                double *acc = w.gbuf + i * n;
+                double b = 0.0;
+                for (int64_t j = 0; j < n; j++) acc[j] = 0.0;
+                for (int32_t r = r0; r < r1; r++) {
+                    double g = w.dod[(int64_t)v.row_token[r] * d + i];
+                    const double *ap = w.ap + (int64_t)r * n;
+                    for (int64_t j = 0; j < n; j++) acc[j] += g * ap[j];
+                    b += saved_f(layer, v.row_score, r) * g;
+                }
+                if (args->dw2.ptr)
+                    for (int64_t j = 0; j < n; j++) grad_put(&args->dw2, (e * d + i) * n + j, acc[j]);
+                if (args->db2.ptr) grad_put(&args->db2, e * d + i, b);
+            }
+        }
+    }
+
+    /* 3-4. dX~ = dH W1[e]; dW1[e] = sum over rows of dH^T X[token]; db1 */
+    for (int64_t e = 0; e < E; e++) {
+        const int32_t r0 = off[e], r1 = off[e + 1];
+        if (r0 == r1) {
+            if (args->dw1.ptr && !args->dw1.accumulate)
+                for (int64_t i = 0; i < hc * d; i++) store(args->dw1.ptr, args->dw1.dtype, e * hc * d + i, 0.0);
+            if (args->db1.ptr && !args->db1.accumulate)
+                for (int64_t c = 0; c < hc; c++) store(args->db1.ptr, args->db1.dtype, e * hc + c, 0.0);
+            continue;
+        }
+        load_w1(layer, args->w1, e, w.wbuf);
+#pragma omp parallel for schedule(static)
+        for (int64_t r = r0; r < r1; r++) {
+            double *o = w.dxt + r * d;
+            for (int64_t i = 0; i < d; i++) o[i] = 0.0;
+            for (int64_t c = 0; c < hc; c++) {
+                double g = w.dh[r * hc + c];
+                const double *wc = w.wbuf + c * d;
+                for (int64_t i = 0; i < d; i++) o[i] += g * wc[i];
+            }
+            for (int64_t i = 0; i < d; i++) o[i] = round_to(dt, o[i]);
+        }
+        if (args->dw1.ptr || args->db1.ptr) {
+#pragma omp parallel for schedule(static)
+            for (int64_t c = 0; c < hc; c++) {
+                double *acc = w.gbuf + c * d;
+                double b = 0.0;
+                for (int64_t i = 0; i < d; i++) acc[i] = 0.0;
+                for (int32_t r = r0; r < r1; r++) {
+                    double g = w.dh[(int64_t)r * hc + c];
+                    const double *x = w.xd + (int64_t)v.row_token[r] * d;
+                    for (int64_t i = 0; i < d; i++) acc[i] += g * x[i];
+                    b += g;
+                }
+                int64_t pc = w1_row(layer, c);
+                if (args->dw1.ptr)
+                    for (int64_t i = 0; i < d; i++) grad_put(&args->dw1, (e * hc + pc) * d + i, acc[i]);
+                if (args->db1.ptr) grad_put(&args->db1, e * hc + pc, b);
+            }
+        }
+    }
+
+    /* 5. dX = sum over the token's assignments of dX~[row] */
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < d; i++) {
+            double s = 0.0;
+            for (int32_t a = v.token_offset[t]; a < v.token_offset[t + 1]; a++)
+                s += w.dxt[(int64_t)v.assign_row[a] * d + i];
+            w.dxd[t * d + i] = s;
+        }
+
+    /* 6. router: dlogits, dWr = dlogits^T X, dX += dlogits Wr */
+    if (!general) {
+        for (int64_t t = 0; t < T; t++) {
+            double *dl = w.dl + t * E;
+            router_grad_token(layer, t, &v, w.ds, &w, dl);
+            for (int64_t e = 0; e < E; e++) {
+                if (args->dlogits_extra) dl[e] += (double)args->dlogits_extra[t * E + e];
+                dl[e] = round_f32(layer, dl[e]);
+            }
+        }
+        if (args->drouter_w.ptr) {
+#pragma omp parallel for schedule(static)
+            for (int64_t e = 0; e < E; e++)
+                for (int64_t i = 0; i < d; i++) {
+                    double s = 0.0;
+                    for (int64_t t = 0; t < T; t++) s += w.dl[t * E + e] * w.xd[t * d + i];
+                    grad_put(&args->drouter_w, e * d + i, s);
+                }
+        }
+        if (args->dx.ptr) {
+            to_double(args->router_w, dt, 0, E * d, w.wr);
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t e = 0; e < E; e++) {
+                    double g = w.dl[t * E + e];
+                    if (g == 0.0) continue;
+                    for (int64_t i = 0; i < d; i++) w.dxd[t * d + i] += g * w.wr[e * d + i];
+                }
+        }
+    } else if (args->dpair_score.ptr) {
+        for (int64_t a = 0; a < R; a++) grad_put(&args->dpair_score, a, w.ds[v.assign_row[a]]);
+    }
+    if (args->dx.ptr)
+        for (int64_t i = 0; i < T * d; i++) grad_put(&args->dx, i, w.dxd[i]);
+    return SMOE_SUCCESS;
+}
+
+/* ------------------------------------------------------------ init */
+
+static const smoe_backend_ops cpu_ops = {
+    .workspace_bytes = cpu_workspace_bytes,
+    .forward = cpu_forward,
+    .backward = cpu_backward,
+    .destroy = NULL,
+    .check_device = NULL,
+};
+
+smoe_status smoe_cpu_layer_init(smoe_layer *layer)
+{
+    layer->ops = &cpu_ops;
+    layer->state = NULL;
+    snprintf(layer->path_name, sizeof layer->path_name, "cpu (%s, double accumulation)",
+             layer->desc.dtype == SMOE_DTYPE_F64   ? "f64"
+             : layer->desc.dtype == SMOE_DTYPE_F32 ? "f32"
+                                                   : "bf16");
+    return SMOE_SUCCESS;
+}

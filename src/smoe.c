@@ -1,0 +1,718 @@
+/*
+ * smoe.c -- the core: errors, the layer object, backend choice, memory
+ * sizes, the saved-block layout, and the validation of every argument of
+ * forward and backward before a backend sees the call (so that on error
+ * nothing is written).
+ */
+#include "smoe_internal.h"
+#include "routing.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------ errors */
+
+static _Thread_local char smoe_error_message[512];
+
+smoe_status smoe_fail(smoe_status status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(smoe_error_message, sizeof smoe_error_message, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+void smoe_clear_error(void) { smoe_error_message[0] = '\0'; }
+
+const char *smoe_last_error(void) { return smoe_error_message; }
+
+const char *smoe_status_string(smoe_status s)
+{
+    switch (s) {
+    case SMOE_SUCCESS: return "success";
+    case SMOE_ERROR_NULL_POINTER: return "a required pointer is NULL";
+    case SMOE_ERROR_INVALID_SIZE: return "invalid size";
+    case SMOE_ERROR_INVALID_VALUE: return "invalid value";
+    case SMOE_ERROR_UNSUPPORTED: return "unsupported by this backend";
+    case SMOE_ERROR_NO_DEVICE: return "no device for the backend asked for";
+    case SMOE_ERROR_OUT_OF_MEMORY: return "out of memory";
+    case SMOE_ERROR_BACKEND: return "CUDA runtime or cuBLAS error";
+    case SMOE_ERROR_INTERNAL: return "internal error (a bug in smoe)";
+    }
+    return "unknown status";
+}
+
+#define SMOE_STR_(x) #x
+#define SMOE_STR(x) SMOE_STR_(x)
+
+const char *smoe_version_string(void)
+{
+    return SMOE_STR(SMOE_VERSION_MAJOR) "." SMOE_STR(SMOE_VERSION_MINOR) "." SMOE_STR(
+        SMOE_VERSION_PATCH);
+}
+
+/* ------------------------------------------------------------ small helpers */
+
+size_t smoe_dtype_size(smoe_dtype t)
+{
+    switch (t) {
+    case SMOE_DTYPE_F32: return 4;
+    case SMOE_DTYPE_BF16: return 2;
+    case SMOE_DTYPE_F64: return 8;
+    }
+    return 0;
+}
+
+static const char *dtype_name(smoe_dtype t)
+{
+    switch (t) {
+    case SMOE_DTYPE_F32: return "F32";
+    case SMOE_DTYPE_BF16: return "BF16";
+    case SMOE_DTYPE_F64: return "F64";
+    }
+    return "?";
+}
+
+static int is_gated(smoe_activation a)
+{
+    return a == SMOE_ACT_SWIGLU || a == SMOE_ACT_GEGLU || a == SMOE_ACT_REGLU;
+}
+
+/* a*b for non-negative a, b; -1 when it exceeds INT64_MAX. */
+static int64_t mul_i64(int64_t a, int64_t b)
+{
+    int64_t r;
+    if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r)) return -1;
+    return r;
+}
+
+static int64_t add_i64(int64_t a, int64_t b)
+{
+    int64_t r;
+    if (a < 0 || b < 0 || __builtin_add_overflow(a, b, &r)) return -1;
+    return r;
+}
+
+/* Sizes past this are refused: every byte count stays far from overflow. */
+#define SMOE_MAX_ELEMS ((int64_t)1 << 50)
+
+/* ------------------------------------------------------------ descriptor */
+
+smoe_layer_desc smoe_layer_desc_default(void)
+{
+    smoe_layer_desc d;
+    memset(&d, 0, sizeof d);
+    d.activation = SMOE_ACT_SWIGLU;
+    d.w1_layout = SMOE_W1_INTERLEAVED;
+    d.has_bias = 0;
+    d.routing = SMOE_ROUTING_TOPK_SOFTMAX;
+    d.renormalize = 0;
+    d.rounding = SMOE_ROUND_OFF;
+    d.round_tile = 128;
+    d.dtype = SMOE_DTYPE_BF16;
+    d.backend = SMOE_BACKEND_AUTO;
+    d.device = 0;
+    return d;
+}
+
+smoe_status smoe_desc_validate(const smoe_layer_desc *desc)
+{
+    SMOE_RETURN_ERROR_IF(!desc, SMOE_ERROR_NULL_POINTER, "desc is NULL");
+    SMOE_RETURN_ERROR_IF(desc->d <= 0, SMOE_ERROR_INVALID_SIZE, "desc.d = %lld, must be > 0",
+                         (long long)desc->d);
+    SMOE_RETURN_ERROR_IF(desc->n <= 0, SMOE_ERROR_INVALID_SIZE, "desc.n = %lld, must be > 0",
+                         (long long)desc->n);
+    SMOE_RETURN_ERROR_IF(desc->E <= 0 || desc->E > INT32_MAX, SMOE_ERROR_INVALID_SIZE,
+                         "desc.E = %lld, must be in [1, %d]", (long long)desc->E, INT32_MAX);
+    SMOE_RETURN_ERROR_IF((unsigned)desc->routing > SMOE_ROUTING_GENERAL, SMOE_ERROR_INVALID_VALUE,
+                         "desc.routing = %d is not a smoe_routing", (int)desc->routing);
+    if (desc->routing == SMOE_ROUTING_GENERAL) {
+        /* K is not read by GENERAL routing; 0 (the default) is fine. */
+        SMOE_RETURN_ERROR_IF(desc->K < 0 || desc->K > desc->E, SMOE_ERROR_INVALID_SIZE,
+                             "desc.K = %lld, must be in [0, E = %lld] (not read by GENERAL)",
+                             (long long)desc->K, (long long)desc->E);
+    } else {
+        SMOE_RETURN_ERROR_IF(desc->K <= 0 || desc->K > desc->E, SMOE_ERROR_INVALID_SIZE,
+                             "desc.K = %lld, must be in [1, E = %lld]", (long long)desc->K,
+                             (long long)desc->E);
+    }
+    SMOE_RETURN_ERROR_IF((unsigned)desc->activation > SMOE_ACT_GELU, SMOE_ERROR_INVALID_VALUE,
+                         "desc.activation = %d is not a smoe_activation",
+                         (int)desc->activation);
+    SMOE_RETURN_ERROR_IF((unsigned)desc->w1_layout > SMOE_W1_CONCATENATED,
+                         SMOE_ERROR_INVALID_VALUE, "desc.w1_layout = %d is not a smoe_w1_layout",
+                         (int)desc->w1_layout);
+    SMOE_RETURN_ERROR_IF(desc->has_bias != 0 && desc->has_bias != 1, SMOE_ERROR_INVALID_VALUE,
+                         "desc.has_bias = %d, must be 0 or 1", desc->has_bias);
+    SMOE_RETURN_ERROR_IF(desc->renormalize != 0 && desc->renormalize != 1,
+                         SMOE_ERROR_INVALID_VALUE, "desc.renormalize = %d, must be 0 or 1",
+                         desc->renormalize);
+    SMOE_RETURN_ERROR_IF((unsigned)desc->rounding > SMOE_ROUND_NEAREST, SMOE_ERROR_INVALID_VALUE,
+                         "desc.rounding = %d is not a smoe_rounding", (int)desc->rounding);
+    SMOE_RETURN_ERROR_IF(desc->round_tile <= 0 || desc->round_tile > INT32_MAX,
+                         SMOE_ERROR_INVALID_SIZE, "desc.round_tile = %lld, must be in [1, %d]",
+                         (long long)desc->round_tile, INT32_MAX);
+    SMOE_RETURN_ERROR_IF(desc->rounding != SMOE_ROUND_OFF &&
+                             desc->routing == SMOE_ROUTING_GENERAL,
+                         SMOE_ERROR_INVALID_VALUE,
+                         "desc.rounding = %d needs TOPK_SOFTMAX or SOFTMAX_TOPK routing, "
+                         "not GENERAL",
+                         (int)desc->rounding);
+    SMOE_RETURN_ERROR_IF((unsigned)desc->dtype > SMOE_DTYPE_F64, SMOE_ERROR_INVALID_VALUE,
+                         "desc.dtype = %d is not a smoe_dtype", (int)desc->dtype);
+    SMOE_RETURN_ERROR_IF((unsigned)desc->backend > SMOE_BACKEND_SM90, SMOE_ERROR_INVALID_VALUE,
+                         "desc.backend = %d is not a smoe_backend", (int)desc->backend);
+    SMOE_RETURN_ERROR_IF(desc->dtype == SMOE_DTYPE_F64 && (desc->backend == SMOE_BACKEND_CUDA ||
+                                                           desc->backend == SMOE_BACKEND_SM90),
+                         SMOE_ERROR_UNSUPPORTED,
+                         "desc.dtype = F64 runs on the CPU backend only (desc.backend = %d)",
+                         (int)desc->backend);
+    SMOE_RETURN_ERROR_IF(desc->device < 0, SMOE_ERROR_INVALID_VALUE,
+                         "desc.device = %d, must be >= 0", desc->device);
+    /* Weight tensors must be indexable: E * 2n * d elements. */
+    int64_t h_cols = is_gated(desc->activation) ? mul_i64(2, desc->n) : desc->n;
+    int64_t w1 = mul_i64(mul_i64(desc->E, h_cols), desc->d);
+    int64_t wr = mul_i64(desc->E, desc->d);
+    SMOE_RETURN_ERROR_IF(h_cols < 0 || w1 < 0 || w1 > SMOE_MAX_ELEMS || wr > SMOE_MAX_ELEMS ||
+                             h_cols > INT32_MAX || desc->d > INT32_MAX,
+                         SMOE_ERROR_INVALID_SIZE,
+                         "weights of E = %lld, n = %lld, d = %lld are too large",
+                         (long long)desc->E, (long long)desc->n, (long long)desc->d);
+    return SMOE_SUCCESS;
+}
+
+/* ------------------------------------------------------------ capacity, layout */
+
+int64_t smoe_desc_row_capacity(const smoe_layer_desc *desc, int64_t T, int64_t pairs,
+                               int inference)
+{
+    if (desc->routing == SMOE_ROUTING_GENERAL) return pairs;
+    int64_t tk = mul_i64(T, desc->K);
+    if (inference || desc->rounding == SMOE_ROUND_OFF || desc->rounding == SMOE_ROUND_DOWN)
+        return tk;
+    /* Rounding up or to nearest adds at most M-1 rows per expert. */
+    int64_t te = mul_i64(T, desc->E);
+    int64_t extra = add_i64(tk, mul_i64(desc->E, desc->round_tile - 1));
+    if (te < 0 || extra < 0) return -1;
+    return extra < te ? extra : te;
+}
+
+int64_t smoe_row_capacity(const smoe_layer *layer, int64_t T, int64_t pairs, int inference)
+{
+    return smoe_desc_row_capacity(&layer->desc, T, pairs, inference);
+}
+
+int smoe_saves_logits(const smoe_layer *layer)
+{
+    return layer->desc.routing == SMOE_ROUTING_SOFTMAX_TOPK ||
+           (layer->desc.routing != SMOE_ROUTING_GENERAL &&
+            layer->desc.rounding != SMOE_ROUND_OFF);
+}
+
+static size_t align_up(size_t x) { return (x + SMOE_ALIGN - 1) / SMOE_ALIGN * SMOE_ALIGN; }
+
+void smoe_saved_layout_make(const smoe_layer *layer, int64_t T, int64_t cap,
+                            smoe_saved_layout *out)
+{
+    const smoe_layer_desc *d = &layer->desc;
+    size_t fsize = d->dtype == SMOE_DTYPE_F64 ? 8 : 4; /* scores, logits */
+    size_t off = 0;
+    memset(out, 0, sizeof *out);
+    out->T = T;
+    out->cap = cap;
+    out->h = off;
+    off = align_up(off + (size_t)cap * (size_t)layer->h_cols * smoe_dtype_size(d->dtype));
+    out->row_score = off;
+    off = align_up(off + (size_t)cap * fsize);
+    out->row_token = off;
+    off = align_up(off + (size_t)cap * 4);
+    out->assign_row = off;
+    off = align_up(off + (size_t)cap * 4);
+    out->assign_expert = off;
+    off = align_up(off + (size_t)cap * 4);
+    out->token_offset = off;
+    off = align_up(off + (size_t)(T + 1) * 4);
+    out->expert_offset = off;
+    off = align_up(off + (size_t)(d->E + 1) * 4);
+    if (smoe_saves_logits(layer)) {
+        out->logits = off;
+        off = align_up(off + (size_t)T * (size_t)d->E * fsize);
+    }
+    out->total = off;
+}
+
+smoe_saved_view smoe_saved_view_make(const smoe_saved_layout *l, void *base)
+{
+    smoe_saved_view v;
+    char *b = (char *)base;
+    v.h = b + l->h;
+    v.row_score = (float *)(b + l->row_score);
+    v.row_token = (int32_t *)(b + l->row_token);
+    v.assign_row = (int32_t *)(b + l->assign_row);
+    v.assign_expert = (int32_t *)(b + l->assign_expert);
+    v.token_offset = (int32_t *)(b + l->token_offset);
+    v.expert_offset = (int32_t *)(b + l->expert_offset);
+    v.logits = l->logits ? (float *)(b + l->logits) : NULL;
+    return v;
+}
+
+/* Checks T and pairs against the layer and computes the training row
+ * capacity; every later byte count is then free of overflow. */
+static smoe_status check_sizes(const smoe_layer *layer, int64_t T, int64_t pairs, int inference,
+                               int64_t *cap_out)
+{
+    const smoe_layer_desc *d = &layer->desc;
+    SMOE_RETURN_ERROR_IF(T < 1 || T >= INT32_MAX, SMOE_ERROR_INVALID_SIZE,
+                         "T = %lld, must be in [1, %d)", (long long)T, INT32_MAX);
+    int64_t te = mul_i64(T, d->E);
+    int64_t td = mul_i64(T, d->d);
+    SMOE_RETURN_ERROR_IF(te < 0 || te > SMOE_MAX_ELEMS || td < 0 || td > SMOE_MAX_ELEMS,
+                         SMOE_ERROR_INVALID_SIZE, "T = %lld is too large for E = %lld, d = %lld",
+                         (long long)T, (long long)d->E, (long long)d->d);
+    if (d->routing == SMOE_ROUTING_GENERAL) {
+        SMOE_RETURN_ERROR_IF(pairs < 0 || pairs > te, SMOE_ERROR_INVALID_SIZE,
+                             "pairs = %lld, must be in [0, T*E = %lld] (GENERAL routing, each "
+                             "(token, expert) at most once)",
+                             (long long)pairs, (long long)te);
+    }
+    int64_t cap = smoe_row_capacity(layer, T, pairs, inference);
+    int64_t hsz = mul_i64(cap, layer->h_cols);
+    int64_t dsz = mul_i64(cap, d->d);
+    SMOE_RETURN_ERROR_IF(cap < 0 || cap > INT32_MAX || hsz < 0 || hsz > SMOE_MAX_ELEMS ||
+                             dsz < 0 || dsz > SMOE_MAX_ELEMS,
+                         SMOE_ERROR_INVALID_SIZE,
+                         "T = %lld gives %lld routed rows, more than the int32 row indices "
+                         "and the byte counts allow",
+                         (long long)T, (long long)cap);
+    *cap_out = cap;
+    return SMOE_SUCCESS;
+}
+
+/* ------------------------------------------------------------ layer */
+
+static smoe_status init_backend(smoe_layer *layer, smoe_backend which)
+{
+    layer->ops = NULL;
+    layer->state = NULL;
+    layer->path_name[0] = '\0';
+    switch (which) {
+    case SMOE_BACKEND_CPU: return smoe_cpu_layer_init(layer);
+    case SMOE_BACKEND_CUDA:
+#ifdef SMOE_WITH_CUDA
+        return smoe_cuda_layer_init(layer, 0);
+#else
+        return smoe_fail(SMOE_ERROR_NO_DEVICE,
+                         "backend CUDA asked for, but smoe was built without CUDA");
+#endif
+    case SMOE_BACKEND_SM90:
+#if defined(SMOE_WITH_CUDA) && defined(SMOE_WITH_SM90)
+        return smoe_cuda_layer_init(layer, 1);
+#elif defined(SMOE_WITH_CUDA)
+        return smoe_fail(SMOE_ERROR_NO_DEVICE,
+                         "backend SM90 asked for, but smoe was built without the sm_90a kernels");
+#else
+        return smoe_fail(SMOE_ERROR_NO_DEVICE,
+                         "backend SM90 asked for, but smoe was built without CUDA");
+#endif
+    case SMOE_BACKEND_AUTO: break;
+    }
+    return smoe_fail(SMOE_ERROR_INTERNAL, "init_backend(%d)", (int)which);
+}
+
+smoe_status smoe_layer_create(const smoe_layer_desc *desc, smoe_layer **out)
+{
+    SMOE_RETURN_ERROR_IF(!out, SMOE_ERROR_NULL_POINTER, "smoe_layer_create: out is NULL");
+    *out = NULL;
+    SMOE_FORWARD_IF_ERROR(smoe_desc_validate(desc));
+
+    smoe_layer *layer = (smoe_layer *)calloc(1, sizeof *layer);
+    SMOE_RETURN_ERROR_IF(!layer, SMOE_ERROR_OUT_OF_MEMORY,
+                         "smoe_layer_create: calloc(%zu) failed", sizeof *layer);
+    layer->desc = *desc;
+    layer->gated = is_gated(desc->activation);
+    layer->h_cols = layer->gated ? 2 * desc->n : desc->n;
+
+    smoe_status st;
+    if (desc->backend != SMOE_BACKEND_AUTO) {
+        st = init_backend(layer, desc->backend);
+        layer->backend = desc->backend;
+    } else {
+        /* AUTO: Hopper kernels, then portable CUDA, then the CPU. A GPU
+         * backend that has no device here (NO_DEVICE) or cannot run this
+         * description (UNSUPPORTED, e.g. F64 or F32 storage) hands over to
+         * the next one; the path name says which ran. The messages of the
+         * attempts that handed over are not left in smoe_last_error(). */
+        char saved_msg[sizeof smoe_error_message];
+        memcpy(saved_msg, smoe_error_message, sizeof saved_msg);
+        static const smoe_backend order[] = {SMOE_BACKEND_SM90, SMOE_BACKEND_CUDA,
+                                             SMOE_BACKEND_CPU};
+        st = SMOE_ERROR_INTERNAL;
+        for (size_t i = 0; i < sizeof order / sizeof order[0]; i++) {
+#if !defined(SMOE_WITH_CUDA)
+            if (order[i] != SMOE_BACKEND_CPU) continue;
+#elif !defined(SMOE_WITH_SM90)
+            if (order[i] == SMOE_BACKEND_SM90) continue;
+#endif
+            if (desc->dtype == SMOE_DTYPE_F64 && order[i] != SMOE_BACKEND_CPU) continue;
+            st = init_backend(layer, order[i]);
+            layer->backend = order[i];
+            if (st != SMOE_ERROR_NO_DEVICE && st != SMOE_ERROR_UNSUPPORTED) break;
+        }
+        if (st == SMOE_SUCCESS) memcpy(smoe_error_message, saved_msg, sizeof saved_msg);
+    }
+    if (st != SMOE_SUCCESS) {
+        free(layer);
+        return st;
+    }
+    if (!layer->ops || !layer->ops->forward || !layer->ops->backward ||
+        !layer->ops->workspace_bytes) {
+        int which = (int)layer->backend;
+        if (layer->ops && layer->ops->destroy) layer->ops->destroy(layer);
+        free(layer);
+        return smoe_fail(SMOE_ERROR_INTERNAL, "backend %d left its operations table incomplete",
+                         which);
+    }
+    *out = layer;
+    return SMOE_SUCCESS;
+}
+
+void smoe_layer_free(smoe_layer *layer)
+{
+    if (!layer) return;
+    if (layer->ops && layer->ops->destroy) layer->ops->destroy(layer);
+    free(layer);
+}
+
+smoe_backend smoe_layer_backend(const smoe_layer *layer)
+{
+    return layer ? layer->backend : SMOE_BACKEND_AUTO;
+}
+
+const char *smoe_layer_path_name(const smoe_layer *layer)
+{
+    return layer ? layer->path_name : "";
+}
+
+smoe_layer_desc smoe_layer_get_desc(const smoe_layer *layer)
+{
+    if (!layer) {
+        smoe_layer_desc d;
+        memset(&d, 0, sizeof d);
+        return d;
+    }
+    return layer->desc;
+}
+
+/* ------------------------------------------------------------ memory */
+
+size_t smoe_layer_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t pairs)
+{
+    int64_t cap;
+    if (!layer) {
+        smoe_fail(SMOE_ERROR_NULL_POINTER, "smoe_layer_workspace_bytes: layer is NULL");
+        return 0;
+    }
+    if (check_sizes(layer, T, pairs, 0, &cap) != SMOE_SUCCESS) return 0;
+    return layer->ops->workspace_bytes(layer, T, cap);
+}
+
+size_t smoe_layer_saved_bytes(const smoe_layer *layer, int64_t T, int64_t pairs)
+{
+    int64_t cap;
+    smoe_saved_layout l;
+    if (!layer) {
+        smoe_fail(SMOE_ERROR_NULL_POINTER, "smoe_layer_saved_bytes: layer is NULL");
+        return 0;
+    }
+    if (check_sizes(layer, T, pairs, 0, &cap) != SMOE_SUCCESS) return 0;
+    smoe_saved_layout_make(layer, T, cap, &l);
+    return l.total;
+}
+
+smoe_status smoe_layer_check_device(smoe_layer *layer, const void *workspace, void *stream)
+{
+    SMOE_RETURN_ERROR_IF(!layer, SMOE_ERROR_NULL_POINTER,
+                         "smoe_layer_check_device: layer is NULL");
+    if (!layer->ops->check_device) return SMOE_SUCCESS;
+    SMOE_RETURN_ERROR_IF(!workspace, SMOE_ERROR_NULL_POINTER,
+                         "smoe_layer_check_device: workspace is NULL");
+    return layer->ops->check_device(layer, workspace, stream);
+}
+
+/* ------------------------------------------------------------ validation */
+
+#define REQUIRE_PTR(p, what)                                                       \
+    SMOE_RETURN_ERROR_IF(!(p), SMOE_ERROR_NULL_POINTER, "%s: %s is NULL", fn, what)
+
+static smoe_status check_align(const char *fn, const void *p, const char *what)
+{
+    SMOE_RETURN_ERROR_IF(((uintptr_t)p & 15u) != 0, SMOE_ERROR_INVALID_SIZE,
+                         "%s: %s = %p is not 16-byte aligned", fn, what, p);
+    return SMOE_SUCCESS;
+}
+
+/* GENERAL triples in host memory: token in [0, T), expert in [0, E),
+ * tokens non-decreasing, each (token, expert) once, finite scores. */
+static smoe_status check_triples(const smoe_layer *layer, const smoe_forward_args *a)
+{
+    const char *fn = "smoe_layer_forward";
+    const int64_t E = layer->desc.E;
+    for (int64_t i = 0; i < a->pairs; i++) {
+        int32_t t = a->pair_token[i], e = a->pair_expert[i];
+        float s = a->pair_score[i];
+        SMOE_RETURN_ERROR_IF(t < 0 || t >= a->T, SMOE_ERROR_INVALID_VALUE,
+                             "%s: pair_token[%lld] = %d, must be in [0, T = %lld)", fn,
+                             (long long)i, (int)t, (long long)a->T);
+        SMOE_RETURN_ERROR_IF(e < 0 || e >= E, SMOE_ERROR_INVALID_VALUE,
+                             "%s: pair_expert[%lld] = %d, must be in [0, E = %lld)", fn,
+                             (long long)i, (int)e, (long long)E);
+        SMOE_RETURN_ERROR_IF(!isfinite(s), SMOE_ERROR_INVALID_VALUE,
+                             "%s: pair_score[%lld] = %g is not finite", fn, (long long)i,
+                             (double)s);
+        SMOE_RETURN_ERROR_IF(i > 0 && t < a->pair_token[i - 1], SMOE_ERROR_INVALID_VALUE,
+                             "%s: pair_token[%lld] = %d < pair_token[%lld] = %d: triples must "
+                             "be sorted by token",
+                             fn, (long long)i, (int)t, (long long)(i - 1),
+                             (int)a->pair_token[i - 1]);
+    }
+    /* Duplicates: within each token's run, compare expert sets. Runs are
+     * short (<= E); a quadratic scan is fine for small E, a sort-free
+     * bitmap otherwise. */
+    unsigned char *seen = NULL;
+    int64_t run_start = 0;
+    for (int64_t i = 0; i <= a->pairs; i++) {
+        if (i < a->pairs && a->pair_token[i] == a->pair_token[run_start]) continue;
+        int64_t len = i - run_start;
+        if (len > 1) {
+            if (len <= 16) {
+                for (int64_t p = run_start; p < i; p++)
+                    for (int64_t q = p + 1; q < i; q++)
+                        if (a->pair_expert[p] == a->pair_expert[q]) {
+                            free(seen);
+                            return smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                                             "%s: (token %d, expert %d) given twice, at pairs "
+                                             "%lld and %lld",
+                                             fn, (int)a->pair_token[p], (int)a->pair_expert[p],
+                                             (long long)p, (long long)q);
+                        }
+            } else {
+                if (!seen) {
+                    seen = (unsigned char *)calloc((size_t)E, 1);
+                    SMOE_RETURN_ERROR_IF(!seen, SMOE_ERROR_OUT_OF_MEMORY,
+                                         "%s: calloc(%lld) for the duplicate check failed", fn,
+                                         (long long)E);
+                }
+                int64_t dup = -1;
+                for (int64_t p = run_start; p < i; p++) {
+                    if (seen[a->pair_expert[p]]) {
+                        dup = p;
+                        break;
+                    }
+                    seen[a->pair_expert[p]] = 1;
+                }
+                for (int64_t p = run_start; p < i; p++) seen[a->pair_expert[p]] = 0;
+                if (dup >= 0) {
+                    free(seen);
+                    return smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                                     "%s: (token %d, expert %d) given twice (pair %lld)", fn,
+                                     (int)a->pair_token[dup], (int)a->pair_expert[dup],
+                                     (long long)dup);
+                }
+            }
+        }
+        run_start = i;
+    }
+    free(seen);
+    return SMOE_SUCCESS;
+}
+
+smoe_status smoe_layer_forward(smoe_layer *layer, const smoe_forward_args *args, void *saved,
+                               void *workspace, void *stream)
+{
+    const char *fn = "smoe_layer_forward";
+    REQUIRE_PTR(layer, "layer");
+    REQUIRE_PTR(args, "args");
+    const smoe_layer_desc *d = &layer->desc;
+    const int general = d->routing == SMOE_ROUTING_GENERAL;
+
+    SMOE_RETURN_ERROR_IF(args->inference != 0 && args->inference != 1, SMOE_ERROR_INVALID_VALUE,
+                         "%s: args.inference = %d, must be 0 or 1", fn, args->inference);
+    int64_t cap;
+    SMOE_FORWARD_IF_ERROR(check_sizes(layer, args->T, general ? args->pairs : 0,
+                                      args->inference, &cap));
+    REQUIRE_PTR(args->x, "args.x");
+    REQUIRE_PTR(args->w1, "args.w1");
+    REQUIRE_PTR(args->w2, "args.w2");
+    REQUIRE_PTR(args->out, "args.out");
+    if (d->has_bias) {
+        REQUIRE_PTR(args->b1, "args.b1 (the layer has biases)");
+        REQUIRE_PTR(args->b2, "args.b2 (the layer has biases)");
+    } else {
+        SMOE_RETURN_ERROR_IF(args->b1 || args->b2, SMOE_ERROR_INVALID_VALUE,
+                             "%s: args.b%d is given but the layer has no bias (desc.has_bias = 0)",
+                             fn, args->b1 ? 1 : 2);
+    }
+    if (general) {
+        if (args->pairs > 0) {
+            REQUIRE_PTR(args->pair_token, "args.pair_token (GENERAL routing)");
+            REQUIRE_PTR(args->pair_expert, "args.pair_expert (GENERAL routing)");
+            REQUIRE_PTR(args->pair_score, "args.pair_score (GENERAL routing)");
+        }
+        SMOE_RETURN_ERROR_IF(args->router_logits != NULL, SMOE_ERROR_INVALID_VALUE,
+                             "%s: args.router_logits is given but GENERAL routing has no router",
+                             fn);
+    } else {
+        REQUIRE_PTR(args->router_w, "args.router_w");
+    }
+    if (!args->inference) {
+        REQUIRE_PTR(saved, "saved (a training forward, args.inference = 0)");
+        SMOE_FORWARD_IF_ERROR(check_align(fn, saved, "saved"));
+    }
+    REQUIRE_PTR(workspace, "workspace");
+    SMOE_FORWARD_IF_ERROR(check_align(fn, workspace, "workspace"));
+    if (general && layer->backend == SMOE_BACKEND_CPU)
+        SMOE_FORWARD_IF_ERROR(check_triples(layer, args));
+
+    smoe_saved_layout l;
+    smoe_saved_layout_make(layer, args->T, cap, &l);
+    return layer->ops->forward(layer, args, &l, args->inference ? NULL : saved, workspace,
+                               stream);
+}
+
+static smoe_status check_grad(const char *fn, const smoe_layer *layer, const smoe_grad *g,
+                              const char *name, int allowed, const char *why, int f32_only)
+{
+    if (!g->ptr) return SMOE_SUCCESS;
+    SMOE_RETURN_ERROR_IF(!allowed, SMOE_ERROR_INVALID_VALUE, "%s: args.%s.ptr is given but %s",
+                         fn, name, why);
+    smoe_dtype want = layer->desc.dtype;
+    if (f32_only) {
+        SMOE_RETURN_ERROR_IF(g->dtype != SMOE_DTYPE_F32, SMOE_ERROR_INVALID_VALUE,
+                             "%s: args.%s.dtype = %d, must be F32", fn, name, (int)g->dtype);
+    } else {
+        SMOE_RETURN_ERROR_IF(g->dtype != SMOE_DTYPE_F32 && g->dtype != want,
+                             SMOE_ERROR_INVALID_VALUE,
+                             "%s: args.%s.dtype = %d, must be F32 or the layer's %s", fn, name,
+                             (int)g->dtype, dtype_name(want));
+    }
+    SMOE_RETURN_ERROR_IF(g->accumulate != 0 && g->accumulate != 1, SMOE_ERROR_INVALID_VALUE,
+                         "%s: args.%s.accumulate = %d, must be 0 or 1", fn, name, g->accumulate);
+    return SMOE_SUCCESS;
+}
+
+smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *args,
+                                const void *saved, void *workspace, void *stream)
+{
+    const char *fn = "smoe_layer_backward";
+    REQUIRE_PTR(layer, "layer");
+    REQUIRE_PTR(args, "args");
+    const smoe_layer_desc *d = &layer->desc;
+    const int general = d->routing == SMOE_ROUTING_GENERAL;
+
+    int64_t cap;
+    SMOE_FORWARD_IF_ERROR(check_sizes(layer, args->T, general ? args->pairs : 0, 0, &cap));
+    REQUIRE_PTR(args->x, "args.x");
+    REQUIRE_PTR(args->w1, "args.w1");
+    REQUIRE_PTR(args->w2, "args.w2");
+    REQUIRE_PTR(args->dout, "args.dout");
+    if (!general) REQUIRE_PTR(args->router_w, "args.router_w");
+    if (d->has_bias) {
+        REQUIRE_PTR(args->b2, "args.b2 (the layer has biases)");
+    } else {
+        SMOE_RETURN_ERROR_IF(args->b2 != NULL, SMOE_ERROR_INVALID_VALUE,
+                             "%s: args.b2 is given but the layer has no bias", fn);
+    }
+    SMOE_RETURN_ERROR_IF(general && args->dlogits_extra != NULL, SMOE_ERROR_INVALID_VALUE,
+                         "%s: args.dlogits_extra is given but GENERAL routing has no router",
+                         fn);
+    SMOE_FORWARD_IF_ERROR(check_grad(fn, layer, &args->dx, "dx", 1, "", 0));
+    SMOE_FORWARD_IF_ERROR(check_grad(fn, layer, &args->drouter_w, "drouter_w", !general,
+                                     "GENERAL routing has no router weight", 0));
+    SMOE_FORWARD_IF_ERROR(check_grad(fn, layer, &args->dw1, "dw1", 1, "", 0));
+    SMOE_FORWARD_IF_ERROR(check_grad(fn, layer, &args->db1, "db1", d->has_bias,
+                                     "the layer has no bias", 0));
+    SMOE_FORWARD_IF_ERROR(check_grad(fn, layer, &args->dw2, "dw2", 1, "", 0));
+    SMOE_FORWARD_IF_ERROR(check_grad(fn, layer, &args->db2, "db2", d->has_bias,
+                                     "the layer has no bias", 0));
+    SMOE_FORWARD_IF_ERROR(check_grad(fn, layer, &args->dpair_score, "dpair_score", general,
+                                     "only GENERAL routing has pair scores", 1));
+    REQUIRE_PTR(saved, "saved");
+    SMOE_FORWARD_IF_ERROR(check_align(fn, saved, "saved"));
+    REQUIRE_PTR(workspace, "workspace");
+    SMOE_FORWARD_IF_ERROR(check_align(fn, workspace, "workspace"));
+
+    smoe_saved_layout l;
+    smoe_saved_layout_make(layer, args->T, cap, &l);
+    return layer->ops->backward(layer, args, &l, saved, workspace, stream);
+}
+
+/* ------------------------------------------------------------ routing alone */
+
+smoe_status smoe_route_cpu(const smoe_layer_desc *desc, int64_t T, const float *logits,
+                           smoe_routing_result *res)
+{
+    const char *fn = "smoe_route_cpu";
+    SMOE_FORWARD_IF_ERROR(smoe_desc_validate(desc));
+    SMOE_RETURN_ERROR_IF(desc->routing == SMOE_ROUTING_GENERAL, SMOE_ERROR_INVALID_VALUE,
+                         "%s: GENERAL routing has no router to run", fn);
+    SMOE_RETURN_ERROR_IF(T < 1 || T >= INT32_MAX, SMOE_ERROR_INVALID_SIZE,
+                         "%s: T = %lld, must be in [1, %d)", fn, (long long)T, INT32_MAX);
+    REQUIRE_PTR(logits, "logits");
+    REQUIRE_PTR(res, "res");
+    const int rounding = desc->rounding != SMOE_ROUND_OFF;
+    int64_t cap = smoe_desc_row_capacity(desc, T, 0, 0);
+    int64_t te = mul_i64(T, desc->E);
+    SMOE_RETURN_ERROR_IF(cap < 0 || cap > INT32_MAX || te < 0 || te > SMOE_MAX_ELEMS,
+                         SMOE_ERROR_INVALID_SIZE, "%s: T = %lld is too large", fn, (long long)T);
+    if (rounding) {
+        REQUIRE_PTR(res->pair_token, "res.pair_token");
+        REQUIRE_PTR(res->pair_expert, "res.pair_expert");
+        REQUIRE_PTR(res->pair_score, "res.pair_score");
+        REQUIRE_PTR(res->pairs, "res.pairs");
+        SMOE_RETURN_ERROR_IF(res->cap < 0, SMOE_ERROR_INVALID_SIZE, "%s: res.cap = %lld < 0",
+                             fn, (long long)res->cap);
+    } else {
+        REQUIRE_PTR(res->expert, "res.expert");
+        REQUIRE_PTR(res->score, "res.score");
+    }
+
+    size_t scratch_bytes = smoe_route_scratch_bytes(desc, T, rounding);
+    size_t bytes = scratch_bytes + (size_t)(T + 1) * 4 + (size_t)cap * (4 + 8) + 64;
+    char *mem = (char *)malloc(bytes);
+    SMOE_RETURN_ERROR_IF(!mem, SMOE_ERROR_OUT_OF_MEMORY, "%s: malloc(%zu) failed", fn, bytes);
+    smoe_assignments as;
+    as.score = (double *)mem;
+    as.expert = (int32_t *)(mem + (size_t)cap * 8);
+    as.token_offset = (int32_t *)(mem + (size_t)cap * 12);
+    as.cap = cap;
+    as.R = 0;
+    void *scratch = mem + (((size_t)cap * 12 + (size_t)(T + 1) * 4 + 63) / 64 * 64);
+    smoe_status st = smoe_route_assign(desc, T, rounding, logits, NULL, scratch, &as);
+    if (st == SMOE_SUCCESS && rounding && as.R > res->cap)
+        st = smoe_fail(SMOE_ERROR_INVALID_SIZE,
+                       "%s: res.cap = %lld, token rounding produced %lld pairs (at most %lld "
+                       "for this T)",
+                       fn, (long long)res->cap, (long long)as.R, (long long)cap);
+    if (st == SMOE_SUCCESS) {
+        if (rounding) {
+            for (int64_t t = 0; t < T; t++)
+                for (int32_t a = as.token_offset[t]; a < as.token_offset[t + 1]; a++) {
+                    res->pair_token[a] = (int32_t)t;
+                    res->pair_expert[a] = as.expert[a];
+                    res->pair_score[a] = (float)as.score[a];
+                }
+            *res->pairs = as.R;
+        } else {
+            for (int64_t a = 0; a < as.R; a++) {
+                res->expert[a] = as.expert[a];
+                res->score[a] = (float)as.score[a];
+            }
+        }
+    }
+    free(mem);
+    return st;
+}
