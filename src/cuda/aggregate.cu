@@ -1,0 +1,156 @@
+/*
+ * aggregate.cu -- the per-token reduction over a token's routed rows
+ * (DESIGN.md sections 4.5 and 5.5):
+ *   forward   out[t] = sum_a row_score[r_a] * Y[r_a]           (T, d) bf16
+ *   backward  dx[t] (op)= sum_a dX~[r_a] (+ dXr[t])            (T, d) bf16|fp32
+ * where a runs over the token's assignments [token_offset[t],
+ * token_offset[t+1]) and r_a = assign_row[a] (-1: a skipped GENERAL triple,
+ * ignored). dXr is the router's contribution dlogits * Wr (fp32, from
+ * cuBLAS), added here so dX is written once.
+ *
+ * One block per token, each thread owning 8 consecutive columns (16-byte
+ * loads) when d is a multiple of 8, else 1. The sum runs in assignment order
+ * in fp32 (fma), so results are deterministic and do not depend on the
+ * launch shape. Each token gathers its rows: no atomics, no scatter.
+ */
+#include "cuda/cuda_common.h"
+
+#define AGG_THREADS 128
+
+template <int VEC>
+struct vec_io;
+
+template <>
+struct vec_io<8> {
+    static __device__ __forceinline__ void load(const bf16 *p, float *v)
+    {
+        const uint4 u = *reinterpret_cast<const uint4 *>(p);
+        const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            v[2 * i] = f.x;
+            v[2 * i + 1] = f.y;
+        }
+    }
+    static __device__ __forceinline__ void store(bf16 *p, const float *v)
+    {
+        uint4 u;
+        __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&u);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+        *reinterpret_cast<uint4 *>(p) = u;
+    }
+};
+
+template <>
+struct vec_io<1> {
+    static __device__ __forceinline__ void load(const bf16 *p, float *v) { v[0] = __bfloat162float(*p); }
+    static __device__ __forceinline__ void store(bf16 *p, const float *v) { *p = __float2bfloat16_rn(v[0]); }
+};
+
+template <int VEC>
+__global__ void __launch_bounds__(AGG_THREADS)
+k_aggregate_forward(int64_t T, int64_t d, const int32_t *__restrict__ token_offset,
+                    const int32_t *__restrict__ assign_row, const float *__restrict__ row_score,
+                    const bf16 *__restrict__ y, bf16 *__restrict__ out)
+{
+    for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+        const int a0 = token_offset[t], a1 = token_offset[t + 1];
+        for (int64_t c = (int64_t)threadIdx.x * VEC; c < d; c += (int64_t)AGG_THREADS * VEC) {
+            float acc[VEC];
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
+            for (int a = a0; a < a1; ++a) {
+                const int r = assign_row[a];
+                if (r < 0) continue;
+                const float s = row_score[r];
+                float v[VEC];
+                vec_io<VEC>::load(y + (int64_t)r * d + c, v);
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[i] = fmaf(s, v[i], acc[i]);
+            }
+            vec_io<VEC>::store(out + t * d + c, acc);
+        }
+    }
+}
+
+template <int VEC>
+__global__ void __launch_bounds__(AGG_THREADS)
+k_aggregate_backward(int64_t T, int64_t d, const int32_t *__restrict__ token_offset,
+                     const int32_t *__restrict__ assign_row, const bf16 *__restrict__ dxt,
+                     const float *__restrict__ extra, void *__restrict__ dx, int dx_f32,
+                     int accumulate)
+{
+    for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+        const int a0 = token_offset[t], a1 = token_offset[t + 1];
+        for (int64_t c = (int64_t)threadIdx.x * VEC; c < d; c += (int64_t)AGG_THREADS * VEC) {
+            float acc[VEC];
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
+            for (int a = a0; a < a1; ++a) {
+                const int r = assign_row[a];
+                if (r < 0) continue;
+                float v[VEC];
+                vec_io<VEC>::load(dxt + (int64_t)r * d + c, v);
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+            }
+            if (extra) {
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[i] += extra[t * d + c + i];
+            }
+            if (dx_f32) {
+                float *o = (float *)dx + t * d + c;
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) o[i] = accumulate ? o[i] + acc[i] : acc[i];
+            } else {
+                bf16 *o = (bf16 *)dx + t * d + c;
+                if (accumulate) {
+                    float old[VEC];
+                    vec_io<VEC>::load(o, old);
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) acc[i] += old[i];
+                }
+                vec_io<VEC>::store(o, acc);
+            }
+        }
+    }
+}
+
+static unsigned agg_grid(int64_t T)
+{
+    return (unsigned)(T < (1 << 20) ? T : (1 << 20));
+}
+
+static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *token_offset,
+                                        const int32_t *assign_row, const float *row_score,
+                                        const bf16 *y, bf16 *out, cudaStream_t stream)
+{
+    if (d % 8 == 0 && aligned16(y) && aligned16(out))
+        k_aggregate_forward<8><<<agg_grid(T), AGG_THREADS, 0, stream>>>(
+            T, d, token_offset, assign_row, row_score, y, out);
+    else
+        k_aggregate_forward<1><<<agg_grid(T), AGG_THREADS, 0, stream>>>(
+            T, d, token_offset, assign_row, row_score, y, out);
+    SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward");
+    return SMOE_SUCCESS;
+}
+
+smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *token_offset,
+                                         const int32_t *assign_row, const bf16 *dxt,
+                                         const float *extra, void *dx, smoe_dtype dx_dtype,
+                                         int accumulate, cudaStream_t stream)
+{
+    const int f32 = dx_dtype == SMOE_DTYPE_F32;
+    if (d % 8 == 0 && aligned16(dxt) && aligned16(dx))
+        k_aggregate_backward<8><<<agg_grid(T), AGG_THREADS, 0, stream>>>(
+            T, d, token_offset, assign_row, dxt, extra, dx, f32, accumulate);
+    else
+        k_aggregate_backward<1><<<agg_grid(T), AGG_THREADS, 0, stream>>>(
+            T, d, token_offset, assign_row, dxt, extra, dx, f32, accumulate);
+    SMOE_CUDA_LAUNCH_CHECK("k_aggregate_backward");
+    return SMOE_SUCCESS;
+}

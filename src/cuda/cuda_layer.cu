@@ -1,0 +1,586 @@
+/*
+ * cuda_layer.cu -- the CUDA backend of the layer (SMOE_BACKEND_CUDA and
+ * SMOE_BACKEND_SM90): device checks and the cuBLAS handle at create time,
+ * the workspace layout, and the forward / backward orchestration of
+ * DESIGN.md sections 4 and 5:
+ *
+ *   forward   router GEMM (cuBLAS, bf16 in, fp32 out) -> routing kernels ->
+ *             metadata -> up GEMM (gather X, act; H kept) -> down GEMM (Y)
+ *             -> aggregation (o_t = sum s Y)
+ *   backward  dh GEMM (gather dO; dS, A' = s A, dH) -> dW2 -> dX~ -> dW1 ->
+ *             bias sums -> router dlogits -> cuBLAS dWr = dl^T X and
+ *             dXr = dl Wr -> aggregation (dX = sum dX~ + dXr)
+ *
+ * The grouped GEMMs come from the gemm.h tables: the Hopper table's entries
+ * where it has them (SM90 backend on an sm_90 device), the portable ones
+ * otherwise; path_name lists which ran.
+ *
+ * Nothing here synchronises with the host or allocates: every buffer is
+ * carved from the caller's workspace (cuBLAS's too, so a graph capture has
+ * nothing to allocate), grids are sized for the row capacity, and the row
+ * count stays on the device. smoe_layer_check_device is the one exception:
+ * it waits for the stream and reads the status word at the workspace start.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda/cuda_common.h"
+
+#define CUBLAS_WS_BYTES ((size_t)8 << 20)
+
+typedef struct cuda_state {
+    int device;
+    int sm; /* major * 10 + minor */
+    int num_sms;
+    cublasHandle_t cublas;
+    smoe_gemm_ops ops;            /* merged: Hopper entries where present */
+    const smoe_gemm_ops *tab90;   /* NULL: portable only */
+} cuda_state;
+
+/* ------------------------------------------------------------ workspace */
+
+typedef struct ws_layout {
+    size_t status, cublas;
+    /* forward */
+    size_t logits, assign_token, assign_score, assign_count;
+    size_t m_h_unused, m_row_score, m_row_token, m_assign_row, m_assign_expert, m_token_offset,
+        m_expert_offset; /* the metadata of an inference forward (no saved block) */
+    size_t route_scratch, md_scratch, a, y, f_gemm;
+    size_t fwd_end;
+    /* backward (overlaps the forward region) */
+    size_t dh, a_scaled, ds, dxt, split, wr2, dwr2, dxr, tc, b_gemm;
+    size_t bwd_end;
+    size_t total;
+} ws_layout;
+
+static size_t al(size_t x) { return (x + SMOE_ALIGN - 1) / SMOE_ALIGN * SMOE_ALIGN; }
+
+static size_t gemm_scratch(const smoe_layer *layer, const smoe_gemm_problem *p)
+{
+    const cuda_state *st = (const cuda_state *)layer->state;
+    size_t b = smoe_gemm_ops_sm80.scratch_bytes(p);
+    if (st->tab90 && st->tab90->scratch_bytes) {
+        size_t b90 = st->tab90->scratch_bytes(p);
+        if (b90 > b) b = b90;
+    }
+    return al(b);
+}
+
+static smoe_gemm_problem problem_make(const smoe_layer *layer, int64_t cap)
+{
+    const cuda_state *st = (const cuda_state *)layer->state;
+    smoe_gemm_problem p;
+    memset(&p, 0, sizeof p);
+    p.d = layer->desc.d;
+    p.n = layer->desc.n;
+    p.h_cols = layer->h_cols;
+    p.E = layer->desc.E;
+    p.cap = cap;
+    p.gated = layer->gated;
+    p.act = layer->desc.activation;
+    p.w1_layout = layer->desc.w1_layout;
+    p.num_sms = st->num_sms;
+    return p;
+}
+
+static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *w)
+{
+    const smoe_layer_desc *d = &layer->desc;
+    const size_t E = (size_t)d->E, dd = (size_t)d->d, n = (size_t)d->n, K = (size_t)d->K;
+    const size_t hc = (size_t)layer->h_cols, t = (size_t)T, c = (size_t)(cap > 0 ? cap : 1);
+    smoe_gemm_problem p = problem_make(layer, cap);
+    const size_t gs = gemm_scratch(layer, &p);
+    size_t o = 0;
+    memset(w, 0, sizeof *w);
+    w->status = o; o += SMOE_DEV_STATUS_BYTES;
+    w->cublas = o; o += CUBLAS_WS_BYTES;
+    const size_t base = o;
+
+    w->logits = o; o += al(t * E * 4);
+    w->assign_token = o; o += al(c * 4);
+    w->assign_score = o; o += al(c * 4);
+    w->assign_count = o; o += al(4);
+    w->m_row_score = o; o += al(c * 4);
+    w->m_row_token = o; o += al(c * 4);
+    w->m_assign_row = o; o += al(c * 4);
+    w->m_assign_expert = o; o += al(c * 4);
+    w->m_token_offset = o; o += al((t + 1) * 4);
+    w->m_expert_offset = o; o += al((E + 1) * 4);
+    w->route_scratch = o; o += al(smoe_cuda_routing_scratch_bytes(d, T, 1));
+    w->md_scratch = o; o += al(smoe_cuda_metadata_scratch_bytes(d->E, cap));
+    w->a = o; o += al(c * n * 2);
+    w->y = o; o += al(c * dd * 2);
+    w->f_gemm = o; o += gs;
+    w->fwd_end = o;
+
+    o = base;
+    w->dh = o; o += al(c * hc * 2);
+    w->a_scaled = o; o += al(c * n * 2);
+    w->ds = o; o += al(c * 4);
+    w->dxt = o; o += al(c * dd * 2);
+    w->split = o; o += al(t * 2 * E * 2);
+    w->wr2 = o; o += al(2 * E * dd * 2);
+    w->dwr2 = o; o += al(2 * E * dd * 4);
+    w->dxr = o; o += al(t * dd * 4);
+    w->tc = o; o += al(t * K * 4);
+    w->b_gemm = o; o += gs;
+    w->bwd_end = o;
+    w->total = w->fwd_end > w->bwd_end ? w->fwd_end : w->bwd_end;
+}
+
+static size_t cuda_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t cap)
+{
+    ws_layout w;
+    ws_make(layer, T, cap, &w);
+    return w.total;
+}
+
+/* ------------------------------------------------------------ helpers */
+
+/* Makes the layer's device current for the call and restores the caller's. */
+typedef struct dev_guard {
+    int prev, changed;
+} dev_guard;
+
+static smoe_status dev_enter(const cuda_state *st, dev_guard *g)
+{
+    g->changed = 0;
+    SMOE_CUDA_CHECK(cudaGetDevice(&g->prev));
+    if (g->prev != st->device) {
+        SMOE_CUDA_CHECK(cudaSetDevice(st->device));
+        g->changed = 1;
+    }
+    return SMOE_SUCCESS;
+}
+
+static void dev_leave(const dev_guard *g)
+{
+    if (g->changed) cudaSetDevice(g->prev);
+}
+
+static smoe_status check_ptr(const char *fn, const void *p, const char *what)
+{
+    SMOE_RETURN_ERROR_IF(((uintptr_t)p & 15u) != 0, SMOE_ERROR_UNSUPPORTED,
+                         "%s: %s = %p is not 16-byte aligned (the CUDA kernels load 16-byte "
+                         "vectors)",
+                         fn, what, p);
+    return SMOE_SUCCESS;
+}
+
+static smoe_status cublas_bind(cuda_state *st, void *ws, const ws_layout *w, cudaStream_t s)
+{
+    SMOE_CUBLAS_CHECK(cublasSetStream(st->cublas, s));
+    /* after SetStream (which resets it): cuBLAS's scratch from the workspace,
+     * so it never allocates (graph capture) */
+    SMOE_CUBLAS_CHECK(cublasSetWorkspace(st->cublas, (char *)ws + w->cublas, CUBLAS_WS_BYTES));
+    return SMOE_SUCCESS;
+}
+
+/* C (m x n, col-major, ldc) = alpha op(A) op(B) + beta C; bf16 A, B; fp32 C. */
+static smoe_status gemm_bf16_f32(cuda_state *st, cublasOperation_t ta, cublasOperation_t tb,
+                                 int64_t m, int64_t n, int64_t k, const bf16 *A, int64_t lda,
+                                 const bf16 *B, int64_t ldb, float beta, float *C, int64_t ldc)
+{
+    const float one = 1.0f;
+    SMOE_CUBLAS_CHECK(cublasGemmEx(st->cublas, ta, tb, (int)m, (int)n, (int)k, &one, A,
+                                   CUDA_R_16BF, (int)lda, B, CUDA_R_16BF, (int)ldb, &beta, C,
+                                   CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F,
+                                   CUBLAS_GEMM_DEFAULT));
+    return SMOE_SUCCESS;
+}
+
+/* ------------------------------------------------------------ forward */
+
+static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args,
+                                const smoe_saved_layout *sl, void *saved, void *workspace,
+                                cudaStream_t s)
+{
+    const char *fn = "smoe_layer_forward (cuda)";
+    cuda_state *st = (cuda_state *)layer->state;
+    const smoe_layer_desc *d = &layer->desc;
+    const int64_t T = args->T;
+    const int general = d->routing == SMOE_ROUTING_GENERAL;
+    const int training = !args->inference;
+    const int rounding = training && d->rounding != SMOE_ROUND_OFF;
+    const int64_t cap = smoe_row_capacity(layer, T, general ? args->pairs : 0, args->inference);
+
+    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->x, "args.x"));
+    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->w1, "args.w1"));
+    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->w2, "args.w2"));
+    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->out, "args.out"));
+    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->b1, "args.b1"));
+    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->b2, "args.b2"));
+    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->router_w, "args.router_w"));
+
+    ws_layout w;
+    ws_make(layer, T, cap, &w);
+    char *ws = (char *)workspace;
+    smoe_dev_status *dst = (smoe_dev_status *)(ws + w.status);
+    SMOE_FORWARD_IF_ERROR(smoe_cuda_status_reset(dst, s));
+
+    smoe_saved_view v;
+    if (training) {
+        v = smoe_saved_view_make(sl, saved);
+    } else {
+        memset(&v, 0, sizeof v);
+        v.row_score = (float *)(ws + w.m_row_score);
+        v.row_token = (int32_t *)(ws + w.m_row_token);
+        v.assign_row = (int32_t *)(ws + w.m_assign_row);
+        v.assign_expert = (int32_t *)(ws + w.m_assign_expert);
+        v.token_offset = (int32_t *)(ws + w.m_token_offset);
+        v.expert_offset = (int32_t *)(ws + w.m_expert_offset);
+    }
+    smoe_assign_dev as;
+    as.expert = v.assign_expert;
+    as.token = (int32_t *)(ws + w.assign_token);
+    as.score = (float *)(ws + w.assign_score);
+    as.token_offset = v.token_offset;
+    as.count = (int32_t *)(ws + w.assign_count);
+
+    if (general) {
+        SMOE_FORWARD_IF_ERROR(smoe_cuda_route_general(T, d->E, args->pairs, args->pair_token,
+                                                      args->pair_expert, args->pair_score, as,
+                                                      dst, s));
+    } else {
+        float *lg = (training && v.logits) ? v.logits
+                    : args->router_logits  ? args->router_logits
+                                           : (float *)(ws + w.logits);
+        SMOE_FORWARD_IF_ERROR(cublas_bind(st, workspace, &w, s));
+        /* logits^T (E x T, col-major) = Wr (E x d) . X^T */
+        SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, CUBLAS_OP_T, CUBLAS_OP_N, d->E, T, d->d,
+                                            (const bf16 *)args->router_w, d->d,
+                                            (const bf16 *)args->x, d->d, 0.0f, lg, d->E));
+        if (args->router_logits && args->router_logits != lg)
+            SMOE_CUDA_CHECK(cudaMemcpyAsync(args->router_logits, lg,
+                                            (size_t)T * (size_t)d->E * 4,
+                                            cudaMemcpyDeviceToDevice, s));
+        SMOE_FORWARD_IF_ERROR(
+            smoe_cuda_route(d, T, rounding, lg, as, ws + w.route_scratch, s));
+    }
+    SMOE_FORWARD_IF_ERROR(smoe_cuda_metadata(d->E, cap, as, v.expert_offset, v.assign_row,
+                                             v.row_token, v.row_score, args->expert_counts,
+                                             ws + w.md_scratch, s));
+
+    smoe_gemm_problem p = problem_make(layer, cap);
+    p.expert_offset = v.expert_offset;
+    p.row_token = v.row_token;
+    p.row_score = v.row_score;
+    bf16 *a = (bf16 *)(ws + w.a), *y = (bf16 *)(ws + w.y);
+    void *gs = ws + w.f_gemm;
+    if (cap > 0) {
+        SMOE_FORWARD_IF_ERROR(st->ops.up(&p, (const bf16 *)args->x, (const bf16 *)args->w1,
+                                         (const bf16 *)args->b1, training ? (bf16 *)v.h : NULL,
+                                         a, gs, s));
+        SMOE_FORWARD_IF_ERROR(st->ops.down(&p, a, (const bf16 *)args->w2,
+                                           (const bf16 *)args->b2, y, gs, s));
+    }
+    SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_forward(T, d->d, v.token_offset, v.assign_row,
+                                                      v.row_score, y, (bf16 *)args->out, s));
+    return SMOE_SUCCESS;
+}
+
+static smoe_status cuda_forward(smoe_layer *layer, const smoe_forward_args *args,
+                                const smoe_saved_layout *sl, void *saved, void *workspace,
+                                void *stream)
+{
+    cuda_state *st = (cuda_state *)layer->state;
+    dev_guard g;
+    SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
+    smoe_status r = forward_impl(layer, args, sl, saved, workspace, (cudaStream_t)stream);
+    dev_leave(&g);
+    return r;
+}
+
+/* ------------------------------------------------------------ backward */
+
+static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *args,
+                                 const smoe_saved_layout *sl, const void *saved,
+                                 void *workspace, cudaStream_t s)
+{
+    const char *fn = "smoe_layer_backward (cuda)";
+    cuda_state *st = (cuda_state *)layer->state;
+    const smoe_layer_desc *d = &layer->desc;
+    const int64_t T = args->T, cap = sl->cap;
+    const int general = d->routing == SMOE_ROUTING_GENERAL;
+    const int rounding = d->rounding != SMOE_ROUND_OFF;
+
+    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->x, "args.x"));
+    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->w1, "args.w1"));
+    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->w2, "args.w2"));
+    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->b2, "args.b2"));
+    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->dout, "args.dout"));
+    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->router_w, "args.router_w"));
+    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->dx.ptr, "args.dx.ptr"));
+    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->dw1.ptr, "args.dw1.ptr"));
+    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->dw2.ptr, "args.dw2.ptr"));
+
+    ws_layout w;
+    ws_make(layer, T, cap, &w);
+    char *ws = (char *)workspace;
+    smoe_saved_view v = smoe_saved_view_make(sl, (void *)saved);
+
+    const int want_dx = args->dx.ptr != NULL;
+    const int want_router = !general && (args->drouter_w.ptr || want_dx);
+    const int want_ds = want_router || (general && args->dpair_score.ptr);
+    const int want_dh = want_dx || args->dw1.ptr || args->db1.ptr;
+    const int run_dh = want_dh || want_ds || args->dw2.ptr;
+
+    smoe_gemm_problem p = problem_make(layer, cap);
+    p.expert_offset = v.expert_offset;
+    p.row_token = v.row_token;
+    p.row_score = v.row_score;
+    bf16 *dh = (bf16 *)(ws + w.dh), *a_scaled = (bf16 *)(ws + w.a_scaled);
+    bf16 *dxt = (bf16 *)(ws + w.dxt);
+    float *ds = (float *)(ws + w.ds);
+    void *gs = ws + w.b_gemm;
+    const bf16 *dout = (const bf16 *)args->dout;
+
+    if (run_dh && cap > 0)
+        SMOE_FORWARD_IF_ERROR(st->ops.dh(&p, dout, (const bf16 *)args->w2,
+                                         (const bf16 *)args->b2, (const bf16 *)v.h, dh, a_scaled,
+                                         ds, gs, s));
+    if (args->dw2.ptr)
+        SMOE_FORWARD_IF_ERROR(st->ops.dw2(&p, dout, a_scaled, args->dw2.ptr, args->dw2.dtype,
+                                          args->dw2.accumulate, gs, s));
+    if (args->db2.ptr)
+        SMOE_FORWARD_IF_ERROR(smoe_cuda_expert_colsum(
+            d->E, d->d, v.expert_offset, dout, v.row_token, v.row_score, d->n, layer->gated,
+            d->w1_layout, 0, args->db2.ptr, args->db2.dtype, args->db2.accumulate, s));
+    if (want_dx && cap > 0)
+        SMOE_FORWARD_IF_ERROR(st->ops.dxt(&p, dh, (const bf16 *)args->w1, dxt, gs, s));
+    if (args->dw1.ptr)
+        SMOE_FORWARD_IF_ERROR(st->ops.dw1(&p, dh, (const bf16 *)args->x, args->dw1.ptr,
+                                          args->dw1.dtype, args->dw1.accumulate, gs, s));
+    if (args->db1.ptr)
+        SMOE_FORWARD_IF_ERROR(smoe_cuda_expert_colsum(
+            d->E, layer->h_cols, v.expert_offset, dh, NULL, NULL, d->n, layer->gated,
+            d->w1_layout, 1, args->db1.ptr, args->db1.dtype, args->db1.accumulate, s));
+
+    float *dxr = NULL;
+    if (want_router) {
+        bf16 *split = (bf16 *)(ws + w.split);
+        SMOE_FORWARD_IF_ERROR(smoe_cuda_router_dlogits(
+            d, T, rounding, v.logits, v.token_offset, v.assign_expert, v.assign_row,
+            v.row_score, ds, args->dlogits_extra, split, (int32_t *)(ws + w.tc), s));
+        SMOE_FORWARD_IF_ERROR(cublas_bind(st, workspace, &w, s));
+        const int64_t E2 = 2 * d->E;
+        if (args->drouter_w.ptr) {
+            float *dwr2 = (float *)(ws + w.dwr2);
+            /* dWr2 (2E x d row-major = d x 2E col-major) = X^T . split */
+            SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, CUBLAS_OP_N, CUBLAS_OP_T, d->d, E2, T,
+                                                (const bf16 *)args->x, d->d, split, E2, 0.0f,
+                                                dwr2, d->d));
+            SMOE_FORWARD_IF_ERROR(smoe_cuda_combine_halves(dwr2, d->E, d->d,
+                                                           args->drouter_w.ptr,
+                                                           args->drouter_w.dtype,
+                                                           args->drouter_w.accumulate, s));
+        }
+        if (want_dx) {
+            bf16 *wr2 = (bf16 *)(ws + w.wr2);
+            dxr = (float *)(ws + w.dxr);
+            SMOE_FORWARD_IF_ERROR(
+                smoe_cuda_stack_twice((const bf16 *)args->router_w, d->E, d->d, wr2, s));
+            /* dXr (T x d row-major = d x T col-major) = wr2^T-view . split^T-view */
+            SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, CUBLAS_OP_N, CUBLAS_OP_N, d->d, T, E2, wr2,
+                                                d->d, split, E2, 0.0f, dxr, d->d));
+        }
+    }
+    if (want_dx)
+        SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(T, d->d, v.token_offset,
+                                                           v.assign_row, dxt, dxr, args->dx.ptr,
+                                                           args->dx.dtype, args->dx.accumulate,
+                                                           s));
+    if (general && args->dpair_score.ptr)
+        SMOE_FORWARD_IF_ERROR(smoe_cuda_pair_score_grad(args->pairs, v.assign_row, ds,
+                                                        (float *)args->dpair_score.ptr,
+                                                        args->dpair_score.accumulate, s));
+    return SMOE_SUCCESS;
+}
+
+static smoe_status cuda_backward(smoe_layer *layer, const smoe_backward_args *args,
+                                 const smoe_saved_layout *sl, const void *saved, void *workspace,
+                                 void *stream)
+{
+    cuda_state *st = (cuda_state *)layer->state;
+    dev_guard g;
+    SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
+    smoe_status r = backward_impl(layer, args, sl, saved, workspace, (cudaStream_t)stream);
+    dev_leave(&g);
+    return r;
+}
+
+/* ------------------------------------------------------------ check_device */
+
+static smoe_status cuda_check_device(smoe_layer *layer, const void *workspace, void *stream)
+{
+    cuda_state *st = (cuda_state *)layer->state;
+    dev_guard g;
+    SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
+    smoe_dev_status h;
+    cudaError_t e1 = cudaStreamSynchronize((cudaStream_t)stream);
+    cudaError_t e2 = e1 == cudaSuccess
+                         ? cudaMemcpy(&h, workspace, sizeof h, cudaMemcpyDeviceToHost)
+                         : e1;
+    dev_leave(&g);
+    SMOE_RETURN_ERROR_IF(e2 != cudaSuccess, SMOE_ERROR_BACKEND,
+                         "smoe_layer_check_device: %s", cudaGetErrorString(e2));
+    const char *fn = "smoe_layer_forward (GENERAL triples, checked on the device)";
+    switch (h.code) {
+    case SMOE_DEV_OK: return SMOE_SUCCESS;
+    case SMOE_DEV_BAD_TOKEN:
+        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                         "%s: pair_token[%d] = %d, must be in [0, T = %d); triple skipped",
+                         fn, h.first_bad, h.value, h.value2);
+    case SMOE_DEV_BAD_EXPERT:
+        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                         "%s: pair_expert[%d] = %d, must be in [0, E = %lld); triple skipped",
+                         fn, h.first_bad, h.value, (long long)layer->desc.E);
+    case SMOE_DEV_UNSORTED:
+        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                         "%s: pair_token[%d] = %d < pair_token[%d] = %d: triples must be "
+                         "sorted by token; triple skipped",
+                         fn, h.first_bad, h.value, h.first_bad - 1, h.value2);
+    case SMOE_DEV_DUPLICATE:
+        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                         "%s: (token %d, expert %d) given twice (pair %d); triple skipped", fn,
+                         h.value, h.value2, h.first_bad);
+    default:
+        return smoe_fail(SMOE_ERROR_INTERNAL, "smoe_layer_check_device: status code %d",
+                         h.code);
+    }
+}
+
+/* ------------------------------------------------------------ init */
+
+static void cuda_destroy(smoe_layer *layer)
+{
+    cuda_state *st = (cuda_state *)layer->state;
+    if (!st) return;
+    if (st->cublas) {
+        int prev = -1;
+        cudaGetDevice(&prev);
+        if (prev != st->device) cudaSetDevice(st->device);
+        cublasDestroy(st->cublas);
+        if (prev >= 0 && prev != st->device) cudaSetDevice(prev);
+    }
+    free(st);
+    layer->state = NULL;
+}
+
+static const smoe_backend_ops cuda_ops = {
+    cuda_workspace_bytes, cuda_forward, cuda_backward, cuda_destroy, cuda_check_device,
+};
+
+static const char *act_name(smoe_activation a)
+{
+    switch (a) {
+    case SMOE_ACT_SWIGLU: return "swiglu";
+    case SMOE_ACT_GEGLU: return "geglu";
+    case SMOE_ACT_REGLU: return "reglu";
+    case SMOE_ACT_RELU2: return "relu2";
+    case SMOE_ACT_RELU: return "relu";
+    case SMOE_ACT_SILU: return "silu";
+    case SMOE_ACT_GELU: return "gelu";
+    }
+    return "?";
+}
+
+/* Merges the Hopper table over the portable one and names the result. */
+static void ops_merge(cuda_state *st, char *name, size_t cap)
+{
+    const smoe_gemm_ops *p = &smoe_gemm_ops_sm80, *h = st->tab90;
+    st->ops = *p;
+    if (!h) {
+        snprintf(name, cap, "cuda: gemm %s (sm%d)", p->name, st->sm);
+        return;
+    }
+    const char *names[6] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
+    const int fast[6] = {h->up != NULL, h->down != NULL, h->dh != NULL,
+                         h->dw2 != NULL, h->dxt != NULL, h->dw1 != NULL};
+    if (h->up) st->ops.up = h->up;
+    if (h->down) st->ops.down = h->down;
+    if (h->dh) st->ops.dh = h->dh;
+    if (h->dw2) st->ops.dw2 = h->dw2;
+    if (h->dxt) st->ops.dxt = h->dxt;
+    if (h->dw1) st->ops.dw1 = h->dw1;
+    char a[64] = "", b[64] = "";
+    for (int i = 0; i < 6; ++i) {
+        char *dst = fast[i] ? a : b;
+        if (dst[0]) strncat(dst, ",", 63 - strlen(dst));
+        strncat(dst, names[i], 63 - strlen(dst));
+    }
+    if (!b[0]) snprintf(name, cap, "sm90: all %s", h->name);
+    else if (!a[0]) snprintf(name, cap, "sm90: all %s", p->name);
+    else snprintf(name, cap, "sm90: %s %s; %s %s", a, h->name, b, p->name);
+}
+
+smoe_status smoe_cuda_layer_init(smoe_layer *layer, int want_sm90)
+{
+    const smoe_layer_desc *d = &layer->desc;
+    const char *fn = want_sm90 ? "backend SM90" : "backend CUDA";
+    SMOE_RETURN_ERROR_IF(d->dtype != SMOE_DTYPE_BF16, SMOE_ERROR_UNSUPPORTED,
+                         "%s: desc.dtype = %s, but the CUDA backends store bf16 only (use "
+                         "SMOE_DTYPE_BF16, or SMOE_BACKEND_CPU for F32/F64)",
+                         fn, d->dtype == SMOE_DTYPE_F32 ? "F32" : "F64");
+    SMOE_RETURN_ERROR_IF(d->d % 8 != 0 || d->n % 8 != 0, SMOE_ERROR_UNSUPPORTED,
+                         "%s: d = %lld and n = %lld must be multiples of 8 (16-byte rows)", fn,
+                         (long long)d->d, (long long)d->n);
+    SMOE_RETURN_ERROR_IF(d->E > 4096, SMOE_ERROR_UNSUPPORTED,
+                         "%s: E = %lld, at most 4096 experts on the GPU", fn, (long long)d->E);
+
+    int count = 0;
+    cudaError_t ce = cudaGetDeviceCount(&count);
+    if (ce != cudaSuccess || count == 0) {
+        cudaGetLastError();
+        return smoe_fail(SMOE_ERROR_NO_DEVICE, "%s: no CUDA device (%s)", fn,
+                         ce != cudaSuccess ? cudaGetErrorString(ce) : "device count 0");
+    }
+    SMOE_RETURN_ERROR_IF(d->device >= count, SMOE_ERROR_NO_DEVICE,
+                         "%s: desc.device = %d, but %d CUDA device(s) present", fn, d->device,
+                         count);
+    cudaDeviceProp prop;
+    SMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, d->device));
+    const int sm = prop.major * 10 + prop.minor;
+    SMOE_RETURN_ERROR_IF(sm < 80, SMOE_ERROR_NO_DEVICE,
+                         "%s: device %d (%s) is sm_%d; the CUDA kernels need sm_80 or later", fn,
+                         d->device, prop.name, sm);
+#ifdef SMOE_WITH_SM90
+    SMOE_RETURN_ERROR_IF(want_sm90 && sm != 90, SMOE_ERROR_NO_DEVICE,
+                         "%s: device %d (%s) is sm_%d; the Hopper kernels need sm_90", fn,
+                         d->device, prop.name, sm);
+#else
+    SMOE_RETURN_ERROR_IF(want_sm90, SMOE_ERROR_NO_DEVICE,
+                         "%s: smoe was built without the sm_90a kernels", fn);
+#endif
+
+    cuda_state *st = (cuda_state *)calloc(1, sizeof *st);
+    SMOE_RETURN_ERROR_IF(!st, SMOE_ERROR_OUT_OF_MEMORY, "%s: calloc failed", fn);
+    st->device = d->device;
+    st->sm = sm;
+    st->num_sms = prop.multiProcessorCount;
+#ifdef SMOE_WITH_SM90
+    st->tab90 = want_sm90 ? &smoe_gemm_ops_sm90 : NULL;
+#endif
+    int prev = 0;
+    cudaGetDevice(&prev);
+    cudaError_t se = cudaSetDevice(d->device);
+    cublasStatus_t cs = se == cudaSuccess ? cublasCreate(&st->cublas) : CUBLAS_STATUS_NOT_INITIALIZED;
+    if (cs == CUBLAS_STATUS_SUCCESS)
+        cs = cublasSetMathMode(st->cublas, CUBLAS_DEFAULT_MATH);
+    if (prev != d->device) cudaSetDevice(prev);
+    if (se != cudaSuccess || cs != CUBLAS_STATUS_SUCCESS) {
+        if (st->cublas) cublasDestroy(st->cublas);
+        free(st);
+        return smoe_fail(SMOE_ERROR_BACKEND, "%s: %s", fn,
+                         se != cudaSuccess ? cudaGetErrorString(se)
+                                           : "cublasCreate failed");
+    }
+    char gemm_name[80];
+    ops_merge(st, gemm_name, sizeof gemm_name);
+    layer->state = st;
+    layer->ops = &cuda_ops;
+    snprintf(layer->path_name, sizeof layer->path_name, "%s [%s]", gemm_name,
+             act_name(d->activation));
+    return SMOE_SUCCESS;
+}
