@@ -1,0 +1,18 @@
+"""smoe: a Mixture-of-Experts feed-forward layer for training (SonicMoE's
+algorithm), over the C library libsmoe through ctypes.
+
+    smoe.moe(x, router_w, w1, w2, top_k=2)        -> (out, expert_counts, router_logits)
+    smoe.moe_general(x, tok, exp, score, w1, w2)  -> (out, expert_counts)
+    smoe.MoE(num_experts, num_experts_per_tok, hidden_size, intermediate_size,
+             activation_function, add_bias, std)   an nn.Module: forward -> (out, aux_loss)
+    smoe.SmoeError                                 raised on bad input, with smoe_last_error()
+"""
+from ._lib import SmoeError, library_path
+from ._lib import version as library_version
+from .functional import moe, moe_general, layer_info
+from .module import MoE, Experts, switch_load_balancing_loss, load_hf_moe_weights
+
+__version__ = "0.1.0"
+
+__all__ = ["moe", "moe_general", "MoE", "Experts", "SmoeError", "switch_load_balancing_loss",
+           "load_hf_moe_weights", "layer_info", "library_path", "library_version"]

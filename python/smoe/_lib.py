@@ -1,0 +1,312 @@
+"""ctypes mirror of include/smoe.h: every enum, struct and function.
+
+Keep this file in step with the header: tests/test_lib.py parses smoe.h and
+compiles a small C program that prints every struct's size and every field's
+offset and every enum constant, and checks them against what is here.
+
+The shared library is found, in order, at:
+  1. $SMOE_LIBRARY (a path to libsmoe.so),
+  2. next to this file (smoe/libsmoe.so, where `pip install` puts it),
+  3. <repository root>/build/libsmoe.so (running from a source checkout).
+"""
+import ctypes
+import os
+import threading
+from ctypes import POINTER, Structure, c_char_p, c_float, c_int, c_int32, c_int64, c_size_t, c_void_p
+
+# ------------------------------------------------------------------ enums
+
+SMOE_SUCCESS = 0
+SMOE_ERROR_NULL_POINTER = 1
+SMOE_ERROR_INVALID_SIZE = 2
+SMOE_ERROR_INVALID_VALUE = 3
+SMOE_ERROR_UNSUPPORTED = 4
+SMOE_ERROR_NO_DEVICE = 5
+SMOE_ERROR_OUT_OF_MEMORY = 6
+SMOE_ERROR_BACKEND = 7
+SMOE_ERROR_INTERNAL = 8
+
+SMOE_DTYPE_F32 = 0
+SMOE_DTYPE_BF16 = 1
+SMOE_DTYPE_F64 = 2
+
+SMOE_ACT_SWIGLU = 0
+SMOE_ACT_GEGLU = 1
+SMOE_ACT_REGLU = 2
+SMOE_ACT_RELU2 = 3
+SMOE_ACT_RELU = 4
+SMOE_ACT_SILU = 5
+SMOE_ACT_GELU = 6
+
+SMOE_W1_INTERLEAVED = 0
+SMOE_W1_CONCATENATED = 1
+
+SMOE_ROUTING_TOPK_SOFTMAX = 0
+SMOE_ROUTING_SOFTMAX_TOPK = 1
+SMOE_ROUTING_GENERAL = 2
+
+SMOE_ROUND_OFF = 0
+SMOE_ROUND_UP = 1
+SMOE_ROUND_DOWN = 2
+SMOE_ROUND_NEAREST = 3
+
+SMOE_BACKEND_AUTO = 0
+SMOE_BACKEND_CPU = 1
+SMOE_BACKEND_CUDA = 2
+SMOE_BACKEND_SM90 = 3
+
+# Every enum of the header, by its C type name: {constant name: value}.
+ENUMS = {
+    "smoe_status": {
+        "SMOE_SUCCESS": SMOE_SUCCESS,
+        "SMOE_ERROR_NULL_POINTER": SMOE_ERROR_NULL_POINTER,
+        "SMOE_ERROR_INVALID_SIZE": SMOE_ERROR_INVALID_SIZE,
+        "SMOE_ERROR_INVALID_VALUE": SMOE_ERROR_INVALID_VALUE,
+        "SMOE_ERROR_UNSUPPORTED": SMOE_ERROR_UNSUPPORTED,
+        "SMOE_ERROR_NO_DEVICE": SMOE_ERROR_NO_DEVICE,
+        "SMOE_ERROR_OUT_OF_MEMORY": SMOE_ERROR_OUT_OF_MEMORY,
+        "SMOE_ERROR_BACKEND": SMOE_ERROR_BACKEND,
+        "SMOE_ERROR_INTERNAL": SMOE_ERROR_INTERNAL,
+    },
+    "smoe_dtype": {
+        "SMOE_DTYPE_F32": SMOE_DTYPE_F32,
+        "SMOE_DTYPE_BF16": SMOE_DTYPE_BF16,
+        "SMOE_DTYPE_F64": SMOE_DTYPE_F64,
+    },
+    "smoe_activation": {
+        "SMOE_ACT_SWIGLU": SMOE_ACT_SWIGLU,
+        "SMOE_ACT_GEGLU": SMOE_ACT_GEGLU,
+        "SMOE_ACT_REGLU": SMOE_ACT_REGLU,
+        "SMOE_ACT_RELU2": SMOE_ACT_RELU2,
+        "SMOE_ACT_RELU": SMOE_ACT_RELU,
+        "SMOE_ACT_SILU": SMOE_ACT_SILU,
+        "SMOE_ACT_GELU": SMOE_ACT_GELU,
+    },
+    "smoe_w1_layout": {
+        "SMOE_W1_INTERLEAVED": SMOE_W1_INTERLEAVED,
+        "SMOE_W1_CONCATENATED": SMOE_W1_CONCATENATED,
+    },
+    "smoe_routing": {
+        "SMOE_ROUTING_TOPK_SOFTMAX": SMOE_ROUTING_TOPK_SOFTMAX,
+        "SMOE_ROUTING_SOFTMAX_TOPK": SMOE_ROUTING_SOFTMAX_TOPK,
+        "SMOE_ROUTING_GENERAL": SMOE_ROUTING_GENERAL,
+    },
+    "smoe_rounding": {
+        "SMOE_ROUND_OFF": SMOE_ROUND_OFF,
+        "SMOE_ROUND_UP": SMOE_ROUND_UP,
+        "SMOE_ROUND_DOWN": SMOE_ROUND_DOWN,
+        "SMOE_ROUND_NEAREST": SMOE_ROUND_NEAREST,
+    },
+    "smoe_backend": {
+        "SMOE_BACKEND_AUTO": SMOE_BACKEND_AUTO,
+        "SMOE_BACKEND_CPU": SMOE_BACKEND_CPU,
+        "SMOE_BACKEND_CUDA": SMOE_BACKEND_CUDA,
+        "SMOE_BACKEND_SM90": SMOE_BACKEND_SM90,
+    },
+}
+
+# C enums are int-sized with these values (gcc, clang, MSVC).
+c_enum = c_int
+
+# ---------------------------------------------------------------- structs
+
+
+class smoe_layer_desc(Structure):
+    _fields_ = [
+        ("d", c_int64),
+        ("n", c_int64),
+        ("E", c_int64),
+        ("K", c_int64),
+        ("activation", c_enum),
+        ("w1_layout", c_enum),
+        ("has_bias", c_int),
+        ("routing", c_enum),
+        ("renormalize", c_int),
+        ("rounding", c_enum),
+        ("round_tile", c_int64),
+        ("dtype", c_enum),
+        ("backend", c_enum),
+        ("device", c_int),
+    ]
+
+
+class smoe_forward_args(Structure):
+    _fields_ = [
+        ("T", c_int64),
+        ("x", c_void_p),
+        ("router_w", c_void_p),
+        ("pairs", c_int64),
+        ("pair_token", POINTER(c_int32)),
+        ("pair_expert", POINTER(c_int32)),
+        ("pair_score", POINTER(c_float)),
+        ("w1", c_void_p),
+        ("b1", c_void_p),
+        ("w2", c_void_p),
+        ("b2", c_void_p),
+        ("out", c_void_p),
+        ("router_logits", POINTER(c_float)),
+        ("expert_counts", POINTER(c_int32)),
+        ("inference", c_int),
+    ]
+
+
+class smoe_grad(Structure):
+    _fields_ = [
+        ("ptr", c_void_p),
+        ("dtype", c_enum),
+        ("accumulate", c_int),
+    ]
+
+
+class smoe_backward_args(Structure):
+    _fields_ = [
+        ("T", c_int64),
+        ("x", c_void_p),
+        ("router_w", c_void_p),
+        ("pairs", c_int64),
+        ("w1", c_void_p),
+        ("w2", c_void_p),
+        ("b2", c_void_p),
+        ("dout", c_void_p),
+        ("dlogits_extra", POINTER(c_float)),
+        ("dx", smoe_grad),
+        ("drouter_w", smoe_grad),
+        ("dw1", smoe_grad),
+        ("db1", smoe_grad),
+        ("dw2", smoe_grad),
+        ("db2", smoe_grad),
+        ("dpair_score", smoe_grad),
+    ]
+
+
+class smoe_routing_result(Structure):
+    _fields_ = [
+        ("expert", POINTER(c_int32)),
+        ("score", POINTER(c_float)),
+        ("cap", c_int64),
+        ("pair_token", POINTER(c_int32)),
+        ("pair_expert", POINTER(c_int32)),
+        ("pair_score", POINTER(c_float)),
+        ("pairs", POINTER(c_int64)),
+    ]
+
+
+# Every struct of the header, by its C type name.
+STRUCTS = {
+    "smoe_layer_desc": smoe_layer_desc,
+    "smoe_forward_args": smoe_forward_args,
+    "smoe_grad": smoe_grad,
+    "smoe_backward_args": smoe_backward_args,
+    "smoe_routing_result": smoe_routing_result,
+}
+
+# -------------------------------------------------------------- functions
+
+# name: (restype, argtypes)
+_FUNCTIONS = {
+    "smoe_status_string": (c_char_p, [c_enum]),
+    "smoe_last_error": (c_char_p, []),
+    "smoe_version_string": (c_char_p, []),
+    "smoe_layer_desc_default": (smoe_layer_desc, []),
+    "smoe_layer_create": (c_enum, [POINTER(smoe_layer_desc), POINTER(c_void_p)]),
+    "smoe_layer_free": (None, [c_void_p]),
+    "smoe_layer_backend": (c_enum, [c_void_p]),
+    "smoe_layer_path_name": (c_char_p, [c_void_p]),
+    "smoe_layer_get_desc": (smoe_layer_desc, [c_void_p]),
+    "smoe_layer_workspace_bytes": (c_size_t, [c_void_p, c_int64, c_int64]),
+    "smoe_layer_saved_bytes": (c_size_t, [c_void_p, c_int64, c_int64]),
+    "smoe_layer_forward": (c_enum, [c_void_p, POINTER(smoe_forward_args), c_void_p, c_void_p, c_void_p]),
+    "smoe_layer_backward": (c_enum, [c_void_p, POINTER(smoe_backward_args), c_void_p, c_void_p, c_void_p]),
+    "smoe_layer_check_device": (c_enum, [c_void_p, c_void_p, c_void_p]),
+    "smoe_route_cpu": (c_enum, [POINTER(smoe_layer_desc), c_int64, POINTER(c_float),
+                                POINTER(smoe_routing_result)]),
+}
+FUNCTION_NAMES = tuple(_FUNCTIONS)
+
+# The header's version macros this mirror was written for.
+VERSION = (0, 1, 0)
+
+# ------------------------------------------------------------------ loading
+
+
+class SmoeError(RuntimeError):
+    """A call into smoe failed. `status` is the smoe_status code (an int),
+    `status_name` its name, and the message is smoe_last_error() (or, for
+    checks done in Python before any call, a message of the same kind)."""
+
+    def __init__(self, status, message):
+        self.status = int(status)
+        self.status_name = _STATUS_NAMES.get(self.status, "SMOE_STATUS_%d" % self.status)
+        self.message = message
+        super().__init__("%s: %s" % (self.status_name, message))
+
+
+_STATUS_NAMES = {v: k for k, v in ENUMS["smoe_status"].items()}
+
+
+def _candidate_paths():
+    env = os.environ.get("SMOE_LIBRARY")
+    if env:
+        return [env]
+    here = os.path.dirname(os.path.abspath(__file__))
+    return [
+        os.path.join(here, "libsmoe.so"),
+        os.path.join(os.path.dirname(os.path.dirname(here)), "build", "libsmoe.so"),
+    ]
+
+
+_lib = None
+_lib_lock = threading.Lock()
+
+
+def library_path():
+    """The path of the libsmoe.so this package loads (or would load)."""
+    for p in _candidate_paths():
+        if os.path.exists(p):
+            return p
+    return None
+
+
+def lib():
+    """The loaded libsmoe (ctypes.CDLL) with every function's signature set."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        path = library_path()
+        if path is None:
+            raise ImportError(
+                "smoe: libsmoe.so not found (looked at %s). Build it with `make lib` "
+                "in the repository, or set SMOE_LIBRARY." % ", ".join(_candidate_paths()))
+        handle = ctypes.CDLL(path)
+        for name, (restype, argtypes) in _FUNCTIONS.items():
+            fn = getattr(handle, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        version = handle.smoe_version_string().decode()
+        major_minor = tuple(int(v) for v in version.split(".")[:2])
+        if major_minor != VERSION[:2]:
+            raise ImportError("smoe: %s is version %s, this Python package mirrors %d.%d"
+                              % (path, version, VERSION[0], VERSION[1]))
+        _lib = handle
+        return _lib
+
+
+def last_error():
+    return lib().smoe_last_error().decode(errors="replace")
+
+
+def status_string(status):
+    return lib().smoe_status_string(status).decode(errors="replace")
+
+
+def check(status):
+    """Raises SmoeError with smoe_last_error() unless status is SMOE_SUCCESS."""
+    if status != SMOE_SUCCESS:
+        raise SmoeError(status, last_error() or status_string(status))
+
+
+def version():
+    return lib().smoe_version_string().decode()

@@ -1,0 +1,628 @@
+"""smoe.moe(): the MoE layer as a differentiable PyTorch function.
+
+The work is done by two custom operators, torch.ops.smoe.moe_forward and
+torch.ops.smoe.moe_backward (torch.library.custom_op), with fake (meta)
+implementations and an autograd formula, so the layer runs eagerly, under
+torch.compile (the operators are opaque to the compiler) and inside CUDA
+graphs (no host synchronisation, all memory from PyTorch's allocator).
+
+Between forward and backward autograd keeps only the C library's saved block
+(one uint8 tensor of smoe_layer_saved_bytes(): H, the routing metadata and,
+for SOFTMAX_TOPK or token rounding, the router logits) plus references to
+the inputs, which the caller holds anyway.
+
+CPU tensors run on the CPU backend (float32, bfloat16, float64); CUDA
+tensors on the GPU backends (bfloat16), on the current CUDA stream.
+"""
+import ctypes
+import os
+import threading
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _lib as L
+from ._lib import SmoeError
+
+__all__ = ["moe", "moe_general", "ROUTINGS", "ACTIVATIONS", "W1_LAYOUTS", "ROUNDINGS",
+           "saved_bytes", "layer_info"]
+
+# ------------------------------------------------------------ names -> enums
+
+ROUTINGS = {
+    "topk_softmax": L.SMOE_ROUTING_TOPK_SOFTMAX,
+    "softmax_topk": L.SMOE_ROUTING_SOFTMAX_TOPK,
+    "general": L.SMOE_ROUTING_GENERAL,
+}
+ACTIVATIONS = {
+    "swiglu": L.SMOE_ACT_SWIGLU,
+    "geglu": L.SMOE_ACT_GEGLU,
+    "reglu": L.SMOE_ACT_REGLU,
+    "relu2": L.SMOE_ACT_RELU2,
+    "relu_sq": L.SMOE_ACT_RELU2,   # SonicMoE's name
+    "squared_relu": L.SMOE_ACT_RELU2,
+    "relu": L.SMOE_ACT_RELU,
+    "silu": L.SMOE_ACT_SILU,
+    "gelu": L.SMOE_ACT_GELU,       # tanh approximation
+}
+GATED = (L.SMOE_ACT_SWIGLU, L.SMOE_ACT_GEGLU, L.SMOE_ACT_REGLU)
+W1_LAYOUTS = {
+    "interleaved": L.SMOE_W1_INTERLEAVED,
+    "concatenated": L.SMOE_W1_CONCATENATED,
+}
+ROUNDINGS = {
+    None: L.SMOE_ROUND_OFF,
+    "off": L.SMOE_ROUND_OFF,
+    "up": L.SMOE_ROUND_UP,
+    "down": L.SMOE_ROUND_DOWN,
+    "nearest": L.SMOE_ROUND_NEAREST,
+}
+_DTYPES = {
+    torch.float32: L.SMOE_DTYPE_F32,
+    torch.bfloat16: L.SMOE_DTYPE_BF16,
+    torch.float64: L.SMOE_DTYPE_F64,
+}
+_DTYPE_SIZE = {L.SMOE_DTYPE_F32: 4, L.SMOE_DTYPE_BF16: 2, L.SMOE_DTYPE_F64: 8}
+
+
+def _enum(table, value, what):
+    key = value
+    if not (value is None or isinstance(value, str)):
+        # Enum members (SonicMoE's ActivationType etc.): use their value or name.
+        key = getattr(value, "value", None)
+        if not isinstance(key, str):
+            key = getattr(value, "name", str(value))
+    if isinstance(key, str):
+        key = key.lower()
+    if key not in table:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "%s = %r, must be one of %s"
+                        % (what, value, ", ".join(repr(k) for k in table)))
+    return table[key]
+
+
+# ------------------------------------------------------------ layer cache
+
+class _Layer:
+    """One smoe_layer handle (freed with the object)."""
+
+    def __init__(self, desc):
+        lib = L.lib()
+        ptr = ctypes.c_void_p()
+        L.check(lib.smoe_layer_create(ctypes.byref(desc), ctypes.byref(ptr)))
+        self._lib = lib
+        self.ptr = ptr
+        self.desc = desc
+        self.backend = lib.smoe_layer_backend(ptr)
+        self.path_name = lib.smoe_layer_path_name(ptr).decode()
+
+    def __del__(self):
+        ptr, self.ptr = getattr(self, "ptr", None), None
+        if ptr is not None and ptr.value:
+            self._lib.smoe_layer_free(ptr)
+
+    def workspace_bytes(self, T, pairs):
+        n = self._lib.smoe_layer_workspace_bytes(self.ptr, T, pairs)
+        if n == 0:
+            raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, L.last_error())
+        return n
+
+    def saved_bytes(self, T, pairs):
+        n = self._lib.smoe_layer_saved_bytes(self.ptr, T, pairs)
+        if n == 0:
+            raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, L.last_error())
+        return n
+
+
+_layers = {}
+_layers_lock = threading.Lock()
+
+
+def _make_desc(cfg, backend, device):
+    d, n, E, K, act, layout, has_bias, routing, renorm, rounding, tile, dtype = cfg
+    desc = L.lib().smoe_layer_desc_default()
+    desc.d, desc.n, desc.E, desc.K = d, n, E, K
+    desc.activation, desc.w1_layout, desc.has_bias = act, layout, int(has_bias)
+    desc.routing, desc.renormalize = routing, int(renorm)
+    desc.rounding, desc.round_tile = rounding, tile
+    desc.dtype, desc.backend, desc.device = dtype, backend, device
+    return desc
+
+
+def _gpu_backends():
+    """The GPU backends to try, best first ($SMOE_TORCH_BACKEND=cuda|sm90 forces one)."""
+    forced = os.environ.get("SMOE_TORCH_BACKEND", "").lower()
+    if forced == "cuda":
+        return (L.SMOE_BACKEND_CUDA,)
+    if forced == "sm90":
+        return (L.SMOE_BACKEND_SM90,)
+    return (L.SMOE_BACKEND_SM90, L.SMOE_BACKEND_CUDA)
+
+
+def _get_layer(cfg, device):
+    """The cached layer for a configuration on a torch device."""
+    key = (cfg, device.type, device.index)
+    layer = _layers.get(key)
+    if layer is not None:
+        return layer
+    with _layers_lock:
+        layer = _layers.get(key)
+        if layer is not None:
+            return layer
+        if device.type == "cpu":
+            layer = _Layer(_make_desc(cfg, L.SMOE_BACKEND_CPU, 0))
+        elif device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            error = None
+            for backend in _gpu_backends():
+                try:
+                    layer = _Layer(_make_desc(cfg, backend, index))
+                    break
+                except SmoeError as e:
+                    if e.status not in (L.SMOE_ERROR_NO_DEVICE, L.SMOE_ERROR_UNSUPPORTED):
+                        raise
+                    error = error or e
+            if layer is None:
+                raise error
+        else:
+            raise SmoeError(L.SMOE_ERROR_UNSUPPORTED,
+                            "tensors on %s: smoe runs on CPU and CUDA tensors" % device)
+        _layers[key] = layer
+        return layer
+
+
+# ------------------------------------------------------------ sizes
+
+def _align(x):
+    return (x + 255) // 256 * 256
+
+
+def saved_bytes(T, pairs, *, d, n, E, K, activation, routing, rounding, round_tile, dtype):
+    """smoe_layer_saved_bytes() computed in Python (also for symbolic T under
+    torch.compile). Enum arguments are the smoe_* integer codes. Kept equal
+    to the library's by tests/test_lib.py."""
+    h_cols = 2 * n if activation in GATED else n
+    if routing == L.SMOE_ROUTING_GENERAL:
+        cap = pairs
+    elif rounding in (L.SMOE_ROUND_UP, L.SMOE_ROUND_NEAREST):
+        cap = torch.sym_min(T * E, T * K + E * (round_tile - 1))
+    else:
+        cap = T * K
+    fsize = 8 if dtype == L.SMOE_DTYPE_F64 else 4
+    off = _align(cap * h_cols * _DTYPE_SIZE[dtype])   # h
+    off = _align(off + cap * fsize)                    # row_score
+    off = _align(off + cap * 4)                        # row_token
+    off = _align(off + cap * 4)                        # assign_row
+    off = _align(off + cap * 4)                        # assign_expert
+    off = _align(off + (T + 1) * 4)                    # token_offset
+    off = _align(off + (E + 1) * 4)                    # expert_offset
+    if routing == L.SMOE_ROUTING_SOFTMAX_TOPK or (routing != L.SMOE_ROUTING_GENERAL
+                                                  and rounding != L.SMOE_ROUND_OFF):
+        off = _align(off + T * E * fsize)              # logits
+    return off
+
+
+def _ptr(t):
+    return t.data_ptr() if t is not None else None
+
+
+def _stream(device):
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device).cuda_stream
+    return None
+
+
+def _dims(x, w1, w2, top_k, activation, general):
+    T, d = x.shape
+    E = w1.shape[0]
+    n = w2.shape[2]
+    K = 0 if general else top_k
+    return T, d, n, E, K
+
+
+def _config(x, w1, w2, b1, top_k, routing, renormalize, activation, w1_layout, rounding,
+            round_tile):
+    general = routing == L.SMOE_ROUTING_GENERAL
+    T, d, n, E, K = _dims(x, w1, w2, top_k, activation, general)
+    dtype = _DTYPES.get(x.dtype)
+    if dtype is None:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
+                        "dtype %s: smoe takes float32, bfloat16 or float64" % x.dtype)
+    return (int(d), int(n), int(E), int(K), activation, w1_layout, b1 is not None, routing,
+            bool(renormalize), rounding, int(round_tile), dtype)
+
+
+def _contig(t):
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+# ------------------------------------------------------------ custom operators
+
+@torch.library.custom_op("smoe::moe_forward", mutates_args=())
+def _moe_forward(x: Tensor, router_w: Optional[Tensor], pair_token: Optional[Tensor],
+                 pair_expert: Optional[Tensor], pair_score: Optional[Tensor], w1: Tensor,
+                 w2: Tensor, b1: Optional[Tensor], b2: Optional[Tensor], top_k: int, routing: int,
+                 renormalize: bool, activation: int, w1_layout: int, rounding: int,
+                 round_tile: int, inference: bool,
+                 save: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out (T, d), expert_counts (E) int32, router_logits (T, E) fp32 or (0,)
+    for GENERAL, saved uint8 block or (0,) when nothing is kept)."""
+    cfg = _config(x, w1, w2, b1, top_k, routing, renormalize, activation, w1_layout, rounding,
+                  round_tile)
+    general = routing == L.SMOE_ROUTING_GENERAL
+    T, E = x.shape[0], w1.shape[0]
+    pairs = pair_token.shape[0] if general else 0
+    dev = x.device
+    layer = _get_layer(cfg, dev)
+    x, router_w, w1, w2, b1, b2 = map(_contig, (x, router_w, w1, w2, b1, b2))
+    pair_token, pair_expert, pair_score = map(_contig, (pair_token, pair_expert, pair_score))
+
+    out = torch.empty_like(x)
+    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    logits = torch.empty((0,) if general else (T, E), dtype=torch.float32, device=dev)
+    # A forward whose result nobody differentiates needs no saved block, and
+    # without token rounding the library's inference mode computes the same.
+    lib_inference = inference or (not save and rounding == L.SMOE_ROUND_OFF)
+    if lib_inference:
+        saved = torch.empty(0, dtype=torch.uint8, device=dev)
+    else:
+        nbytes = layer.saved_bytes(T, pairs)
+        want = saved_bytes(T, pairs, d=cfg[0], n=cfg[1], E=E, K=cfg[3], activation=activation,
+                           routing=routing, rounding=rounding, round_tile=round_tile,
+                           dtype=cfg[11])
+        if nbytes != want:
+            raise SmoeError(L.SMOE_ERROR_INTERNAL,
+                            "smoe_layer_saved_bytes() = %d but smoe.functional.saved_bytes() = %d:"
+                            " the Python mirror of the saved layout is out of date" % (nbytes, want))
+        saved = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    ws = torch.empty(layer.workspace_bytes(T, pairs), dtype=torch.uint8, device=dev)
+
+    a = L.smoe_forward_args()
+    a.T = T
+    a.x = _ptr(x)
+    a.router_w = _ptr(router_w)
+    a.pairs = pairs
+    if general and pairs > 0:
+        a.pair_token = ctypes.cast(pair_token.data_ptr(), ctypes.POINTER(ctypes.c_int32))
+        a.pair_expert = ctypes.cast(pair_expert.data_ptr(), ctypes.POINTER(ctypes.c_int32))
+        a.pair_score = ctypes.cast(pair_score.data_ptr(), ctypes.POINTER(ctypes.c_float))
+    a.w1, a.b1, a.w2, a.b2 = _ptr(w1), _ptr(b1), _ptr(w2), _ptr(b2)
+    a.out = out.data_ptr()
+    if not general:
+        a.router_logits = ctypes.cast(logits.data_ptr(), ctypes.POINTER(ctypes.c_float))
+    a.expert_counts = ctypes.cast(counts.data_ptr(), ctypes.POINTER(ctypes.c_int32))
+    a.inference = int(lib_inference)
+    with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
+        L.check(L.lib().smoe_layer_forward(layer.ptr, ctypes.byref(a),
+                                           None if lib_inference else saved.data_ptr(),
+                                           ws.data_ptr(), _stream(dev)))
+    if not save or inference:
+        saved = torch.empty(0, dtype=torch.uint8, device=dev)
+    return out, counts, logits, saved
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@_moe_forward.register_fake
+def _moe_forward_fake(x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2, top_k,
+                      routing, renormalize, activation, w1_layout, rounding, round_tile,
+                      inference, save):
+    cfg = _config(x, w1, w2, b1, top_k, routing, renormalize, activation, w1_layout, rounding,
+                  round_tile)
+    general = routing == L.SMOE_ROUTING_GENERAL
+    T, E = x.shape[0], w1.shape[0]
+    pairs = pair_token.shape[0] if general else 0
+    out = torch.empty_like(x)
+    counts = x.new_empty((E,), dtype=torch.int32)
+    logits = x.new_empty((0,) if general else (T, E), dtype=torch.float32)
+    if save and not inference:
+        nbytes = saved_bytes(T, pairs, d=cfg[0], n=cfg[1], E=E, K=cfg[3], activation=activation,
+                             routing=routing, rounding=rounding, round_tile=round_tile,
+                             dtype=cfg[11])
+    else:
+        nbytes = 0
+    saved = x.new_empty((nbytes,), dtype=torch.uint8)
+    return out, counts, logits, saved
+
+
+# Bits of `needs` in moe_backward: which gradients to compute.
+_NEED_X, _NEED_ROUTER, _NEED_W1, _NEED_B1, _NEED_W2, _NEED_B2, _NEED_SCORE = (1 << i for i in range(7))
+
+
+@torch.library.custom_op("smoe::moe_backward", mutates_args=())
+def _moe_backward(dout: Tensor, dlogits_extra: Optional[Tensor], x: Tensor,
+                  router_w: Optional[Tensor], w1: Tensor, w2: Tensor, b2: Optional[Tensor],
+                  saved: Tensor, pairs: int, has_bias: bool, top_k: int, routing: int,
+                  renormalize: bool, activation: int, w1_layout: int, rounding: int,
+                  round_tile: int,
+                  needs: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, drouter_w, dw1, db1, dw2, db2, dpair_score); a gradient not asked
+    for in `needs` (or not part of the layer) is an empty tensor."""
+    b1_marker = w1 if has_bias else None   # only its presence matters to _config
+    cfg = _config(x, w1, w2, b1_marker, top_k, routing, renormalize, activation, w1_layout,
+                  rounding, round_tile)
+    general = routing == L.SMOE_ROUTING_GENERAL
+    T, E = x.shape[0], w1.shape[0]
+    dev = x.device
+    if saved.numel() == 0:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
+                        "backward through a forward that kept nothing for it "
+                        "(run with inference=True)")
+    layer = _get_layer(cfg, dev)
+    x, router_w, w1, w2, b2 = map(_contig, (x, router_w, w1, w2, b2))
+    dout = dout.to(x.dtype).contiguous()
+    if dlogits_extra is not None:
+        dlogits_extra = dlogits_extra.to(torch.float32).contiguous()
+
+    def grad_buf(bit, like, allowed=True, dtype=None):
+        if allowed and needs & bit:
+            return torch.empty(like.shape, dtype=dtype or like.dtype, device=dev)
+        return torch.empty(0, dtype=dtype or x.dtype, device=dev)
+
+    dx = grad_buf(_NEED_X, x)
+    drouter = grad_buf(_NEED_ROUTER, router_w if router_w is not None else x, not general)
+    dw1 = grad_buf(_NEED_W1, w1)
+    db1 = (torch.empty((E, w1.shape[1]), dtype=x.dtype, device=dev)
+           if has_bias and needs & _NEED_B1 else torch.empty(0, dtype=x.dtype, device=dev))
+    dw2 = grad_buf(_NEED_W2, w2)
+    db2 = (torch.empty((E, x.shape[1]), dtype=x.dtype, device=dev)
+           if has_bias and needs & _NEED_B2 else torch.empty(0, dtype=x.dtype, device=dev))
+    dscore = (torch.empty(pairs, dtype=torch.float32, device=dev)
+              if general and needs & _NEED_SCORE else torch.empty(0, dtype=torch.float32, device=dev))
+    ws = torch.empty(layer.workspace_bytes(T, pairs), dtype=torch.uint8, device=dev)
+
+    a = L.smoe_backward_args()
+    a.T = T
+    a.x = x.data_ptr()
+    a.router_w = _ptr(router_w)
+    a.pairs = pairs
+    a.w1, a.w2, a.b2 = w1.data_ptr(), w2.data_ptr(), _ptr(b2)
+    a.dout = dout.data_ptr()
+    if dlogits_extra is not None:
+        a.dlogits_extra = ctypes.cast(dlogits_extra.data_ptr(), ctypes.POINTER(ctypes.c_float))
+    layer_dtype = cfg[11]
+    for name, buf, dt in (("dx", dx, layer_dtype), ("drouter_w", drouter, layer_dtype),
+                          ("dw1", dw1, layer_dtype), ("db1", db1, layer_dtype),
+                          ("dw2", dw2, layer_dtype), ("db2", db2, layer_dtype),
+                          ("dpair_score", dscore, L.SMOE_DTYPE_F32)):
+        g = getattr(a, name)
+        g.ptr = buf.data_ptr() if buf.numel() > 0 else None
+        g.dtype = dt
+        g.accumulate = 0   # gradients overwrite
+    with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
+        L.check(L.lib().smoe_layer_backward(layer.ptr, ctypes.byref(a), saved.data_ptr(),
+                                            ws.data_ptr(), _stream(dev)))
+    return dx, drouter, dw1, db1, dw2, db2, dscore
+
+
+@_moe_backward.register_fake
+def _moe_backward_fake(dout, dlogits_extra, x, router_w, w1, w2, b2, saved, pairs, has_bias,
+                       top_k, routing, renormalize, activation, w1_layout, rounding, round_tile,
+                       needs):
+    general = routing == L.SMOE_ROUTING_GENERAL
+    E = w1.shape[0]
+
+    def buf(cond, shape, dtype=None):
+        return x.new_empty(shape if cond else (0,), dtype=dtype or x.dtype)
+
+    return (buf(needs & _NEED_X, x.shape),
+            buf(not general and needs & _NEED_ROUTER,
+                router_w.shape if router_w is not None else (0,)),
+            buf(needs & _NEED_W1, w1.shape),
+            buf(has_bias and needs & _NEED_B1, (E, w1.shape[1])),
+            buf(needs & _NEED_W2, w2.shape),
+            buf(has_bias and needs & _NEED_B2, (E, x.shape[1])),
+            buf(general and needs & _NEED_SCORE, (pairs,), torch.float32))
+
+
+# Positions of the differentiable inputs of moe_forward.
+_IN_X, _IN_ROUTER, _IN_SCORE, _IN_W1, _IN_W2, _IN_B1, _IN_B2 = 0, 1, 4, 5, 6, 7, 8
+_N_INPUTS = 18
+
+
+def _setup_context(ctx, inputs, output):
+    (x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2, top_k, routing,
+     renormalize, activation, w1_layout, rounding, round_tile, inference, save) = inputs
+    saved = output[3]
+    ctx.save_for_backward(x, router_w, w1, w2, b2, saved)
+    ctx.cfg = (top_k, routing, renormalize, activation, w1_layout, rounding, round_tile)
+    ctx.has_bias = b1 is not None
+    ctx.pairs = pair_token.shape[0] if pair_token is not None else 0
+    ctx.inference = inference
+
+
+def _backward(ctx, dout, dcounts, dlogits, dsaved):
+    x, router_w, w1, w2, b2, saved = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    bits = ((_IN_X, _NEED_X), (_IN_ROUTER, _NEED_ROUTER), (_IN_W1, _NEED_W1),
+            (_IN_B1, _NEED_B1), (_IN_W2, _NEED_W2), (_IN_B2, _NEED_B2), (_IN_SCORE, _NEED_SCORE))
+    needs = 0
+    for pos, bit in bits:
+        if need[pos]:
+            needs |= bit
+    grads = [None] * _N_INPUTS
+    if needs == 0 or (dout is None and dlogits is None):
+        return tuple(grads)
+    if ctx.inference:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
+                        "backward through smoe.moe(..., inference=True): the forward kept "
+                        "nothing for it")
+    if dout is None:
+        dout = torch.zeros_like(x)
+    if dlogits is not None and dlogits.numel() == 0:
+        dlogits = None
+    dx, dr, dw1, db1, dw2, db2, ds = torch.ops.smoe.moe_backward(
+        dout, dlogits, x, router_w, w1, w2, b2, saved, ctx.pairs, ctx.has_bias, *ctx.cfg, needs)
+    for pos, bit, g in ((_IN_X, _NEED_X, dx), (_IN_ROUTER, _NEED_ROUTER, dr),
+                        (_IN_W1, _NEED_W1, dw1), (_IN_B1, _NEED_B1, db1), (_IN_W2, _NEED_W2, dw2),
+                        (_IN_B2, _NEED_B2, db2), (_IN_SCORE, _NEED_SCORE, ds)):
+        if needs & bit:
+            grads[pos] = g
+    return tuple(grads)
+
+
+_moe_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------ public functions
+
+def _check_tensor(t, name, dim, device, dtype=None):
+    if not isinstance(t, torch.Tensor):
+        raise SmoeError(L.SMOE_ERROR_NULL_POINTER if t is None else L.SMOE_ERROR_INVALID_VALUE,
+                        "%s must be a torch.Tensor, got %s" % (name, type(t).__name__))
+    if dim is not None and t.dim() != dim:
+        raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "%s has shape %s, must have %d dimensions"
+                        % (name, tuple(t.shape), dim))
+    if t.device != device:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "%s is on %s but x is on %s"
+                        % (name, t.device, device))
+    if dtype is not None and t.dtype != dtype:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "%s has dtype %s but x has %s"
+                        % (name, t.dtype, dtype))
+
+
+def _check_shape(t, name, shape):
+    if tuple(t.shape) != tuple(shape):
+        raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "%s has shape %s, expected %s"
+                        % (name, tuple(t.shape), tuple(shape)))
+
+
+def _check_experts(x, w1, w2, b1, b2, activation):
+    """Checks the expert tensors against x; returns (d, n, E, b1, b2) with a
+    missing bias (when only one is given) filled with zeros."""
+    if x.dtype not in _DTYPES:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
+                        "x has dtype %s: smoe takes float32, bfloat16 or float64" % x.dtype)
+    d = x.shape[-1]
+    _check_tensor(w1, "w1", 3, x.device, x.dtype)
+    _check_tensor(w2, "w2", 3, x.device, x.dtype)
+    E = w1.shape[0]
+    n = w2.shape[2]
+    gated = activation in GATED
+    _check_shape(w1, "w1", (E, 2 * n if gated else n, d))
+    _check_shape(w2, "w2", (E, d, n))
+    if (b1 is None) != (b2 is None):
+        if b1 is None:
+            b1 = torch.zeros((E, w1.shape[1]), dtype=x.dtype, device=x.device)
+        else:
+            b2 = torch.zeros((E, d), dtype=x.dtype, device=x.device)
+    if b1 is not None:
+        _check_tensor(b1, "b1", 2, x.device, x.dtype)
+        _check_tensor(b2, "b2", 2, x.device, x.dtype)
+        _check_shape(b1, "b1", (E, w1.shape[1]))
+        _check_shape(b2, "b2", (E, d))
+    return d, n, E, b1, b2
+
+
+def _wants_grad(*tensors):
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
+        renormalize=True, activation="swiglu", w1_layout="interleaved", token_rounding=None,
+        round_tile=128, inference=False):
+    """The MoE feed-forward layer (token-choice routing), differentiable.
+
+    Shapes (T tokens: x may have any leading dimensions, flattened to T):
+      x (..., d), router_w (E, d), w1 (E, 2n, d) for gated activations or
+      (E, n, d), w2 (E, d, n), b1 (E, 2n|n), b2 (E, d). One dtype for all:
+      float32, bfloat16 or float64 on CPU, bfloat16 on CUDA.
+
+    routing: 'topk_softmax' (the K largest logits, softmax over them) or
+      'softmax_topk' (softmax over all E, the K largest; renormalised to sum
+      1 if `renormalize`). activation: 'swiglu', 'geglu', 'reglu', 'relu2',
+      'relu', 'silu', 'gelu'. w1_layout: 'interleaved' (gate j in row 2j, up
+      j in row 2j+1) or 'concatenated' (gate rows [0, n), up rows [n, 2n)).
+    token_rounding: None, 'up', 'down' or 'nearest': each expert's token
+      count rounded to a multiple of round_tile (training only; inference
+      uses plain token choice).
+    inference: nothing is kept for backward (the output cannot be
+      differentiated).
+
+    Returns (out (..., d), expert_counts (E,) int32, router_logits (..., E)
+    float32). Gradients reach x, router_w, w1, w2, b1, b2; a loss computed
+    from router_logits (an auxiliary load-balancing loss) sends its gradient
+    back through the router too.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "x must be a torch.Tensor")
+    routing_c = _enum(ROUTINGS, routing, "routing")
+    if routing_c == L.SMOE_ROUTING_GENERAL:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
+                        "routing='general' takes (token, expert, score) triples: use "
+                        "smoe.moe_general()")
+    act = _enum(ACTIVATIONS, activation, "activation")
+    layout = _enum(W1_LAYOUTS, w1_layout, "w1_layout")
+    rounding = _enum(ROUNDINGS, token_rounding, "token_rounding")
+    if x.dim() < 1:
+        raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "x must have a hidden dimension")
+    d, n, E, b1, b2 = _check_experts(x, w1, w2, b1, b2, act)
+    _check_tensor(router_w, "router_w", 2, x.device, x.dtype)
+    _check_shape(router_w, "router_w", (E, d))
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise SmoeError(L.SMOE_ERROR_INVALID_SIZE,
+                        "top_k = %r, must be an int in [1, E = %d]" % (top_k, E))
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, d)
+    save = not inference and _wants_grad(x, router_w, w1, w2, b1, b2)
+    out, counts, logits, _ = torch.ops.smoe.moe_forward(
+        x2, router_w, None, None, None, w1, w2, b1, b2, int(top_k), routing_c, bool(renormalize),
+        act, layout, rounding, int(round_tile), bool(inference), save)
+    return out.view(*lead, d), counts, logits.view(*lead, E)
+
+
+def moe_general(x, pair_token, pair_expert, pair_score, w1, w2, b1=None, b2=None, *,
+                activation="swiglu", w1_layout="interleaved", inference=False):
+    """The MoE layer with the caller's routing: `pairs` triples (token,
+    expert, score), sorted by token, each (token, expert) at most once, any
+    number of experts per token (0..E).
+
+    x (T, d); pair_token, pair_expert (pairs,) integer; pair_score (pairs,)
+    float32 (differentiable); w1, w2, b1, b2 as in moe().
+    Returns (out (T, d), expert_counts (E,) int32). Gradients reach x, w1,
+    w2, b1, b2 and pair_score.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "x must be a torch.Tensor")
+    act = _enum(ACTIVATIONS, activation, "activation")
+    layout = _enum(W1_LAYOUTS, w1_layout, "w1_layout")
+    _check_tensor(x, "x", 2, x.device)
+    d, n, E, b1, b2 = _check_experts(x, w1, w2, b1, b2, act)
+    for name, t in (("pair_token", pair_token), ("pair_expert", pair_expert),
+                    ("pair_score", pair_score)):
+        _check_tensor(t, name, 1, x.device)
+    pairs = pair_token.shape[0]
+    if pair_expert.shape[0] != pairs or pair_score.shape[0] != pairs:
+        raise SmoeError(L.SMOE_ERROR_INVALID_SIZE,
+                        "pair_token, pair_expert, pair_score have %d, %d, %d entries"
+                        % (pairs, pair_expert.shape[0], pair_score.shape[0]))
+    if pair_token.dtype.is_floating_point or pair_expert.dtype.is_floating_point:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "pair_token and pair_expert must be integers")
+    if pair_score.dtype != torch.float32:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
+                        "pair_score has dtype %s, must be float32" % pair_score.dtype)
+    pair_token = pair_token.to(torch.int32)
+    pair_expert = pair_expert.to(torch.int32)
+    save = not inference and _wants_grad(x, pair_score, w1, w2, b1, b2)
+    out, counts, _, _ = torch.ops.smoe.moe_forward(
+        x, None, pair_token, pair_expert, pair_score, w1, w2, b1, b2, 0, L.SMOE_ROUTING_GENERAL,
+        False, act, layout, L.SMOE_ROUND_OFF, 128, bool(inference), save)
+    return out, counts
+
+
+def layer_info(x_or_device, dtype=torch.bfloat16):
+    """The backend and kernel path a device would run on, e.g. ('cpu', 'cpu (f32, ...)')."""
+    device = x_or_device.device if isinstance(x_or_device, torch.Tensor) else torch.device(x_or_device)
+    if isinstance(x_or_device, torch.Tensor):
+        dtype = x_or_device.dtype
+    cfg = (64, 64, 8, 2, L.SMOE_ACT_SWIGLU, L.SMOE_W1_INTERLEAVED, False,
+           L.SMOE_ROUTING_TOPK_SOFTMAX, False, L.SMOE_ROUND_OFF, 128, _DTYPES[dtype])
+    layer = _get_layer(cfg, device)
+    names = {v: k[len("SMOE_BACKEND_"):].lower() for k, v in L.ENUMS["smoe_backend"].items()}
+    return names[layer.backend], layer.path_name

@@ -1,0 +1,272 @@
+"""smoe.MoE: the MoE feed-forward layer as an nn.Module, with SonicMoE's
+constructor, and a loader for Hugging Face MoE checkpoints."""
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import _lib as L
+from .functional import ACTIVATIONS, GATED, _enum, moe
+
+__all__ = ["Experts", "MoE", "switch_load_balancing_loss", "load_hf_moe_weights"]
+
+
+class Experts(nn.Module):
+    """E linear maps stacked: weight (E, out_features, in_features), bias
+    (E, out_features) or None. Initialised N(0, std), biases zero."""
+
+    def __init__(self, num_experts, in_features, out_features, add_bias=False, std=None):
+        super().__init__()
+        self.num_experts = num_experts
+        self.in_features = in_features
+        self.out_features = out_features
+        self.std = std
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features)) if add_bias else None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        std = self.std if self.std is not None else self.in_features ** -0.5
+        nn.init.normal_(self.weight, mean=0.0, std=std)
+        if self.bias is not None:
+            self.bias.zero_()
+
+    def extra_repr(self):
+        return "num_experts=%d, in_features=%d, out_features=%d, bias=%s" % (
+            self.num_experts, self.in_features, self.out_features, self.bias is not None)
+
+
+def switch_load_balancing_loss(router_logits, expert_counts):
+    """Switch Transformer load-balancing loss, E * sum_e f_e * P_e, with f_e
+    the fraction of routed rows that went to expert e (from expert_counts)
+    and P_e the mean router probability softmax(router_logits)[:, e]. It is 1
+    for perfectly balanced routing. Its gradient reaches the router through
+    router_logits (smoe passes it to the library as dlogits_extra)."""
+    logits = router_logits.reshape(-1, router_logits.shape[-1])
+    E = logits.shape[1]
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    p = F.normalize(probs.sum(0), p=1, dim=0)
+    f = F.normalize(expert_counts.to(torch.float32), p=1, dim=0)
+    return E * (p * f).sum()
+
+
+class MoE(nn.Module):
+    """A Mixture-of-Experts feed-forward layer on smoe, with the parameters
+    and constructor of SonicMoE's MoE:
+
+        router   nn.Linear(hidden_size, num_experts, bias=False)   (E, d)
+        c_fc     Experts: weight (E, 2n, d) gated (W1 in `w1_layout`,
+                 interleaved by default: row 2j gate j, row 2j+1 up j) or
+                 (E, n, d); bias (E, 2n|n) if add_bias
+        c_proj   Experts: weight (E, d, n); bias (E, d) if add_bias
+
+    forward(hidden_states (..., d), is_inference_mode=False) returns
+    (output (..., d), aux_loss): aux_loss is the Switch load-balancing loss
+    (a scalar tensor; None when is_inference_mode). Scale it and add it to
+    the training loss yourself.
+
+    Keyword-only extras: routing ('topk_softmax', SonicMoE's; or
+    'softmax_topk' with `renormalize`), token_rounding (None, 'up', 'down',
+    'nearest'; applied in training mode only) with round_tile, w1_layout.
+    activation_function takes a name ('swiglu', 'geglu', 'reglu', 'relu2'
+    or 'relu_sq', 'relu', 'silu', 'gelu') or an enum whose value or name is
+    one ('activation' is accepted as the keyword too).
+    """
+
+    def __init__(self, num_experts, num_experts_per_tok, hidden_size, intermediate_size,
+                 activation_function="swiglu", add_bias=False, std=0.02, *,
+                 routing="topk_softmax", renormalize=True, token_rounding=None, round_tile=128,
+                 w1_layout="interleaved", activation=None):
+        super().__init__()
+        if activation is not None:
+            activation_function = activation
+        self.num_experts = num_experts
+        self.top_k = num_experts_per_tok
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.activation_function = activation_function
+        self._act = _enum(ACTIVATIONS, activation_function, "activation_function")
+        self.routing = routing
+        self.renormalize = renormalize
+        self.token_rounding = token_rounding
+        self.round_tile = round_tile
+        self.w1_layout = w1_layout
+        gated = self._act in GATED
+        self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        self.c_fc = Experts(num_experts, hidden_size,
+                            2 * intermediate_size if gated else intermediate_size, add_bias, std)
+        self.c_proj = Experts(num_experts, intermediate_size, hidden_size, add_bias, std)
+
+    def forward(self, hidden_states, is_inference_mode=False):
+        out, counts, logits = moe(
+            hidden_states, self.router.weight, self.c_fc.weight, self.c_proj.weight,
+            self.c_fc.bias, self.c_proj.bias, top_k=self.top_k, routing=self.routing,
+            renormalize=self.renormalize, activation=self._act_name(),
+            w1_layout=self.w1_layout,
+            token_rounding=self.token_rounding if self.training else None,
+            round_tile=self.round_tile, inference=bool(is_inference_mode))
+        self.last_expert_counts = counts.detach()
+        if is_inference_mode:
+            return out, None
+        return out, switch_load_balancing_loss(logits, counts)
+
+    def _act_name(self):
+        return next(k for k, v in ACTIVATIONS.items() if v == self._act)
+
+    def extra_repr(self):
+        return ("num_experts=%d, top_k=%d, hidden_size=%d, intermediate_size=%d, "
+                "activation=%s, routing=%s, token_rounding=%s"
+                % (self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
+                   self._act_name(), self.routing, self.token_rounding))
+
+
+# ------------------------------------------------------------ Hugging Face weights
+
+def _take(state_dict, key, used):
+    used.append(key)
+    return state_dict[key]
+
+
+def load_hf_moe_weights(module, state_dict, prefix="", *, transposed=None):
+    """Copies one Hugging Face MoE block's weights into a smoe.MoE.
+
+    `state_dict` is the model's state dict (or any mapping of name ->
+    tensor); `prefix` names the MoE block in it, e.g.
+    "model.layers.3.mlp." (Qwen3-MoE, OLMoE) or
+    "model.layers.3.block_sparse_moe." (Mixtral). Recognised names under
+    the prefix:
+
+      router   gate.weight (E, d)              (Mixtral, Qwen3-MoE, OLMoE)
+               or router.weight
+      experts, one tensor per expert e:
+               experts.{e}.gate_proj.weight (n, d), experts.{e}.up_proj.weight
+               (n, d), experts.{e}.down_proj.weight (d, n)  (Qwen3-MoE, OLMoE)
+               experts.{e}.w1.weight (gate), experts.{e}.w3.weight (up),
+               experts.{e}.w2.weight (down)                   (Mixtral)
+               (with .bias next to each weight when the module has biases)
+      experts, fused (newer transformers):
+               experts.gate_up_proj (E, 2n, d), gate rows then up rows, and
+               experts.down_proj (E, d, n); layouts stored transposed,
+               (E, d, 2n) and (E, n, d), are recognised by shape, or forced
+               with transposed=True/False when the shapes cannot tell;
+               experts.gate_up_proj_bias (E, 2n), experts.down_proj_bias (E, d).
+
+    The gate and up halves are written into module.c_fc.weight in the
+    module's w1_layout (interleaved: row 2j gate j, row 2j+1 up j;
+    concatenated: as Hugging Face has them). The module must be built with
+    the checkpoint's sizes and a gated activation ('swiglu' for these
+    models), and with the model's routing:
+      Mixtral     routing='topk_softmax'
+      Qwen3-MoE   routing='softmax_topk', renormalize=config.norm_topk_prob
+      OLMoE       routing='softmax_topk', renormalize=False (norm_topk_prob)
+    Returns the list of state-dict keys it used.
+    """
+    if module._act not in GATED:
+        raise ValueError("load_hf_moe_weights: the module's activation %r is not gated; "
+                         "Hugging Face MoE experts are SwiGLU" % (module.activation_function,))
+    E, n, d = module.num_experts, module.intermediate_size, module.hidden_size
+    has_bias = module.c_fc.bias is not None
+    used = []
+
+    def get(name):
+        key = prefix + name
+        if key not in state_dict:
+            return None
+        return _take(state_dict, key, used)
+
+    router = get("gate.weight")
+    if router is None:
+        router = get("router.weight")
+    if router is None:
+        raise KeyError("load_hf_moe_weights: no %sgate.weight or %srouter.weight in the state "
+                       "dict" % (prefix, prefix))
+    if tuple(router.shape) != (E, d):
+        raise ValueError("router weight has shape %s, the module wants (%d, %d)"
+                         % (tuple(router.shape), E, d))
+
+    gate_bias = up_bias = down_bias = None
+    gate_up = get("experts.gate_up_proj")
+    if gate_up is not None:
+        down = get("experts.down_proj")
+        if down is None:
+            raise KeyError("load_hf_moe_weights: %sexperts.gate_up_proj without "
+                           "%sexperts.down_proj" % (prefix, prefix))
+        t = transposed
+        if t is None:
+            t = tuple(gate_up.shape) == (E, d, 2 * n) and (E, d, 2 * n) != (E, 2 * n, d)
+        if t:
+            gate_up = gate_up.transpose(1, 2)
+            down = down.transpose(1, 2)
+        if tuple(gate_up.shape) != (E, 2 * n, d) or tuple(down.shape) != (E, d, n):
+            raise ValueError("fused experts have shapes %s and %s, the module wants (%d, %d, %d) "
+                             "and (%d, %d, %d)" % (tuple(gate_up.shape), tuple(down.shape),
+                                                   E, 2 * n, d, E, d, n))
+        gate, up = gate_up[:, :n], gate_up[:, n:]
+        if has_bias:
+            gub = get("experts.gate_up_proj_bias")
+            down_bias = get("experts.down_proj_bias")
+            if gub is None or down_bias is None:
+                raise KeyError("load_hf_moe_weights: the module has biases but the state dict "
+                               "has no %sexperts.gate_up_proj_bias/down_proj_bias" % prefix)
+            gate_bias, up_bias = gub[:, :n], gub[:, n:]
+    else:
+        pattern = re.compile(re.escape(prefix) + r"experts\.(\d+)\.(\w+)\.weight$")
+        names = {m.group(2) for k in state_dict for m in [pattern.match(k)] if m}
+        if {"gate_proj", "up_proj", "down_proj"} <= names:
+            g_name, u_name, d_name = "gate_proj", "up_proj", "down_proj"
+        elif {"w1", "w2", "w3"} <= names:
+            g_name, u_name, d_name = "w1", "w3", "w2"
+        else:
+            raise KeyError("load_hf_moe_weights: found no experts under %r (looked for "
+                           "experts.gate_up_proj, experts.{e}.gate_proj/up_proj/down_proj and "
+                           "experts.{e}.w1/w2/w3)" % prefix)
+
+        def stack(name, kind, shape):
+            out = []
+            for e in range(E):
+                t = get("experts.%d.%s.%s" % (e, name, kind))
+                if t is None:
+                    raise KeyError("load_hf_moe_weights: missing %sexperts.%d.%s.%s"
+                                   % (prefix, e, name, kind))
+                if tuple(t.shape) != shape:
+                    raise ValueError("experts.%d.%s.%s has shape %s, the module wants %s"
+                                     % (e, name, kind, tuple(t.shape), shape))
+                out.append(t)
+            return torch.stack(out)
+
+        gate = stack(g_name, "weight", (n, d))
+        up = stack(u_name, "weight", (n, d))
+        down = stack(d_name, "weight", (d, n))
+        if has_bias:
+            gate_bias = stack(g_name, "bias", (n,))
+            up_bias = stack(u_name, "bias", (n,))
+            down_bias = stack(d_name, "bias", (d,))
+
+    layout = module.w1_layout
+    with torch.no_grad():
+        w1 = module.c_fc.weight
+        module.router.weight.copy_(router)
+        if _enum_layout(layout) == L.SMOE_W1_INTERLEAVED:
+            w1[:, 0::2].copy_(gate)
+            w1[:, 1::2].copy_(up)
+        else:
+            w1[:, :n].copy_(gate)
+            w1[:, n:].copy_(up)
+        module.c_proj.weight.copy_(down)
+        if has_bias:
+            b1 = module.c_fc.bias
+            if _enum_layout(layout) == L.SMOE_W1_INTERLEAVED:
+                b1[:, 0::2].copy_(gate_bias)
+                b1[:, 1::2].copy_(up_bias)
+            else:
+                b1[:, :n].copy_(gate_bias)
+                b1[:, n:].copy_(up_bias)
+            module.c_proj.bias.copy_(down_bias)
+    return used
+
+
+def _enum_layout(layout):
+    from .functional import W1_LAYOUTS
+    return _enum(W1_LAYOUTS, layout, "w1_layout")
