@@ -147,39 +147,91 @@ static inline int64_t w1_row(const smoe_layer *layer, int64_t c)
     return (c & 1) ? layer->desc.n + (c >> 1) : (c >> 1);
 }
 
-static inline double dot(const double *a, const double *b, int64_t len)
+/* Dot products and row updates with a weight row read in its storage
+ * dtype. Four partial sums in a fixed order (deterministic): one chain of
+ * dependent adds would bound the speed by the add latency. */
+#define DOT4(LOAD)                                                        \
+    do {                                                                  \
+        for (; i + 4 <= len; i += 4) {                                    \
+            s0 += LOAD(i) * x[i];                                         \
+            s1 += LOAD(i + 1) * x[i + 1];                                 \
+            s2 += LOAD(i + 2) * x[i + 2];                                 \
+            s3 += LOAD(i + 3) * x[i + 3];                                 \
+        }                                                                 \
+        for (; i < len; i++) s0 += LOAD(i) * x[i];                        \
+    } while (0)
+
+/* sum_i w[off + i] * x[i] */
+static inline double dot_w(const void *w, smoe_dtype t, int64_t off, const double *x,
+                           int64_t len)
 {
-    double s = 0.0;
-    for (int64_t i = 0; i < len; i++) s += a[i] * b[i];
-    return s;
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    int64_t i = 0;
+    if (t == SMOE_DTYPE_BF16) {
+        const uint16_t *p = (const uint16_t *)w + off;
+#define LOAD_BF16(k) bf16_bits_to_double(p[k])
+        DOT4(LOAD_BF16);
+#undef LOAD_BF16
+    } else if (t == SMOE_DTYPE_F32) {
+        const float *p = (const float *)w + off;
+#define LOAD_F32(k) ((double)p[k])
+        DOT4(LOAD_F32);
+#undef LOAD_F32
+    } else {
+        const double *p = (const double *)w + off;
+#define LOAD_F64(k) (p[k])
+        DOT4(LOAD_F64);
+#undef LOAD_F64
+    }
+    return (s0 + s1) + (s2 + s3);
+}
+
+static inline double dot(const double *a, const double *x, int64_t len)
+{
+    return dot_w(a, SMOE_DTYPE_F64, 0, x, len);
+}
+
+/* y[i] += a * w[off + i] */
+static inline void axpy_w(double *y, double a, const void *w, smoe_dtype t, int64_t off,
+                          int64_t len)
+{
+    if (t == SMOE_DTYPE_BF16) {
+        const uint16_t *p = (const uint16_t *)w + off;
+        for (int64_t i = 0; i < len; i++) y[i] += a * bf16_bits_to_double(p[i]);
+    } else if (t == SMOE_DTYPE_F32) {
+        const float *p = (const float *)w + off;
+        for (int64_t i = 0; i < len; i++) y[i] += a * (double)p[i];
+    } else {
+        const double *p = (const double *)w + off;
+        for (int64_t i = 0; i < len; i++) y[i] += a * p[i];
+    }
 }
 
 /* ------------------------------------------------------------ workspace */
 
 typedef struct cpu_ws {
-    double *xd;       /* (T, d) x in double */
-    double *wr;       /* (E, d) router weight in double (not GENERAL) */
-    double *wbuf;     /* one expert's W1 (h_cols, d) or W2 (d, n) / W2^T (n, d) */
-    double *gbuf;     /* one expert's weight gradient, same size */
+    double *xd;          /* (T, d) x in double */
+    int32_t *row_expert; /* (cap) expert of each row */
     /* forward */
-    void *meta;       /* saved-shaped block used when nothing is saved (inference) */
-    float *logits32;  /* (T, E) */
-    double *logits64; /* (T, E) */
-    void *route;      /* routing scratch */
-    double *ascore;   /* (cap) assignment scores */
-    double *a;        /* (cap, n) A */
-    double *y;        /* (cap, d) Y */
+    void *meta;          /* saved-shaped block used when nothing is saved (inference) */
+    float *logits32;     /* (T, E) */
+    double *logits64;    /* (T, E) */
+    void *route;         /* routing scratch */
+    double *ascore;      /* (cap) assignment scores */
+    double *a;           /* (cap, n) A */
+    double *y;           /* (cap, d) Y */
     /* backward */
-    double *dod;      /* (T, d) dO in double */
-    double *ds;       /* (cap) dS */
-    double *ap;       /* (cap, n) A' = s*A */
-    double *dh;       /* (cap, h_cols) dH */
-    double *dxt;      /* (cap, d) dX~ */
-    double *dxd;      /* (T, d) dX */
-    double *dl;       /* (T, E) dlogits */
-    double *rp;       /* (3E) router backward per token: p, dp, logits */
-    int32_t *ridx;    /* (K) */
-    float *rl32;      /* (E) */
+    double *dod;         /* (T, d) dO in double */
+    double *ds;          /* (cap) dS */
+    double *dap;         /* (cap, n) dA' */
+    double *ap;          /* (cap, n) A' = s*A */
+    double *dh;          /* (cap, h_cols) dH */
+    double *dxt;         /* (cap, d) dX~ */
+    double *dxd;         /* (T, d) dX */
+    double *dl;          /* (T, E) dlogits */
+    double *rp;          /* (3E) router backward of one token: p, dp, logits */
+    int32_t *ridx;       /* (K) */
+    float *rl32;         /* (E) */
     size_t total;
 } cpu_ws;
 
@@ -204,12 +256,10 @@ static void ws_plan(const smoe_layer *layer, int64_t T, int64_t cap, int backwar
     const size_t d = (size_t)D->d, n = (size_t)D->n, E = (size_t)D->E, t = (size_t)T;
     const size_t hc = (size_t)layer->h_cols, c = (size_t)cap;
     const int general = D->routing == SMOE_ROUTING_GENERAL;
-    size_t wsz = hc * d > d * n ? hc * d : d * n;
     ws_bump b = {(char *)base, 0};
     memset(w, 0, sizeof *w);
     w->xd = (double *)ws_take(&b, t * d * 8);
-    w->wr = general ? NULL : (double *)ws_take(&b, E * d * 8);
-    w->wbuf = (double *)ws_take(&b, wsz * 8);
+    w->row_expert = (int32_t *)ws_take(&b, c * 4);
     if (!backward) {
         smoe_saved_layout l;
         smoe_saved_layout_make(layer, T, cap, &l);
@@ -224,9 +274,9 @@ static void ws_plan(const smoe_layer *layer, int64_t T, int64_t cap, int backwar
         w->a = (double *)ws_take(&b, c * n * 8);
         w->y = (double *)ws_take(&b, c * d * 8);
     } else {
-        w->gbuf = (double *)ws_take(&b, wsz * 8);
         w->dod = (double *)ws_take(&b, t * d * 8);
         w->ds = (double *)ws_take(&b, c * 8);
+        w->dap = (double *)ws_take(&b, c * n * 8);
         w->ap = (double *)ws_take(&b, c * n * 8);
         w->dh = (double *)ws_take(&b, c * hc * 8);
         w->dxt = (double *)ws_take(&b, c * d * 8);
@@ -249,30 +299,27 @@ static size_t cpu_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t ca
     return f.total > b.total ? f.total : b.total;
 }
 
-/* Converts rows [0, rows) of `cols` elements into double. */
-static void to_double(const void *src, smoe_dtype t, int64_t offset, int64_t count, double *dst)
+static void to_double(const void *src, smoe_dtype t, int64_t count, double *dst)
 {
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < count; i++) dst[i] = load(src, t, offset + i);
+    for (int64_t i = 0; i < count; i++) dst[i] = load(src, t, i);
 }
 
-/* Expert e's W1 (h_cols, d) into wbuf in logical (interleaved) row order. */
-static void load_w1(const smoe_layer *layer, const void *w1, int64_t e, double *dst)
+static void fill_row_expert(const smoe_layer *layer, const int32_t *off, int32_t *row_expert)
 {
-    const int64_t hc = layer->h_cols, d = layer->desc.d;
-    const smoe_dtype t = layer->desc.dtype;
-#pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < hc; c++) {
-        int64_t src = (e * hc + w1_row(layer, c)) * d;
-        for (int64_t i = 0; i < d; i++) dst[c * d + i] = load(w1, t, src + i);
-    }
+    for (int64_t e = 0; e < layer->desc.E; e++)
+        for (int32_t r = off[e]; r < off[e + 1]; r++) row_expert[r] = (int32_t)e;
 }
+
+/* Weight gradients are summed over the rows of an expert in blocks of
+ * this many columns, kept on the stack (no per-thread workspace). */
+#define GRAD_BLOCK 256
 
 /* ------------------------------------------------------------ forward */
 
 /* Metadata from token-major assignments (token_offset, assign_expert and
- * scores already in place): counts, expert offsets, rows sorted by expert
- * then token, each row's token and score, each assignment's row. */
+ * scores in place): counts, expert offsets, rows sorted by expert then
+ * token, each row's token and score, each assignment's row. */
 static void build_metadata(const smoe_layer *layer, int64_t T, const double *ascore,
                            const smoe_saved_view *v, int32_t *counts_out)
 {
@@ -307,22 +354,22 @@ static smoe_status cpu_forward(smoe_layer *layer, const smoe_forward_args *args,
     (void)stream;
     const smoe_layer_desc *D = &layer->desc;
     const smoe_dtype dt = D->dtype;
+    const smoe_activation act = D->activation;
     const int64_t T = args->T, d = D->d, n = D->n, E = D->E, hc = layer->h_cols;
     const int general = D->routing == SMOE_ROUTING_GENERAL;
-    const int gated = layer->gated;
+    const int gated = layer->gated, bias = D->has_bias;
     cpu_ws w;
     ws_plan(layer, T, L->cap, 0, workspace, &w);
     smoe_saved_view v = smoe_saved_view_make(L, saved ? saved : w.meta);
 
-    to_double(args->x, dt, 0, T * d, w.xd);
+    to_double(args->x, dt, T * d, w.xd);
 
-    /* 1. router and routing */
+    /* 1. router logits = X Wr^T, and the routing */
     if (!general) {
-        to_double(args->router_w, dt, 0, E * d, w.wr);
 #pragma omp parallel for schedule(static)
         for (int64_t t = 0; t < T; t++)
             for (int64_t e = 0; e < E; e++) {
-                double l = dot(w.xd + t * d, w.wr + e * d, d);
+                double l = dot_w(args->router_w, dt, e * d, w.xd + t * d, d);
                 w.logits64[t * E + e] = l;
                 w.logits32[t * E + e] = (float)l;
             }
@@ -347,49 +394,47 @@ static smoe_status cpu_forward(smoe_layer *layer, const smoe_forward_args *args,
 
     /* 2. metadata */
     build_metadata(layer, T, w.ascore, &v, args->expert_counts);
-    const int32_t *off = v.expert_offset;
+    const int32_t R = v.expert_offset[E];
+    fill_row_expert(layer, v.expert_offset, w.row_expert);
 
-    /* 3. up-projection: H (saved, dtype) and A (rounded to dtype) */
-    for (int64_t e = 0; e < E; e++) {
-        if (off[e] == off[e + 1]) continue;
-        load_w1(layer, args->w1, e, w.wbuf);
+    /* 3. up-projection: H = X[token] W1[e]^T + b1 (saved, dtype), A = act(H)
+     *    from the unrounded H, rounded to dtype (as the GPU epilogue does) */
 #pragma omp parallel for schedule(static)
-        for (int64_t r = off[e]; r < off[e + 1]; r++) {
-            const double *x = w.xd + (int64_t)v.row_token[r] * d;
-            if (gated) {
-                for (int64_t j = 0; j < n; j++) {
-                    double g = dot(w.wbuf + (2 * j) * d, x, d);
-                    double u = dot(w.wbuf + (2 * j + 1) * d, x, d);
-                    if (D->has_bias) {
-                        g += load(args->b1, dt, e * hc + w1_row(layer, 2 * j));
-                        u += load(args->b1, dt, e * hc + w1_row(layer, 2 * j + 1));
-                    }
-                    store(v.h, dt, r * hc + 2 * j, g);
-                    store(v.h, dt, r * hc + 2 * j + 1, u);
-                    w.a[r * n + j] = round_to(dt, act_f(D->activation, g) * u);
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t e = w.row_expert[r];
+        const double *x = w.xd + (int64_t)v.row_token[r] * d;
+        if (gated) {
+            for (int64_t j = 0; j < n; j++) {
+                int64_t pg = w1_row(layer, 2 * j), pu = w1_row(layer, 2 * j + 1);
+                double g = dot_w(args->w1, dt, (e * hc + pg) * d, x, d);
+                double u = dot_w(args->w1, dt, (e * hc + pu) * d, x, d);
+                if (bias) {
+                    g += load(args->b1, dt, e * hc + pg);
+                    u += load(args->b1, dt, e * hc + pu);
                 }
-            } else {
-                for (int64_t j = 0; j < n; j++) {
-                    double h = dot(w.wbuf + j * d, x, d);
-                    if (D->has_bias) h += load(args->b1, dt, e * hc + j);
-                    store(v.h, dt, r * hc + j, h);
-                    w.a[r * n + j] = round_to(dt, act_f(D->activation, h));
-                }
+                store(v.h, dt, r * hc + 2 * j, g);
+                store(v.h, dt, r * hc + 2 * j + 1, u);
+                w.a[r * n + j] = round_to(dt, act_f(act, g) * u);
+            }
+        } else {
+            for (int64_t j = 0; j < n; j++) {
+                double h = dot_w(args->w1, dt, (e * hc + j) * d, x, d);
+                if (bias) h += load(args->b1, dt, e * hc + j);
+                store(v.h, dt, r * hc + j, h);
+                w.a[r * n + j] = round_to(dt, act_f(act, h));
             }
         }
     }
 
-    /* 4. down-projection: Y = A W2^T + b2 (rounded to dtype) */
-    for (int64_t e = 0; e < E; e++) {
-        if (off[e] == off[e + 1]) continue;
-        to_double(args->w2, dt, e * d * n, d * n, w.wbuf);
+    /* 4. down-projection: Y = A W2[e]^T + b2, rounded to dtype */
 #pragma omp parallel for schedule(static)
-        for (int64_t r = off[e]; r < off[e + 1]; r++)
-            for (int64_t i = 0; i < d; i++) {
-                double y = dot(w.wbuf + i * n, w.a + r * n, n);
-                if (D->has_bias) y += load(args->b2, dt, e * d + i);
-                w.y[r * d + i] = round_to(dt, y);
-            }
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t e = w.row_expert[r];
+        for (int64_t i = 0; i < d; i++) {
+            double y = dot_w(args->w2, dt, (e * d + i) * n, w.a + r * n, n);
+            if (bias) y += load(args->b2, dt, e * d + i);
+            w.y[r * d + i] = round_to(dt, y);
+        }
     }
 
     /* 5. aggregation: o_t = sum over the token's assignments of s * Y[row] */
@@ -409,8 +454,8 @@ static smoe_status cpu_forward(smoe_layer *layer, const smoe_forward_args *args,
         memcpy(args->router_logits, w.logits32, (size_t)(T * E) * sizeof(float));
     if (!general && saved && v.logits) {
         for (int64_t i = 0; i < T * E; i++)
-            saved_f_put(layer, v.logits, i, dt == SMOE_DTYPE_F64 ? w.logits64[i]
-                                                                 : (double)w.logits32[i]);
+            saved_f_put(layer, v.logits, i,
+                        dt == SMOE_DTYPE_F64 ? w.logits64[i] : (double)w.logits32[i]);
     }
     return SMOE_SUCCESS;
 }
@@ -509,137 +554,136 @@ static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *arg
     const smoe_activation act = D->activation;
     const int64_t T = args->T, d = D->d, n = D->n, E = D->E, hc = layer->h_cols;
     const int general = D->routing == SMOE_ROUTING_GENERAL;
-    const int gated = layer->gated;
+    const int gated = layer->gated, bias = D->has_bias;
     cpu_ws w;
     ws_plan(layer, T, L->cap, 1, workspace, &w);
     smoe_saved_view v = smoe_saved_view_make(L, (void *)(uintptr_t)saved);
     SMOE_FORWARD_IF_ERROR(check_saved(layer, &v, T, L->cap));
     const int32_t *off = v.expert_offset;
     const int32_t R = off[E];
+    fill_row_expert(layer, off, w.row_expert);
 
-    to_double(args->x, dt, 0, T * d, w.xd);
-    to_double(args->dout, dt, 0, T * d, w.dod);
+    to_double(args->x, dt, T * d, w.xd);
+    to_double(args->dout, dt, T * d, w.dod);
 
-    /* 1. dA' = dO[token] W2[e]; dS, A' = s*A, dH = s * dact(H, dA') */
-    for (int64_t e = 0; e < E; e++) {
-        if (off[e] == off[e + 1]) continue;
-        /* W2[e]^T (n, d) so that each dA'_j is a contiguous dot product */
+    /* 1. dA' = dO[token] W2[e] (fp32 accumulator, not stored on the GPU);
+     *    with A = act(H) from the saved H: dS = <dA', A> (+ <dO, b2>),
+     *    A' = s*A and dH = s * dact(H, dA'), both rounded to dtype */
 #pragma omp parallel for schedule(static)
-        for (int64_t j = 0; j < n; j++)
-            for (int64_t i = 0; i < d; i++)
-                w.wbuf[j * d + i] = load(args->w2, dt, (e * d + i) * n + j);
-#pragma omp parallel for schedule(static)
-        for (int64_t r = off[e]; r < off[e + 1]; r++) {
-            const double *g = w.dod + (int64_t)v.row_token[r] * d;
-            const double s = saved_f(layer, v.row_score, r);
-            double dsr = 0.0;
-            for (int64_t j = 0; j < n; j++) {
-                double dap = round_f32(layer, dot(w.wbuf + j * d, g, d));
-                double a;
-                if (gated) {
-                    double hg = load(v.h, dt, r * hc + 2 * j);
-                    double hu = load(v.h, dt, r * hc + 2 * j + 1);
-                    double fg = act_f(act, hg);
-                    a = fg * hu;
-                    w.dh[r * hc + 2 * j] = round_to(dt, s * dap * act_df(act, hg) * hu);
-                    w.dh[r * hc + 2 * j + 1] = round_to(dt, s * dap * fg);
-                } else {
-                    double h = load(v.h, dt, r * hc + j);
-                    a = act_f(act, h);
-                    w.dh[r * hc + j] = round_to(dt, s * dap * act_df(act, h));
-                }
-                dsr += dap * a;
-                w.ap[r * n + j] = round_to(dt, s * a);
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t e = w.row_expert[r];
+        const double *g = w.dod + (int64_t)v.row_token[r] * d;
+        const double s = saved_f(layer, v.row_score, r);
+        double *dap = w.dap + r * n;
+        for (int64_t j = 0; j < n; j++) dap[j] = 0.0;
+        for (int64_t i = 0; i < d; i++) axpy_w(dap, g[i], args->w2, dt, (e * d + i) * n, n);
+        double dsr = 0.0;
+        for (int64_t j = 0; j < n; j++) {
+            double da = round_f32(layer, dap[j]), a;
+            if (gated) {
+                double hg = load(v.h, dt, r * hc + 2 * j);
+                double hu = load(v.h, dt, r * hc + 2 * j + 1);
+                double fg = act_f(act, hg);
+                a = fg * hu;
+                w.dh[r * hc + 2 * j] = round_to(dt, s * da * act_df(act, hg) * hu);
+                w.dh[r * hc + 2 * j + 1] = round_to(dt, s * da * fg);
+            } else {
+                double h = load(v.h, dt, r * hc + j);
+                a = act_f(act, h);
+                w.dh[r * hc + j] = round_to(dt, s * da * act_df(act, h));
             }
-            if (D->has_bias)
-                for (int64_t i = 0; i < d; i++) dsr += g[i] * load(args->b2, dt, e * d + i);
-            w.ds[r] = round_f32(layer, dsr);
+            dsr += da * a;
+            w.ap[r * n + j] = round_to(dt, s * a);
         }
+        if (bias) dsr += dot_w(args->b2, dt, e * d, g, d);
+        w.ds[r] = round_f32(layer, dsr);
     }
 
-    /* 2. dW2[e] = sum over rows of dO[token]^T A'; db2[e] = sum of s * dO */
+    /* 2. dW2[e] = sum over e's rows of dO[token]^T A'; db2[e] = sum s dO.
+     *    Experts without rows: zeros when overwriting, untouched when
+     *    accumulating (as the GPU kernels do). */
     if (args->dw2.ptr || args->db2.ptr) {
-        for (int64_t e = 0; e < E; e++) {
+#pragma omp parallel for schedule(static)
+        for (int64_t ei = 0; ei < E * d; ei++) {
+            const int64_t e = ei / d, i = ei % d;
             const int32_t r0 = off[e], r1 = off[e + 1];
             if (r0 == r1) {
-                /* no rows: zeros when overwriting, untouched when accumulating */
                 if (args->dw2.ptr && !args->dw2.accumulate)
-                    for (int64_t i = 0; i < d * n; i++) store(args->dw2.ptr, args->dw2.dtype, e * d * n + i, 0.0);
+                    for (int64_t j = 0; j < n; j++) store(args->dw2.ptr, args->dw2.dtype, ei * n + j, 0.0);
                 if (args->db2.ptr && !args->db2.accumulate)
-                    for (int64_t i = 0; i < d; i++) store(args->db2.ptr, args->db2.dtype, e * d + i, 0.0);
+                    store(args->db2.ptr, args->db2.dtype, ei, 0.0);
                 continue;
             }
-#pragma omp parallel for schedule(static)
-            for (int64_t i = 0; i < d; i++) {
-                double *acc = w.gbuf + i * n;
-                double b = 0.0;
-                for (int64_t j = 0; j < n; j++) acc[j] = 0.0;
-                for (int32_t r = r0; r < r1; r++) {
-                    double g = w.dod[(int64_t)v.row_token[r] * d + i];
-                    const double *ap = w.ap + (int64_t)r * n;
-                    for (int64_t j = 0; j < n; j++) acc[j] += g * ap[j];
-                    b += saved_f(layer, v.row_score, r) * g;
+            if (args->dw2.ptr) {
+                double acc[GRAD_BLOCK];
+                for (int64_t j0 = 0; j0 < n; j0 += GRAD_BLOCK) {
+                    int64_t len = n - j0 < GRAD_BLOCK ? n - j0 : GRAD_BLOCK;
+                    for (int64_t j = 0; j < len; j++) acc[j] = 0.0;
+                    for (int32_t r = r0; r < r1; r++) {
+                        double g = w.dod[(int64_t)v.row_token[r] * d + i];
+                        const double *ap = w.ap + (int64_t)r * n + j0;
+                        for (int64_t j = 0; j < len; j++) acc[j] += g * ap[j];
+                    }
+                    for (int64_t j = 0; j < len; j++) grad_put(&args->dw2, ei * n + j0 + j, acc[j]);
                 }
-                if (args->dw2.ptr)
-                    for (int64_t j = 0; j < n; j++) grad_put(&args->dw2, (e * d + i) * n + j, acc[j]);
-                if (args->db2.ptr) grad_put(&args->db2, e * d + i, b);
+            }
+            if (args->db2.ptr) {
+                double b = 0.0;
+                for (int32_t r = r0; r < r1; r++)
+                    b += saved_f(layer, v.row_score, r) * w.dod[(int64_t)v.row_token[r] * d + i];
+                grad_put(&args->db2, ei, b);
             }
         }
     }
 
-    /* 3-4. dX~ = dH W1[e]; dW1[e] = sum over rows of dH^T X[token]; db1 */
-    for (int64_t e = 0; e < E; e++) {
-        const int32_t r0 = off[e], r1 = off[e + 1];
-        if (r0 == r1) {
-            if (args->dw1.ptr && !args->dw1.accumulate)
-                for (int64_t i = 0; i < hc * d; i++) store(args->dw1.ptr, args->dw1.dtype, e * hc * d + i, 0.0);
-            if (args->db1.ptr && !args->db1.accumulate)
-                for (int64_t c = 0; c < hc; c++) store(args->db1.ptr, args->db1.dtype, e * hc + c, 0.0);
-            continue;
-        }
-        load_w1(layer, args->w1, e, w.wbuf);
+    /* 3. dX~ = dH W1[e], rounded to dtype */
 #pragma omp parallel for schedule(static)
-        for (int64_t r = r0; r < r1; r++) {
-            double *o = w.dxt + r * d;
-            for (int64_t i = 0; i < d; i++) o[i] = 0.0;
-            for (int64_t c = 0; c < hc; c++) {
-                double g = w.dh[r * hc + c];
-                const double *wc = w.wbuf + c * d;
-                for (int64_t i = 0; i < d; i++) o[i] += g * wc[i];
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t e = w.row_expert[r];
+        double *o = w.dxt + r * d;
+        for (int64_t i = 0; i < d; i++) o[i] = 0.0;
+        for (int64_t c = 0; c < hc; c++)
+            axpy_w(o, w.dh[r * hc + c], args->w1, dt, (e * hc + w1_row(layer, c)) * d, d);
+        for (int64_t i = 0; i < d; i++) o[i] = round_to(dt, o[i]);
+    }
+
+    /* 4. dW1[e] = sum over e's rows of dH^T X[token] (logical row c to W1's
+     *    physical row), db1[e] = sum of dH rows */
+    if (args->dw1.ptr || args->db1.ptr) {
+#pragma omp parallel for schedule(static)
+        for (int64_t ec = 0; ec < E * hc; ec++) {
+            const int64_t e = ec / hc, c = ec % hc;
+            const int64_t prow = e * hc + w1_row(layer, c);
+            const int32_t r0 = off[e], r1 = off[e + 1];
+            if (r0 == r1) {
+                if (args->dw1.ptr && !args->dw1.accumulate)
+                    for (int64_t i = 0; i < d; i++) store(args->dw1.ptr, args->dw1.dtype, prow * d + i, 0.0);
+                if (args->db1.ptr && !args->db1.accumulate)
+                    store(args->db1.ptr, args->db1.dtype, prow, 0.0);
+                continue;
             }
-            for (int64_t i = 0; i < d; i++) o[i] = round_to(dt, o[i]);
-        }
-        if (args->dw1.ptr || args->db1.ptr) {
-#pragma omp parallel for schedule(static)
-            for (int64_t c = 0; c < hc; c++) {
-                double *acc = w.gbuf + c * d;
-                double b = 0.0;
-                for (int64_t i = 0; i < d; i++) acc[i] = 0.0;
-                for (int32_t r = r0; r < r1; r++) {
-                    double g = w.dh[(int64_t)r * hc + c];
-                    const double *x = w.xd + (int64_t)v.row_token[r] * d;
-                    for (int64_t i = 0; i < d; i++) acc[i] += g * x[i];
-                    b += g;
+            if (args->dw1.ptr) {
+                double acc[GRAD_BLOCK];
+                for (int64_t i0 = 0; i0 < d; i0 += GRAD_BLOCK) {
+                    int64_t len = d - i0 < GRAD_BLOCK ? d - i0 : GRAD_BLOCK;
+                    for (int64_t i = 0; i < len; i++) acc[i] = 0.0;
+                    for (int32_t r = r0; r < r1; r++) {
+                        double g = w.dh[(int64_t)r * hc + c];
+                        const double *x = w.xd + (int64_t)v.row_token[r] * d + i0;
+                        for (int64_t i = 0; i < len; i++) acc[i] += g * x[i];
+                    }
+                    for (int64_t i = 0; i < len; i++) grad_put(&args->dw1, prow * d + i0 + i, acc[i]);
                 }
-                int64_t pc = w1_row(layer, c);
-                if (args->dw1.ptr)
-                    for (int64_t i = 0; i < d; i++) grad_put(&args->dw1, (e * hc + pc) * d + i, acc[i]);
-                if (args->db1.ptr) grad_put(&args->db1, e * hc + pc, b);
+            }
+            if (args->db1.ptr) {
+                double b = 0.0;
+                for (int32_t r = r0; r < r1; r++) b += w.dh[(int64_t)r * hc + c];
+                grad_put(&args->db1, prow, b);
             }
         }
     }
 
-    /* 5. dX = sum over the token's assignments of dX~[row] */
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < d; i++) {
-            double s = 0.0;
-            for (int32_t a = v.token_offset[t]; a < v.token_offset[t + 1]; a++)
-                s += w.dxt[(int64_t)v.assign_row[a] * d + i];
-            w.dxd[t * d + i] = s;
-        }
-
-    /* 6. router: dlogits, dWr = dlogits^T X, dX += dlogits Wr */
+    /* 5-6. router: dlogits through the routing mode (sequential, cheap) */
     if (!general) {
         for (int64_t t = 0; t < T; t++) {
             double *dl = w.dl + t * E;
@@ -651,28 +695,40 @@ static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *arg
         }
         if (args->drouter_w.ptr) {
 #pragma omp parallel for schedule(static)
-            for (int64_t e = 0; e < E; e++)
-                for (int64_t i = 0; i < d; i++) {
-                    double s = 0.0;
-                    for (int64_t t = 0; t < T; t++) s += w.dl[t * E + e] * w.xd[t * d + i];
-                    grad_put(&args->drouter_w, e * d + i, s);
+            for (int64_t e = 0; e < E; e++) {
+                double acc[GRAD_BLOCK];
+                for (int64_t i0 = 0; i0 < d; i0 += GRAD_BLOCK) {
+                    int64_t len = d - i0 < GRAD_BLOCK ? d - i0 : GRAD_BLOCK;
+                    for (int64_t i = 0; i < len; i++) acc[i] = 0.0;
+                    for (int64_t t = 0; t < T; t++) {
+                        double g = w.dl[t * E + e];
+                        const double *x = w.xd + t * d + i0;
+                        for (int64_t i = 0; i < len; i++) acc[i] += g * x[i];
+                    }
+                    for (int64_t i = 0; i < len; i++) grad_put(&args->drouter_w, e * d + i0 + i, acc[i]);
                 }
-        }
-        if (args->dx.ptr) {
-            to_double(args->router_w, dt, 0, E * d, w.wr);
-#pragma omp parallel for schedule(static)
-            for (int64_t t = 0; t < T; t++)
-                for (int64_t e = 0; e < E; e++) {
-                    double g = w.dl[t * E + e];
-                    if (g == 0.0) continue;
-                    for (int64_t i = 0; i < d; i++) w.dxd[t * d + i] += g * w.wr[e * d + i];
-                }
+            }
         }
     } else if (args->dpair_score.ptr) {
         for (int64_t a = 0; a < R; a++) grad_put(&args->dpair_score, a, w.ds[v.assign_row[a]]);
     }
-    if (args->dx.ptr)
-        for (int64_t i = 0; i < T * d; i++) grad_put(&args->dx, i, w.dxd[i]);
+
+    /* dX = sum over the token's assignments of dX~[row] (+ dlogits Wr) */
+    if (args->dx.ptr) {
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            double *o = w.dxd + t * d;
+            for (int64_t i = 0; i < d; i++) o[i] = 0.0;
+            for (int32_t a = v.token_offset[t]; a < v.token_offset[t + 1]; a++) {
+                const double *src = w.dxt + (int64_t)v.assign_row[a] * d;
+                for (int64_t i = 0; i < d; i++) o[i] += src[i];
+            }
+            if (!general)
+                for (int64_t e = 0; e < E; e++)
+                    if (w.dl[t * E + e] != 0.0) axpy_w(o, w.dl[t * E + e], args->router_w, dt, e * d, d);
+            for (int64_t i = 0; i < d; i++) grad_put(&args->dx, t * d + i, o[i]);
+        }
+    }
     return SMOE_SUCCESS;
 }
 
