@@ -1,0 +1,253 @@
+/*
+ * test_saved.c -- the saved-for-backward block, inference, determinism.
+ *
+ *   - smoe_layer_saved_bytes() is what a training forward really uses: the
+ *     block plus a guard region is filled with a pattern; after the forward
+ *     the guard is intact, the last aligned unit of the block was written
+ *     (the block is not over-sized), and the size is within alignment
+ *     padding of the header's own account (H, scores, tokens, metadata,
+ *     logits). Token rounding: the guard holds for the worst case.
+ *   - backward only reads the block.
+ *   - inference: saved = NULL works, a saved pointer given anyway is not
+ *     written, the inputs are not written, and the output equals the
+ *     training forward's bit for bit.
+ *   - determinism: two forward+backward runs give identical bytes (out,
+ *     logits, counts, saved block, every gradient).
+ */
+#include "testutil.h"
+
+#define PAT 0xA5
+#define GUARD 4096
+#define ALIGN 256 /* SMOE_ALIGN: sections start at multiples of it */
+
+static int all_pat(const void *p, size_t n) {
+    const unsigned char *b = (const unsigned char *)p;
+    for (size_t i = 0; i < n; i++)
+        if (b[i] != PAT) return 0;
+    return 1;
+}
+
+static void set_mode(smoe_layer_desc *D, int mode) {
+    D->routing = mode == 0 ? SMOE_ROUTING_TOPK_SOFTMAX
+               : mode == 3 ? SMOE_ROUTING_GENERAL : SMOE_ROUTING_SOFTMAX_TOPK;
+    D->renormalize = mode == 2 || mode >= 4;
+    D->rounding = mode == 4 ? SMOE_ROUND_UP : mode == 5 ? SMOE_ROUND_DOWN
+                : mode == 6 ? SMOE_ROUND_NEAREST : SMOE_ROUND_OFF;
+}
+
+static void test_saved_bytes(tu_rng *rng) {
+    const smoe_dtype dts[3] = {SMOE_DTYPE_F32, SMOE_DTYPE_BF16, SMOE_DTYPE_F64};
+    for (int it = 0; it < 42; it++) {
+        smoe_layer_desc D = smoe_layer_desc_default();
+        int mode = it % 7;
+        set_mode(&D, mode);
+        D.dtype = dts[(it / 7) % 3];
+        D.d = tu_int(rng, 1, 20); D.n = tu_int(rng, 1, 10);
+        D.E = tu_int(rng, 1, 7); D.K = tu_int(rng, 1, D.E);
+        D.activation = (smoe_activation)tu_int(rng, 0, 6);
+        D.has_bias = (int)tu_int(rng, 0, 1);
+        D.round_tile = tu_int(rng, 1, 6);
+        D.backend = SMOE_BACKEND_CPU;
+        int64_t T = tu_int(rng, 1, 30);
+        tu_case("saved bytes it %d %s dtype=%d T=%lld d=%lld n=%lld E=%lld K=%lld M=%lld act=%s",
+                it, tu_mode_name(&D), D.dtype, (long long)T, (long long)D.d, (long long)D.n,
+                (long long)D.E, (long long)D.K, (long long)D.round_tile, tu_act_name(D.activation));
+        tu_problem P;
+        tu_problem_init(&P, &D, T, rng, 1.0, 0.5);
+        if (D.routing == SMOE_ROUTING_GENERAL) tu_problem_general(&P, rng, 0.5);
+        smoe_layer *L = tu_layer(&D);
+        if (!L) { tu_problem_free(&P); continue; }
+        tu_bufs B;
+        tu_bufs_make(&B, &P, L, 0);
+        size_t S = B.saved_bytes;
+        /* the header's account of the block */
+        int general = D.routing == SMOE_ROUTING_GENERAL, tr = D.rounding != SMOE_ROUND_OFF;
+        int64_t R = general ? P.pairs : T * D.K;
+        if (tr && D.rounding != SMOE_ROUND_DOWN) {
+            int64_t w = T * D.K + D.E * (D.round_tile - 1);
+            R = w < T * D.E ? w : T * D.E;
+        }
+        size_t fs = D.dtype == SMOE_DTYPE_F64 ? 8 : 4;
+        size_t need = (size_t)R * (size_t)P.hc * tu_dtype_size(D.dtype) + (size_t)R * (fs + 12) +
+                      (size_t)(T + 1) * 4 + (size_t)(D.E + 1) * 4;
+        if (D.routing == SMOE_ROUTING_SOFTMAX_TOPK) need += (size_t)(T * D.E) * fs;
+        CHECK(S >= need && S <= need + 9 * ALIGN, "saved_bytes %zu, the header's account %zu", S, need);
+        unsigned char *blk = (unsigned char *)malloc(S + GUARD);
+        memset(blk, PAT, S + GUARD);
+        smoe_forward_args a = tu_fwd_args(&P, &B, 0);
+        CHECK_OK(smoe_layer_forward(L, &a, blk, B.ws, NULL));
+        CHECK(all_pat(blk + S, GUARD), "the forward wrote past saved_bytes = %zu", S);
+        if (!tr) {
+            size_t last = S;
+            while (last > 0 && blk[last - 1] == PAT) last--;
+            CHECK(S - last < ALIGN, "saved_bytes %zu but the forward wrote only up to byte %zu", S, last);
+        }
+        /* backward reads the block and writes nothing into it */
+        unsigned char *copy = (unsigned char *)malloc(S + GUARD);
+        memcpy(copy, blk, S + GUARD);
+        void *dx = calloc((size_t)(T * D.d), tu_dtype_size(D.dtype));
+        void *dout = tu_to_dtype(D.dtype, P.x, (size_t)(T * D.d)); /* any values */
+        float *dw1 = (float *)calloc((size_t)(D.E * P.hc * D.d), sizeof(float));
+        smoe_backward_args b;
+        memset(&b, 0, sizeof b);
+        b.T = T; b.x = B.x; b.router_w = general ? NULL : B.wr; b.pairs = general ? P.pairs : 0;
+        b.w1 = B.w1; b.w2 = B.w2; b.b2 = B.b2; b.dout = dout;
+        b.dx.ptr = dx; b.dx.dtype = D.dtype;
+        b.dw1.ptr = dw1; b.dw1.dtype = SMOE_DTYPE_F32;
+        CHECK_OK(smoe_layer_backward(L, &b, blk, B.ws, NULL));
+        CHECK(memcmp(copy, blk, S + GUARD) == 0, "backward wrote into the saved block");
+        free(copy); free(dx); free(dout); free(dw1); free(blk);
+        tu_bufs_free(&B);
+        smoe_layer_free(L);
+        tu_problem_free(&P);
+    }
+}
+
+static void test_inference(tu_rng *rng) {
+    const smoe_dtype dts[3] = {SMOE_DTYPE_F32, SMOE_DTYPE_BF16, SMOE_DTYPE_F64};
+    for (int it = 0; it < 21; it++) {
+        smoe_layer_desc D = smoe_layer_desc_default();
+        set_mode(&D, it % 4); /* token choice and GENERAL: the same rows either way */
+        D.dtype = dts[it % 3];
+        D.d = 11; D.n = 6; D.E = 5; D.K = 2;
+        D.activation = (smoe_activation)(it % 7);
+        D.has_bias = it % 2;
+        D.backend = SMOE_BACKEND_CPU;
+        int64_t T = 9;
+        tu_case("inference it %d %s dtype=%d act=%s", it, tu_mode_name(&D), D.dtype,
+                tu_act_name(D.activation));
+        tu_problem P;
+        tu_problem_init(&P, &D, T, rng, 1.0, 0.5);
+        if (D.routing == SMOE_ROUTING_GENERAL) tu_problem_general(&P, rng, 0.5);
+        smoe_layer *L = tu_layer(&D);
+        if (!L) { tu_problem_free(&P); continue; }
+        tu_bufs B;
+        tu_bufs_make(&B, &P, L, 0);
+        size_t ob = (size_t)(T * D.d) * tu_dtype_size(D.dtype);
+        smoe_forward_args a = tu_fwd_args(&P, &B, 0);
+        CHECK_OK(smoe_layer_forward(L, &a, B.saved, B.ws, NULL));
+        void *train_out = malloc(ob);
+        memcpy(train_out, B.out, ob);
+        /* inputs, to see that nothing is written to them */
+        size_t xb = (size_t)(T * D.d) * tu_dtype_size(D.dtype);
+        size_t w1b = (size_t)(D.E * P.hc * D.d) * tu_dtype_size(D.dtype);
+        void *x0 = malloc(xb), *w10 = malloc(w1b);
+        memcpy(x0, B.x, xb);
+        memcpy(w10, B.w1, w1b);
+        memset(B.out, PAT, ob);
+        a.inference = 1;
+        a.router_logits = NULL;
+        a.expert_counts = NULL;
+        CHECK_OK(smoe_layer_forward(L, &a, NULL, B.ws, NULL));
+        CHECK(memcmp(B.out, train_out, ob) == 0, "inference out differs from the training out");
+        CHECK(memcmp(B.x, x0, xb) == 0 && memcmp(B.w1, w10, w1b) == 0, "inference wrote an input");
+        /* a saved pointer given anyway is left alone */
+        memset(B.saved, PAT, B.saved_bytes);
+        memset(B.out, PAT, ob);
+        CHECK_OK(smoe_layer_forward(L, &a, B.saved, B.ws, NULL));
+        CHECK(all_pat(B.saved, B.saved_bytes), "inference wrote into the saved block");
+        CHECK(memcmp(B.out, train_out, ob) == 0, "inference out (saved given) differs");
+        free(train_out); free(x0); free(w10);
+        tu_bufs_free(&B);
+        smoe_layer_free(L);
+        tu_problem_free(&P);
+    }
+}
+
+/* ------------------------------------------------------------ determinism */
+
+typedef struct run_out {
+    void *out, *saved, *g[6];
+    float *logits;
+    int32_t *counts;
+} run_out;
+
+static void one_run(smoe_layer *L, const tu_problem *P, tu_bufs *B, const void *dout,
+                    const float *dle, run_out *r) {
+    const smoe_layer_desc *D = &P->desc;
+    int64_t T = P->T, d = D->d, E = D->E, hc = P->hc, n = D->n;
+    int general = D->routing == SMOE_ROUTING_GENERAL;
+    memset(B->saved, PAT, B->saved_bytes);
+    if (B->ws) memset(B->ws, PAT, B->ws_bytes);
+    smoe_forward_args a = tu_fwd_args(P, B, 0);
+    CHECK_OK(smoe_layer_forward(L, &a, B->saved, B->ws, NULL));
+    size_t ob = (size_t)(T * d) * tu_dtype_size(D->dtype);
+    r->out = malloc(ob);
+    memcpy(r->out, B->out, ob);
+    r->saved = malloc(B->saved_bytes);
+    memcpy(r->saved, B->saved, B->saved_bytes);
+    r->logits = (float *)malloc((size_t)(T * E) * sizeof(float));
+    memcpy(r->logits, B->logits, (size_t)(T * E) * sizeof(float));
+    r->counts = (int32_t *)malloc((size_t)E * sizeof(int32_t));
+    memcpy(r->counts, B->counts, (size_t)E * sizeof(int32_t));
+    size_t sz[6] = {(size_t)(T * d), general ? (size_t)P->pairs : (size_t)(E * d),
+                    (size_t)(E * hc * d), D->has_bias ? (size_t)(E * hc) : 0, (size_t)(E * d * n),
+                    D->has_bias ? (size_t)(E * d) : 0};
+    smoe_backward_args b;
+    memset(&b, 0, sizeof b);
+    b.T = T; b.x = B->x; b.router_w = general ? NULL : B->wr; b.pairs = general ? P->pairs : 0;
+    b.w1 = B->w1; b.w2 = B->w2; b.b2 = B->b2; b.dout = dout;
+    b.dlogits_extra = general ? NULL : dle;
+    smoe_grad *slot[6] = {&b.dx, general ? &b.dpair_score : &b.drouter_w, &b.dw1, &b.db1, &b.dw2, &b.db2};
+    for (int i = 0; i < 6; i++) {
+        r->g[i] = sz[i] ? calloc(sz[i] + 1, 4) : NULL;
+        slot[i]->ptr = r->g[i];
+        slot[i]->dtype = SMOE_DTYPE_F32;
+    }
+    CHECK_OK(smoe_layer_backward(L, &b, B->saved, B->ws, NULL));
+}
+
+static void test_determinism(tu_rng *rng) {
+    for (int mode = 0; mode < 7; mode++) {
+        smoe_layer_desc D = smoe_layer_desc_default();
+        set_mode(&D, mode);
+        D.dtype = mode % 2 ? SMOE_DTYPE_BF16 : SMOE_DTYPE_F32;
+        D.d = 48; D.n = 24; D.E = 8; D.K = 2; D.round_tile = 16;
+        D.activation = (smoe_activation)mode;
+        D.has_bias = 1;
+        D.backend = SMOE_BACKEND_CPU;
+        int64_t T = 160;
+        tu_case("determinism %s dtype=%d act=%s", tu_mode_name(&D), D.dtype, tu_act_name(D.activation));
+        tu_problem P;
+        tu_problem_init(&P, &D, T, rng, 1.0, 0.3);
+        if (D.routing == SMOE_ROUTING_GENERAL) tu_problem_general(&P, rng, 0.3);
+        smoe_layer *L = tu_layer(&D);
+        if (!L) { tu_problem_free(&P); continue; }
+        tu_bufs B;
+        tu_bufs_make(&B, &P, L, 0);
+        double *G = tu_alloc_d((size_t)(T * D.d));
+        tu_fill_normal(rng, G, (size_t)(T * D.d), 1.0);
+        void *Gb = tu_to_dtype(D.dtype, G, (size_t)(T * D.d));
+        float *dle = (float *)malloc((size_t)(T * D.E) * sizeof(float));
+        for (int64_t i = 0; i < T * D.E; i++) dle[i] = (float)(0.1 * tu_normal(rng));
+        run_out r1, r2;
+        one_run(L, &P, &B, Gb, dle, &r1);
+        one_run(L, &P, &B, Gb, dle, &r2);
+        size_t ob = (size_t)(T * D.d) * tu_dtype_size(D.dtype);
+        CHECK(memcmp(r1.out, r2.out, ob) == 0, "out differs run to run");
+        CHECK(memcmp(r1.saved, r2.saved, B.saved_bytes) == 0, "saved block differs run to run");
+        CHECK(memcmp(r1.logits, r2.logits, (size_t)(T * D.E) * 4) == 0, "logits differ run to run");
+        CHECK(memcmp(r1.counts, r2.counts, (size_t)D.E * 4) == 0, "counts differ run to run");
+        int64_t general = D.routing == SMOE_ROUTING_GENERAL;
+        size_t sz[6] = {(size_t)(T * D.d), general ? (size_t)P.pairs : (size_t)(D.E * D.d),
+                        (size_t)(D.E * P.hc * D.d), (size_t)(D.E * P.hc), (size_t)(D.E * D.d * D.n),
+                        (size_t)(D.E * D.d)};
+        for (int i = 0; i < 6; i++)
+            CHECK(!sz[i] || memcmp(r1.g[i], r2.g[i], sz[i] * 4) == 0, "gradient %d differs run to run", i);
+        for (int i = 0; i < 6; i++) { free(r1.g[i]); free(r2.g[i]); }
+        free(r1.out); free(r2.out); free(r1.saved); free(r2.saved);
+        free(r1.logits); free(r2.logits); free(r1.counts); free(r2.counts);
+        free(G); free(Gb); free(dle);
+        tu_bufs_free(&B);
+        smoe_layer_free(L);
+        tu_problem_free(&P);
+    }
+}
+
+int main(int argc, char **argv) {
+    tu_rng rng = tu_rng_make(tu_init(argc, argv, 4242));
+    test_saved_bytes(&rng);
+    test_inference(&rng);
+    test_determinism(&rng);
+    return tu_summary("test_saved");
+}
