@@ -10,6 +10,8 @@
  */
 #include "testutil.h"
 
+#include <pthread.h>
+
 #define PAT 0xA5
 
 typedef struct region {
@@ -348,6 +350,79 @@ static void test_backward_args(tu_rng *rng) {
     }
 }
 
+/* GENERAL with E = 20: a token with 18 experts (longer runs take another
+ * path in a duplicate check); valid, then with one duplicate. */
+static void test_long_runs(tu_rng *rng) {
+    smoe_layer_desc D = good_desc();
+    D.routing = SMOE_ROUTING_GENERAL;
+    D.E = 20; D.K = 0;
+    setup S;
+    tu_problem_init(&S.P, &D, 3, rng, 1.0, 0.5);
+    S.P.pt = (int32_t *)malloc(60 * sizeof(int32_t));
+    S.P.pe = (int32_t *)malloc(60 * sizeof(int32_t));
+    S.P.ps = tu_alloc_d(60);
+    S.P.pairs = 0;
+    for (int t = 0; t < 3; t++)
+        for (int e = 0; e < 20; e++)
+            if (t == 1 ? e < 18 : e % 5 == 0) {
+                /* token 1's experts in descending order: any order within a token */
+                S.P.pt[S.P.pairs] = t;
+                S.P.pe[S.P.pairs] = t == 1 ? 17 - e : e;
+                S.P.ps[S.P.pairs++] = 0.25;
+            }
+    S.L = tu_layer(&D);
+    if (!S.L) return;
+    tu_bufs_make(&S.B, &S.P, S.L, 0);
+    smoe_forward_args a = tu_fwd_args(&S.P, &S.B, 0);
+    tu_case("forward general: 18 experts for one token (valid)");
+    CHECK_OK(smoe_layer_forward(S.L, &a, S.B.saved, S.B.ws, NULL));
+    double *ref = tu_alloc_d(3 * 8), *out = tu_from_dtype(SMOE_DTYPE_F32, S.B.out, 3 * 8);
+    tu_forward_ref(&S.P, ref);
+    CHECK_CLOSE(out, ref, 3 * 8, 2e-5, "out");
+    free(ref); free(out);
+    int32_t pe[60];
+    memcpy(pe, S.P.pe, sizeof pe);
+    pe[4 + 10] = pe[4 + 3]; /* token 1 starts at pair 4 */
+    a.pair_expert = pe;
+    fwd_case(&S, "duplicate in a run of 18", a, 0, 0, SMOE_ERROR_INVALID_VALUE, "twice");
+    setup_free(&S);
+}
+
+/* smoe_last_error() is per thread. */
+typedef struct thr_arg {
+    pthread_barrier_t *bar;
+    int64_t d;
+    char msg[512];
+    smoe_status st;
+} thr_arg;
+
+static void *thr_main(void *p) {
+    thr_arg *a = (thr_arg *)p;
+    smoe_layer_desc D = good_desc();
+    D.d = a->d;
+    smoe_layer *L = NULL;
+    a->st = smoe_layer_create(&D, &L);
+    pthread_barrier_wait(a->bar); /* both failed before either reads */
+    snprintf(a->msg, sizeof a->msg, "%s", smoe_last_error());
+    return NULL;
+}
+
+static void test_thread_local(void) {
+    tu_case("smoe_last_error is thread-local");
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, 2);
+    thr_arg a = {&bar, -111, "", SMOE_SUCCESS}, b = {&bar, -222, "", SMOE_SUCCESS};
+    pthread_t ta, tb;
+    pthread_create(&ta, NULL, thr_main, &a);
+    pthread_create(&tb, NULL, thr_main, &b);
+    pthread_join(ta, NULL);
+    pthread_join(tb, NULL);
+    pthread_barrier_destroy(&bar);
+    CHECK(a.st == SMOE_ERROR_INVALID_SIZE && b.st == SMOE_ERROR_INVALID_SIZE, "statuses %d %d", a.st, b.st);
+    CHECK(strstr(a.msg, "-111") && !strstr(a.msg, "-222"), "thread A reads \"%s\"", a.msg);
+    CHECK(strstr(b.msg, "-222") && !strstr(b.msg, "-111"), "thread B reads \"%s\"", b.msg);
+}
+
 /* ------------------------------------------------------------ smoe_route_cpu */
 
 static void test_route_args(void) {
@@ -429,5 +504,7 @@ int main(int argc, char **argv) {
     test_forward_args(&rng);
     test_backward_args(&rng);
     test_route_args();
+    test_long_runs(&rng);
+    test_thread_local();
     return tu_summary("test_bad_input");
 }

@@ -19,6 +19,8 @@ typedef struct fcase {
     int act, layout, bias;
     int special;    /* 1: every token on expert E-1; 2: GENERAL with no pair */
     int64_t M;
+    int variant;    /* token rounding: 1 on top of TOPK_SOFTMAX, 2 of
+                       SOFTMAX_TOPK without renormalisation */
 } fcase;
 
 static void set_mode(smoe_layer_desc *D, int mode) {
@@ -87,6 +89,11 @@ static void run_case(const fcase *c, smoe_dtype dt, tu_rng *rng) {
     D.w1_layout = c->layout ? SMOE_W1_CONCATENATED : SMOE_W1_INTERLEAVED;
     D.has_bias = c->bias;
     D.round_tile = c->M ? c->M : 128;
+    if (D.rounding != SMOE_ROUND_OFF && c->variant == 1) {
+        D.routing = SMOE_ROUTING_TOPK_SOFTMAX;
+        D.renormalize = 0;
+    }
+    if (D.rounding != SMOE_ROUND_OFF && c->variant == 2) D.renormalize = 0;
     D.dtype = dt;
     D.backend = SMOE_BACKEND_CPU;
     tu_case("forward %s dtype=%d T=%lld d=%lld n=%lld E=%lld K=%lld %s act=%s %s bias=%d", c->name,
@@ -98,6 +105,9 @@ static void run_case(const fcase *c, smoe_dtype dt, tu_rng *rng) {
     smoe_layer *L = tu_layer(&D);
     if (!L) { tu_problem_free(&P); return; }
     CHECK(smoe_layer_backend(L) == SMOE_BACKEND_CPU, "backend %d", smoe_layer_backend(L));
+    CHECK(strstr(smoe_layer_path_name(L), "cpu") != NULL, "path name \"%s\"", smoe_layer_path_name(L));
+    smoe_layer_desc got = smoe_layer_get_desc(L);
+    CHECK(memcmp(&got, &D, sizeof D) == 0, "smoe_layer_get_desc differs from the description");
     tu_bufs B;
     tu_bufs_make(&B, &P, L, 0);
     int64_t T = c->T, d = c->d, E = c->E;
@@ -141,33 +151,38 @@ static void run_case(const fcase *c, smoe_dtype dt, tu_rng *rng) {
 }
 
 static const fcase edge_cases[] = {
-    /* name             T   d   n  E  K mode act lay bias sp M */
-    {"T=1",             1,  8,  4, 4, 2, 0, 0, 0, 0, 0, 0},
-    {"T=1 general",     1,  8,  4, 4, 0, 3, 1, 0, 1, 0, 0},
-    {"K=1",             9,  8,  4, 5, 1, 0, 2, 1, 1, 0, 0},
-    {"K=E",             7,  6,  3, 3, 3, 1, 0, 0, 1, 0, 0},
-    {"K=E renorm",      7,  6,  3, 3, 3, 2, 3, 0, 0, 0, 0},
-    {"E=1",             5,  6,  5, 1, 1, 0, 0, 1, 1, 0, 0},
-    {"E=1 softmax",     5,  6,  5, 1, 1, 1, 6, 0, 0, 0, 0},
-    {"empty experts",   3,  8,  4, 8, 1, 0, 0, 0, 1, 0, 0},
-    {"one expert K=1", 11,  8,  4, 4, 1, 0, 0, 0, 1, 1, 0},
-    {"one expert K=2", 11,  8,  4, 4, 2, 2, 1, 1, 0, 1, 0},
-    {"d=13 n=7",       10, 13,  7, 5, 2, 0, 0, 0, 1, 0, 0},
-    {"d=13 n=7 conc",  10, 13,  7, 5, 2, 1, 1, 1, 0, 0, 0},
-    {"d=1 n=1",         6,  1,  1, 3, 2, 0, 0, 0, 1, 0, 0},
-    {"general",        12, 10,  6, 5, 0, 3, 0, 0, 1, 0, 0},
-    {"general relu2",  12, 10,  6, 5, 0, 3, 3, 0, 0, 0, 0},
-    {"general no pair", 4,  6,  3, 3, 0, 3, 0, 0, 1, 2, 0},
-    {"tr-up",          20,  8,  4, 4, 2, 4, 0, 0, 1, 0, 4},
-    {"tr-down",        20,  8,  4, 4, 2, 5, 1, 1, 0, 0, 4},
-    {"tr-nearest",     20,  8,  4, 4, 2, 6, 4, 0, 1, 0, 3},
-    {"tr one expert",  10,  8,  4, 4, 1, 4, 0, 0, 0, 1, 4},
-    {"tr T=1",          1,  8,  4, 4, 2, 4, 5, 0, 0, 0, 8},
-    {"tr M=1",          9,  8,  4, 4, 2, 6, 0, 0, 1, 0, 1},
-    {"silu",            8,  8,  4, 4, 2, 0, 5, 0, 1, 0, 0},
-    {"gelu",            8,  8,  4, 4, 2, 2, 6, 0, 0, 0, 0},
-    {"relu",            8,  8,  4, 4, 2, 0, 4, 0, 1, 0, 0},
-    {"reglu",           8,  8,  4, 4, 2, 1, 2, 0, 1, 0, 0},
+    /* name             T   d   n  E  K mode act lay bias sp M variant */
+    {"T=1",             1,  8,  4, 4, 2, 0, 0, 0, 0, 0, 0, 0},
+    {"T=1 general",     1,  8,  4, 4, 0, 3, 1, 0, 1, 0, 0, 0},
+    {"K=1",             9,  8,  4, 5, 1, 0, 2, 1, 1, 0, 0, 0},
+    {"K=E",             7,  6,  3, 3, 3, 1, 0, 0, 1, 0, 0, 0},
+    {"K=E renorm",      7,  6,  3, 3, 3, 2, 3, 0, 0, 0, 0, 0},
+    {"E=1",             5,  6,  5, 1, 1, 0, 0, 1, 1, 0, 0, 0},
+    {"E=1 softmax",     5,  6,  5, 1, 1, 1, 6, 0, 0, 0, 0, 0},
+    {"empty experts",   3,  8,  4, 8, 1, 0, 0, 0, 1, 0, 0, 0},
+    {"one expert K=1", 11,  8,  4, 4, 1, 0, 0, 0, 1, 1, 0, 0},
+    {"one expert K=2", 11,  8,  4, 4, 2, 2, 1, 1, 0, 1, 0, 0},
+    {"d=13 n=7",       10, 13,  7, 5, 2, 0, 0, 0, 1, 0, 0, 0},
+    {"d=13 n=7 conc",  10, 13,  7, 5, 2, 1, 1, 1, 0, 0, 0, 0},
+    {"d=1 n=1",         6,  1,  1, 3, 2, 0, 0, 0, 1, 0, 0, 0},
+    {"general",        12, 10,  6, 5, 0, 3, 0, 0, 1, 0, 0, 0},
+    {"general relu2",  12, 10,  6, 5, 0, 3, 3, 0, 0, 0, 0, 0},
+    {"general no pair", 4,  6,  3, 3, 0, 3, 0, 0, 1, 2, 0, 0},
+    {"tr-up",          20,  8,  4, 4, 2, 4, 0, 0, 1, 0, 4, 0},
+    {"tr-down",        20,  8,  4, 4, 2, 5, 1, 1, 0, 0, 4, 0},
+    {"tr-nearest",     20,  8,  4, 4, 2, 6, 4, 0, 1, 0, 3, 0},
+    {"tr one expert",  10,  8,  4, 4, 1, 4, 0, 0, 0, 1, 4, 0},
+    {"tr T=1",          1,  8,  4, 4, 2, 4, 5, 0, 0, 0, 8, 0},
+    {"tr M=1",          9,  8,  4, 4, 2, 6, 0, 0, 1, 0, 1, 0},
+    {"tr M=128 (default) T<M", 12, 8, 4, 6, 2, 4, 0, 0, 1, 0, 0, 0},
+    {"tr-up on topk-softmax", 20, 8, 4, 4, 2, 4, 1, 0, 1, 0, 4, 1},
+    {"tr-down on topk-softmax", 20, 8, 4, 4, 2, 5, 0, 1, 0, 0, 3, 1},
+    {"tr-up softmax-topk no renorm", 20, 8, 4, 4, 2, 4, 2, 0, 1, 0, 4, 2},
+    {"tr-nearest softmax-topk no renorm", 20, 8, 4, 5, 3, 6, 0, 0, 0, 0, 3, 2},
+    {"silu",            8,  8,  4, 4, 2, 0, 5, 0, 1, 0, 0, 0},
+    {"gelu",            8,  8,  4, 4, 2, 2, 6, 0, 0, 0, 0, 0},
+    {"relu",            8,  8,  4, 4, 2, 0, 4, 0, 1, 0, 0, 0},
+    {"reglu",           8,  8,  4, 4, 2, 1, 2, 0, 1, 0, 0, 0},
 };
 
 static void test_edge_cases(tu_rng *rng) {
@@ -196,6 +211,22 @@ static void test_random_shapes(tu_rng *rng) {
     }
 }
 
+/* Shapes big enough for every parallel loop of the backend to split. */
+static void test_large(tu_rng *rng) {
+    for (int mode = 0; mode < 7; mode++) {
+        fcase c;
+        memset(&c, 0, sizeof c);
+        c.name = "large";
+        c.T = 257; c.d = 72; c.n = 40; c.E = 16; c.K = 4;
+        c.mode = mode;
+        c.act = mode;
+        c.layout = mode % 2;
+        c.bias = (mode / 2) % 2;
+        c.M = 16;
+        run_case(&c, mode % 2 ? SMOE_DTYPE_F32 : SMOE_DTYPE_F64, rng);
+    }
+}
+
 /* ------------------------------------------------------------ backward by dtype */
 
 static void test_backward_dtypes(tu_rng *rng) {
@@ -213,7 +244,7 @@ static void test_backward_dtypes(tu_rng *rng) {
         int64_t T = 16;
         tu_case("backward dtype=%d vs F64: %s act=%s bias=%d", dt, tu_mode_name(&D),
                 tu_act_name(D.activation), D.has_bias);
-        fcase c = {"bwd", T, D.d, D.n, D.E, D.K, it / 2, it % 7, 0, D.has_bias, 0, 4};
+        fcase c = {"bwd", T, D.d, D.n, D.E, D.K, it / 2, it % 7, 0, D.has_bias, 0, 4, 0};
         tu_problem P;
         make_problem(&P, &c, &D, rng);
         smoe_layer_desc D64 = D;
@@ -281,6 +312,7 @@ int main(int argc, char **argv) {
     tu_rng rng = tu_rng_make(tu_init(argc, argv, 1234));
     test_edge_cases(&rng);
     test_random_shapes(&rng);
+    test_large(&rng);
     test_backward_dtypes(&rng);
     return tu_summary("test_forward");
 }

@@ -250,11 +250,15 @@ static smoe_layer_desc mode_desc(int mode) {
     case 3: D.routing = SMOE_ROUTING_GENERAL; break;
     case 4: D.routing = SMOE_ROUTING_SOFTMAX_TOPK; D.renormalize = 1; D.rounding = SMOE_ROUND_UP; break;
     case 5: D.routing = SMOE_ROUTING_SOFTMAX_TOPK; D.renormalize = 1; D.rounding = SMOE_ROUND_DOWN; break;
-    default: D.routing = SMOE_ROUTING_SOFTMAX_TOPK; D.renormalize = 1; D.rounding = SMOE_ROUND_NEAREST; break;
+    case 6: D.routing = SMOE_ROUTING_SOFTMAX_TOPK; D.renormalize = 1; D.rounding = SMOE_ROUND_NEAREST; break;
+    /* token rounding on top of TOPK_SOFTMAX, and of SOFTMAX_TOPK without
+     * renormalisation: the same selection and scores (smoe.h) */
+    case 7: D.routing = SMOE_ROUTING_TOPK_SOFTMAX; D.rounding = SMOE_ROUND_UP; break;
+    default: D.routing = SMOE_ROUTING_SOFTMAX_TOPK; D.renormalize = 0; D.rounding = SMOE_ROUND_NEAREST; break;
     }
     return D;
 }
-#define NMODES 7
+#define NMODES 9
 
 static void test_all_modes(tu_rng *rng) {
     for (int mode = 0; mode < NMODES; mode++)
@@ -331,15 +335,17 @@ static void test_ds_identity(tu_rng *rng) {
 
 static void test_accumulate(tu_rng *rng) {
     for (int mode = 0; mode < NMODES; mode++) {
-        for (int bf = 0; bf < 2; bf++) {
+        for (int bf = 0; bf < 4; bf++) {
+            /* layer dtype / weight-grad dtype: F64/F64, BF16/F32 (main-grad),
+             * F32/F32, BF16/BF16 */
             smoe_layer_desc D = mode_desc(mode);
-            D.dtype = bf ? SMOE_DTYPE_BF16 : SMOE_DTYPE_F64;
+            D.dtype = bf == 0 ? SMOE_DTYPE_F64 : bf == 2 ? SMOE_DTYPE_F32 : SMOE_DTYPE_BF16;
             D.activation = (smoe_activation)(mode % 7);
             D.has_bias = 1;
             D.d = 6; D.n = 4; D.E = 4; D.K = 2;
             int64_t T = 9;
             /* F64 layer: grads in F64; bf16 layer: fp32 main-grads */
-            smoe_dtype wdt = bf ? SMOE_DTYPE_F32 : SMOE_DTYPE_F64;
+            smoe_dtype wdt = bf == 0 ? SMOE_DTYPE_F64 : bf == 3 ? SMOE_DTYPE_BF16 : SMOE_DTYPE_F32;
             tu_case("accumulate %s layer dtype=%d grad dtype=%d", tu_mode_name(&D), D.dtype, wdt);
             tu_problem P;
             tu_problem_init(&P, &D, T, rng, 1.0, 0.5);
@@ -383,6 +389,54 @@ static void test_accumulate(tu_rng *rng) {
             smoe_layer_free(L);
             tu_problem_free(&P);
         }
+    }
+}
+
+/* ------------------------------------------------------------ partial requests */
+
+/* Asking for one gradient alone (the others NULL) gives exactly what the
+ * full request gives. */
+static void test_partial(tu_rng *rng) {
+    for (int mode = 0; mode < NMODES; mode++) {
+        smoe_layer_desc D = mode_desc(mode);
+        D.dtype = mode % 2 ? SMOE_DTYPE_F32 : SMOE_DTYPE_F64;
+        D.activation = (smoe_activation)((mode + 1) % 7);
+        D.has_bias = 1;
+        D.d = 7; D.n = 5; D.E = 4; D.K = 2; D.round_tile = 3;
+        int64_t T = 10;
+        tu_case("partial gradient requests %s dtype=%d", tu_mode_name(&D), D.dtype);
+        tu_problem P;
+        tu_problem_init(&P, &D, T, rng, 1.0, 0.5);
+        if (D.routing == SMOE_ROUTING_GENERAL) tu_problem_general(&P, rng, 0.5);
+        smoe_layer *L = tu_layer(&D);
+        if (!L) { tu_problem_free(&P); continue; }
+        double *G = tu_alloc_d((size_t)(T * D.d));
+        tu_fill_normal(rng, G, (size_t)(T * D.d), 1.0);
+        void *Gb = tu_to_dtype(D.dtype, G, (size_t)(T * D.d));
+        float *G2 = (float *)malloc((size_t)(T * D.E) * sizeof(float));
+        for (int64_t i = 0; i < T * D.E; i++) G2[i] = (float)(0.3 * tu_normal(rng));
+        tu_bufs B;
+        tu_bufs_make(&B, &P, L, 0);
+        grads full;
+        grads_alloc(&full, &P, D.dtype);
+        if (run_backward(L, &P, &B, Gb, G2, &full, 0)) {
+            for (int i = 0; i < NGRAD; i++) {
+                if (!full.n[i]) continue;
+                grads one;
+                grads_alloc(&one, &P, D.dtype);
+                for (int j = 0; j < NGRAD; j++)
+                    if (j != i) { free(one.g[j]); one.g[j] = NULL; }
+                if (run_backward(L, &P, &B, Gb, G2, &one, 0))
+                    CHECK(memcmp(one.g[i], full.g[i], full.n[i] * tu_dtype_size(full.dt[i])) == 0,
+                          "%s alone differs from %s in the full request", grad_name[i], grad_name[i]);
+                grads_free(&one);
+            }
+        }
+        grads_free(&full);
+        tu_bufs_free(&B);
+        free(G); free(Gb); free(G2);
+        smoe_layer_free(L);
+        tu_problem_free(&P);
     }
 }
 
@@ -455,6 +509,7 @@ int main(int argc, char **argv) {
     test_all_modes(&rng);
     test_ds_identity(&rng);
     test_accumulate(&rng);
+    test_partial(&rng);
     test_bf16_fp32_grads(&rng);
     printf("gradcheck: %lld configurations (%lld draws redrawn for near-ties/kinks)\n",
            (long long)n_configs, (long long)n_redrawn);

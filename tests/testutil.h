@@ -637,9 +637,14 @@ static TU_UNUSED const char *tu_act_name(smoe_activation a) {
 
 static TU_UNUSED const char *tu_mode_name(const smoe_layer_desc *D) {
     if (D->routing == SMOE_ROUTING_GENERAL) return "general";
-    if (D->rounding == SMOE_ROUND_UP) return "tr-up";
-    if (D->rounding == SMOE_ROUND_DOWN) return "tr-down";
-    if (D->rounding == SMOE_ROUND_NEAREST) return "tr-nearest";
+    if (D->rounding != SMOE_ROUND_OFF) {
+        static const char *tr[2][2][4] = {
+            {{"", "tr-up/softmax-topk", "tr-down/softmax-topk", "tr-nearest/softmax-topk"},
+             {"", "tr-up", "tr-down", "tr-nearest"}},
+            {{"", "tr-up/topk-softmax", "tr-down/topk-softmax", "tr-nearest/topk-softmax"},
+             {"", "tr-up/topk-softmax", "tr-down/topk-softmax", "tr-nearest/topk-softmax"}}};
+        return tr[D->routing == SMOE_ROUTING_TOPK_SOFTMAX][D->renormalize != 0][D->rounding & 3];
+    }
     if (D->routing == SMOE_ROUTING_TOPK_SOFTMAX) return "topk-softmax";
     return D->renormalize ? "softmax-topk-renorm" : "softmax-topk";
 }
