@@ -1,0 +1,915 @@
+/*
+ * grouped_gemm.cu -- the six grouped GEMMs of the MoE layer, portable
+ * version (sm_80 and later: A100, H100): fills smoe_gemm_ops_sm80 as
+ * specified in gemm.h.
+ *
+ * What: with rows sorted by expert (rows of expert e are
+ * [off[e], off[e+1]), off read on the device):
+ *   up    H[r]  = X[tok[r]] W1[e]^T + b1[e],  A[r] = act(H[r])   M=rows N=h_cols K=d
+ *   down  Y[r]  = A[r] W2[e]^T + b2[e]                           M=rows N=d      K=n
+ *   dh    dA'[r]= dO[tok[r]] W2[e], then dS, A' = s*A, dH = s*dact   M=rows N=n K=d
+ *   dw2   dW2[e]= sum_r dO[tok[r]]^T A'[r]                       M=d    N=n      K=rows(e)
+ *   dxt   dX~[r]= dH[r] W1[e]                                    M=rows N=d      K=h_cols
+ *   dw1   dW1[e]= sum_r dH[r]^T X[tok[r]]                        M=h_cols N=d    K=rows(e)
+ * The first four kinds ("varlen-M") have a per-expert M; dw1/dw2
+ * ("varlen-K") have a per-expert reduction length.
+ *
+ * Algorithm: one kernel template, gg_kernel, in two parts.
+ *  - Main loop: a BM x BN output tile, BK-deep k-tiles streamed through a
+ *    STAGES-deep cp.async ring in shared memory (16-byte copies, zero-filled
+ *    past ragged edges), fragments read with ldmatrix (.trans for operands
+ *    stored MN-major) and multiplied with mma.sync m16n8k16 bf16 -> fp32.
+ *    How each operand is fetched is data: an operand is K-major (memory rows
+ *    run along K: X, dO, A, dH, W1 in up, W2 in down) or MN-major (memory
+ *    rows run along M or N: W2 in dh, W1 in dxt, both operands of dw1/dw2),
+ *    and its memory row comes from its logical index through a map:
+ *    identity, the row's token (the gather of X or dO, along M for varlen-M
+ *    and along K for varlen-K), or smoe_w1_row (W1's physical layout).
+ *  - Epilogue, chosen per use: UP (bias, H store, activation -> A), STORE
+ *    (bias, bf16 store: down, dxt), DH (H tile loaded, A recomputed, dS
+ *    partial per row and N-tile, A' and dH stores), DW (fp32 or bf16,
+ *    overwrite or accumulate, zeros for empty experts on overwrite).
+ *  Tiles: 128x128x32, 4 warps of 64x64 (2x2), 4 stages (64 KiB of shared
+ *  memory: two CTAs per SM on A100 and H100). Shared memory tiles are
+ *  XOR-swizzled in 16-byte chunks so that cp.async stores and ldmatrix
+ *  reads hit distinct banks: chunk ^ (row & 7) for rows of 8+ chunks,
+ *  chunk ^ ((row >> 1) & 3) for 64-byte rows.
+ *  Scheduling: varlen-M grids are sized for the worst case,
+ *  tiles_n * (ceil(cap/BM) + E) CTAs; each CTA finds its expert and m-tile
+ *  with a warp-wide prefix sum over ceil(count_e/BM) read from off[] (no
+ *  host reads); CTAs past the last tile exit. n-tiles vary fastest so the
+ *  CTAs resident together share the gathered A rows and one expert's weight.
+ *  varlen-K grids are E * tiles_m * tiles_n CTAs, each running over its
+ *  expert's rows.
+ *
+ * Numerics: bf16 operands, fp32 accumulation (mma.sync), biases added in
+ * fp32. up rounds H to bf16 and computes A from the rounded H, so that the
+ * backward, which recomputes A from the stored H, sees the same A. dh uses
+ * the fp32 dA' and A = act(bf16 H) for dS, A' and dH, rounding only the
+ * stored values. Weight gradients accumulate in fp32 and, with
+ * accumulate=1, are added to the existing values in fp32.
+ *
+ * Determinism: every output element is produced by one thread with a fixed
+ * summation order; dS partial sums are combined in a fixed order (quad
+ * shuffles, warps in order, then N-tiles in order by gg_ds_reduce). No
+ * atomics.
+ *
+ * Requirements: d % 8 == 0, n % 8 == 0 and 16-byte aligned pointers (every
+ * row is a whole number of 16-byte chunks); anything else is rejected with
+ * SMOE_ERROR_UNSUPPORTED. Ragged tiles (rows at expert ends, K and N tails)
+ * are predicated.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "cuda/gemm.h"
+
+/* ------------------------------------------------------------ PTX wrappers */
+
+static __device__ __forceinline__ uint32_t gg_smem_addr(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* 16-byte global->shared copy; pred false writes 16 zero bytes. */
+static __device__ __forceinline__ void gg_cp_async16(uint32_t dst, const void *src, bool pred)
+{
+    int n = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+
+static __device__ __forceinline__ void gg_cp_async_commit(void)
+{
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+template <int N>
+static __device__ __forceinline__ void gg_cp_async_wait(void)
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+static __device__ __forceinline__ void gg_ldsm_x4(uint32_t addr, uint32_t r[4])
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+static __device__ __forceinline__ void gg_ldsm_x4_t(uint32_t addr, uint32_t r[4])
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+/* D += A B, m16n8k16, bf16 inputs, fp32 accumulators. */
+static __device__ __forceinline__ void gg_mma(float c[4], const uint32_t a[4], uint32_t b0,
+                                              uint32_t b1)
+{
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* ------------------------------------------------------------ activations */
+
+static __device__ __forceinline__ float gg_sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+#define GG_GELU_C 0.7978845608028654f /* sqrt(2/pi) */
+#define GG_GELU_A 0.044715f
+
+/* The gate function f (gated activations) or the activation itself. */
+static __device__ __forceinline__ float gg_act(int act, float x)
+{
+    switch (act) {
+    case SMOE_ACT_SWIGLU:
+    case SMOE_ACT_SILU: return x * gg_sigmoid(x);
+    case SMOE_ACT_GEGLU:
+    case SMOE_ACT_GELU: return 0.5f * x * (1.0f + tanhf(GG_GELU_C * (x + GG_GELU_A * x * x * x)));
+    case SMOE_ACT_REGLU:
+    case SMOE_ACT_RELU: return fmaxf(x, 0.0f);
+    case SMOE_ACT_RELU2: { float r = fmaxf(x, 0.0f); return r * r; }
+    default: return 0.0f;
+    }
+}
+
+static __device__ __forceinline__ float gg_dact(int act, float x)
+{
+    switch (act) {
+    case SMOE_ACT_SWIGLU:
+    case SMOE_ACT_SILU: { float s = gg_sigmoid(x); return s * (1.0f + x * (1.0f - s)); }
+    case SMOE_ACT_GEGLU:
+    case SMOE_ACT_GELU: {
+        float th = tanhf(GG_GELU_C * (x + GG_GELU_A * x * x * x));
+        return 0.5f * (1.0f + th) +
+               0.5f * x * (1.0f - th * th) * GG_GELU_C * (1.0f + 3.0f * GG_GELU_A * x * x);
+    }
+    case SMOE_ACT_REGLU:
+    case SMOE_ACT_RELU: return x > 0.0f ? 1.0f : 0.0f;
+    case SMOE_ACT_RELU2: return x > 0.0f ? 2.0f * x : 0.0f;
+    default: return 0.0f;
+    }
+}
+
+/* ------------------------------------------------------------ parameters */
+
+enum { GG_MAP_IDENT = 0, GG_MAP_TOKEN = 1, GG_MAP_W1 = 2 };
+enum { GG_EPI_UP = 0, GG_EPI_STORE = 1, GG_EPI_DH = 2, GG_EPI_DW = 3 };
+
+typedef struct gg_operand {
+    const bf16 *ptr;       /* expert 0's matrix (or the activation matrix) */
+    int64_t expert_stride; /* elements from one expert's matrix to the next; 0: shared */
+    int64_t ld;            /* elements per memory row */
+    int map;               /* GG_MAP_*: logical strided index -> memory row */
+} gg_operand;
+
+typedef struct gg_args {
+    int64_t M, N, K; /* varlen-M: M unused; varlen-K: K unused (expert rows) */
+    int E;
+    int tiles_m, tiles_n;
+    int act, gated, w1_layout;
+    int64_t n; /* for smoe_w1_row */
+    const int32_t *off, *tok;
+    const float *score;
+    gg_operand a, b;
+    /* epilogue */
+    const bf16 *bias; /* (E, N) in the map below; NULL: none */
+    int64_t bias_stride;
+    int bias_map; /* GG_MAP_IDENT or GG_MAP_W1 */
+    bf16 *out;    /* H (up), Y or dX~ (store), dH (dh) */
+    int64_t ld_out;
+    bf16 *out2; /* A (up), A' (dh) */
+    int64_t ld_out2;
+    const bf16 *hin; /* H (dh) */
+    int64_t ld_h;
+    float *dsp; /* (tiles_n, cap) dS partial sums (dh) */
+    int64_t cap;
+    void *wout; /* (E, M, N) weight gradient (dw) */
+    int out_f32, accumulate, out_map;
+} gg_args;
+
+static __device__ __forceinline__ int64_t gg_map(const gg_args &p, int map, int64_t i)
+{
+    if (map == GG_MAP_TOKEN) return p.tok[i];
+    if (map == GG_MAP_W1) return smoe_w1_row(i, p.n, p.gated, (smoe_w1_layout)p.w1_layout);
+    return i;
+}
+
+/* Byte offset of 16-byte chunk `c` of tile row `r`, rows of CPR chunks. */
+template <int CPR>
+static __device__ __forceinline__ uint32_t gg_swz(int r, int c)
+{
+    static_assert(CPR == 4 || CPR % 8 == 0, "tile rows of 64 bytes or multiples of 128");
+    int pc = (CPR >= 8) ? (c ^ (r & 7)) : (c ^ ((r >> 1) & 3));
+    return (uint32_t)((r * CPR + pc) * 16);
+}
+
+/* ------------------------------------------------------------ tile loaders */
+
+/* One operand's share of a stage: a tile of ROWS memory-row pieces of COLS
+ * elements, loaded by NT threads, each owning IPT chunks in one chunk column.
+ * K-major tiles have rows = M or N indices (fixed per CTA: row pointers are
+ * computed once) and columns = K; MN-major tiles have rows = K indices
+ * (mapped anew per k-tile) and columns = M or N. */
+template <int ROWS, int COLS, int NT, bool KMAJ>
+struct gg_loader {
+    static constexpr int CPR = COLS / 8;
+    static constexpr int RPP = NT / CPR; /* rows per pass */
+    static constexpr int IPT = ROWS / RPP;
+    static_assert(NT % CPR == 0 && ROWS % RPP == 0, "loader shape");
+    const bf16 *rp[IPT]; /* K-major: start of each owned row (NULL: outside) */
+    int64_t tokn[IPT];   /* MN-major: memory rows of the next k-tile */
+    int col;             /* owned chunk column */
+    int row0;            /* first owned tile row */
+    bool cval;           /* MN-major: owned column inside the matrix */
+};
+
+/* Issues the 16-byte copies of k-tile kt into the tile at shared address
+ * `dst`. K-major: the owned rows are fixed, K advances along them.
+ * MN-major: the owned rows are k indices of this k-tile, at columns
+ * c0 + col*8; the next k-tile's memory rows are mapped here, a k-tile
+ * ahead of their use, so the token loads overlap the MMAs. */
+template <int ROWS, int COLS, int NT, bool KMAJ>
+static __device__ __forceinline__ void gg_issue(const gg_args &p, gg_loader<ROWS, COLS, NT, KMAJ> &l,
+                                                const gg_operand &op, const bf16 *base,
+                                                uint32_t dst, int kt, int64_t k_begin,
+                                                int64_t k_end, int64_t c0)
+{
+    typedef gg_loader<ROWS, COLS, NT, KMAJ> L;
+    if (KMAJ) {
+        const int64_t k0 = k_begin + (int64_t)kt * COLS;
+        const bool kv = k0 + l.col * 8 < k_end;
+#pragma unroll
+        for (int i = 0; i < L::IPT; i++) {
+            const int r = l.row0 + i * L::RPP;
+            const bool v = kv && l.rp[i] != nullptr;
+            gg_cp_async16(dst + gg_swz<L::CPR>(r, l.col), v ? l.rp[i] + k0 : base, v);
+        }
+    } else {
+        const int64_t k0 = k_begin + (int64_t)kt * ROWS;
+#pragma unroll
+        for (int i = 0; i < L::IPT; i++) {
+            const int r = l.row0 + i * L::RPP;
+            const bool v = l.cval && k0 + r < k_end;
+            const bf16 *src = base + l.tokn[i] * op.ld + c0 + l.col * 8;
+            gg_cp_async16(dst + gg_swz<L::CPR>(r, l.col), v ? src : base, v);
+            const int64_t kn = k0 + ROWS + r;
+            l.tokn[i] = kn < k_end ? gg_map(p, op.map, kn) : 0;
+        }
+    }
+}
+
+/* ------------------------------------------------------------ the kernel */
+
+template <int BM, int BN, int BK, int WM, int WN, int STAGES>
+struct gg_cfg {
+    static constexpr int NT = WM * WN * 32;
+    static constexpr int WTM = BM / WM, WTN = BN / WN;
+    static constexpr int MI = WTM / 16, NI = WTN / 8;
+    static constexpr int A_ELEMS = BM * BK, B_ELEMS = BN * BK;
+    static constexpr int STAGE_BYTES = (A_ELEMS + B_ELEMS) * 2;
+    static constexpr int SMEM = STAGES * STAGE_BYTES;
+    static_assert(WTM % 16 == 0 && WTN % 16 == 0 && BK % 16 == 0, "warp tile shape");
+};
+
+template <int BM, int BN, int BK, int WM, int WN, int STAGES, int A_KM, int B_KM, int EPI>
+__global__ void __launch_bounds__(WM *WN * 32)
+    gg_kernel(const gg_args p)
+{
+    typedef gg_cfg<BM, BN, BK, WM, WN, STAGES> C;
+    constexpr int NT = C::NT, MI = C::MI, NI = C::NI;
+    constexpr bool VARLEN_K = (EPI == GG_EPI_DW);
+    /* A tile: K-major [BM][BK], MN-major [BK][BM]; B likewise with BN. */
+    constexpr int A_ROWS = A_KM ? BM : BK, A_COLS = A_KM ? BK : BM;
+    constexpr int B_ROWS = B_KM ? BN : BK, B_COLS = B_KM ? BK : BN;
+    constexpr int A_CPR = A_COLS / 8, B_CPR = B_COLS / 8;
+
+    extern __shared__ __align__(128) unsigned char gg_smem[];
+    __shared__ int64_t s_info[3];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / WN, wn = warp % WN;
+
+    /* --- which tile: expert e, M range [m0, m_lim), N offset n0, K range */
+    int e, n_tile;
+    int64_t m0, m_lim, k_begin, k_end;
+    if (!VARLEN_K) {
+        const int64_t mt = blockIdx.x / p.tiles_n;
+        n_tile = (int)(blockIdx.x % p.tiles_n);
+        if (warp == 0) {
+            /* Tiles of expert e: ceil(count_e / BM); prefix sum 32 experts
+             * at a time. */
+            int64_t running = 0, found_e = -1, found_t = 0;
+            for (int base = 0; base < p.E && found_e < 0; base += 32) {
+                int ex = base + lane;
+                int tiles = 0;
+                if (ex < p.E) tiles = (p.off[ex + 1] - p.off[ex] + BM - 1) / BM;
+                int incl = tiles;
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    int v = __shfl_up_sync(0xffffffffu, incl, o);
+                    if (lane >= o) incl += v;
+                }
+                unsigned hit = __ballot_sync(0xffffffffu, ex < p.E && running + incl > mt);
+                if (hit) {
+                    int l = __ffs(hit) - 1;
+                    int excl = __shfl_sync(0xffffffffu, incl - tiles, l);
+                    found_e = base + l;
+                    found_t = mt - running - excl;
+                }
+                running += __shfl_sync(0xffffffffu, incl, 31);
+            }
+            if (lane == 0) {
+                s_info[0] = found_e;
+                s_info[1] = found_e >= 0 ? p.off[found_e] + found_t * BM : 0;
+                s_info[2] = found_e >= 0 ? p.off[found_e + 1] : 0;
+            }
+        }
+        __syncthreads();
+        e = (int)s_info[0];
+        if (e < 0) return;
+        m0 = s_info[1];
+        m_lim = s_info[2];
+        k_begin = 0;
+        k_end = p.K;
+    } else {
+        const int per_e = p.tiles_m * p.tiles_n;
+        e = blockIdx.x / per_e;
+        const int rem = blockIdx.x % per_e;
+        n_tile = rem % p.tiles_n;
+        m0 = (int64_t)(rem / p.tiles_n) * BM;
+        m_lim = p.M;
+        k_begin = p.off[e];
+        k_end = p.off[e + 1];
+        if (k_end == k_begin && p.accumulate) return; /* untouched */
+    }
+    const int64_t n0 = (int64_t)n_tile * BN;
+    const int64_t n_lim = p.N;
+    const int KT = (int)((k_end - k_begin + BK - 1) / BK);
+
+    const bf16 *a_base = p.a.ptr + (int64_t)e * p.a.expert_stride;
+    const bf16 *b_base = p.b.ptr + (int64_t)e * p.b.expert_stride;
+
+    /* --- loaders */
+    gg_loader<A_ROWS, A_COLS, NT, (bool)A_KM> la;
+    gg_loader<B_ROWS, B_COLS, NT, (bool)B_KM> lb;
+    la.col = tid % A_CPR;
+    la.row0 = tid / A_CPR;
+    lb.col = tid % B_CPR;
+    lb.row0 = tid / B_CPR;
+    /* K-major: fixed strided indices (M for A, N for B). */
+    if (A_KM) {
+#pragma unroll
+        for (int i = 0; i < la.IPT; i++) {
+            int64_t m = m0 + la.row0 + i * la.RPP;
+            la.rp[i] = m < m_lim ? a_base + gg_map(p, p.a.map, m) * p.a.ld + la.col * 8 : nullptr;
+        }
+    } else {
+        la.cval = m0 + la.col * 8 < m_lim;
+    }
+    if (B_KM) {
+#pragma unroll
+        for (int i = 0; i < lb.IPT; i++) {
+            int64_t nn = n0 + lb.row0 + i * lb.RPP;
+            lb.rp[i] = nn < n_lim ? b_base + gg_map(p, p.b.map, nn) * p.b.ld + lb.col * 8 : nullptr;
+        }
+    } else {
+        lb.cval = n0 + lb.col * 8 < n_lim;
+    }
+    /* MN-major: memory rows of k-tile 0. */
+    if (!A_KM) {
+#pragma unroll
+        for (int i = 0; i < la.IPT; i++) {
+            int64_t k = k_begin + la.row0 + i * la.RPP;
+            la.tokn[i] = k < k_end ? gg_map(p, p.a.map, k) : 0;
+        }
+    }
+    if (!B_KM) {
+#pragma unroll
+        for (int i = 0; i < lb.IPT; i++) {
+            int64_t k = k_begin + lb.row0 + i * lb.RPP;
+            lb.tokn[i] = k < k_end ? gg_map(p, p.b.map, k) : 0;
+        }
+    }
+
+    const uint32_t smem0 = gg_smem_addr(gg_smem);
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f;
+
+    /* --- main loop: STAGES-deep cp.async ring, one barrier per k-tile */
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < KT) {
+            gg_issue(p, la, p.a, a_base, smem0 + s * C::STAGE_BYTES, s, k_begin, k_end, m0);
+            gg_issue(p, lb, p.b, b_base, smem0 + s * C::STAGE_BYTES + C::A_ELEMS * 2, s, k_begin,
+                     k_end, n0);
+        }
+        gg_cp_async_commit();
+    }
+    const int wm0 = wm * C::WTM, wn0 = wn * C::WTN;
+    for (int kt = 0; kt < KT; kt++) {
+        gg_cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        {
+            const int nk = kt + STAGES - 1;
+            if (nk < KT) {
+                const uint32_t st = smem0 + (nk % STAGES) * C::STAGE_BYTES;
+                gg_issue(p, la, p.a, a_base, st, nk, k_begin, k_end, m0);
+                gg_issue(p, lb, p.b, b_base, st + C::A_ELEMS * 2, nk, k_begin, k_end, n0);
+            }
+            gg_cp_async_commit();
+        }
+        const int s = kt % STAGES;
+        const uint32_t sa = smem0 + s * C::STAGE_BYTES;
+        const uint32_t sb = sa + C::A_ELEMS * 2;
+#pragma unroll
+        for (int ks = 0; ks < BK / 16; ks++) {
+            uint32_t af[MI][4], bfr[NI][2];
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++) {
+                if (A_KM) {
+                    const int r = wm0 + mi * 16 + (lane & 15);
+                    const int c = ks * 2 + (lane >> 4);
+                    gg_ldsm_x4(sa + gg_swz<A_CPR>(r, c), af[mi]);
+                } else {
+                    const int r = ks * 16 + ((lane >> 4) << 3) + (lane & 7);
+                    const int c = (wm0 + mi * 16) / 8 + ((lane >> 3) & 1);
+                    gg_ldsm_x4_t(sa + gg_swz<A_CPR>(r, c), af[mi]);
+                }
+            }
+#pragma unroll
+            for (int nj = 0; nj < NI / 2; nj++) {
+                uint32_t t[4];
+                if (B_KM) {
+                    const int r = wn0 + nj * 16 + ((lane >> 4) << 3) + (lane & 7);
+                    const int c = ks * 2 + ((lane >> 3) & 1);
+                    gg_ldsm_x4(sb + gg_swz<B_CPR>(r, c), t);
+                } else {
+                    const int r = ks * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
+                    const int c = (wn0 + nj * 16) / 8 + (lane >> 4);
+                    gg_ldsm_x4_t(sb + gg_swz<B_CPR>(r, c), t);
+                }
+                bfr[2 * nj][0] = t[0];
+                bfr[2 * nj][1] = t[1];
+                bfr[2 * nj + 1][0] = t[2];
+                bfr[2 * nj + 1][1] = t[3];
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                for (int ni = 0; ni < NI; ni++) gg_mma(acc[mi][ni], af[mi], bfr[ni][0], bfr[ni][1]);
+        }
+    }
+    gg_cp_async_wait<0>();
+
+    /* --- epilogues. Thread holds rows g, g+8 of each m16 and columns
+     * 2*t4, 2*t4+1 of each n8: a gated pair (gate, up) sits in one thread. */
+    const int g = lane >> 2, t4 = lane & 3;
+
+    if (EPI == GG_EPI_UP || EPI == GG_EPI_STORE) {
+        const bf16 *bias = p.bias ? p.bias + (int64_t)e * p.bias_stride : nullptr;
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++) {
+            const int64_t c = n0 + wn0 + ni * 8 + 2 * t4;
+            if (c >= n_lim) continue;
+            float b0 = 0.0f, b1 = 0.0f;
+            if (bias) {
+                b0 = __bfloat162float(bias[gg_map(p, p.bias_map, c)]);
+                b1 = __bfloat162float(bias[gg_map(p, p.bias_map, c + 1)]);
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int64_t r = m0 + wm0 + mi * 16 + g + h * 8;
+                    if (r >= m_lim) continue;
+                    __nv_bfloat162 hv = __floats2bfloat162_rn(acc[mi][ni][2 * h] + b0,
+                                                              acc[mi][ni][2 * h + 1] + b1);
+                    if (EPI == GG_EPI_STORE || p.out)
+                        *(__nv_bfloat162 *)(p.out + r * p.ld_out + c) = hv;
+                    if (EPI == GG_EPI_UP) {
+                        const float h0 = __low2float(hv), h1 = __high2float(hv);
+                        if (p.gated) {
+                            p.out2[r * p.ld_out2 + (c >> 1)] = __float2bfloat16(gg_act(p.act, h0) * h1);
+                        } else {
+                            *(__nv_bfloat162 *)(p.out2 + r * p.ld_out2 + c) =
+                                __floats2bfloat162_rn(gg_act(p.act, h0), gg_act(p.act, h1));
+                        }
+                    }
+                }
+        }
+    } else if (EPI == GG_EPI_DH) {
+        /* dA' tile (BM x BN over n); H columns 2c..2c+3 (gated) or c..c+1. */
+        float dsr[MI][2];
+#pragma unroll
+        for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                dsr[mi][h] = 0.0f;
+                const int64_t r = m0 + wm0 + mi * 16 + g + h * 8;
+                if (r >= m_lim) continue;
+                const float s = p.score[r];
+#pragma unroll
+                for (int ni = 0; ni < NI; ni++) {
+                    const int64_t c = n0 + wn0 + ni * 8 + 2 * t4;
+                    if (c >= n_lim) continue;
+                    const float d0 = acc[mi][ni][2 * h], d1 = acc[mi][ni][2 * h + 1];
+                    if (p.gated) {
+                        const uint2 hr = *(const uint2 *)(p.hin + r * p.ld_h + 2 * c);
+                        const __nv_bfloat162 p0 = *(const __nv_bfloat162 *)&hr.x;
+                        const __nv_bfloat162 p1 = *(const __nv_bfloat162 *)&hr.y;
+                        const float g0 = __low2float(p0), u0 = __high2float(p0);
+                        const float g1 = __low2float(p1), u1 = __high2float(p1);
+                        const float f0 = gg_act(p.act, g0), f1 = gg_act(p.act, g1);
+                        const float a0 = f0 * u0, a1 = f1 * u1;
+                        dsr[mi][h] += d0 * a0 + d1 * a1;
+                        *(__nv_bfloat162 *)(p.out2 + r * p.ld_out2 + c) =
+                            __floats2bfloat162_rn(s * a0, s * a1);
+                        __nv_bfloat162 q0 = __floats2bfloat162_rn(s * d0 * gg_dact(p.act, g0) * u0,
+                                                                  s * d0 * f0);
+                        __nv_bfloat162 q1 = __floats2bfloat162_rn(s * d1 * gg_dact(p.act, g1) * u1,
+                                                                  s * d1 * f1);
+                        uint2 o;
+                        o.x = *(uint32_t *)&q0;
+                        o.y = *(uint32_t *)&q1;
+                        *(uint2 *)(p.out + r * p.ld_out + 2 * c) = o;
+                    } else {
+                        const __nv_bfloat162 hv = *(const __nv_bfloat162 *)(p.hin + r * p.ld_h + c);
+                        const float h0 = __low2float(hv), h1 = __high2float(hv);
+                        const float a0 = gg_act(p.act, h0), a1 = gg_act(p.act, h1);
+                        dsr[mi][h] += d0 * a0 + d1 * a1;
+                        *(__nv_bfloat162 *)(p.out2 + r * p.ld_out2 + c) =
+                            __floats2bfloat162_rn(s * a0, s * a1);
+                        *(__nv_bfloat162 *)(p.out + r * p.ld_out + c) = __floats2bfloat162_rn(
+                            s * d0 * gg_dact(p.act, h0), s * d1 * gg_dact(p.act, h1));
+                    }
+                }
+            }
+        /* Row sums: the quad, then the WN warps of a row in order. */
+        __syncthreads(); /* the pipeline's shared memory is free now */
+        float *red = (float *)gg_smem; /* [WN][BM] */
+#pragma unroll
+        for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float v = dsr[mi][h];
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                if (t4 == 0) red[wn * BM + wm0 + mi * 16 + g + h * 8] = v;
+            }
+        __syncthreads();
+        for (int lr = tid; lr < BM; lr += NT) {
+            const int64_t r = m0 + lr;
+            if (r >= m_lim) continue;
+            float v = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WN; w++) v += red[w * BM + lr];
+            p.dsp[(int64_t)n_tile * p.cap + r] = v;
+        }
+    } else { /* GG_EPI_DW */
+#pragma unroll
+        for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int64_t m = m0 + wm0 + mi * 16 + g + h * 8;
+                if (m >= m_lim) continue;
+                const int64_t orow = ((int64_t)e * p.M + gg_map(p, p.out_map, m)) * p.N;
+#pragma unroll
+                for (int ni = 0; ni < NI; ni++) {
+                    const int64_t c = n0 + wn0 + ni * 8 + 2 * t4;
+                    if (c >= n_lim) continue;
+                    float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
+                    if (p.out_f32) {
+                        float2 *q = (float2 *)((float *)p.wout + orow + c);
+                        if (p.accumulate) {
+                            float2 o = *q;
+                            v0 += o.x;
+                            v1 += o.y;
+                        }
+                        *q = make_float2(v0, v1);
+                    } else {
+                        __nv_bfloat162 *q = (__nv_bfloat162 *)((bf16 *)p.wout + orow + c);
+                        if (p.accumulate) {
+                            __nv_bfloat162 o = *q;
+                            v0 += __low2float(o);
+                            v1 += __high2float(o);
+                        }
+                        *q = __floats2bfloat162_rn(v0, v1);
+                    }
+                }
+            }
+    }
+}
+
+/* ds[r] = sum over N-tiles of the partial sums, in tile order, plus
+ * <dO[tok[r]], b2[e]> when b2 is given. One warp per row. */
+__global__ void gg_ds_reduce(const float *dsp, int tiles, int64_t cap, const int32_t *off, int E,
+                             const int32_t *tok, const bf16 *dout, const bf16 *b2, int64_t d,
+                             float *ds)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+    if (r >= off[E]) return;
+    float dot = 0.0f;
+    if (b2) {
+        int lo = 0, hi = E; /* expert: the last e with off[e] <= r */
+        while (hi - lo > 1) {
+            int mid = (lo + hi) / 2;
+            if (off[mid] <= r) lo = mid; else hi = mid;
+        }
+        const bf16 *x = dout + (int64_t)tok[r] * d;
+        const bf16 *b = b2 + (int64_t)lo * d;
+        for (int64_t j = (int64_t)lane * 8; j < d; j += 256) {
+            const uint4 xv = *(const uint4 *)(x + j), bv = *(const uint4 *)(b + j);
+            const __nv_bfloat162 *xp = (const __nv_bfloat162 *)&xv;
+            const __nv_bfloat162 *bp = (const __nv_bfloat162 *)&bv;
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                dot += __low2float(xp[q]) * __low2float(bp[q]);
+                dot += __high2float(xp[q]) * __high2float(bp[q]);
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    }
+    if (lane == 0) {
+        float v = 0.0f;
+        for (int t = 0; t < tiles; t++) v += dsp[(int64_t)t * cap + r];
+        ds[r] = v + dot;
+    }
+}
+
+/* ------------------------------------------------------------ launchers */
+
+/* The one configuration: 128x128x32 tiles, 2x2 warps of 64x64, 4 stages. */
+#define GG_BM 128
+#define GG_BN 128
+#define GG_BK 32
+#define GG_WM 2
+#define GG_WN 2
+#define GG_ST 4
+typedef gg_cfg<GG_BM, GG_BN, GG_BK, GG_WM, GG_WN, GG_ST> gg_default_cfg;
+
+static int64_t gg_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+static smoe_status gg_check_problem(const smoe_gemm_problem *p, const char *what)
+{
+    SMOE_RETURN_ERROR_IF(p->d <= 0 || p->n <= 0 || p->E <= 0 || p->cap < 0, SMOE_ERROR_INVALID_SIZE,
+                         "%s: bad sizes d=%lld n=%lld E=%lld cap=%lld", what, (long long)p->d,
+                         (long long)p->n, (long long)p->E, (long long)p->cap);
+    SMOE_RETURN_ERROR_IF(p->d % 8 != 0 || p->n % 8 != 0, SMOE_ERROR_UNSUPPORTED,
+                         "%s: the mma.sync GEMMs need d and n multiples of 8 (d=%lld, n=%lld)", what,
+                         (long long)p->d, (long long)p->n);
+    SMOE_RETURN_ERROR_IF(p->h_cols != (p->gated ? 2 * p->n : p->n), SMOE_ERROR_INTERNAL,
+                         "%s: h_cols=%lld inconsistent with n=%lld", what, (long long)p->h_cols,
+                         (long long)p->n);
+    SMOE_RETURN_ERROR_IF(p->E > (int64_t)INT32_MAX / 2 || p->cap > (int64_t)INT32_MAX,
+                         SMOE_ERROR_UNSUPPORTED, "%s: E=%lld or cap=%lld too large", what,
+                         (long long)p->E, (long long)p->cap);
+    return SMOE_SUCCESS;
+}
+
+static smoe_status gg_check_ptr(const void *ptr, const char *what, const char *name)
+{
+    SMOE_RETURN_ERROR_IF(((uintptr_t)ptr & 15) != 0, SMOE_ERROR_UNSUPPORTED,
+                         "%s: %s=%p is not 16-byte aligned", what, name, ptr);
+    return SMOE_SUCCESS;
+}
+
+static gg_args gg_args_make(const smoe_gemm_problem *p)
+{
+    gg_args a;
+    memset(&a, 0, sizeof a);
+    a.E = (int)p->E;
+    a.act = (int)p->act;
+    a.gated = p->gated;
+    a.w1_layout = (int)p->w1_layout;
+    a.n = p->n;
+    a.off = p->expert_offset;
+    a.tok = p->row_token;
+    a.score = p->row_score;
+    a.cap = p->cap;
+    return a;
+}
+
+static gg_operand gg_op(const bf16 *ptr, int64_t expert_stride, int64_t ld, int map)
+{
+    gg_operand o;
+    o.ptr = ptr;
+    o.expert_stride = expert_stride;
+    o.ld = ld;
+    o.map = map;
+    return o;
+}
+
+/* Maps W1's logical rows only when the physical layout differs. */
+static int gg_w1_map(const smoe_gemm_problem *p)
+{
+    return (p->gated && p->w1_layout != SMOE_W1_INTERLEAVED) ? GG_MAP_W1 : GG_MAP_IDENT;
+}
+
+template <int A_KM, int B_KM, int EPI>
+static smoe_status gg_launch(gg_args *a, int64_t blocks, cudaStream_t s, const char *what)
+{
+    typedef gg_default_cfg C;
+    auto kern = gg_kernel<GG_BM, GG_BN, GG_BK, GG_WM, GG_WN, GG_ST, A_KM, B_KM, EPI>;
+    if (blocks <= 0) return SMOE_SUCCESS;
+    SMOE_RETURN_ERROR_IF(blocks > (int64_t)INT32_MAX, SMOE_ERROR_UNSUPPORTED,
+                         "%s: %lld thread blocks exceed the grid limit", what, (long long)blocks);
+    cudaError_t err =
+        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND, "%s: cudaFuncSetAttribute: %s",
+                         what, cudaGetErrorString(err));
+    kern<<<(unsigned)blocks, C::NT, C::SMEM, s>>>(*a);
+    err = cudaGetLastError();
+    SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND, "%s: launch: %s", what,
+                         cudaGetErrorString(err));
+    return SMOE_SUCCESS;
+}
+
+/* Worst-case m-tiles over all experts: sum ceil(c_e/BM) <= ceil(cap/BM) + E. */
+static int64_t gg_varlen_m_blocks(const smoe_gemm_problem *p, int tiles_n)
+{
+    if (p->cap == 0) return 0;
+    return (gg_cdiv(p->cap, GG_BM) + p->E) * tiles_n;
+}
+
+static size_t gg_scratch_bytes(const smoe_gemm_problem *p)
+{
+    /* dh: dS partial sums, (ceil(n/BN), cap) fp32. */
+    return (size_t)gg_cdiv(p->n, GG_BN) * (size_t)p->cap * sizeof(float) + 256;
+}
+
+static smoe_status gg_up(const smoe_gemm_problem *p, const bf16 *x, const bf16 *w1, const bf16 *b1,
+                         bf16 *h, bf16 *a_out, void *scratch, cudaStream_t s)
+{
+    const char *what = "grouped GEMM up (mma.sync)";
+    SMOE_FORWARD_IF_ERROR(gg_check_problem(p, what));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(x, what, "x"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(w1, what, "w1"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(h, what, "h"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(a_out, what, "a"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(b1, what, "b1"));
+    gg_args a = gg_args_make(p);
+    a.N = p->h_cols;
+    a.K = p->d;
+    a.tiles_n = (int)gg_cdiv(a.N, GG_BN);
+    a.a = gg_op(x, 0, p->d, GG_MAP_TOKEN);
+    a.b = gg_op(w1, p->h_cols * p->d, p->d, gg_w1_map(p));
+    a.bias = b1;
+    a.bias_stride = p->h_cols;
+    a.bias_map = gg_w1_map(p);
+    a.out = h;
+    a.ld_out = p->h_cols;
+    a.out2 = a_out;
+    a.ld_out2 = p->n;
+    return gg_launch<1, 1, GG_EPI_UP>(&a, gg_varlen_m_blocks(p, a.tiles_n), s, what);
+}
+
+static smoe_status gg_down(const smoe_gemm_problem *p, const bf16 *a_in, const bf16 *w2,
+                           const bf16 *b2, bf16 *y, void *scratch, cudaStream_t s)
+{
+    const char *what = "grouped GEMM down (mma.sync)";
+    SMOE_FORWARD_IF_ERROR(gg_check_problem(p, what));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(a_in, what, "a"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(w2, what, "w2"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(b2, what, "b2"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(y, what, "y"));
+    gg_args a = gg_args_make(p);
+    a.N = p->d;
+    a.K = p->n;
+    a.tiles_n = (int)gg_cdiv(a.N, GG_BN);
+    a.a = gg_op(a_in, 0, p->n, GG_MAP_IDENT);
+    a.b = gg_op(w2, p->d * p->n, p->n, GG_MAP_IDENT);
+    a.bias = b2;
+    a.bias_stride = p->d;
+    a.bias_map = GG_MAP_IDENT;
+    a.out = y;
+    a.ld_out = p->d;
+    return gg_launch<1, 1, GG_EPI_STORE>(&a, gg_varlen_m_blocks(p, a.tiles_n), s, what);
+}
+
+static smoe_status gg_dh(const smoe_gemm_problem *p, const bf16 *dout, const bf16 *w2,
+                         const bf16 *b2, const bf16 *h, bf16 *dh, bf16 *a_scaled, float *ds,
+                         void *scratch, cudaStream_t s)
+{
+    const char *what = "grouped GEMM dh (mma.sync)";
+    SMOE_FORWARD_IF_ERROR(gg_check_problem(p, what));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(dout, what, "dout"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(w2, what, "w2"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(b2, what, "b2"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(h, what, "h"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(dh, what, "dh"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(a_scaled, what, "a_scaled"));
+    SMOE_RETURN_ERROR_IF(p->cap > 0 && scratch == NULL, SMOE_ERROR_NULL_POINTER,
+                         "%s: scratch is NULL (needs %zu bytes)", what, gg_scratch_bytes(p));
+    if (p->cap == 0) return SMOE_SUCCESS;
+    gg_args a = gg_args_make(p);
+    a.N = p->n;
+    a.K = p->d;
+    a.tiles_n = (int)gg_cdiv(a.N, GG_BN);
+    a.a = gg_op(dout, 0, p->d, GG_MAP_TOKEN);
+    a.b = gg_op(w2, p->d * p->n, p->n, GG_MAP_IDENT); /* k-row k of W2[e] (d, n) */
+    a.hin = h;
+    a.ld_h = p->h_cols;
+    a.out = dh;
+    a.ld_out = p->h_cols;
+    a.out2 = a_scaled;
+    a.ld_out2 = p->n;
+    a.dsp = (float *)scratch;
+    smoe_status st = gg_launch<1, 0, GG_EPI_DH>(&a, gg_varlen_m_blocks(p, a.tiles_n), s, what);
+    if (st != SMOE_SUCCESS) return st;
+    const int rows_per_block = 8;
+    gg_ds_reduce<<<(unsigned)gg_cdiv(p->cap, rows_per_block), rows_per_block * 32, 0, s>>>(
+        a.dsp, a.tiles_n, p->cap, p->expert_offset, (int)p->E, p->row_token, dout, b2, p->d, ds);
+    cudaError_t err = cudaGetLastError();
+    SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND, "%s: dS reduce launch: %s", what,
+                         cudaGetErrorString(err));
+    return SMOE_SUCCESS;
+}
+
+static smoe_status gg_check_wgrad(smoe_dtype dt, const char *what)
+{
+    SMOE_RETURN_ERROR_IF(dt != SMOE_DTYPE_F32 && dt != SMOE_DTYPE_BF16, SMOE_ERROR_UNSUPPORTED,
+                         "%s: weight-gradient dtype %d (F32 or BF16 only)", what, (int)dt);
+    return SMOE_SUCCESS;
+}
+
+static smoe_status gg_dw2(const smoe_gemm_problem *p, const bf16 *dout, const bf16 *a_scaled,
+                          void *dw2, smoe_dtype out_dtype, int accumulate, void *scratch,
+                          cudaStream_t s)
+{
+    const char *what = "grouped GEMM dw2 (mma.sync)";
+    SMOE_FORWARD_IF_ERROR(gg_check_problem(p, what));
+    SMOE_FORWARD_IF_ERROR(gg_check_wgrad(out_dtype, what));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(dout, what, "dout"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(a_scaled, what, "a_scaled"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(dw2, what, "dw2"));
+    gg_args a = gg_args_make(p);
+    a.M = p->d;
+    a.N = p->n;
+    a.tiles_m = (int)gg_cdiv(a.M, GG_BM);
+    a.tiles_n = (int)gg_cdiv(a.N, GG_BN);
+    a.a = gg_op(dout, 0, p->d, GG_MAP_TOKEN);
+    a.b = gg_op(a_scaled, 0, p->n, GG_MAP_IDENT);
+    a.wout = dw2;
+    a.out_f32 = out_dtype == SMOE_DTYPE_F32;
+    a.accumulate = accumulate != 0;
+    a.out_map = GG_MAP_IDENT;
+    return gg_launch<0, 0, GG_EPI_DW>(&a, p->E * a.tiles_m * a.tiles_n, s, what);
+}
+
+static smoe_status gg_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *w1, bf16 *dxt,
+                          void *scratch, cudaStream_t s)
+{
+    const char *what = "grouped GEMM dxt (mma.sync)";
+    SMOE_FORWARD_IF_ERROR(gg_check_problem(p, what));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(dh, what, "dh"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(w1, what, "w1"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(dxt, what, "dxt"));
+    gg_args a = gg_args_make(p);
+    a.N = p->d;
+    a.K = p->h_cols;
+    a.tiles_n = (int)gg_cdiv(a.N, GG_BN);
+    a.a = gg_op(dh, 0, p->h_cols, GG_MAP_IDENT);
+    a.b = gg_op(w1, p->h_cols * p->d, p->d, gg_w1_map(p)); /* k-row c: W1 row w1_row(c) */
+    a.out = dxt;
+    a.ld_out = p->d;
+    return gg_launch<1, 0, GG_EPI_STORE>(&a, gg_varlen_m_blocks(p, a.tiles_n), s, what);
+}
+
+static smoe_status gg_dw1(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *x, void *dw1,
+                          smoe_dtype out_dtype, int accumulate, void *scratch, cudaStream_t s)
+{
+    const char *what = "grouped GEMM dw1 (mma.sync)";
+    SMOE_FORWARD_IF_ERROR(gg_check_problem(p, what));
+    SMOE_FORWARD_IF_ERROR(gg_check_wgrad(out_dtype, what));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(dh, what, "dh"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(x, what, "x"));
+    SMOE_FORWARD_IF_ERROR(gg_check_ptr(dw1, what, "dw1"));
+    gg_args a = gg_args_make(p);
+    a.M = p->h_cols;
+    a.N = p->d;
+    a.tiles_m = (int)gg_cdiv(a.M, GG_BM);
+    a.tiles_n = (int)gg_cdiv(a.N, GG_BN);
+    a.a = gg_op(dh, 0, p->h_cols, GG_MAP_IDENT);
+    a.b = gg_op(x, 0, p->d, GG_MAP_TOKEN);
+    a.wout = dw1;
+    a.out_f32 = out_dtype == SMOE_DTYPE_F32;
+    a.accumulate = accumulate != 0;
+    a.out_map = gg_w1_map(p);
+    return gg_launch<0, 0, GG_EPI_DW>(&a, p->E * a.tiles_m * a.tiles_n, s, what);
+}
+
+extern "C" const smoe_gemm_ops smoe_gemm_ops_sm80 = {
+    "mma.sync", gg_scratch_bytes, gg_up, gg_down, gg_dh, gg_dw2, gg_dxt, gg_dw1,
+};

@@ -1,0 +1,730 @@
+/*
+ * test_gemm.cu -- the portable grouped GEMMs (smoe_gemm_ops_sm80, gemm.h)
+ * against host references in double precision.
+ *
+ *   test_gemm            random cases (sizes not multiples of the tiles,
+ *                        empty experts, every activation, both W1 layouts,
+ *                        bias on/off, fp32/bf16 weight gradients,
+ *                        overwrite/accumulate), determinism, bad input
+ *   test_gemm --small    a few small cases (for compute-sanitizer)
+ *   test_gemm --bench    TFLOPS of each GEMM on two grid shapes (CUDA events,
+ *                        median of 10 runs)
+ *   --seed N             the random seed (printed on failure)
+ *
+ * Tolerances: each GEMM's inputs are random bf16; the reference sums in
+ * double. A value that the kernel rounds to bf16 may differ by the bf16
+ * rounding (2^-8 relative, with slack) plus the fp32 accumulation error,
+ * bounded by 2^-13 of the sum of |terms| (the "magnitude"). Values computed
+ * from a stored H (A, A', dH) are compared with the same formulas applied to
+ * that H. Every output row past R and every output element the call must not
+ * touch is poisoned before and checked after.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cuda/gemm.h"
+
+#define CK(x)                                                                              \
+    do {                                                                                   \
+        cudaError_t e_ = (x);                                                              \
+        if (e_ != cudaSuccess) {                                                           \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+            exit(2);                                                                       \
+        }                                                                                  \
+    } while (0)
+
+#define CKS(x)                                                                             \
+    do {                                                                                   \
+        smoe_status s_ = (x);                                                              \
+        if (s_ != SMOE_SUCCESS) {                                                          \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, smoe_last_error()); \
+            exit(2);                                                                       \
+        }                                                                                  \
+    } while (0)
+
+static const smoe_gemm_ops *G = &smoe_gemm_ops_sm80;
+static int g_fail = 0;
+static uint64_t g_seed = 1;
+
+/* ------------------------------------------------------------ host helpers */
+
+static uint64_t rng_state;
+static uint32_t rnd_u32(void)
+{
+    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+    return (uint32_t)(rng_state >> 33);
+}
+static int rnd_int(int lo, int hi) { return lo + (int)(rnd_u32() % (uint32_t)(hi - lo + 1)); }
+static float rnd_unif(void) { return (rnd_u32() >> 8) * (1.0f / 16777216.0f) * 2.0f - 1.0f; }
+
+static uint16_t f2bf(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static double bf2d(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#define POISON_BF16 0xffffu /* NaN */
+
+/* Random bf16 host array, values scale * U(-1, 1). */
+static std::vector<uint16_t> rnd_bf16(size_t count, float scale)
+{
+    std::vector<uint16_t> v(count);
+    for (size_t i = 0; i < count; i++) v[i] = f2bf(scale * rnd_unif());
+    return v;
+}
+
+template <typename T>
+static T *dev_upload(const std::vector<T> &h)
+{
+    T *d = NULL;
+    CK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T)));
+    if (!h.empty()) CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+}
+template <typename T>
+static std::vector<T> dev_download(const T *d, size_t count)
+{
+    std::vector<T> h(count);
+    if (count) CK(cudaMemcpy(h.data(), d, count * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+}
+
+static double act_f(int act, double x)
+{
+    const double c = 0.7978845608028654;
+    switch (act) {
+    case SMOE_ACT_SWIGLU:
+    case SMOE_ACT_SILU: return x / (1.0 + exp(-x));
+    case SMOE_ACT_GEGLU:
+    case SMOE_ACT_GELU: return 0.5 * x * (1.0 + tanh(c * (x + 0.044715 * x * x * x)));
+    case SMOE_ACT_REGLU:
+    case SMOE_ACT_RELU: return x > 0 ? x : 0.0;
+    default: return x > 0 ? x * x : 0.0; /* RELU2 */
+    }
+}
+static double act_df(int act, double x)
+{
+    const double c = 0.7978845608028654;
+    switch (act) {
+    case SMOE_ACT_SWIGLU:
+    case SMOE_ACT_SILU: { double s = 1.0 / (1.0 + exp(-x)); return s * (1.0 + x * (1.0 - s)); }
+    case SMOE_ACT_GEGLU:
+    case SMOE_ACT_GELU: {
+        double th = tanh(c * (x + 0.044715 * x * x * x));
+        return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * c * (1.0 + 3.0 * 0.044715 * x * x);
+    }
+    case SMOE_ACT_REGLU:
+    case SMOE_ACT_RELU: return x > 0 ? 1.0 : 0.0;
+    default: return x > 0 ? 2.0 * x : 0.0;
+    }
+}
+static int act_gated(int act)
+{
+    return act == SMOE_ACT_SWIGLU || act == SMOE_ACT_GEGLU || act == SMOE_ACT_REGLU;
+}
+static const char *act_name(int act)
+{
+    static const char *n[] = {"swiglu", "geglu", "reglu", "relu2", "relu", "silu", "gelu"};
+    return n[act];
+}
+
+/* Counts failures per check and prints the first few. */
+typedef struct checker {
+    const char *what;
+    long bad, total;
+    double worst; /* max err / tol */
+} checker;
+
+static void chk(checker *c, double got, double ref, double tol, long idx)
+{
+    c->total++;
+    double err = fabs(got - ref);
+    if (!(err <= tol)) {
+        if (c->bad < 5)
+            fprintf(stderr, "  %s[%ld]: got %.6g ref %.6g tol %.3g\n", c->what, idx, got, ref, tol);
+        c->bad++;
+    }
+    if (tol > 0 && err / tol > c->worst) c->worst = err / tol;
+}
+static void chk_done(checker *c, const char *cs)
+{
+    if (c->bad) {
+        fprintf(stderr, "FAIL %s: %s: %ld of %ld wrong (seed %llu)\n", cs, c->what, c->bad,
+                c->total, (unsigned long long)g_seed);
+        g_fail++;
+    }
+}
+
+#define RTOL_BF16 (1.0 / 128.0) /* two bf16 ulps */
+#define ACC_TOL (1.0 / 8192.0)
+
+/* ------------------------------------------------------------ one case */
+
+typedef struct tcase {
+    int64_t T, d, n, E;
+    int act, layout, bias, cap_slack;
+    std::vector<int> counts;
+} tcase;
+
+static int64_t w1_row(int64_t c, int64_t n, int gated, int layout)
+{
+    return smoe_w1_row(c, n, gated, (smoe_w1_layout)layout);
+}
+
+static void run_case(const tcase &tc, int idx)
+{
+    const int fails_before = g_fail;
+    const int64_t T = tc.T, d = tc.d, n = tc.n, E = tc.E;
+    const int gated = act_gated(tc.act);
+    const int64_t hc = gated ? 2 * n : n;
+    std::vector<int32_t> off(E + 1, 0);
+    for (int64_t e = 0; e < E; e++) off[e + 1] = off[e] + tc.counts[e];
+    const int64_t R = off[E], cap = R + tc.cap_slack;
+    char cs[256];
+    snprintf(cs, sizeof cs, "case %d: T=%lld d=%lld n=%lld E=%lld R=%lld cap=%lld %s %s bias=%d",
+             idx, (long long)T, (long long)d, (long long)n, (long long)E, (long long)R,
+             (long long)cap, act_name(tc.act), tc.layout ? "concat" : "interleaved", tc.bias);
+
+    std::vector<int32_t> tok(cap, 0);
+    std::vector<float> score(cap, 0.0f);
+    for (int64_t e = 0; e < E; e++) {
+        for (int64_t r = off[e]; r < off[e + 1]; r++) tok[r] = rnd_int(0, (int)T - 1);
+        std::sort(tok.begin() + off[e], tok.begin() + off[e + 1]);
+    }
+    for (int64_t r = 0; r < R; r++) score[r] = 0.05f + 0.95f * (0.5f + 0.5f * rnd_unif());
+
+    /* Inputs, each GEMM its own. */
+    std::vector<uint16_t> x = rnd_bf16(T * d, 1.0f), w1 = rnd_bf16(E * hc * d, 0.1f),
+                          b1 = rnd_bf16(E * hc, 0.5f), a_in = rnd_bf16(cap * n, 1.0f),
+                          w2 = rnd_bf16(E * d * n, 0.1f), b2 = rnd_bf16(E * d, 0.5f),
+                          dO = rnd_bf16(T * d, 1.0f), h_in = rnd_bf16(cap * hc, 2.0f),
+                          as_in = rnd_bf16(cap * n, 1.0f), dh_in = rnd_bf16(cap * hc, 1.0f);
+
+    smoe_gemm_problem p;
+    memset(&p, 0, sizeof p);
+    p.d = d;
+    p.n = n;
+    p.h_cols = hc;
+    p.E = E;
+    p.cap = cap;
+    p.gated = gated;
+    p.act = (smoe_activation)tc.act;
+    p.w1_layout = (smoe_w1_layout)tc.layout;
+    p.num_sms = 132;
+    int32_t *d_off = dev_upload(off), *d_tok = dev_upload(tok);
+    float *d_score = dev_upload(score);
+    p.expert_offset = d_off;
+    p.row_token = d_tok;
+    p.row_score = d_score;
+    bf16 *d_x = (bf16 *)dev_upload(x), *d_w1 = (bf16 *)dev_upload(w1), *d_b1 = (bf16 *)dev_upload(b1),
+         *d_a_in = (bf16 *)dev_upload(a_in), *d_w2 = (bf16 *)dev_upload(w2),
+         *d_b2 = (bf16 *)dev_upload(b2), *d_dO = (bf16 *)dev_upload(dO),
+         *d_h_in = (bf16 *)dev_upload(h_in), *d_as_in = (bf16 *)dev_upload(as_in),
+         *d_dh_in = (bf16 *)dev_upload(dh_in);
+    void *scratch = NULL;
+    CK(cudaMalloc(&scratch, G->scratch_bytes(&p)));
+    const bf16 *bias1 = tc.bias ? d_b1 : NULL, *bias2 = tc.bias ? d_b2 : NULL;
+
+    /* Outputs, poisoned. */
+    bf16 *d_h, *d_a, *d_a2, *d_y, *d_dh, *d_as, *d_dxt;
+    float *d_ds;
+    CK(cudaMalloc(&d_h, std::max<int64_t>(cap * hc, 1) * 2));
+    CK(cudaMalloc(&d_a, std::max<int64_t>(cap * n, 1) * 2));
+    CK(cudaMalloc(&d_a2, std::max<int64_t>(cap * n, 1) * 2));
+    CK(cudaMalloc(&d_y, std::max<int64_t>(cap * d, 1) * 2));
+    CK(cudaMalloc(&d_dh, std::max<int64_t>(cap * hc, 1) * 2));
+    CK(cudaMalloc(&d_as, std::max<int64_t>(cap * n, 1) * 2));
+    CK(cudaMalloc(&d_dxt, std::max<int64_t>(cap * d, 1) * 2));
+    CK(cudaMalloc(&d_ds, std::max<int64_t>(cap, 1) * 4));
+    CK(cudaMemset(d_h, 0xff, cap * hc * 2));
+    CK(cudaMemset(d_a, 0xff, cap * n * 2));
+    CK(cudaMemset(d_a2, 0xff, cap * n * 2));
+    CK(cudaMemset(d_y, 0xff, cap * d * 2));
+    CK(cudaMemset(d_dh, 0xff, cap * hc * 2));
+    CK(cudaMemset(d_as, 0xff, cap * n * 2));
+    CK(cudaMemset(d_dxt, 0xff, cap * d * 2));
+    CK(cudaMemset(d_ds, 0xff, cap * 4));
+
+    CKS(G->up(&p, d_x, d_w1, bias1, d_h, d_a, scratch, 0));
+    CKS(G->up(&p, d_x, d_w1, bias1, NULL, d_a2, scratch, 0)); /* inference: no H */
+    CKS(G->down(&p, d_a_in, d_w2, bias2, d_y, scratch, 0));
+    CKS(G->dh(&p, d_dO, d_w2, bias2, d_h_in, d_dh, d_as, d_ds, scratch, 0));
+    CKS(G->dxt(&p, d_dh_in, d_w1, d_dxt, scratch, 0));
+
+    /* Weight gradients: (dtype, accumulate) = 4 combinations each. */
+    std::vector<uint16_t> wprev_bf = rnd_bf16(E * hc * d, 1.0f);
+    std::vector<float> wprev_f(E * hc * d);
+    for (size_t i = 0; i < wprev_f.size(); i++) wprev_f[i] = rnd_unif();
+    std::vector<float> dw2_out[4], dw1_out[4];
+    for (int v = 0; v < 4; v++) {
+        const int f32 = v & 1, accum = v >> 1;
+        const size_t n2 = E * d * n, n1 = E * hc * d;
+        void *o2, *o1;
+        CK(cudaMalloc(&o2, n2 * 4));
+        CK(cudaMalloc(&o1, n1 * 4));
+        if (accum) {
+            CK(cudaMemcpy(o2, f32 ? (void *)wprev_f.data() : (void *)wprev_bf.data(), n2 * (f32 ? 4 : 2),
+                          cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(o1, f32 ? (void *)wprev_f.data() : (void *)wprev_bf.data(), n1 * (f32 ? 4 : 2),
+                          cudaMemcpyHostToDevice));
+        } else {
+            CK(cudaMemset(o2, 0xff, n2 * 4));
+            CK(cudaMemset(o1, 0xff, n1 * 4));
+        }
+        smoe_dtype dt = f32 ? SMOE_DTYPE_F32 : SMOE_DTYPE_BF16;
+        CKS(G->dw2(&p, d_dO, d_as_in, o2, dt, accum, scratch, 0));
+        CKS(G->dw1(&p, d_dh_in, d_x, o1, dt, accum, scratch, 0));
+        dw2_out[v].resize(n2);
+        dw1_out[v].resize(n1);
+        if (f32) {
+            std::vector<float> t2 = dev_download((float *)o2, n2), t1 = dev_download((float *)o1, n1);
+            dw2_out[v] = t2;
+            dw1_out[v] = t1;
+        } else {
+            std::vector<uint16_t> t2 = dev_download((uint16_t *)o2, n2),
+                                  t1 = dev_download((uint16_t *)o1, n1);
+            for (size_t i = 0; i < n2; i++) dw2_out[v][i] = (float)bf2d(t2[i]);
+            for (size_t i = 0; i < n1; i++) dw1_out[v][i] = (float)bf2d(t1[i]);
+        }
+        CK(cudaFree(o2));
+        CK(cudaFree(o1));
+    }
+    CK(cudaDeviceSynchronize());
+
+    std::vector<uint16_t> h = dev_download((uint16_t *)d_h, cap * hc),
+                          a = dev_download((uint16_t *)d_a, cap * n),
+                          a2 = dev_download((uint16_t *)d_a2, cap * n),
+                          y = dev_download((uint16_t *)d_y, cap * d),
+                          dh = dev_download((uint16_t *)d_dh, cap * hc),
+                          as = dev_download((uint16_t *)d_as, cap * n),
+                          dxt = dev_download((uint16_t *)d_dxt, cap * d);
+    std::vector<float> ds = dev_download(d_ds, cap);
+
+    std::vector<int> row_e(cap, -1);
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t r = off[e]; r < off[e + 1]; r++) row_e[r] = (int)e;
+
+    /* up: H, then A from the stored H; inference A identical. */
+    {
+        checker ch = {"up H"}, ca = {"up A"}, cp = {"poison"}, ci = {"up A (no H)"};
+        for (int64_t r = 0; r < cap; r++) {
+            if (r >= R) {
+                for (int64_t c = 0; c < hc; c++) chk(&cp, h[r * hc + c] == POISON_BF16, 1, 0, r);
+                for (int64_t j = 0; j < n; j++) chk(&cp, a[r * n + j] == POISON_BF16, 1, 0, r);
+                continue;
+            }
+            const int e = row_e[r];
+            const uint16_t *xr = &x[tok[r] * d];
+            for (int64_t c = 0; c < hc; c++) {
+                const int64_t pr = w1_row(c, n, gated, tc.layout);
+                const uint16_t *wr = &w1[(e * hc + pr) * d];
+                double s = 0, m = 0;
+                for (int64_t k = 0; k < d; k++) {
+                    double t = bf2d(xr[k]) * bf2d(wr[k]);
+                    s += t;
+                    m += fabs(t);
+                }
+                if (tc.bias) {
+                    s += bf2d(b1[e * hc + pr]);
+                    m += fabs(bf2d(b1[e * hc + pr]));
+                }
+                chk(&ch, bf2d(h[r * hc + c]), s, RTOL_BF16 * fabs(s) + ACC_TOL * m + 1e-30, r * hc + c);
+            }
+            for (int64_t j = 0; j < n; j++) {
+                double ref = gated ? act_f(tc.act, bf2d(h[r * hc + 2 * j])) * bf2d(h[r * hc + 2 * j + 1])
+                                   : act_f(tc.act, bf2d(h[r * hc + j]));
+                chk(&ca, bf2d(a[r * n + j]), ref, RTOL_BF16 * fabs(ref) + 1e-6, r * n + j);
+                chk(&ci, a2[r * n + j], a[r * n + j], 0, r * n + j);
+            }
+        }
+        chk_done(&ch, cs);
+        chk_done(&ca, cs);
+        chk_done(&ci, cs);
+        chk_done(&cp, cs);
+    }
+    /* down */
+    {
+        checker cy = {"down Y"}, cp = {"down poison"};
+        for (int64_t r = 0; r < cap; r++) {
+            if (r >= R) {
+                for (int64_t i = 0; i < d; i++) chk(&cp, y[r * d + i] == POISON_BF16, 1, 0, r);
+                continue;
+            }
+            const int e = row_e[r];
+            for (int64_t i = 0; i < d; i++) {
+                double s = 0, m = 0;
+                for (int64_t j = 0; j < n; j++) {
+                    double t = bf2d(a_in[r * n + j]) * bf2d(w2[(e * d + i) * n + j]);
+                    s += t;
+                    m += fabs(t);
+                }
+                if (tc.bias) {
+                    s += bf2d(b2[e * d + i]);
+                    m += fabs(bf2d(b2[e * d + i]));
+                }
+                chk(&cy, bf2d(y[r * d + i]), s, RTOL_BF16 * fabs(s) + ACC_TOL * m + 1e-30, r * d + i);
+            }
+        }
+        chk_done(&cy, cs);
+        chk_done(&cp, cs);
+    }
+    /* dh: dA' = dO[tok] W2[e]; dS, A', dH from the input H. */
+    {
+        checker cds = {"dh dS"}, cas = {"dh A'"}, cdh = {"dh dH"}, cp = {"dh poison"};
+        std::vector<double> dap(n), dapm(n);
+        for (int64_t r = 0; r < cap; r++) {
+            if (r >= R) {
+                for (int64_t c = 0; c < hc; c++) chk(&cp, dh[r * hc + c] == POISON_BF16, 1, 0, r);
+                for (int64_t j = 0; j < n; j++) chk(&cp, as[r * n + j] == POISON_BF16, 1, 0, r);
+                uint32_t u;
+                memcpy(&u, &ds[r], 4);
+                chk(&cp, u == 0xffffffffu, 1, 0, r);
+                continue;
+            }
+            const int e = row_e[r];
+            const uint16_t *g = &dO[tok[r] * d];
+            for (int64_t j = 0; j < n; j++) {
+                double s = 0, m = 0;
+                for (int64_t i = 0; i < d; i++) {
+                    double t = bf2d(g[i]) * bf2d(w2[(e * d + i) * n + j]);
+                    s += t;
+                    m += fabs(t);
+                }
+                dap[j] = s;
+                dapm[j] = m;
+            }
+            const double sc = score[r];
+            double dsr = 0, dsm = 0;
+            for (int64_t j = 0; j < n; j++) {
+                double av, dg = 0, du = 0, mg = 0, mu = 0;
+                if (gated) {
+                    double hg = bf2d(h_in[r * hc + 2 * j]), hu = bf2d(h_in[r * hc + 2 * j + 1]);
+                    av = act_f(tc.act, hg) * hu;
+                    dg = sc * dap[j] * act_df(tc.act, hg) * hu;
+                    du = sc * dap[j] * act_f(tc.act, hg);
+                    mg = sc * dapm[j] * fabs(act_df(tc.act, hg) * hu);
+                    mu = sc * dapm[j] * fabs(act_f(tc.act, hg));
+                    chk(&cdh, bf2d(dh[r * hc + 2 * j]), dg, RTOL_BF16 * fabs(dg) + ACC_TOL * mg + 1e-6,
+                        r * hc + 2 * j);
+                    chk(&cdh, bf2d(dh[r * hc + 2 * j + 1]), du,
+                        RTOL_BF16 * fabs(du) + ACC_TOL * mu + 1e-6, r * hc + 2 * j + 1);
+                } else {
+                    double hv = bf2d(h_in[r * hc + j]);
+                    av = act_f(tc.act, hv);
+                    dg = sc * dap[j] * act_df(tc.act, hv);
+                    mg = sc * dapm[j] * fabs(act_df(tc.act, hv));
+                    chk(&cdh, bf2d(dh[r * hc + j]), dg, RTOL_BF16 * fabs(dg) + ACC_TOL * mg + 1e-6,
+                        r * hc + j);
+                }
+                chk(&cas, bf2d(as[r * n + j]), sc * av, RTOL_BF16 * fabs(sc * av) + 1e-6, r * n + j);
+                dsr += dap[j] * av;
+                dsm += dapm[j] * fabs(av);
+            }
+            if (tc.bias)
+                for (int64_t i = 0; i < d; i++) {
+                    double t = bf2d(g[i]) * bf2d(b2[e * d + i]);
+                    dsr += t;
+                    dsm += fabs(t);
+                }
+            chk(&cds, ds[r], dsr, ACC_TOL * dsm + 1e-6, r);
+        }
+        chk_done(&cds, cs);
+        chk_done(&cas, cs);
+        chk_done(&cdh, cs);
+        chk_done(&cp, cs);
+    }
+    /* dxt */
+    {
+        checker cx = {"dxt"}, cp = {"dxt poison"};
+        for (int64_t r = 0; r < cap; r++) {
+            if (r >= R) {
+                for (int64_t i = 0; i < d; i++) chk(&cp, dxt[r * d + i] == POISON_BF16, 1, 0, r);
+                continue;
+            }
+            const int e = row_e[r];
+            for (int64_t i = 0; i < d; i++) {
+                double s = 0, m = 0;
+                for (int64_t c = 0; c < hc; c++) {
+                    double t = bf2d(dh_in[r * hc + c]) *
+                               bf2d(w1[(e * hc + w1_row(c, n, gated, tc.layout)) * d + i]);
+                    s += t;
+                    m += fabs(t);
+                }
+                chk(&cx, bf2d(dxt[r * d + i]), s, RTOL_BF16 * fabs(s) + ACC_TOL * m + 1e-30, r * d + i);
+            }
+        }
+        chk_done(&cx, cs);
+        chk_done(&cp, cs);
+    }
+    /* dw2, dw1: sums over each expert's rows. */
+    {
+        checker c2 = {"dw2"}, c1 = {"dw1"};
+        for (int64_t e = 0; e < E; e++) {
+            for (int64_t i = 0; i < d; i++)
+                for (int64_t j = 0; j < n; j++) {
+                    double s = 0, m = 0;
+                    for (int64_t r = off[e]; r < off[e + 1]; r++) {
+                        double t = bf2d(dO[tok[r] * d + i]) * bf2d(as_in[r * n + j]);
+                        s += t;
+                        m += fabs(t);
+                    }
+                    const size_t q = (e * d + i) * n + j;
+                    for (int v = 0; v < 4; v++) {
+                        const int f32 = v & 1, accum = v >> 1;
+                        double prev = accum ? (f32 ? wprev_f[q] : bf2d(wprev_bf[q])) : 0.0;
+                        double ref = s + prev;
+                        double tol = ACC_TOL * (m + fabs(prev)) + (f32 ? 1e-6 * fabs(ref) : RTOL_BF16 * fabs(ref)) + 1e-30;
+                        if (off[e] == off[e + 1]) tol = 0; /* exact: zeros or untouched */
+                        chk(&c2, dw2_out[v][q], ref, tol, (long)q);
+                    }
+                }
+            for (int64_t c = 0; c < hc; c++) {
+                const int64_t pr = w1_row(c, n, gated, tc.layout);
+                for (int64_t i = 0; i < d; i++) {
+                    double s = 0, m = 0;
+                    for (int64_t r = off[e]; r < off[e + 1]; r++) {
+                        double t = bf2d(dh_in[r * hc + c]) * bf2d(x[tok[r] * d + i]);
+                        s += t;
+                        m += fabs(t);
+                    }
+                    const size_t q = (e * hc + pr) * d + i;
+                    for (int v = 0; v < 4; v++) {
+                        const int f32 = v & 1, accum = v >> 1;
+                        double prev = accum ? (f32 ? wprev_f[q] : bf2d(wprev_bf[q])) : 0.0;
+                        double ref = s + prev;
+                        double tol = ACC_TOL * (m + fabs(prev)) + (f32 ? 1e-6 * fabs(ref) : RTOL_BF16 * fabs(ref)) + 1e-30;
+                        if (off[e] == off[e + 1]) tol = 0;
+                        chk(&c1, dw1_out[v][q], ref, tol, (long)q);
+                    }
+                }
+            }
+        }
+        chk_done(&c2, cs);
+        chk_done(&c1, cs);
+    }
+
+    /* Determinism: dh and dw1 again, bit for bit. */
+    {
+        CKS(G->dh(&p, d_dO, d_w2, bias2, d_h_in, d_dh, d_as, d_ds, scratch, 0));
+        std::vector<float> ds2 = dev_download(d_ds, cap);
+        std::vector<uint16_t> dh2 = dev_download((uint16_t *)d_dh, cap * hc);
+        if (memcmp(ds2.data(), ds.data(), R * 4) || memcmp(dh2.data(), dh.data(), R * hc * 2)) {
+            fprintf(stderr, "FAIL %s: dh not bitwise deterministic\n", cs);
+            g_fail++;
+        }
+    }
+
+    CK(cudaFree(d_off)); CK(cudaFree(d_tok)); CK(cudaFree(d_score));
+    CK(cudaFree(d_x)); CK(cudaFree(d_w1)); CK(cudaFree(d_b1)); CK(cudaFree(d_a_in));
+    CK(cudaFree(d_w2)); CK(cudaFree(d_b2)); CK(cudaFree(d_dO)); CK(cudaFree(d_h_in));
+    CK(cudaFree(d_as_in)); CK(cudaFree(d_dh_in)); CK(cudaFree(scratch));
+    CK(cudaFree(d_h)); CK(cudaFree(d_a)); CK(cudaFree(d_a2)); CK(cudaFree(d_y)); CK(cudaFree(d_dh));
+    CK(cudaFree(d_as)); CK(cudaFree(d_dxt)); CK(cudaFree(d_ds));
+    printf("%s %s\n", g_fail > fails_before ? "FAIL" : "ok  ", cs);
+}
+
+static tcase random_case(int small)
+{
+    static const int ds[] = {8, 16, 24, 40, 136, 264};
+    static const int ns[] = {8, 16, 24, 40, 72, 136, 200};
+    tcase c;
+    c.d = ds[rnd_int(0, small ? 3 : 5)];
+    c.n = ns[rnd_int(0, small ? 3 : 6)];
+    c.E = rnd_int(1, small ? 4 : 9);
+    c.T = rnd_int(1, small ? 64 : 400);
+    c.act = rnd_int(0, 6);
+    c.layout = rnd_int(0, 1);
+    c.bias = rnd_int(0, 1);
+    c.cap_slack = rnd_int(0, 40);
+    c.counts.resize(c.E);
+    for (int64_t e = 0; e < c.E; e++) {
+        int k = rnd_int(0, 5);
+        c.counts[e] = k == 0 ? 0 : k == 1 ? rnd_int(1, 8) : k == 2 ? 128 : rnd_int(1, small ? 150 : 300);
+    }
+    return c;
+}
+
+/* ------------------------------------------------------------ bad input */
+
+static void test_rejects(void)
+{
+    smoe_gemm_problem p;
+    memset(&p, 0, sizeof p);
+    p.d = 12; /* not a multiple of 8 */
+    p.n = 16;
+    p.h_cols = 32;
+    p.E = 2;
+    p.cap = 4;
+    p.gated = 1;
+    smoe_status st = G->up(&p, NULL, NULL, NULL, NULL, NULL, NULL, 0);
+    if (st != SMOE_ERROR_UNSUPPORTED) {
+        fprintf(stderr, "FAIL: d=12 gave status %d, want UNSUPPORTED\n", (int)st);
+        g_fail++;
+    }
+    p.d = 16;
+    st = G->down(&p, (const bf16 *)(uintptr_t)0x1008, (const bf16 *)(uintptr_t)0x2000, NULL,
+                 (bf16 *)(uintptr_t)0x3000, NULL, 0);
+    if (st != SMOE_ERROR_UNSUPPORTED) {
+        fprintf(stderr, "FAIL: misaligned pointer gave status %d, want UNSUPPORTED\n", (int)st);
+        g_fail++;
+    }
+    printf("ok   bad input rejected (%s)\n", smoe_last_error());
+}
+
+/* ------------------------------------------------------------ bench */
+
+__global__ void fill_bf16(bf16 *p, size_t count, uint32_t seed, float scale)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < count;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+        h ^= h >> 15;
+        h *= 2246822519u;
+        h ^= h >> 13;
+        p[i] = __float2bfloat16(scale * ((h & 0xffff) / 32768.0f - 1.0f));
+    }
+}
+
+static bf16 *bench_alloc(size_t count, uint32_t seed, float scale)
+{
+    bf16 *p;
+    CK(cudaMalloc(&p, count * 2));
+    fill_bf16<<<1024, 256>>>(p, count, seed, scale);
+    CK(cudaGetLastError());
+    return p;
+}
+
+static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64_t E, int64_t K)
+{
+    const int64_t R = T * K, hc = 2 * n;
+    std::vector<int32_t> off(E + 1), tok(R);
+    std::vector<float> score(R);
+    for (int64_t e = 0; e <= E; e++) off[e] = (int32_t)(R * e / E);
+    for (int64_t e = 0; e < E; e++) {
+        for (int64_t r = off[e]; r < off[e + 1]; r++) tok[r] = rnd_int(0, (int)T - 1);
+        std::sort(tok.begin() + off[e], tok.begin() + off[e + 1]);
+    }
+    for (int64_t r = 0; r < R; r++) score[r] = 0.125f;
+    smoe_gemm_problem p;
+    memset(&p, 0, sizeof p);
+    p.d = d; p.n = n; p.h_cols = hc; p.E = E; p.cap = R; p.gated = 1;
+    p.act = SMOE_ACT_SWIGLU; p.w1_layout = SMOE_W1_INTERLEAVED; p.num_sms = 132;
+    int32_t *d_off = dev_upload(off), *d_tok = dev_upload(tok);
+    float *d_score = dev_upload(score);
+    p.expert_offset = d_off; p.row_token = d_tok; p.row_score = d_score;
+    bf16 *x = bench_alloc(T * d, 1, 1.0f), *w1 = bench_alloc(E * hc * d, 2, 0.05f),
+         *w2 = bench_alloc(E * d * n, 3, 0.05f), *dO = bench_alloc(T * d, 4, 1.0f),
+         *h = bench_alloc(R * hc, 5, 1.0f), *a = bench_alloc(R * n, 6, 1.0f),
+         *y = bench_alloc(R * d, 7, 1.0f), *dh = bench_alloc(R * hc, 8, 1.0f),
+         *as = bench_alloc(R * n, 9, 1.0f), *dxt = bench_alloc(R * d, 10, 1.0f);
+    float *ds, *dw1, *dw2;
+    void *scratch;
+    CK(cudaMalloc(&ds, R * 4));
+    CK(cudaMalloc(&dw1, E * hc * d * 4));
+    CK(cudaMalloc(&dw2, E * d * n * 4));
+    CK(cudaMalloc(&scratch, G->scratch_bytes(&p)));
+    const double flop = 2.0 * R * d * n;
+    const char *names[6] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
+    const double flops[6] = {2 * flop, flop, flop, flop, 2 * flop, 2 * flop};
+    double ms_med[6];
+    cudaEvent_t ev0, ev1;
+    CK(cudaEventCreate(&ev0));
+    CK(cudaEventCreate(&ev1));
+    for (int g = 0; g < 6; g++) {
+        const int reps = 10;
+        std::vector<float> ms(reps);
+        for (int it = -2; it < reps; it++) {
+            CK(cudaEventRecord(ev0));
+            switch (g) {
+            case 0: CKS(G->up(&p, x, w1, NULL, h, a, scratch, 0)); break;
+            case 1: CKS(G->down(&p, a, w2, NULL, y, scratch, 0)); break;
+            case 2: CKS(G->dh(&p, dO, w2, NULL, h, dh, as, ds, scratch, 0)); break;
+            case 3: CKS(G->dw2(&p, dO, as, dw2, SMOE_DTYPE_F32, 0, scratch, 0)); break;
+            case 4: CKS(G->dxt(&p, dh, w1, dxt, scratch, 0)); break;
+            case 5: CKS(G->dw1(&p, dh, x, dw1, SMOE_DTYPE_F32, 0, scratch, 0)); break;
+            }
+            CK(cudaEventRecord(ev1));
+            CK(cudaEventSynchronize(ev1));
+            if (it >= 0) CK(cudaEventElapsedTime(&ms[it], ev0, ev1));
+        }
+        std::sort(ms.begin(), ms.end());
+        ms_med[g] = ms[reps / 2];
+    }
+    double fwd = ms_med[0] + ms_med[1], bwd = ms_med[2] + ms_med[3] + ms_med[4] + ms_med[5];
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    printf("%s (%s): T=%lld d=%lld n=%lld E=%lld K=%lld\n", name, prop.name, (long long)T,
+           (long long)d, (long long)n, (long long)E, (long long)K);
+    for (int g = 0; g < 6; g++)
+        printf("  %-5s %9.3f ms %7.1f TFLOPS\n", names[g], ms_med[g], flops[g] / ms_med[g] * 1e-9);
+    printf("  fwd GEMMs %8.3f ms %7.1f TFLOPS   bwd GEMMs %8.3f ms %7.1f TFLOPS\n", fwd,
+           3 * flop / fwd * 1e-9, bwd, 6 * flop / bwd * 1e-9);
+    CK(cudaFree(d_off)); CK(cudaFree(d_tok)); CK(cudaFree(d_score));
+    CK(cudaFree(x)); CK(cudaFree(w1)); CK(cudaFree(w2)); CK(cudaFree(dO)); CK(cudaFree(h));
+    CK(cudaFree(a)); CK(cudaFree(y)); CK(cudaFree(dh)); CK(cudaFree(as)); CK(cudaFree(dxt));
+    CK(cudaFree(ds)); CK(cudaFree(dw1)); CK(cudaFree(dw2)); CK(cudaFree(scratch));
+    CK(cudaEventDestroy(ev0));
+    CK(cudaEventDestroy(ev1));
+}
+
+int main(int argc, char **argv)
+{
+    int small = 0, bench = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--small")) small = 1;
+        else if (!strcmp(argv[i], "--bench")) bench = 1;
+        else if (!strcmp(argv[i], "--seed") && i + 1 < argc) g_seed = strtoull(argv[++i], NULL, 10);
+        else {
+            fprintf(stderr, "usage: %s [--small | --bench] [--seed N]\n", argv[0]);
+            return 2;
+        }
+    }
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+        printf("skip: no CUDA device\n");
+        return 0;
+    }
+    rng_state = g_seed * 0x9E3779B97F4A7C15ull + 1;
+    if (bench) {
+        bench_shape("7B", 24576, 1536, 256, 128, 8);
+        bench_shape("30B", 32768, 4096, 512, 128, 8);
+        bench_shape("120B", 32768, 4096, 1024, 128, 8);
+        return 0;
+    }
+    test_rejects();
+    const int cases = small ? 4 : 40;
+    for (int i = 0; i < cases; i++) run_case(random_case(small), i);
+    /* Fixed corner cases: one expert with everything, all experts empty but one row. */
+    {
+        tcase c;
+        c.T = 300; c.d = 64; c.n = 64; c.E = 3; c.act = SMOE_ACT_SWIGLU; c.layout = 1; c.bias = 1;
+        c.cap_slack = 0;
+        c.counts = {0, 300, 0};
+        run_case(c, 1000);
+        c.counts = {0, 0, 1};
+        c.T = 1; c.d = 8; c.n = 8;
+        run_case(c, 1001);
+    }
+    if (g_fail) {
+        printf("test_gemm: %d failures (seed %llu)\n", g_fail, (unsigned long long)g_seed);
+        return 1;
+    }
+    printf("test_gemm: all passed\n");
+    return 0;
+}
