@@ -57,6 +57,9 @@ PROGS := $(BUILD)/smoe_run $(BUILD)/example
 ifeq ($(SMOE_CUDA),1)
 GPU_TEST_SRC := $(wildcard tests/gpu/test_*.c)
 GPU_TEST_BIN := $(GPU_TEST_SRC:tests/gpu/%.c=$(BUILD)/tests/gpu/%)
+# GPU tests written in CUDA (kernels of their own, e.g. reference kernels).
+GPU_TEST_CU  := $(wildcard tests/gpu/test_*.cu)
+GPU_TEST_BIN += $(GPU_TEST_CU:tests/gpu/%.cu=$(BUILD)/tests/gpu/%)
 PROGS += $(if $(wildcard bench/bench.c),$(BUILD)/smoe_bench)
 endif
 
@@ -102,6 +105,11 @@ $(BUILD)/tests/%: tests/%.c tests/testutil.h $(LIB_A)
 $(BUILD)/tests/gpu/%: tests/gpu/%.c tests/testutil.h $(LIB_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests $< -o $@ $(LIB_A) $(LDLIBS)
+
+$(BUILD)/tests/gpu/%: tests/gpu/%.cu $(LIB_A)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) $(CUDA_ARCH_PORTABLE) -Itests $< -o $@ $(LIB_A) -Xcompiler -fopenmp \
+	  -lcublas -lm -lpthread -ldl
 
 # The main job: one layer forward and backward on the best backend, checked
 # against the reference. ARGS picks the configuration (see README.md).
