@@ -203,7 +203,7 @@ typedef struct inputs {
 typedef struct results {
     double fwd_s, bwd_s;        /* median seconds */
     size_t saved_bytes, workspace_bytes;
-    const char *path;
+    char path[96];              /* the layer's path name */
     double *out, *dx;           /* (T, d) */
     double *dw1, *dw2, *dwr;    /* weight gradients (fp32 main-grad) */
 } results;
@@ -238,7 +238,7 @@ static results run_layer(const smoe_layer_desc *desc, const inputs *in, int iter
     smoe_layer *layer = NULL;
     SMOE_CHECK(smoe_layer_create(desc, &layer));
     g_device_mem = smoe_layer_backend(layer) != SMOE_BACKEND_CPU;
-    res.path = smoe_layer_path_name(layer);
+    snprintf(res.path, sizeof res.path, "%s", smoe_layer_path_name(layer));
 
     const int64_t T = in->T, d = desc->d, n = desc->n, E = desc->E;
     const size_t es = desc->dtype == SMOE_DTYPE_BF16 ? 2 : desc->dtype == SMOE_DTYPE_F32 ? 4 : 8;
