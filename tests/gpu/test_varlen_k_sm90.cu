@@ -23,8 +23,9 @@
  * For reference, cuBLAS's strided-batched GEMM of the same per-expert shapes
  * (equal counts, contiguous, no gather) and a dense 8192^3 product.
  *
- * Usage: test_varlen_k_sm90 [--small] [seed]   (--small: correctness only,
- * small shapes, for compute-sanitizer). Exit code 0 only if every check
+ * Usage: test_varlen_k_sm90 [--small | --profile] [seed]   (--small:
+ * correctness only, small shapes, for compute-sanitizer; --profile: one call
+ * of each op, f32 overwrite then accumulate, on the 7B shape, for ncu). Exit code 0 only if every check
  * passed.
  *
  * Build (sm_90a; links the kernel source directly):
@@ -669,6 +670,28 @@ static float cublas_dense_ms(cublasHandle_t h, int S)
     return ms;
 }
 
+/* One call of each op on a balanced shape, for a profiler. */
+static void profile_shape(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K, int num_sms)
+{
+    problem P;
+    P.T = T; P.d = d; P.n = n; P.E = E; P.K = K; P.gated = 1; P.layout = SMOE_W1_INTERLEAVED;
+    uint64_t s = g_seed + 1000;
+    routing_balanced(&P, &s);
+    problem_alloc(&P, g_seed + 1000);
+    for (int op = 0; op < 2; op++) {
+        op_shape os = op_shape_of(&P, op);
+        void *out;
+        CK(cudaMalloc(&out, (size_t)E * os.M * os.N * 4));
+        for (int acc = 0; acc < 2; acc++) {
+            smoe_status st = call_op(&P, op, out, SMOE_DTYPE_F32, acc, num_sms, 0);
+            CK(cudaDeviceSynchronize());
+            check(st == SMOE_SUCCESS, "profile run %s acc=%d", op ? "dw1" : "dw2", acc);
+        }
+        cudaFree(out);
+    }
+    problem_free(&P);
+}
+
 static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64_t E, int64_t K,
                         int num_sms, cublasHandle_t h)
 {
@@ -718,9 +741,10 @@ static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64
 
 int main(int argc, char **argv)
 {
-    int small = 0;
+    int small = 0, profile = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--small")) small = 1;
+        else if (!strcmp(argv[i], "--profile")) profile = 1;
         else g_seed = strtoull(argv[i], NULL, 10);
     }
     int dev = 0;
@@ -735,6 +759,10 @@ int main(int argc, char **argv)
     }
     const int num_sms = prop.multiProcessorCount;
     uint64_t s = g_seed;
+    if (profile) {
+        profile_shape(24576, 1536, 256, 128, 8, num_sms);
+        return g_fail ? 1 : 0;
+    }
 
     {   /* small: partial M and N tiles (BN=128 path), host-checked reference */
         const smoe_w1_layout lay[3] = {SMOE_W1_INTERLEAVED, SMOE_W1_CONCATENATED,

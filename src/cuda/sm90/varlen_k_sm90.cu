@@ -61,6 +61,13 @@ using namespace smoe_sm90;
 #define VK_STAGES 4
 #define VK_THREADS 384          /* producer + 2 consumer warpgroups */
 #define VK_SLAB_BYTES (VK_BK * 128) /* one 64-column slab: 64 k-rows x 128 B */
+#define VK_TOK_AHEAD (VK_STAGES - 1) /* k-iterations the row tokens run ahead */
+#define VK_TOK_SLOTS (VK_TOK_AHEAD + 1)
+#define VK_TOK_SLOT_BYTES (128 * 16) /* 4 tokens per producer thread */
+#define VK_EPI_BUF_BYTES (16 * 128) /* per consumer warp: 16 rows x 32 fp32 */
+#ifndef VK_EPI_SMEM
+#define VK_EPI_SMEM 1
+#endif
 #define VK_PRODUCER_REGS 56
 #define VK_CONSUMER_REGS 224
 
@@ -95,6 +102,39 @@ static __device__ __forceinline__ uint64_t vk_desc_mn_sw128(uint32_t saddr, uint
     d |= (uint64_t)(1024 >> 4) << 32;
     d |= (uint64_t)1 << 62;
     return d;
+}
+
+/* 4-byte cp.async through L1 (the row tokens). */
+static __device__ __forceinline__ void vk_cp_async_4(uint32_t dst, const void *src)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+
+static __device__ __forceinline__ void vk_cp_async_commit()
+{
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+/* Waits until at most N of this thread's cp.async groups are pending. */
+template <int N>
+static __device__ __forceinline__ void vk_cp_async_wait()
+{
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+static __device__ __forceinline__ uint4 vk_ld_shared_v4(uint32_t addr)
+{
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+
+static __device__ __forceinline__ void vk_prefetch_l2(const void *p)
+{
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 /* wgmma with both operands MN-major (transpose bits 1, 1): ptx_sm90.cuh's
@@ -173,86 +213,234 @@ static __device__ __forceinline__ void vk_tile_coords(const vk_args &p, int tile
     *nt = rem - *mt * p.tiles_n;
 }
 
-/* Copies one operand's stage: 64 k-rows x W columns (W/64 slabs) starting at
- * column col0, k-rows row0.. of the expert (rows >= row_end zero-filled),
- * gathered by token when GATHER. Thread t owns 16-byte column chunk t % CPR
- * of k-rows t / CPR + RPP * i. */
-template <int W, bool GATHER>
-static __device__ __forceinline__ void vk_load_operand(uint32_t sdst, const bf16 *src, int ld,
-                                                       int col0, int ncols, int row0, int row_end,
-                                                       const int32_t *row_token, int t)
+/* The producer's walk over its (tile, k-tile) iterations, skipping tiles of
+ * experts without rows; one cursor issues the copies, a second one runs
+ * VK_TOK_AHEAD iterations ahead fetching row tokens. */
+typedef struct vk_cursor {
+    int tile, kt, nk, row_begin, row_end;
+} vk_cursor;
+
+static __device__ __forceinline__ void vk_cursor_load(const vk_args &p, vk_cursor *c)
 {
-    constexpr int CPR = W / 8;
-    constexpr int RPP = 128 / CPR;
-    constexpr int ITERS = VK_BK / RPP;
-    static_assert(128 % CPR == 0 && VK_BK % RPP == 0, "producer mapping");
-    const int c = t % CPR;
-    const int r0 = t / CPR;
-    const int col = col0 + c * 8;
-    const bool col_ok = col < ncols;
-    const uint32_t dst0 = sdst + (uint32_t)(c >> 3) * VK_SLAB_BYTES;
-    /* groups of 8 rows: the token loads of a group are in flight together,
-     * and the producer's registers hold one group's addresses */
-    constexpr int G = ITERS < 8 ? ITERS : 8;
+    c->kt = 0;
+    c->nk = 0;
+    if (c->tile >= p.total_tiles) return;
+    const int e = c->tile / (p.tiles_m * p.tiles_n);
+    c->row_begin = __ldg(p.expert_offset + e);
+    c->row_end = __ldg(p.expert_offset + e + 1);
+    c->nk = c->row_end > c->row_begin ? (c->row_end - c->row_begin + VK_BK - 1) / VK_BK : 0;
+}
+
+/* Moves to the first iteration at or after the current one that exists. */
+static __device__ __forceinline__ void vk_cursor_settle(const vk_args &p, vk_cursor *c)
+{
+    while (c->tile < p.total_tiles && c->kt >= c->nk) {
+        c->tile += gridDim.x;
+        vk_cursor_load(p, c);
+    }
+}
+
+static __device__ __forceinline__ void vk_cursor_start(const vk_args &p, vk_cursor *c)
+{
+    c->tile = blockIdx.x;
+    vk_cursor_load(p, c);
+    vk_cursor_settle(p, c);
+}
+
+static __device__ __forceinline__ void vk_cursor_next(const vk_args &p, vk_cursor *c)
+{
+    c->kt++;
+    vk_cursor_settle(p, c);
+}
+
+/* Producer thread t = 8 g + q owns k-rows 4g .. 4g+3 of a stage and, in each
+ * 64-column slab, the 16-byte chunk q: one warp instruction moves 4 rows x
+ * 128 contiguous bytes, and a thread needs only 4 row tokens per stage. */
+static __device__ __forceinline__ void vk_fetch_tokens(const vk_args &p, const vk_cursor &c,
+                                                       uint32_t slot, int g)
+{
+    const int row0 = c.row_begin + c.kt * VK_BK + 4 * g;
 #pragma unroll
-    for (int i0 = 0; i0 < ITERS; i0 += G) {
-        int src_row[G];
+    for (int i = 0; i < 4; i++)
+        if (row0 + i < c.row_end) vk_cp_async_4(slot + 4 * i, p.row_token + row0 + i);
+}
+
+/* One operand's stage: 64 k-rows x W columns from column col0; k-row r is
+ * source row src_row[r - 4g] (a token or the row itself), zero-filled past
+ * the expert's end or the matrix's last column. */
+template <int W>
+static __device__ __forceinline__ void vk_copy_operand(uint32_t sdst, const bf16 *src, int ld,
+                                                       int col0, int ncols, const int *src_row,
+                                                       int rows_left, int g, int q)
+{
 #pragma unroll
-        for (int i = 0; i < G; i++) {
-            int grow = row0 + r0 + RPP * (i0 + i);
-            bool ok = col_ok && grow < row_end;
-            if (GATHER) src_row[i] = ok ? __ldg(row_token + grow) : -1;
-            else src_row[i] = ok ? grow : -1;
-        }
+    for (int i = 0; i < 4; i++) {
+        const int r = 4 * g + i;
+        const bool row_ok = r < rows_left;
+        const bf16 *rowp = src + (size_t)(row_ok ? src_row[i] : 0) * (size_t)ld + col0 + 8 * q;
+        const uint32_t dst = sdst + (uint32_t)r * 128 + ((uint32_t)(q ^ (r & 7)) << 4);
 #pragma unroll
-        for (int i = 0; i < G; i++) {
-            int r = r0 + RPP * (i0 + i);
-            uint32_t dst = dst0 + (uint32_t)r * 128 + ((uint32_t)((c & 7) ^ (r & 7)) << 4);
-            bool ok = src_row[i] >= 0;
-            const bf16 *g = ok ? src + (size_t)src_row[i] * (size_t)ld + col : src;
-            cp_async_16(dst, g, ok ? 16u : 0u);
+        for (int sl = 0; sl < W / 64; sl++) {
+            const bool ok = row_ok && col0 + 64 * sl < ncols;
+            cp_async_16(dst + sl * VK_SLAB_BYTES, ok ? rowp + 64 * sl : src, ok ? 16u : 0u);
         }
     }
 }
 
+/* Warms L2 with the old values of this thread's two output rows
+ * (accumulate), so the epilogue's reads return sooner. */
+template <bool F32, int BN>
+static __device__ __forceinline__ void vk_prefetch_out(const vk_args &p, int e, int row_base,
+                                                       int col_tile, int lane)
+{
+    constexpr int ESZ = F32 ? 4 : 2;
+    constexpr int LINES = BN * ESZ / 128; /* 128-byte lines per row segment */
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int row = row_base + 8 * h;
+        if (row >= p.M) continue;
+        const int prow = p.map_rows ? ((row & 1) ? p.n_half + (row >> 1) : (row >> 1)) : row;
+        const char *rp = (const char *)p.out + (((size_t)e * p.M + prow) * p.N + col_tile) * ESZ;
+#pragma unroll
+        for (int l = lane % 4; l < LINES; l += 4)
+            if (col_tile + l * (128 / ESZ) < p.N) vk_prefetch_l2(rp + 128 * l);
+    }
+}
+
+/* Accumulators to global memory; with ACC the old values of 8 column
+ * groups are loaded together before any of them is written. */
 template <bool F32, bool ACC, int BN>
 static __device__ __forceinline__ void vk_store_tile(const vk_args &p, const float *acc, int e,
                                                      int row_base, int col_base, bool zero)
 {
-    const size_t M = (size_t)p.M, N = (size_t)p.N;
+    constexpr int JC = 8;
+    size_t rowoff[2];
+    bool row_ok[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        int row = row_base + 8 * h;
-        if (row >= p.M) continue;
-        int prow = row;
-        if (p.map_rows) prow = (row & 1) ? p.n_half + (row >> 1) : (row >> 1);
-        size_t rowoff = ((size_t)e * M + (size_t)prow) * N;
+        const int row = row_base + 8 * h;
+        row_ok[h] = row < p.M;
+        const int prow = p.map_rows ? ((row & 1) ? p.n_half + (row >> 1) : (row >> 1)) : row;
+        rowoff[h] = ((size_t)e * p.M + (size_t)prow) * p.N;
+    }
 #pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
-            int col = col_base + 8 * j;
-            if (col >= p.N) continue;
-            float v0 = zero ? 0.f : acc[4 * j + 2 * h];
-            float v1 = zero ? 0.f : acc[4 * j + 2 * h + 1];
-            if (F32) {
-                float2 *o = (float2 *)((float *)p.out + rowoff + col);
-                if (ACC) {
-                    float2 old = *o;
-                    v0 += old.x;
-                    v1 += old.y;
+    for (int j0 = 0; j0 < BN / 8; j0 += JC) {
+        float2 old[2][JC];
+        if (ACC) {
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int jj = 0; jj < JC; jj++) {
+                    const int col = col_base + 8 * (j0 + jj);
+                    old[h][jj] = make_float2(0.f, 0.f);
+                    if (!row_ok[h] || col >= p.N) continue;
+                    if (F32) old[h][jj] = *(const float2 *)((const float *)p.out + rowoff[h] + col);
+                    else old[h][jj] = __bfloat1622float2(
+                             *(const __nv_bfloat162 *)((const bf16 *)p.out + rowoff[h] + col));
                 }
-                *o = make_float2(v0, v1);
-            } else {
-                __nv_bfloat162 *o = (__nv_bfloat162 *)((bf16 *)p.out + rowoff + col);
-                if (ACC) {
-                    float2 old = __bfloat1622float2(*o);
-                    v0 += old.x;
-                    v1 += old.y;
-                }
-                *o = __floats2bfloat162_rn(v0, v1);
-            }
         }
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int jj = 0; jj < JC; jj++) {
+                const int j = j0 + jj;
+                const int col = col_base + 8 * j;
+                if (!row_ok[h] || col >= p.N) continue;
+                float v0 = zero ? 0.f : acc[4 * j + 2 * h];
+                float v1 = zero ? 0.f : acc[4 * j + 2 * h + 1];
+                if (ACC) {
+                    v0 += old[h][jj].x;
+                    v1 += old[h][jj].y;
+                }
+                if (F32) *(float2 *)((float *)p.out + rowoff[h] + col) = make_float2(v0, v1);
+                else *(__nv_bfloat162 *)((bf16 *)p.out + rowoff[h] + col) =
+                         __floats2bfloat162_rn(v0, v1);
+            }
     }
 }
+
+#if VK_EPI_SMEM
+/* Accumulators to global memory through a 2 KB shared-memory buffer per
+ * warp: a warp's 16 rows go out in pieces of 32 columns, each row piece as
+ * 128 contiguous bytes (8 threads x 16 B), instead of 8-row scatters of 32 B.
+ * The buffer is 16-byte-chunk swizzled by row. */
+template <bool F32, bool ACC, int BN>
+static __device__ __forceinline__ void vk_store_tile_staged(const vk_args &p, const float *acc,
+                                                            int e, int row0_warp, int n0,
+                                                            int lane, uint32_t buf, bool zero)
+{
+    const int rr0 = lane / 8, ch = lane % 8; /* read-back: row rr0 + 4 i, chunk ch */
+    size_t rowoff[4];
+    bool row_ok[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int row = row0_warp + rr0 + 4 * i;
+        row_ok[i] = row < p.M;
+        const int prow = p.map_rows ? ((row & 1) ? p.n_half + (row >> 1) : (row >> 1)) : row;
+        rowoff[i] = ((size_t)e * p.M + (size_t)prow) * p.N;
+    }
+#pragma unroll
+    for (int c = 0; c < BN / 32; c++) {
+        const int col = n0 + 32 * c + 4 * ch;
+        const bool col_ok = col < p.N;
+        float4 old[4];
+        if (ACC) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                old[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (!row_ok[i] || !col_ok) continue;
+                if (F32) {
+                    old[i] = *(const float4 *)((const float *)p.out + rowoff[i] + col);
+                } else {
+                    uint2 u = *(const uint2 *)((const bf16 *)p.out + rowoff[i] + col);
+                    float2 lo = __bfloat1622float2(*(__nv_bfloat162 *)&u.x);
+                    float2 hi = __bfloat1622float2(*(__nv_bfloat162 *)&u.y);
+                    old[i] = make_float4(lo.x, lo.y, hi.x, hi.y);
+                }
+            }
+        }
+#pragma unroll
+        for (int jj = 0; jj < 4; jj++) {
+            const int j = 4 * c + jj;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = lane / 4 + 8 * h;
+                const int cc = 8 * jj + 2 * (lane % 4); /* column within the piece */
+                const uint32_t a = buf + r * 128 + ((((cc >> 2) ^ (r & 7)) << 4) | ((cc & 3) << 2));
+                float v0 = zero ? 0.f : acc[4 * j + 2 * h];
+                float v1 = zero ? 0.f : acc[4 * j + 2 * h + 1];
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a), "f"(v0), "f"(v1)
+                             : "memory");
+            }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = rr0 + 4 * i;
+            float4 v;
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                         : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                         : "r"(buf + r * 128 + ((ch ^ (r & 7)) << 4))
+                         : "memory");
+            if (!row_ok[i] || !col_ok) continue;
+            if (ACC) {
+                v.x += old[i].x; v.y += old[i].y; v.z += old[i].z; v.w += old[i].w;
+            }
+            if (F32) {
+                *(float4 *)((float *)p.out + rowoff[i] + col) = v;
+            } else {
+                __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y);
+                __nv_bfloat162 hi = __floats2bfloat162_rn(v.z, v.w);
+                uint2 u;
+                u.x = *(uint32_t *)&lo;
+                u.y = *(uint32_t *)&hi;
+                *(uint2 *)((bf16 *)p.out + rowoff[i] + col) = u;
+            }
+        }
+        __syncwarp();
+    }
+}
+#endif
 
 template <int BN, bool GATHER_A>
 __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_args p)
@@ -266,6 +454,8 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
     const uint32_t base = (smem_addr(vk_smem) + 1023u) & ~1023u;
     const uint32_t full_bar = base + VK_STAGES * STAGE_BYTES; /* + 8 s */
     const uint32_t empty_bar = full_bar + 8 * VK_STAGES;      /* + 8 s */
+    const uint32_t tok_ring = full_bar + 128;                 /* VK_TOK_SLOTS x 2 KB */
+    const uint32_t epi_buf = tok_ring + VK_TOK_SLOTS * VK_TOK_SLOT_BYTES; /* 8 x 2 KB */
     const int wg = threadIdx.x / 128;
     const int t = threadIdx.x % 128;
 
@@ -281,25 +471,54 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
     if (wg == 0) {
         /* ---------------- producer ---------------- */
         setmaxnreg_dec<VK_PRODUCER_REGS>();
-        uint32_t it = 0;
-        for (int tile = blockIdx.x; tile < p.total_tiles; tile += gridDim.x) {
-            int e, mt, nt;
-            vk_tile_coords(p, tile, &e, &mt, &nt);
-            const int row_begin = __ldg(p.expert_offset + e);
-            const int row_end = __ldg(p.expert_offset + e + 1);
-            const int nk = row_end > row_begin ? (row_end - row_begin + VK_BK - 1) / VK_BK : 0;
-            for (int kt = 0; kt < nk; kt++, it++) {
-                const uint32_t s = it % VK_STAGES;
-                const uint32_t ph = (it / VK_STAGES) & 1;
-                const int row0 = row_begin + kt * VK_BK;
-                const uint32_t sa = base + s * STAGE_BYTES;
-                mbar_wait(empty_bar + 8 * s, ph ^ 1);
-                vk_load_operand<VK_BM, GATHER_A>(sa, p.a, p.M, mt * VK_BM, p.M, row0, row_end,
-                                                 p.row_token, t);
-                vk_load_operand<BN, !GATHER_A>(sa + A_BYTES, p.b, p.N, nt * BN, p.N, row0, row_end,
-                                               p.row_token, t);
-                cp_async_mbar_arrive_noinc(full_bar + 8 * s);
+        const int g = t / 8, q = t % 8;
+        const uint32_t my_tok = tok_ring + 16 * t;
+        vk_cursor cur, ahead;
+        vk_cursor_start(p, &cur);
+        ahead = cur;
+        /* row tokens travel VK_TOK_AHEAD iterations ahead of the copies that
+         * use them, through this thread's own slots of a small ring, so no
+         * copy waits on a token load queued behind earlier copies */
+#pragma unroll
+        for (int i = 0; i < VK_TOK_AHEAD; i++) {
+            if (ahead.tile < p.total_tiles) {
+                vk_fetch_tokens(p, ahead, my_tok + i * VK_TOK_SLOT_BYTES, g);
+                vk_cursor_next(p, &ahead);
             }
+            vk_cp_async_commit();
+        }
+        for (uint32_t it = 0; cur.tile < p.total_tiles; it++, vk_cursor_next(p, &cur)) {
+            if (ahead.tile < p.total_tiles) {
+                vk_fetch_tokens(p, ahead,
+                                my_tok + ((it + VK_TOK_AHEAD) % VK_TOK_SLOTS) * VK_TOK_SLOT_BYTES, g);
+                vk_cursor_next(p, &ahead);
+            }
+            vk_cp_async_commit();
+            /* the group holding this iteration's tokens is VK_TOK_AHEAD groups old */
+            vk_cp_async_wait<VK_TOK_AHEAD>();
+            const uint32_t s = it % VK_STAGES;
+            const uint32_t ph = (it / VK_STAGES) & 1;
+            const int e = cur.tile / (p.tiles_m * p.tiles_n);
+            const int rem = cur.tile - e * p.tiles_m * p.tiles_n;
+            const int mt = rem / p.tiles_n, nt = rem - mt * p.tiles_n;
+            const int row0 = cur.row_begin + cur.kt * VK_BK;
+            const int rows_left = cur.row_end - row0;
+            int src_row[4];
+            {
+                uint4 tk = vk_ld_shared_v4(my_tok + (it % VK_TOK_SLOTS) * VK_TOK_SLOT_BYTES);
+                src_row[0] = (int)tk.x; src_row[1] = (int)tk.y;
+                src_row[2] = (int)tk.z; src_row[3] = (int)tk.w;
+            }
+            int own_row[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) own_row[i] = row0 + 4 * g + i;
+            const uint32_t sa = base + s * STAGE_BYTES;
+            mbar_wait(empty_bar + 8 * s, ph ^ 1);
+            vk_copy_operand<VK_BM>(sa, p.a, p.M, mt * VK_BM, p.M, GATHER_A ? src_row : own_row,
+                                   rows_left, g, q);
+            vk_copy_operand<BN>(sa + A_BYTES, p.b, p.N, nt * BN, p.N,
+                                GATHER_A ? own_row : src_row, rows_left, g, q);
+            cp_async_mbar_arrive_noinc(full_bar + 8 * s);
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
     } else {
@@ -318,6 +537,11 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
             const int row_end = __ldg(p.expert_offset + e + 1);
             const int nk = row_end > row_begin ? (row_end - row_begin + VK_BK - 1) / VK_BK : 0;
             if (nk == 0 && p.accumulate) continue;
+            const int row_base = mt * VK_BM + cw * 64 + warp * 16 + lane / 4;
+            if (p.accumulate) {
+                if (p.out_f32) vk_prefetch_out<true, BN>(p, e, row_base, nt * BN, lane);
+                else vk_prefetch_out<false, BN>(p, e, row_base, nt * BN, lane);
+            }
             uint32_t prev_s = 0;
             for (int kt = 0; kt < nk; kt++, it++) {
                 const uint32_t s = it % VK_STAGES;
@@ -345,9 +569,24 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
                 wgmma_fence_regs<BN / 2>(acc);
                 if (lane == 0) mbar_arrive(empty_bar + 8 * prev_s);
             }
-            const int row_base = mt * VK_BM + cw * 64 + warp * 16 + lane / 4;
-            const int col_base = nt * BN + 2 * (lane % 4);
             const bool zero = nk == 0;
+#if VK_EPI_SMEM
+            const int row0_warp = mt * VK_BM + cw * 64 + warp * 16;
+            const uint32_t buf = epi_buf + (uint32_t)(cw * 4 + warp) * VK_EPI_BUF_BYTES;
+            if (p.out_f32) {
+                if (p.accumulate)
+                    vk_store_tile_staged<true, true, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
+                else
+                    vk_store_tile_staged<true, false, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
+            } else {
+                if (p.accumulate)
+                    vk_store_tile_staged<false, true, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
+                else
+                    vk_store_tile_staged<false, false, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
+            }
+#else
+            (void)epi_buf;
+            const int col_base = nt * BN + 2 * (lane % 4);
             if (p.out_f32) {
                 if (p.accumulate) vk_store_tile<true, true, BN>(p, acc, e, row_base, col_base, zero);
                 else vk_store_tile<true, false, BN>(p, acc, e, row_base, col_base, zero);
@@ -355,6 +594,7 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
                 if (p.accumulate) vk_store_tile<false, true, BN>(p, acc, e, row_base, col_base, zero);
                 else vk_store_tile<false, false, BN>(p, acc, e, row_base, col_base, zero);
             }
+#endif
         }
     }
 }
@@ -364,8 +604,8 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
 template <int BN, bool GATHER_A>
 static smoe_status vk_launch(const vk_args *a, int num_sms, cudaStream_t stream)
 {
-    const size_t smem = (size_t)VK_STAGES * (VK_BK * VK_BM * 2 + VK_BK * BN * 2) + 1024 +
-                        16 * VK_STAGES;
+    const size_t smem = (size_t)VK_STAGES * (VK_BK * VK_BM * 2 + VK_BK * BN * 2) + 1024 + 128 +
+                        VK_TOK_SLOTS * VK_TOK_SLOT_BYTES + 8 * VK_EPI_BUF_BYTES;
     cudaError_t err = cudaFuncSetAttribute(vk_varlen_k_kernel<BN, GATHER_A>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND,
