@@ -1,0 +1,149 @@
+"""The ctypes mirror (smoe/_lib.py) against include/smoe.h: the header is
+parsed for its structs, fields, enums and functions, a small C program
+compiled here prints every struct's size and every field's offset and every
+enum constant's value, and all of it must match the mirror exactly."""
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from smoe import _lib as L
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HEADER = os.path.join(ROOT, "include", "smoe.h")
+
+pytestmark = pytest.mark.skipif(not os.path.exists(HEADER),
+                                reason="include/smoe.h not found (not a source checkout)")
+
+
+def header_text():
+    text = open(HEADER).read()
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    return re.sub(r"//[^\n]*", " ", text)
+
+
+def parse_structs(text):
+    """{struct name: [field names]} for every `typedef struct x {...} x;`."""
+    out = {}
+    for m in re.finditer(r"typedef\s+struct\s+(\w+)\s*\{(.*?)\}\s*(\w+)\s*;", text, flags=re.S):
+        fields = []
+        for decl in m.group(2).split(";"):
+            decl = decl.strip()
+            if not decl:
+                continue
+            # "const int32_t *a, *b" -> a, b ; "int64_t T" -> T
+            first, *rest = decl.split(",")
+            names = [re.search(r"(\w+)\s*$", first).group(1)]
+            names += [re.sub(r"[\s*]", "", r) for r in rest]
+            fields.extend(names)
+        out[m.group(3)] = fields
+    return out
+
+
+def parse_enums(text):
+    """{enum name: [constant names]}"""
+    out = {}
+    for m in re.finditer(r"typedef\s+enum\s+(\w+)\s*\{(.*?)\}\s*(\w+)\s*;", text, flags=re.S):
+        names = [re.match(r"\s*(\w+)", c).group(1) for c in m.group(2).split(",") if c.strip()]
+        out[m.group(3)] = names
+    return out
+
+
+def parse_functions(text):
+    return set(re.findall(r"SMOE_API\s+[\w\s\*]*?\b(smoe_\w+)\s*\(", text))
+
+
+def test_struct_fields_match_header():
+    structs = parse_structs(header_text())
+    assert set(structs) == set(L.STRUCTS), "structs in smoe.h vs _lib.STRUCTS"
+    for name, fields in structs.items():
+        mine = [f[0] for f in L.STRUCTS[name]._fields_]
+        assert mine == fields, name
+
+
+def test_enum_names_match_header():
+    enums = parse_enums(header_text())
+    assert set(enums) == set(L.ENUMS)
+    for name, consts in enums.items():
+        assert list(L.ENUMS[name]) == consts, name
+
+
+def test_functions_match_header():
+    assert parse_functions(header_text()) == set(L.FUNCTION_NAMES)
+
+
+def test_version_matches_header():
+    text = open(HEADER).read()
+    v = tuple(int(re.search(r"#define SMOE_VERSION_%s (\d+)" % k, text).group(1))
+              for k in ("MAJOR", "MINOR", "PATCH"))
+    assert v == L.VERSION
+    assert L.version() == "%d.%d.%d" % v
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+def test_sizes_offsets_and_enum_values_from_c(tmp_path):
+    lines = ["#include <stddef.h>", "#include <stdio.h>", '#include "smoe.h"', "int main(void) {"]
+    for name, cls in L.STRUCTS.items():
+        lines.append('printf("%s sizeof %%zu\\n", sizeof(%s));' % (name, name))
+        for field, _ in cls._fields_:
+            lines.append('printf("%s.%s %%zu\\n", offsetof(%s, %s));' % (name, field, name, field))
+    for enum, consts in L.ENUMS.items():
+        lines.append('printf("%s sizeof %%zu\\n", sizeof(%s));' % (enum, enum))
+        for c in consts:
+            lines.append('printf("%s %%d\\n", (int)%s);' % (c, c))
+    lines += ["return 0;", "}"]
+    src = tmp_path / "layout.c"
+    src.write_text("\n".join(lines) + "\n")
+    exe = tmp_path / "layout"
+    cc = os.environ.get("CC", "cc")
+    subprocess.run([cc, "-std=c11", "-I", os.path.join(ROOT, "include"), str(src), "-o", str(exe)],
+                   check=True)
+    got = dict(line.rsplit(" ", 1) for line in
+               subprocess.run([str(exe)], check=True, capture_output=True, text=True)
+               .stdout.splitlines())
+    for name, cls in L.STRUCTS.items():
+        assert int(got["%s sizeof" % name]) == ctypes.sizeof(cls), name
+        for field, _ in cls._fields_:
+            assert int(got["%s.%s" % (name, field)]) == getattr(cls, field).offset, (name, field)
+    for enum, consts in L.ENUMS.items():
+        assert int(got["%s sizeof" % enum]) == ctypes.sizeof(L.c_enum), enum
+        for c, v in consts.items():
+            assert int(got[c]) == v, c
+
+
+def test_library_functions_and_defaults():
+    lib = L.lib()
+    desc = lib.smoe_layer_desc_default()
+    assert (desc.d, desc.n, desc.E, desc.K) == (0, 0, 0, 0)
+    assert desc.activation == L.SMOE_ACT_SWIGLU and desc.routing == L.SMOE_ROUTING_TOPK_SOFTMAX
+    assert desc.round_tile == 128 and desc.dtype == L.SMOE_DTYPE_BF16
+    assert desc.backend == L.SMOE_BACKEND_AUTO
+    for s in L.ENUMS["smoe_status"].values():
+        assert L.status_string(s)
+    # A rejected descriptor raises SmoeError with smoe_last_error().
+    ptr = ctypes.c_void_p()
+    with pytest.raises(L.SmoeError, match="desc.d = 0"):
+        L.check(lib.smoe_layer_create(ctypes.byref(desc), ctypes.byref(ptr)))
+
+
+def test_route_cpu_binding():
+    np = pytest.importorskip("numpy")  # a plain-array use of the ctypes layer, no torch
+    lib = L.lib()
+    desc = lib.smoe_layer_desc_default()
+    desc.d, desc.n, desc.E, desc.K = 4, 4, 5, 2
+    T = 3
+    logits = np.array([[0, 3, 1, 2, -1], [5, 4, 3, 2, 1], [0, 0, 9, 0, 8]], dtype=np.float32)
+    expert = np.zeros((T, 2), dtype=np.int32)
+    score = np.zeros((T, 2), dtype=np.float32)
+    res = L.smoe_routing_result()
+    res.expert = expert.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+    res.score = score.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+    L.check(lib.smoe_route_cpu(ctypes.byref(desc), T,
+                               logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                               ctypes.byref(res)))
+    assert expert.tolist() == [[1, 3], [0, 1], [2, 4]]
+    e = np.exp(np.array([3.0, 2.0]) - 3.0)
+    np.testing.assert_allclose(score[0], e / e.sum(), rtol=1e-6)

@@ -1,0 +1,144 @@
+"""smoe.MoE: SonicMoE's constructor and parameters, the Switch aux loss and
+its gradient, train/eval behaviour, and loading Hugging Face MoE weights
+(checked against a Hugging-Face-style forward written here)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import smoe
+from reference import moe_ref
+from test_functional import assert_close
+
+
+def test_constructor_and_parameters():
+    m = smoe.MoE(8, 2, 16, 12, "swiglu", True, 0.02)
+    shapes = {k: tuple(v.shape) for k, v in m.named_parameters()}
+    assert shapes == {"router.weight": (8, 16), "c_fc.weight": (8, 24, 16), "c_fc.bias": (8, 24),
+                      "c_proj.weight": (8, 16, 12), "c_proj.bias": (8, 16)}
+    assert abs(m.c_fc.weight.std().item() - 0.02) < 0.005
+    m2 = smoe.MoE(num_experts=4, num_experts_per_tok=1, hidden_size=8, intermediate_size=6,
+                  activation="relu2", add_bias=False, std=0.1)
+    assert tuple(m2.c_fc.weight.shape) == (4, 6, 8) and m2.c_fc.bias is None
+
+    class ActivationType:  # an enum-like object as SonicMoE passes
+        value = "swiglu"
+    assert smoe.MoE(4, 2, 8, 6, ActivationType(), False, 0.1)._act == 0
+
+
+def test_forward_matches_reference_and_aux_loss():
+    torch.manual_seed(1)
+    m = smoe.MoE(4, 2, 8, 6, "geglu", True, 0.3).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    out, aux = m(x)
+    ref, counts, logits = moe_ref(x.view(10, 8), m.router.weight, m.c_fc.weight, m.c_proj.weight,
+                                  m.c_fc.bias, m.c_proj.bias, top_k=2, activation="geglu")
+    assert_close(out.view(10, 8), ref, 1e-10, "out")
+    p = torch.softmax(logits.float(), -1).sum(0)
+    want = 4 * ((p / p.sum()) * (counts.float() / counts.sum())).sum()
+    assert_close(aux, want, 1e-5, "aux loss")
+    # The aux loss alone differentiates the router through router_logits.
+    m.zero_grad()
+    aux.backward()
+    r = m.router.weight.detach().clone().requires_grad_()
+    lg = (x.view(10, 8) @ r.T).float()
+    p = torch.softmax(lg, -1).sum(0)
+    (4 * ((p / p.sum()) * (counts.float() / counts.sum())).sum()).backward()
+    assert_close(m.router.weight.grad, r.grad.double(), 1e-5, "router grad from aux")
+
+
+def test_inference_mode_and_eval():
+    torch.manual_seed(2)
+    m = smoe.MoE(4, 2, 8, 6, "swiglu", False, 0.3, token_rounding="up", round_tile=4)
+    x = torch.randn(13, 8)
+    out_i, aux_i = m(x, is_inference_mode=True)
+    assert aux_i is None
+    m.eval()                     # token rounding is for training only
+    out_e, aux_e = m(x)
+    assert torch.equal(out_e, out_i) and aux_e is not None
+    m.train()
+    m(x)
+    assert all(int(c) % 4 == 0 for c in m.last_expert_counts)
+
+
+# ------------------------------------------------------------ Hugging Face
+
+def hf_forward(x, gate_w, gates, ups, downs, top_k, norm_topk_prob, mixtral=False):
+    """What Mixtral / Qwen3-MoE / OLMoE sparse MoE blocks compute."""
+    logits = x @ gate_w.T
+    if mixtral:
+        w, sel = logits.topk(top_k, -1)
+        w = torch.softmax(w, -1)
+    else:
+        p = torch.softmax(logits, -1)
+        w, sel = p.topk(top_k, -1)
+        if norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in range(gate_w.shape[0]):
+        tok, k = (sel == e).nonzero(as_tuple=True)
+        if tok.numel():
+            h = F.silu(x[tok] @ gates[e].T) * (x[tok] @ ups[e].T)
+            out.index_add_(0, tok, (h @ downs[e].T) * w[tok, k, None])
+    return out
+
+
+def hf_weights(E, d, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64) * 0.3  # noqa: E731
+    return r(E, d), [r(n, d) for _ in range(E)], [r(n, d) for _ in range(E)], [r(d, n) for _ in range(E)]
+
+
+@pytest.mark.parametrize("style", ["qwen3", "olmoe", "mixtral", "fused", "fused_transposed"])
+@pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
+def test_load_hf_weights(style, layout):
+    E, d, n, K = 4, 8, 6, 2
+    gate_w, gates, ups, downs = hf_weights(E, d, n, seed=5)
+    prefix = "model.layers.0.mlp." if style != "mixtral" else "model.layers.0.block_sparse_moe."
+    sd = {prefix + "gate.weight": gate_w, "model.embed_tokens.weight": torch.zeros(3)}
+    if style in ("qwen3", "olmoe"):
+        for e in range(E):
+            sd[prefix + "experts.%d.gate_proj.weight" % e] = gates[e]
+            sd[prefix + "experts.%d.up_proj.weight" % e] = ups[e]
+            sd[prefix + "experts.%d.down_proj.weight" % e] = downs[e]
+    elif style == "mixtral":
+        for e in range(E):
+            sd[prefix + "experts.%d.w1.weight" % e] = gates[e]
+            sd[prefix + "experts.%d.w3.weight" % e] = ups[e]
+            sd[prefix + "experts.%d.w2.weight" % e] = downs[e]
+    else:
+        gu = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)   # (E, 2n, d)
+        dn = torch.stack(downs)                                          # (E, d, n)
+        if style == "fused_transposed":
+            gu, dn = gu.transpose(1, 2).contiguous(), dn.transpose(1, 2).contiguous()
+        sd[prefix + "experts.gate_up_proj"] = gu
+        sd[prefix + "experts.down_proj"] = dn
+    routing = {"qwen3": ("softmax_topk", True), "olmoe": ("softmax_topk", False),
+               "mixtral": ("topk_softmax", True)}.get(style, ("softmax_topk", True))
+    m = smoe.MoE(E, K, d, n, "swiglu", False, 0.02, routing=routing[0], renormalize=routing[1],
+                 w1_layout=layout).double()
+    used = smoe.load_hf_moe_weights(m, sd, prefix)
+    assert "model.embed_tokens.weight" not in used and len(used) == len(sd) - 1
+    x = torch.randn(11, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    out, _ = m(x)
+    want = hf_forward(x, gate_w, gates, ups, downs, K, routing[1], mixtral=style == "mixtral")
+    assert_close(out, want, 1e-10, "out")
+
+
+def test_load_hf_weights_with_biases_and_errors():
+    E, d, n = 3, 8, 4
+    gate_w, gates, ups, downs = hf_weights(E, d, n, seed=6)
+    sd = {"gate.weight": gate_w}
+    for e in range(E):
+        for name, w in (("gate_proj", gates[e]), ("up_proj", ups[e]), ("down_proj", downs[e])):
+            sd["experts.%d.%s.weight" % (e, name)] = w
+            sd["experts.%d.%s.bias" % (e, name)] = torch.full((w.shape[0],), float(e + 1))
+    m = smoe.MoE(E, 2, d, n, "swiglu", True, 0.02).double()
+    smoe.load_hf_moe_weights(m, sd)
+    assert torch.equal(m.c_fc.bias[1], torch.full((2 * n,), 2.0, dtype=torch.float64))
+    assert torch.equal(m.c_fc.weight[2, 1::2], ups[2])
+    with pytest.raises(KeyError, match="gate.weight"):
+        smoe.load_hf_moe_weights(m, sd, prefix="nope.")
+    with pytest.raises(ValueError, match="router weight has shape"):
+        smoe.load_hf_moe_weights(smoe.MoE(E + 1, 2, d, n, "swiglu", False, 0.02), sd)
+    with pytest.raises(ValueError, match="not gated"):
+        smoe.load_hf_moe_weights(smoe.MoE(E, 2, d, n, "relu", False, 0.02), sd)
