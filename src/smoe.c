@@ -456,8 +456,11 @@ static smoe_status check_align(const char *fn, const void *p, const char *what)
 }
 
 /* GENERAL triples in host memory: token in [0, T), expert in [0, E),
- * tokens non-decreasing, each (token, expert) once, finite scores. */
-static smoe_status check_triples(const smoe_layer *layer, const smoe_forward_args *a)
+ * tokens non-decreasing, each (token, expert) once, finite scores. `seen`
+ * is E bytes of the caller's (CPU) workspace, used as a bitmap; the forward
+ * overwrites the workspace anyway, and nothing is allocated. */
+static smoe_status check_triples(const smoe_layer *layer, const smoe_forward_args *a,
+                                 unsigned char *seen)
 {
     const char *fn = "smoe_layer_forward";
     const int64_t E = layer->desc.E;
@@ -479,54 +482,19 @@ static smoe_status check_triples(const smoe_layer *layer, const smoe_forward_arg
                              fn, (long long)i, (int)t, (long long)(i - 1),
                              (int)a->pair_token[i - 1]);
     }
-    /* Duplicates: within each token's run, compare expert sets. Runs are
-     * short (<= E); a quadratic scan is fine for small E, a sort-free
-     * bitmap otherwise. */
-    unsigned char *seen = NULL;
+    /* Duplicates: mark each token's experts, then clear them for the next. */
+    memset(seen, 0, (size_t)E);
     int64_t run_start = 0;
-    for (int64_t i = 0; i <= a->pairs; i++) {
-        if (i < a->pairs && a->pair_token[i] == a->pair_token[run_start]) continue;
-        int64_t len = i - run_start;
-        if (len > 1) {
-            if (len <= 16) {
-                for (int64_t p = run_start; p < i; p++)
-                    for (int64_t q = p + 1; q < i; q++)
-                        if (a->pair_expert[p] == a->pair_expert[q]) {
-                            free(seen);
-                            return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                                             "%s: (token %d, expert %d) given twice, at pairs "
-                                             "%lld and %lld",
-                                             fn, (int)a->pair_token[p], (int)a->pair_expert[p],
-                                             (long long)p, (long long)q);
-                        }
-            } else {
-                if (!seen) {
-                    seen = (unsigned char *)calloc((size_t)E, 1);
-                    SMOE_RETURN_ERROR_IF(!seen, SMOE_ERROR_OUT_OF_MEMORY,
-                                         "%s: calloc(%lld) for the duplicate check failed", fn,
-                                         (long long)E);
-                }
-                int64_t dup = -1;
-                for (int64_t p = run_start; p < i; p++) {
-                    if (seen[a->pair_expert[p]]) {
-                        dup = p;
-                        break;
-                    }
-                    seen[a->pair_expert[p]] = 1;
-                }
-                for (int64_t p = run_start; p < i; p++) seen[a->pair_expert[p]] = 0;
-                if (dup >= 0) {
-                    free(seen);
-                    return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                                     "%s: (token %d, expert %d) given twice (pair %lld)", fn,
-                                     (int)a->pair_token[dup], (int)a->pair_expert[dup],
-                                     (long long)dup);
-                }
-            }
+    for (int64_t i = 0; i < a->pairs; i++) {
+        if (a->pair_token[i] != a->pair_token[run_start]) {
+            for (int64_t p = run_start; p < i; p++) seen[a->pair_expert[p]] = 0;
+            run_start = i;
         }
-        run_start = i;
+        SMOE_RETURN_ERROR_IF(seen[a->pair_expert[i]], SMOE_ERROR_INVALID_VALUE,
+                             "%s: (token %d, expert %d) is given twice (again at pair %lld)", fn,
+                             (int)a->pair_token[i], (int)a->pair_expert[i], (long long)i);
+        seen[a->pair_expert[i]] = 1;
     }
-    free(seen);
     return SMOE_SUCCESS;
 }
 
@@ -574,8 +542,13 @@ smoe_status smoe_layer_forward(smoe_layer *layer, const smoe_forward_args *args,
     }
     REQUIRE_PTR(workspace, "workspace");
     SMOE_FORWARD_IF_ERROR(check_align(fn, workspace, "workspace"));
-    if (general && layer->backend == SMOE_BACKEND_CPU)
-        SMOE_FORWARD_IF_ERROR(check_triples(layer, args));
+    if (general && layer->backend == SMOE_BACKEND_CPU) {
+        /* The CPU workspace is always larger than E bytes (it holds the
+         * expert offsets among others). */
+        SMOE_RETURN_ERROR_IF(layer->ops->workspace_bytes(layer, args->T, cap) < (size_t)d->E,
+                             SMOE_ERROR_INTERNAL, "%s: CPU workspace smaller than E", fn);
+        SMOE_FORWARD_IF_ERROR(check_triples(layer, args, (unsigned char *)workspace));
+    }
 
     smoe_saved_layout l;
     smoe_saved_layout_make(layer, args->T, cap, &l);
