@@ -235,7 +235,7 @@ smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int
                                      int32_t *tc_scratch, cudaStream_t stream)
 {
     const int tr = rounding && desc->rounding != SMOE_ROUND_OFF;
-    const int threads = 128;
+    const int threads = 64;
     k_router_dlogits<<<(unsigned)smoe_cdiv(T, threads), threads, 0, stream>>>(
         (int)T, (int)desc->E, (int)desc->K, (int)desc->routing, desc->renormalize, tr, logits,
         token_offset, assign_expert, assign_row, row_score, ds, dlogits_extra, split, tc_scratch);

@@ -294,8 +294,9 @@ static __device__ int general_check(int64_t i, int T, int E, const int32_t *__re
 {
     const int t = tok[i], e = ex[i];
     *value = t;
-    *value2 = 0;
+    *value2 = T;
     if (t < 0 || t >= T) return SMOE_DEV_BAD_TOKEN;
+    *value2 = 0;
     if (e < 0 || e >= E) {
         *value = e;
         return SMOE_DEV_BAD_EXPERT;
@@ -377,7 +378,8 @@ smoe_status smoe_cuda_route(const smoe_layer_desc *desc, int64_t T, int rounding
                             cudaStream_t stream)
 {
     const int E = (int)desc->E, K = (int)desc->K, Ti = (int)T;
-    const int threads = 128;
+    /* one thread per token; small blocks spread the tokens over every SM */
+    const int threads = 64;
     const int blocks = (int)smoe_cdiv(T, threads);
     if (!rounding || desc->rounding == SMOE_ROUND_OFF) {
         k_route_token_choice<<<blocks, threads, 0, stream>>>(logits, Ti, E, K, (int)desc->routing,

@@ -1,0 +1,425 @@
+/*
+ * bench.c -- the GPU benchmark (`make bench ARGS=...`): forward and backward
+ * of the layer on SonicMoE's H100 grid (bench/grid.h), next to the published
+ * SonicMoE numbers and the PyTorch grouped_mm / ScatterMoE / cuBLAS-bound
+ * numbers measured on the same kind of GPU.
+ *
+ *   build/smoe_bench                              the whole grid
+ *   build/smoe_bench --rows 7B-n256,30B-n512      rows by name (or "all")
+ *   build/smoe_bench --shape T,d,n,E,K            any shape
+ *   options: --backend auto|cuda|sm90  --reps N (10)  --warmup N (3)
+ *            --csv FILE  --list
+ *
+ * Setting: bf16, SwiGLU, TOPK_SOFTMAX routing (the grid's), random inputs
+ * (router weights random, so routing is near uniform), every gradient
+ * wanted (dX, dWr, dW1, dW2 in bf16, overwritten).
+ * Timing: warm-up calls, then `reps` forward+backward pairs; before each
+ * timed call a 256 MiB memset evicts L2 (the H100 has 50 MiB), and CUDA
+ * events bracket the call alone. Medians are reported. TFLOPS = 6TKdn /
+ * forward time and 12TKdn / backward time (backward time = the backward
+ * call), DESIGN.md section 8.
+ * Activation memory: the saved block plus the output O (2Td bytes) -- what
+ * a training forward leaves allocated -- next to the grid's floor.
+ */
+#include "grid.h"
+#include "smoe.h"
+
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define FLUSH_BYTES ((size_t)256 << 20)
+#define GIB (1024.0 * 1024.0 * 1024.0)
+
+static int cuda_ok(cudaError_t e, const char *what)
+{
+    if (e == cudaSuccess) return 1;
+    fprintf(stderr, "smoe_bench: %s: %s\n", what, cudaGetErrorString(e));
+    return 0;
+}
+
+/* ------------------------------------------------------------ inputs */
+
+static uint64_t rng_state = 0x243F6A8885A308D3ull;
+
+static uint64_t rng_next(void)
+{
+    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* A pool of 8 Mi random bf16 values (~ N(0, scale^2), sum of uniforms),
+ * tiled over the device buffer: distinct enough for routing and GEMMs, and
+ * cheap to build for gigabytes of weights. */
+#define POOL (1u << 23)
+
+static int fill_random(void *dst, size_t count, float scale, uint16_t *pool)
+{
+    for (size_t i = 0; i < POOL; i++) {
+        double s = 0;
+        for (int j = 0; j < 4; j++) s += (double)(rng_next() >> 11) * (1.0 / 9007199254740992.0);
+        pool[i] = f32_to_bf16((float)((s - 2.0) * 1.7320508 * scale));
+    }
+    /* the pool shifted by a random offset per tile, so repeats do not align */
+    size_t done = 0;
+    while (done < count) {
+        size_t off = rng_next() % (POOL / 2);
+        size_t n = count - done < POOL - off ? count - done : POOL - off;
+        if (!cuda_ok(cudaMemcpy((uint16_t *)dst + done, pool + off, n * 2,
+                                cudaMemcpyHostToDevice),
+                     "cudaMemcpy (inputs)"))
+            return 0;
+        done += n;
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------ one shape */
+
+typedef struct result {
+    const smoe_grid_row *row;
+    int ok;
+    double fwd_ms, bwd_ms, fwd_tflops, bwd_tflops, act_gib, ws_gib;
+    char path[128];
+} result;
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+#define DMALLOC(p, bytes)                                                           \
+    do {                                                                            \
+        size_t b_ = (bytes);                                                        \
+        if (!cuda_ok(cudaMalloc((void **)&(p), b_ ? b_ : 16), "cudaMalloc " #p))    \
+            goto out;                                                               \
+    } while (0)
+
+static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, int warmup,
+                      result *res)
+{
+    memset(res, 0, sizeof *res);
+    res->row = row;
+    const int64_t T = row->T, d = row->d, n = row->n, E = row->E, K = row->K;
+    smoe_layer_desc D = smoe_layer_desc_default();
+    D.d = d; D.n = n; D.E = E; D.K = K;
+    D.backend = backend;
+    smoe_layer *L = NULL;
+    smoe_status st = smoe_layer_create(&D, &L);
+    if (st != SMOE_SUCCESS) {
+        fprintf(stderr, "smoe_bench: %s: create: %s: %s\n", row->name, smoe_status_string(st),
+                smoe_last_error());
+        return;
+    }
+    if (smoe_layer_backend(L) == SMOE_BACKEND_CPU) {
+        fprintf(stderr, "smoe_bench: %s: no GPU backend (got the CPU)\n", row->name);
+        smoe_layer_free(L);
+        return;
+    }
+    snprintf(res->path, sizeof res->path, "%s", smoe_layer_path_name(L));
+
+    const size_t saved_b = smoe_layer_saved_bytes(L, T, 0);
+    const size_t ws_b = smoe_layer_workspace_bytes(L, T, 0);
+    void *x = NULL, *wr = NULL, *w1 = NULL, *w2 = NULL, *out = NULL, *dout = NULL;
+    void *dx = NULL, *dwr = NULL, *dw1 = NULL, *dw2 = NULL, *saved = NULL, *ws = NULL;
+    void *flush = NULL;
+    uint16_t *pool = NULL;
+    cudaEvent_t ev[4] = {0};
+    double *tf = (double *)calloc((size_t)reps, sizeof(double));
+    double *tb = (double *)calloc((size_t)reps, sizeof(double));
+    pool = (uint16_t *)malloc((size_t)POOL * 2);
+    if (!tf || !tb || !pool) goto out;
+
+    DMALLOC(x, (size_t)(T * d) * 2);
+    DMALLOC(wr, (size_t)(E * d) * 2);
+    DMALLOC(w1, (size_t)(E * 2 * n * d) * 2);
+    DMALLOC(w2, (size_t)(E * d * n) * 2);
+    DMALLOC(out, (size_t)(T * d) * 2);
+    DMALLOC(dout, (size_t)(T * d) * 2);
+    DMALLOC(dx, (size_t)(T * d) * 2);
+    DMALLOC(dwr, (size_t)(E * d) * 2);
+    DMALLOC(dw1, (size_t)(E * 2 * n * d) * 2);
+    DMALLOC(dw2, (size_t)(E * d * n) * 2);
+    DMALLOC(saved, saved_b);
+    DMALLOC(ws, ws_b);
+    DMALLOC(flush, FLUSH_BYTES);
+    if (!fill_random(x, (size_t)(T * d), 1.0f, pool) ||
+        !fill_random(wr, (size_t)(E * d), 1.0f / sqrtf((float)d), pool) ||
+        !fill_random(w1, (size_t)(E * 2 * n * d), 1.0f / sqrtf((float)d), pool) ||
+        !fill_random(w2, (size_t)(E * d * n), 1.0f / sqrtf((float)n), pool) ||
+        !fill_random(dout, (size_t)(T * d), 1.0f, pool))
+        goto out;
+    for (int i = 0; i < 4; i++)
+        if (!cuda_ok(cudaEventCreate(&ev[i]), "cudaEventCreate")) goto out;
+
+    smoe_forward_args fa;
+    memset(&fa, 0, sizeof fa);
+    fa.T = T; fa.x = x; fa.router_w = wr; fa.w1 = w1; fa.w2 = w2; fa.out = out;
+    smoe_backward_args ba;
+    memset(&ba, 0, sizeof ba);
+    ba.T = T; ba.x = x; ba.router_w = wr; ba.w1 = w1; ba.w2 = w2; ba.dout = dout;
+    ba.dx = (smoe_grad){dx, SMOE_DTYPE_BF16, 0};
+    ba.drouter_w = (smoe_grad){dwr, SMOE_DTYPE_BF16, 0};
+    ba.dw1 = (smoe_grad){dw1, SMOE_DTYPE_BF16, 0};
+    ba.dw2 = (smoe_grad){dw2, SMOE_DTYPE_BF16, 0};
+
+    for (int it = 0; it < warmup + reps; it++) {
+        if (!cuda_ok(cudaMemsetAsync(flush, it & 0xff, FLUSH_BYTES, NULL), "flush")) goto out;
+        cudaEventRecord(ev[0], NULL);
+        st = smoe_layer_forward(L, &fa, saved, ws, NULL);
+        cudaEventRecord(ev[1], NULL);
+        if (st != SMOE_SUCCESS) break;
+        if (!cuda_ok(cudaMemsetAsync(flush, (it + 1) & 0xff, FLUSH_BYTES, NULL), "flush")) goto out;
+        cudaEventRecord(ev[2], NULL);
+        st = smoe_layer_backward(L, &ba, saved, ws, NULL);
+        cudaEventRecord(ev[3], NULL);
+        if (st != SMOE_SUCCESS) break;
+        if (!cuda_ok(cudaEventSynchronize(ev[3]), "run")) goto out;
+        float f = 0, b = 0;
+        cudaEventElapsedTime(&f, ev[0], ev[1]);
+        cudaEventElapsedTime(&b, ev[2], ev[3]);
+        if (it >= warmup) {
+            tf[it - warmup] = f;
+            tb[it - warmup] = b;
+        }
+    }
+    if (st != SMOE_SUCCESS) {
+        fprintf(stderr, "smoe_bench: %s: %s: %s\n", row->name, smoe_status_string(st),
+                smoe_last_error());
+        goto out;
+    }
+    if (!cuda_ok(cudaDeviceSynchronize(), "sync")) goto out;
+    {
+        const double flop = (double)T * (double)K * (double)d * (double)n;
+        res->fwd_ms = median(tf, reps);
+        res->bwd_ms = median(tb, reps);
+        res->fwd_tflops = 6.0 * flop / (res->fwd_ms * 1e-3) / 1e12;
+        res->bwd_tflops = 12.0 * flop / (res->bwd_ms * 1e-3) / 1e12;
+        res->act_gib = ((double)saved_b + 2.0 * (double)(T * d)) / GIB;
+        res->ws_gib = (double)ws_b / GIB;
+        res->ok = 1;
+    }
+out:
+    for (int i = 0; i < 4; i++)
+        if (ev[i]) cudaEventDestroy(ev[i]);
+    cudaFree(x); cudaFree(wr); cudaFree(w1); cudaFree(w2); cudaFree(out); cudaFree(dout);
+    cudaFree(dx); cudaFree(dwr); cudaFree(dw1); cudaFree(dw2); cudaFree(saved); cudaFree(ws);
+    cudaFree(flush);
+    free(pool);
+    free(tf);
+    free(tb);
+    smoe_layer_free(L);
+}
+
+/* ------------------------------------------------------------ output */
+
+static void print_line(const result *r)
+{
+    const smoe_grid_row *g = r->row;
+    if (!r->ok) {
+        printf("%-11s T=%-6lld d=%-5lld n=%-5lld E=%-4lld K=%-3lld  FAILED\n", g->name,
+               (long long)g->T, (long long)g->d, (long long)g->n, (long long)g->E,
+               (long long)g->K);
+        return;
+    }
+    printf("%-11s T=%-6lld d=%-5lld n=%-5lld E=%-4lld K=%-3lld fwd %8.3f ms %6.1f TFLOPS  "
+           "bwd %8.3f ms %6.1f TFLOPS  act %.3f GiB (floor %.2f)  ws %.2f GiB  [%s]\n",
+           g->name, (long long)g->T, (long long)g->d, (long long)g->n, (long long)g->E,
+           (long long)g->K, r->fwd_ms, r->fwd_tflops, r->bwd_ms, r->bwd_tflops, r->act_gib,
+           g->floor_act_gib, r->ws_gib, r->path);
+    if (g->sonicmoe_fwd > 0)
+        printf("%-11s   published: SonicMoE %3.0f/%3.0f  torch grouped_mm %5.1f/%5.1f "
+               "(%.2f GiB)  ScatterMoE %5.1f/%5.1f (%.2f GiB)  cuBLAS-bound %3.0f/%3.0f TFLOPS\n",
+               "", g->sonicmoe_fwd, g->sonicmoe_bwd, g->torch_fwd, g->torch_bwd,
+               g->torch_act_gib, g->scattermoe_fwd, g->scattermoe_bwd, g->scattermoe_act_gib,
+               g->gemm_bound_fwd, g->gemm_bound_bwd);
+    fflush(stdout);
+}
+
+static void write_csv(const char *file, const result *rs, int nr, const char *device)
+{
+    FILE *f = fopen(file, "w");
+    if (!f) {
+        fprintf(stderr, "smoe_bench: cannot write %s\n", file);
+        return;
+    }
+    fprintf(f, "name,T,d,n,E,K,device,path,fwd_ms,bwd_ms,fwd_tflops,bwd_tflops,act_gib,"
+               "floor_act_gib,workspace_gib,sonicmoe_fwd,sonicmoe_bwd,torch_fwd,torch_bwd,"
+               "torch_act_gib,scattermoe_fwd,scattermoe_bwd,scattermoe_act_gib,gemm_bound_fwd,"
+               "gemm_bound_bwd\n");
+    for (int i = 0; i < nr; i++) {
+        const result *r = &rs[i];
+        const smoe_grid_row *g = r->row;
+        fprintf(f, "%s,%lld,%lld,%lld,%lld,%lld,\"%s\",\"%s\",", g->name, (long long)g->T,
+                (long long)g->d, (long long)g->n, (long long)g->E, (long long)g->K, device,
+                r->path);
+        if (r->ok)
+            fprintf(f, "%.4f,%.4f,%.1f,%.1f,%.4f,", r->fwd_ms, r->bwd_ms, r->fwd_tflops,
+                    r->bwd_tflops, r->act_gib);
+        else
+            fprintf(f, ",,,,,");
+        fprintf(f, "%.2f,%.3f,%.0f,%.0f,%.1f,%.1f,%.2f,%.1f,%.1f,%.2f,%.0f,%.0f\n",
+                g->floor_act_gib, r->ws_gib, g->sonicmoe_fwd, g->sonicmoe_bwd, g->torch_fwd,
+                g->torch_bwd, g->torch_act_gib, g->scattermoe_fwd, g->scattermoe_bwd,
+                g->scattermoe_act_gib, g->gemm_bound_fwd, g->gemm_bound_bwd);
+    }
+    fclose(f);
+}
+
+static void print_table(const result *rs, int nr, const char *device)
+{
+    printf("\nsmoe on %s: TFLOPS fwd/bwd, activation GiB (SonicMoE published fwd/bwd, floor "
+           "GiB)\n",
+           device);
+    printf("%-11s %7s %7s %8s | %7s %7s %6s | %6s %6s\n", "row", "fwd", "bwd", "act", "sonic-f",
+           "sonic-b", "floor", "f/son", "b/son");
+    double lf = 0, lb = 0;
+    int m = 0;
+    for (int i = 0; i < nr; i++) {
+        const result *r = &rs[i];
+        const smoe_grid_row *g = r->row;
+        if (!r->ok) {
+            printf("%-11s  FAILED\n", g->name);
+            continue;
+        }
+        if (g->sonicmoe_fwd > 0) {
+            printf("%-11s %7.1f %7.1f %8.3f | %7.0f %7.0f %6.2f | %6.2f %6.2f\n", g->name,
+                   r->fwd_tflops, r->bwd_tflops, r->act_gib, g->sonicmoe_fwd, g->sonicmoe_bwd,
+                   g->floor_act_gib, r->fwd_tflops / g->sonicmoe_fwd,
+                   r->bwd_tflops / g->sonicmoe_bwd);
+            lf += log(r->fwd_tflops / g->sonicmoe_fwd);
+            lb += log(r->bwd_tflops / g->sonicmoe_bwd);
+            m++;
+        } else {
+            printf("%-11s %7.1f %7.1f %8.3f |\n", g->name, r->fwd_tflops, r->bwd_tflops,
+                   r->act_gib);
+        }
+    }
+    if (m)
+        printf("geometric mean vs SonicMoE (published H100): fwd %.2fx, bwd %.2fx over %d rows\n",
+               exp(lf / m), exp(lb / m), m);
+}
+
+/* ------------------------------------------------------------ main */
+
+static void usage(void)
+{
+    printf("usage: smoe_bench [--rows NAME[,NAME...]|all] [--shape T,d,n,E,K]\n"
+           "                  [--backend auto|cuda|sm90] [--reps N] [--warmup N] [--csv FILE] "
+           "[--list]\n");
+}
+
+int main(int argc, char **argv)
+{
+    const char *rows = "all", *csv = NULL;
+    smoe_backend backend = SMOE_BACKEND_AUTO;
+    int reps = 10, warmup = 3, nshape = 0;
+    smoe_grid_row shapes[16];
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--rows") && v) { rows = v; i++; }
+        else if (!strcmp(a, "--csv") && v) { csv = v; i++; }
+        else if (!strcmp(a, "--reps") && v) { reps = atoi(v); i++; }
+        else if (!strcmp(a, "--warmup") && v) { warmup = atoi(v); i++; }
+        else if (!strcmp(a, "--backend") && v) {
+            if (!strcmp(v, "cuda")) backend = SMOE_BACKEND_CUDA;
+            else if (!strcmp(v, "sm90")) backend = SMOE_BACKEND_SM90;
+            else if (!strcmp(v, "auto")) backend = SMOE_BACKEND_AUTO;
+            else { usage(); return 2; }
+            i++;
+        } else if (!strcmp(a, "--shape") && v && nshape < 16) {
+            smoe_grid_row s = smoe_grid_default;
+            long long T, d, n, E, K;
+            if (sscanf(v, "%lld,%lld,%lld,%lld,%lld", &T, &d, &n, &E, &K) != 5) {
+                usage();
+                return 2;
+            }
+            s.name = "shape";
+            s.T = T; s.d = d; s.n = n; s.E = E; s.K = K;
+            shapes[nshape++] = s;
+            rows = nshape ? "" : rows;
+            i++;
+        } else if (!strcmp(a, "--list")) {
+            for (int r = 0; r < SMOE_GRID_ROWS; r++)
+                printf("%-11s T=%lld d=%lld n=%lld E=%lld K=%lld\n", smoe_grid[r].name,
+                       (long long)smoe_grid[r].T, (long long)smoe_grid[r].d,
+                       (long long)smoe_grid[r].n, (long long)smoe_grid[r].E,
+                       (long long)smoe_grid[r].K);
+            return 0;
+        } else {
+            usage();
+            return !strcmp(a, "--help") ? 0 : 2;
+        }
+    }
+    if (reps < 1) reps = 1;
+    if (warmup < 0) warmup = 0;
+
+    const smoe_grid_row *todo[SMOE_GRID_ROWS + 16];
+    int nt = 0;
+    if (!strcmp(rows, "all")) {
+        for (int r = 0; r < SMOE_GRID_ROWS; r++) todo[nt++] = &smoe_grid[r];
+    } else if (rows[0]) {
+        char buf[512];
+        snprintf(buf, sizeof buf, "%s", rows);
+        for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+            int found = 0;
+            for (int r = 0; r < SMOE_GRID_ROWS; r++)
+                if (!strcmp(tok, smoe_grid[r].name)) {
+                    todo[nt++] = &smoe_grid[r];
+                    found = 1;
+                }
+            if (!found) {
+                fprintf(stderr, "smoe_bench: no grid row named %s (--list)\n", tok);
+                return 2;
+            }
+        }
+    }
+    for (int s = 0; s < nshape; s++) todo[nt++] = &shapes[s];
+
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+        fprintf(stderr, "smoe_bench: no CUDA device\n");
+        return 1;
+    }
+    struct cudaDeviceProp prop;
+    cudaGetDeviceProperties(&prop, 0);
+    char device[300];
+    snprintf(device, sizeof device, "%s (sm_%d%d, %d SMs)", prop.name, prop.major, prop.minor,
+             prop.multiProcessorCount);
+    printf("smoe_bench %s on %s: bf16 SwiGLU TOPK_SOFTMAX, median of %d (warm-up %d), L2 "
+           "flushed\n",
+           smoe_version_string(), device, reps, warmup);
+
+    result *rs = (result *)calloc((size_t)nt + 1, sizeof(result));
+    int failed = 0;
+    for (int i = 0; i < nt; i++) {
+        bench_row(todo[i], backend, reps, warmup, &rs[i]);
+        print_line(&rs[i]);
+        failed += !rs[i].ok;
+    }
+    if (csv) write_csv(csv, rs, nt, device);
+    print_table(rs, nt, device);
+    free(rs);
+    return failed ? 1 : 0;
+}
