@@ -1,0 +1,405 @@
+/*
+ * test_routing_gpu.cu -- the device routing (routing.cu) and metadata
+ * (metadata.cu) kernels alone, at the grid's sizes, against the host
+ * routing (smoe_route_cpu) on the same fp32 logits:
+ *   - token choice (TOPK_SOFTMAX, SOFTMAX_TOPK with and without
+ *     renormalisation) and token rounding (up, down, nearest; on both): the
+ *     routed experts, scores and token-rounding triples bit for bit;
+ *   - logits with many exact ties (a few quantised values, +0 and -0, -inf)
+ *     so both tie-breaks (lower expert; lower token) are exercised;
+ *   - GENERAL triples (random, sorted) through the device copy;
+ *   - metadata: expert offsets, rows sorted by expert then token,
+ *     assign_row a permutation, row_token / row_score matching, counts;
+ *   - determinism: a second run gives the same bytes;
+ * and prints the time of routing + metadata for the large cases.
+ * Usage: test_routing_gpu [seed] [--small]
+ */
+#include "cuda/cuda_common.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int g_pass = 0, g_fail = 0;
+static char g_case[256];
+
+#define CHECK(cond, ...)                                                                   \
+    do {                                                                                   \
+        if (cond) {                                                                        \
+            g_pass++;                                                                      \
+        } else {                                                                           \
+            g_fail++;                                                                      \
+            fprintf(stderr, "FAIL %s:%d case=[%s]: ", __FILE__, __LINE__, g_case);        \
+            fprintf(stderr, __VA_ARGS__);                                                  \
+            fputc('\n', stderr);                                                           \
+        }                                                                                  \
+    } while (0)
+
+#define CUDA_OK(call)                                                                      \
+    do {                                                                                   \
+        cudaError_t e_ = (call);                                                           \
+        if (e_ != cudaSuccess) {                                                           \
+            fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
+                    cudaGetErrorString(e_));                                               \
+            exit(3);                                                                       \
+        }                                                                                  \
+    } while (0)
+
+#define SMOE_OK(call)                                                                      \
+    do {                                                                                   \
+        smoe_status s_ = (call);                                                           \
+        CHECK(s_ == SMOE_SUCCESS, "%s -> %s: %s", #call, smoe_status_string(s_),           \
+              smoe_last_error());                                                          \
+    } while (0)
+
+static uint64_t g_rng;
+static uint64_t rnd(void)
+{
+    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static double unif(void) { return (double)(rnd() >> 11) * (1.0 / 9007199254740992.0); }
+
+template <typename T>
+static T *dalloc(size_t n)
+{
+    void *p = NULL;
+    CUDA_OK(cudaMalloc(&p, (n ? n : 1) * sizeof(T)));
+    return (T *)p;
+}
+
+template <typename T>
+static T *fetch(const T *d, size_t n)
+{
+    T *h = (T *)malloc((n ? n : 1) * sizeof(T));
+    if (n) CUDA_OK(cudaMemcpy(h, d, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+}
+
+/* Device outputs of one routing + metadata run. */
+struct dev_run {
+    int64_t T, E, cap;
+    smoe_assign_dev as;
+    int32_t *eoff, *arow, *rtok, *counts;
+    float *rsc;
+    void *rscratch, *mscratch;
+};
+
+static void dev_run_alloc(dev_run *r, const smoe_layer_desc *D, int64_t T, int64_t cap, int tr)
+{
+    r->T = T;
+    r->E = D->E;
+    r->cap = cap;
+    r->as.expert = dalloc<int32_t>((size_t)cap);
+    r->as.token = dalloc<int32_t>((size_t)cap);
+    r->as.score = dalloc<float>((size_t)cap);
+    r->as.token_offset = dalloc<int32_t>((size_t)T + 1);
+    r->as.count = dalloc<int32_t>(1);
+    r->eoff = dalloc<int32_t>((size_t)D->E + 1);
+    r->arow = dalloc<int32_t>((size_t)cap);
+    r->rtok = dalloc<int32_t>((size_t)cap);
+    r->rsc = dalloc<float>((size_t)cap);
+    r->counts = dalloc<int32_t>((size_t)D->E);
+    r->rscratch = dalloc<char>(smoe_cuda_routing_scratch_bytes(D, T, tr) + 256);
+    r->mscratch = dalloc<char>(smoe_cuda_metadata_scratch_bytes(D->E, cap) + 256);
+}
+
+static void dev_run_free(dev_run *r)
+{
+    cudaFree(r->as.expert); cudaFree(r->as.token); cudaFree(r->as.score);
+    cudaFree(r->as.token_offset); cudaFree(r->as.count); cudaFree(r->eoff); cudaFree(r->arow);
+    cudaFree(r->rtok); cudaFree(r->rsc); cudaFree(r->counts); cudaFree(r->rscratch);
+    cudaFree(r->mscratch);
+}
+
+/* Host copy of the results. */
+struct host_run {
+    int32_t R;
+    int32_t *ex, *tok, *toff, *eoff, *arow, *rtok, *counts;
+    float *sc, *rsc;
+};
+
+static host_run fetch_run(const dev_run *r)
+{
+    host_run h;
+    int32_t *cnt = fetch(r->as.count, 1);
+    h.R = *cnt;
+    free(cnt);
+    size_t R = (size_t)(h.R >= 0 && h.R <= r->cap ? h.R : 0);
+    h.ex = fetch(r->as.expert, R);
+    h.tok = fetch(r->as.token, R);
+    h.sc = fetch(r->as.score, R);
+    h.toff = fetch(r->as.token_offset, (size_t)r->T + 1);
+    h.eoff = fetch(r->eoff, (size_t)r->E + 1);
+    h.arow = fetch(r->arow, R);
+    h.rtok = fetch(r->rtok, R);
+    h.rsc = fetch(r->rsc, R);
+    h.counts = fetch(r->counts, (size_t)r->E);
+    return h;
+}
+
+static void host_run_free(host_run *h)
+{
+    free(h->ex); free(h->tok); free(h->sc); free(h->toff); free(h->eoff); free(h->arow);
+    free(h->rtok); free(h->rsc); free(h->counts);
+}
+
+static int same_run(const host_run *a, const host_run *b, int64_t T, int64_t E)
+{
+    if (a->R != b->R) return 0;
+    size_t R = (size_t)a->R;
+    return !memcmp(a->ex, b->ex, R * 4) && !memcmp(a->tok, b->tok, R * 4) &&
+           !memcmp(a->sc, b->sc, R * 4) && !memcmp(a->toff, b->toff, (size_t)(T + 1) * 4) &&
+           !memcmp(a->eoff, b->eoff, (size_t)(E + 1) * 4) && !memcmp(a->arow, b->arow, R * 4) &&
+           !memcmp(a->rtok, b->rtok, R * 4) && !memcmp(a->rsc, b->rsc, R * 4);
+}
+
+static void check_metadata(const host_run *h, int64_t T, int64_t E)
+{
+    const int32_t R = h->R;
+    int ok = h->eoff[0] == 0 && h->eoff[E] == R && h->toff[0] == 0 && h->toff[T] == R;
+    for (int64_t e = 0; e < E && ok; e++) {
+        ok &= h->eoff[e + 1] >= h->eoff[e] && h->counts[e] == h->eoff[e + 1] - h->eoff[e];
+        for (int32_t r = h->eoff[e] + 1; r < h->eoff[e + 1] && ok; r++)
+            ok &= h->rtok[r] > h->rtok[r - 1];
+    }
+    CHECK(ok, "offsets / counts / rows sorted by token within each expert (R=%d)", R);
+    if (!ok) return;
+    char *hit = (char *)calloc((size_t)R + 1, 1);
+    int ok2 = 1;
+    for (int64_t t = 0; t < T && ok2; t++)
+        for (int32_t a = h->toff[t]; a < h->toff[t + 1] && ok2; a++) {
+            const int32_t r = h->arow[a];
+            if (r < 0 || r >= R || hit[r]) {
+                ok2 = 0;
+                break;
+            }
+            hit[r] = 1;
+            ok2 &= h->tok[a] == t && h->rtok[r] == t;
+            ok2 &= r >= h->eoff[h->ex[a]] && r < h->eoff[h->ex[a] + 1];
+            ok2 &= !memcmp(&h->rsc[r], &h->sc[a], 4);
+        }
+    CHECK(ok2, "assign_row a permutation; row_token / row_score / expert ranges match");
+    free(hit);
+}
+
+/* ------------------------------------------------------------ cases */
+
+enum { L_NORMAL, L_TIES };
+
+static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int renorm,
+                     smoe_rounding rounding, int64_t M, int logits_kind, int timed)
+{
+    snprintf(g_case, sizeof g_case, "T=%lld E=%lld K=%lld routing=%d renorm=%d rounding=%d M=%lld %s",
+             (long long)T, (long long)E, (long long)K, (int)routing, renorm, (int)rounding,
+             (long long)M, logits_kind == L_TIES ? "ties" : "normal");
+    smoe_layer_desc D = smoe_layer_desc_default();
+    D.d = 64; D.n = 64; D.E = E; D.K = K;
+    D.routing = routing;
+    D.renormalize = renorm;
+    D.rounding = rounding;
+    D.round_tile = M;
+    const int tr = rounding != SMOE_ROUND_OFF;
+    int64_t cap = T * K;
+    if (tr && rounding != SMOE_ROUND_DOWN) {
+        int64_t x = T * K + E * (M - 1);
+        cap = x < T * E ? x : T * E;
+    }
+
+    float *lg = (float *)malloc((size_t)(T * E) * 4);
+    for (int64_t i = 0; i < T * E; i++) {
+        if (logits_kind == L_TIES) {
+            const int q = (int)(rnd() % 7);
+            static const float vals[7] = {0.0f, -0.0f, 0.5f, 0.5f, -1.25f, 2.0f, -INFINITY};
+            lg[i] = vals[q];
+        } else {
+            lg[i] = (float)(3.0 * (unif() + unif() + unif() - 1.5));
+        }
+    }
+    float *dlg = dalloc<float>((size_t)(T * E));
+    CUDA_OK(cudaMemcpy(dlg, lg, (size_t)(T * E) * 4, cudaMemcpyHostToDevice));
+
+    dev_run r;
+    dev_run_alloc(&r, &D, T, cap, tr);
+    cudaEvent_t e0, e1;
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    host_run h[2];
+    float ms = 0;
+    for (int rep = 0; rep < 2; rep++) {
+        CUDA_OK(cudaMemset(r.as.expert, 0xFF, (size_t)cap * 4));
+        CUDA_OK(cudaMemset(r.rsc, 0xFF, (size_t)cap * 4));
+        CUDA_OK(cudaEventRecord(e0, 0));
+        SMOE_OK(smoe_cuda_route(&D, T, tr, dlg, r.as, r.rscratch, 0));
+        SMOE_OK(smoe_cuda_metadata(E, cap, r.as, r.eoff, r.arow, r.rtok, r.rsc, r.counts,
+                                   r.mscratch, 0));
+        CUDA_OK(cudaEventRecord(e1, 0));
+        CUDA_OK(cudaEventSynchronize(e1));
+        if (rep == 1) CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+        h[rep] = fetch_run(&r);
+    }
+    CHECK(same_run(&h[0], &h[1], T, E), "two runs differ");
+    if (timed) printf("  routing + metadata %-70s %8.1f us\n", g_case, ms * 1000.0);
+
+    /* the host routing on the same logits */
+    smoe_routing_result res;
+    memset(&res, 0, sizeof res);
+    int64_t np = 0;
+    res.expert = (int32_t *)malloc((size_t)(T * K) * 4);
+    res.score = (float *)malloc((size_t)(T * K) * 4);
+    res.cap = cap;
+    res.pair_token = (int32_t *)malloc((size_t)cap * 4);
+    res.pair_expert = (int32_t *)malloc((size_t)cap * 4);
+    res.pair_score = (float *)malloc((size_t)cap * 4);
+    res.pairs = &np;
+    SMOE_OK(smoe_route_cpu(&D, T, lg, &res));
+    const host_run *g = &h[0];
+    int64_t bad = -1;
+    if (tr) {
+        int ok = np == g->R;
+        for (int64_t i = 0; i < np && ok; i++)
+            if (res.pair_token[i] != g->tok[i] || res.pair_expert[i] != g->ex[i] ||
+                memcmp(&res.pair_score[i], &g->sc[i], 4)) {
+                ok = 0;
+                bad = i;
+            }
+        CHECK(ok, "token rounding triples differ from smoe_route_cpu (R %d vs %lld; first at %lld: "
+                  "gpu (%d,%d,%.9g) cpu (%d,%d,%.9g))",
+              g->R, (long long)np, (long long)bad, bad >= 0 ? g->tok[bad] : -1,
+              bad >= 0 ? g->ex[bad] : -1, bad >= 0 ? g->sc[bad] : 0.0,
+              bad >= 0 ? res.pair_token[bad] : -1, bad >= 0 ? res.pair_expert[bad] : -1,
+              bad >= 0 ? res.pair_score[bad] : 0.0);
+        if (ok) {
+            /* every expert count a multiple of M (or capped at T) */
+            int okm = 1;
+            for (int64_t e = 0; e < E; e++) {
+                int32_t c = g->counts[e];
+                okm &= (c % M == 0) || c == T;
+            }
+            CHECK(okm, "token rounding: an expert count is not a multiple of M = %lld",
+                  (long long)M);
+        }
+    } else {
+        int ok = g->R == T * K;
+        for (int64_t i = 0; i < T * K && ok; i++)
+            if (res.expert[i] != g->ex[i] || memcmp(&res.score[i], &g->sc[i], 4)) {
+                ok = 0;
+                bad = i;
+            }
+        CHECK(ok, "token choice differs from smoe_route_cpu (first at %lld: gpu %d %.9g, cpu %d %.9g)",
+              (long long)bad, bad >= 0 ? g->ex[bad] : -1, bad >= 0 ? g->sc[bad] : 0.0,
+              bad >= 0 ? res.expert[bad] : -1, bad >= 0 ? res.score[bad] : 0.0);
+    }
+    check_metadata(g, T, E);
+
+    free(res.expert); free(res.score); free(res.pair_token); free(res.pair_expert);
+    free(res.pair_score);
+    host_run_free(&h[0]);
+    host_run_free(&h[1]);
+    dev_run_free(&r);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaFree(dlg);
+    free(lg);
+}
+
+static void run_general(int64_t T, int64_t E, double prob)
+{
+    snprintf(g_case, sizeof g_case, "GENERAL T=%lld E=%lld prob=%.2f", (long long)T, (long long)E,
+             prob);
+    smoe_layer_desc D = smoe_layer_desc_default();
+    D.d = 64; D.n = 64; D.E = E; D.K = 1;
+    D.routing = SMOE_ROUTING_GENERAL;
+    int32_t *pt = (int32_t *)malloc((size_t)(T * E) * 4 + 4);
+    int32_t *pe = (int32_t *)malloc((size_t)(T * E) * 4 + 4);
+    float *ps = (float *)malloc((size_t)(T * E) * 4 + 4);
+    int64_t np = 0;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t e = 0; e < E; e++)
+            if (unif() < prob) {
+                pt[np] = (int32_t)t;
+                pe[np] = (int32_t)e;
+                ps[np] = (float)unif();
+                np++;
+            }
+    /* shuffle the experts within each token (any order is allowed) */
+    for (int64_t i = 0; i + 1 < np; i++)
+        if (pt[i] == pt[i + 1] && (rnd() & 1)) {
+            int32_t x = pe[i]; pe[i] = pe[i + 1]; pe[i + 1] = x;
+            float y = ps[i]; ps[i] = ps[i + 1]; ps[i + 1] = y;
+        }
+    int32_t *dpt = dalloc<int32_t>((size_t)np), *dpe = dalloc<int32_t>((size_t)np);
+    float *dps = dalloc<float>((size_t)np);
+    if (np) {
+        CUDA_OK(cudaMemcpy(dpt, pt, (size_t)np * 4, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(dpe, pe, (size_t)np * 4, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(dps, ps, (size_t)np * 4, cudaMemcpyHostToDevice));
+    }
+    dev_run r;
+    dev_run_alloc(&r, &D, T, np, 0);
+    smoe_dev_status *st = dalloc<smoe_dev_status>(1);
+    SMOE_OK(smoe_cuda_status_reset(st, 0));
+    SMOE_OK(smoe_cuda_route_general(T, E, np, dpt, dpe, dps, r.as, st, 0));
+    SMOE_OK(smoe_cuda_metadata(E, np, r.as, r.eoff, r.arow, r.rtok, r.rsc, r.counts, r.mscratch,
+                               0));
+    CUDA_OK(cudaDeviceSynchronize());
+    smoe_dev_status *hs = fetch(st, 1);
+    CHECK(hs->code == SMOE_DEV_OK, "valid triples flagged: code %d at %d", hs->code, hs->first_bad);
+    host_run h = fetch_run(&r);
+    int ok = h.R == np;
+    for (int64_t i = 0; i < np && ok; i++)
+        ok &= h.ex[i] == pe[i] && h.tok[i] == pt[i] && !memcmp(&h.sc[i], &ps[i], 4);
+    CHECK(ok, "GENERAL triples not copied as given");
+    check_metadata(&h, T, E);
+    host_run_free(&h);
+    free(hs);
+    cudaFree(st);
+    dev_run_free(&r);
+    cudaFree(dpt); cudaFree(dpe); cudaFree(dps);
+    free(pt); free(pe); free(ps);
+}
+
+int main(int argc, char **argv)
+{
+    uint64_t seed = 424242;
+    int small = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--small")) small = 1;
+        else seed = strtoull(argv[i], NULL, 0);
+    }
+    g_rng = seed;
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+        printf("test_routing_gpu: no CUDA device, skipped\n");
+        return 0;
+    }
+    const smoe_routing TK = SMOE_ROUTING_TOPK_SOFTMAX, ST = SMOE_ROUTING_SOFTMAX_TOPK;
+    /* small and edge cases */
+    run_case(1, 3, 3, TK, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 0);
+    run_case(1, 5, 2, ST, 1, SMOE_ROUND_UP, 4, L_NORMAL, 0);
+    run_case(100, 8, 2, TK, 0, SMOE_ROUND_UP, 128, L_NORMAL, 0);   /* target capped at T */
+    run_case(300, 16, 4, TK, 0, SMOE_ROUND_OFF, 128, L_TIES, 0);
+    run_case(300, 16, 4, ST, 0, SMOE_ROUND_OFF, 128, L_TIES, 0);
+    run_case(777, 12, 3, ST, 1, SMOE_ROUND_NEAREST, 16, L_TIES, 0);
+    run_case(777, 12, 3, TK, 0, SMOE_ROUND_DOWN, 16, L_TIES, 0);
+    run_case(1000, 7, 7, TK, 0, SMOE_ROUND_UP, 8, L_NORMAL, 0);
+    run_general(50, 6, 0.3);
+    run_general(3, 4, 0.0);
+    if (!small) {
+        run_general(4000, 64, 0.1);
+        run_case(5000, 32, 2, TK, 0, SMOE_ROUND_NEAREST, 64, L_TIES, 0);
+        /* the grid's sizes, timed */
+        run_case(40960, 128, 8, TK, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 1);
+        run_case(32768, 256, 16, TK, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 1);
+        run_case(32768, 256, 16, ST, 1, SMOE_ROUND_OFF, 128, L_NORMAL, 1);
+        run_case(24576, 64, 4, TK, 0, SMOE_ROUND_UP, 128, L_NORMAL, 1);
+        run_case(32768, 128, 8, ST, 1, SMOE_ROUND_NEAREST, 128, L_NORMAL, 1);
+        run_case(20000, 64, 4, ST, 0, SMOE_ROUND_DOWN, 128, L_NORMAL, 1);
+    }
+    printf("test_routing_gpu (seed %llu)\n%d passed, %d failed\n", (unsigned long long)seed,
+           g_pass, g_fail);
+    return g_fail ? 1 : 0;
+}
