@@ -113,6 +113,11 @@ static void test_create(void) {
     create_case("F64 on SM90", D, SMOE_ERROR_UNSUPPORTED, "F64");
     D = good_desc(); D.device = -1;
     create_case("device -1", D, SMOE_ERROR_INVALID_VALUE, "-1");
+    /* sizes whose products overflow: refused, not wrapped */
+    D = good_desc(); D.d = (int64_t)1 << 40; D.n = (int64_t)1 << 40;
+    create_case("d = n = 2^40", D, SMOE_ERROR_INVALID_SIZE, NULL);
+    D = good_desc(); D.E = (int64_t)1 << 33; D.K = 2;
+    create_case("E = 2^33", D, SMOE_ERROR_INVALID_SIZE, "8589934592");
 
     /* valid corner descriptions are accepted */
     tu_case("create: F64 with AUTO runs on the CPU");
@@ -133,6 +138,10 @@ static void test_create(void) {
               "saved_bytes(T=-6): \"%s\"", smoe_last_error());
         CHECK(smoe_layer_workspace_bytes(L, -6, 0) == 0 && strstr(smoe_last_error(), "-6"),
               "workspace_bytes(T=-6): \"%s\"", smoe_last_error());
+        CHECK(smoe_layer_saved_bytes(L, INT64_MAX / 2, 0) == 0 && smoe_last_error()[0],
+              "saved_bytes(T = 2^62) must refuse, not wrap");
+        CHECK(smoe_layer_workspace_bytes(L, INT64_MAX / 2, 0) == 0 && smoe_last_error()[0],
+              "workspace_bytes(T = 2^62) must refuse, not wrap");
         smoe_layer_free(L);
     }
     CHECK(smoe_layer_saved_bytes(NULL, 4, 0) == 0 && smoe_last_error()[0], "saved_bytes(NULL)");
@@ -210,6 +219,17 @@ static void test_forward_args(tu_rng *rng) {
         a = g;              fwd_case(&S, "saved NULL (training)", a, 1, 0, SMOE_ERROR_NULL_POINTER, "saved");
         a = g;              fwd_case(&S, "workspace NULL", a, 0, 1, SMOE_ERROR_NULL_POINTER, "workspace");
         a = g; a.inference = 2; fwd_case(&S, "inference=2", a, 0, 0, SMOE_ERROR_INVALID_VALUE, "2");
+        {
+            /* a saved block that is not 16-byte aligned */
+            tu_case("forward %s: misaligned saved", tu_mode_name(&D));
+            unsigned char *mis = (unsigned char *)malloc(S.B.saved_bytes + 64);
+            fwd_outs(&S);
+            outs_add(mis, S.B.saved_bytes + 64);
+            outs_fill();
+            a = g;
+            expect(smoe_layer_forward(S.L, &a, mis + 8, S.B.ws, NULL), SMOE_ERROR_INVALID_SIZE, "aligned");
+            free(mis);
+        }
         if (!general) {
             a = g; a.router_w = NULL;
             fwd_case(&S, "router_w NULL", a, 0, 0, SMOE_ERROR_NULL_POINTER, "router_w");
@@ -262,6 +282,33 @@ static void test_forward_args(tu_rng *rng) {
         }
         setup_free(&S);
     }
+}
+
+/* Biases given to a layer without them, logits asked of GENERAL routing. */
+static void test_forward_extra(tu_rng *rng) {
+    smoe_layer_desc D = good_desc();
+    setup S;
+    setup_make(&S, D, 4, rng);
+    smoe_forward_args g = tu_fwd_args(&S.P, &S.B, 0), a;
+    float b[64] = {0};
+    a = g; a.b1 = b; fwd_case(&S, "b1 given, no bias", a, 0, 0, SMOE_ERROR_INVALID_VALUE, "b1");
+    a = g; a.b2 = b; fwd_case(&S, "b2 given, no bias", a, 0, 0, SMOE_ERROR_INVALID_VALUE, "b2");
+    setup_free(&S);
+    D.routing = SMOE_ROUTING_GENERAL;
+    D.K = 0;
+    setup_make(&S, D, 4, rng);
+    g = tu_fwd_args(&S.P, &S.B, 0);
+    a = g; a.router_logits = S.B.logits;
+    fwd_case(&S, "router_logits asked of GENERAL", a, 0, 0, SMOE_ERROR_INVALID_VALUE, "router_logits");
+    /* no pair at all: the triple pointers may be NULL; out is zero */
+    a = g; a.pairs = 0; a.pair_token = NULL; a.pair_expert = NULL; a.pair_score = NULL;
+    tu_case("forward general: pairs = 0, NULL triples");
+    memset(S.B.out, PAT, (size_t)(4 * D.d) * 4);
+    CHECK_OK(smoe_layer_forward(S.L, &a, S.B.saved, S.B.ws, NULL));
+    int zero = 1;
+    for (int64_t i = 0; i < 4 * D.d; i++) zero &= ((float *)S.B.out)[i] == 0.0f;
+    CHECK(zero, "out is not zero without pairs");
+    setup_free(&S);
 }
 
 static void test_backward_args(tu_rng *rng) {
@@ -344,6 +391,16 @@ static void test_backward_args(tu_rng *rng) {
             BWD("pairs=-2", a.pairs = -2, 0, SMOE_ERROR_INVALID_SIZE, "-2");
         }
         CHECK(memcmp(saved_ref, S.B.saved, S.B.saved_bytes) == 0, "a refused backward wrote saved");
+        {
+            /* a saved block no training forward filled */
+            tu_case("backward %s: saved block never filled", tu_mode_name(&D));
+            void *junk = malloc(S.B.saved_bytes);
+            memset(junk, PAT, S.B.saved_bytes);
+            outs_fill();
+            smoe_status st = smoe_layer_backward(S.L, &g, junk, S.B.ws, NULL);
+            expect(st, SMOE_ERROR_INVALID_VALUE, "saved");
+            free(junk);
+        }
         for (int i = 0; i < 7; i++) free(gb[i]);
         free(saved_ref); free(dout); free(dle);
         setup_free(&S);
@@ -502,6 +559,7 @@ int main(int argc, char **argv) {
     tu_rng rng = tu_rng_make(tu_init(argc, argv, 99));
     test_create();
     test_forward_args(&rng);
+    test_forward_extra(&rng);
     test_backward_args(&rng);
     test_route_args();
     test_long_runs(&rng);
