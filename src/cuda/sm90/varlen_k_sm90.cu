@@ -19,11 +19,16 @@
  * a tile, ceil(count_e / 64), is read on the device from expert_offset, and
  * any count (0 included) works: rows past the expert's end are zero-filled.
  *   - warpgroup 0 (producer, 56 registers): 16-byte cp.async for both
- *     operands, each thread copying fixed 16-byte columns of a stage's 64
- *     k-rows into the 128B-swizzled MN-major layout (a 64-column slab is 64
- *     k-rows of 128 bytes; chunk c of k-row r lands at r*128 + ((c ^ r%8)*16));
- *     gathered rows take their token from row_token, read by the thread for
- *     its own rows. Completion goes to the stage's full mbarrier through
+ *     operands into the 128B-swizzled MN-major layout (a 64-column slab is
+ *     64 k-rows of 128 bytes; chunk c of k-row r lands at r*128 +
+ *     ((c ^ r%8)*16)). Thread 8g + q copies chunk q of every slab for k-rows
+ *     4g..4g+3, so a warp instruction moves 4 rows x 128 contiguous bytes and
+ *     a thread needs 4 row tokens per stage. The tokens come VK_TOK_AHEAD
+ *     k-iterations early, by 4-byte cp.async into the thread's own slots of
+ *     a small shared-memory ring (cp.async.wait_group, no barrier): a token
+ *     load issued just before its use waits behind the earlier stages' copies
+ *     in the memory pipeline, which made the first version 1.8x slower.
+ *     Completion goes to the stage's full mbarrier through
  *     cp.async.mbarrier.arrive.noinc (count: 128 producer threads). TMA is
  *     not used for the contiguous operand: a box would read rows past the
  *     expert's end (the next expert's rows, or rows past R that the contract
@@ -34,10 +39,12 @@
  *     empty mbarrier once its wgmma group retired (wait_group 1).
  *   - a ring of VK_STAGES stages; the producer runs ahead into the next tile
  *     while the consumers store the current one.
- * Epilogue: straight from the accumulators to global memory (each warp store
- * covers whole 32-byte sectors), fp32 or bf16, overwrite or accumulate (the
- * old value read, the sum formed in fp32). Tiles of experts without rows
- * write zeros (overwrite) or nothing (accumulate).
+ * Epilogue: through a 2 KB shared-memory buffer per consumer warp, so that
+ * global stores (and, for accumulate, loads of the old values, read a few
+ * pieces ahead and warmed in L2 at the tile's start) are 16-byte row pieces
+ * of 128 contiguous bytes; fp32 or bf16 output, the sum with the old value
+ * formed in fp32. Tiles of experts without rows write zeros (overwrite) or
+ * nothing (accumulate).
  *
  * Numerics: bf16 products exact in fp32, fp32 accumulation by the tensor
  * cores in a fixed order. Deterministic: every output tile is owned by one
@@ -65,9 +72,6 @@ using namespace smoe_sm90;
 #define VK_TOK_SLOTS (VK_TOK_AHEAD + 1)
 #define VK_TOK_SLOT_BYTES (128 * 16) /* 4 tokens per producer thread */
 #define VK_EPI_BUF_BYTES (16 * 128) /* per consumer warp: 16 rows x 32 fp32 */
-#ifndef VK_EPI_SMEM
-#define VK_EPI_SMEM 1
-#endif
 #define VK_PRODUCER_REGS 56
 #define VK_CONSUMER_REGS 224
 
@@ -307,68 +311,24 @@ static __device__ __forceinline__ void vk_prefetch_out(const vk_args &p, int e, 
     }
 }
 
-/* Accumulators to global memory; with ACC the old values of 8 column
- * groups are loaded together before any of them is written. */
-template <bool F32, bool ACC, int BN>
-static __device__ __forceinline__ void vk_store_tile(const vk_args &p, const float *acc, int e,
-                                                     int row_base, int col_base, bool zero)
-{
-    constexpr int JC = 8;
-    size_t rowoff[2];
-    bool row_ok[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int row = row_base + 8 * h;
-        row_ok[h] = row < p.M;
-        const int prow = p.map_rows ? ((row & 1) ? p.n_half + (row >> 1) : (row >> 1)) : row;
-        rowoff[h] = ((size_t)e * p.M + (size_t)prow) * p.N;
-    }
-#pragma unroll
-    for (int j0 = 0; j0 < BN / 8; j0 += JC) {
-        float2 old[2][JC];
-        if (ACC) {
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int jj = 0; jj < JC; jj++) {
-                    const int col = col_base + 8 * (j0 + jj);
-                    old[h][jj] = make_float2(0.f, 0.f);
-                    if (!row_ok[h] || col >= p.N) continue;
-                    if (F32) old[h][jj] = *(const float2 *)((const float *)p.out + rowoff[h] + col);
-                    else old[h][jj] = __bfloat1622float2(
-                             *(const __nv_bfloat162 *)((const bf16 *)p.out + rowoff[h] + col));
-                }
-        }
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int jj = 0; jj < JC; jj++) {
-                const int j = j0 + jj;
-                const int col = col_base + 8 * j;
-                if (!row_ok[h] || col >= p.N) continue;
-                float v0 = zero ? 0.f : acc[4 * j + 2 * h];
-                float v1 = zero ? 0.f : acc[4 * j + 2 * h + 1];
-                if (ACC) {
-                    v0 += old[h][jj].x;
-                    v1 += old[h][jj].y;
-                }
-                if (F32) *(float2 *)((float *)p.out + rowoff[h] + col) = make_float2(v0, v1);
-                else *(__nv_bfloat162 *)((bf16 *)p.out + rowoff[h] + col) =
-                         __floats2bfloat162_rn(v0, v1);
-            }
-    }
-}
-
-#if VK_EPI_SMEM
 /* Accumulators to global memory through a 2 KB shared-memory buffer per
  * warp: a warp's 16 rows go out in pieces of 32 columns, each row piece as
- * 128 contiguous bytes (8 threads x 16 B), instead of 8-row scatters of 32 B.
- * The buffer is 16-byte-chunk swizzled by row. */
+ * 128 contiguous bytes (8 threads x 16 B) instead of 8-row scatters of 32 B.
+ * The buffer is 16-byte-chunk swizzled by row. With ACC the old values are
+ * read (as 16-byte row pieces too) VK_EPI_AHEAD pieces ahead of their use,
+ * into registers separate from the accumulators (ptxas serialises every
+ * wgmma of the kernel once an accumulator register is written by anything
+ * else). */
+#ifndef VK_EPI_AHEAD
+#define VK_EPI_AHEAD 3
+#endif
 template <bool F32, bool ACC, int BN>
-static __device__ __forceinline__ void vk_store_tile_staged(const vk_args &p, const float *acc,
-                                                            int e, int row0_warp, int n0,
-                                                            int lane, uint32_t buf, bool zero)
+static __device__ __forceinline__ void vk_store_tile(const vk_args &p, const float *acc, int e,
+                                                     int row0_warp, int n0, int lane, uint32_t buf,
+                                                     bool zero)
 {
+    constexpr int PIECES = BN / 32;
+    static_assert(PIECES >= VK_EPI_AHEAD, "epilogue read-ahead");
     const int rr0 = lane / 8, ch = lane % 8; /* read-back: row rr0 + 4 i, chunk ch */
     size_t rowoff[4];
     bool row_ok[4];
@@ -379,26 +339,31 @@ static __device__ __forceinline__ void vk_store_tile_staged(const vk_args &p, co
         const int prow = p.map_rows ? ((row & 1) ? p.n_half + (row >> 1) : (row >> 1)) : row;
         rowoff[i] = ((size_t)e * p.M + (size_t)prow) * p.N;
     }
-#pragma unroll
-    for (int c = 0; c < BN / 32; c++) {
+    float4 old[VK_EPI_AHEAD][4];
+    auto load_old = [&](int c, float4 *o) {
         const int col = n0 + 32 * c + 4 * ch;
-        const bool col_ok = col < p.N;
-        float4 old[4];
-        if (ACC) {
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                old[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (!row_ok[i] || !col_ok) continue;
-                if (F32) {
-                    old[i] = *(const float4 *)((const float *)p.out + rowoff[i] + col);
-                } else {
-                    uint2 u = *(const uint2 *)((const bf16 *)p.out + rowoff[i] + col);
-                    float2 lo = __bfloat1622float2(*(__nv_bfloat162 *)&u.x);
-                    float2 hi = __bfloat1622float2(*(__nv_bfloat162 *)&u.y);
-                    old[i] = make_float4(lo.x, lo.y, hi.x, hi.y);
-                }
+        for (int i = 0; i < 4; i++) {
+            o[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (!row_ok[i] || col >= p.N) continue;
+            if (F32) {
+                o[i] = *(const float4 *)((const float *)p.out + rowoff[i] + col);
+            } else {
+                uint2 u = *(const uint2 *)((const bf16 *)p.out + rowoff[i] + col);
+                float2 lo = __bfloat1622float2(*(__nv_bfloat162 *)&u.x);
+                float2 hi = __bfloat1622float2(*(__nv_bfloat162 *)&u.y);
+                o[i] = make_float4(lo.x, lo.y, hi.x, hi.y);
             }
         }
+    };
+    if (ACC) {
+#pragma unroll
+        for (int c = 0; c < VK_EPI_AHEAD; c++) load_old(c, old[c]);
+    }
+#pragma unroll
+    for (int c = 0; c < PIECES; c++) {
+        const int col = n0 + 32 * c + 4 * ch;
+        const bool col_ok = col < p.N;
 #pragma unroll
         for (int jj = 0; jj < 4; jj++) {
             const int j = 4 * c + jj;
@@ -424,7 +389,8 @@ static __device__ __forceinline__ void vk_store_tile_staged(const vk_args &p, co
                          : "memory");
             if (!row_ok[i] || !col_ok) continue;
             if (ACC) {
-                v.x += old[i].x; v.y += old[i].y; v.z += old[i].z; v.w += old[i].w;
+                const float4 o = old[c % VK_EPI_AHEAD][i];
+                v.x += o.x; v.y += o.y; v.z += o.z; v.w += o.w;
             }
             if (F32) {
                 *(float4 *)((float *)p.out + rowoff[i] + col) = v;
@@ -437,10 +403,10 @@ static __device__ __forceinline__ void vk_store_tile_staged(const vk_args &p, co
                 *(uint2 *)((bf16 *)p.out + rowoff[i] + col) = u;
             }
         }
+        if (ACC && c + VK_EPI_AHEAD < PIECES) load_old(c + VK_EPI_AHEAD, old[c % VK_EPI_AHEAD]);
         __syncwarp();
     }
 }
-#endif
 
 template <int BN, bool GATHER_A>
 __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_args p)
@@ -479,7 +445,7 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
         /* row tokens travel VK_TOK_AHEAD iterations ahead of the copies that
          * use them, through this thread's own slots of a small ring, so no
          * copy waits on a token load queued behind earlier copies */
-#pragma unroll
+#pragma unroll 1
         for (int i = 0; i < VK_TOK_AHEAD; i++) {
             if (ahead.tile < p.total_tiles) {
                 vk_fetch_tokens(p, ahead, my_tok + i * VK_TOK_SLOT_BYTES, g);
@@ -494,13 +460,14 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
                 vk_cursor_next(p, &ahead);
             }
             vk_cp_async_commit();
-            /* the group holding this iteration's tokens is VK_TOK_AHEAD groups old */
+            /* the groups older than the last VK_TOK_AHEAD hold this
+             * iteration's tokens (and the copies of iteration it - VK_STAGES,
+             * which must land before this stage is refilled anyway) */
             vk_cp_async_wait<VK_TOK_AHEAD>();
             const uint32_t s = it % VK_STAGES;
             const uint32_t ph = (it / VK_STAGES) & 1;
-            const int e = cur.tile / (p.tiles_m * p.tiles_n);
-            const int rem = cur.tile - e * p.tiles_m * p.tiles_n;
-            const int mt = rem / p.tiles_n, nt = rem - mt * p.tiles_n;
+            int e, mt, nt;
+            vk_tile_coords(p, cur.tile, &e, &mt, &nt);
             const int row0 = cur.row_begin + cur.kt * VK_BK;
             const int rows_left = cur.row_end - row0;
             int src_row[4];
@@ -564,37 +531,26 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
                 if (kt > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev_s);
                 prev_s = s;
             }
-            if (nk > 0) {
-                wgmma_wait<0>();
-                wgmma_fence_regs<BN / 2>(acc);
-                if (lane == 0) mbar_arrive(empty_bar + 8 * prev_s);
-            }
+            /* unconditional, so that on every path the accumulators are
+             * quiet before the epilogue reads them and the next tile's
+             * accumulate loads write them (else ptxas serialises the wgmmas) */
+            wgmma_wait<0>();
+            wgmma_fence_regs<BN / 2>(acc);
+            if (nk > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev_s);
             const bool zero = nk == 0;
-#if VK_EPI_SMEM
             const int row0_warp = mt * VK_BM + cw * 64 + warp * 16;
             const uint32_t buf = epi_buf + (uint32_t)(cw * 4 + warp) * VK_EPI_BUF_BYTES;
             if (p.out_f32) {
                 if (p.accumulate)
-                    vk_store_tile_staged<true, true, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
+                    vk_store_tile<true, true, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
                 else
-                    vk_store_tile_staged<true, false, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
+                    vk_store_tile<true, false, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
             } else {
                 if (p.accumulate)
-                    vk_store_tile_staged<false, true, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
+                    vk_store_tile<false, true, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
                 else
-                    vk_store_tile_staged<false, false, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
+                    vk_store_tile<false, false, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
             }
-#else
-            (void)epi_buf;
-            const int col_base = nt * BN + 2 * (lane % 4);
-            if (p.out_f32) {
-                if (p.accumulate) vk_store_tile<true, true, BN>(p, acc, e, row_base, col_base, zero);
-                else vk_store_tile<true, false, BN>(p, acc, e, row_base, col_base, zero);
-            } else {
-                if (p.accumulate) vk_store_tile<false, true, BN>(p, acc, e, row_base, col_base, zero);
-                else vk_store_tile<false, false, BN>(p, acc, e, row_base, col_base, zero);
-            }
-#endif
         }
     }
 }
