@@ -575,6 +575,9 @@ static void rejection_cases(int num_sms)
     a = call_op(&P, OP_DW1, out, SMOE_DTYPE_F64, 0, num_sms, 0);
     check(a == SMOE_ERROR_UNSUPPORTED, "F64 output rejected: status %d, \"%s\"", (int)a,
           g_last_error);
+    a = call_op(&P, OP_DW1, (char *)out + 8, SMOE_DTYPE_F32, 0, num_sms, 0);
+    check(a == SMOE_ERROR_UNSUPPORTED, "misaligned output rejected: status %d, \"%s\"", (int)a,
+          g_last_error);
     P.d = 100;
     CK(cudaDeviceSynchronize());
     std::vector<uint32_t> h(1024 * 1024);

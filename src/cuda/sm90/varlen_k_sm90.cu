@@ -594,6 +594,10 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     if (p->E == 0) return SMOE_SUCCESS;
     SMOE_RETURN_ERROR_IF(!a || !b || !out || !p->expert_offset || !p->row_token,
                          SMOE_ERROR_NULL_POINTER, "sm90 %s: NULL operand", name);
+    /* 16-byte cp.async of operand rows, 16-byte epilogue stores */
+    SMOE_RETURN_ERROR_IF(((uintptr_t)a | (uintptr_t)b | (uintptr_t)out) % 16 != 0,
+                         SMOE_ERROR_UNSUPPORTED,
+                         "sm90 %s: operands and output must be 16-byte aligned", name);
     const int64_t tiles_m = (M + VK_BM - 1) / VK_BM;
     const int bn = (N % 256 == 0) ? 256 : 128;
     const int64_t tiles_n = (N + bn - 1) / bn;
