@@ -66,6 +66,44 @@ static void create_case(const char *name, smoe_layer_desc D, smoe_status want, c
     if (st == SMOE_SUCCESS) smoe_layer_free(L);
 }
 
+/* Defaults, version and status strings: what smoe.h says they are. */
+static void test_basics(void) {
+    tu_case("smoe_layer_desc_default");
+    smoe_layer_desc D = smoe_layer_desc_default();
+    CHECK(D.d == 0 && D.n == 0 && D.E == 0 && D.K == 0, "sizes not 0");
+    CHECK(D.activation == SMOE_ACT_SWIGLU && D.w1_layout == SMOE_W1_INTERLEAVED && D.has_bias == 0,
+          "activation %d layout %d bias %d", D.activation, D.w1_layout, D.has_bias);
+    CHECK(D.routing == SMOE_ROUTING_TOPK_SOFTMAX && D.renormalize == 0 &&
+              D.rounding == SMOE_ROUND_OFF && D.round_tile == 128,
+          "routing %d renormalize %d rounding %d M %lld", D.routing, D.renormalize, D.rounding,
+          (long long)D.round_tile);
+    CHECK(D.dtype == SMOE_DTYPE_BF16 && D.backend == SMOE_BACKEND_AUTO && D.device == 0,
+          "dtype %d backend %d device %d", D.dtype, D.backend, D.device);
+    tu_case("version and status strings");
+    char want[32];
+    snprintf(want, sizeof want, "%d.%d.%d", SMOE_VERSION_MAJOR, SMOE_VERSION_MINOR, SMOE_VERSION_PATCH);
+    CHECK(strcmp(smoe_version_string(), want) == 0, "version \"%s\" want \"%s\"",
+          smoe_version_string(), want);
+    for (int a = 0; a <= SMOE_ERROR_INTERNAL; a++) {
+        const char *sa = smoe_status_string((smoe_status)a);
+        CHECK(sa && sa[0], "status %d has no string", a);
+        for (int b = 0; b < a; b++)
+            CHECK(strcmp(sa, smoe_status_string((smoe_status)b)) != 0, "statuses %d and %d read alike", a, b);
+    }
+    CHECK(smoe_status_string((smoe_status)99) != NULL, "status 99 gives NULL");
+    tu_case("check_device on the CPU backend");
+    D = good_desc();
+    smoe_layer *L = NULL;
+    CHECK_OK(smoe_layer_create(&D, &L));
+    if (L) {
+        char ws[256];
+        CHECK_OK(smoe_layer_check_device(L, ws, NULL));
+        smoe_layer_free(L);
+    }
+    outs_reset();
+    expect(smoe_layer_check_device(NULL, NULL, NULL), SMOE_ERROR_NULL_POINTER, "layer");
+}
+
 static void test_create(void) {
     smoe_layer_desc D;
     tu_case("create: NULL desc");
@@ -277,6 +315,10 @@ static void test_forward_args(tu_rng *rng) {
                 fwd_case(&S, "pairs=-1", a, 0, 0, SMOE_ERROR_INVALID_SIZE, "-1");
                 RESET_TRIPLES(); a.pairs = 21; /* > T*E = 20 */
                 fwd_case(&S, "pairs > T*E", a, 0, 0, SMOE_ERROR_INVALID_SIZE, "21");
+                tu_case("sizes: GENERAL pairs > T*E");
+                CHECK(smoe_layer_saved_bytes(S.L, 5, 21) == 0 && strstr(smoe_last_error(), "21"),
+                      "saved_bytes(pairs = 21 > T*E) \"%s\"", smoe_last_error());
+                CHECK(smoe_layer_saved_bytes(S.L, 5, -1) == 0, "saved_bytes(pairs = -1)");
             }
             free(pt); free(pe); free(ps);
         }
@@ -557,6 +599,7 @@ static void test_route_args(void) {
 
 int main(int argc, char **argv) {
     tu_rng rng = tu_rng_make(tu_init(argc, argv, 99));
+    test_basics();
     test_create();
     test_forward_args(&rng);
     test_forward_extra(&rng);
