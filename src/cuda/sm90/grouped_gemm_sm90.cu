@@ -1,0 +1,686 @@
+/*
+ * grouped_gemm_sm90.cu -- Hopper (sm_90a) varlen-M grouped GEMMs of the MoE
+ * layer: the up-projection (gathered X rows, activation epilogue writing H and
+ * A) and the down-projection (contiguous A rows, bias, plain store). They fill
+ * the table smoe_gemm_ops_sm90 of gemm.h; its other entries stay NULL and run
+ * the portable kernels (dw1/dw2 come from varlen_k_sm90.cu).
+ *
+ * Shapes (gemm.h): rows sorted by expert, expert e owns rows
+ * [expert_offset[e], expert_offset[e+1]), read on the device only.
+ *   up:   H[r] = X[row_token[r]] W1[e]^T + b1[e]   (cap, h_cols), A = act(H)
+ *   down: Y[r] = A[r] W2[e]^T + b2[e]              (cap, d)
+ *
+ * Algorithm: one persistent CTA per SM (384 threads = 3 warpgroups).
+ *  - Warpgroup 0 produces: one thread loads the weight tile (BN x 64) by TMA
+ *    into 128B-swizzled shared memory; for `up` all 128 threads gather the 128
+ *    activation rows of the tile with 16-byte cp.async into the same swizzled
+ *    layout (chunk c of row r at r*128 + ((c ^ (r & 7)) << 4)), completing on
+ *    the stage's full barrier via cp.async.mbarrier.arrive.noinc; for `down`
+ *    the A tile comes by TMA too. It gives its registers away (setmaxnreg).
+ *  - Warpgroups 1 and 2 consume: each owns 64 rows of the 128-row tile and
+ *    runs wgmma m64nBNk16 (fp32 accumulators in registers), releasing a stage
+ *    through its empty barrier once the wgmma that read it has retired.
+ *  - A STAGES-deep ring of full/empty mbarriers links them.
+ *  - Tile scheduler: static and persistent. Tiles of expert e are
+ *    ceil(count_e / 128) x ceil(N / BN); a prefix sum over experts (one warp,
+ *    in shared memory, from expert_offset on the device: no host sync) turns
+ *    a linear tile index into (expert, m-tile, n-tile) by binary search. CTA b
+ *    takes tiles b, b + grid, ... N-tiles vary fastest, so the CTAs running
+ *    at once share an expert's weight tiles in L2.
+ *  - Epilogue straight from the accumulators: bias, bf16 rounding, and for
+ *    `up` the activation, with stores clipped at the expert's last row and
+ *    at N. Rows of a tile past the expert's end are computed on zeros
+ *    (gather) or on the next rows of A (TMA; possibly rows in [R, cap), which
+ *    are allocated) and never stored.
+ *
+ * W1 layouts: logical H column c is physical W1 row smoe_w1_row(c). For the
+ * interleaved layout an N tile is BN consecutive W1 rows and a thread's
+ * accumulator column pair (2i, 2i+1) is (gate, up) of one unit. For the
+ * concatenated layout the tile is loaded as two boxes, BN/2 gate rows then
+ * the BN/2 matching up rows, so accumulator columns c and c + BN/2 (held by
+ * the same thread) are the gate and up of one unit. b1 follows W1's physical
+ * row order.
+ *
+ * Numerics: bf16 operands, fp32 accumulation in the tensor cores, bias added
+ * in fp32, H rounded to bf16, A = act(bf16 H) in fp32 rounded to bf16 (the
+ * same value the backward recomputes from the saved H). Deterministic: every
+ * output element is written once by one thread; no atomics.
+ *
+ * Tile table (BM = 128 rows, BK = 64):
+ *   N >= 256: BN = 256, 4 stages (48 KiB each)
+ *   N <  256: BN = 128, 6 stages (32 KiB each)
+ * Requirements (else SMOE_ERROR_UNSUPPORTED, and the layer runs the portable
+ * kernel): d % 64 == 0, n % 64 == 0, E <= 1024, 16-byte aligned pointers.
+ */
+#include <cudaTypedefs.h>
+#include <stdint.h>
+
+#include "cuda/gemm.h"
+#include "cuda/sm90/ptx_sm90.cuh"
+
+using namespace smoe_sm90;
+
+#define SM90_BM 128
+#define SM90_BK 64
+#define SM90_THREADS 384
+#define SM90_MAX_EXPERTS 1024
+#define SM90_PRODUCER_REGS 40
+#define SM90_CONSUMER_REGS 232
+
+enum { SM90_MODE_UP = 0, SM90_MODE_DOWN = 1, SM90_MODE_DXT = 2 };
+
+typedef struct sm90_gemm_params {
+    const bf16 *a_src;            /* up: X (T, K) gathered by row_token */
+    const bf16 *bias;             /* up: b1 (E, h_cols); down: b2 (E, N); may be NULL */
+    bf16 *out0;                   /* up: H (cap, N), may be NULL; down: Y (cap, N) */
+    bf16 *out1;                   /* up: A (cap, n) */
+    const int32_t *expert_offset; /* (E+1) */
+    const int32_t *row_token;     /* (cap) */
+    int E;
+    int K;                        /* reduction length */
+    int N;                        /* output columns: h_cols (up) or d (down) */
+    int n;                        /* intermediate size (up) */
+    int gated, act, concat;
+} sm90_gemm_params;
+
+/* Per consumer warpgroup: 64 rows x 64 bf16, rows padded to 144 bytes so the
+ * accumulator-layout writes and the row-segment reads avoid bank conflicts. */
+#define SM90_EP_STRIDE 144
+#define SM90_EP_BYTES (64 * SM90_EP_STRIDE)
+
+template <int BN, int STAGES>
+struct sm90_tile_cfg {
+    static constexpr int A_BYTES = SM90_BM * SM90_BK * 2;
+    static constexpr int B_BYTES = BN * SM90_BK * 2;
+    static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * SM90_EP_BYTES +
+                                      2 * STAGES * 8 + (SM90_MAX_EXPERTS + 1) * 4 + 128 * 8 * 4;
+    static_assert(STAGE_BYTES % 1024 == 0, "stages must keep 1024-byte alignment");
+    static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget");
+};
+
+/* ------------------------------------------------------------ activations */
+
+__device__ __forceinline__ float sm90_silu(float x) { return x / (1.0f + __expf(-x)); }
+
+__device__ __forceinline__ float sm90_gelu_tanh(float x)
+{
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+    /* 0.5 (1 + tanh z) = 1 / (1 + exp(-2z)): one exponential, no tanhf */
+    float z = k0 * (x + k1 * x * x * x);
+    return x / (1.0f + __expf(-2.0f * z));
+}
+
+__device__ __forceinline__ float sm90_act_gated(int act, float g, float u)
+{
+    switch (act) {
+    case SMOE_ACT_GEGLU: return sm90_gelu_tanh(g) * u;
+    case SMOE_ACT_REGLU: return fmaxf(g, 0.0f) * u;
+    default: return sm90_silu(g) * u; /* SWIGLU */
+    }
+}
+
+__device__ __forceinline__ float sm90_act_plain(int act, float h)
+{
+    switch (act) {
+    case SMOE_ACT_RELU2: { float r = fmaxf(h, 0.0f); return r * r; }
+    case SMOE_ACT_RELU: return fmaxf(h, 0.0f);
+    case SMOE_ACT_SILU: return sm90_silu(h);
+    default: return sm90_gelu_tanh(h); /* GELU */
+    }
+}
+
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+__device__ __forceinline__ float load_bias(const bf16 *b, int64_t i)
+{
+    return b ? __bfloat162float(b[i]) : 0.0f;
+}
+
+/* ------------------------------------------------------------ scheduler */
+
+typedef struct sm90_tile {
+    int e, n_tile;
+    int row0, row_end; /* first row of the tile, end of the expert's rows */
+} sm90_tile;
+
+__device__ __forceinline__ sm90_tile sm90_tile_decode(int t, const int *tile_start, int E, int nt,
+                                                      const int32_t *expert_offset)
+{
+    int lo = 0, hi = E; /* tile_start[lo] <= t < tile_start[hi] */
+    while (hi - lo > 1) {
+        int mid = (lo + hi) >> 1;
+        if (tile_start[mid] <= t) lo = mid; else hi = mid;
+    }
+    sm90_tile tl;
+    int local = t - tile_start[lo];
+    tl.e = lo;
+    tl.n_tile = local % nt;
+    tl.row0 = __ldg(expert_offset + lo) + (local / nt) * SM90_BM;
+    tl.row_end = __ldg(expert_offset + lo + 1);
+    return tl;
+}
+
+/* ------------------------------------------------------------ epilogue staging */
+
+
+__device__ __forceinline__ void ep_put1(uint8_t *eb, int r, int c, float v)
+{
+    *(bf16 *)(eb + r * SM90_EP_STRIDE + c * 2) = __float2bfloat16(v);
+}
+
+__device__ __forceinline__ void ep_put2(uint8_t *eb, int r, int c, float v0, float v1)
+{
+    *(__nv_bfloat162 *)(eb + r * SM90_EP_STRIDE + c * 2) = __floats2bfloat162_rn(v0, v1);
+}
+
+__device__ __forceinline__ void ep_put4(uint8_t *eb, int r, int c, float v0, float v1, float v2,
+                                        float v3)
+{
+    __nv_bfloat162 a = __floats2bfloat162_rn(v0, v1), b = __floats2bfloat162_rn(v2, v3);
+    uint2 pk;
+    pk.x = *(uint32_t *)&a;
+    pk.y = *(uint32_t *)&b;
+    *(uint2 *)(eb + r * SM90_EP_STRIDE + c * 2) = pk;
+}
+
+/* Stores the warpgroup's staged 64 rows (WBYTES bytes each) to dst (row
+ * stride ld elements), rows < nvalid only. Named barriers around it: the
+ * whole warpgroup's writes land before the reads, and the reads finish
+ * before the buffer is written again. */
+template <int WBYTES>
+__device__ __forceinline__ void ep_flush(const uint8_t *eb, bf16 *dst, int64_t ld, int nvalid,
+                                         int t, int cw)
+{
+    constexpr int VPR = WBYTES / 16, RPI = 128 / VPR;
+    named_barrier_sync(1 + cw, 128);
+    const int v = t % VPR;
+#pragma unroll
+    for (int r = t / VPR; r < 64; r += RPI)
+        if (r < nvalid)
+            *(uint4 *)((uint8_t *)(dst + (int64_t)r * ld) + v * 16) =
+                *(const uint4 *)(eb + r * SM90_EP_STRIDE + v * 16);
+    named_barrier_sync(1 + cw, 128);
+}
+
+/* ------------------------------------------------------------ the kernel */
+
+template <int BN, int STAGES, int MODE, int PF>
+__global__ void __launch_bounds__(SM90_THREADS, 1)
+sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
+                         const __grid_constant__ CUtensorMap map_b, const sm90_gemm_params p)
+{
+    typedef sm90_tile_cfg<BN, STAGES> cfg;
+    constexpr bool GATHER = (MODE == SM90_MODE_UP);
+    constexpr bool TRANS_B = (MODE == SM90_MODE_DXT); /* B = W1 (K x N, N contiguous) */
+    constexpr int NACC = BN / 2;
+
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    uint8_t *ep_base = smem + STAGES * cfg::STAGE_BYTES; /* 2 x SM90_EP_BYTES */
+    uint64_t *full = (uint64_t *)(ep_base + 2 * SM90_EP_BYTES);
+    uint64_t *empty = full + STAGES;
+    int *tile_start = (int *)(empty + STAGES);
+    int32_t *tok_slots = tile_start + SM90_MAX_EXPERTS + 1; /* 8 per producer thread */
+
+    const int tid = threadIdx.x;
+    const int wg = tid / 128;
+    const int nt = (p.N + BN - 1) / BN;
+    const int kb_count = p.K / SM90_BK;
+
+    if (tid == 0) {
+        tma_prefetch_map(&map_b);
+        if (!GATHER) tma_prefetch_map(&map_a);
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(smem_addr(full + s), GATHER ? 128 + 1 : 1);
+            mbar_init(smem_addr(empty + s), 2);
+        }
+        mbar_fence_init();
+    }
+    if (tid < 32) { /* tile_start = exclusive prefix sum of the experts' tile counts */
+        int carry = 0;
+        for (int e0 = 0; e0 < p.E; e0 += 32) {
+            int e = e0 + tid, v = 0;
+            if (e < p.E) {
+                int cnt = __ldg(p.expert_offset + e + 1) - __ldg(p.expert_offset + e);
+                v = ((cnt + SM90_BM - 1) / SM90_BM) * nt;
+            }
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                int u = __shfl_up_sync(0xffffffffu, v, o);
+                if (tid >= o) v += u;
+            }
+            if (e < p.E) tile_start[e + 1] = carry + v;
+            carry += __shfl_sync(0xffffffffu, v, 31);
+        }
+        if (tid == 0) tile_start[0] = 0;
+    }
+    __syncthreads();
+    const int total = tile_start[p.E];
+
+    if (wg == 0) {
+        /* ---------------- producer ---------------- */
+        setmaxnreg_dec<SM90_PRODUCER_REGS>();
+        const int chunk = tid & 7, rsub = tid >> 3; /* rows rsub + 16 i, 16-byte chunk */
+        const uint32_t tx_bytes = GATHER ? cfg::B_BYTES : cfg::A_BYTES + cfg::B_BYTES;
+        int stage = 0;
+        uint32_t phase = 0;
+        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+            sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset);
+            /* this thread's 8 gather rows, kept in shared memory (private slots:
+             * no barrier) so the producer fits its small register budget */
+            int32_t *tok = tok_slots + 8 * tid;
+            if (GATHER) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    int r = tl.row0 + rsub + 16 * i;
+                    tok[i] = r < tl.row_end ? __ldg(p.row_token + r) : -1;
+                }
+                /* L2 prefetch of the gathered rows PF k-blocks ahead of the loads
+                 * (bulk prefetch: the copy engine, not the load/store unit). Each
+                 * thread covers row rsub + 16 chunk. */
+                if (PF > 0) {
+                    const int32_t ti = tok[chunk];
+                    int nb = kb_count < PF ? kb_count : PF;
+                    if (ti >= 0) bulk_prefetch_l2(p.a_src + (int64_t)ti * p.K, nb * SM90_BK * 2);
+                }
+            }
+            for (int kb = 0; kb < kb_count; kb++) {
+                const uint32_t fb = smem_addr(full + stage);
+                const uint32_t sa = smem_addr(smem + stage * cfg::STAGE_BYTES);
+                const uint32_t sb = sa + cfg::A_BYTES;
+                mbar_wait(smem_addr(empty + stage), phase ^ 1);
+                if (tid == 0) {
+                    mbar_arrive_expect_tx(fb, tx_bytes);
+                    if constexpr (TRANS_B) {
+                        /* BN/64 boxes of 64 k-rows x 64 n-columns, 8 KiB apart */
+#pragma unroll
+                        for (int j = 0; j < BN / 64; j++)
+                            tma_load_2d(sb + j * 8192, &map_b, fb, tl.n_tile * BN + 64 * j,
+                                        tl.e * p.K + kb * SM90_BK);
+                    } else if (MODE == SM90_MODE_UP && p.concat) {
+                        int g = tl.e * p.N + tl.n_tile * (BN / 2);
+                        tma_load_2d(sb, &map_b, fb, kb * SM90_BK, g);
+                        tma_load_2d(sb + cfg::B_BYTES / 2, &map_b, fb, kb * SM90_BK, g + p.n);
+                    } else {
+                        tma_load_2d(sb, &map_b, fb, kb * SM90_BK, tl.e * p.N + tl.n_tile * BN);
+                    }
+                    if (!GATHER) tma_load_2d(sa, &map_a, fb, kb * SM90_BK, tl.row0);
+                }
+                if (GATHER) {
+                    const bf16 *src0 = p.a_src + kb * SM90_BK + chunk * 8;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        int r = rsub + 16 * i;
+                        uint32_t dst = sa + r * 128 + ((chunk ^ (r & 7)) << 4);
+                        const int32_t ti = tok[i];
+                        const bf16 *src = src0 + (int64_t)(ti < 0 ? 0 : ti) * p.K;
+                        cp_async_16(dst, src, ti < 0 ? 0u : 16u);
+                    }
+                    cp_async_mbar_arrive_noinc(fb);
+                    if (PF > 0 && kb + PF < kb_count) {
+                        const int32_t ti = tok[chunk];
+                        if (ti >= 0)
+                            bulk_prefetch_l2(p.a_src + (int64_t)ti * p.K + (kb + PF) * SM90_BK,
+                                             SM90_BK * 2);
+                    }
+                }
+                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+            }
+        }
+    } else {
+        /* ---------------- consumers ---------------- */
+        setmaxnreg_inc<SM90_CONSUMER_REGS>();
+        const int cw = wg - 1;            /* rows 64 cw .. 64 cw + 63 of the tile */
+        const int lane = tid & 31, warp = (tid >> 5) & 3;
+        const int q = lane & 3;
+        float acc[NACC];
+        int stage = 0;
+        uint32_t phase = 0;
+        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+            sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset);
+            int prev = 0;
+            for (int kb = 0; kb < kb_count; kb++) {
+                mbar_wait(smem_addr(full + stage), phase);
+                if (GATHER) fence_proxy_async(); /* cp.async (generic) writes -> wgmma reads */
+                const uint32_t sa = smem_addr(smem + stage * cfg::STAGE_BYTES) + cw * 64 * 128;
+                const uint32_t sb = smem_addr(smem + stage * cfg::STAGE_BYTES) + cfg::A_BYTES;
+                wgmma_fence_regs<NACC>(acc);
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < SM90_BK / 16; k++) {
+                    uint64_t da = wgmma_desc_sw128(sa + k * 32);
+                    /* K-major B steps 32 bytes along its rows; MN-major B steps 16 k-rows */
+                    uint64_t db = TRANS_B ? wgmma_desc_sw128_mn(sb + k * 2048, 8192)
+                                          : wgmma_desc_sw128(sb + k * 32);
+                    if constexpr (BN == 256)
+                        wgmma_m64n256k16<TRANS_B ? 1 : 0>(acc, da, db, (kb | k) != 0);
+                    else
+                        wgmma_m64n128k16<TRANS_B ? 1 : 0>(acc, da, db, (kb | k) != 0);
+                }
+                wgmma_commit();
+                wgmma_fence_regs<NACC>(acc);
+                if (kb > 0) { /* the previous stage's wgmma has retired: release it */
+                    wgmma_wait<1>();
+                    if ((tid & 127) == 0) mbar_arrive(smem_addr(empty + prev));
+                }
+                prev = stage;
+                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+            }
+            wgmma_wait<0>();
+            wgmma_fence_regs<NACC>(acc);
+            if ((tid & 127) == 0) mbar_arrive(smem_addr(empty + prev));
+
+            /* ---------------- epilogue ----------------
+             * Through a per-warpgroup shared buffer, 64 columns at a time: the
+             * accumulator layout scatters a warp's stores over 8 rows, so each
+             * chunk is written to shared memory first and then stored as whole
+             * 128-byte row segments (16 bytes per thread), clipped at the
+             * expert's last row. */
+            uint8_t *eb = ep_base + cw * SM90_EP_BYTES;
+            const int lr = warp * 16 + (lane >> 2); /* this thread's rows lr, lr + 8 in the WG's 64 */
+            const int wrow0 = tl.row0 + cw * 64;    /* first row of the WG's 64 */
+            const int nvalid = min(64, tl.row_end - wrow0);
+            const int n0 = tl.n_tile * BN;
+            const int64_t bo = (int64_t)tl.e * p.N;
+#pragma unroll
+            for (int c = 0; c < BN / 64; c++) {
+                if constexpr (MODE != SM90_MODE_UP) {
+                    const int col0 = n0 + 64 * c;
+                    if (col0 >= p.N) break;
+#pragma unroll
+                    for (int jj = 0; jj < 8; jj++) {
+                        const int j = 8 * c + jj, col = col0 + 8 * jj + 2 * q;
+                        float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
+#pragma unroll
+                        for (int h = 0; h < 2; h++)
+                            ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q,
+                                    acc[4 * j + 2 * h] + b0, acc[4 * j + 2 * h + 1] + b1);
+                    }
+                    ep_flush<128>(eb, p.out0 + (int64_t)wrow0 * p.N + col0, p.N, nvalid, tid & 127, cw);
+                } else if (p.gated && p.concat) {
+                    /* chunk c: units u0 .. u0 + 31; gate in accumulator chunks 4c..4c+3,
+                     * their ups BN/16 chunks further. Two passes (H, then A) that
+                     * recompute the cheap values rather than keep them live. */
+                    const int u0 = n0 / 2 + 32 * c;
+                    if (u0 >= p.n) break;
+#pragma unroll
+                    for (int pass = 0; pass < 2; pass++) {
+                        if (pass == 0 && !p.out0) continue;
+#pragma unroll
+                        for (int jj = 0; jj < 4; jj++) {
+                            const int jg = 4 * c + jj, ju = jg + BN / 16, u = u0 + 8 * jj + 2 * q;
+                            float bg0 = load_bias(p.bias, bo + u), bg1 = load_bias(p.bias, bo + u + 1);
+                            float bu0 = load_bias(p.bias, bo + p.n + u);
+                            float bu1 = load_bias(p.bias, bo + p.n + u + 1);
+#pragma unroll
+                            for (int h = 0; h < 2; h++) {
+                                float g0 = bf16_round(acc[4 * jg + 2 * h] + bg0);
+                                float g1 = bf16_round(acc[4 * jg + 2 * h + 1] + bg1);
+                                float v0 = bf16_round(acc[4 * ju + 2 * h] + bu0);
+                                float v1 = bf16_round(acc[4 * ju + 2 * h + 1] + bu1);
+                                if (pass == 0)
+                                    ep_put4(eb, lr + 8 * h, 16 * jj + 4 * q, g0, v0, g1, v1);
+                                else
+                                    ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q,
+                                            sm90_act_gated(p.act, g0, v0),
+                                            sm90_act_gated(p.act, g1, v1));
+                            }
+                        }
+                        if (pass == 0)
+                            ep_flush<128>(eb, p.out0 + (int64_t)wrow0 * p.N + 2 * u0, p.N, nvalid,
+                                          tid & 127, cw);
+                        else
+                            ep_flush<64>(eb, p.out1 + (int64_t)wrow0 * p.n + u0, p.n, nvalid,
+                                         tid & 127, cw);
+                    }
+                } else {
+                    /* interleaved gated: columns (2i, 2i+1) = (gate, up) of unit col/2;
+                     * non-gated: A has H's columns. Passes as above. */
+                    const int col0 = n0 + 64 * c;
+                    if (col0 >= p.N) break;
+#pragma unroll
+                    for (int pass = 0; pass < 2; pass++) {
+                        if (pass == 0 && !p.out0) continue;
+#pragma unroll
+                        for (int jj = 0; jj < 8; jj++) {
+                            const int j = 8 * c + jj, col = col0 + 8 * jj + 2 * q;
+                            float b0 = load_bias(p.bias, bo + col);
+                            float b1 = load_bias(p.bias, bo + col + 1);
+#pragma unroll
+                            for (int h = 0; h < 2; h++) {
+                                float v0 = bf16_round(acc[4 * j + 2 * h] + b0);
+                                float v1 = bf16_round(acc[4 * j + 2 * h + 1] + b1);
+                                if (pass == 0)
+                                    ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q, v0, v1);
+                                else if (p.gated)
+                                    ep_put1(eb, lr + 8 * h, 4 * jj + q, sm90_act_gated(p.act, v0, v1));
+                                else
+                                    ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q, sm90_act_plain(p.act, v0),
+                                            sm90_act_plain(p.act, v1));
+                            }
+                        }
+                        if (pass == 0)
+                            ep_flush<128>(eb, p.out0 + (int64_t)wrow0 * p.N + col0, p.N, nvalid,
+                                          tid & 127, cw);
+                        else if (p.gated)
+                            ep_flush<64>(eb, p.out1 + (int64_t)wrow0 * p.n + col0 / 2, p.n, nvalid,
+                                         tid & 127, cw);
+                        else
+                            ep_flush<128>(eb, p.out1 + (int64_t)wrow0 * p.n + col0, p.n, nvalid,
+                                          tid & 127, cw);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------ host side */
+
+static PFN_cuTensorMapEncodeTiled_v12000 sm90_encode_fn(void)
+{
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = NULL;
+    if (!fn) {
+        void *ptr = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                             cudaEnableDefault, &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (PFN_cuTensorMapEncodeTiled_v12000)ptr;
+    }
+    return fn;
+}
+
+/* Row-major bf16 matrix (rows, cols) as a 2-D tensor map with 128B swizzle
+ * and boxes of box_rows x 64. */
+static smoe_status sm90_make_map(CUtensorMap *map, const void *base, int64_t rows, int64_t cols,
+                                 int box_rows, const char *what)
+{
+    PFN_cuTensorMapEncodeTiled_v12000 encode = sm90_encode_fn();
+    if (!encode)
+        return smoe_fail(SMOE_ERROR_BACKEND, "sm90 gemm: cuTensorMapEncodeTiled not available "
+                                             "from the driver");
+    cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
+    cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
+    cuuint32_t box[2] = {SM90_BK, (cuuint32_t)box_rows};
+    cuuint32_t estr[2] = {1, 1};
+    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)base, dims, strides, box,
+                        estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        return smoe_fail(SMOE_ERROR_BACKEND,
+                         "sm90 gemm: tensor map for %s (%lld x %lld) failed (CUresult %d)", what,
+                         (long long)rows, (long long)cols, (int)r);
+    return SMOE_SUCCESS;
+}
+
+static smoe_status sm90_check_common(const smoe_gemm_problem *p, const char *op)
+{
+    if (p->d % 64 != 0 || p->n % 64 != 0)
+        return smoe_fail(SMOE_ERROR_UNSUPPORTED,
+                         "sm90 %s: needs d %% 64 == 0 and n %% 64 == 0 (d=%lld, n=%lld)", op,
+                         (long long)p->d, (long long)p->n);
+    if (p->E > SM90_MAX_EXPERTS)
+        return smoe_fail(SMOE_ERROR_UNSUPPORTED, "sm90 %s: at most %d experts (E=%lld)", op,
+                         SM90_MAX_EXPERTS, (long long)p->E);
+    if (p->E * p->h_cols > INT32_MAX || p->E * p->d > INT32_MAX || p->cap > INT32_MAX ||
+        p->d > INT32_MAX / 2 || p->h_cols > INT32_MAX / 2)
+        return smoe_fail(SMOE_ERROR_UNSUPPORTED, "sm90 %s: sizes past 32-bit tile coordinates",
+                         op);
+    return SMOE_SUCCESS;
+}
+
+static int sm90_misaligned(const void *ptr) { return ((uintptr_t)ptr & 15) != 0; }
+
+static int sm90_grid(const smoe_gemm_problem *p, int64_t n_tiles)
+{
+    int sms = p->num_sms;
+    if (sms <= 0) {
+        int dev = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+            sms = 132;
+    }
+    /* at most ceil(cap/BM) + E m-tiles in all */
+    int64_t upper = ((p->cap + SM90_BM - 1) / SM90_BM + p->E) * n_tiles;
+    return (int)(upper < sms ? upper : sms);
+}
+
+template <int BN, int STAGES, int MODE, int PF>
+static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma,
+                               const CUtensorMap *mb, const sm90_gemm_params *prm, cudaStream_t s,
+                               const char *op)
+{
+    typedef sm90_tile_cfg<BN, STAGES> cfg;
+    void (*kern)(const CUtensorMap, const CUtensorMap, const sm90_gemm_params) =
+        sm90_grouped_gemm_kernel<BN, STAGES, MODE, PF>;
+    cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           cfg::SMEM_BYTES);
+    if (err != cudaSuccess)
+        return smoe_fail(SMOE_ERROR_BACKEND, "sm90 %s: cudaFuncSetAttribute: %s", op,
+                         cudaGetErrorString(err));
+    int grid = sm90_grid(p, (prm->N + BN - 1) / BN);
+    if (grid <= 0) return SMOE_SUCCESS;
+    kern<<<grid, SM90_THREADS, cfg::SMEM_BYTES, s>>>(*ma, *mb, *prm);
+    err = cudaGetLastError();
+    if (err != cudaSuccess)
+        return smoe_fail(SMOE_ERROR_BACKEND, "sm90 %s: launch failed: %s", op,
+                         cudaGetErrorString(err));
+    return SMOE_SUCCESS;
+}
+
+/* Benchmark hook for tests/gpu/test_gemm_sm90.cu: 0 runs the tile table
+ * above; 1..3 run alternatives of `up` for measurement. */
+extern "C" int smoe_sm90_gemm_variant;
+int smoe_sm90_gemm_variant = 0;
+
+static size_t sm90_scratch_bytes(const smoe_gemm_problem *p) { return 0; }
+
+static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16 *w1,
+                           const bf16 *b1, bf16 *h, bf16 *a, void *scratch, cudaStream_t s)
+{
+    SMOE_FORWARD_IF_ERROR(sm90_check_common(p, "up"));
+    if (sm90_misaligned(x) || sm90_misaligned(w1) || sm90_misaligned(h) || sm90_misaligned(a))
+        return smoe_fail(SMOE_ERROR_UNSUPPORTED, "sm90 up: x, w1, h, a must be 16-byte aligned");
+    if (p->cap == 0 || p->E == 0) return SMOE_SUCCESS;
+    sm90_gemm_params prm;
+    prm.a_src = x;
+    prm.bias = b1;
+    prm.out0 = h;
+    prm.out1 = a;
+    prm.expert_offset = p->expert_offset;
+    prm.row_token = p->row_token;
+    prm.E = (int)p->E;
+    prm.K = (int)p->d;
+    prm.N = (int)p->h_cols;
+    prm.n = (int)p->n;
+    prm.gated = p->gated;
+    prm.act = (int)p->act;
+    prm.concat = p->gated && p->w1_layout == SMOE_W1_CONCATENATED;
+    const int v = smoe_sm90_gemm_variant;
+    const int bn = (p->h_cols >= 256 && v != 3) ? 256 : 128;
+    CUtensorMap mb;
+    SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w1, p->E * p->h_cols, p->d,
+                                        prm.concat ? bn / 2 : bn, "w1"));
+    if (bn == 256) {
+        if (v == 1) return sm90_launch<256, 4, SM90_MODE_UP, 4>(p, &mb, &mb, &prm, s, "up");
+        if (v == 2) return sm90_launch<256, 4, SM90_MODE_UP, 8>(p, &mb, &mb, &prm, s, "up");
+        return sm90_launch<256, 4, SM90_MODE_UP, 0>(p, &mb, &mb, &prm, s, "up");
+    }
+    if (v == 3) return sm90_launch<128, 6, SM90_MODE_UP, 4>(p, &mb, &mb, &prm, s, "up");
+    return sm90_launch<128, 6, SM90_MODE_UP, 0>(p, &mb, &mb, &prm, s, "up");
+}
+
+static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf16 *w2,
+                             const bf16 *b2, bf16 *y, void *scratch, cudaStream_t s)
+{
+    SMOE_FORWARD_IF_ERROR(sm90_check_common(p, "down"));
+    if (sm90_misaligned(a) || sm90_misaligned(w2) || sm90_misaligned(y))
+        return smoe_fail(SMOE_ERROR_UNSUPPORTED, "sm90 down: a, w2, y must be 16-byte aligned");
+    if (p->cap == 0 || p->E == 0) return SMOE_SUCCESS;
+    sm90_gemm_params prm;
+    prm.a_src = NULL;
+    prm.bias = b2;
+    prm.out0 = y;
+    prm.out1 = NULL;
+    prm.expert_offset = p->expert_offset;
+    prm.row_token = p->row_token;
+    prm.E = (int)p->E;
+    prm.K = (int)p->n;
+    prm.N = (int)p->d;
+    prm.n = (int)p->n;
+    prm.gated = 0;
+    prm.act = 0;
+    prm.concat = 0;
+    const int bn = p->d >= 256 ? 256 : 128;
+    CUtensorMap ma, mb;
+    SMOE_FORWARD_IF_ERROR(sm90_make_map(&ma, a, p->cap, p->n, SM90_BM, "a"));
+    SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w2, p->E * p->d, p->n, bn, "w2"));
+    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DOWN, 0>(p, &ma, &mb, &prm, s, "down");
+    return sm90_launch<128, 6, SM90_MODE_DOWN, 0>(p, &ma, &mb, &prm, s, "down");
+}
+
+static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *w1, bf16 *dxt,
+                            void *scratch, cudaStream_t s)
+{
+    SMOE_FORWARD_IF_ERROR(sm90_check_common(p, "dxt"));
+    if (p->gated && p->w1_layout == SMOE_W1_CONCATENATED)
+        return smoe_fail(SMOE_ERROR_UNSUPPORTED,
+                         "sm90 dxt: the concatenated W1 layout is not supported (its rows are not "
+                         "in dH's column order)");
+    if (sm90_misaligned(dh) || sm90_misaligned(w1) || sm90_misaligned(dxt))
+        return smoe_fail(SMOE_ERROR_UNSUPPORTED, "sm90 dxt: dh, w1, dxt must be 16-byte aligned");
+    if (p->cap == 0 || p->E == 0) return SMOE_SUCCESS;
+    sm90_gemm_params prm;
+    prm.a_src = NULL;
+    prm.bias = NULL;
+    prm.out0 = dxt;
+    prm.out1 = NULL;
+    prm.expert_offset = p->expert_offset;
+    prm.row_token = p->row_token;
+    prm.E = (int)p->E;
+    prm.K = (int)p->h_cols;
+    prm.N = (int)p->d;
+    prm.n = (int)p->n;
+    prm.gated = 0;
+    prm.act = 0;
+    prm.concat = 0;
+    const int bn = p->d >= 256 ? 256 : 128;
+    CUtensorMap ma, mb;
+    SMOE_FORWARD_IF_ERROR(sm90_make_map(&ma, dh, p->cap, p->h_cols, SM90_BM, "dh"));
+    SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w1, p->E * p->h_cols, p->d, 64, "w1"));
+    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DXT, 0>(p, &ma, &mb, &prm, s, "dxt");
+    return sm90_launch<128, 6, SM90_MODE_DXT, 0>(p, &ma, &mb, &prm, s, "dxt");
+}
+
+extern "C" const smoe_gemm_ops smoe_gemm_ops_sm90 = {
+    /* name          */ "tma+wgmma",
+    /* scratch_bytes */ sm90_scratch_bytes,
+    /* up            */ sm90_up,
+    /* down          */ sm90_down,
+    /* dh            */ NULL,
+    /* dw2           */ NULL,
+    /* dxt           */ sm90_dxt,
+    /* dw1           */ NULL,
+};

@@ -1,0 +1,785 @@
+/*
+ * test_gemm_sm90.cu -- the Hopper grouped GEMMs (smoe_gemm_ops_sm90) against
+ * an independent reference: a naive CUDA kernel (one thread per output, fp32
+ * sums of bf16 products) for the GEMM and host double for the activation.
+ *
+ *   test_gemm_sm90              correctness: random shapes, random expert
+ *                               counts (empty experts, counts that are not
+ *                               multiples of 128 or 64), every activation,
+ *                               both W1 layouts, with/without bias and H;
+ *                               poisoned outputs; run-to-run bit equality.
+ *   test_gemm_sm90 --bench      timing on the grid shapes (balanced routing,
+ *                               CUDA events, median of 20), with sampled rows
+ *                               checked, and cuBLAS dense GEMMs of the same
+ *                               FLOPs in the same process as the roofline.
+ *   test_gemm_sm90 --small      one small case (for compute-sanitizer).
+ *
+ * Exit status 0 only if every check passed. Seeded; a failure prints the
+ * seed and the case.
+ */
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda/gemm.h"
+
+/* grouped_gemm_sm90.cu's benchmark hook: alternative `up` configurations */
+extern "C" int smoe_sm90_gemm_variant;
+
+/* The library's error recorder, for linking the GEMM object alone; the
+ * library's own definition wins when it is linked in. */
+extern "C" __attribute__((weak)) smoe_status smoe_fail(smoe_status status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "smoe_fail: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    return status;
+}
+
+#define CK(x)                                                                        \
+    do {                                                                             \
+        cudaError_t e_ = (x);                                                        \
+        if (e_ != cudaSuccess) {                                                     \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x,               \
+                    cudaGetErrorString(e_));                                         \
+            exit(2);                                                                 \
+        }                                                                            \
+    } while (0)
+
+/* ------------------------------------------------------------ rng */
+
+static uint64_t g_rng;
+static uint32_t rnd(void)
+{
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return (uint32_t)(g_rng >> 11);
+}
+static int rnd_int(int lo, int hi) { return lo + (int)(rnd() % (uint32_t)(hi - lo + 1)); }
+
+__device__ __forceinline__ uint32_t hash32(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return (uint32_t)x;
+}
+
+/* uniform in [-scale, scale), rounded to bf16 */
+__global__ void fill_random(bf16 *p, int64_t count, uint64_t seed, float scale)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        float u = (hash32(seed * 0x9E3779B97F4A7C15ULL + (uint64_t)i) >> 8) * (1.0f / 16777216.0f);
+        p[i] = __float2bfloat16((2.0f * u - 1.0f) * scale);
+    }
+}
+
+static void rand_bf16(bf16 *p, int64_t count, float scale)
+{
+    if (count <= 0) return;
+    uint64_t seed = ((uint64_t)rnd() << 32) | rnd();
+    fill_random<<<1024, 256>>>(p, count, seed, scale);
+    CK(cudaGetLastError());
+}
+
+/* ------------------------------------------------------------ reference kernels */
+
+/* ref[i][c] = sum_k X[tok][k] W1[e][phys(c)][k] + b1[e][phys(c)], for the rows listed */
+__global__ void ref_up_kernel(const int32_t *rows, int nrows, const int32_t *row_expert,
+                              const int32_t *row_token, const bf16 *x, const bf16 *w1,
+                              const bf16 *b1, int d, int n, int h_cols, int gated, int layout,
+                              float *ref)
+{
+    int i = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= nrows || c >= h_cols) return;
+    int r = rows[i], e = row_expert[r], t = row_token[r];
+    int64_t pc = smoe_w1_row(c, n, gated, (smoe_w1_layout)layout);
+    const bf16 *xr = x + (int64_t)t * d;
+    const bf16 *wr = w1 + ((int64_t)e * h_cols + pc) * d;
+    float s = 0.0f;
+    for (int k = 0; k < d; k++) s += __bfloat162float(xr[k]) * __bfloat162float(wr[k]);
+    if (b1) s += __bfloat162float(b1[(int64_t)e * h_cols + pc]);
+    ref[(int64_t)i * h_cols + c] = s;
+}
+
+/* ref[i][c] = sum_k A[r][k] W2[e][c][k] + b2[e][c] */
+__global__ void ref_down_kernel(const int32_t *rows, int nrows, const int32_t *row_expert,
+                                const bf16 *a, const bf16 *w2, const bf16 *b2, int d, int n,
+                                float *ref)
+{
+    int i = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= nrows || c >= d) return;
+    int r = rows[i], e = row_expert[r];
+    const bf16 *ar = a + (int64_t)r * n;
+    const bf16 *wr = w2 + ((int64_t)e * d + c) * n;
+    float s = 0.0f;
+    for (int k = 0; k < n; k++) s += __bfloat162float(ar[k]) * __bfloat162float(wr[k]);
+    if (b2) s += __bfloat162float(b2[(int64_t)e * d + c]);
+    ref[(int64_t)i * d + c] = s;
+}
+
+/* ref[i][c] = sum_k dH[r][k] W1[e][phys(k)][c] */
+__global__ void ref_dxt_kernel(const int32_t *rows, int nrows, const int32_t *row_expert,
+                               const bf16 *dh, const bf16 *w1, int d, int n, int h_cols, int gated,
+                               int layout, float *ref)
+{
+    int i = blockIdx.y, c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= nrows || c >= d) return;
+    int r = rows[i], e = row_expert[r];
+    const bf16 *dr = dh + (int64_t)r * h_cols;
+    float s = 0.0f;
+    for (int k = 0; k < h_cols; k++) {
+        int64_t pk = smoe_w1_row(k, n, gated, (smoe_w1_layout)layout);
+        s += __bfloat162float(dr[k]) * __bfloat162float(w1[((int64_t)e * h_cols + pk) * d + c]);
+    }
+    ref[(int64_t)i * d + c] = s;
+}
+
+/* ------------------------------------------------------------ host helpers */
+
+static float bf2f(bf16 v)
+{
+    uint16_t b;
+    memcpy(&b, &v, 2);
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static float round_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFF + ((u >> 16) & 1);
+    u &= 0xFFFF0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static int is_poison(bf16 v)
+{
+    uint16_t b;
+    memcpy(&b, &v, 2);
+    return b == 0xFFFF;
+}
+
+static double h_silu(double x) { return x / (1.0 + exp(-x)); }
+static double h_gelu(double x)
+{
+    return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
+}
+static double h_act_gated(int act, double g, double u)
+{
+    if (act == SMOE_ACT_GEGLU) return h_gelu(g) * u;
+    if (act == SMOE_ACT_REGLU) return (g > 0 ? g : 0) * u;
+    return h_silu(g) * u;
+}
+static double h_act_plain(int act, double h)
+{
+    if (act == SMOE_ACT_RELU2) return h > 0 ? h * h : 0;
+    if (act == SMOE_ACT_RELU) return h > 0 ? h : 0;
+    if (act == SMOE_ACT_SILU) return h_silu(h);
+    return h_gelu(h);
+}
+
+/* Accumulates |gpu - ref| checks. tol = rtol |ref| + atol. */
+typedef struct checker {
+    const char *what;
+    double rtol, atol;
+    double err2, ref2, max_excess;
+    int64_t bad, nonfinite, count;
+} checker;
+
+static void check_val(checker *c, double gpu, double ref)
+{
+    c->count++;
+    if (!isfinite(gpu)) { c->nonfinite++; return; }
+    double e = fabs(gpu - ref), tol = c->rtol * fabs(ref) + c->atol;
+    c->err2 += e * e;
+    c->ref2 += ref * ref;
+    if (e > tol) {
+        c->bad++;
+        if (e - tol > c->max_excess) c->max_excess = e - tol;
+    }
+}
+
+static int check_report(const checker *c, const char *tag)
+{
+    double rel = c->ref2 > 0 ? sqrt(c->err2 / c->ref2) : sqrt(c->err2);
+    int ok = c->bad == 0 && c->nonfinite == 0 && rel < 8e-3;
+    if (!ok)
+        printf("  FAIL %s %s: %lld/%lld outside tol, %lld non-finite, rel err %.3g, worst excess %.3g\n",
+               tag, c->what, (long long)c->bad, (long long)c->count, (long long)c->nonfinite, rel,
+               c->max_excess);
+    return ok;
+}
+
+static double rms_of(const float *v, int64_t count)
+{
+    double s = 0;
+    for (int64_t i = 0; i < count; i++) s += (double)v[i] * v[i];
+    return count ? sqrt(s / count) : 0.0;
+}
+
+/* ------------------------------------------------------------ one problem */
+
+typedef struct problem_host {
+    int64_t T, d, n, E, cap, R;
+    int act, layout, gated, bias;
+    int32_t *offset;     /* E+1 */
+    int32_t *row_token;  /* cap (rows >= R: garbage) */
+    int32_t *row_expert; /* cap */
+} problem_host;
+
+typedef struct problem_dev {
+    bf16 *x, *w1, *b1, *w2, *b2, *h, *a, *y, *a_in, *dh_in, *dxt;
+    int dxt_ran; /* dxt ran (interleaved or non-gated W1) */
+    int32_t *offset, *row_token, *row_expert, *rows;
+    float *ref;
+} problem_dev;
+
+static void dev_alloc(problem_dev *D, const problem_host *P)
+{
+    int64_t hc = P->gated ? 2 * P->n : P->n;
+    memset(D, 0, sizeof(*D));
+    CK(cudaMalloc(&D->x, P->T * P->d * 2));
+    CK(cudaMalloc(&D->w1, P->E * hc * P->d * 2));
+    CK(cudaMalloc(&D->b1, P->E * hc * 2));
+    CK(cudaMalloc(&D->w2, P->E * P->d * P->n * 2));
+    CK(cudaMalloc(&D->b2, P->E * P->d * 2));
+    CK(cudaMalloc(&D->h, P->cap * hc * 2 + 16));
+    CK(cudaMalloc(&D->a, P->cap * P->n * 2 + 16));
+    CK(cudaMalloc(&D->a_in, P->cap * P->n * 2 + 16));
+    CK(cudaMalloc(&D->y, P->cap * P->d * 2 + 16));
+    CK(cudaMalloc(&D->dh_in, P->cap * hc * 2 + 16));
+    CK(cudaMalloc(&D->dxt, P->cap * P->d * 2 + 16));
+    CK(cudaMalloc(&D->offset, (P->E + 1) * 4));
+    CK(cudaMalloc(&D->row_token, P->cap * 4 + 4));
+    CK(cudaMalloc(&D->row_expert, P->cap * 4 + 4));
+    CK(cudaMemcpy(D->offset, P->offset, (P->E + 1) * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(D->row_token, P->row_token, P->cap * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(D->row_expert, P->row_expert, P->cap * 4, cudaMemcpyHostToDevice));
+    rand_bf16(D->x, P->T * P->d, 1.0f);
+    rand_bf16(D->w1, P->E * hc * P->d, 2.0f / sqrtf((float)P->d));
+    rand_bf16(D->b1, P->E * hc, 0.5f);
+    rand_bf16(D->w2, P->E * P->d * P->n, 2.0f / sqrtf((float)P->n));
+    rand_bf16(D->b2, P->E * P->d, 0.5f);
+    rand_bf16(D->a_in, P->cap * P->n, 1.0f);
+    rand_bf16(D->dh_in, P->cap * hc, 1.0f);
+    if (P->cap > P->R) CK(cudaMemset(D->dh_in + P->R * hc, 0xFF, (P->cap - P->R) * hc * 2));
+    /* rows past R of the down input: NaN, which must not reach any output */
+    if (P->cap > P->R) CK(cudaMemset(D->a_in + P->R * P->n, 0xFF, (P->cap - P->R) * P->n * 2));
+}
+
+static void dev_free(problem_dev *D)
+{
+    cudaFree(D->x); cudaFree(D->w1); cudaFree(D->b1); cudaFree(D->w2); cudaFree(D->b2);
+    cudaFree(D->h); cudaFree(D->a); cudaFree(D->a_in); cudaFree(D->y); cudaFree(D->offset);
+    cudaFree(D->dh_in); cudaFree(D->dxt);
+    cudaFree(D->row_token); cudaFree(D->row_expert); cudaFree(D->rows); cudaFree(D->ref);
+}
+
+static smoe_gemm_problem make_problem(const problem_host *P, const problem_dev *D, int sms)
+{
+    smoe_gemm_problem g;
+    memset(&g, 0, sizeof(g));
+    g.d = P->d;
+    g.n = P->n;
+    g.gated = P->gated;
+    g.h_cols = P->gated ? 2 * P->n : P->n;
+    g.E = P->E;
+    g.cap = P->cap;
+    g.act = (smoe_activation)P->act;
+    g.w1_layout = (smoe_w1_layout)P->layout;
+    g.expert_offset = D->offset;
+    g.row_token = D->row_token;
+    g.row_score = NULL;
+    g.num_sms = sms;
+    return g;
+}
+
+/* Checks rows `rows` (host list, nr of them) of H/A (up) and Y (down). Returns 1 if good. */
+static int verify(const problem_host *P, problem_dev *D, const int32_t *rows, int nr, int with_h,
+                  const char *tag)
+{
+    int64_t hc = P->gated ? 2 * P->n : P->n;
+    int ok = 1;
+    if (nr == 0) return 1;
+    CK(cudaMalloc(&D->rows, nr * 4));
+    CK(cudaMemcpy(D->rows, rows, nr * 4, cudaMemcpyHostToDevice));
+    int64_t refcols = hc > P->d ? hc : P->d;
+    CK(cudaMalloc(&D->ref, (int64_t)nr * refcols * 4));
+    float *ref = (float *)malloc((size_t)nr * refcols * 4);
+    bf16 *gh = (bf16 *)malloc((size_t)hc * 2), *ga = (bf16 *)malloc((size_t)P->n * 2);
+    bf16 *gy = (bf16 *)malloc((size_t)P->d * 2);
+
+    /* up */
+    ref_up_kernel<<<dim3((unsigned)((hc + 127) / 128), nr), 128>>>(
+        D->rows, nr, D->row_expert, D->row_token, D->x, D->w1, P->bias ? D->b1 : NULL, (int)P->d,
+        (int)P->n, (int)hc, P->gated, P->layout, D->ref);
+    CK(cudaGetLastError());
+    CK(cudaMemcpy(ref, D->ref, (size_t)nr * hc * 4, cudaMemcpyDeviceToHost));
+    double rms_h = rms_of(ref, (int64_t)nr * hc);
+    float *want = (float *)malloc((size_t)nr * P->n * 4);
+    for (int64_t i = 0; i < nr; i++) {
+        const float *rr = ref + i * hc;
+        for (int64_t j = 0; j < P->n; j++)
+            want[i * P->n + j] =
+                (float)(P->gated ? h_act_gated(P->act, round_bf16(rr[2 * j]), round_bf16(rr[2 * j + 1]))
+                                 : h_act_plain(P->act, round_bf16(rr[j])));
+    }
+    double rms_a = rms_of(want, (int64_t)nr * P->n);
+    checker ch = {"H", 1.0 / 128, 1e-3 * rms_h, 0, 0, 0, 0, 0, 0};
+    /* A from a bf16 H that may sit one ulp away from the rounded reference */
+    checker ca = {"A", 1.0 / 64, 1e-2 * rms_a, 0, 0, 0, 0, 0, 0};
+    for (int i = 0; i < nr; i++) {
+        int64_t r = rows[i];
+        const float *rr = ref + (int64_t)i * hc;
+        if (with_h) {
+            CK(cudaMemcpy(gh, D->h + r * hc, hc * 2, cudaMemcpyDeviceToHost));
+            for (int64_t c = 0; c < hc; c++) check_val(&ch, bf2f(gh[c]), rr[c]);
+        }
+        CK(cudaMemcpy(ga, D->a + r * P->n, P->n * 2, cudaMemcpyDeviceToHost));
+        for (int64_t j = 0; j < P->n; j++) check_val(&ca, bf2f(ga[j]), want[(int64_t)i * P->n + j]);
+    }
+    free(want);
+    if (with_h) ok &= check_report(&ch, tag);
+    ok &= check_report(&ca, tag);
+
+    /* down */
+    ref_down_kernel<<<dim3((unsigned)((P->d + 127) / 128), nr), 128>>>(
+        D->rows, nr, D->row_expert, D->a_in, D->w2, P->bias ? D->b2 : NULL, (int)P->d, (int)P->n,
+        D->ref);
+    CK(cudaGetLastError());
+    CK(cudaMemcpy(ref, D->ref, (size_t)nr * P->d * 4, cudaMemcpyDeviceToHost));
+    double rms_y = rms_of(ref, (int64_t)nr * P->d);
+    checker cy = {"Y", 1.0 / 128, 1e-3 * rms_y, 0, 0, 0, 0, 0, 0};
+    for (int i = 0; i < nr; i++) {
+        int64_t r = rows[i];
+        CK(cudaMemcpy(gy, D->y + r * P->d, P->d * 2, cudaMemcpyDeviceToHost));
+        for (int64_t c = 0; c < P->d; c++) check_val(&cy, bf2f(gy[c]), ref[(int64_t)i * P->d + c]);
+    }
+    ok &= check_report(&cy, tag);
+
+    /* dxt */
+    if (D->dxt_ran) {
+        ref_dxt_kernel<<<dim3((unsigned)((P->d + 127) / 128), nr), 128>>>(
+            D->rows, nr, D->row_expert, D->dh_in, D->w1, (int)P->d, (int)P->n, (int)hc, P->gated,
+            P->layout, D->ref);
+        CK(cudaGetLastError());
+        CK(cudaMemcpy(ref, D->ref, (size_t)nr * P->d * 4, cudaMemcpyDeviceToHost));
+        double rms_x = rms_of(ref, (int64_t)nr * P->d);
+        checker cx = {"dXt", 1.0 / 128, 1e-3 * rms_x, 0, 0, 0, 0, 0, 0};
+        for (int i = 0; i < nr; i++) {
+            int64_t r = rows[i];
+            CK(cudaMemcpy(gy, D->dxt + r * P->d, P->d * 2, cudaMemcpyDeviceToHost));
+            for (int64_t c = 0; c < P->d; c++)
+                check_val(&cx, bf2f(gy[c]), ref[(int64_t)i * P->d + c]);
+        }
+        ok &= check_report(&cx, tag);
+    }
+
+    cudaFree(D->rows); D->rows = NULL;
+    cudaFree(D->ref); D->ref = NULL;
+    free(ref); free(gh); free(ga); free(gy);
+    return ok;
+}
+
+/* Rows [R, cap) of the outputs must still hold the poison. */
+static int check_untouched(const bf16 *dptr, int64_t R, int64_t cap, int64_t cols, const char *what,
+                           const char *tag)
+{
+    if (cap <= R || !dptr) return 1;
+    int64_t cnt = (cap - R) * cols;
+    bf16 *hbuf = (bf16 *)malloc((size_t)cnt * 2);
+    CK(cudaMemcpy(hbuf, dptr + R * cols, (size_t)cnt * 2, cudaMemcpyDeviceToHost));
+    int64_t bad = 0;
+    for (int64_t i = 0; i < cnt; i++) bad += !is_poison(hbuf[i]);
+    free(hbuf);
+    if (bad) printf("  FAIL %s %s: %lld elements past R were written\n", tag, what, (long long)bad);
+    return bad == 0;
+}
+
+static int bitwise_equal(const bf16 *d1, const bf16 *d2, int64_t count)
+{
+    if (count == 0) return 1;
+    uint16_t *a = (uint16_t *)malloc((size_t)count * 2), *b = (uint16_t *)malloc((size_t)count * 2);
+    CK(cudaMemcpy(a, d1, (size_t)count * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(b, d2, (size_t)count * 2, cudaMemcpyDeviceToHost));
+    int eq = memcmp(a, b, (size_t)count * 2) == 0;
+    free(a); free(b);
+    return eq;
+}
+
+static void build_rows_from_counts(problem_host *P, const int *counts)
+{
+    P->offset = (int32_t *)malloc((P->E + 1) * 4);
+    P->offset[0] = 0;
+    for (int e = 0; e < P->E; e++) P->offset[e + 1] = P->offset[e] + counts[e];
+    P->R = P->offset[P->E];
+    P->row_token = (int32_t *)malloc((P->cap + 1) * 4);
+    P->row_expert = (int32_t *)malloc((P->cap + 1) * 4);
+    for (int e = 0; e < P->E; e++) {
+        int32_t prev = -1;
+        for (int r = P->offset[e]; r < P->offset[e + 1]; r++) {
+            /* ascending tokens within an expert, like the real metadata */
+            int32_t t = prev + 1 + (int32_t)(rnd() % 3);
+            if (t >= P->T) t = (int32_t)(rnd() % P->T);
+            P->row_token[r] = t;
+            prev = t;
+            P->row_expert[r] = e;
+        }
+    }
+    for (int64_t r = P->R; r < P->cap; r++) {
+        P->row_token[r] = 0x7FFFFFF0; /* garbage past R: must never be read */
+        P->row_expert[r] = 0;
+    }
+}
+
+/* One random correctness case. */
+static int run_case(int idx, int sms)
+{
+    static const int ds[] = {64, 128, 192, 256, 384, 512, 576};
+    static const int ns[] = {64, 128, 192, 256, 320, 512};
+    static const int Es[] = {1, 2, 3, 5, 8, 16, 33};
+    problem_host P;
+    memset(&P, 0, sizeof(P));
+    P.d = ds[rnd() % 7];
+    P.n = ns[rnd() % 6];
+    P.E = Es[rnd() % 7];
+    P.T = rnd_int(1, 700);
+    P.act = rnd_int(0, 6);
+    P.gated = P.act <= SMOE_ACT_REGLU;
+    P.layout = rnd_int(0, 1);
+    P.bias = rnd_int(0, 1);
+    int with_h = rnd_int(0, 3) != 0;
+    int *counts = (int *)malloc(P.E * sizeof(int));
+    int64_t R = 0;
+    for (int e = 0; e < P.E; e++) {
+        int kind = rnd_int(0, 5);
+        counts[e] = kind == 0 ? 0 : kind == 1 ? 128 * rnd_int(1, 3) : kind == 2 ? rnd_int(1, 9)
+                                                                            : rnd_int(1, 420);
+        R += counts[e];
+    }
+    P.cap = R + rnd_int(0, 1) * rnd_int(1, 200);
+    if (P.cap == 0) P.cap = 1;
+    build_rows_from_counts(&P, counts);
+    free(counts);
+
+    char tag[256];
+    snprintf(tag, sizeof(tag),
+             "case %d: T=%lld d=%lld n=%lld E=%lld R=%lld cap=%lld act=%d layout=%d bias=%d h=%d",
+             idx, (long long)P.T, (long long)P.d, (long long)P.n, (long long)P.E, (long long)P.R,
+             (long long)P.cap, P.act, P.layout, P.bias, with_h);
+
+    problem_dev D;
+    dev_alloc(&D, &P);
+    smoe_gemm_problem g = make_problem(&P, &D, sms);
+    int64_t hc = g.h_cols;
+    int ok = 1;
+    bf16 *h2, *a2, *y2, *x2;
+    CK(cudaMalloc(&x2, P.cap * P.d * 2 + 16));
+    CK(cudaMalloc(&h2, P.cap * hc * 2 + 16));
+    CK(cudaMalloc(&a2, P.cap * P.n * 2 + 16));
+    CK(cudaMalloc(&y2, P.cap * P.d * 2 + 16));
+    for (int rep = 0; rep < 2; rep++) {
+        bf16 *h = rep ? h2 : D.h, *a = rep ? a2 : D.a, *y = rep ? y2 : D.y, *xt = rep ? x2 : D.dxt;
+        CK(cudaMemset(xt, 0xFF, P.cap * P.d * 2));
+        CK(cudaMemset(h, 0xFF, P.cap * hc * 2));
+        CK(cudaMemset(a, 0xFF, P.cap * P.n * 2));
+        CK(cudaMemset(y, 0xFF, P.cap * P.d * 2));
+        smoe_status st = smoe_gemm_ops_sm90.up(&g, D.x, D.w1, P.bias ? D.b1 : NULL,
+                                               with_h ? h : NULL, a, NULL, 0);
+        if (st != SMOE_SUCCESS) { printf("  FAIL %s: up returned %d\n", tag, (int)st); ok = 0; }
+        st = smoe_gemm_ops_sm90.down(&g, D.a_in, D.w2, P.bias ? D.b2 : NULL, y, NULL, 0);
+        if (st != SMOE_SUCCESS) { printf("  FAIL %s: down returned %d\n", tag, (int)st); ok = 0; }
+        st = smoe_gemm_ops_sm90.dxt(&g, D.dh_in, D.w1, xt, NULL, 0);
+        int concat = P.gated && P.layout == SMOE_W1_CONCATENATED;
+        if (concat ? st != SMOE_ERROR_UNSUPPORTED : st != SMOE_SUCCESS) {
+            printf("  FAIL %s: dxt returned %d\n", tag, (int)st);
+            ok = 0;
+        }
+        D.dxt_ran = !concat;
+        CK(cudaDeviceSynchronize());
+    }
+    if (ok) {
+        int32_t *rows = (int32_t *)malloc((P.R + 1) * 4);
+        for (int64_t r = 0; r < P.R; r++) rows[r] = (int32_t)r;
+        ok &= verify(&P, &D, rows, (int)P.R, with_h, tag);
+        free(rows);
+        ok &= check_untouched(with_h ? D.h : NULL, P.R, P.cap, hc, "H", tag);
+        ok &= check_untouched(D.a, P.R, P.cap, P.n, "A", tag);
+        ok &= check_untouched(D.y, P.R, P.cap, P.d, "Y", tag);
+        ok &= check_untouched(D.dxt, D.dxt_ran ? P.R : 0, P.cap, P.d, "dXt", tag);
+        int det = bitwise_equal(D.a, a2, P.R * P.n) && bitwise_equal(D.y, y2, P.R * P.d) &&
+                  bitwise_equal(D.dxt, x2, P.R * P.d) &&
+                  (!with_h || bitwise_equal(D.h, h2, P.R * hc));
+        if (!det) printf("  FAIL %s: two runs differ\n", tag);
+        ok &= det;
+        if (!with_h) {
+            /* inference: H must not be touched at all */
+            ok &= check_untouched(D.h, 0, P.cap, hc, "H (inference)", tag);
+        }
+    }
+    printf("%s %s\n", ok ? "ok  " : "FAIL", tag);
+    cudaFree(h2); cudaFree(a2); cudaFree(y2); cudaFree(x2);
+    dev_free(&D);
+    free(P.offset); free(P.row_token); free(P.row_expert);
+    return ok;
+}
+
+/* ------------------------------------------------------------ bench */
+
+static int cmp_float(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+    return x < y ? -1 : x > y;
+}
+
+typedef struct shape {
+    const char *name;
+    int64_t T, d, n, E, K;
+} shape;
+
+static float median_ms(float *v, int cnt)
+{
+    qsort(v, cnt, sizeof(float), cmp_float);
+    return v[cnt / 2];
+}
+
+#define BENCH_REPS 20
+
+static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
+{
+    problem_host P;
+    memset(&P, 0, sizeof(P));
+    P.T = S->T; P.d = S->d; P.n = S->n; P.E = S->E;
+    P.act = SMOE_ACT_SWIGLU; P.gated = 1; P.layout = SMOE_W1_INTERLEAVED; P.bias = 0;
+    P.cap = S->T * S->K;
+    /* balanced routing: assignment i = t K + k of a randomly permuted token goes to
+     * expert i % E (K distinct experts per token when E % K == 0) */
+    int32_t *perm = (int32_t *)malloc(S->T * 4);
+    for (int64_t t = 0; t < S->T; t++) perm[t] = (int32_t)t;
+    for (int64_t t = S->T - 1; t > 0; t--) {
+        int64_t j = rnd() % (t + 1);
+        int32_t tmp = perm[t]; perm[t] = perm[j]; perm[j] = tmp;
+    }
+    int *counts = (int *)calloc(S->E, sizeof(int));
+    for (int64_t i = 0; i < S->T * S->K; i++) counts[i % S->E]++;
+    P.offset = (int32_t *)malloc((P.E + 1) * 4);
+    P.offset[0] = 0;
+    for (int e = 0; e < P.E; e++) P.offset[e + 1] = P.offset[e] + counts[e];
+    P.R = P.offset[P.E];
+    P.row_token = (int32_t *)malloc(P.cap * 4);
+    P.row_expert = (int32_t *)malloc(P.cap * 4);
+    int *fill = (int *)calloc(S->E, sizeof(int));
+    /* tokens ascending within each expert: walk tokens in order */
+    int32_t *inv = (int32_t *)malloc(S->T * 4);
+    for (int64_t t = 0; t < S->T; t++) inv[perm[t]] = (int32_t)t;
+    for (int64_t tok = 0; tok < S->T; tok++) {
+        int64_t t = inv[tok];
+        for (int64_t k = 0; k < S->K; k++) {
+            int e = (int)((t * S->K + k) % S->E);
+            int64_t r = P.offset[e] + fill[e]++;
+            P.row_token[r] = (int32_t)tok;
+            P.row_expert[r] = e;
+        }
+    }
+    free(perm); free(inv); free(fill); free(counts);
+
+    problem_dev D;
+    dev_alloc(&D, &P);
+    smoe_gemm_problem g = make_problem(&P, &D, sms);
+    int64_t hc = g.h_cols;
+    double up_flops = 2.0 * P.R * P.d * hc, down_flops = 2.0 * P.R * P.d * P.n;
+
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    float t_up[BENCH_REPS], t_down[BENCH_REPS], t_cb_up[BENCH_REPS], t_cb_down[BENCH_REPS];
+    int ok = 1;
+    for (int it = -3; it < BENCH_REPS; it++) {
+        float ms;
+        CK(cudaEventRecord(e0));
+        if (smoe_gemm_ops_sm90.up(&g, D.x, D.w1, NULL, D.h, D.a, NULL, 0) != SMOE_SUCCESS) ok = 0;
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (it >= 0) t_up[it] = ms;
+        CK(cudaEventRecord(e0));
+        if (smoe_gemm_ops_sm90.down(&g, D.a_in, D.w2, NULL, D.y, NULL, 0) != SMOE_SUCCESS) ok = 0;
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (it >= 0) t_down[it] = ms;
+    }
+    CK(cudaGetLastError());
+    /* alternatives of `up` (variant hook), and the same FLOPs through the
+     * down kernel with swapped sizes: TMA-loaded contiguous A, plain store */
+    float t_var[4] = {0, 0, 0, 0}, t_tma = 0;
+    for (int v = 0; v < 4; v++) {
+        float tv[BENCH_REPS];
+        smoe_sm90_gemm_variant = v;
+        for (int it = -2; it < BENCH_REPS; it++) {
+            float ms;
+            CK(cudaEventRecord(e0));
+            if (smoe_gemm_ops_sm90.up(&g, D.x, D.w1, NULL, D.h, D.a, NULL, 0) != SMOE_SUCCESS) ok = 0;
+            CK(cudaEventRecord(e1));
+            CK(cudaEventSynchronize(e1));
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            if (it >= 0) tv[it] = ms;
+        }
+        t_var[v] = median_ms(tv, BENCH_REPS);
+    }
+    smoe_sm90_gemm_variant = 0;
+    {
+        smoe_gemm_problem g2 = g;
+        g2.n = P.d;
+        g2.d = hc;
+        g2.h_cols = hc;
+        float tv[BENCH_REPS];
+        for (int it = -2; it < BENCH_REPS; it++) {
+            float ms;
+            CK(cudaEventRecord(e0));
+            if (smoe_gemm_ops_sm90.down(&g2, D.y, D.w1, NULL, D.h, NULL, 0) != SMOE_SUCCESS) ok = 0;
+            CK(cudaEventRecord(e1));
+            CK(cudaEventSynchronize(e1));
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            if (it >= 0) tv[it] = ms;
+        }
+        t_tma = median_ms(tv, BENCH_REPS);
+    }
+    /* cuBLAS dense GEMMs with the same FLOPs: (R x d) (d x hc) and (R x n) (n x d), with
+     * Y (R x d, finite after our down) standing in for the gathered X,
+     * row-major C = A B^T as column-major C^T = B A^T */
+    float one = 1.0f, zero = 0.0f;
+    for (int it = -3; it < BENCH_REPS; it++) {
+        float ms;
+        CK(cudaEventRecord(e0));
+        cublasStatus_t cs = cublasGemmEx(cb, CUBLAS_OP_T, CUBLAS_OP_N, (int)hc, (int)P.R, (int)P.d,
+                                         &one, D.w1, CUDA_R_16BF, (int)P.d, D.y, CUDA_R_16BF,
+                                         (int)P.d, &zero, D.h, CUDA_R_16BF, (int)hc,
+                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (cs != CUBLAS_STATUS_SUCCESS) { printf("cublas up failed %d\n", (int)cs); ok = 0; }
+        if (it >= 0) t_cb_up[it] = ms;
+        CK(cudaEventRecord(e0));
+        cs = cublasGemmEx(cb, CUBLAS_OP_T, CUBLAS_OP_N, (int)P.d, (int)P.R, (int)P.n, &one, D.w2,
+                          CUDA_R_16BF, (int)P.n, D.a_in, CUDA_R_16BF, (int)P.n, &zero, D.y,
+                          CUDA_R_16BF, (int)P.d, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (cs != CUBLAS_STATUS_SUCCESS) { printf("cublas down failed %d\n", (int)cs); ok = 0; }
+        if (it >= 0) t_cb_down[it] = ms;
+    }
+    float t_dxt[BENCH_REPS];
+    for (int it = -3; it < BENCH_REPS; it++) {
+        float ms;
+        CK(cudaEventRecord(e0));
+        if (smoe_gemm_ops_sm90.dxt(&g, D.dh_in, D.w1, D.dxt, NULL, 0) != SMOE_SUCCESS) ok = 0;
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (it >= 0) t_dxt[it] = ms;
+    }
+    float mx = median_ms(t_dxt, BENCH_REPS);
+    float mu = median_ms(t_up, BENCH_REPS), md = median_ms(t_down, BENCH_REPS);
+    float cu = median_ms(t_cb_up, BENCH_REPS), cd = median_ms(t_cb_down, BENCH_REPS);
+
+    /* re-run ours and check sampled rows */
+    CK(cudaMemset(D.h, 0xFF, P.cap * hc * 2));
+    CK(cudaMemset(D.a, 0xFF, P.cap * P.n * 2));
+    CK(cudaMemset(D.y, 0xFF, P.cap * P.d * 2));
+    if (smoe_gemm_ops_sm90.up(&g, D.x, D.w1, NULL, D.h, D.a, NULL, 0) != SMOE_SUCCESS) ok = 0;
+    if (smoe_gemm_ops_sm90.down(&g, D.a_in, D.w2, NULL, D.y, NULL, 0) != SMOE_SUCCESS) ok = 0;
+    CK(cudaMemset(D.dxt, 0xFF, P.cap * P.d * 2));
+    if (smoe_gemm_ops_sm90.dxt(&g, D.dh_in, D.w1, D.dxt, NULL, 0) != SMOE_SUCCESS) ok = 0;
+    D.dxt_ran = 1;
+    CK(cudaDeviceSynchronize());
+    int nr = 0;
+    int32_t *rows = (int32_t *)malloc(1200 * 4);
+    for (int64_t r = 0; r < P.R && nr < 1200; r += 1 + P.R / 1000) rows[nr++] = (int32_t)r;
+    rows[nr++] = (int32_t)(P.R - 1);
+    char tag[128];
+    snprintf(tag, sizeof(tag), "bench %s", S->name);
+    ok &= verify(&P, &D, rows, nr, 1, tag);
+    free(rows);
+
+    printf("%-10s T=%-6lld d=%-5lld n=%-5lld E=%-4lld K=%-2lld | up %7.3f ms %6.1f TF (cuBLAS dense "
+           "%6.1f TF) | down %7.3f ms %6.1f TF (cuBLAS %6.1f TF) | check %s\n",
+           S->name, (long long)S->T, (long long)S->d, (long long)S->n, (long long)S->E,
+           (long long)S->K, mu, up_flops / mu / 1e9, up_flops / cu / 1e9, md,
+           down_flops / md / 1e9, down_flops / cd / 1e9, ok ? "ok" : "FAIL");
+    printf("%-10s up variants: v0 %.1f | v1 (L2 prefetch 4) %.1f | v2 (prefetch 8) %.1f | v3 (BN=128, "
+           "6 stages, prefetch 4) %.1f TF | same FLOPs, TMA A, plain store: %.1f TF | dxt %.3f ms "
+           "%.1f TF\n",
+           S->name, up_flops / t_var[0] / 1e9, up_flops / t_var[1] / 1e9, up_flops / t_var[2] / 1e9,
+           up_flops / t_var[3] / 1e9, up_flops / t_tma / 1e9, mx, up_flops / mx / 1e9);
+    cudaEventDestroy(e0); cudaEventDestroy(e1);
+    dev_free(&D);
+    free(P.offset); free(P.row_token); free(P.row_expert);
+    return ok;
+}
+
+int main(int argc, char **argv)
+{
+    int bench = 0, small = 0, cases = 40;
+    uint64_t seed = 0x5EED5EEDull;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--bench")) bench = 1;
+        else if (!strcmp(argv[i], "--small")) small = 1;
+        else if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 0);
+        else if (!strcmp(argv[i], "--cases") && i + 1 < argc) cases = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--variant") && i + 1 < argc) smoe_sm90_gemm_variant = atoi(argv[++i]);
+    }
+    g_rng = seed ? seed : 1;
+    int dev = 0;
+    CK(cudaGetDevice(&dev));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, dev));
+    printf("device %s (sm_%d%d, %d SMs), seed 0x%llx\n", prop.name, prop.major, prop.minor,
+           prop.multiProcessorCount, (unsigned long long)seed);
+    if (prop.major != 9) {
+        printf("SKIP: needs an sm_90 device\n");
+        return 0;
+    }
+    int sms = prop.multiProcessorCount, failed = 0, total = 0;
+    if (small) cases = 2;
+    if (!bench) {
+        for (int i = 0; i < cases; i++) {
+            total++;
+            failed += !run_case(i, sms);
+        }
+    } else {
+        static const shape shapes[] = {
+            {"7B", 24576, 1536, 256, 128, 8},
+            {"30B", 32768, 4096, 512, 128, 8},
+            {"120B", 32768, 4096, 1024, 128, 8},
+            {"120B-n2048", 32768, 4096, 2048, 64, 4},
+        };
+        cublasHandle_t cb;
+        if (cublasCreate(&cb) != CUBLAS_STATUS_SUCCESS) { printf("cublasCreate failed\n"); return 2; }
+        for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
+            total++;
+            failed += !bench_shape(&shapes[i], sms, cb);
+        }
+        cublasDestroy(cb);
+    }
+    printf("%d/%d passed\n", total - failed, total);
+    return failed ? 1 : 0;
+}
