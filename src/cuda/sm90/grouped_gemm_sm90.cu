@@ -674,13 +674,21 @@ static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf
     return sm90_launch<128, 6, SM90_MODE_DXT, 0>(p, &ma, &mb, &prm, s, "dxt");
 }
 
+/* The weight-gradient GEMMs (varlen-K) are in varlen_k_sm90.cu. */
+extern "C" smoe_status smoe_sm90_dw2(const smoe_gemm_problem *p, const bf16 *dout,
+                                     const bf16 *a_scaled, void *dw2, smoe_dtype out_dtype,
+                                     int accumulate, void *scratch, cudaStream_t s);
+extern "C" smoe_status smoe_sm90_dw1(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *x,
+                                     void *dw1, smoe_dtype out_dtype, int accumulate,
+                                     void *scratch, cudaStream_t s);
+
 extern "C" const smoe_gemm_ops smoe_gemm_ops_sm90 = {
     /* name          */ "tma+wgmma",
     /* scratch_bytes */ sm90_scratch_bytes,
     /* up            */ sm90_up,
     /* down          */ sm90_down,
     /* dh            */ NULL,
-    /* dw2           */ NULL,
+    /* dw2           */ smoe_sm90_dw2,
     /* dxt           */ sm90_dxt,
-    /* dw1           */ NULL,
+    /* dw1           */ smoe_sm90_dw1,
 };
