@@ -267,8 +267,10 @@ static void test_tr_random(tu_rng *rng) {
     const smoe_rounding modes[3] = {SMOE_ROUND_UP, SMOE_ROUND_DOWN, SMOE_ROUND_NEAREST};
     int skipped = 0;
     for (int it = 0; it < 90; it++) {
-        int64_t E = tu_int(rng, 1, 8), K = tu_int(rng, 1, E), T = tu_int(rng, 1, 50);
-        int64_t M = tu_int(rng, 1, 9);
+        int big = it % 10 == 9; /* many experts and tokens, larger tiles */
+        int64_t E = big ? tu_int(rng, 16, 48) : tu_int(rng, 1, 8), K = tu_int(rng, 1, E < 8 ? E : 8);
+        int64_t T = big ? tu_int(rng, 60, 200) : tu_int(rng, 1, 50);
+        int64_t M = big ? tu_int(rng, 8, 32) : tu_int(rng, 1, 9);
         smoe_rounding rm = modes[it % 3];
         smoe_layer_desc D = route_desc(E, K, SMOE_ROUTING_SOFTMAX_TOPK, 1, rm, M);
         tu_case("tr random it %d T=%lld E=%lld K=%lld M=%lld %s", it, (long long)T, (long long)E,
