@@ -29,13 +29,15 @@
 
 #define CUBLAS_WS_BYTES ((size_t)8 << 20)
 
+enum { OP_UP, OP_DOWN, OP_DH, OP_DW2, OP_DXT, OP_DW1, OP_COUNT };
+
 typedef struct cuda_state {
     int device;
     int sm; /* major * 10 + minor */
     int num_sms;
     cublasHandle_t cublas;
-    smoe_gemm_ops ops;            /* merged: Hopper entries where present */
-    const smoe_gemm_ops *tab90;   /* NULL: portable only */
+    const smoe_gemm_ops *tab90; /* NULL: portable only */
+    int use90[OP_COUNT];        /* this op runs the Hopper kernel */
 } cuda_state;
 
 /* ------------------------------------------------------------ workspace */
@@ -190,6 +192,94 @@ static smoe_status gemm_bf16_f32(cuda_state *st, cublasOperation_t ta, cublasOpe
     return SMOE_SUCCESS;
 }
 
+/* ------------------------------------------------------------ kernel choice */
+
+static const char *act_name(smoe_activation a)
+{
+    switch (a) {
+    case SMOE_ACT_SWIGLU: return "swiglu";
+    case SMOE_ACT_GEGLU: return "geglu";
+    case SMOE_ACT_REGLU: return "reglu";
+    case SMOE_ACT_RELU2: return "relu2";
+    case SMOE_ACT_RELU: return "relu";
+    case SMOE_ACT_SILU: return "silu";
+    case SMOE_ACT_GELU: return "gelu";
+    }
+    return "?";
+}
+
+/* The path name from which kernels each op runs. */
+static void path_name_make(smoe_layer *layer)
+{
+    cuda_state *st = (cuda_state *)layer->state;
+    const smoe_gemm_ops *p = &smoe_gemm_ops_sm80, *h = st->tab90;
+    static const char *names[OP_COUNT] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
+    char gemm[96];
+    if (!h) {
+        snprintf(gemm, sizeof gemm, "cuda: gemm %s (sm%d)", p->name, st->sm);
+    } else {
+        char a[64] = "", b[64] = "";
+        for (int i = 0; i < OP_COUNT; ++i) {
+            char *dst = st->use90[i] ? a : b;
+            if (dst[0]) strncat(dst, ",", 63 - strlen(dst));
+            strncat(dst, names[i], 63 - strlen(dst));
+        }
+        if (!b[0]) snprintf(gemm, sizeof gemm, "sm90: all %s", h->name);
+        else if (!a[0]) snprintf(gemm, sizeof gemm, "sm90: all %s", p->name);
+        else snprintf(gemm, sizeof gemm, "sm90: %s %s; %s %s", a, h->name, b, p->name);
+    }
+    snprintf(layer->path_name, sizeof layer->path_name, "%s [%s]", gemm,
+             act_name(layer->desc.activation));
+}
+
+/* Which Hopper entries take this layer's shape. A launcher that cannot run
+ * a shape says SMOE_ERROR_UNSUPPORTED before touching memory (gemm.h's
+ * Hopper files do their shape checks first, and return at cap = 0 or on
+ * NULL operands before launching), so each present entry is asked once
+ * with cap = 0 and no buffers. A launcher that still declines a call later
+ * (alignment of the caller's pointers) is switched to the portable kernel
+ * for this layer and the path name updated (see gemm_fallback). */
+static void probe_sm90(smoe_layer *layer)
+{
+    cuda_state *st = (cuda_state *)layer->state;
+    const smoe_gemm_ops *h = st->tab90;
+    if (!h) return;
+    smoe_gemm_problem p = problem_make(layer, 0);
+    smoe_status r[OP_COUNT];
+    for (int i = 0; i < OP_COUNT; ++i) r[i] = SMOE_ERROR_UNSUPPORTED;
+    if (h->up) r[OP_UP] = h->up(&p, NULL, NULL, NULL, NULL, NULL, NULL, 0);
+    if (h->down) r[OP_DOWN] = h->down(&p, NULL, NULL, NULL, NULL, NULL, 0);
+    if (h->dh) r[OP_DH] = h->dh(&p, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0);
+    if (h->dw2) r[OP_DW2] = h->dw2(&p, NULL, NULL, NULL, SMOE_DTYPE_BF16, 1, NULL, 0);
+    if (h->dxt) r[OP_DXT] = h->dxt(&p, NULL, NULL, NULL, NULL, 0);
+    if (h->dw1) r[OP_DW1] = h->dw1(&p, NULL, NULL, NULL, SMOE_DTYPE_BF16, 1, NULL, 0);
+    for (int i = 0; i < OP_COUNT; ++i) st->use90[i] = r[i] != SMOE_ERROR_UNSUPPORTED;
+    smoe_clear_error();
+}
+
+/* A Hopper launcher declined a call: run the portable kernel from now on. */
+static void gemm_fallback(smoe_layer *layer, int op)
+{
+    cuda_state *st = (cuda_state *)layer->state;
+    st->use90[op] = 0;
+    smoe_clear_error();
+    path_name_make(layer);
+}
+
+#define GEMM_CALL(layer, op, field, ...)                                                   \
+    do {                                                                                   \
+        cuda_state *st_ = (cuda_state *)(layer)->state;                                    \
+        if (st_->use90[op]) {                                                              \
+            smoe_status r_ = st_->tab90->field(__VA_ARGS__);                               \
+            if (r_ != SMOE_ERROR_UNSUPPORTED) {                                            \
+                SMOE_FORWARD_IF_ERROR(r_);                                                 \
+                break;                                                                     \
+            }                                                                              \
+            gemm_fallback((layer), (op));                                                  \
+        }                                                                                  \
+        SMOE_FORWARD_IF_ERROR(smoe_gemm_ops_sm80.field(__VA_ARGS__));                      \
+    } while (0)
+
 /* ------------------------------------------------------------ forward */
 
 static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args,
@@ -269,11 +359,10 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
     bf16 *a = (bf16 *)(ws + w.a), *y = (bf16 *)(ws + w.y);
     void *gs = ws + w.f_gemm;
     if (cap > 0) {
-        SMOE_FORWARD_IF_ERROR(st->ops.up(&p, (const bf16 *)args->x, (const bf16 *)args->w1,
-                                         (const bf16 *)args->b1, training ? (bf16 *)v.h : NULL,
-                                         a, gs, s));
-        SMOE_FORWARD_IF_ERROR(st->ops.down(&p, a, (const bf16 *)args->w2,
-                                           (const bf16 *)args->b2, y, gs, s));
+        GEMM_CALL(layer, OP_UP, up, &p, (const bf16 *)args->x, (const bf16 *)args->w1,
+                  (const bf16 *)args->b1, training ? (bf16 *)v.h : NULL, a, gs, s);
+        GEMM_CALL(layer, OP_DOWN, down, &p, a, (const bf16 *)args->w2, (const bf16 *)args->b2, y,
+                  gs, s);
     }
     SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_forward(T, d->d, v.token_offset, v.assign_row,
                                                       v.row_score, y, (bf16 *)args->out, s));
@@ -337,21 +426,20 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     const bf16 *dout = (const bf16 *)args->dout;
 
     if (run_dh && cap > 0)
-        SMOE_FORWARD_IF_ERROR(st->ops.dh(&p, dout, (const bf16 *)args->w2,
-                                         (const bf16 *)args->b2, (const bf16 *)v.h, dh, a_scaled,
-                                         ds, gs, s));
+        GEMM_CALL(layer, OP_DH, dh, &p, dout, (const bf16 *)args->w2, (const bf16 *)args->b2,
+                  (const bf16 *)v.h, dh, a_scaled, ds, gs, s);
     if (args->dw2.ptr)
-        SMOE_FORWARD_IF_ERROR(st->ops.dw2(&p, dout, a_scaled, args->dw2.ptr, args->dw2.dtype,
-                                          args->dw2.accumulate, gs, s));
+        GEMM_CALL(layer, OP_DW2, dw2, &p, dout, a_scaled, args->dw2.ptr, args->dw2.dtype,
+                  args->dw2.accumulate, gs, s);
     if (args->db2.ptr)
         SMOE_FORWARD_IF_ERROR(smoe_cuda_expert_colsum(
             d->E, d->d, v.expert_offset, dout, v.row_token, v.row_score, d->n, layer->gated,
             d->w1_layout, 0, args->db2.ptr, args->db2.dtype, args->db2.accumulate, s));
     if (want_dx && cap > 0)
-        SMOE_FORWARD_IF_ERROR(st->ops.dxt(&p, dh, (const bf16 *)args->w1, dxt, gs, s));
+        GEMM_CALL(layer, OP_DXT, dxt, &p, dh, (const bf16 *)args->w1, dxt, gs, s);
     if (args->dw1.ptr)
-        SMOE_FORWARD_IF_ERROR(st->ops.dw1(&p, dh, (const bf16 *)args->x, args->dw1.ptr,
-                                          args->dw1.dtype, args->dw1.accumulate, gs, s));
+        GEMM_CALL(layer, OP_DW1, dw1, &p, dh, (const bf16 *)args->x, args->dw1.ptr,
+                  args->dw1.dtype, args->dw1.accumulate, gs, s);
     if (args->db1.ptr)
         SMOE_FORWARD_IF_ERROR(smoe_cuda_expert_colsum(
             d->E, layer->h_cols, v.expert_offset, dh, NULL, NULL, d->n, layer->gated,
@@ -472,49 +560,6 @@ static const smoe_backend_ops cuda_ops = {
     cuda_workspace_bytes, cuda_forward, cuda_backward, cuda_destroy, cuda_check_device,
 };
 
-static const char *act_name(smoe_activation a)
-{
-    switch (a) {
-    case SMOE_ACT_SWIGLU: return "swiglu";
-    case SMOE_ACT_GEGLU: return "geglu";
-    case SMOE_ACT_REGLU: return "reglu";
-    case SMOE_ACT_RELU2: return "relu2";
-    case SMOE_ACT_RELU: return "relu";
-    case SMOE_ACT_SILU: return "silu";
-    case SMOE_ACT_GELU: return "gelu";
-    }
-    return "?";
-}
-
-/* Merges the Hopper table over the portable one and names the result. */
-static void ops_merge(cuda_state *st, char *name, size_t cap)
-{
-    const smoe_gemm_ops *p = &smoe_gemm_ops_sm80, *h = st->tab90;
-    st->ops = *p;
-    if (!h) {
-        snprintf(name, cap, "cuda: gemm %s (sm%d)", p->name, st->sm);
-        return;
-    }
-    const char *names[6] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
-    const int fast[6] = {h->up != NULL, h->down != NULL, h->dh != NULL,
-                         h->dw2 != NULL, h->dxt != NULL, h->dw1 != NULL};
-    if (h->up) st->ops.up = h->up;
-    if (h->down) st->ops.down = h->down;
-    if (h->dh) st->ops.dh = h->dh;
-    if (h->dw2) st->ops.dw2 = h->dw2;
-    if (h->dxt) st->ops.dxt = h->dxt;
-    if (h->dw1) st->ops.dw1 = h->dw1;
-    char a[64] = "", b[64] = "";
-    for (int i = 0; i < 6; ++i) {
-        char *dst = fast[i] ? a : b;
-        if (dst[0]) strncat(dst, ",", 63 - strlen(dst));
-        strncat(dst, names[i], 63 - strlen(dst));
-    }
-    if (!b[0]) snprintf(name, cap, "sm90: all %s", h->name);
-    else if (!a[0]) snprintf(name, cap, "sm90: all %s", p->name);
-    else snprintf(name, cap, "sm90: %s %s; %s %s", a, h->name, b, p->name);
-}
-
 smoe_status smoe_cuda_layer_init(smoe_layer *layer, int want_sm90)
 {
     const smoe_layer_desc *d = &layer->desc;
@@ -576,11 +621,9 @@ smoe_status smoe_cuda_layer_init(smoe_layer *layer, int want_sm90)
                          se != cudaSuccess ? cudaGetErrorString(se)
                                            : "cublasCreate failed");
     }
-    char gemm_name[80];
-    ops_merge(st, gemm_name, sizeof gemm_name);
     layer->state = st;
     layer->ops = &cuda_ops;
-    snprintf(layer->path_name, sizeof layer->path_name, "%s [%s]", gemm_name,
-             act_name(d->activation));
+    probe_sm90(layer);
+    path_name_make(layer);
     return SMOE_SUCCESS;
 }

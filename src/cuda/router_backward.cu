@@ -143,6 +143,57 @@ __global__ void k_router_dlogits(int T, int E, int K, int mode, int renormalize,
 #undef PAIR_LOOKUP
 }
 
+/* TOPK_SOFTMAX without rounding, one warp per token (its pairs <= 32):
+ * lane k holds pair k; g = sum_j s_j dS_j by a fixed shuffle tree; the
+ * dlogits row is built in shared memory (zeros, then the pairs' entries)
+ * and written coalesced. */
+#define DLW_WARPS 4
+
+__global__ void __launch_bounds__(DLW_WARPS * 32)
+k_router_dlogits_topk_warp(int T, int E, const int32_t *__restrict__ token_offset,
+                           const int32_t *__restrict__ assign_expert,
+                           const int32_t *__restrict__ assign_row,
+                           const float *__restrict__ row_score, const float *__restrict__ ds,
+                           const float *__restrict__ extra, bf16 *__restrict__ split)
+{
+    extern __shared__ double dlw_row[]; /* DLW_WARPS * E */
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    const int t = blockIdx.x * DLW_WARPS + wib;
+    if (t >= T) return;
+    double *row = dlw_row + (size_t)wib * E;
+    const int a0 = token_offset[t], a1 = token_offset[t + 1];
+    const int a = a0 + lane;
+    int e = -1;
+    double s = 0.0, dS = 0.0;
+    if (a < a1) {
+        const int r = assign_row[a];
+        if (r >= 0) {
+            e = assign_expert[a];
+            s = (double)row_score[r];
+            dS = (double)ds[r];
+        }
+    }
+    double g = s * dS;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) g += __shfl_down_sync(0xffffffffu, g, o);
+    g = __shfl_sync(0xffffffffu, g, 0);
+    for (int j = lane; j < E; j += 32) row[j] = 0.0;
+    __syncwarp();
+    if (e >= 0) row[e] = s * (dS - g);
+    __syncwarp();
+    bf16 *hi = split + (int64_t)t * 2 * E;
+    bf16 *lo = hi + E;
+    const float *ex = extra ? extra + (int64_t)t * E : NULL;
+    for (int j = lane; j < E; j += 32) {
+        double v = row[j];
+        if (ex) v += (double)ex[j];
+        const float f = (float)v;
+        const bf16 h = __float2bfloat16_rn(f);
+        hi[j] = h;
+        lo[j] = __float2bfloat16_rn(f - __bfloat162float(h));
+    }
+}
+
 /* ------------------------------------------------------------ small kernels */
 
 __global__ void k_stack_twice(const bf16 *__restrict__ wr, int64_t n, bf16 *__restrict__ wr2)
@@ -235,6 +286,18 @@ smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int
                                      int32_t *tc_scratch, cudaStream_t stream)
 {
     const int tr = rounding && desc->rounding != SMOE_ROUND_OFF;
+    if (!tr && desc->routing == SMOE_ROUTING_TOPK_SOFTMAX && desc->K <= 32) {
+        const size_t smem = (size_t)DLW_WARPS * desc->E * 8;
+        if (smem > 48 * 1024)
+            SMOE_CUDA_CHECK(cudaFuncSetAttribute(k_router_dlogits_topk_warp,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 (int)smem));
+        k_router_dlogits_topk_warp<<<(unsigned)smoe_cdiv(T, DLW_WARPS), DLW_WARPS * 32, smem,
+                                     stream>>>((int)T, (int)desc->E, token_offset, assign_expert,
+                                               assign_row, row_score, ds, dlogits_extra, split);
+        SMOE_CUDA_LAUNCH_CHECK("k_router_dlogits_topk_warp");
+        return SMOE_SUCCESS;
+    }
     const int threads = 64;
     k_router_dlogits<<<(unsigned)smoe_cdiv(T, threads), threads, 0, stream>>>(
         (int)T, (int)desc->E, (int)desc->K, (int)desc->routing, desc->renormalize, tr, logits,

@@ -102,6 +102,122 @@ __global__ void k_route_token_choice(const float *__restrict__ logits, int T, in
     }
 }
 
+/* The same routing, one warp per token (E <= 32 * EPL, K <= 32): each lane
+ * holds EPL logits' keys; each of the K picks is a warp arg-max over
+ * (key desc, index asc), a total order, so every lane agrees and the picks
+ * equal the sequential ones. Sums that the host takes in a fixed order are
+ * taken in that order here too (one lane, or shuffles in pick order). */
+#define TCW_WARPS 4
+
+template <int EPL>
+__global__ void __launch_bounds__(TCW_WARPS * 32)
+k_route_token_choice_warp(const float *__restrict__ logits, int T, int E, int K, int mode,
+                          int renormalize, smoe_assign_dev out)
+{
+    extern __shared__ double tcw_exp[]; /* SOFTMAX_TOPK: TCW_WARPS * E */
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    const int t = blockIdx.x * TCW_WARPS + wib;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        out.token_offset[T] = T * K;
+        *out.count = T * K;
+    }
+    if (t >= T) return;
+    const float *l = logits + (int64_t)t * E;
+    uint32_t key[EPL];
+    uint32_t taken = 0;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+        const int e = lane + 32 * j;
+        key[j] = e < E ? smoe_logit_key(l[e]) : 0u;
+        if (e >= E) taken |= 1u << j;
+    }
+    int my_idx = -1;
+    for (int k = 0; k < K; ++k) {
+        uint32_t bk = 0;
+        int bi = INT_MAX;
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) {
+            const int e = lane + 32 * j;
+            if (!((taken >> j) & 1u) && smoe_ahead(key[j], e, bk, bi)) {
+                bk = key[j];
+                bi = e;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const uint32_t ok = __shfl_xor_sync(0xffffffffu, bk, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (smoe_ahead(ok, oi, bk, bi)) {
+                bk = ok;
+                bi = oi;
+            }
+        }
+        if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+        if (lane == k) my_idx = bi;
+    }
+    const float lk = lane < K ? l[my_idx] : 0.0f;
+    double score = 0.0;
+    if (mode == SMOE_ROUTING_TOPK_SOFTMAX) {
+        const double m = __shfl_sync(0xffffffffu, (double)lk, 0);
+        const double ek = lane < K ? exp((double)lk - m) : 0.0;
+        double sum = 0.0;
+        for (int k = 0; k < K; ++k) sum += __shfl_sync(0xffffffffu, ek, k);
+        score = ek / sum;
+    } else {
+        double *ex = tcw_exp + (size_t)wib * E;
+        double m = -CUDART_INF;
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) {
+            const int e = lane + 32 * j;
+            if (e < E) {
+                const double v = (double)l[e];
+                if (v > m) m = v;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const double v = __shfl_xor_sync(0xffffffffu, m, o);
+            if (v > m) m = v;
+        }
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) {
+            const int e = lane + 32 * j;
+            if (e < E) ex[e] = exp((double)l[e] - m);
+        }
+        __syncwarp();
+        double sum = 0.0;
+        if (lane == 0)
+            for (int e = 0; e < E; ++e) sum += ex[e];
+        sum = __shfl_sync(0xffffffffu, sum, 0);
+        const double p = lane < K ? exp((double)lk - m) / sum : 0.0;
+        if (renormalize) {
+            double z = 0.0;
+            for (int k = 0; k < K; ++k) z += __shfl_sync(0xffffffffu, p, k);
+            score = p / z;
+        } else {
+            score = p;
+        }
+    }
+    if (lane < K) {
+        const int64_t a = (int64_t)t * K + lane;
+        out.expert[a] = my_idx;
+        out.token[a] = t;
+        out.score[a] = (float)score;
+    }
+    if (lane == 0) out.token_offset[t] = t * K;
+}
+
+template <int EPL>
+static smoe_status launch_tc_warp(const float *logits, int T, int E, int K, int mode,
+                                  int renormalize, smoe_assign_dev out, cudaStream_t stream)
+{
+    const size_t smem = mode == SMOE_ROUTING_TOPK_SOFTMAX ? 0 : (size_t)TCW_WARPS * E * 8;
+    k_route_token_choice_warp<EPL><<<(unsigned)smoe_cdiv(T, TCW_WARPS), TCW_WARPS * 32, smem,
+                                     stream>>>(logits, T, E, K, mode, renormalize, out);
+    SMOE_CUDA_LAUNCH_CHECK("k_route_token_choice_warp");
+    return SMOE_SUCCESS;
+}
+
 /* ------------------------------------------------------------ token rounding */
 
 typedef struct tr_scratch {
@@ -382,6 +498,15 @@ smoe_status smoe_cuda_route(const smoe_layer_desc *desc, int64_t T, int rounding
     const int threads = 64;
     const int blocks = (int)smoe_cdiv(T, threads);
     if (!rounding || desc->rounding == SMOE_ROUND_OFF) {
+        const int mode = (int)desc->routing, rn = desc->renormalize;
+        if (K <= 32) {
+            if (E <= 32) return launch_tc_warp<1>(logits, Ti, E, K, mode, rn, out, stream);
+            if (E <= 64) return launch_tc_warp<2>(logits, Ti, E, K, mode, rn, out, stream);
+            if (E <= 128) return launch_tc_warp<4>(logits, Ti, E, K, mode, rn, out, stream);
+            if (E <= 256) return launch_tc_warp<8>(logits, Ti, E, K, mode, rn, out, stream);
+            if (E <= 512) return launch_tc_warp<16>(logits, Ti, E, K, mode, rn, out, stream);
+            if (E <= 1024) return launch_tc_warp<32>(logits, Ti, E, K, mode, rn, out, stream);
+        }
         k_route_token_choice<<<blocks, threads, 0, stream>>>(logits, Ti, E, K, (int)desc->routing,
                                                              desc->renormalize, out);
         SMOE_CUDA_LAUNCH_CHECK("k_route_token_choice");

@@ -224,25 +224,32 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
 
     dev_run r;
     dev_run_alloc(&r, &D, T, cap, tr);
-    cudaEvent_t e0, e1;
+    cudaEvent_t e0, e1, em;
     CUDA_OK(cudaEventCreate(&e0));
     CUDA_OK(cudaEventCreate(&e1));
+    CUDA_OK(cudaEventCreate(&em));
     host_run h[2];
-    float ms = 0;
+    float ms = 0, ms_route = 0;
     for (int rep = 0; rep < 2; rep++) {
         CUDA_OK(cudaMemset(r.as.expert, 0xFF, (size_t)cap * 4));
         CUDA_OK(cudaMemset(r.rsc, 0xFF, (size_t)cap * 4));
         CUDA_OK(cudaEventRecord(e0, 0));
         SMOE_OK(smoe_cuda_route(&D, T, tr, dlg, r.as, r.rscratch, 0));
+        CUDA_OK(cudaEventRecord(em, 0));
         SMOE_OK(smoe_cuda_metadata(E, cap, r.as, r.eoff, r.arow, r.rtok, r.rsc, r.counts,
                                    r.mscratch, 0));
         CUDA_OK(cudaEventRecord(e1, 0));
         CUDA_OK(cudaEventSynchronize(e1));
-        if (rep == 1) CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+        if (rep == 1) {
+            CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+            CUDA_OK(cudaEventElapsedTime(&ms_route, e0, em));
+        }
         h[rep] = fetch_run(&r);
     }
     CHECK(same_run(&h[0], &h[1], T, E), "two runs differ");
-    if (timed) printf("  routing + metadata %-70s %8.1f us\n", g_case, ms * 1000.0);
+    if (timed)
+        printf("  %-72s routing %7.1f us, metadata %7.1f us\n", g_case, ms_route * 1000.0,
+               (ms - ms_route) * 1000.0);
 
     /* the host routing on the same logits */
     smoe_routing_result res;
@@ -302,6 +309,7 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
     dev_run_free(&r);
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
+    cudaEventDestroy(em);
     cudaFree(dlg);
     free(lg);
 }
@@ -386,6 +394,11 @@ int main(int argc, char **argv)
     run_case(777, 12, 3, ST, 1, SMOE_ROUND_NEAREST, 16, L_TIES, 0);
     run_case(777, 12, 3, TK, 0, SMOE_ROUND_DOWN, 16, L_TIES, 0);
     run_case(1000, 7, 7, TK, 0, SMOE_ROUND_UP, 8, L_NORMAL, 0);
+    run_case(500, 64, 40, TK, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 0);     /* K > 32: thread path */
+    run_case(500, 64, 40, ST, 1, SMOE_ROUND_OFF, 128, L_TIES, 0);
+    run_case(300, 1100, 4, ST, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 0);   /* E > 1024 */
+    run_case(300, 600, 8, TK, 0, SMOE_ROUND_OFF, 128, L_TIES, 0);
+    run_case(2000, 300, 3, ST, 1, SMOE_ROUND_UP, 32, L_NORMAL, 0);
     run_general(50, 6, 0.3);
     run_general(3, 4, 0.0);
     if (!small) {
