@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The Python package's CI: builds libsmoe.so with the Makefile (as `make
+# test` does: with the CUDA backends where nvcc exists, which the tests then
+# leave unused without a GPU), installs PyTorch (the PyPI wheel, CPU use)
+# and pytest into a virtual environment, installs the package with
+# `pip install ./python`, and runs python/tests with pytest.
+#
+# Environment: SMOE_PY_VENV, the virtual environment (default
+# ~/.cache/smoe-py-venv, kept between runs: a second run installs nothing);
+# PYTHON, the interpreter that makes it (default python3).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+root=$PWD
+venv="${SMOE_PY_VENV:-$HOME/.cache/smoe-py-venv}"
+python="${PYTHON:-python3}"
+start=$(date +%s)
+
+retry() {
+    local n
+    for n in 1 2 3; do
+        if "$@"; then return 0; fi
+        echo "python/ci.sh: attempt $n of '$*' failed" >&2
+        sleep $((n * 10))
+    done
+    return 1
+}
+
+echo "== python: make lib"
+make -j"$(nproc 2>/dev/null || echo 2)" lib
+
+echo "== python: virtual environment $venv"
+if [ ! -x "$venv/bin/python" ]; then
+    "$python" -m venv "$venv"
+fi
+if ! "$venv/bin/python" -c "import torch, pytest, numpy" >/dev/null 2>&1; then
+    t0=$(date +%s)
+    retry "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch>=2.4" pytest numpy
+    echo "installed torch, pytest, numpy in $(($(date +%s) - t0)) s"
+fi
+"$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
+
+echo "== python: pip install ./python"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
+    "$root/python"
+
+echo "== python: pytest"
+cd "$root"
+set +e
+"$venv/bin/python" -m pytest python/tests -q -p no:cacheprovider
+status=$?
+set -e
+echo "python/ci.sh: $(($(date +%s) - start)) s in all"
+exit $status
