@@ -99,7 +99,10 @@ class _Layer:
     def __del__(self):
         ptr, self.ptr = getattr(self, "ptr", None), None
         if ptr is not None and ptr.value:
-            self._lib.smoe_layer_free(ptr)
+            try:
+                self._lib.smoe_layer_free(ptr)
+            except Exception:  # interpreter shutdown
+                pass
 
     def workspace_bytes(self, T, pairs):
         n = self._lib.smoe_layer_workspace_bytes(self.ptr, T, pairs)
@@ -161,7 +164,9 @@ def _get_layer(cfg, device):
                 except SmoeError as e:
                     if e.status not in (L.SMOE_ERROR_NO_DEVICE, L.SMOE_ERROR_UNSUPPORTED):
                         raise
-                    error = error or e
+                    # "cannot run this" says more than "no such device".
+                    if error is None or error.status == L.SMOE_ERROR_NO_DEVICE:
+                        error = e
             if layer is None:
                 raise error
         else:
@@ -520,6 +525,36 @@ def _check_experts(x, w1, w2, b1, b2, activation):
     return d, n, E, b1, b2
 
 
+def _autocast_dtype(device):
+    if _AUTOCAST_BY_DEVICE:
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return None
+    if device.type == "cuda" and torch.is_autocast_enabled():
+        return torch.get_autocast_gpu_dtype()
+    if device.type == "cpu" and torch.is_autocast_cpu_enabled():
+        return torch.get_autocast_cpu_dtype()
+    return None
+
+
+def _autocast(device, *tensors):
+    """Inside torch.autocast for the tensors' device, the floating inputs go
+    to the autocast dtype (as autocast does for matmuls); the casts are
+    differentiable, so fp32 master weights get fp32 gradients."""
+    dtype = _autocast_dtype(device)
+    if dtype is None or dtype not in _DTYPES:
+        return tensors
+    return tuple(t.to(dtype) if t is not None and t.dtype != dtype else t for t in tensors)
+
+
+try:
+    torch.is_autocast_enabled("cpu")
+    torch.get_autocast_dtype("cpu")
+    _AUTOCAST_BY_DEVICE = True
+except (TypeError, AttributeError):
+    _AUTOCAST_BY_DEVICE = False
+
+
 def _wants_grad(*tensors):
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -544,6 +579,8 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
       uses plain token choice).
     inference: nothing is kept for backward (the output cannot be
       differentiated).
+    Inside torch.autocast (for x's device) the inputs are cast to the
+    autocast dtype first, differentiably.
 
     Returns (out (..., d), expert_counts (E,) int32, router_logits (..., E)
     float32). Gradients reach x, router_w, w1, w2, b1, b2; a loss computed
@@ -560,6 +597,7 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
     act = _enum(ACTIVATIONS, activation, "activation")
     layout = _enum(W1_LAYOUTS, w1_layout, "w1_layout")
     rounding = _enum(ROUNDINGS, token_rounding, "token_rounding")
+    x, router_w, w1, w2, b1, b2 = _autocast(x.device, x, router_w, w1, w2, b1, b2)
     if x.dim() < 1:
         raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "x must have a hidden dimension")
     d, n, E, b1, b2 = _check_experts(x, w1, w2, b1, b2, act)
@@ -592,6 +630,7 @@ def moe_general(x, pair_token, pair_expert, pair_score, w1, w2, b1=None, b2=None
         raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "x must be a torch.Tensor")
     act = _enum(ACTIVATIONS, activation, "activation")
     layout = _enum(W1_LAYOUTS, w1_layout, "w1_layout")
+    x, w1, w2, b1, b2 = _autocast(x.device, x, w1, w2, b1, b2)
     _check_tensor(x, "x", 2, x.device)
     d, n, E, b1, b2 = _check_experts(x, w1, w2, b1, b2, act)
     for name, t in (("pair_token", pair_token), ("pair_expert", pair_expert),

@@ -142,3 +142,18 @@ def test_load_hf_weights_with_biases_and_errors():
         smoe.load_hf_moe_weights(smoe.MoE(E + 1, 2, d, n, "swiglu", False, 0.02), sd)
     with pytest.raises(ValueError, match="not gated"):
         smoe.load_hf_moe_weights(smoe.MoE(E, 2, d, n, "relu", False, 0.02), sd)
+
+
+def test_autocast_cpu_bf16_master_weights():
+    torch.manual_seed(3)
+    m = smoe.MoE(4, 2, 16, 8, "swiglu", True, 0.2)
+    x = torch.randn(10, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, aux = m(x)
+    assert out.dtype == torch.bfloat16
+    (out.float().pow(2).sum() + aux).backward()
+    assert m.c_fc.weight.grad.dtype == torch.float32
+    ref = smoe.MoE(4, 2, 16, 8, "swiglu", True, 0.2).bfloat16()
+    ref.load_state_dict({k: v.bfloat16() for k, v in m.state_dict().items()})
+    out_ref, _ = ref(x.bfloat16())
+    assert torch.equal(out, out_ref)
