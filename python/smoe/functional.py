@@ -14,6 +14,7 @@ the inputs, which the caller holds anyway.
 CPU tensors run on the CPU backend (float32, bfloat16, float64); CUDA
 tensors on the GPU backends (bfloat16), on the current CUDA stream.
 """
+import contextlib
 import ctypes
 import os
 import threading
@@ -217,18 +218,10 @@ def _stream(device):
     return None
 
 
-def _dims(x, w1, w2, top_k, activation, general):
-    T, d = x.shape
-    E = w1.shape[0]
-    n = w2.shape[2]
-    K = 0 if general else top_k
-    return T, d, n, E, K
-
-
 def _config(x, w1, w2, b1, top_k, routing, renormalize, activation, w1_layout, rounding,
             round_tile):
-    general = routing == L.SMOE_ROUTING_GENERAL
-    T, d, n, E, K = _dims(x, w1, w2, top_k, activation, general)
+    d, n, E = x.shape[1], w2.shape[2], w1.shape[0]
+    K = 0 if routing == L.SMOE_ROUTING_GENERAL else top_k
     dtype = _DTYPES.get(x.dtype)
     if dtype is None:
         raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
@@ -297,21 +290,13 @@ def _moe_forward(x: Tensor, router_w: Optional[Tensor], pair_token: Optional[Ten
         a.router_logits = ctypes.cast(logits.data_ptr(), ctypes.POINTER(ctypes.c_float))
     a.expert_counts = ctypes.cast(counts.data_ptr(), ctypes.POINTER(ctypes.c_int32))
     a.inference = int(lib_inference)
-    with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         L.check(L.lib().smoe_layer_forward(layer.ptr, ctypes.byref(a),
                                            None if lib_inference else saved.data_ptr(),
                                            ws.data_ptr(), _stream(dev)))
     if not save or inference:
         saved = torch.empty(0, dtype=torch.uint8, device=dev)
     return out, counts, logits, saved
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 @_moe_forward.register_fake
@@ -400,7 +385,7 @@ def _moe_backward(dout: Tensor, dlogits_extra: Optional[Tensor], x: Tensor,
         g.ptr = buf.data_ptr() if buf.numel() > 0 else None
         g.dtype = dt
         g.accumulate = 0   # gradients overwrite
-    with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         L.check(L.lib().smoe_layer_backward(layer.ptr, ctypes.byref(a), saved.data_ptr(),
                                             ws.data_ptr(), _stream(dev)))
     return dx, drouter, dw1, db1, dw2, db2, dscore
@@ -616,7 +601,7 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
 
 
 def moe_general(x, pair_token, pair_expert, pair_score, w1, w2, b1=None, b2=None, *,
-                activation="swiglu", w1_layout="interleaved", inference=False):
+                activation="swiglu", w1_layout="interleaved", inference=False, validate=None):
     """The MoE layer with the caller's routing: `pairs` triples (token,
     expert, score), sorted by token, each (token, expert) at most once, any
     number of experts per token (0..E).
@@ -625,6 +610,13 @@ def moe_general(x, pair_token, pair_expert, pair_score, w1, w2, b1=None, b2=None
     float32 (differentiable); w1, w2, b1, b2 as in moe().
     Returns (out (T, d), expert_counts (E,) int32). Gradients reach x, w1,
     w2, b1, b2 and pair_score.
+
+    The CPU backend checks the triples before any work. The GPU backends
+    cannot without waiting for the device: they skip a bad triple and the
+    results are then not to be used. validate=True checks them here first
+    with a few torch operations that wait for the device (not inside CUDA
+    graphs); the default (None) is to do so on CPU only, where the library
+    does it anyway.
     """
     if not isinstance(x, torch.Tensor):
         raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "x must be a torch.Tensor")
@@ -648,11 +640,43 @@ def moe_general(x, pair_token, pair_expert, pair_score, w1, w2, b1=None, b2=None
                         "pair_score has dtype %s, must be float32" % pair_score.dtype)
     pair_token = pair_token.to(torch.int32)
     pair_expert = pair_expert.to(torch.int32)
+    if validate and pairs > 0:
+        _validate_triples(pair_token, pair_expert, pair_score, x.shape[0], E)
     save = not inference and _wants_grad(x, pair_score, w1, w2, b1, b2)
     out, counts, _, _ = torch.ops.smoe.moe_forward(
         x, None, pair_token, pair_expert, pair_score, w1, w2, b1, b2, 0, L.SMOE_ROUTING_GENERAL,
         False, act, layout, L.SMOE_ROUND_OFF, 128, bool(inference), save)
     return out, counts
+
+
+def _validate_triples(tok, exp, score, T, E):
+    tok, exp = tok.long(), exp.long()
+
+    def first(bad):
+        i = int(bad.nonzero()[0, 0]) if bool(bad.any()) else -1
+        return i
+
+    i = first((tok < 0) | (tok >= T))
+    if i >= 0:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "pair_token[%d] = %d, must be in [0, T = %d)"
+                        % (i, int(tok[i]), T))
+    i = first((exp < 0) | (exp >= E))
+    if i >= 0:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "pair_expert[%d] = %d, must be in [0, E = %d)"
+                        % (i, int(exp[i]), E))
+    i = first(~torch.isfinite(score))
+    if i >= 0:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "pair_score[%d] = %g is not finite"
+                        % (i, float(score[i])))
+    i = first(tok[1:] < tok[:-1])
+    if i >= 0:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "pair_token[%d] = %d < pair_token[%d] = %d: "
+                        "triples must be sorted by token" % (i + 1, int(tok[i + 1]), i, int(tok[i])))
+    key = torch.sort(tok * E + exp).values
+    i = first(key[1:] == key[:-1])
+    if i >= 0:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "(token %d, expert %d) given twice"
+                        % (int(key[i]) // E, int(key[i]) % E))
 
 
 def layer_info(x_or_device, dtype=torch.bfloat16):

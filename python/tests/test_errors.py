@@ -89,6 +89,21 @@ def test_general_triples_checked(t):
         smoe.moe_general(x, i32([0, 1, 3]), i32([0, 1]), s, w1, w2)
 
 
+@pytest.mark.parametrize("validate", [None, True])
+def test_general_triples_checked_in_python_too(t, validate):
+    # validate=True runs the same checks in torch (for CUDA tensors, where
+    # the library cannot check before the kernels run).
+    x, _, w1, w2, _, _ = t
+    s = torch.ones(3)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    for tok, exp, msg in (([0, 9, 9], [0, 1, 2], r"pair_token\[1\] = 9"),
+                          ([0, 1, 2], [0, 1, 4], r"pair_expert\[2\] = 4"),
+                          ([2, 1, 3], [0, 1, 2], "sorted by token"),
+                          ([1, 1, 3], [2, 2, 2], r"\(token 1, expert 2\) given twice")):
+        with pytest.raises(smoe.SmoeError, match=msg):
+            smoe.moe_general(x, i32(tok), i32(exp), s, w1, w2, validate=validate)
+
+
 def test_backward_after_inference(t):
     x, r, w1, w2, _, _ = [v.clone().requires_grad_() if v is not None else None for v in t]
     out, _, _ = smoe.moe(x, r, w1, w2, top_k=2, inference=True)
