@@ -30,21 +30,13 @@ static int all_pat(const void *p, size_t n) {
     return 1;
 }
 
-static void set_mode(smoe_layer_desc *D, int mode) {
-    D->routing = mode == 0 ? SMOE_ROUTING_TOPK_SOFTMAX
-               : mode == 3 ? SMOE_ROUTING_GENERAL : SMOE_ROUTING_SOFTMAX_TOPK;
-    D->renormalize = mode == 2 || mode >= 4;
-    D->rounding = mode == 4 ? SMOE_ROUND_UP : mode == 5 ? SMOE_ROUND_DOWN
-                : mode == 6 ? SMOE_ROUND_NEAREST : SMOE_ROUND_OFF;
-}
-
 static void test_saved_bytes(tu_rng *rng) {
     const smoe_dtype dts[3] = {SMOE_DTYPE_F32, SMOE_DTYPE_BF16, SMOE_DTYPE_F64};
-    for (int it = 0; it < 42; it++) {
+    for (int it = 0; it < 3 * TU_NMODES * 2; it++) {
         smoe_layer_desc D = smoe_layer_desc_default();
-        int mode = it % 7;
-        set_mode(&D, mode);
-        D.dtype = dts[(it / 7) % 3];
+        int mode = it % TU_NMODES;
+        tu_set_mode(&D, mode);
+        D.dtype = dts[(it / TU_NMODES) % 3];
         D.d = tu_int(rng, 1, 20); D.n = tu_int(rng, 1, 10);
         D.E = tu_int(rng, 1, 7); D.K = tu_int(rng, 1, D.E);
         D.activation = (smoe_activation)tu_int(rng, 0, 6);
@@ -73,7 +65,7 @@ static void test_saved_bytes(tu_rng *rng) {
         size_t fs = D.dtype == SMOE_DTYPE_F64 ? 8 : 4;
         size_t need = (size_t)R * (size_t)P.hc * tu_dtype_size(D.dtype) + (size_t)R * (fs + 12) +
                       (size_t)(T + 1) * 4 + (size_t)(D.E + 1) * 4;
-        if (D.routing == SMOE_ROUTING_SOFTMAX_TOPK) need += (size_t)(T * D.E) * fs;
+        if (D.routing == SMOE_ROUTING_SOFTMAX_TOPK || tr) need += (size_t)(T * D.E) * fs;
         CHECK(S >= need && S <= need + 9 * ALIGN, "saved_bytes %zu, the header's account %zu", S, need);
         unsigned char *blk = (unsigned char *)malloc(S + GUARD);
         memset(blk, PAT, S + GUARD);
@@ -110,7 +102,7 @@ static void test_inference(tu_rng *rng) {
     const smoe_dtype dts[3] = {SMOE_DTYPE_F32, SMOE_DTYPE_BF16, SMOE_DTYPE_F64};
     for (int it = 0; it < 21; it++) {
         smoe_layer_desc D = smoe_layer_desc_default();
-        set_mode(&D, it % 4); /* token choice and GENERAL: the same rows either way */
+        tu_set_mode(&D, it % 4); /* token choice and GENERAL: the same rows either way */
         D.dtype = dts[it % 3];
         D.d = 11; D.n = 6; D.E = 5; D.K = 2;
         D.activation = (smoe_activation)(it % 7);
@@ -160,20 +152,23 @@ static void test_inference(tu_rng *rng) {
 /* ------------------------------------------------------------ determinism */
 
 typedef struct run_out {
-    void *out, *saved, *g[6];
+    void *out, *saved;
     float *logits;
     int32_t *counts;
+    tu_grads g;
 } run_out;
 
+/* Forward and backward (every gradient, weights in fp32) from a saved
+ * block and workspace filled with the same pattern; keeps every output. */
 static void one_run(smoe_layer *L, const tu_problem *P, tu_bufs *B, const void *dout,
                     const float *dle, run_out *r) {
     const smoe_layer_desc *D = &P->desc;
-    int64_t T = P->T, d = D->d, E = D->E, hc = P->hc, n = D->n;
-    int general = D->routing == SMOE_ROUTING_GENERAL;
+    int64_t T = P->T, d = D->d, E = D->E;
     memset(B->saved, PAT, B->saved_bytes);
     if (B->ws) memset(B->ws, PAT, B->ws_bytes);
-    smoe_forward_args a = tu_fwd_args(P, B, 0);
-    CHECK_OK(smoe_layer_forward(L, &a, B->saved, B->ws, NULL));
+    memset(B->out, PAT, (size_t)(T * d) * tu_dtype_size(D->dtype));
+    tu_grads_alloc(&r->g, P, SMOE_DTYPE_F32);
+    tu_run_backward(L, P, B, dout, dle, &r->g, 0);
     size_t ob = (size_t)(T * d) * tu_dtype_size(D->dtype);
     r->out = malloc(ob);
     memcpy(r->out, B->out, ob);
@@ -183,30 +178,15 @@ static void one_run(smoe_layer *L, const tu_problem *P, tu_bufs *B, const void *
     memcpy(r->logits, B->logits, (size_t)(T * E) * sizeof(float));
     r->counts = (int32_t *)malloc((size_t)E * sizeof(int32_t));
     memcpy(r->counts, B->counts, (size_t)E * sizeof(int32_t));
-    size_t sz[6] = {(size_t)(T * d), general ? (size_t)P->pairs : (size_t)(E * d),
-                    (size_t)(E * hc * d), D->has_bias ? (size_t)(E * hc) : 0, (size_t)(E * d * n),
-                    D->has_bias ? (size_t)(E * d) : 0};
-    smoe_backward_args b;
-    memset(&b, 0, sizeof b);
-    b.T = T; b.x = B->x; b.router_w = general ? NULL : B->wr; b.pairs = general ? P->pairs : 0;
-    b.w1 = B->w1; b.w2 = B->w2; b.b2 = B->b2; b.dout = dout;
-    b.dlogits_extra = general ? NULL : dle;
-    smoe_grad *slot[6] = {&b.dx, general ? &b.dpair_score : &b.drouter_w, &b.dw1, &b.db1, &b.dw2, &b.db2};
-    for (int i = 0; i < 6; i++) {
-        r->g[i] = sz[i] ? calloc(sz[i] + 1, 4) : NULL;
-        slot[i]->ptr = r->g[i];
-        slot[i]->dtype = SMOE_DTYPE_F32;
-    }
-    CHECK_OK(smoe_layer_backward(L, &b, B->saved, B->ws, NULL));
 }
 
 static void test_determinism(tu_rng *rng) {
-    for (int mode = 0; mode < 7; mode++) {
+    for (int mode = 0; mode < TU_NMODES; mode++) {
         smoe_layer_desc D = smoe_layer_desc_default();
-        set_mode(&D, mode);
+        tu_set_mode(&D, mode);
         D.dtype = mode % 2 ? SMOE_DTYPE_BF16 : SMOE_DTYPE_F32;
         D.d = 48; D.n = 24; D.E = 8; D.K = 2; D.round_tile = 16;
-        D.activation = (smoe_activation)mode;
+        D.activation = (smoe_activation)(mode % 7);
         D.has_bias = 1;
         D.backend = SMOE_BACKEND_CPU;
         int64_t T = 160;
@@ -236,13 +216,11 @@ static void test_determinism(tu_rng *rng) {
         CHECK(memcmp(r1.saved, r2.saved, B.saved_bytes) == 0, "saved block differs run to run");
         CHECK(memcmp(r1.logits, r2.logits, (size_t)(T * D.E) * 4) == 0, "logits differ run to run");
         CHECK(memcmp(r1.counts, r2.counts, (size_t)D.E * 4) == 0, "counts differ run to run");
-        int64_t general = D.routing == SMOE_ROUTING_GENERAL;
-        size_t sz[6] = {(size_t)(T * D.d), general ? (size_t)P.pairs : (size_t)(D.E * D.d),
-                        (size_t)(D.E * P.hc * D.d), (size_t)(D.E * P.hc), (size_t)(D.E * D.d * D.n),
-                        (size_t)(D.E * D.d)};
-        for (int i = 0; i < 6; i++)
-            CHECK(!sz[i] || memcmp(r1.g[i], r2.g[i], sz[i] * 4) == 0, "gradient %d differs run to run", i);
-        for (int i = 0; i < 6; i++) { free(r1.g[i]); free(r2.g[i]); }
+        for (int i = 0; i < TU_NGRAD; i++)
+            CHECK(!r1.g.n[i] || memcmp(r1.g.g[i], r2.g.g[i], r1.g.n[i] * tu_dtype_size(r1.g.dt[i])) == 0,
+                  "%s differs run to run", tu_grad_name[i]);
+        tu_grads_free(&r1.g);
+        tu_grads_free(&r2.g);
         free(r1.out); free(r2.out); free(r1.saved); free(r2.saved);
         free(r1.logits); free(r2.logits); free(r1.counts); free(r2.counts);
         free(G); free(Gb); free(dle);

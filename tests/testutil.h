@@ -649,4 +649,116 @@ static TU_UNUSED const char *tu_mode_name(const smoe_layer_desc *D) {
     return D->renormalize ? "softmax-topk-renorm" : "softmax-topk";
 }
 
+/* The tests' routing modes by number:
+ *   0 TOPK_SOFTMAX   1 SOFTMAX_TOPK   2 SOFTMAX_TOPK + renormalize
+ *   3 GENERAL
+ *   4, 5, 6 token rounding up, down, nearest (SOFTMAX_TOPK + renormalize)
+ *   7 token rounding up on TOPK_SOFTMAX
+ *   8 token rounding to nearest on SOFTMAX_TOPK without renormalize */
+#define TU_NMODES 9
+
+static TU_UNUSED void tu_set_mode(smoe_layer_desc *D, int mode) {
+    D->routing = mode == 0 || mode == 7 ? SMOE_ROUTING_TOPK_SOFTMAX
+               : mode == 3 ? SMOE_ROUTING_GENERAL : SMOE_ROUTING_SOFTMAX_TOPK;
+    D->renormalize = mode == 2 || (mode >= 4 && mode <= 6);
+    D->rounding = mode == 4 || mode == 7 ? SMOE_ROUND_UP : mode == 5 ? SMOE_ROUND_DOWN
+                : mode == 6 || mode == 8 ? SMOE_ROUND_NEAREST : SMOE_ROUND_OFF;
+}
+
+/* The smallest gap at a selection boundary of the reference routing of P:
+ * between each token's K-th and (K+1)-th logit and, for token rounding,
+ * between the last kept and the first dropped key of each expert. Exact
+ * ties are structural (K=1: every kept key is 1) and stay ties under a
+ * perturbation, so only positive gaps count. INFINITY for GENERAL. */
+static TU_UNUSED double tu_selection_margin(const tu_problem *P) {
+    const smoe_layer_desc *D = &P->desc;
+    if (D->routing == SMOE_ROUTING_GENERAL) return INFINITY;
+    int64_t T = P->T, E = D->E, K = D->K;
+    double m = INFINITY, *lg = tu_alloc_d((size_t)(T * E));
+    int32_t *idx = (int32_t *)malloc((size_t)(E + 1) * sizeof(int32_t));
+    tu_logits(P, lg);
+    if (K < E)
+        for (int64_t t = 0; t < T; t++) {
+            tu_topk(lg + t * E, E, K + 1, idx);
+            m = fmin(m, lg[t * E + idx[K - 1]] - lg[t * E + idx[K]]);
+        }
+    if (D->rounding != SMOE_ROUND_OFF) {
+        int32_t *pt = (int32_t *)malloc((size_t)(T * E) * sizeof(int32_t));
+        int32_t *pe = (int32_t *)malloc((size_t)(T * E) * sizeof(int32_t));
+        double *ps = tu_alloc_d((size_t)(T * E)), gap;
+        tu_route_tr(D, T, lg, pt, pe, ps, &gap);
+        if (gap > 0) m = fmin(m, gap);
+        free(pt); free(pe); free(ps);
+    }
+    free(idx);
+    free(lg);
+    return m;
+}
+
+/* ------------------------------------------------------------ gradients */
+
+/* The seven gradient outputs of a backward, as buffers with their dtypes:
+ * dx in the layer's dtype, the weight gradients in `wdt`, dpair_score fp32;
+ * those the layer does not have (no bias, GENERAL's router) stay NULL. */
+#define TU_NGRAD 7
+enum { TU_GX, TU_GWR, TU_GW1, TU_GB1, TU_GW2, TU_GB2, TU_GPS };
+static TU_UNUSED const char *tu_grad_name[TU_NGRAD] = {"dx", "drouter_w", "dw1", "db1", "dw2", "db2", "dpair_score"};
+
+typedef struct tu_grads {
+    void *g[TU_NGRAD];
+    size_t n[TU_NGRAD];
+    smoe_dtype dt[TU_NGRAD];
+} tu_grads;
+
+static TU_UNUSED void tu_grads_alloc(tu_grads *g, const tu_problem *P, smoe_dtype wdt) {
+    const smoe_layer_desc *D = &P->desc;
+    int64_t d = D->d, n = D->n, E = D->E, hc = P->hc, T = P->T;
+    int general = D->routing == SMOE_ROUTING_GENERAL;
+    memset(g, 0, sizeof *g);
+    g->n[TU_GX] = (size_t)(T * d);
+    g->n[TU_GWR] = general ? 0 : (size_t)(E * d);
+    g->n[TU_GW1] = (size_t)(E * hc * d);
+    g->n[TU_GB1] = D->has_bias ? (size_t)(E * hc) : 0;
+    g->n[TU_GW2] = (size_t)(E * d * n);
+    g->n[TU_GB2] = D->has_bias ? (size_t)(E * d) : 0;
+    g->n[TU_GPS] = general ? (size_t)P->pairs : 0;
+    for (int i = 0; i < TU_NGRAD; i++) {
+        g->dt[i] = i == TU_GPS ? SMOE_DTYPE_F32 : i == TU_GX ? D->dtype : wdt;
+        g->g[i] = (g->n[i] || (i == TU_GPS && general)) ? calloc(g->n[i] + 1, tu_dtype_size(g->dt[i]))
+                                                     : NULL;
+    }
+}
+
+static TU_UNUSED void tu_grads_free(tu_grads *g) {
+    for (int i = 0; i < TU_NGRAD; i++) free(g->g[i]);
+}
+
+static TU_UNUSED double *tu_grad_d(const tu_grads *g, int i) { return tu_from_dtype(g->dt[i], g->g[i], g->n[i]); }
+
+/* Forward (training) then backward with dout = G, dlogits_extra = G2. */
+static TU_UNUSED int tu_run_backward(smoe_layer *L, const tu_problem *P, tu_bufs *B, const void *G,
+                        const float *G2, tu_grads *g, int accumulate) {
+    smoe_forward_args fa = tu_fwd_args(P, B, 0);
+    smoe_status st = smoe_layer_forward(L, &fa, B->saved, B->ws, NULL);
+    if (!CHECK(st == SMOE_SUCCESS, "forward -> %s (%s)", smoe_status_string(st), smoe_last_error()))
+        return 0;
+    smoe_backward_args ba;
+    memset(&ba, 0, sizeof ba);
+    ba.T = P->T;
+    ba.x = B->x;
+    ba.router_w = P->desc.routing == SMOE_ROUTING_GENERAL ? NULL : B->wr;
+    ba.pairs = P->desc.routing == SMOE_ROUTING_GENERAL ? P->pairs : 0;
+    ba.w1 = B->w1; ba.w2 = B->w2; ba.b2 = B->b2;
+    ba.dout = G;
+    ba.dlogits_extra = P->desc.routing == SMOE_ROUTING_GENERAL ? NULL : G2;
+    smoe_grad *slot[TU_NGRAD] = {&ba.dx, &ba.drouter_w, &ba.dw1, &ba.db1, &ba.dw2, &ba.db2, &ba.dpair_score};
+    for (int i = 0; i < TU_NGRAD; i++) {
+        slot[i]->ptr = g->g[i];
+        slot[i]->dtype = g->dt[i];
+        slot[i]->accumulate = accumulate;
+    }
+    st = smoe_layer_backward(L, &ba, B->saved, B->ws, NULL);
+    return CHECK(st == SMOE_SUCCESS, "backward -> %s (%s)", smoe_status_string(st), smoe_last_error());
+}
+
 #endif /* SMOE_TESTUTIL_H */
