@@ -17,23 +17,36 @@
  * Algorithm: one kernel template, gg_kernel, in two parts.
  *  - Main loop: a BM x BN output tile, BK-deep k-tiles streamed through a
  *    STAGES-deep cp.async ring in shared memory (16-byte copies, zero-filled
- *    past ragged edges), fragments read with ldmatrix (.trans for operands
- *    stored MN-major) and multiplied with mma.sync m16n8k16 bf16 -> fp32.
- *    How each operand is fetched is data: an operand is K-major (memory rows
- *    run along K: X, dO, A, dH, W1 in up, W2 in down) or MN-major (memory
- *    rows run along M or N: W2 in dh, W1 in dxt, both operands of dw1/dw2),
- *    and its memory row comes from its logical index through a map:
- *    identity, the row's token (the gather of X or dO, along M for varlen-M
- *    and along K for varlen-K), or smoe_w1_row (W1's physical layout).
- *  - Epilogue, chosen per use: UP (bias, H store, activation -> A), STORE
- *    (bias, bf16 store: down, dxt), DH (H tile loaded, A recomputed, dS
- *    partial per row and N-tile, A' and dH stores), DW (fp32 or bf16,
- *    overwrite or accumulate, zeros for empty experts on overwrite).
- *  Tiles: 128x128x32, 4 warps of 64x64 (2x2), 4 stages (64 KiB of shared
- *  memory: two CTAs per SM on A100 and H100). Shared memory tiles are
- *  XOR-swizzled in 16-byte chunks so that cp.async stores and ldmatrix
- *  reads hit distinct banks: chunk ^ (row & 7) for rows of 8+ chunks,
- *  chunk ^ ((row >> 1) & 3) for 64-byte rows.
+ *    past ragged edges, one barrier per k-tile), fragments read with
+ *    ldmatrix (.trans for operands stored MN-major) one k16-step ahead of
+ *    the mma.sync m16n8k16 bf16 -> fp32 that consume them (double-buffered
+ *    fragments). An operand is K-major (memory rows run along K: X, dO, A,
+ *    dH, W1 in up, W2 in down) or MN-major (memory rows run along M or N:
+ *    W2 in dh, W1 in dxt, both operands of dw1/dw2); its memory row comes
+ *    from its logical index through a map: identity, the row's token (the
+ *    gather of X or dO, along M for varlen-M and along K for varlen-K), or
+ *    smoe_w1_row (W1's physical layout). K-major rows are mapped once per
+ *    tile; MN-major rows (k indices) are mapped a k-tile ahead, with the
+ *    map a template constant.
+ *  - Epilogue, chosen per use, through shared memory (the pipeline's
+ *    stages, free after the main loop) so that rows leave with coalesced
+ *    16-byte stores clipped at the expert's last row and at N:
+ *    UP (bias, H tile staged; A computed from each 16-byte chunk of bf16 H
+ *    on the way out: gate and up of a pair are adjacent columns), STORE
+ *    (bias, bf16: down, dxt), DH (the H tile, 2*BN columns for BN columns
+ *    of dA', loaded into shared memory; per element A and dact recomputed
+ *    with the activation a template constant, dS partial sums per row and
+ *    N-tile to scratch, A' stored, dH written over H in shared memory and
+ *    then stored), DW (fp32 or bf16, overwrite or accumulate in fp32, zeros
+ *    for empty experts on overwrite). gg_ds_reduce then sums the dS
+ *    partials in N-tile order and adds <dO_t, b2[e]>.
+ *  Tiles (per GEMM, see the configurations above the launchers): warp
+ *  tiles of 64x64; 128x128x32 with 4 warps and 4 stages (two CTAs per SM)
+ *  or 128x256x32 / 256x128x32 with 8 warps and 3 stages. Shared-memory
+ *  tiles are XOR-swizzled in 16-byte chunks so that cp.async stores and
+ *  ldmatrix reads hit distinct banks: chunk ^ (row & 7) for rows of 8+
+ *  chunks, chunk ^ ((row >> 1) & 3) for 64-byte rows; epilogue tiles are
+ *  padded instead.
  *  Scheduling: varlen-M grids are sized for the worst case,
  *  tiles_n * (ceil(cap/BM) + E) CTAs; each CTA finds its expert and m-tile
  *  with a warp-wide prefix sum over ceil(count_e/BM) read from off[] (no
@@ -136,21 +149,28 @@ static __device__ __forceinline__ float gg_act(int act, float x)
     }
 }
 
-static __device__ __forceinline__ float gg_dact(int act, float x)
+/* f(x) and f'(x) with the activation known at compile time (dh's epilogue
+ * is unrolled over the thread's 64 elements: a run-time switch there would
+ * inline every activation 64 times and overflow the instruction cache). */
+template <int ACT>
+static __device__ __forceinline__ void gg_act_fd(float x, float &f, float &df)
 {
-    switch (act) {
-    case SMOE_ACT_SWIGLU:
-    case SMOE_ACT_SILU: { float s = gg_sigmoid(x); return s * (1.0f + x * (1.0f - s)); }
-    case SMOE_ACT_GEGLU:
-    case SMOE_ACT_GELU: {
-        float th = tanhf(GG_GELU_C * (x + GG_GELU_A * x * x * x));
-        return 0.5f * (1.0f + th) +
-               0.5f * x * (1.0f - th * th) * GG_GELU_C * (1.0f + 3.0f * GG_GELU_A * x * x);
-    }
-    case SMOE_ACT_REGLU:
-    case SMOE_ACT_RELU: return x > 0.0f ? 1.0f : 0.0f;
-    case SMOE_ACT_RELU2: return x > 0.0f ? 2.0f * x : 0.0f;
-    default: return 0.0f;
+    if (ACT == SMOE_ACT_SWIGLU || ACT == SMOE_ACT_SILU) {
+        const float s = gg_sigmoid(x);
+        f = x * s;
+        df = s * (1.0f + x * (1.0f - s));
+    } else if (ACT == SMOE_ACT_GEGLU || ACT == SMOE_ACT_GELU) {
+        const float th = tanhf(GG_GELU_C * (x + GG_GELU_A * x * x * x));
+        f = 0.5f * x * (1.0f + th);
+        df = 0.5f * (1.0f + th) +
+             0.5f * x * (1.0f - th * th) * GG_GELU_C * (1.0f + 3.0f * GG_GELU_A * x * x);
+    } else if (ACT == SMOE_ACT_REGLU || ACT == SMOE_ACT_RELU) {
+        f = fmaxf(x, 0.0f);
+        df = x > 0.0f ? 1.0f : 0.0f;
+    } else { /* RELU2 */
+        const float r = fmaxf(x, 0.0f);
+        f = r * r;
+        df = 2.0f * r;
     }
 }
 
@@ -198,6 +218,16 @@ static __device__ __forceinline__ int64_t gg_map(const gg_args &p, int map, int6
     return i;
 }
 
+/* The same with the map known at compile time (MN-major operands map
+ * every k-tile's rows inside the main loop). */
+template <int MAP>
+static __device__ __forceinline__ int64_t gg_map_c(const gg_args &p, int64_t i)
+{
+    if (MAP == GG_MAP_TOKEN) return p.tok[i];
+    if (MAP == GG_MAP_W1) return smoe_w1_row(i, p.n, p.gated, (smoe_w1_layout)p.w1_layout);
+    return i;
+}
+
 /* Byte offset of 16-byte chunk `c` of tile row `r`, rows of CPR chunks. */
 template <int CPR>
 static __device__ __forceinline__ uint32_t gg_swz(int r, int c)
@@ -214,14 +244,14 @@ static __device__ __forceinline__ uint32_t gg_swz(int r, int c)
  * K-major tiles have rows = M or N indices (fixed per CTA: row pointers are
  * computed once) and columns = K; MN-major tiles have rows = K indices
  * (mapped anew per k-tile) and columns = M or N. */
-template <int ROWS, int COLS, int NT, bool KMAJ>
+template <int ROWS, int COLS, int NT, bool KMAJ, int MAP>
 struct gg_loader {
     static constexpr int CPR = COLS / 8;
     static constexpr int RPP = NT / CPR; /* rows per pass */
     static constexpr int IPT = ROWS / RPP;
     static_assert(NT % CPR == 0 && ROWS % RPP == 0, "loader shape");
     const bf16 *rp[IPT]; /* K-major: start of each owned row (NULL: outside) */
-    int64_t tokn[IPT];   /* MN-major: memory rows of the next k-tile */
+    int32_t tokn[IPT];   /* MN-major: memory rows of the next k-tile */
     int col;             /* owned chunk column */
     int row0;            /* first owned tile row */
     bool cval;           /* MN-major: owned column inside the matrix */
@@ -232,13 +262,14 @@ struct gg_loader {
  * MN-major: the owned rows are k indices of this k-tile, at columns
  * c0 + col*8; the next k-tile's memory rows are mapped here, a k-tile
  * ahead of their use, so the token loads overlap the MMAs. */
-template <int ROWS, int COLS, int NT, bool KMAJ>
-static __device__ __forceinline__ void gg_issue(const gg_args &p, gg_loader<ROWS, COLS, NT, KMAJ> &l,
+template <int ROWS, int COLS, int NT, bool KMAJ, int MAP>
+static __device__ __forceinline__ void gg_issue(const gg_args &p,
+                                                gg_loader<ROWS, COLS, NT, KMAJ, MAP> &l,
                                                 const gg_operand &op, const bf16 *base,
                                                 uint32_t dst, int kt, int64_t k_begin,
                                                 int64_t k_end, int64_t c0)
 {
-    typedef gg_loader<ROWS, COLS, NT, KMAJ> L;
+    typedef gg_loader<ROWS, COLS, NT, KMAJ, MAP> L;
     if (KMAJ) {
         const int64_t k0 = k_begin + (int64_t)kt * COLS;
         const bool kv = k0 + l.col * 8 < k_end;
@@ -254,28 +285,140 @@ static __device__ __forceinline__ void gg_issue(const gg_args &p, gg_loader<ROWS
         for (int i = 0; i < L::IPT; i++) {
             const int r = l.row0 + i * L::RPP;
             const bool v = l.cval && k0 + r < k_end;
-            const bf16 *src = base + l.tokn[i] * op.ld + c0 + l.col * 8;
+            const bf16 *src = base + (int64_t)l.tokn[i] * op.ld + c0 + l.col * 8;
             gg_cp_async16(dst + gg_swz<L::CPR>(r, l.col), v ? src : base, v);
             const int64_t kn = k0 + ROWS + r;
-            l.tokn[i] = kn < k_end ? gg_map(p, op.map, kn) : 0;
+            l.tokn[i] = kn < k_end ? (int32_t)gg_map_c<MAP>(p, kn) : 0;
         }
     }
+}
+
+/* Fragments of k16-step ks for a warp's WTM x WTN tile: A as MI m16k16
+ * tiles (ldmatrix x4), B as NI k16n8 tiles (x4 covers two). MN-major
+ * operands are read transposed. */
+template <int A_KM, int B_KM, int A_CPR, int B_CPR, int MI, int NI>
+static __device__ __forceinline__ void gg_load_frags(uint32_t sa, uint32_t sb, int ks, int lane,
+                                                     int wm0, int wn0, uint32_t af[MI][4],
+                                                     uint32_t bfr[NI][2])
+{
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++) {
+        if (A_KM) {
+            const int r = wm0 + mi * 16 + (lane & 15);
+            const int c = ks * 2 + (lane >> 4);
+            gg_ldsm_x4(sa + gg_swz<A_CPR>(r, c), af[mi]);
+        } else {
+            const int r = ks * 16 + ((lane >> 4) << 3) + (lane & 7);
+            const int c = (wm0 + mi * 16) / 8 + ((lane >> 3) & 1);
+            gg_ldsm_x4_t(sa + gg_swz<A_CPR>(r, c), af[mi]);
+        }
+    }
+#pragma unroll
+    for (int nj = 0; nj < NI / 2; nj++) {
+        uint32_t t[4];
+        if (B_KM) {
+            const int r = wn0 + nj * 16 + ((lane >> 4) << 3) + (lane & 7);
+            const int c = ks * 2 + ((lane >> 3) & 1);
+            gg_ldsm_x4(sb + gg_swz<B_CPR>(r, c), t);
+        } else {
+            const int r = ks * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
+            const int c = (wn0 + nj * 16) / 8 + (lane >> 4);
+            gg_ldsm_x4_t(sb + gg_swz<B_CPR>(r, c), t);
+        }
+        bfr[2 * nj][0] = t[0];
+        bfr[2 * nj][1] = t[1];
+        bfr[2 * nj + 1][0] = t[2];
+        bfr[2 * nj + 1][1] = t[3];
+    }
+}
+
+/* dh's per-element epilogue, from the thread's fp32 dA' accumulators and
+ * the H tile in shared memory (row pitch `pitch` bytes, local columns):
+ * dS partial sums per row into dsr, A' = s*A to global memory, dH = s*dact
+ * written over H in shared memory (each thread its own elements). */
+template <int ACT, int MI, int NI>
+static __device__ __forceinline__ void gg_epi_dh(const gg_args &p, const float (&acc)[MI][NI][4],
+                                                 unsigned char *hs, int pitch, int64_t m0,
+                                                 int64_t m_lim, int64_t n0, int64_t n_lim,
+                                                 int wm0, int wn0, int g, int t4,
+                                                 float (&dsr)[MI][2])
+{
+    constexpr bool GATED =
+        ACT == SMOE_ACT_SWIGLU || ACT == SMOE_ACT_GEGLU || ACT == SMOE_ACT_REGLU;
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            dsr[mi][h] = 0.0f;
+            const int lr = wm0 + mi * 16 + g + h * 8;
+            const int64_t r = m0 + lr;
+            if (r >= m_lim) continue;
+            const float s = p.score[r];
+#pragma unroll
+            for (int ni = 0; ni < NI; ni++) {
+                const int cl = wn0 + ni * 8 + 2 * t4;
+                const int64_t c = n0 + cl;
+                if (c >= n_lim) continue;
+                const float d0 = acc[mi][ni][2 * h], d1 = acc[mi][ni][2 * h + 1];
+                float a0, a1;
+                if (GATED) {
+                    uint2 hr = *(const uint2 *)(hs + lr * pitch + cl * 4);
+                    const __nv_bfloat162 p0 = *(const __nv_bfloat162 *)&hr.x;
+                    const __nv_bfloat162 p1 = *(const __nv_bfloat162 *)&hr.y;
+                    const float u0 = __high2float(p0), u1 = __high2float(p1);
+                    float f0, df0, f1, df1;
+                    gg_act_fd<ACT>(__low2float(p0), f0, df0);
+                    gg_act_fd<ACT>(__low2float(p1), f1, df1);
+                    a0 = f0 * u0;
+                    a1 = f1 * u1;
+                    __nv_bfloat162 q0 = __floats2bfloat162_rn(s * d0 * df0 * u0, s * d0 * f0);
+                    __nv_bfloat162 q1 = __floats2bfloat162_rn(s * d1 * df1 * u1, s * d1 * f1);
+                    hr.x = *(uint32_t *)&q0;
+                    hr.y = *(uint32_t *)&q1;
+                    *(uint2 *)(hs + lr * pitch + cl * 4) = hr;
+                } else {
+                    const __nv_bfloat162 hv = *(const __nv_bfloat162 *)(hs + lr * pitch + cl * 2);
+                    float df0, df1;
+                    gg_act_fd<ACT>(__low2float(hv), a0, df0);
+                    gg_act_fd<ACT>(__high2float(hv), a1, df1);
+                    *(__nv_bfloat162 *)(hs + lr * pitch + cl * 2) =
+                        __floats2bfloat162_rn(s * d0 * df0, s * d1 * df1);
+                }
+                dsr[mi][h] += d0 * a0 + d1 * a1;
+                *(__nv_bfloat162 *)(p.out2 + r * p.ld_out2 + c) = __floats2bfloat162_rn(s * a0, s * a1);
+            }
+        }
 }
 
 /* ------------------------------------------------------------ the kernel */
 
 template <int BM, int BN, int BK, int WM, int WN, int STAGES>
 struct gg_cfg {
+    static constexpr int BM_ = BM, BN_ = BN;
     static constexpr int NT = WM * WN * 32;
     static constexpr int WTM = BM / WM, WTN = BN / WN;
     static constexpr int MI = WTM / 16, NI = WTN / 8;
     static constexpr int A_ELEMS = BM * BK, B_ELEMS = BN * BK;
     static constexpr int STAGE_BYTES = (A_ELEMS + B_ELEMS) * 2;
     static constexpr int SMEM = STAGES * STAGE_BYTES;
+    /* dh's epilogue: the H tile (gated width, padded rows), then the dS
+     * partial sums of the WN warps. */
+    static constexpr int DH_H_BYTES = BM * (4 * BN + 32);
+    static constexpr int DH_SMEM = DH_H_BYTES + WN * BM * 4;
+    /* up and down/dxt: the staged output tiles (H and A, or Y/dX~). */
+    static constexpr int UP_SMEM = BM * (2 * BN + 16);
+    static constexpr int ST_SMEM = BM * (2 * BN + 16);
+    static constexpr int mx(int a, int b) { return a > b ? a : b; }
+    static constexpr int smem_bytes(int epi)
+    {
+        return epi == 0 ? mx(SMEM, UP_SMEM) : epi == 1 ? mx(SMEM, ST_SMEM)
+                        : epi == 2 ? mx(SMEM, DH_SMEM) : SMEM;
+    }
     static_assert(WTM % 16 == 0 && WTN % 16 == 0 && BK % 16 == 0, "warp tile shape");
 };
 
-template <int BM, int BN, int BK, int WM, int WN, int STAGES, int A_KM, int B_KM, int EPI>
+template <int BM, int BN, int BK, int WM, int WN, int STAGES, int A_KM, int B_KM, int A_MAP,
+          int B_MAP, int EPI>
 __global__ void __launch_bounds__(WM *WN * 32)
     gg_kernel(const gg_args p)
 {
@@ -354,8 +497,8 @@ __global__ void __launch_bounds__(WM *WN * 32)
     const bf16 *b_base = p.b.ptr + (int64_t)e * p.b.expert_stride;
 
     /* --- loaders */
-    gg_loader<A_ROWS, A_COLS, NT, (bool)A_KM> la;
-    gg_loader<B_ROWS, B_COLS, NT, (bool)B_KM> lb;
+    gg_loader<A_ROWS, A_COLS, NT, (bool)A_KM, A_MAP> la;
+    gg_loader<B_ROWS, B_COLS, NT, (bool)B_KM, B_MAP> lb;
     la.col = tid % A_CPR;
     la.row0 = tid / A_CPR;
     lb.col = tid % B_CPR;
@@ -384,14 +527,14 @@ __global__ void __launch_bounds__(WM *WN * 32)
 #pragma unroll
         for (int i = 0; i < la.IPT; i++) {
             int64_t k = k_begin + la.row0 + i * la.RPP;
-            la.tokn[i] = k < k_end ? gg_map(p, p.a.map, k) : 0;
+            la.tokn[i] = k < k_end ? (int32_t)gg_map_c<A_MAP>(p, k) : 0;
         }
     }
     if (!B_KM) {
 #pragma unroll
         for (int i = 0; i < lb.IPT; i++) {
             int64_t k = k_begin + lb.row0 + i * lb.RPP;
-            lb.tokn[i] = k < k_end ? gg_map(p, p.b.map, k) : 0;
+            lb.tokn[i] = k < k_end ? (int32_t)gg_map_c<B_MAP>(p, k) : 0;
         }
     }
 
@@ -405,7 +548,13 @@ __global__ void __launch_bounds__(WM *WN * 32)
 #pragma unroll
             for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f;
 
-    /* --- main loop: STAGES-deep cp.async ring, one barrier per k-tile */
+    /* --- main loop: STAGES-deep cp.async ring, one barrier per k-tile.
+     * Fragments are double-buffered in registers: those of k16-step ks+1
+     * (of the next stage at the last step) are read while the MMAs of ks
+     * run. The barrier before the last step's reads both lands the next
+     * stage (wait_group) and frees the stage the copies of step 0 refill. */
+    constexpr int KS = BK / 16;
+    static_assert(KS % 2 == 0 || KS == 1, "fragment double buffer parity");
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < KT) {
@@ -416,57 +565,42 @@ __global__ void __launch_bounds__(WM *WN * 32)
         gg_cp_async_commit();
     }
     const int wm0 = wm * C::WTM, wn0 = wn * C::WTN;
+    uint32_t af[2][MI][4], bfr[2][NI][2];
+    gg_cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    if (KT > 0)
+        gg_load_frags<A_KM, B_KM, A_CPR, B_CPR, MI, NI>(smem0, smem0 + C::A_ELEMS * 2, 0, lane, wm0,
+                                                        wn0, af[0], bfr[0]);
     for (int kt = 0; kt < KT; kt++) {
-        gg_cp_async_wait<STAGES - 2>();
-        __syncthreads();
-        {
-            const int nk = kt + STAGES - 1;
-            if (nk < KT) {
-                const uint32_t st = smem0 + (nk % STAGES) * C::STAGE_BYTES;
-                gg_issue(p, la, p.a, a_base, st, nk, k_begin, k_end, m0);
-                gg_issue(p, lb, p.b, b_base, st + C::A_ELEMS * 2, nk, k_begin, k_end, n0);
-            }
-            gg_cp_async_commit();
-        }
         const int s = kt % STAGES;
-        const uint32_t sa = smem0 + s * C::STAGE_BYTES;
-        const uint32_t sb = sa + C::A_ELEMS * 2;
 #pragma unroll
-        for (int ks = 0; ks < BK / 16; ks++) {
-            uint32_t af[MI][4], bfr[NI][2];
-#pragma unroll
-            for (int mi = 0; mi < MI; mi++) {
-                if (A_KM) {
-                    const int r = wm0 + mi * 16 + (lane & 15);
-                    const int c = ks * 2 + (lane >> 4);
-                    gg_ldsm_x4(sa + gg_swz<A_CPR>(r, c), af[mi]);
-                } else {
-                    const int r = ks * 16 + ((lane >> 4) << 3) + (lane & 7);
-                    const int c = (wm0 + mi * 16) / 8 + ((lane >> 3) & 1);
-                    gg_ldsm_x4_t(sa + gg_swz<A_CPR>(r, c), af[mi]);
-                }
+        for (int ks = 0; ks < KS; ks++) {
+            const int cur = ks & 1, nxt = (ks + 1) & 1;
+            if (ks == KS - 1) {
+                gg_cp_async_wait<STAGES - 2>();
+                __syncthreads();
             }
-#pragma unroll
-            for (int nj = 0; nj < NI / 2; nj++) {
-                uint32_t t[4];
-                if (B_KM) {
-                    const int r = wn0 + nj * 16 + ((lane >> 4) << 3) + (lane & 7);
-                    const int c = ks * 2 + ((lane >> 3) & 1);
-                    gg_ldsm_x4(sb + gg_swz<B_CPR>(r, c), t);
-                } else {
-                    const int r = ks * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
-                    const int c = (wn0 + nj * 16) / 8 + (lane >> 4);
-                    gg_ldsm_x4_t(sb + gg_swz<B_CPR>(r, c), t);
+            const bool last = ks == KS - 1;
+            if (!last || kt + 1 < KT) {
+                const int ns = last ? (kt + 1) % STAGES : s;
+                const uint32_t sa = smem0 + ns * C::STAGE_BYTES;
+                gg_load_frags<A_KM, B_KM, A_CPR, B_CPR, MI, NI>(
+                    sa, sa + C::A_ELEMS * 2, last ? 0 : ks + 1, lane, wm0, wn0, af[nxt], bfr[nxt]);
+            }
+            if (ks == 0) {
+                const int nk = kt + STAGES - 1;
+                if (nk < KT) {
+                    const uint32_t st = smem0 + (nk % STAGES) * C::STAGE_BYTES;
+                    gg_issue(p, la, p.a, a_base, st, nk, k_begin, k_end, m0);
+                    gg_issue(p, lb, p.b, b_base, st + C::A_ELEMS * 2, nk, k_begin, k_end, n0);
                 }
-                bfr[2 * nj][0] = t[0];
-                bfr[2 * nj][1] = t[1];
-                bfr[2 * nj + 1][0] = t[2];
-                bfr[2 * nj + 1][1] = t[3];
+                gg_cp_async_commit();
             }
 #pragma unroll
             for (int mi = 0; mi < MI; mi++)
 #pragma unroll
-                for (int ni = 0; ni < NI; ni++) gg_mma(acc[mi][ni], af[mi], bfr[ni][0], bfr[ni][1]);
+                for (int ni = 0; ni < NI; ni++)
+                    gg_mma(acc[mi][ni], af[cur][mi], bfr[cur][ni][0], bfr[cur][ni][1]);
         }
     }
     gg_cp_async_wait<0>();
@@ -476,13 +610,21 @@ __global__ void __launch_bounds__(WM *WN * 32)
     const int g = lane >> 2, t4 = lane & 3;
 
     if (EPI == GG_EPI_UP || EPI == GG_EPI_STORE) {
+        /* Through shared memory: the thread's bf16 pairs (plus bias) go into
+         * a padded BM x BN tile (H, Y or dX~); then 16-byte chunks leave
+         * in a rolled loop, coalesced and clipped at the expert's last row
+         * and at N; up computes A from each chunk of H on the way out (a
+         * gated pair sits in one chunk). */
+        constexpr int OP = 2 * BN + 16; /* bytes per staged row */
+        unsigned char *ts = gg_smem;
         const bf16 *bias = p.bias ? p.bias + (int64_t)e * p.bias_stride : nullptr;
+        __syncthreads(); /* every warp is done with the pipeline's stages */
 #pragma unroll
         for (int ni = 0; ni < NI; ni++) {
-            const int64_t c = n0 + wn0 + ni * 8 + 2 * t4;
-            if (c >= n_lim) continue;
+            const int cl = wn0 + ni * 8 + 2 * t4;
+            const int64_t c = n0 + cl;
             float b0 = 0.0f, b1 = 0.0f;
-            if (bias) {
+            if (bias && c < n_lim) {
                 b0 = __bfloat162float(bias[gg_map(p, p.bias_map, c)]);
                 b1 = __bfloat162float(bias[gg_map(p, p.bias_map, c + 1)]);
             }
@@ -490,73 +632,80 @@ __global__ void __launch_bounds__(WM *WN * 32)
             for (int mi = 0; mi < MI; mi++)
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    const int64_t r = m0 + wm0 + mi * 16 + g + h * 8;
-                    if (r >= m_lim) continue;
-                    __nv_bfloat162 hv = __floats2bfloat162_rn(acc[mi][ni][2 * h] + b0,
-                                                              acc[mi][ni][2 * h + 1] + b1);
-                    if (EPI == GG_EPI_STORE || p.out)
-                        *(__nv_bfloat162 *)(p.out + r * p.ld_out + c) = hv;
-                    if (EPI == GG_EPI_UP) {
-                        const float h0 = __low2float(hv), h1 = __high2float(hv);
-                        if (p.gated) {
-                            p.out2[r * p.ld_out2 + (c >> 1)] = __float2bfloat16(gg_act(p.act, h0) * h1);
-                        } else {
-                            *(__nv_bfloat162 *)(p.out2 + r * p.ld_out2 + c) =
-                                __floats2bfloat162_rn(gg_act(p.act, h0), gg_act(p.act, h1));
-                        }
-                    }
+                    const int lr = wm0 + mi * 16 + g + h * 8;
+                    *(__nv_bfloat162 *)(ts + lr * OP + cl * 2) = __floats2bfloat162_rn(
+                        acc[mi][ni][2 * h] + b0, acc[mi][ni][2 * h + 1] + b1);
                 }
         }
-    } else if (EPI == GG_EPI_DH) {
-        /* dA' tile (BM x BN over n); H columns 2c..2c+3 (gated) or c..c+1. */
-        float dsr[MI][2];
+        __syncthreads();
+        constexpr int CPR = BN / 8;
+#pragma unroll 1
+        for (int i = tid; i < BM * CPR; i += NT) {
+            const int lr = i / CPR, ch = i % CPR;
+            const int64_t r = m0 + lr, c = n0 + ch * 8;
+            if (r >= m_lim || c >= n_lim) continue;
+            const uint4 v = *(const uint4 *)(ts + lr * OP + ch * 16);
+            if (EPI == GG_EPI_STORE || p.out) *(uint4 *)(p.out + r * p.ld_out + c) = v;
+            if (EPI == GG_EPI_UP) {
+                const __nv_bfloat162 *hp = (const __nv_bfloat162 *)&v;
+                if (p.gated) {
+                    __nv_bfloat162 o[2];
 #pragma unroll
-        for (int mi = 0; mi < MI; mi++)
+                    for (int q = 0; q < 2; q++)
+                        o[q] = __floats2bfloat162_rn(
+                            gg_act(p.act, __low2float(hp[2 * q])) * __high2float(hp[2 * q]),
+                            gg_act(p.act, __low2float(hp[2 * q + 1])) * __high2float(hp[2 * q + 1]));
+                    *(uint2 *)(p.out2 + r * p.ld_out2 + (c >> 1)) = *(const uint2 *)o;
+                } else {
+                    __nv_bfloat162 o[4];
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                dsr[mi][h] = 0.0f;
-                const int64_t r = m0 + wm0 + mi * 16 + g + h * 8;
-                if (r >= m_lim) continue;
-                const float s = p.score[r];
-#pragma unroll
-                for (int ni = 0; ni < NI; ni++) {
-                    const int64_t c = n0 + wn0 + ni * 8 + 2 * t4;
-                    if (c >= n_lim) continue;
-                    const float d0 = acc[mi][ni][2 * h], d1 = acc[mi][ni][2 * h + 1];
-                    if (p.gated) {
-                        const uint2 hr = *(const uint2 *)(p.hin + r * p.ld_h + 2 * c);
-                        const __nv_bfloat162 p0 = *(const __nv_bfloat162 *)&hr.x;
-                        const __nv_bfloat162 p1 = *(const __nv_bfloat162 *)&hr.y;
-                        const float g0 = __low2float(p0), u0 = __high2float(p0);
-                        const float g1 = __low2float(p1), u1 = __high2float(p1);
-                        const float f0 = gg_act(p.act, g0), f1 = gg_act(p.act, g1);
-                        const float a0 = f0 * u0, a1 = f1 * u1;
-                        dsr[mi][h] += d0 * a0 + d1 * a1;
-                        *(__nv_bfloat162 *)(p.out2 + r * p.ld_out2 + c) =
-                            __floats2bfloat162_rn(s * a0, s * a1);
-                        __nv_bfloat162 q0 = __floats2bfloat162_rn(s * d0 * gg_dact(p.act, g0) * u0,
-                                                                  s * d0 * f0);
-                        __nv_bfloat162 q1 = __floats2bfloat162_rn(s * d1 * gg_dact(p.act, g1) * u1,
-                                                                  s * d1 * f1);
-                        uint2 o;
-                        o.x = *(uint32_t *)&q0;
-                        o.y = *(uint32_t *)&q1;
-                        *(uint2 *)(p.out + r * p.ld_out + 2 * c) = o;
-                    } else {
-                        const __nv_bfloat162 hv = *(const __nv_bfloat162 *)(p.hin + r * p.ld_h + c);
-                        const float h0 = __low2float(hv), h1 = __high2float(hv);
-                        const float a0 = gg_act(p.act, h0), a1 = gg_act(p.act, h1);
-                        dsr[mi][h] += d0 * a0 + d1 * a1;
-                        *(__nv_bfloat162 *)(p.out2 + r * p.ld_out2 + c) =
-                            __floats2bfloat162_rn(s * a0, s * a1);
-                        *(__nv_bfloat162 *)(p.out + r * p.ld_out + c) = __floats2bfloat162_rn(
-                            s * d0 * gg_dact(p.act, h0), s * d1 * gg_dact(p.act, h1));
-                    }
+                    for (int q = 0; q < 4; q++)
+                        o[q] = __floats2bfloat162_rn(gg_act(p.act, __low2float(hp[q])),
+                                                     gg_act(p.act, __high2float(hp[q])));
+                    *(uint4 *)(p.out2 + r * p.ld_out2 + c) = *(const uint4 *)o;
                 }
             }
+        }
+    } else if (EPI == GG_EPI_DH) {
+        /* dA' tile (BM x BN over n) needs H columns [2*n0, 2*n0 + 2*BN)
+         * (gated) or [n0, n0 + BN): they come into shared memory with
+         * coalesced 16-byte copies, rows padded so that a quad's 8-byte
+         * (gated) or 4-byte reads of 8 rows hit distinct banks. */
+        const int hw = p.gated ? 2 * BN : BN;
+        const int pitch = p.gated ? 4 * BN + 32 : 2 * BN + 16; /* bytes */
+        const int64_t hc0 = p.gated ? 2 * n0 : n0;
+        const int hcpr = hw / 8;
+        __syncthreads(); /* every warp is done with the pipeline's stages */
+        for (int i = tid; i < BM * hcpr; i += NT) {
+            const int lr = i / hcpr, ch = i % hcpr;
+            const int64_t r = m0 + lr, col = hc0 + ch * 8;
+            const bool v = r < m_lim && col < p.ld_h;
+            gg_cp_async16(smem0 + lr * pitch + ch * 16, v ? p.hin + r * p.ld_h + col : p.hin, v);
+        }
+        gg_cp_async_commit();
+        gg_cp_async_wait<0>();
+        __syncthreads();
+        unsigned char *hs = gg_smem; /* H in, dH out: each thread its own elements */
+        float dsr[MI][2];
+        switch (p.act) {
+#define GG_DH_CASE(A)                                                                          \
+    case A:                                                                                    \
+        gg_epi_dh<A, MI, NI>(p, acc, hs, pitch, m0, m_lim, n0, n_lim, wm0, wn0, g, t4, dsr);   \
+        break;
+            GG_DH_CASE(SMOE_ACT_SWIGLU)
+            GG_DH_CASE(SMOE_ACT_GEGLU)
+            GG_DH_CASE(SMOE_ACT_REGLU)
+            GG_DH_CASE(SMOE_ACT_RELU2)
+            GG_DH_CASE(SMOE_ACT_RELU)
+            GG_DH_CASE(SMOE_ACT_SILU)
+            GG_DH_CASE(SMOE_ACT_GELU)
+#undef GG_DH_CASE
+        default:
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++) dsr[mi][0] = dsr[mi][1] = 0.0f;
+        }
         /* Row sums: the quad, then the WN warps of a row in order. */
-        __syncthreads(); /* the pipeline's shared memory is free now */
-        float *red = (float *)gg_smem; /* [WN][BM] */
+        float *red = (float *)(gg_smem + C::DH_H_BYTES); /* [WN][BM], after the H tile */
 #pragma unroll
         for (int mi = 0; mi < MI; mi++)
 #pragma unroll
@@ -574,6 +723,13 @@ __global__ void __launch_bounds__(WM *WN * 32)
 #pragma unroll
             for (int w = 0; w < WN; w++) v += red[w * BM + lr];
             p.dsp[(int64_t)n_tile * p.cap + r] = v;
+        }
+        /* dH rows out, coalesced (the barrier above ordered the writes). */
+        for (int i = tid; i < BM * hcpr; i += NT) {
+            const int lr = i / hcpr, ch = i % hcpr;
+            const int64_t r = m0 + lr, col = hc0 + ch * 8;
+            if (r < m_lim && col < p.ld_out)
+                *(uint4 *)(p.out + r * p.ld_out + col) = *(const uint4 *)(hs + lr * pitch + ch * 16);
         }
     } else { /* GG_EPI_DW */
 #pragma unroll
@@ -650,14 +806,42 @@ __global__ void gg_ds_reduce(const float *dsp, int tiles, int64_t cap, const int
 
 /* ------------------------------------------------------------ launchers */
 
-/* The one configuration: 128x128x32 tiles, 2x2 warps of 64x64, 4 stages. */
-#define GG_BM 128
-#define GG_BN 128
-#define GG_BK 32
-#define GG_WM 2
-#define GG_WN 2
-#define GG_ST 4
-typedef gg_cfg<GG_BM, GG_BN, GG_BK, GG_WM, GG_WN, GG_ST> gg_default_cfg;
+/* Tile configurations, one per GEMM: (BM, BN, BK, warps along M, warps
+ * along N, stages), warp tiles 64x64 in all (128 fp32 accumulators and
+ * 240-255 registers a thread).
+ *  128x128x32, 2x2 warps, 4 stages: 64 KiB of stages, two CTAs (8 warps)
+ *    per SM, so one CTA's epilogue overlaps the other's main loop.
+ *  128x256x32 / 256x128x32, 8 warps, 3 stages: 72 KiB of stages, one CTA
+ *    per SM, less operand traffic per FLOP. For dw1/dw2 the 256 side goes
+ *    to the operand that is not gathered.
+ * Chosen from timings of every GEMM under each of the three on an H100 at
+ * three shapes of the SonicMoE grid (7B, 30B, 120B; test_gemm --bench).
+ * All fit the 163 KiB of shared memory of an A100 (dh at 256x128 takes
+ * 138 KiB: the gated H tile plus the dS partials). */
+#ifndef GG_CFG_UP
+#define GG_CFG_UP 128, 128, 32, 2, 2, 4
+#endif
+#ifndef GG_CFG_DOWN
+#define GG_CFG_DOWN 256, 128, 32, 4, 2, 3
+#endif
+#ifndef GG_CFG_DH
+#define GG_CFG_DH 256, 128, 32, 4, 2, 3
+#endif
+#ifndef GG_CFG_DXT
+#define GG_CFG_DXT 128, 128, 32, 2, 2, 4
+#endif
+#ifndef GG_CFG_DW2
+#define GG_CFG_DW2 128, 256, 32, 2, 4, 3
+#endif
+#ifndef GG_CFG_DW1
+#define GG_CFG_DW1 256, 128, 32, 4, 2, 3
+#endif
+typedef gg_cfg<GG_CFG_UP> gg_cfg_up;
+typedef gg_cfg<GG_CFG_DOWN> gg_cfg_down;
+typedef gg_cfg<GG_CFG_DH> gg_cfg_dh;
+typedef gg_cfg<GG_CFG_DXT> gg_cfg_dxt;
+typedef gg_cfg<GG_CFG_DW2> gg_cfg_dw2;
+typedef gg_cfg<GG_CFG_DW1> gg_cfg_dw1;
 
 static int64_t gg_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -717,19 +901,21 @@ static int gg_w1_map(const smoe_gemm_problem *p)
     return (p->gated && p->w1_layout != SMOE_W1_INTERLEAVED) ? GG_MAP_W1 : GG_MAP_IDENT;
 }
 
-template <int A_KM, int B_KM, int EPI>
+template <int BM, int BN, int BK, int WM, int WN, int STAGES, int A_KM, int B_KM, int A_MAP,
+          int B_MAP, int EPI>
 static smoe_status gg_launch(gg_args *a, int64_t blocks, cudaStream_t s, const char *what)
 {
-    typedef gg_default_cfg C;
-    auto kern = gg_kernel<GG_BM, GG_BN, GG_BK, GG_WM, GG_WN, GG_ST, A_KM, B_KM, EPI>;
+    typedef gg_cfg<BM, BN, BK, WM, WN, STAGES> C;
+    const int smem = C::smem_bytes(EPI);
+    auto kern = gg_kernel<BM, BN, BK, WM, WN, STAGES, A_KM, B_KM, A_MAP, B_MAP, EPI>;
     if (blocks <= 0) return SMOE_SUCCESS;
     SMOE_RETURN_ERROR_IF(blocks > (int64_t)INT32_MAX, SMOE_ERROR_UNSUPPORTED,
                          "%s: %lld thread blocks exceed the grid limit", what, (long long)blocks);
     cudaError_t err =
-        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND, "%s: cudaFuncSetAttribute: %s",
                          what, cudaGetErrorString(err));
-    kern<<<(unsigned)blocks, C::NT, C::SMEM, s>>>(*a);
+    kern<<<(unsigned)blocks, C::NT, smem, s>>>(*a);
     err = cudaGetLastError();
     SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND, "%s: launch: %s", what,
                          cudaGetErrorString(err));
@@ -737,16 +923,16 @@ static smoe_status gg_launch(gg_args *a, int64_t blocks, cudaStream_t s, const c
 }
 
 /* Worst-case m-tiles over all experts: sum ceil(c_e/BM) <= ceil(cap/BM) + E. */
-static int64_t gg_varlen_m_blocks(const smoe_gemm_problem *p, int tiles_n)
+static int64_t gg_varlen_m_blocks(const smoe_gemm_problem *p, int bm, int tiles_n)
 {
     if (p->cap == 0) return 0;
-    return (gg_cdiv(p->cap, GG_BM) + p->E) * tiles_n;
+    return (gg_cdiv(p->cap, bm) + p->E) * tiles_n;
 }
 
 static size_t gg_scratch_bytes(const smoe_gemm_problem *p)
 {
     /* dh: dS partial sums, (ceil(n/BN), cap) fp32. */
-    return (size_t)gg_cdiv(p->n, GG_BN) * (size_t)p->cap * sizeof(float) + 256;
+    return (size_t)gg_cdiv(p->n, gg_cfg_dh::BN_) * (size_t)p->cap * sizeof(float) + 256;
 }
 
 static smoe_status gg_up(const smoe_gemm_problem *p, const bf16 *x, const bf16 *w1, const bf16 *b1,
@@ -762,7 +948,7 @@ static smoe_status gg_up(const smoe_gemm_problem *p, const bf16 *x, const bf16 *
     gg_args a = gg_args_make(p);
     a.N = p->h_cols;
     a.K = p->d;
-    a.tiles_n = (int)gg_cdiv(a.N, GG_BN);
+    a.tiles_n = (int)gg_cdiv(a.N, gg_cfg_up::BN_);
     a.a = gg_op(x, 0, p->d, GG_MAP_TOKEN);
     a.b = gg_op(w1, p->h_cols * p->d, p->d, gg_w1_map(p));
     a.bias = b1;
@@ -772,7 +958,8 @@ static smoe_status gg_up(const smoe_gemm_problem *p, const bf16 *x, const bf16 *
     a.ld_out = p->h_cols;
     a.out2 = a_out;
     a.ld_out2 = p->n;
-    return gg_launch<1, 1, GG_EPI_UP>(&a, gg_varlen_m_blocks(p, a.tiles_n), s, what);
+    return gg_launch<GG_CFG_UP, 1, 1, 0, 0, GG_EPI_UP>(
+        &a, gg_varlen_m_blocks(p, gg_cfg_up::BM_, a.tiles_n), s, what);
 }
 
 static smoe_status gg_down(const smoe_gemm_problem *p, const bf16 *a_in, const bf16 *w2,
@@ -787,7 +974,7 @@ static smoe_status gg_down(const smoe_gemm_problem *p, const bf16 *a_in, const b
     gg_args a = gg_args_make(p);
     a.N = p->d;
     a.K = p->n;
-    a.tiles_n = (int)gg_cdiv(a.N, GG_BN);
+    a.tiles_n = (int)gg_cdiv(a.N, gg_cfg_down::BN_);
     a.a = gg_op(a_in, 0, p->n, GG_MAP_IDENT);
     a.b = gg_op(w2, p->d * p->n, p->n, GG_MAP_IDENT);
     a.bias = b2;
@@ -795,7 +982,8 @@ static smoe_status gg_down(const smoe_gemm_problem *p, const bf16 *a_in, const b
     a.bias_map = GG_MAP_IDENT;
     a.out = y;
     a.ld_out = p->d;
-    return gg_launch<1, 1, GG_EPI_STORE>(&a, gg_varlen_m_blocks(p, a.tiles_n), s, what);
+    return gg_launch<GG_CFG_DOWN, 1, 1, 0, 0, GG_EPI_STORE>(
+        &a, gg_varlen_m_blocks(p, gg_cfg_down::BM_, a.tiles_n), s, what);
 }
 
 static smoe_status gg_dh(const smoe_gemm_problem *p, const bf16 *dout, const bf16 *w2,
@@ -816,7 +1004,7 @@ static smoe_status gg_dh(const smoe_gemm_problem *p, const bf16 *dout, const bf1
     gg_args a = gg_args_make(p);
     a.N = p->n;
     a.K = p->d;
-    a.tiles_n = (int)gg_cdiv(a.N, GG_BN);
+    a.tiles_n = (int)gg_cdiv(a.N, gg_cfg_dh::BN_);
     a.a = gg_op(dout, 0, p->d, GG_MAP_TOKEN);
     a.b = gg_op(w2, p->d * p->n, p->n, GG_MAP_IDENT); /* k-row k of W2[e] (d, n) */
     a.hin = h;
@@ -826,7 +1014,8 @@ static smoe_status gg_dh(const smoe_gemm_problem *p, const bf16 *dout, const bf1
     a.out2 = a_scaled;
     a.ld_out2 = p->n;
     a.dsp = (float *)scratch;
-    smoe_status st = gg_launch<1, 0, GG_EPI_DH>(&a, gg_varlen_m_blocks(p, a.tiles_n), s, what);
+    smoe_status st = gg_launch<GG_CFG_DH, 1, 0, 0, GG_MAP_IDENT, GG_EPI_DH>(
+        &a, gg_varlen_m_blocks(p, gg_cfg_dh::BM_, a.tiles_n), s, what);
     if (st != SMOE_SUCCESS) return st;
     const int rows_per_block = 8;
     gg_ds_reduce<<<(unsigned)gg_cdiv(p->cap, rows_per_block), rows_per_block * 32, 0, s>>>(
@@ -857,15 +1046,16 @@ static smoe_status gg_dw2(const smoe_gemm_problem *p, const bf16 *dout, const bf
     gg_args a = gg_args_make(p);
     a.M = p->d;
     a.N = p->n;
-    a.tiles_m = (int)gg_cdiv(a.M, GG_BM);
-    a.tiles_n = (int)gg_cdiv(a.N, GG_BN);
+    a.tiles_m = (int)gg_cdiv(a.M, gg_cfg_dw2::BM_);
+    a.tiles_n = (int)gg_cdiv(a.N, gg_cfg_dw2::BN_);
     a.a = gg_op(dout, 0, p->d, GG_MAP_TOKEN);
     a.b = gg_op(a_scaled, 0, p->n, GG_MAP_IDENT);
     a.wout = dw2;
     a.out_f32 = out_dtype == SMOE_DTYPE_F32;
     a.accumulate = accumulate != 0;
     a.out_map = GG_MAP_IDENT;
-    return gg_launch<0, 0, GG_EPI_DW>(&a, p->E * a.tiles_m * a.tiles_n, s, what);
+    return gg_launch<GG_CFG_DW2, 0, 0, GG_MAP_TOKEN, GG_MAP_IDENT, GG_EPI_DW>(
+        &a, p->E * a.tiles_m * a.tiles_n, s, what);
 }
 
 static smoe_status gg_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *w1, bf16 *dxt,
@@ -879,12 +1069,15 @@ static smoe_status gg_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf16
     gg_args a = gg_args_make(p);
     a.N = p->d;
     a.K = p->h_cols;
-    a.tiles_n = (int)gg_cdiv(a.N, GG_BN);
+    a.tiles_n = (int)gg_cdiv(a.N, gg_cfg_dxt::BN_);
     a.a = gg_op(dh, 0, p->h_cols, GG_MAP_IDENT);
     a.b = gg_op(w1, p->h_cols * p->d, p->d, gg_w1_map(p)); /* k-row c: W1 row w1_row(c) */
     a.out = dxt;
     a.ld_out = p->d;
-    return gg_launch<1, 0, GG_EPI_STORE>(&a, gg_varlen_m_blocks(p, a.tiles_n), s, what);
+    const int64_t blocks = gg_varlen_m_blocks(p, gg_cfg_dxt::BM_, a.tiles_n);
+    if (a.b.map == GG_MAP_W1)
+        return gg_launch<GG_CFG_DXT, 1, 0, 0, GG_MAP_W1, GG_EPI_STORE>(&a, blocks, s, what);
+    return gg_launch<GG_CFG_DXT, 1, 0, 0, GG_MAP_IDENT, GG_EPI_STORE>(&a, blocks, s, what);
 }
 
 static smoe_status gg_dw1(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *x, void *dw1,
@@ -899,15 +1092,16 @@ static smoe_status gg_dw1(const smoe_gemm_problem *p, const bf16 *dh, const bf16
     gg_args a = gg_args_make(p);
     a.M = p->h_cols;
     a.N = p->d;
-    a.tiles_m = (int)gg_cdiv(a.M, GG_BM);
-    a.tiles_n = (int)gg_cdiv(a.N, GG_BN);
+    a.tiles_m = (int)gg_cdiv(a.M, gg_cfg_dw1::BM_);
+    a.tiles_n = (int)gg_cdiv(a.N, gg_cfg_dw1::BN_);
     a.a = gg_op(dh, 0, p->h_cols, GG_MAP_IDENT);
     a.b = gg_op(x, 0, p->d, GG_MAP_TOKEN);
     a.wout = dw1;
     a.out_f32 = out_dtype == SMOE_DTYPE_F32;
     a.accumulate = accumulate != 0;
     a.out_map = gg_w1_map(p);
-    return gg_launch<0, 0, GG_EPI_DW>(&a, p->E * a.tiles_m * a.tiles_n, s, what);
+    return gg_launch<GG_CFG_DW1, 0, 0, GG_MAP_IDENT, GG_MAP_TOKEN, GG_EPI_DW>(
+        &a, p->E * a.tiles_m * a.tiles_n, s, what);
 }
 
 extern "C" const smoe_gemm_ops smoe_gemm_ops_sm80 = {

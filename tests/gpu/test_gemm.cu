@@ -7,8 +7,10 @@
  *                        bias on/off, fp32/bf16 weight gradients,
  *                        overwrite/accumulate), determinism, bad input
  *   test_gemm --small    a few small cases (for compute-sanitizer)
- *   test_gemm --bench    TFLOPS of each GEMM on two grid shapes (CUDA events,
- *                        median of 10 runs)
+ *   test_gemm --bench    TFLOPS of each GEMM on three grid shapes (CUDA events,
+ *                        median of 10 runs after 2 warm-ups); --shape NAME,
+ *                        --gemm NAME (up down dh dw2 dxt dw1), --reps N pick
+ *                        one shape, one GEMM, the number of timed runs
  *   --seed N             the random seed (printed on failure)
  *
  * Tolerances: each GEMM's inputs are random bf16; the reference sums in
@@ -610,6 +612,9 @@ static bf16 *bench_alloc(size_t count, uint32_t seed, float scale)
     return p;
 }
 
+static const char *g_bench_gemm = NULL; /* --gemm NAME: time only this one */
+static int g_reps = 10;
+
 static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64_t E, int64_t K)
 {
     const int64_t R = T * K, hc = 2 * n;
@@ -647,9 +652,11 @@ static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64
     CK(cudaEventCreate(&ev0));
     CK(cudaEventCreate(&ev1));
     for (int g = 0; g < 6; g++) {
-        const int reps = 10;
+        const int reps = g_reps;
+        ms_med[g] = 0;
+        if (g_bench_gemm && strcmp(g_bench_gemm, names[g])) continue;
         std::vector<float> ms(reps);
-        for (int it = -2; it < reps; it++) {
+        for (int it = reps > 1 ? -2 : 0; it < reps; it++) {
             CK(cudaEventRecord(ev0));
             switch (g) {
             case 0: CKS(G->up(&p, x, w1, NULL, h, a, scratch, 0)); break;
@@ -672,8 +679,10 @@ static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64
     printf("%s (%s): T=%lld d=%lld n=%lld E=%lld K=%lld\n", name, prop.name, (long long)T,
            (long long)d, (long long)n, (long long)E, (long long)K);
     for (int g = 0; g < 6; g++)
-        printf("  %-5s %9.3f ms %7.1f TFLOPS\n", names[g], ms_med[g], flops[g] / ms_med[g] * 1e-9);
-    printf("  fwd GEMMs %8.3f ms %7.1f TFLOPS   bwd GEMMs %8.3f ms %7.1f TFLOPS\n", fwd,
+        if (ms_med[g] > 0)
+            printf("  %-5s %9.3f ms %7.1f TFLOPS\n", names[g], ms_med[g], flops[g] / ms_med[g] * 1e-9);
+    if (!g_bench_gemm)
+        printf("  fwd GEMMs %8.3f ms %7.1f TFLOPS   bwd GEMMs %8.3f ms %7.1f TFLOPS\n", fwd,
            3 * flop / fwd * 1e-9, bwd, 6 * flop / bwd * 1e-9);
     CK(cudaFree(d_off)); CK(cudaFree(d_tok)); CK(cudaFree(d_score));
     CK(cudaFree(x)); CK(cudaFree(w1)); CK(cudaFree(w2)); CK(cudaFree(dO)); CK(cudaFree(h));
@@ -686,12 +695,18 @@ static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64
 int main(int argc, char **argv)
 {
     int small = 0, bench = 0;
+    const char *shape = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--small")) small = 1;
         else if (!strcmp(argv[i], "--bench")) bench = 1;
+        else if (!strcmp(argv[i], "--shape") && i + 1 < argc) shape = argv[++i];
+        else if (!strcmp(argv[i], "--gemm") && i + 1 < argc) g_bench_gemm = argv[++i];
+        else if (!strcmp(argv[i], "--reps") && i + 1 < argc) g_reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc) g_seed = strtoull(argv[++i], NULL, 10);
         else {
-            fprintf(stderr, "usage: %s [--small | --bench] [--seed N]\n", argv[0]);
+            fprintf(stderr,
+                    "usage: %s [--small | --bench [--shape 7B|30B|120B] [--gemm NAME] [--reps N]]"
+                    " [--seed N]\n", argv[0]);
             return 2;
         }
     }
@@ -702,9 +717,9 @@ int main(int argc, char **argv)
     }
     rng_state = g_seed * 0x9E3779B97F4A7C15ull + 1;
     if (bench) {
-        bench_shape("7B", 24576, 1536, 256, 128, 8);
-        bench_shape("30B", 32768, 4096, 512, 128, 8);
-        bench_shape("120B", 32768, 4096, 1024, 128, 8);
+        if (!shape || !strcmp(shape, "7B")) bench_shape("7B", 24576, 1536, 256, 128, 8);
+        if (!shape || !strcmp(shape, "30B")) bench_shape("30B", 32768, 4096, 512, 128, 8);
+        if (!shape || !strcmp(shape, "120B")) bench_shape("120B", 32768, 4096, 1024, 128, 8);
         return 0;
     }
     test_rejects();
