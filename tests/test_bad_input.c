@@ -188,28 +188,7 @@ static void test_create(void) {
 
 /* ------------------------------------------------------------ forward / backward */
 
-typedef struct setup {
-    tu_problem P;
-    smoe_layer *L;
-    tu_bufs B;
-    void *saved_copy;
-} setup;
-
-static void setup_make(setup *S, smoe_layer_desc D, int64_t T, tu_rng *rng) {
-    tu_problem_init(&S->P, &D, T, rng, 1.0, 0.5);
-    if (D.routing == SMOE_ROUTING_GENERAL) tu_problem_general(&S->P, rng, 0.6);
-    S->L = tu_layer(&D);
-    if (!S->L) exit(1);
-    tu_bufs_make(&S->B, &S->P, S->L, 0);
-}
-
-static void setup_free(setup *S) {
-    tu_bufs_free(&S->B);
-    smoe_layer_free(S->L);
-    tu_problem_free(&S->P);
-}
-
-static void fwd_outs(setup *S) {
+static void fwd_outs(tu_fixture *S) {
     const smoe_layer_desc *D = &S->P.desc;
     outs_reset();
     outs_add(S->B.out, (size_t)(S->P.T * D->d) * tu_dtype_size(D->dtype));
@@ -219,7 +198,7 @@ static void fwd_outs(setup *S) {
     outs_fill();
 }
 
-static void fwd_case(setup *S, const char *name, smoe_forward_args a, int null_saved, int null_ws,
+static void fwd_case(tu_fixture *S, const char *name, smoe_forward_args a, int null_saved, int null_ws,
                      smoe_status want, const char *text) {
     tu_case("forward %s: %s", tu_mode_name(&S->P.desc), name);
     fwd_outs(S);
@@ -233,8 +212,8 @@ static void test_forward_args(tu_rng *rng) {
         smoe_layer_desc D = good_desc();
         D.has_bias = 1;
         if (general) D.routing = SMOE_ROUTING_GENERAL;
-        setup S;
-        setup_make(&S, D, 5, rng);
+        tu_fixture S;
+        if (!tu_fixture_make(&S, &D, 5, rng, 0.5, 0.6)) continue;
         smoe_forward_args g = tu_fwd_args(&S.P, &S.B, 0), a;
         /* the good call works */
         tu_case("forward %s: valid call", tu_mode_name(&D));
@@ -322,23 +301,23 @@ static void test_forward_args(tu_rng *rng) {
             }
             free(pt); free(pe); free(ps);
         }
-        setup_free(&S);
+        tu_fixture_free(&S);
     }
 }
 
 /* Biases given to a layer without them, logits asked of GENERAL routing. */
 static void test_forward_extra(tu_rng *rng) {
     smoe_layer_desc D = good_desc();
-    setup S;
-    setup_make(&S, D, 4, rng);
+    tu_fixture S;
+    if (!tu_fixture_make(&S, &D, 4, rng, 0.5, 0.6)) return;
     smoe_forward_args g = tu_fwd_args(&S.P, &S.B, 0), a;
     float b[64] = {0};
     a = g; a.b1 = b; fwd_case(&S, "b1 given, no bias", a, 0, 0, SMOE_ERROR_INVALID_VALUE, "b1");
     a = g; a.b2 = b; fwd_case(&S, "b2 given, no bias", a, 0, 0, SMOE_ERROR_INVALID_VALUE, "b2");
-    setup_free(&S);
+    tu_fixture_free(&S);
     D.routing = SMOE_ROUTING_GENERAL;
     D.K = 0;
-    setup_make(&S, D, 4, rng);
+    if (!tu_fixture_make(&S, &D, 4, rng, 0.5, 0.6)) return;
     g = tu_fwd_args(&S.P, &S.B, 0);
     a = g; a.router_logits = S.B.logits;
     fwd_case(&S, "router_logits asked of GENERAL", a, 0, 0, SMOE_ERROR_INVALID_VALUE, "router_logits");
@@ -350,7 +329,7 @@ static void test_forward_extra(tu_rng *rng) {
     int zero = 1;
     for (int64_t i = 0; i < 4 * D.d; i++) zero &= ((float *)S.B.out)[i] == 0.0f;
     CHECK(zero, "out is not zero without pairs");
-    setup_free(&S);
+    tu_fixture_free(&S);
 }
 
 static void test_backward_args(tu_rng *rng) {
@@ -358,8 +337,8 @@ static void test_backward_args(tu_rng *rng) {
         smoe_layer_desc D = good_desc();
         D.has_bias = 1;
         if (general) D.routing = SMOE_ROUTING_GENERAL;
-        setup S;
-        setup_make(&S, D, 5, rng);
+        tu_fixture S;
+        if (!tu_fixture_make(&S, &D, 5, rng, 0.5, 0.6)) continue;
         smoe_forward_args fa = tu_fwd_args(&S.P, &S.B, 0);
         tu_case("backward %s: forward", tu_mode_name(&D));
         CHECK_OK(smoe_layer_forward(S.L, &fa, S.B.saved, S.B.ws, NULL));
@@ -445,7 +424,7 @@ static void test_backward_args(tu_rng *rng) {
         }
         for (int i = 0; i < 7; i++) free(gb[i]);
         free(saved_ref); free(dout); free(dle);
-        setup_free(&S);
+        tu_fixture_free(&S);
     }
 }
 
@@ -455,7 +434,7 @@ static void test_long_runs(tu_rng *rng) {
     smoe_layer_desc D = good_desc();
     D.routing = SMOE_ROUTING_GENERAL;
     D.E = 20; D.K = 0;
-    setup S;
+    tu_fixture S;
     tu_problem_init(&S.P, &D, 3, rng, 1.0, 0.5);
     S.P.pt = (int32_t *)malloc(60 * sizeof(int32_t));
     S.P.pe = (int32_t *)malloc(60 * sizeof(int32_t));
@@ -484,7 +463,7 @@ static void test_long_runs(tu_rng *rng) {
     pe[4 + 10] = pe[4 + 3]; /* token 1 starts at pair 4 */
     a.pair_expert = pe;
     fwd_case(&S, "duplicate in a run of 18", a, 0, 0, SMOE_ERROR_INVALID_VALUE, "twice");
-    setup_free(&S);
+    tu_fixture_free(&S);
 }
 
 /* smoe_last_error() is per thread. */

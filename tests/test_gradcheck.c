@@ -285,21 +285,16 @@ static void test_accumulate(tu_rng *rng) {
             smoe_dtype wdt = bf == 0 ? SMOE_DTYPE_F64 : bf == 3 ? SMOE_DTYPE_BF16 : SMOE_DTYPE_F32;
             /* the gradient problem: dtype-rounded inputs */
             tu_case("accumulate %s layer dtype=%d grad dtype=%d", tu_mode_name(&D), D.dtype, wdt);
-            tu_problem P;
-            tu_problem_init(&P, &D, T, rng, 1.0, 0.5);
-            if (D.routing == SMOE_ROUTING_GENERAL) tu_problem_general(&P, rng, 0.5);
-            smoe_layer *L = tu_layer(&D);
-            if (!L) { tu_problem_free(&P); continue; }
+            tu_fixture F;
+            if (!tu_fixture_make(&F, &D, T, rng, 0.5, 0.5)) continue;
             double *G = tu_alloc_d((size_t)(T * D.d));
             tu_fill_normal(rng, G, (size_t)(T * D.d), 1.0);
             void *Gb = tu_to_dtype(D.dtype, G, (size_t)(T * D.d));
             float *G2 = (float *)malloc((size_t)(T * D.E) * sizeof(float));
             for (int64_t i = 0; i < T * D.E; i++) G2[i] = (float)(0.3 * tu_normal(rng));
-            tu_bufs B;
-            tu_bufs_make(&B, &P, L, 0);
             tu_grads g, ga;
-            tu_grads_alloc(&g, &P, wdt);
-            tu_grads_alloc(&ga, &P, wdt);
+            tu_grads_alloc(&g, &F.P, wdt);
+            tu_grads_alloc(&ga, &F.P, wdt);
             double *old[TU_NGRAD];
             for (int i = 0; i < TU_NGRAD; i++) {
                 old[i] = tu_alloc_d(g.n[i] + 1);
@@ -307,7 +302,7 @@ static void test_accumulate(tu_rng *rng) {
                 tu_round_array(ga.dt[i], old[i], g.n[i]);
                 for (size_t j = 0; j < g.n[i]; j++) tu_store(ga.dt[i], ga.g[i], j, old[i][j]);
             }
-            if (tu_run_backward(L, &P, &B, Gb, G2, &g, 0) && tu_run_backward(L, &P, &B, Gb, G2, &ga, 1)) {
+            if (tu_run_backward(F.L, &F.P, &F.B, Gb, G2, &g, 0) && tu_run_backward(F.L, &F.P, &F.B, Gb, G2, &ga, 1)) {
                 for (int i = 0; i < TU_NGRAD; i++) {
                     if (!g.n[i]) continue;
                     double *a = tu_grad_d(&g, i), *b = tu_grad_d(&ga, i);
@@ -322,10 +317,8 @@ static void test_accumulate(tu_rng *rng) {
             }
             for (int i = 0; i < TU_NGRAD; i++) free(old[i]);
             tu_grads_free(&g); tu_grads_free(&ga);
-            tu_bufs_free(&B);
             free(G); free(Gb); free(G2);
-            smoe_layer_free(L);
-            tu_problem_free(&P);
+            tu_fixture_free(&F);
         }
     }
 }
@@ -343,38 +336,31 @@ static void test_partial(tu_rng *rng) {
         D.d = 7; D.n = 5; D.E = 4; D.K = 2; D.round_tile = 3;
         int64_t T = 10;
         tu_case("partial gradient requests %s dtype=%d", tu_mode_name(&D), D.dtype);
-        tu_problem P;
-        tu_problem_init(&P, &D, T, rng, 1.0, 0.5);
-        if (D.routing == SMOE_ROUTING_GENERAL) tu_problem_general(&P, rng, 0.5);
-        smoe_layer *L = tu_layer(&D);
-        if (!L) { tu_problem_free(&P); continue; }
+        tu_fixture F;
+        if (!tu_fixture_make(&F, &D, T, rng, 0.5, 0.5)) continue;
         double *G = tu_alloc_d((size_t)(T * D.d));
         tu_fill_normal(rng, G, (size_t)(T * D.d), 1.0);
         void *Gb = tu_to_dtype(D.dtype, G, (size_t)(T * D.d));
         float *G2 = (float *)malloc((size_t)(T * D.E) * sizeof(float));
         for (int64_t i = 0; i < T * D.E; i++) G2[i] = (float)(0.3 * tu_normal(rng));
-        tu_bufs B;
-        tu_bufs_make(&B, &P, L, 0);
         tu_grads full;
-        tu_grads_alloc(&full, &P, D.dtype);
-        if (tu_run_backward(L, &P, &B, Gb, G2, &full, 0)) {
+        tu_grads_alloc(&full, &F.P, D.dtype);
+        if (tu_run_backward(F.L, &F.P, &F.B, Gb, G2, &full, 0)) {
             for (int i = 0; i < TU_NGRAD; i++) {
                 if (!full.n[i]) continue;
                 tu_grads one;
-                tu_grads_alloc(&one, &P, D.dtype);
+                tu_grads_alloc(&one, &F.P, D.dtype);
                 for (int j = 0; j < TU_NGRAD; j++)
                     if (j != i) { free(one.g[j]); one.g[j] = NULL; }
-                if (tu_run_backward(L, &P, &B, Gb, G2, &one, 0))
+                if (tu_run_backward(F.L, &F.P, &F.B, Gb, G2, &one, 0))
                     CHECK(memcmp(one.g[i], full.g[i], full.n[i] * tu_dtype_size(full.dt[i])) == 0,
                           "%s alone differs from %s in the full request", tu_grad_name[i], tu_grad_name[i]);
                 tu_grads_free(&one);
             }
         }
         tu_grads_free(&full);
-        tu_bufs_free(&B);
         free(G); free(Gb); free(G2);
-        smoe_layer_free(L);
-        tu_problem_free(&P);
+        tu_fixture_free(&F);
     }
 }
 

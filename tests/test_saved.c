@@ -47,30 +47,25 @@ static void test_saved_bytes(tu_rng *rng) {
         tu_case("saved bytes it %d %s dtype=%d T=%lld d=%lld n=%lld E=%lld K=%lld M=%lld act=%s",
                 it, tu_mode_name(&D), D.dtype, (long long)T, (long long)D.d, (long long)D.n,
                 (long long)D.E, (long long)D.K, (long long)D.round_tile, tu_act_name(D.activation));
-        tu_problem P;
-        tu_problem_init(&P, &D, T, rng, 1.0, 0.5);
-        if (D.routing == SMOE_ROUTING_GENERAL) tu_problem_general(&P, rng, 0.5);
-        smoe_layer *L = tu_layer(&D);
-        if (!L) { tu_problem_free(&P); continue; }
-        tu_bufs B;
-        tu_bufs_make(&B, &P, L, 0);
-        size_t S = B.saved_bytes;
+        tu_fixture F;
+        if (!tu_fixture_make(&F, &D, T, rng, 0.5, 0.5)) continue;
+        size_t S = F.B.saved_bytes;
         /* the header's account of the block */
         int general = D.routing == SMOE_ROUTING_GENERAL, tr = D.rounding != SMOE_ROUND_OFF;
-        int64_t R = general ? P.pairs : T * D.K;
+        int64_t R = general ? F.P.pairs : T * D.K;
         if (tr && D.rounding != SMOE_ROUND_DOWN) {
             int64_t w = T * D.K + D.E * (D.round_tile - 1);
             R = w < T * D.E ? w : T * D.E;
         }
         size_t fs = D.dtype == SMOE_DTYPE_F64 ? 8 : 4;
-        size_t need = (size_t)R * (size_t)P.hc * tu_dtype_size(D.dtype) + (size_t)R * (fs + 12) +
+        size_t need = (size_t)R * (size_t)F.P.hc * tu_dtype_size(D.dtype) + (size_t)R * (fs + 12) +
                       (size_t)(T + 1) * 4 + (size_t)(D.E + 1) * 4;
         if (D.routing == SMOE_ROUTING_SOFTMAX_TOPK || tr) need += (size_t)(T * D.E) * fs;
         CHECK(S >= need && S <= need + 9 * ALIGN, "saved_bytes %zu, the header's account %zu", S, need);
         unsigned char *blk = (unsigned char *)malloc(S + GUARD);
         memset(blk, PAT, S + GUARD);
-        smoe_forward_args a = tu_fwd_args(&P, &B, 0);
-        CHECK_OK(smoe_layer_forward(L, &a, blk, B.ws, NULL));
+        smoe_forward_args a = tu_fwd_args(&F.P, &F.B, 0);
+        CHECK_OK(smoe_layer_forward(F.L, &a, blk, F.B.ws, NULL));
         CHECK(all_pat(blk + S, GUARD), "the forward wrote past saved_bytes = %zu", S);
         if (!tr) {
             size_t last = S;
@@ -81,20 +76,18 @@ static void test_saved_bytes(tu_rng *rng) {
         unsigned char *copy = (unsigned char *)malloc(S + GUARD);
         memcpy(copy, blk, S + GUARD);
         void *dx = calloc((size_t)(T * D.d), tu_dtype_size(D.dtype));
-        void *dout = tu_to_dtype(D.dtype, P.x, (size_t)(T * D.d)); /* any values */
-        float *dw1 = (float *)calloc((size_t)(D.E * P.hc * D.d), sizeof(float));
+        void *dout = tu_to_dtype(D.dtype, F.P.x, (size_t)(T * D.d)); /* any values */
+        float *dw1 = (float *)calloc((size_t)(D.E * F.P.hc * D.d), sizeof(float));
         smoe_backward_args b;
         memset(&b, 0, sizeof b);
-        b.T = T; b.x = B.x; b.router_w = general ? NULL : B.wr; b.pairs = general ? P.pairs : 0;
-        b.w1 = B.w1; b.w2 = B.w2; b.b2 = B.b2; b.dout = dout;
+        b.T = T; b.x = F.B.x; b.router_w = general ? NULL : F.B.wr; b.pairs = general ? F.P.pairs : 0;
+        b.w1 = F.B.w1; b.w2 = F.B.w2; b.b2 = F.B.b2; b.dout = dout;
         b.dx.ptr = dx; b.dx.dtype = D.dtype;
         b.dw1.ptr = dw1; b.dw1.dtype = SMOE_DTYPE_F32;
-        CHECK_OK(smoe_layer_backward(L, &b, blk, B.ws, NULL));
+        CHECK_OK(smoe_layer_backward(F.L, &b, blk, F.B.ws, NULL));
         CHECK(memcmp(copy, blk, S + GUARD) == 0, "backward wrote into the saved block");
         free(copy); free(dx); free(dout); free(dw1); free(blk);
-        tu_bufs_free(&B);
-        smoe_layer_free(L);
-        tu_problem_free(&P);
+        tu_fixture_free(&F);
     }
 }
 
@@ -111,41 +104,34 @@ static void test_inference(tu_rng *rng) {
         int64_t T = 9;
         tu_case("inference it %d %s dtype=%d act=%s", it, tu_mode_name(&D), D.dtype,
                 tu_act_name(D.activation));
-        tu_problem P;
-        tu_problem_init(&P, &D, T, rng, 1.0, 0.5);
-        if (D.routing == SMOE_ROUTING_GENERAL) tu_problem_general(&P, rng, 0.5);
-        smoe_layer *L = tu_layer(&D);
-        if (!L) { tu_problem_free(&P); continue; }
-        tu_bufs B;
-        tu_bufs_make(&B, &P, L, 0);
+        tu_fixture F;
+        if (!tu_fixture_make(&F, &D, T, rng, 0.5, 0.5)) continue;
         size_t ob = (size_t)(T * D.d) * tu_dtype_size(D.dtype);
-        smoe_forward_args a = tu_fwd_args(&P, &B, 0);
-        CHECK_OK(smoe_layer_forward(L, &a, B.saved, B.ws, NULL));
+        smoe_forward_args a = tu_fwd_args(&F.P, &F.B, 0);
+        CHECK_OK(smoe_layer_forward(F.L, &a, F.B.saved, F.B.ws, NULL));
         void *train_out = malloc(ob);
-        memcpy(train_out, B.out, ob);
+        memcpy(train_out, F.B.out, ob);
         /* inputs, to see that nothing is written to them */
         size_t xb = (size_t)(T * D.d) * tu_dtype_size(D.dtype);
-        size_t w1b = (size_t)(D.E * P.hc * D.d) * tu_dtype_size(D.dtype);
+        size_t w1b = (size_t)(D.E * F.P.hc * D.d) * tu_dtype_size(D.dtype);
         void *x0 = malloc(xb), *w10 = malloc(w1b);
-        memcpy(x0, B.x, xb);
-        memcpy(w10, B.w1, w1b);
-        memset(B.out, PAT, ob);
+        memcpy(x0, F.B.x, xb);
+        memcpy(w10, F.B.w1, w1b);
+        memset(F.B.out, PAT, ob);
         a.inference = 1;
         a.router_logits = NULL;
         a.expert_counts = NULL;
-        CHECK_OK(smoe_layer_forward(L, &a, NULL, B.ws, NULL));
-        CHECK(memcmp(B.out, train_out, ob) == 0, "inference out differs from the training out");
-        CHECK(memcmp(B.x, x0, xb) == 0 && memcmp(B.w1, w10, w1b) == 0, "inference wrote an input");
+        CHECK_OK(smoe_layer_forward(F.L, &a, NULL, F.B.ws, NULL));
+        CHECK(memcmp(F.B.out, train_out, ob) == 0, "inference out differs from the training out");
+        CHECK(memcmp(F.B.x, x0, xb) == 0 && memcmp(F.B.w1, w10, w1b) == 0, "inference wrote an input");
         /* a saved pointer given anyway is left alone */
-        memset(B.saved, PAT, B.saved_bytes);
-        memset(B.out, PAT, ob);
-        CHECK_OK(smoe_layer_forward(L, &a, B.saved, B.ws, NULL));
-        CHECK(all_pat(B.saved, B.saved_bytes), "inference wrote into the saved block");
-        CHECK(memcmp(B.out, train_out, ob) == 0, "inference out (saved given) differs");
+        memset(F.B.saved, PAT, F.B.saved_bytes);
+        memset(F.B.out, PAT, ob);
+        CHECK_OK(smoe_layer_forward(F.L, &a, F.B.saved, F.B.ws, NULL));
+        CHECK(all_pat(F.B.saved, F.B.saved_bytes), "inference wrote into the saved block");
+        CHECK(memcmp(F.B.out, train_out, ob) == 0, "inference out (saved given) differs");
         free(train_out); free(x0); free(w10);
-        tu_bufs_free(&B);
-        smoe_layer_free(L);
-        tu_problem_free(&P);
+        tu_fixture_free(&F);
     }
 }
 
@@ -191,13 +177,8 @@ static void test_determinism(tu_rng *rng) {
         D.backend = SMOE_BACKEND_CPU;
         int64_t T = 160;
         tu_case("determinism %s dtype=%d act=%s", tu_mode_name(&D), D.dtype, tu_act_name(D.activation));
-        tu_problem P;
-        tu_problem_init(&P, &D, T, rng, 1.0, 0.3);
-        if (D.routing == SMOE_ROUTING_GENERAL) tu_problem_general(&P, rng, 0.3);
-        smoe_layer *L = tu_layer(&D);
-        if (!L) { tu_problem_free(&P); continue; }
-        tu_bufs B;
-        tu_bufs_make(&B, &P, L, 0);
+        tu_fixture F;
+        if (!tu_fixture_make(&F, &D, T, rng, 0.3, 0.3)) continue;
         double *G = tu_alloc_d((size_t)(T * D.d));
         tu_fill_normal(rng, G, (size_t)(T * D.d), 1.0);
         void *Gb = tu_to_dtype(D.dtype, G, (size_t)(T * D.d));
@@ -207,13 +188,13 @@ static void test_determinism(tu_rng *rng) {
         int nthr = omp_get_max_threads();
         run_out r1, r2;
         omp_set_num_threads(1);
-        one_run(L, &P, &B, Gb, dle, &r1);
+        one_run(F.L, &F.P, &F.B, Gb, dle, &r1);
         omp_set_num_threads(3);
-        one_run(L, &P, &B, Gb, dle, &r2);
+        one_run(F.L, &F.P, &F.B, Gb, dle, &r2);
         omp_set_num_threads(nthr);
         size_t ob = (size_t)(T * D.d) * tu_dtype_size(D.dtype);
         CHECK(memcmp(r1.out, r2.out, ob) == 0, "out differs run to run");
-        CHECK(memcmp(r1.saved, r2.saved, B.saved_bytes) == 0, "saved block differs run to run");
+        CHECK(memcmp(r1.saved, r2.saved, F.B.saved_bytes) == 0, "saved block differs run to run");
         CHECK(memcmp(r1.logits, r2.logits, (size_t)(T * D.E) * 4) == 0, "logits differ run to run");
         CHECK(memcmp(r1.counts, r2.counts, (size_t)D.E * 4) == 0, "counts differ run to run");
         for (int i = 0; i < TU_NGRAD; i++)
@@ -224,9 +205,7 @@ static void test_determinism(tu_rng *rng) {
         free(r1.out); free(r2.out); free(r1.saved); free(r2.saved);
         free(r1.logits); free(r2.logits); free(r1.counts); free(r2.counts);
         free(G); free(Gb); free(dle);
-        tu_bufs_free(&B);
-        smoe_layer_free(L);
-        tu_problem_free(&P);
+        tu_fixture_free(&F);
     }
 }
 

@@ -630,6 +630,38 @@ static TU_UNUSED smoe_layer *tu_layer(const smoe_layer_desc *D) {
     return L;
 }
 
+/* ------------------------------------------------------------ fixture */
+
+/* A random problem (x scale 1, weights scale wscale; GENERAL: each
+ * (token, expert) kept with probability prob), its layer and its buffers
+ * for a training forward. */
+typedef struct tu_fixture {
+    tu_problem P;
+    smoe_layer *L;
+    tu_bufs B;
+} tu_fixture;
+
+/* 0 (CHECKed, nothing left allocated) if the layer cannot be created. */
+static TU_UNUSED int tu_fixture_make(tu_fixture *F, const smoe_layer_desc *D, int64_t T, tu_rng *r,
+                                     double wscale, double prob) {
+    tu_problem_init(&F->P, D, T, r, 1.0, wscale);
+    if (D->routing == SMOE_ROUTING_GENERAL) tu_problem_general(&F->P, r, prob);
+    F->L = tu_layer(D);
+    if (!F->L) {
+        tu_problem_free(&F->P);
+        return 0;
+    }
+    tu_bufs_make(&F->B, &F->P, F->L, 0);
+    return 1;
+}
+
+static TU_UNUSED void tu_fixture_free(tu_fixture *F) {
+    tu_bufs_free(&F->B);
+    smoe_layer_free(F->L);
+    tu_problem_free(&F->P);
+}
+
+
 static TU_UNUSED const char *tu_act_name(smoe_activation a) {
     static const char *names[] = {"swiglu", "geglu", "reglu", "relu2", "relu", "silu", "gelu"};
     return (unsigned)a < 7 ? names[a] : "?";
