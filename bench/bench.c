@@ -8,7 +8,8 @@
  *   build/smoe_bench --rows 7B-n256,30B-n512      rows by name (or "all")
  *   build/smoe_bench --shape T,d,n,E,K            any shape
  *   options: --backend auto|cuda|sm90  --reps N (10)  --warmup N (3)
- *            --csv FILE  --list
+ *            --csv FILE  --list  --stages (per-stage times, from the
+ *            library's SMOE_CUDA_TIMING stage timer, on stderr)
  *
  * Setting: bf16, SwiGLU, TOPK_SOFTMAX routing (the grid's), random inputs
  * (router weights random, so routing is near uniform), every gradient
@@ -116,7 +117,7 @@ static double median(double *v, int n)
     } while (0)
 
 static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, int warmup,
-                      result *res)
+                      int stages, result *res)
 {
     memset(res, 0, sizeof *res);
     res->row = row;
@@ -218,6 +219,28 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
         res->act_gib = ((double)saved_b + 2.0 * (double)(T * d)) / GIB;
         res->ws_gib = (double)ws_b / GIB;
         res->ok = 1;
+    }
+    if (stages) {
+        /* a second layer with the library's stage timer (SMOE_CUDA_TIMING),
+         * which prints the mean time of each stage when freed */
+        smoe_layer *L2 = NULL;
+        setenv("SMOE_CUDA_TIMING", "1", 1);
+        st = smoe_layer_create(&D, &L2);
+        unsetenv("SMOE_CUDA_TIMING");
+        fflush(stdout);
+        for (int it = 0; it < 3 && st == SMOE_SUCCESS; it++) {
+            cudaMemsetAsync(flush, it & 0xff, FLUSH_BYTES, NULL);
+            st = smoe_layer_forward(L2, &fa, saved, ws, NULL);
+            if (st != SMOE_SUCCESS) break;
+            cudaMemsetAsync(flush, (it + 1) & 0xff, FLUSH_BYTES, NULL);
+            st = smoe_layer_backward(L2, &ba, saved, ws, NULL);
+        }
+        if (st != SMOE_SUCCESS)
+            fprintf(stderr, "smoe_bench: %s: stage timing: %s: %s\n", row->name,
+                    smoe_status_string(st), smoe_last_error());
+        cudaDeviceSynchronize();
+        smoe_layer_free(L2);
+        fflush(stderr);
     }
 out:
     for (int i = 0; i < 4; i++)
@@ -326,14 +349,14 @@ static void usage(void)
 {
     printf("usage: smoe_bench [--rows NAME[,NAME...]|all] [--shape T,d,n,E,K]\n"
            "                  [--backend auto|cuda|sm90] [--reps N] [--warmup N] [--csv FILE] "
-           "[--list]\n");
+           "[--list] [--stages]\n");
 }
 
 int main(int argc, char **argv)
 {
     const char *rows = "all", *csv = NULL;
     smoe_backend backend = SMOE_BACKEND_AUTO;
-    int reps = 10, warmup = 3, nshape = 0;
+    int reps = 10, warmup = 3, nshape = 0, stages = 0;
     smoe_grid_row shapes[16];
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -342,6 +365,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--csv") && v) { csv = v; i++; }
         else if (!strcmp(a, "--reps") && v) { reps = atoi(v); i++; }
         else if (!strcmp(a, "--warmup") && v) { warmup = atoi(v); i++; }
+        else if (!strcmp(a, "--stages")) stages = 1;
         else if (!strcmp(a, "--backend") && v) {
             if (!strcmp(v, "cuda")) backend = SMOE_BACKEND_CUDA;
             else if (!strcmp(v, "sm90")) backend = SMOE_BACKEND_SM90;
@@ -414,7 +438,7 @@ int main(int argc, char **argv)
     result *rs = (result *)calloc((size_t)nt + 1, sizeof(result));
     int failed = 0;
     for (int i = 0; i < nt; i++) {
-        bench_row(todo[i], backend, reps, warmup, &rs[i]);
+        bench_row(todo[i], backend, reps, warmup, stages, &rs[i]);
         print_line(&rs[i]);
         failed += !rs[i].ok;
     }

@@ -2,11 +2,13 @@
  * aggregate.cu -- the per-token reduction over a token's routed rows
  * (DESIGN.md sections 4.5 and 5.5):
  *   forward   out[t] = sum_a row_score[r_a] * Y[r_a]           (T, d) bf16
- *   backward  dx[t] (op)= sum_a dX~[r_a] (+ dXr[t])            (T, d) bf16|fp32
+ *   backward  dx[t] (op)= sum_a (dX~[r_a] + dl_a Wr[e_a]) (+ dXr[t])  bf16|fp32
  * where a runs over the token's assignments [token_offset[t],
  * token_offset[t+1]) and r_a = assign_row[a] (-1: a skipped GENERAL triple,
- * ignored). dXr is the router's contribution dlogits * Wr (fp32, from
- * cuBLAS), added here so dX is written once.
+ * ignored). The router's contribution dlogits * Wr comes either per pair
+ * (dl_a, when dlogits is nonzero only on the routed pairs: Wr's rows are
+ * read from L2) or as a dense fp32 dXr (T, d) from cuBLAS; either way dX
+ * is written once.
  *
  * One block per token, each thread owning 8 consecutive columns (16-byte
  * loads) when d is a multiple of 8, else 1. The sum runs in assignment order
@@ -16,6 +18,7 @@
 #include "cuda/cuda_common.h"
 
 #define AGG_THREADS 128
+#define AGG_UNROLL 4
 
 template <int VEC>
 struct vec_io;
@@ -61,7 +64,26 @@ k_aggregate_forward(int64_t T, int64_t d, const int32_t *__restrict__ token_offs
             float acc[VEC];
 #pragma unroll
             for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
-            for (int a = a0; a < a1; ++a) {
+            int a = a0;
+            /* four rows' loads in flight at once; the sums stay in order */
+            for (; a + AGG_UNROLL <= a1; a += AGG_UNROLL) {
+                int r[AGG_UNROLL];
+                float sc[AGG_UNROLL], v[AGG_UNROLL][VEC];
+#pragma unroll
+                for (int j = 0; j < AGG_UNROLL; ++j) r[j] = assign_row[a + j];
+#pragma unroll
+                for (int j = 0; j < AGG_UNROLL; ++j) {
+                    sc[j] = r[j] >= 0 ? row_score[r[j]] : 0.0f;
+                    if (r[j] >= 0) vec_io<VEC>::load(y + (int64_t)r[j] * d + c, v[j]);
+                }
+#pragma unroll
+                for (int j = 0; j < AGG_UNROLL; ++j) {
+                    if (r[j] < 0) continue;
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) acc[i] = fmaf(sc[j], v[j][i], acc[i]);
+                }
+            }
+            for (; a < a1; ++a) {
                 const int r = assign_row[a];
                 if (r < 0) continue;
                 const float s = row_score[r];
@@ -79,8 +101,9 @@ template <int VEC>
 __global__ void __launch_bounds__(AGG_THREADS)
 k_aggregate_backward(int64_t T, int64_t d, const int32_t *__restrict__ token_offset,
                      const int32_t *__restrict__ assign_row, const bf16 *__restrict__ dxt,
-                     const float *__restrict__ extra, void *__restrict__ dx, int dx_f32,
-                     int accumulate)
+                     const float *__restrict__ extra, const float *__restrict__ assign_dl,
+                     const int32_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
+                     void *__restrict__ dx, int dx_f32, int accumulate)
 {
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
         const int a0 = token_offset[t], a1 = token_offset[t + 1];
@@ -88,13 +111,42 @@ k_aggregate_backward(int64_t T, int64_t d, const int32_t *__restrict__ token_off
             float acc[VEC];
 #pragma unroll
             for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
-            for (int a = a0; a < a1; ++a) {
+            int a = a0;
+            for (; a + AGG_UNROLL <= a1; a += AGG_UNROLL) {
+                int r[AGG_UNROLL];
+                float v[AGG_UNROLL][VEC];
+#pragma unroll
+                for (int j = 0; j < AGG_UNROLL; ++j) r[j] = assign_row[a + j];
+#pragma unroll
+                for (int j = 0; j < AGG_UNROLL; ++j)
+                    if (r[j] >= 0) vec_io<VEC>::load(dxt + (int64_t)r[j] * d + c, v[j]);
+#pragma unroll
+                for (int j = 0; j < AGG_UNROLL; ++j) {
+                    if (r[j] < 0) continue;
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) acc[i] += v[j][i];
+                    if (assign_dl) {
+                        const float g = assign_dl[a + j];
+                        float w[VEC];
+                        vec_io<VEC>::load(wr + (int64_t)assign_expert[a + j] * d + c, w);
+#pragma unroll
+                        for (int i = 0; i < VEC; ++i) acc[i] = fmaf(g, w[i], acc[i]);
+                    }
+                }
+            }
+            for (; a < a1; ++a) {
                 const int r = assign_row[a];
                 if (r < 0) continue;
                 float v[VEC];
                 vec_io<VEC>::load(dxt + (int64_t)r * d + c, v);
 #pragma unroll
                 for (int i = 0; i < VEC; ++i) acc[i] += v[i];
+                if (assign_dl) {
+                    const float g = assign_dl[a];
+                    vec_io<VEC>::load(wr + (int64_t)assign_expert[a] * d + c, v);
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) acc[i] = fmaf(g, v[i], acc[i]);
+                }
             }
             if (extra) {
 #pragma unroll
@@ -141,16 +193,20 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
 
 smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *token_offset,
                                          const int32_t *assign_row, const bf16 *dxt,
-                                         const float *extra, void *dx, smoe_dtype dx_dtype,
-                                         int accumulate, cudaStream_t stream)
+                                         const float *extra, const float *assign_dl,
+                                         const int32_t *assign_expert, const bf16 *wr, void *dx,
+                                         smoe_dtype dx_dtype, int accumulate,
+                                         cudaStream_t stream)
 {
     const int f32 = dx_dtype == SMOE_DTYPE_F32;
-    if (d % 8 == 0 && aligned16(dxt) && aligned16(dx))
+    if (d % 8 == 0 && aligned16(dxt) && aligned16(dx) && (!wr || aligned16(wr)))
         k_aggregate_backward<8><<<agg_grid(T), AGG_THREADS, 0, stream>>>(
-            T, d, token_offset, assign_row, dxt, extra, dx, f32, accumulate);
+            T, d, token_offset, assign_row, dxt, extra, assign_dl, assign_expert, wr, dx, f32,
+            accumulate);
     else
         k_aggregate_backward<1><<<agg_grid(T), AGG_THREADS, 0, stream>>>(
-            T, d, token_offset, assign_row, dxt, extra, dx, f32, accumulate);
+            T, d, token_offset, assign_row, dxt, extra, assign_dl, assign_expert, wr, dx, f32,
+            accumulate);
     SMOE_CUDA_LAUNCH_CHECK("k_aggregate_backward");
     return SMOE_SUCCESS;
 }

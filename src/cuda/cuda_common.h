@@ -124,12 +124,16 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
                                         const int32_t *assign_row, const float *row_score,
                                         const bf16 *y, bf16 *out, cudaStream_t stream);
 
-/* Backward: dx[t] (op)= sum_a dxt[row_a] (+ extra[t], fp32 (T, d), may be
- * NULL), into dtype BF16 or F32, overwritten or accumulated. */
+/* Backward: dx[t] (op)= sum_a (dxt[row_a] + dl_a * wr[e_a]) (+ extra[t]),
+ * into dtype BF16 or F32, overwritten or accumulated. extra (T, d) fp32 may
+ * be NULL; assign_dl (cap) fp32 with assign_expert and wr (E, d) may be
+ * NULL (no per-pair router term). */
 smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *token_offset,
                                          const int32_t *assign_row, const bf16 *dxt,
-                                         const float *extra, void *dx, smoe_dtype dx_dtype,
-                                         int accumulate, cudaStream_t stream);
+                                         const float *extra, const float *assign_dl,
+                                         const int32_t *assign_expert, const bf16 *wr, void *dx,
+                                         smoe_dtype dx_dtype, int accumulate,
+                                         cudaStream_t stream);
 
 /* ------------------------------------------------------------ router_backward.cu */
 
@@ -143,7 +147,14 @@ smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int
                                      const int32_t *assign_expert, const int32_t *assign_row,
                                      const float *row_score, const float *ds,
                                      const float *dlogits_extra, bf16 *split,
-                                     int32_t *tc_scratch, cudaStream_t stream);
+                                     int32_t *tc_scratch, float *assign_dl, cudaStream_t stream);
+
+/* Is dlogits sparse: nonzero only on each token's routed pairs
+ * (TOPK_SOFTMAX, no rounding, K <= 32, no dlogits_extra)? Then
+ * smoe_cuda_router_dlogits also writes each pair's entry into assign_dl
+ * (cap, fp32) and the aggregation adds dl_a * Wr[e_a] itself, with no dense
+ * dX GEMM. Otherwise assign_dl must be NULL. */
+int smoe_cuda_router_sparse(const smoe_layer_desc *desc, int rounding, const float *dlogits_extra);
 
 /* wr2 (2E, d) = [wr; wr]: the B operand of dX += split * wr2. */
 smoe_status smoe_cuda_stack_twice(const bf16 *wr, int64_t E, int64_t d, bf16 *wr2,

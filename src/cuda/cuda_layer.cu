@@ -38,7 +38,70 @@ typedef struct cuda_state {
     cublasHandle_t cublas;
     const smoe_gemm_ops *tab90; /* NULL: portable only */
     int use90[OP_COUNT];        /* this op runs the Hopper kernel */
+    struct stage_timer *timer;  /* SMOE_CUDA_TIMING=1 only */
 } cuda_state;
+
+/* ------------------------------------------------------------ stage timing */
+
+/* A debugging aid, off unless the environment has SMOE_CUDA_TIMING=1 when
+ * the layer is created: CUDA events between the stages of every call, the
+ * call then waits for its last event (so: not for graph capture or
+ * production), and the mean time of each stage is printed to stderr when
+ * the layer is freed. The benchmark's --stages uses it. */
+#define MAX_STAGES 16
+
+typedef struct stage_timer {
+    cudaEvent_t ev[MAX_STAGES + 1];
+    int n;
+    const char *name[2][MAX_STAGES];
+    double ms[2][MAX_STAGES];
+    int nst[2];
+    long calls[2];
+} stage_timer;
+
+static void timer_begin(cuda_state *st, cudaStream_t s)
+{
+    if (!st->timer) return;
+    st->timer->n = 0;
+    cudaEventRecord(st->timer->ev[0], s);
+}
+
+static void timer_mark(cuda_state *st, int which, const char *name, cudaStream_t s)
+{
+    stage_timer *tm = st->timer;
+    if (!tm || tm->n >= MAX_STAGES) return;
+    tm->name[which][tm->n] = name;
+    cudaEventRecord(tm->ev[++tm->n], s);
+}
+
+static void timer_end(cuda_state *st, int which)
+{
+    stage_timer *tm = st->timer;
+    if (!tm || tm->n == 0) return;
+    if (cudaEventSynchronize(tm->ev[tm->n]) != cudaSuccess) return;
+    for (int i = 0; i < tm->n; ++i) {
+        float ms = 0;
+        cudaEventElapsedTime(&ms, tm->ev[i], tm->ev[i + 1]);
+        tm->ms[which][i] += ms;
+    }
+    tm->nst[which] = tm->n;
+    tm->calls[which]++;
+}
+
+static void timer_report(const smoe_layer *layer, stage_timer *tm)
+{
+    static const char *what[2] = {"forward", "backward"};
+    for (int w = 0; w < 2; ++w) {
+        if (!tm->calls[w]) continue;
+        double total = 0;
+        for (int i = 0; i < tm->nst[w]; ++i) total += tm->ms[w][i];
+        fprintf(stderr, "smoe stage times, %s, mean of %ld calls, %s: %.3f ms\n", what[w],
+                tm->calls[w], layer->path_name, total / tm->calls[w]);
+        for (int i = 0; i < tm->nst[w]; ++i)
+            fprintf(stderr, "  %-16s %8.3f ms  %5.1f%%\n", tm->name[w][i],
+                    tm->ms[w][i] / tm->calls[w], 100.0 * tm->ms[w][i] / (total > 0 ? total : 1));
+    }
+}
 
 /* ------------------------------------------------------------ workspace */
 
@@ -51,7 +114,7 @@ typedef struct ws_layout {
     size_t route_scratch, md_scratch, a, y, f_gemm;
     size_t fwd_end;
     /* backward (overlaps the forward region) */
-    size_t dh, a_scaled, ds, dxt, split, wr2, dwr2, dxr, tc, b_gemm;
+    size_t dh, a_scaled, ds, dxt, split, wr2, dwr2, dxr, tc, dla, b_gemm;
     size_t bwd_end;
     size_t total;
 } ws_layout;
@@ -126,6 +189,7 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
     w->dwr2 = o; o += al(2 * E * dd * 4);
     w->dxr = o; o += al(t * dd * 4);
     w->tc = o; o += al(t * K * 4);
+    w->dla = o; o += al(c * 4);
     w->b_gemm = o; o += gs;
     w->bwd_end = o;
     w->total = w->fwd_end > w->bwd_end ? w->fwd_end : w->bwd_end;
@@ -332,6 +396,7 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
         SMOE_FORWARD_IF_ERROR(smoe_cuda_route_general(T, d->E, args->pairs, args->pair_token,
                                                       args->pair_expert, args->pair_score, as,
                                                       dst, s));
+        timer_mark(st, 0, "general triples", s);
     } else {
         float *lg = (training && v.logits) ? v.logits
                     : args->router_logits  ? args->router_logits
@@ -341,16 +406,19 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
         SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, CUBLAS_OP_T, CUBLAS_OP_N, d->E, T, d->d,
                                             (const bf16 *)args->router_w, d->d,
                                             (const bf16 *)args->x, d->d, 0.0f, lg, d->E));
+        timer_mark(st, 0, "router gemm", s);
         if (args->router_logits && args->router_logits != lg)
             SMOE_CUDA_CHECK(cudaMemcpyAsync(args->router_logits, lg,
                                             (size_t)T * (size_t)d->E * 4,
                                             cudaMemcpyDeviceToDevice, s));
         SMOE_FORWARD_IF_ERROR(
             smoe_cuda_route(d, T, rounding, lg, as, ws + w.route_scratch, s));
+        timer_mark(st, 0, "routing", s);
     }
     SMOE_FORWARD_IF_ERROR(smoe_cuda_metadata(d->E, cap, as, v.expert_offset, v.assign_row,
                                              v.row_token, v.row_score, args->expert_counts,
                                              ws + w.md_scratch, s));
+    timer_mark(st, 0, "metadata", s);
 
     smoe_gemm_problem p = problem_make(layer, cap);
     p.expert_offset = v.expert_offset;
@@ -361,11 +429,14 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
     if (cap > 0) {
         GEMM_CALL(layer, OP_UP, up, &p, (const bf16 *)args->x, (const bf16 *)args->w1,
                   (const bf16 *)args->b1, training ? (bf16 *)v.h : NULL, a, gs, s);
+        timer_mark(st, 0, "up", s);
         GEMM_CALL(layer, OP_DOWN, down, &p, a, (const bf16 *)args->w2, (const bf16 *)args->b2, y,
                   gs, s);
+        timer_mark(st, 0, "down", s);
     }
     SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_forward(T, d->d, v.token_offset, v.assign_row,
                                                       v.row_score, y, (bf16 *)args->out, s));
+    timer_mark(st, 0, "aggregate", s);
     return SMOE_SUCCESS;
 }
 
@@ -376,7 +447,9 @@ static smoe_status cuda_forward(smoe_layer *layer, const smoe_forward_args *args
     cuda_state *st = (cuda_state *)layer->state;
     dev_guard g;
     SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
+    timer_begin(st, (cudaStream_t)stream);
     smoe_status r = forward_impl(layer, args, sl, saved, workspace, (cudaStream_t)stream);
+    if (r == SMOE_SUCCESS) timer_end(st, 0);
     dev_leave(&g);
     return r;
 }
@@ -428,29 +501,38 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     if (run_dh && cap > 0)
         GEMM_CALL(layer, OP_DH, dh, &p, dout, (const bf16 *)args->w2, (const bf16 *)args->b2,
                   (const bf16 *)v.h, dh, a_scaled, ds, gs, s);
+    timer_mark(st, 1, "dh", s);
     if (args->dw2.ptr)
         GEMM_CALL(layer, OP_DW2, dw2, &p, dout, a_scaled, args->dw2.ptr, args->dw2.dtype,
                   args->dw2.accumulate, gs, s);
+    timer_mark(st, 1, "dw2", s);
     if (args->db2.ptr)
         SMOE_FORWARD_IF_ERROR(smoe_cuda_expert_colsum(
             d->E, d->d, v.expert_offset, dout, v.row_token, v.row_score, d->n, layer->gated,
             d->w1_layout, 0, args->db2.ptr, args->db2.dtype, args->db2.accumulate, s));
+    timer_mark(st, 1, "db2", s);
     if (want_dx && cap > 0)
         GEMM_CALL(layer, OP_DXT, dxt, &p, dh, (const bf16 *)args->w1, dxt, gs, s);
+    timer_mark(st, 1, "dxt", s);
     if (args->dw1.ptr)
         GEMM_CALL(layer, OP_DW1, dw1, &p, dh, (const bf16 *)args->x, args->dw1.ptr,
                   args->dw1.dtype, args->dw1.accumulate, gs, s);
+    timer_mark(st, 1, "dw1", s);
     if (args->db1.ptr)
         SMOE_FORWARD_IF_ERROR(smoe_cuda_expert_colsum(
             d->E, layer->h_cols, v.expert_offset, dh, NULL, NULL, d->n, layer->gated,
             d->w1_layout, 1, args->db1.ptr, args->db1.dtype, args->db1.accumulate, s));
+    timer_mark(st, 1, "db1", s);
 
-    float *dxr = NULL;
+    float *dxr = NULL, *dla = NULL;
     if (want_router) {
         bf16 *split = (bf16 *)(ws + w.split);
+        const int sparse = smoe_cuda_router_sparse(d, rounding, args->dlogits_extra);
+        if (sparse && want_dx) dla = (float *)(ws + w.dla);
         SMOE_FORWARD_IF_ERROR(smoe_cuda_router_dlogits(
             d, T, rounding, v.logits, v.token_offset, v.assign_expert, v.assign_row,
-            v.row_score, ds, args->dlogits_extra, split, (int32_t *)(ws + w.tc), s));
+            v.row_score, ds, args->dlogits_extra, split, (int32_t *)(ws + w.tc), dla, s));
+        timer_mark(st, 1, "router dlogits", s);
         SMOE_FORWARD_IF_ERROR(cublas_bind(st, workspace, &w, s));
         const int64_t E2 = 2 * d->E;
         if (args->drouter_w.ptr) {
@@ -463,8 +545,9 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
                                                            args->drouter_w.ptr,
                                                            args->drouter_w.dtype,
                                                            args->drouter_w.accumulate, s));
+            timer_mark(st, 1, "dWr gemm", s);
         }
-        if (want_dx) {
+        if (want_dx && !sparse) {
             bf16 *wr2 = (bf16 *)(ws + w.wr2);
             dxr = (float *)(ws + w.dxr);
             SMOE_FORWARD_IF_ERROR(
@@ -472,13 +555,15 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
             /* dXr (T x d row-major = d x T col-major) = wr2^T-view . split^T-view */
             SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, CUBLAS_OP_N, CUBLAS_OP_N, d->d, T, E2, wr2,
                                                 d->d, split, E2, 0.0f, dxr, d->d));
+            timer_mark(st, 1, "dXr gemm", s);
         }
     }
     if (want_dx)
-        SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(T, d->d, v.token_offset,
-                                                           v.assign_row, dxt, dxr, args->dx.ptr,
-                                                           args->dx.dtype, args->dx.accumulate,
-                                                           s));
+        SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(
+            T, d->d, v.token_offset, v.assign_row, dxt, dxr, dla, v.assign_expert,
+            dla ? (const bf16 *)args->router_w : NULL, args->dx.ptr, args->dx.dtype,
+            args->dx.accumulate, s));
+    timer_mark(st, 1, "aggregate dx", s);
     if (general && args->dpair_score.ptr)
         SMOE_FORWARD_IF_ERROR(smoe_cuda_pair_score_grad(args->pairs, v.assign_row, ds,
                                                         (float *)args->dpair_score.ptr,
@@ -493,7 +578,9 @@ static smoe_status cuda_backward(smoe_layer *layer, const smoe_backward_args *ar
     cuda_state *st = (cuda_state *)layer->state;
     dev_guard g;
     SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
+    timer_begin(st, (cudaStream_t)stream);
     smoe_status r = backward_impl(layer, args, sl, saved, workspace, (cudaStream_t)stream);
+    if (r == SMOE_SUCCESS) timer_end(st, 1);
     dev_leave(&g);
     return r;
 }
@@ -545,6 +632,11 @@ static void cuda_destroy(smoe_layer *layer)
 {
     cuda_state *st = (cuda_state *)layer->state;
     if (!st) return;
+    if (st->timer) {
+        timer_report(layer, st->timer);
+        for (int i = 0; i <= MAX_STAGES; ++i) cudaEventDestroy(st->timer->ev[i]);
+        free(st->timer);
+    }
     if (st->cublas) {
         int prev = -1;
         cudaGetDevice(&prev);
@@ -623,6 +715,16 @@ smoe_status smoe_cuda_layer_init(smoe_layer *layer, int want_sm90)
     }
     layer->state = st;
     layer->ops = &cuda_ops;
+    const char *tenv = getenv("SMOE_CUDA_TIMING");
+    if (tenv && tenv[0] == '1') {
+        st->timer = (stage_timer *)calloc(1, sizeof *st->timer);
+        if (st->timer) {
+            cudaGetDevice(&prev);
+            if (prev != d->device) cudaSetDevice(d->device);
+            for (int i = 0; i <= MAX_STAGES; ++i) cudaEventCreate(&st->timer->ev[i]);
+            if (prev != d->device) cudaSetDevice(prev);
+        }
+    }
     probe_sm90(layer);
     path_name_make(layer);
     return SMOE_SUCCESS;

@@ -154,7 +154,8 @@ k_router_dlogits_topk_warp(int T, int E, const int32_t *__restrict__ token_offse
                            const int32_t *__restrict__ assign_expert,
                            const int32_t *__restrict__ assign_row,
                            const float *__restrict__ row_score, const float *__restrict__ ds,
-                           const float *__restrict__ extra, bf16 *__restrict__ split)
+                           const float *__restrict__ extra, bf16 *__restrict__ split,
+                           float *__restrict__ assign_dl)
 {
     extern __shared__ double dlw_row[]; /* DLW_WARPS * E */
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
@@ -180,6 +181,7 @@ k_router_dlogits_topk_warp(int T, int E, const int32_t *__restrict__ token_offse
     for (int j = lane; j < E; j += 32) row[j] = 0.0;
     __syncwarp();
     if (e >= 0) row[e] = s * (dS - g);
+    if (assign_dl && a < a1) assign_dl[a] = e >= 0 ? (float)(s * (dS - g)) : 0.0f;
     __syncwarp();
     bf16 *hi = split + (int64_t)t * 2 * E;
     bf16 *lo = hi + E;
@@ -278,15 +280,21 @@ k_expert_colsum(int64_t cols, const int32_t *__restrict__ expert_offset,
 
 /* ------------------------------------------------------------ launchers */
 
+int smoe_cuda_router_sparse(const smoe_layer_desc *desc, int rounding, const float *dlogits_extra)
+{
+    return desc->routing == SMOE_ROUTING_TOPK_SOFTMAX &&
+           !(rounding && desc->rounding != SMOE_ROUND_OFF) && desc->K <= 32 && !dlogits_extra;
+}
+
 smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int rounding,
                                      const float *logits, const int32_t *token_offset,
                                      const int32_t *assign_expert, const int32_t *assign_row,
                                      const float *row_score, const float *ds,
                                      const float *dlogits_extra, bf16 *split,
-                                     int32_t *tc_scratch, cudaStream_t stream)
+                                     int32_t *tc_scratch, float *assign_dl, cudaStream_t stream)
 {
     const int tr = rounding && desc->rounding != SMOE_ROUND_OFF;
-    if (!tr && desc->routing == SMOE_ROUTING_TOPK_SOFTMAX && desc->K <= 32) {
+    if (smoe_cuda_router_sparse(desc, rounding, dlogits_extra)) {
         const size_t smem = (size_t)DLW_WARPS * desc->E * 8;
         if (smem > 48 * 1024)
             SMOE_CUDA_CHECK(cudaFuncSetAttribute(k_router_dlogits_topk_warp,
@@ -294,10 +302,14 @@ smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int
                                                  (int)smem));
         k_router_dlogits_topk_warp<<<(unsigned)smoe_cdiv(T, DLW_WARPS), DLW_WARPS * 32, smem,
                                      stream>>>((int)T, (int)desc->E, token_offset, assign_expert,
-                                               assign_row, row_score, ds, dlogits_extra, split);
+                                               assign_row, row_score, ds, dlogits_extra, split,
+                                               assign_dl);
         SMOE_CUDA_LAUNCH_CHECK("k_router_dlogits_topk_warp");
         return SMOE_SUCCESS;
     }
+    if (assign_dl)
+        return smoe_fail(SMOE_ERROR_INTERNAL, "router dlogits: per-pair dlogits asked for a "
+                                              "dense routing mode");
     const int threads = 64;
     k_router_dlogits<<<(unsigned)smoe_cdiv(T, threads), threads, 0, stream>>>(
         (int)T, (int)desc->E, (int)desc->K, (int)desc->routing, desc->renormalize, tr, logits,
