@@ -8,12 +8,21 @@
  *             metadata -> up GEMM (gather X, act; H kept) -> down GEMM (Y)
  *             -> aggregation (o_t = sum s Y)
  *   backward  dh GEMM (gather dO; dS, A' = s A, dH) -> dW2 -> dX~ -> dW1 ->
- *             bias sums -> router dlogits -> cuBLAS dWr = dl^T X and
- *             dXr = dl Wr -> aggregation (dX = sum dX~ + dXr)
+ *             bias sums -> router dlogits -> cuBLAS dWr = dl^T X ->
+ *             aggregation dX_t = sum_a (dX~[r_a] + dl_a Wr[e_a]) when dlogits
+ *             lives on the routed pairs only (TOPK_SOFTMAX), else
+ *             dX_t = sum_a dX~[r_a] + (cuBLAS dl Wr)_t
+ *   The dense router GEMMs take dlogits as a bf16 hi/lo pair (16 significant
+ *   bits) on the tensor cores (router_backward.cu).
  *
  * The grouped GEMMs come from the gemm.h tables: the Hopper table's entries
- * where it has them (SM90 backend on an sm_90 device), the portable ones
- * otherwise; path_name lists which ran.
+ * where it has them and where they take the layer's shape (SM90 backend on
+ * an sm_90 device; asked once at create time with no rows), the portable
+ * ones otherwise; path_name lists which run.
+ *
+ * Debugging: SMOE_CUDA_TIMING=1 in the environment at create time times
+ * every stage with CUDA events (and waits at the end of each call) and
+ * prints the means when the layer is freed; bench --stages uses it.
  *
  * Nothing here synchronises with the host or allocates: every buffer is
  * carved from the caller's workspace (cuBLAS's too, so a graph capture has

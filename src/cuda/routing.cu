@@ -6,11 +6,12 @@
  * token offsets (T+1) and the pair count, which stays on the device.
  *
  * Algorithm:
- *  - Token choice: one thread per token walks its E logits K times, each
- *    pass taking the best logit ranked after the previous pick (larger
- *    first, equal -> lower expert, NaN last). Scores in double, rounded to
- *    fp32, exactly as the host routing (src/routing.c) does them, so equal
- *    logits give equal bits on both.
+ *  - Token choice: one warp per token (E <= 1024, K <= 32; else one thread
+ *    per token): K picks, each the best logit ranked after the previous
+ *    pick (larger first, equal -> lower expert, NaN last; a warp arg-max
+ *    over that total order). Scores in double, rounded to fp32, with the
+ *    host routing's (src/routing.c) operations in its order, so the same
+ *    logits give the same bits on both.
  *  - Token rounding: (1) per token: softmax p over E, token-choice top-K,
  *    renormalised scores, and the ranking key of every (token, expert) pair
  *    (TC pairs: renormalised score; others: p - 1), stored expert-major as
