@@ -19,6 +19,12 @@
  *    row (w1_row() below).
  *  - Rows past R are neither read nor written.
  *  - Launch errors are returned as SMOE_ERROR_BACKEND with a message.
+ *  - A launcher that cannot run a shape or an alignment returns
+ *    SMOE_ERROR_UNSUPPORTED before touching memory; the layer then runs the
+ *    portable entry instead and says so in its path name. The layer asks
+ *    each Hopper entry once at create time with cap = 0 and NULL buffers:
+ *    with cap = 0 (or NULL operands) a launcher must return without
+ *    launching anything.
  *  - Deterministic: no atomics on floating-point values.
  */
 #ifndef SMOE_CUDA_GEMM_H
