@@ -675,7 +675,7 @@ def _validate_triples(tok, exp, score, T, E):
     key = torch.sort(tok * E + exp).values
     i = first(key[1:] == key[:-1])
     if i >= 0:
-        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "(token %d, expert %d) given twice"
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "(token %d, expert %d) is given twice"
                         % (int(key[i]) // E, int(key[i]) % E))
 
 

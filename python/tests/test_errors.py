@@ -58,10 +58,10 @@ def test_bad_options(t):
 def test_library_messages_reach_python(t):
     x, r, w1, w2, _, _ = t
     # Checked by the C library: its smoe_last_error() is the message.
-    with pytest.raises(smoe.SmoeError, match=r"desc.round_tile = 0, must be in \[1, ") as e:
+    with pytest.raises(smoe.SmoeError, match=r"round_tile = 0") as e:
         smoe.moe(x, r, w1, w2, top_k=2, token_rounding="up", round_tile=0)
     assert e.value.status == L.SMOE_ERROR_INVALID_SIZE
-    with pytest.raises(smoe.SmoeError, match=r"T = 0, must be in \[1, "):
+    with pytest.raises(smoe.SmoeError, match=r"T = 0\b"):
         smoe.moe(x[:0], r, w1, w2, top_k=2)
     # And a good call right after works.
     out, _, _ = smoe.moe(x, r, w1, w2, top_k=2)
@@ -72,9 +72,9 @@ def test_general_triples_checked(t):
     x, _, w1, w2, _, _ = t
     s = torch.ones(3)
     i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    with pytest.raises(smoe.SmoeError, match=r"pair_token\[1\] = 9, must be in \[0, T = 6\)"):
+    with pytest.raises(smoe.SmoeError, match=r"pair_token\[1\] = 9\b"):
         smoe.moe_general(x, i32([0, 9, 9]), i32([0, 1, 2]), s, w1, w2)
-    with pytest.raises(smoe.SmoeError, match=r"pair_expert\[2\] = 4, must be in \[0, E = 4\)"):
+    with pytest.raises(smoe.SmoeError, match=r"pair_expert\[2\] = 4\b"):
         smoe.moe_general(x, i32([0, 1, 2]), i32([0, 1, 4]), s, w1, w2)
     with pytest.raises(smoe.SmoeError, match="sorted by token"):
         smoe.moe_general(x, i32([2, 1, 3]), i32([0, 1, 2]), s, w1, w2)
@@ -99,7 +99,7 @@ def test_general_triples_checked_in_python_too(t, validate):
     for tok, exp, msg in (([0, 9, 9], [0, 1, 2], r"pair_token\[1\] = 9"),
                           ([0, 1, 2], [0, 1, 4], r"pair_expert\[2\] = 4"),
                           ([2, 1, 3], [0, 1, 2], "sorted by token"),
-                          ([1, 1, 3], [2, 2, 2], r"\(token 1, expert 2\) given twice")):
+                          ([1, 1, 3], [2, 2, 2], r"\(token 1, expert 2\) is given twice")):
         with pytest.raises(smoe.SmoeError, match=msg):
             smoe.moe_general(x, i32(tok), i32(exp), s, w1, w2, validate=validate)
 
