@@ -354,7 +354,7 @@ static void usage(void)
 
 int main(int argc, char **argv)
 {
-    const char *rows = "all", *csv = NULL;
+    const char *rows = NULL, *csv = NULL;
     smoe_backend backend = SMOE_BACKEND_AUTO;
     int reps = 10, warmup = 3, nshape = 0, stages = 0;
     smoe_grid_row shapes[16];
@@ -382,7 +382,6 @@ int main(int argc, char **argv)
             s.name = "shape";
             s.T = T; s.d = d; s.n = n; s.E = E; s.K = K;
             shapes[nshape++] = s;
-            rows = nshape ? "" : rows;
             i++;
         } else if (!strcmp(a, "--list")) {
             for (int r = 0; r < SMOE_GRID_ROWS; r++)
@@ -399,16 +398,19 @@ int main(int argc, char **argv)
     if (reps < 1) reps = 1;
     if (warmup < 0) warmup = 0;
 
-    const smoe_grid_row *todo[SMOE_GRID_ROWS + 16];
+    const smoe_grid_row *todo[SMOE_GRID_ROWS * 4 + 16];
     int nt = 0;
-    if (!strcmp(rows, "all")) {
+    if (!rows && !nshape) rows = "all"; /* no rows and no shapes: the whole grid */
+    if (!rows) {
+        /* shapes only */
+    } else if (!strcmp(rows, "all")) {
         for (int r = 0; r < SMOE_GRID_ROWS; r++) todo[nt++] = &smoe_grid[r];
-    } else if (rows[0]) {
+    } else {
         char buf[512];
         snprintf(buf, sizeof buf, "%s", rows);
         for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
             int found = 0;
-            for (int r = 0; r < SMOE_GRID_ROWS; r++)
+            for (int r = 0; r < SMOE_GRID_ROWS && nt < SMOE_GRID_ROWS * 4; r++)
                 if (!strcmp(tok, smoe_grid[r].name)) {
                     todo[nt++] = &smoe_grid[r];
                     found = 1;
