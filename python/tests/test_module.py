@@ -157,3 +157,40 @@ def test_autocast_cpu_bf16_master_weights():
     ref.load_state_dict({k: v.bfloat16() for k, v in m.state_dict().items()})
     out_ref, _ = ref(x.bfloat16())
     assert torch.equal(out, out_ref)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+def test_load_from_transformers_model(family):
+    # A tiny randomly initialised model from the transformers package (no
+    # download): its own MoE block is the reference.
+    transformers = pytest.importorskip("transformers")
+    E, d, n, K = 4, 16, 12, 2
+    common = dict(vocab_size=32, hidden_size=d, intermediate_size=n, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, num_experts_per_tok=K,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=n, num_experts=E,
+                                          norm_topk_prob=True, mlp_only_layers=[], **common)
+        model_cls, routing, renorm = transformers.Qwen3MoeForCausalLM, "softmax_topk", True
+    elif family == "mixtral":
+        cfg = transformers.MixtralConfig(num_local_experts=E, **common)
+        model_cls, routing, renorm = transformers.MixtralForCausalLM, "topk_softmax", True
+    else:
+        cfg = transformers.OlmoeConfig(num_experts=E, norm_topk_prob=False, **common)
+        model_cls, routing, renorm = transformers.OlmoeForCausalLM, "softmax_topk", False
+    torch.manual_seed(0)
+    model = model_cls(cfg).eval()   # float32: its grouped GEMMs take no float64
+    layer0 = model.model.layers[0]
+    block = getattr(layer0, "mlp", None) or getattr(layer0, "block_sparse_moe")
+    prefix = [k for k in model.state_dict() if k.endswith(".gate.weight")][0][:-len("gate.weight")]
+    with torch.no_grad():   # random init is tiny: make the experts matter
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    m = smoe.MoE(E, K, d, n, "swiglu", False, 0.02, routing=routing, renormalize=renorm)
+    smoe.load_hf_moe_weights(m, model.state_dict(), prefix)
+    x = torch.randn(1, 9, d, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = block(x)
+    want = want[0] if isinstance(want, tuple) else want
+    out, _ = m(x)
+    assert_close(out, want, 1e-5, "out")
