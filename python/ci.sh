@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The Python package's CI: builds libsmoe.so with the Makefile (as `make
 # test` does: with the CUDA backends where nvcc exists, which the tests then
-# leave unused without a GPU), installs PyTorch (the PyPI wheel, CPU use)
-# and pytest into a virtual environment, installs the package with
+# leave unused without a GPU), installs PyTorch (the PyPI wheel, used on
+# the CPU), pytest, numpy and transformers (whose MoE blocks, built from a
+# config with random weights, check the weight loader; nothing is fetched
+# from a model hub) into a virtual environment, installs the package with
 # `pip install ./python`, and runs python/tests with pytest.
 #
 # Environment: SMOE_PY_VENV, the virtual environment (default
