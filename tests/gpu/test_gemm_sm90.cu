@@ -148,6 +148,28 @@ __global__ void ref_dxt_kernel(const int32_t *rows, int nrows, const int32_t *ro
     ref[(int64_t)i * d + c] = s;
 }
 
+/* dap[i][j] = sum_k dO[tok][k] W2[e][k][j]; bdot[i] = <dO[tok], b2[e]> (b2 may be NULL) */
+__global__ void ref_dap_kernel(const int32_t *rows, int nrows, const int32_t *row_expert,
+                               const int32_t *row_token, const bf16 *dout, const bf16 *w2,
+                               const bf16 *b2, int d, int n, float *dap, float *bdot)
+{
+    int i = blockIdx.y, j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= nrows || j > n) return;
+    int r = rows[i], e = row_expert[r], t = row_token[r];
+    const bf16 *x = dout + (int64_t)t * d;
+    float s = 0.0f;
+    if (j < n) {
+        for (int k = 0; k < d; k++)
+            s += __bfloat162float(x[k]) * __bfloat162float(w2[((int64_t)e * d + k) * n + j]);
+        dap[(int64_t)i * n + j] = s;
+    } else {
+        if (b2)
+            for (int k = 0; k < d; k++)
+                s += __bfloat162float(x[k]) * __bfloat162float(b2[(int64_t)e * d + k]);
+        bdot[i] = s;
+    }
+}
+
 /* ------------------------------------------------------------ host helpers */
 
 static float bf2f(bf16 v)
@@ -186,6 +208,27 @@ static double h_act_gated(int act, double g, double u)
     if (act == SMOE_ACT_REGLU) return (g > 0 ? g : 0) * u;
     return h_silu(g) * u;
 }
+/* f and f' of the gate function (gated) or the activation */
+static void h_act_fd(int act, double x, double *f, double *df)
+{
+    if (act == SMOE_ACT_GEGLU || act == SMOE_ACT_GELU) {
+        double c = 0.7978845608028654, th = tanh(c * (x + 0.044715 * x * x * x));
+        *f = 0.5 * x * (1 + th);
+        *df = 0.5 * (1 + th) + 0.5 * x * (1 - th * th) * c * (1 + 3 * 0.044715 * x * x);
+    } else if (act == SMOE_ACT_REGLU || act == SMOE_ACT_RELU) {
+        *f = x > 0 ? x : 0;
+        *df = x > 0 ? 1 : 0;
+    } else if (act == SMOE_ACT_RELU2) {
+        double r = x > 0 ? x : 0;
+        *f = r * r;
+        *df = 2 * r;
+    } else {
+        double sg = 1 / (1 + exp(-x));
+        *f = x * sg;
+        *df = sg * (1 + x * (1 - sg));
+    }
+}
+
 static double h_act_plain(int act, double h)
 {
     if (act == SMOE_ACT_RELU2) return h > 0 ? h * h : 0;
@@ -245,6 +288,9 @@ typedef struct problem_host {
 
 typedef struct problem_dev {
     bf16 *x, *w1, *b1, *w2, *b2, *h, *a, *y, *a_in, *dh_in, *dxt;
+    bf16 *dout, *dh_out, *as_out; /* dh: dO (T, d), outputs (cap, h_cols), (cap, n) */
+    float *score, *ds_out, *scratch;
+    int dh_ran;
     int dxt_ran; /* dxt ran (interleaved or non-gated W1) */
     int32_t *offset, *row_token, *row_expert, *rows;
     float *ref;
@@ -265,6 +311,18 @@ static void dev_alloc(problem_dev *D, const problem_host *P)
     CK(cudaMalloc(&D->y, P->cap * P->d * 2 + 16));
     CK(cudaMalloc(&D->dh_in, P->cap * hc * 2 + 16));
     CK(cudaMalloc(&D->dxt, P->cap * P->d * 2 + 16));
+    CK(cudaMalloc(&D->dout, P->T * P->d * 2 + 16));
+    CK(cudaMalloc(&D->dh_out, P->cap * hc * 2 + 16));
+    CK(cudaMalloc(&D->as_out, P->cap * P->n * 2 + 16));
+    CK(cudaMalloc(&D->score, P->cap * 4 + 16));
+    CK(cudaMalloc(&D->ds_out, P->cap * 4 + 16));
+    CK(cudaMalloc(&D->scratch, P->cap * 4 * ((P->n + 127) / 128) + 16));
+    {
+        float *sc = (float *)malloc(P->cap * 4 + 4);
+        for (int64_t r = 0; r < P->cap; r++) sc[r] = 0.05f + (rnd() % 1000) / 1000.0f;
+        CK(cudaMemcpy(D->score, sc, P->cap * 4, cudaMemcpyHostToDevice));
+        free(sc);
+    }
     CK(cudaMalloc(&D->offset, (P->E + 1) * 4));
     CK(cudaMalloc(&D->row_token, P->cap * 4 + 4));
     CK(cudaMalloc(&D->row_expert, P->cap * 4 + 4));
@@ -278,6 +336,7 @@ static void dev_alloc(problem_dev *D, const problem_host *P)
     rand_bf16(D->b2, P->E * P->d, 0.5f);
     rand_bf16(D->a_in, P->cap * P->n, 1.0f);
     rand_bf16(D->dh_in, P->cap * hc, 1.0f);
+    rand_bf16(D->dout, P->T * P->d, 1.0f);
     if (P->cap > P->R) CK(cudaMemset(D->dh_in + P->R * hc, 0xFF, (P->cap - P->R) * hc * 2));
     /* rows past R of the down input: NaN, which must not reach any output */
     if (P->cap > P->R) CK(cudaMemset(D->a_in + P->R * P->n, 0xFF, (P->cap - P->R) * P->n * 2));
@@ -288,6 +347,8 @@ static void dev_free(problem_dev *D)
     cudaFree(D->x); cudaFree(D->w1); cudaFree(D->b1); cudaFree(D->w2); cudaFree(D->b2);
     cudaFree(D->h); cudaFree(D->a); cudaFree(D->a_in); cudaFree(D->y); cudaFree(D->offset);
     cudaFree(D->dh_in); cudaFree(D->dxt);
+    cudaFree(D->dout); cudaFree(D->dh_out); cudaFree(D->as_out); cudaFree(D->score);
+    cudaFree(D->ds_out); cudaFree(D->scratch);
     cudaFree(D->row_token); cudaFree(D->row_expert); cudaFree(D->rows); cudaFree(D->ref);
 }
 
@@ -305,7 +366,7 @@ static smoe_gemm_problem make_problem(const problem_host *P, const problem_dev *
     g.w1_layout = (smoe_w1_layout)P->layout;
     g.expert_offset = D->offset;
     g.row_token = D->row_token;
-    g.row_score = NULL;
+    g.row_score = D->score;
     g.num_sms = sms;
     return g;
 }
@@ -389,6 +450,83 @@ static int verify(const problem_host *P, problem_dev *D, const int32_t *rows, in
                 check_val(&cx, bf2f(gy[c]), ref[(int64_t)i * P->d + c]);
         }
         ok &= check_report(&cx, tag);
+    }
+
+    /* dh: H input = dh_in, score, dO */
+    if (D->dh_ran) {
+        float *dap_d, *bdot_d;
+        CK(cudaMalloc(&dap_d, (size_t)nr * P->n * 4));
+        CK(cudaMalloc(&bdot_d, (size_t)nr * 4));
+        ref_dap_kernel<<<dim3((unsigned)((P->n + 1 + 127) / 128), nr), 128>>>(
+            D->rows, nr, D->row_expert, D->row_token, D->dout, D->w2, P->bias ? D->b2 : NULL,
+            (int)P->d, (int)P->n, dap_d, bdot_d);
+        CK(cudaGetLastError());
+        float *dap = (float *)malloc((size_t)nr * P->n * 4), *bdot = (float *)malloc(nr * 4);
+        CK(cudaMemcpy(dap, dap_d, (size_t)nr * P->n * 4, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(bdot, bdot_d, (size_t)nr * 4, cudaMemcpyDeviceToHost));
+        cudaFree(dap_d); cudaFree(bdot_d);
+        bf16 *hin = (bf16 *)malloc(hc * 2), *gdh = (bf16 *)malloc(hc * 2), *gas = (bf16 *)malloc(P->n * 2);
+        double *wdh = (double *)malloc(hc * sizeof(double)), *was = (double *)malloc(P->n * sizeof(double));
+        /* expected values first (for the scales), then the checks */
+        double s2dh = 0, s2as = 0;
+        int64_t cnt_dh = 0, cnt_as = 0;
+        for (int pass = 0; pass < 2; pass++) {
+            checker cdh = {"dH", 1.0 / 64, pass ? 1e-2 * sqrt(s2dh / (cnt_dh + 1)) : 0, 0, 0, 0, 0, 0, 0};
+            checker cas = {"A'", 1.0 / 64, pass ? 1e-2 * sqrt(s2as / (cnt_as + 1)) : 0, 0, 0, 0, 0, 0, 0};
+            int64_t ds_bad = 0;
+            double ds_worst = 0;
+            for (int i = 0; i < nr; i++) {
+                int64_t r = rows[i];
+                float s;
+                CK(cudaMemcpy(hin, D->dh_in + r * hc, hc * 2, cudaMemcpyDeviceToHost));
+                CK(cudaMemcpy(&s, D->score + r, 4, cudaMemcpyDeviceToHost));
+                double dsum = 0, dabs = 0;
+                for (int64_t j = 0; j < P->n; j++) {
+                    double da = dap[(int64_t)i * P->n + j], f, df, A;
+                    if (P->gated) {
+                        double g = bf2f(hin[2 * j]), u = bf2f(hin[2 * j + 1]);
+                        h_act_fd(P->act, g, &f, &df);
+                        A = f * u;
+                        wdh[2 * j] = s * da * df * u;
+                        wdh[2 * j + 1] = s * da * f;
+                    } else {
+                        h_act_fd(P->act, bf2f(hin[j]), &f, &df);
+                        A = f;
+                        wdh[j] = s * da * df;
+                    }
+                    was[j] = s * A;
+                    dsum += da * A;
+                    dabs += fabs(da * A);
+                }
+                if (!pass) {
+                    for (int64_t c = 0; c < hc; c++) s2dh += wdh[c] * wdh[c];
+                    for (int64_t j = 0; j < P->n; j++) s2as += was[j] * was[j];
+                    cnt_dh += hc;
+                    cnt_as += P->n;
+                    continue;
+                }
+                CK(cudaMemcpy(gdh, D->dh_out + r * hc, hc * 2, cudaMemcpyDeviceToHost));
+                CK(cudaMemcpy(gas, D->as_out + r * P->n, P->n * 2, cudaMemcpyDeviceToHost));
+                for (int64_t c = 0; c < hc; c++) check_val(&cdh, bf2f(gdh[c]), wdh[c]);
+                for (int64_t j = 0; j < P->n; j++) check_val(&cas, bf2f(gas[j]), was[j]);
+                float gds;
+                CK(cudaMemcpy(&gds, D->ds_out + r, 4, cudaMemcpyDeviceToHost));
+                double want = dsum + bdot[i], tol = 4e-3 * (dabs + fabs(bdot[i])) + 1e-5;
+                if (!(fabs(gds - want) <= tol)) {
+                    ds_bad++;
+                    if (fabs(gds - want) > ds_worst || !isfinite(gds)) ds_worst = fabs(gds - want);
+                }
+            }
+            if (pass) {
+                ok &= check_report(&cdh, tag);
+                ok &= check_report(&cas, tag);
+                if (ds_bad) {
+                    printf("  FAIL %s dS: %lld rows outside tol, worst %.3g\n", tag, (long long)ds_bad, ds_worst);
+                    ok = 0;
+                }
+            }
+        }
+        free(dap); free(bdot); free(hin); free(gdh); free(gas); free(wdh); free(was);
     }
 
     cudaFree(D->rows); D->rows = NULL;
@@ -512,6 +650,19 @@ static int run_case(int idx, int sms)
             ok = 0;
         }
         D.dxt_ran = !concat;
+        if (rep == 0) {
+            CK(cudaMemset(D.dh_out, 0xFF, P.cap * hc * 2));
+            CK(cudaMemset(D.as_out, 0xFF, P.cap * P.n * 2));
+            CK(cudaMemset(D.ds_out, 0xFF, P.cap * 4));
+            if (smoe_gemm_ops_sm90.scratch_bytes(&g) > (size_t)(P.cap * 4 * ((P.n + 127) / 128))) {
+                printf("  FAIL %s: scratch_bytes too large for the test buffer\n", tag);
+                ok = 0;
+            }
+            st = smoe_gemm_ops_sm90.dh(&g, D.dout, D.w2, P.bias ? D.b2 : NULL, D.dh_in, D.dh_out,
+                                       D.as_out, D.ds_out, D.scratch, 0);
+            if (st != SMOE_SUCCESS) { printf("  FAIL %s: dh returned %d\n", tag, (int)st); ok = 0; }
+            D.dh_ran = st == SMOE_SUCCESS;
+        }
         CK(cudaDeviceSynchronize());
     }
     if (ok) {
@@ -523,6 +674,8 @@ static int run_case(int idx, int sms)
         ok &= check_untouched(D.a, P.R, P.cap, P.n, "A", tag);
         ok &= check_untouched(D.y, P.R, P.cap, P.d, "Y", tag);
         ok &= check_untouched(D.dxt, D.dxt_ran ? P.R : 0, P.cap, P.d, "dXt", tag);
+        ok &= check_untouched(D.dh_out, P.R, P.cap, hc, "dH", tag);
+        ok &= check_untouched(D.as_out, P.R, P.cap, P.n, "A'", tag);
         int det = bitwise_equal(D.a, a2, P.R * P.n) && bitwise_equal(D.y, y2, P.R * P.d) &&
                   bitwise_equal(D.dxt, x2, P.R * P.d) &&
                   (!with_h || bitwise_equal(D.h, h2, P.R * hc));
@@ -628,8 +781,8 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
     CK(cudaGetLastError());
     /* alternatives of `up` (variant hook), and the same FLOPs through the
      * down kernel with swapped sizes: TMA-loaded contiguous A, plain store */
-    float t_var[4] = {0, 0, 0, 0}, t_tma = 0;
-    for (int v = 0; v < 4; v++) {
+    float t_var[3] = {0, 0, 0}, t_tma = 0;
+    for (int v = 0; v < 3; v++) {
         float tv[BENCH_REPS];
         smoe_sm90_gemm_variant = v;
         for (int it = -2; it < BENCH_REPS; it++) {
@@ -698,6 +851,19 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
         if (it >= 0) t_dxt[it] = ms;
     }
     float mx = median_ms(t_dxt, BENCH_REPS);
+    float t_dh[BENCH_REPS];
+    for (int it = -3; it < BENCH_REPS; it++) {
+        float ms;
+        CK(cudaEventRecord(e0));
+        if (smoe_gemm_ops_sm90.dh(&g, D.dout, D.w2, NULL, D.dh_in, D.dh_out, D.as_out, D.ds_out,
+                                  D.scratch, 0) != SMOE_SUCCESS)
+            ok = 0;
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (it >= 0) t_dh[it] = ms;
+    }
+    float mh = median_ms(t_dh, BENCH_REPS);
     float mu = median_ms(t_up, BENCH_REPS), md = median_ms(t_down, BENCH_REPS);
     float cu = median_ms(t_cb_up, BENCH_REPS), cd = median_ms(t_cb_down, BENCH_REPS);
 
@@ -710,6 +876,7 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
     CK(cudaMemset(D.dxt, 0xFF, P.cap * P.d * 2));
     if (smoe_gemm_ops_sm90.dxt(&g, D.dh_in, D.w1, D.dxt, NULL, 0) != SMOE_SUCCESS) ok = 0;
     D.dxt_ran = 1;
+    D.dh_ran = 1;
     CK(cudaDeviceSynchronize());
     int nr = 0;
     int32_t *rows = (int32_t *)malloc(1200 * 4);
@@ -725,11 +892,10 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
            S->name, (long long)S->T, (long long)S->d, (long long)S->n, (long long)S->E,
            (long long)S->K, mu, up_flops / mu / 1e9, up_flops / cu / 1e9, md,
            down_flops / md / 1e9, down_flops / cd / 1e9, ok ? "ok" : "FAIL");
-    printf("%-10s up variants: v0 %.1f | v1 (L2 prefetch 4) %.1f | v2 (prefetch 8) %.1f | v3 (BN=128, "
-           "6 stages, prefetch 4) %.1f TF | same FLOPs, TMA A, plain store: %.1f TF | dxt %.3f ms "
-           "%.1f TF\n",
+    printf("%-10s up table %.1f | wide (BN=256, 4 st) %.1f | narrow (BN=128, 6 st, warp/stage) %.1f TF "
+           "| same FLOPs, TMA A, plain store: %.1f TF | dxt %.3f ms %.1f TF | dh %.3f ms %.1f TF\n",
            S->name, up_flops / t_var[0] / 1e9, up_flops / t_var[1] / 1e9, up_flops / t_var[2] / 1e9,
-           up_flops / t_var[3] / 1e9, up_flops / t_tma / 1e9, mx, up_flops / mx / 1e9);
+           up_flops / t_tma / 1e9, mx, up_flops / mx / 1e9, mh, down_flops / mh / 1e9);
     cudaEventDestroy(e0); cudaEventDestroy(e1);
     dev_free(&D);
     free(P.offset); free(P.row_token); free(P.row_expert);
@@ -738,11 +904,12 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
 
 int main(int argc, char **argv)
 {
-    int bench = 0, small = 0, cases = 40;
+    int bench = 0, small = 0, cases = 40, nshapes = 4;
     uint64_t seed = 0x5EED5EEDull;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--bench")) bench = 1;
         else if (!strcmp(argv[i], "--small")) small = 1;
+        else if (!strcmp(argv[i], "--shapes") && i + 1 < argc) nshapes = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 0);
         else if (!strcmp(argv[i], "--cases") && i + 1 < argc) cases = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--variant") && i + 1 < argc) smoe_sm90_gemm_variant = atoi(argv[++i]);
@@ -774,7 +941,7 @@ int main(int argc, char **argv)
         };
         cublasHandle_t cb;
         if (cublasCreate(&cb) != CUBLAS_STATUS_SUCCESS) { printf("cublasCreate failed\n"); return 2; }
-        for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
+        for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]) && (int)i < nshapes; i++) {
             total++;
             failed += !bench_shape(&shapes[i], sms, cb);
         }

@@ -1,37 +1,45 @@
 /*
  * grouped_gemm_sm90.cu -- Hopper (sm_90a) varlen-M grouped GEMMs of the MoE
- * layer: the up-projection (gathered X rows, activation epilogue writing H and
- * A) and the down-projection (contiguous A rows, bias, plain store). They fill
- * the table smoe_gemm_ops_sm90 of gemm.h; its other entries stay NULL and run
- * the portable kernels (dw1/dw2 come from varlen_k_sm90.cu).
+ * layer, the up, down, dh and dxt entries of smoe_gemm_ops_sm90 (gemm.h); the
+ * dw1/dw2 entries come from varlen_k_sm90.cu.
  *
  * Shapes (gemm.h): rows sorted by expert, expert e owns rows
  * [expert_offset[e], expert_offset[e+1]), read on the device only.
  *   up:   H[r] = X[row_token[r]] W1[e]^T + b1[e]   (cap, h_cols), A = act(H)
  *   down: Y[r] = A[r] W2[e]^T + b2[e]              (cap, d)
+ *   dh:   dA'[r] = dO[row_token[r]] W2[e]          (n columns), then dH, A', dS
+ *   dxt:  dX~[r] = dH[r] W1[e]                     (cap, d)
  *
  * Algorithm: one persistent CTA per SM (384 threads = 3 warpgroups).
- *  - Warpgroup 0 produces: one thread loads the weight tile (BN x 64) by TMA
- *    into 128B-swizzled shared memory; for `up` all 128 threads gather the 128
- *    activation rows of the tile with 16-byte cp.async into the same swizzled
- *    layout (chunk c of row r at r*128 + ((c ^ (r & 7)) << 4)), completing on
- *    the stage's full barrier via cp.async.mbarrier.arrive.noinc; for `down`
- *    the A tile comes by TMA too. It gives its registers away (setmaxnreg).
- *  - Warpgroups 1 and 2 consume: each owns 64 rows of the 128-row tile and
- *    runs wgmma m64nBNk16 (fp32 accumulators in registers), releasing a stage
- *    through its empty barrier once the wgmma that read it has retired.
+ *  - Warpgroup 0 produces (setmaxnreg down to 40): one thread loads the
+ *    weight tile by TMA into 128B-swizzled shared memory (BN x 64 K-major for
+ *    up/down; BN/64 boxes of 64 k-rows x 64 columns, MN-major, for dh/dxt).
+ *    For the gathered operand (X in up, dO in dh) all 128 threads load the
+ *    tile's 128 rows with 16-byte cp.async into the same swizzled layout
+ *    (chunk c of row r at r*128 + ((c ^ (r & 7)) << 4)), completing on the
+ *    stage's full barrier by cp.async.mbarrier.arrive.noinc (count 128 + the
+ *    TMA thread's expect_tx arrival). For down/dxt the A tile comes by TMA.
+ *  - Warpgroups 1 and 2 consume (setmaxnreg up to 232): each owns 64 rows of
+ *    the 128-row tile and runs wgmma m64nBNk16 (fp32 accumulators in
+ *    registers; transpose bit for MN-major B), releasing a stage through its
+ *    empty barrier once the wgmma that read it has retired (wait_group 1).
  *  - A STAGES-deep ring of full/empty mbarriers links them.
  *  - Tile scheduler: static and persistent. Tiles of expert e are
  *    ceil(count_e / 128) x ceil(N / BN); a prefix sum over experts (one warp,
  *    in shared memory, from expert_offset on the device: no host sync) turns
  *    a linear tile index into (expert, m-tile, n-tile) by binary search. CTA b
  *    takes tiles b, b + grid, ... N-tiles vary fastest, so the CTAs running
- *    at once share an expert's weight tiles in L2.
- *  - Epilogue straight from the accumulators: bias, bf16 rounding, and for
- *    `up` the activation, with stores clipped at the expert's last row and
- *    at N. Rows of a tile past the expert's end are computed on zeros
- *    (gather) or on the next rows of A (TMA; possibly rows in [R, cap), which
- *    are allocated) and never stored.
+ *    at once share an expert's weight tiles and gathered rows in L2.
+ *  - Epilogue through a per-warpgroup shared buffer, 64 columns (dh: 32 fp32
+ *    units) at a time: the accumulator layout scatters a warp's stores over 8
+ *    rows, so the chunk is staged and then stored as 128-byte row segments,
+ *    clipped at the expert's last row and at N. The elementwise work (up: A =
+ *    act(H); dh: dSwiGLU, A', dS) runs in a compact loop over the staged
+ *    values, not unrolled over the 128 accumulators: unrolled, it made the
+ *    kernel 450 KB of code and the instruction fetches stalled every warp.
+ *    Rows of a tile past the expert's end are computed on zeros (gather) or
+ *    on the next rows of A (TMA; possibly rows in [R, cap), which are
+ *    allocated) and never stored.
  *
  * W1 layouts: logical H column c is physical W1 row smoe_w1_row(c). For the
  * interleaved layout an N tile is BN consecutive W1 rows and a thread's
@@ -39,21 +47,27 @@
  * concatenated layout the tile is loaded as two boxes, BN/2 gate rows then
  * the BN/2 matching up rows, so accumulator columns c and c + BN/2 (held by
  * the same thread) are the gate and up of one unit. b1 follows W1's physical
- * row order.
+ * row order. dxt needs W1's rows in dH's column order: interleaved (or
+ * non-gated) only; the concatenated layout returns SMOE_ERROR_UNSUPPORTED.
  *
  * Numerics: bf16 operands, fp32 accumulation in the tensor cores, bias added
  * in fp32, H rounded to bf16, A = act(bf16 H) in fp32 rounded to bf16 (the
- * same value the backward recomputes from the saved H). Deterministic: every
- * output element is written once by one thread; no atomics.
+ * same value the backward recomputes from the saved H). dh: A recomputed
+ * from the saved bf16 H, dS partial sums per (row, n-tile) in fp32 in a fixed
+ * order, written to scratch and summed in n-tile order by sm90_ds_finish
+ * (plus <dO, b2[e]>). Deterministic: every output element is written once by
+ * one thread; no atomics.
  *
- * Tile table (BM = 128 rows, BK = 64):
+ * Tile table (BM = 128 rows, BK = 64; H100 timings in notes/sm90_log.md):
  *   N >= 256: BN = 256, 4 stages (48 KiB each)
- *   N <  256: BN = 128, 6 stages (32 KiB each)
+ *   N <  256: BN = 128, 6 stages (32 KiB each); up gathers one stage per
+ *             producer warp there
  * Requirements (else SMOE_ERROR_UNSUPPORTED, and the layer runs the portable
  * kernel): d % 64 == 0, n % 64 == 0, E <= 1024, 16-byte aligned pointers.
  */
 #include <cudaTypedefs.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "cuda/gemm.h"
 #include "cuda/sm90/ptx_sm90.cuh"
@@ -67,7 +81,7 @@ using namespace smoe_sm90;
 #define SM90_PRODUCER_REGS 40
 #define SM90_CONSUMER_REGS 232
 
-enum { SM90_MODE_UP = 0, SM90_MODE_DOWN = 1, SM90_MODE_DXT = 2 };
+enum { SM90_MODE_UP = 0, SM90_MODE_DOWN = 1, SM90_MODE_DXT = 2, SM90_MODE_DH = 3 };
 
 typedef struct sm90_gemm_params {
     const bf16 *a_src;            /* up: X (T, K) gathered by row_token */
@@ -81,6 +95,12 @@ typedef struct sm90_gemm_params {
     int N;                        /* output columns: h_cols (up) or d (down) */
     int n;                        /* intermediate size (up) */
     int gated, act, concat;
+    /* dh only */
+    const bf16 *h_in;             /* H (cap, h_cols) */
+    const float *score;           /* (cap) */
+    float *dsp;                   /* (tiles_n, cap) partial dS sums */
+    int64_t cap;
+    int h_cols;
 } sm90_gemm_params;
 
 /* Per consumer warpgroup: 64 rows x 64 bf16, rows padded to 144 bytes so the
@@ -203,16 +223,197 @@ __device__ __forceinline__ void ep_flush(const uint8_t *eb, bf16 *dst, int64_t l
     named_barrier_sync(1 + cw, 128);
 }
 
+/* up's flush: stores the staged H chunk (64 columns from hc0, when H is
+ * wanted) and A = act(H) from the same bf16 values: 8 columns per thread,
+ * i.e. 4 (gate, up) pairs or 8 plain values. */
+__device__ __noinline__ void ep_flush_up(const uint8_t *eb, bf16 *out_h, bf16 *out_a, int ldh,
+                                         int lda, int gated, int act, int wrow0, int hc0,
+                                         int nvalid, int t, int cw)
+{
+    named_barrier_sync(1 + cw, 128);
+    const int v = t & 7;
+#pragma unroll 1
+    for (int r = t >> 3; r < 64; r += 16) {
+        if (r >= nvalid) break;
+        const uint4 hv = *(const uint4 *)(eb + r * SM90_EP_STRIDE + v * 16);
+        const int64_t row = wrow0 + r;
+        if (out_h) *(uint4 *)(out_h + row * ldh + hc0 + 8 * v) = hv;
+        const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv;
+        if (gated) {
+            __nv_bfloat162 o0 = __floats2bfloat162_rn(
+                sm90_act_gated(act, __low2float(h2[0]), __high2float(h2[0])),
+                sm90_act_gated(act, __low2float(h2[1]), __high2float(h2[1])));
+            __nv_bfloat162 o1 = __floats2bfloat162_rn(
+                sm90_act_gated(act, __low2float(h2[2]), __high2float(h2[2])),
+                sm90_act_gated(act, __low2float(h2[3]), __high2float(h2[3])));
+            uint2 pk;
+            pk.x = *(uint32_t *)&o0;
+            pk.y = *(uint32_t *)&o1;
+            *(uint2 *)(out_a + row * lda + hc0 / 2 + 4 * v) = pk;
+        } else {
+            uint4 ov;
+            uint32_t *o = (uint32_t *)&ov;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                __nv_bfloat162 a2 = __floats2bfloat162_rn(sm90_act_plain(act, __low2float(h2[i])),
+                                                          sm90_act_plain(act, __high2float(h2[i])));
+                o[i] = *(uint32_t *)&a2;
+            }
+            *(uint4 *)(out_a + row * lda + hc0 + 8 * v) = ov;
+        }
+    }
+    named_barrier_sync(1 + cw, 128);
+}
+
+/* f(x) and f'(x): the gate function (gated) or the activation. */
+__device__ __forceinline__ void sm90_act_fd(int act, float x, float &f, float &df)
+{
+    switch (act) {
+    case SMOE_ACT_GEGLU:
+    case SMOE_ACT_GELU: {
+        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+        const float th = tanhf(k0 * (x + k1 * x * x * x));
+        f = 0.5f * x * (1.0f + th);
+        df = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * k0 * (1.0f + 3.0f * k1 * x * x);
+        break;
+    }
+    case SMOE_ACT_REGLU:
+    case SMOE_ACT_RELU:
+        f = fmaxf(x, 0.0f);
+        df = x > 0.0f ? 1.0f : 0.0f;
+        break;
+    case SMOE_ACT_RELU2: {
+        const float r = fmaxf(x, 0.0f);
+        f = r * r;
+        df = 2.0f * r;
+        break;
+    }
+    default: { /* SWIGLU, SILU */
+        const float sg = 1.0f / (1.0f + __expf(-x));
+        f = x * sg;
+        df = sg * (1.0f + x * (1.0f - sg));
+    }
+    }
+}
+
+/* dh's flush: per row r and unit u of the chunk (32 units from u0), with
+ * dA' staged in fp32, H read from memory and s = score[r]:
+ *   gated:     A = f(g) u, dH = (s dA' f'(g) u, s dA' f(g)), A' = s A
+ *   non-gated: A = f(h),   dH = s dA' f'(h),                 A' = s A
+ * and dS partials <dA', A> summed over the row's 8 threads in a fixed order
+ * into dsr[i] (row t/8 + 16 i). 4 units per thread. */
+__device__ __noinline__ void ep_flush_dh(const uint8_t *eb, const bf16 *h_in, const float *score,
+                                         bf16 *out_dh, bf16 *out_as, int h_cols, int n, int gated,
+                                         int act, int wrow0, int u0, int nvalid, int t, int cw,
+                                         float *dsr)
+{
+    named_barrier_sync(1 + cw, 128);
+    const int v = t & 7;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int r = (t >> 3) + 16 * i;
+        float part = 0.0f;
+        if (r < nvalid) {
+            const int64_t row = wrow0 + r;
+            const float s = score[row];
+            const float4 da = *(const float4 *)(eb + r * SM90_EP_STRIDE + v * 16);
+            const float dav[4] = {da.x, da.y, da.z, da.w};
+            const int u = u0 + 4 * v;
+            float av[4];
+            uint32_t dh_pk[4];
+            if (gated) {
+                const uint4 hv = *(const uint4 *)(h_in + row * h_cols + 2 * u);
+                const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv;
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const float g = __low2float(h2[k]), up = __high2float(h2[k]);
+                    float f, df;
+                    sm90_act_fd(act, g, f, df);
+                    av[k] = f * up;
+                    __nv_bfloat162 o = __floats2bfloat162_rn(s * dav[k] * df * up, s * dav[k] * f);
+                    dh_pk[k] = *(uint32_t *)&o;
+                }
+                *(uint4 *)(out_dh + row * h_cols + 2 * u) =
+                    make_uint4(dh_pk[0], dh_pk[1], dh_pk[2], dh_pk[3]);
+            } else {
+                const uint2 hv = *(const uint2 *)(h_in + row * h_cols + u);
+                const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv;
+                float dhv[4];
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const float x = (k & 1) ? __high2float(h2[k >> 1]) : __low2float(h2[k >> 1]);
+                    float f, df;
+                    sm90_act_fd(act, x, f, df);
+                    av[k] = f;
+                    dhv[k] = s * dav[k] * df;
+                }
+                __nv_bfloat162 o0 = __floats2bfloat162_rn(dhv[0], dhv[1]);
+                __nv_bfloat162 o1 = __floats2bfloat162_rn(dhv[2], dhv[3]);
+                *(uint2 *)(out_dh + row * h_cols + u) =
+                    make_uint2(*(uint32_t *)&o0, *(uint32_t *)&o1);
+            }
+            __nv_bfloat162 a0 = __floats2bfloat162_rn(s * av[0], s * av[1]);
+            __nv_bfloat162 a1 = __floats2bfloat162_rn(s * av[2], s * av[3]);
+            *(uint2 *)(out_as + row * n + u) = make_uint2(*(uint32_t *)&a0, *(uint32_t *)&a1);
+            part = dav[0] * av[0] + dav[1] * av[1] + dav[2] * av[2] + dav[3] * av[3];
+        }
+        /* the row's 8 threads are 8 consecutive lanes */
+        part += __shfl_xor_sync(0xffffffffu, part, 1);
+        part += __shfl_xor_sync(0xffffffffu, part, 2);
+        part += __shfl_xor_sync(0xffffffffu, part, 4);
+        dsr[i] += part;
+    }
+    named_barrier_sync(1 + cw, 128);
+}
+
+/* ds[r] = the n-tile partials in tile order (+ <dO[tok[r]], b2[e]>). One
+ * warp per row; rows past R untouched. */
+__global__ void sm90_ds_finish(const float *dsp, int tiles, int64_t cap, const int32_t *off, int E,
+                               const int32_t *tok, const bf16 *dout, const bf16 *b2, int d,
+                               float *ds)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= cap || r >= __ldg(off + E)) return;
+    float dot = 0.0f;
+    if (b2) {
+        int lo = 0, hi = E;
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if (__ldg(off + mid) <= r) lo = mid; else hi = mid;
+        }
+        const bf16 *x = dout + (int64_t)__ldg(tok + r) * d;
+        const bf16 *b = b2 + (int64_t)lo * d;
+        for (int j = lane * 8; j < d; j += 256) {
+            const uint4 xv = *(const uint4 *)(x + j), bv = *(const uint4 *)(b + j);
+            const __nv_bfloat162 *xp = (const __nv_bfloat162 *)&xv;
+            const __nv_bfloat162 *bp = (const __nv_bfloat162 *)&bv;
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                dot += __low2float(xp[k]) * __low2float(bp[k]) +
+                       __high2float(xp[k]) * __high2float(bp[k]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    }
+    if (lane == 0) {
+        float v = 0.0f;
+        for (int t = 0; t < tiles; t++) v += dsp[(int64_t)t * cap + r];
+        ds[r] = v + dot;
+    }
+}
+
 /* ------------------------------------------------------------ the kernel */
 
-template <int BN, int STAGES, int MODE, int PF>
+template <int BN, int STAGES, int MODE, bool WS>
 __global__ void __launch_bounds__(SM90_THREADS, 1)
 sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                          const __grid_constant__ CUtensorMap map_b, const sm90_gemm_params p)
 {
     typedef sm90_tile_cfg<BN, STAGES> cfg;
-    constexpr bool GATHER = (MODE == SM90_MODE_UP);
-    constexpr bool TRANS_B = (MODE == SM90_MODE_DXT); /* B = W1 (K x N, N contiguous) */
+    constexpr bool GATHER = (MODE == SM90_MODE_UP || MODE == SM90_MODE_DH);
+    /* B stored K x N, N contiguous: W1 for dxt, W2 for dh */
+    constexpr bool TRANS_B = (MODE == SM90_MODE_DXT || MODE == SM90_MODE_DH);
     constexpr int NACC = BN / 2;
 
     extern __shared__ uint8_t smem_raw[];
@@ -232,7 +433,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         tma_prefetch_map(&map_b);
         if (!GATHER) tma_prefetch_map(&map_a);
         for (int s = 0; s < STAGES; s++) {
-            mbar_init(smem_addr(full + s), GATHER ? 128 + 1 : 1);
+            mbar_init(smem_addr(full + s), GATHER ? (WS ? 32 : 128) + 1 : 1);
             mbar_init(smem_addr(empty + s), 2);
         }
         mbar_fence_init();
@@ -261,8 +462,55 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     if (wg == 0) {
         /* ---------------- producer ---------------- */
         setmaxnreg_dec<SM90_PRODUCER_REGS>();
-        const int chunk = tid & 7, rsub = tid >> 3; /* rows rsub + 16 i, 16-byte chunk */
         const uint32_t tx_bytes = GATHER ? cfg::B_BYTES : cfg::A_BYTES + cfg::B_BYTES;
+        if constexpr (GATHER && WS) {
+            /* Warp-per-stage gather: k-block `it` belongs to producer warp it % 4,
+             * which loads the whole A tile of that stage (32 cp.async per lane)
+             * and the weight tile, so four stages are in flight on four warps.
+             * The tile's 128 gather tokens sit in a double-buffered shared array
+             * (one barrier per tile: a buffer is rewritten two tiles later, after
+             * every warp has passed the next tile's barrier). */
+            const int pw = tid >> 5, lane = tid & 31, chunk = lane & 7;
+            int it = 0, nth = 0;
+            for (int t = blockIdx.x; t < total; t += gridDim.x, nth++) {
+                sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset);
+                int32_t *tokb = tok_slots + 128 * (nth & 1);
+                {
+                    int r = tl.row0 + tid;
+                    tokb[tid] = r < tl.row_end ? __ldg(p.row_token + r) : -1;
+                }
+                named_barrier_sync(3, 128);
+                for (int kb = 0; kb < kb_count; kb++, it++) {
+                    if ((it & 3) != pw) continue;
+                    const int stage = it % STAGES;
+                    const uint32_t phase = (uint32_t)(it / STAGES) & 1;
+                    const uint32_t fb = smem_addr(full + stage);
+                    const uint32_t sa = smem_addr(smem + stage * cfg::STAGE_BYTES);
+                    const uint32_t sb = sa + cfg::A_BYTES;
+                    mbar_wait(smem_addr(empty + stage), phase ^ 1);
+                    if (lane == 0) {
+                        mbar_arrive_expect_tx(fb, tx_bytes);
+                        if (p.concat) {
+                            int g = tl.e * p.N + tl.n_tile * (BN / 2);
+                            tma_load_2d(sb, &map_b, fb, kb * SM90_BK, g);
+                            tma_load_2d(sb + cfg::B_BYTES / 2, &map_b, fb, kb * SM90_BK, g + p.n);
+                        } else {
+                            tma_load_2d(sb, &map_b, fb, kb * SM90_BK, tl.e * p.N + tl.n_tile * BN);
+                        }
+                    }
+                    const bf16 *src0 = p.a_src + kb * SM90_BK + chunk * 8;
+#pragma unroll 8
+                    for (int i = 0; i < 32; i++) {
+                        const int r = (lane >> 3) + 4 * i;
+                        const uint32_t dst = sa + r * 128 + ((chunk ^ (r & 7)) << 4);
+                        const int32_t ti = tokb[r];
+                        cp_async_16(dst, src0 + (int64_t)(ti < 0 ? 0 : ti) * p.K, ti < 0 ? 0u : 16u);
+                    }
+                    cp_async_mbar_arrive_noinc(fb);
+                }
+            }
+        } else {
+        const int chunk = tid & 7, rsub = tid >> 3; /* rows rsub + 16 i, 16-byte chunk */
         int stage = 0;
         uint32_t phase = 0;
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
@@ -275,14 +523,6 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                 for (int i = 0; i < 8; i++) {
                     int r = tl.row0 + rsub + 16 * i;
                     tok[i] = r < tl.row_end ? __ldg(p.row_token + r) : -1;
-                }
-                /* L2 prefetch of the gathered rows PF k-blocks ahead of the loads
-                 * (bulk prefetch: the copy engine, not the load/store unit). Each
-                 * thread covers row rsub + 16 chunk. */
-                if (PF > 0) {
-                    const int32_t ti = tok[chunk];
-                    int nb = kb_count < PF ? kb_count : PF;
-                    if (ti >= 0) bulk_prefetch_l2(p.a_src + (int64_t)ti * p.K, nb * SM90_BK * 2);
                 }
             }
             for (int kb = 0; kb < kb_count; kb++) {
@@ -318,15 +558,10 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                         cp_async_16(dst, src, ti < 0 ? 0u : 16u);
                     }
                     cp_async_mbar_arrive_noinc(fb);
-                    if (PF > 0 && kb + PF < kb_count) {
-                        const int32_t ti = tok[chunk];
-                        if (ti >= 0)
-                            bulk_prefetch_l2(p.a_src + (int64_t)ti * p.K + (kb + PF) * SM90_BK,
-                                             SM90_BK * 2);
-                    }
                 }
                 if (++stage == STAGES) { stage = 0; phase ^= 1; }
             }
+        }
         }
     } else {
         /* ---------------- consumers ---------------- */
@@ -383,9 +618,34 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             const int nvalid = min(64, tl.row_end - wrow0);
             const int n0 = tl.n_tile * BN;
             const int64_t bo = (int64_t)tl.e * p.N;
+            float dsr[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* dh: dS partials of rows t/8 + 16 i */
 #pragma unroll
-            for (int c = 0; c < BN / 64; c++) {
-                if constexpr (MODE != SM90_MODE_UP) {
+            for (int c = 0; c < (MODE == SM90_MODE_DH ? BN / 32 : BN / 64); c++) {
+                if constexpr (MODE == SM90_MODE_DH) {
+                    /* dA' in fp32, 32 units a chunk; the flush does the rest */
+                    const int u0 = n0 + 32 * c;
+                    if (u0 >= p.N) break;
+#pragma unroll
+                    for (int jj = 0; jj < 4; jj++) {
+                        const int j = 4 * c + jj;
+#pragma unroll
+                        for (int h = 0; h < 2; h++)
+                            *(float2 *)(eb + (lr + 8 * h) * SM90_EP_STRIDE + (8 * jj + 2 * q) * 4) =
+                                make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                    }
+                    ep_flush_dh(eb, p.h_in, p.score, p.out0, p.out1, p.h_cols, p.n, p.gated,
+                                p.act, wrow0, u0, nvalid, tid & 127, cw, dsr);
+                    if (c == BN / 32 - 1 || u0 + 32 >= p.N) {
+                        /* the row partials of this n-tile, one writer per row */
+                        if ((tid & 7) == 0)
+#pragma unroll
+                            for (int i = 0; i < 4; i++) {
+                                const int r = ((tid & 127) >> 3) + 16 * i;
+                                if (r < nvalid)
+                                    p.dsp[(int64_t)tl.n_tile * p.cap + wrow0 + r] = dsr[i];
+                            }
+                    }
+                } else if constexpr (MODE != SM90_MODE_UP) {
                     const int col0 = n0 + 64 * c;
                     if (col0 >= p.N) break;
 #pragma unroll
@@ -398,15 +658,19 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                                     acc[4 * j + 2 * h] + b0, acc[4 * j + 2 * h + 1] + b1);
                     }
                     ep_flush<128>(eb, p.out0 + (int64_t)wrow0 * p.N + col0, p.N, nvalid, tid & 127, cw);
-                } else if (p.gated && p.concat) {
-                    /* chunk c: units u0 .. u0 + 31; gate in accumulator chunks 4c..4c+3,
-                     * their ups BN/16 chunks further. Two passes (H, then A) that
-                     * recompute the cheap values rather than keep them live. */
-                    const int u0 = n0 / 2 + 32 * c;
-                    if (u0 >= p.n) break;
-#pragma unroll
-                    for (int pass = 0; pass < 2; pass++) {
-                        if (pass == 0 && !p.out0) continue;
+                } else {
+                    /* The chunk's 64 H columns (bias added, rounded) go to shared
+                     * memory in interleaved order; the flush stores them and computes
+                     * A from the staged bf16 values in a compact loop. (Unrolling the
+                     * activation over all 128 accumulators made the kernel 450 KB of
+                     * code, and the epilogue's instruction fetches stalled every warp.)
+                     * Concatenated W1: chunk c holds units u0 .. u0 + 31, gates in
+                     * accumulator chunks 4c..4c+3 and their ups BN/16 chunks further. */
+                    int hc0;
+                    if (p.gated && p.concat) {
+                        const int u0 = n0 / 2 + 32 * c;
+                        if (u0 >= p.n) break;
+                        hc0 = 2 * u0;
 #pragma unroll
                         for (int jj = 0; jj < 4; jj++) {
                             const int jg = 4 * c + jj, ju = jg + BN / 16, u = u0 + 8 * jj + 2 * q;
@@ -414,62 +678,26 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                             float bu0 = load_bias(p.bias, bo + p.n + u);
                             float bu1 = load_bias(p.bias, bo + p.n + u + 1);
 #pragma unroll
-                            for (int h = 0; h < 2; h++) {
-                                float g0 = bf16_round(acc[4 * jg + 2 * h] + bg0);
-                                float g1 = bf16_round(acc[4 * jg + 2 * h + 1] + bg1);
-                                float v0 = bf16_round(acc[4 * ju + 2 * h] + bu0);
-                                float v1 = bf16_round(acc[4 * ju + 2 * h + 1] + bu1);
-                                if (pass == 0)
-                                    ep_put4(eb, lr + 8 * h, 16 * jj + 4 * q, g0, v0, g1, v1);
-                                else
-                                    ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q,
-                                            sm90_act_gated(p.act, g0, v0),
-                                            sm90_act_gated(p.act, g1, v1));
-                            }
+                            for (int h = 0; h < 2; h++)
+                                ep_put4(eb, lr + 8 * h, 16 * jj + 4 * q, acc[4 * jg + 2 * h] + bg0,
+                                        acc[4 * ju + 2 * h] + bu0, acc[4 * jg + 2 * h + 1] + bg1,
+                                        acc[4 * ju + 2 * h + 1] + bu1);
                         }
-                        if (pass == 0)
-                            ep_flush<128>(eb, p.out0 + (int64_t)wrow0 * p.N + 2 * u0, p.N, nvalid,
-                                          tid & 127, cw);
-                        else
-                            ep_flush<64>(eb, p.out1 + (int64_t)wrow0 * p.n + u0, p.n, nvalid,
-                                         tid & 127, cw);
-                    }
-                } else {
-                    /* interleaved gated: columns (2i, 2i+1) = (gate, up) of unit col/2;
-                     * non-gated: A has H's columns. Passes as above. */
-                    const int col0 = n0 + 64 * c;
-                    if (col0 >= p.N) break;
-#pragma unroll
-                    for (int pass = 0; pass < 2; pass++) {
-                        if (pass == 0 && !p.out0) continue;
+                    } else {
+                        hc0 = n0 + 64 * c;
+                        if (hc0 >= p.N) break;
 #pragma unroll
                         for (int jj = 0; jj < 8; jj++) {
-                            const int j = 8 * c + jj, col = col0 + 8 * jj + 2 * q;
-                            float b0 = load_bias(p.bias, bo + col);
-                            float b1 = load_bias(p.bias, bo + col + 1);
+                            const int j = 8 * c + jj, col = hc0 + 8 * jj + 2 * q;
+                            float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
 #pragma unroll
-                            for (int h = 0; h < 2; h++) {
-                                float v0 = bf16_round(acc[4 * j + 2 * h] + b0);
-                                float v1 = bf16_round(acc[4 * j + 2 * h + 1] + b1);
-                                if (pass == 0)
-                                    ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q, v0, v1);
-                                else if (p.gated)
-                                    ep_put1(eb, lr + 8 * h, 4 * jj + q, sm90_act_gated(p.act, v0, v1));
-                                else
-                                    ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q, sm90_act_plain(p.act, v0),
-                                            sm90_act_plain(p.act, v1));
-                            }
+                            for (int h = 0; h < 2; h++)
+                                ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q, acc[4 * j + 2 * h] + b0,
+                                        acc[4 * j + 2 * h + 1] + b1);
                         }
-                        if (pass == 0)
-                            ep_flush<128>(eb, p.out0 + (int64_t)wrow0 * p.N + col0, p.N, nvalid,
-                                          tid & 127, cw);
-                        else if (p.gated)
-                            ep_flush<64>(eb, p.out1 + (int64_t)wrow0 * p.n + col0 / 2, p.n, nvalid,
-                                         tid & 127, cw);
-                        else
-                            ep_flush<128>(eb, p.out1 + (int64_t)wrow0 * p.n + col0, p.n, nvalid,
-                                          tid & 127, cw);
                     }
+                    ep_flush_up(eb, p.out0, p.out1, p.N, p.n, p.gated, p.act, wrow0, hc0, nvalid,
+                                tid & 127, cw);
                 }
             }
         }
@@ -547,14 +775,14 @@ static int sm90_grid(const smoe_gemm_problem *p, int64_t n_tiles)
     return (int)(upper < sms ? upper : sms);
 }
 
-template <int BN, int STAGES, int MODE, int PF>
+template <int BN, int STAGES, int MODE, bool WS>
 static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma,
                                const CUtensorMap *mb, const sm90_gemm_params *prm, cudaStream_t s,
                                const char *op)
 {
     typedef sm90_tile_cfg<BN, STAGES> cfg;
     void (*kern)(const CUtensorMap, const CUtensorMap, const sm90_gemm_params) =
-        sm90_grouped_gemm_kernel<BN, STAGES, MODE, PF>;
+        sm90_grouped_gemm_kernel<BN, STAGES, MODE, WS>;
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            cfg::SMEM_BYTES);
     if (err != cudaSuccess)
@@ -570,12 +798,19 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
     return SMOE_SUCCESS;
 }
 
-/* Benchmark hook for tests/gpu/test_gemm_sm90.cu: 0 runs the tile table
- * above; 1..3 run alternatives of `up` for measurement. */
+/* Benchmark hook for tests/gpu/test_gemm_sm90.cu: 0 runs the tile table;
+ * 1 forces up's wide configuration, 2 its narrow one. */
 extern "C" int smoe_sm90_gemm_variant;
 int smoe_sm90_gemm_variant = 0;
 
-static size_t sm90_scratch_bytes(const smoe_gemm_problem *p) { return 0; }
+static int sm90_dh_bn(const smoe_gemm_problem *p) { return p->n >= 256 ? 256 : 128; }
+
+/* dh's partial dS sums: (ceil(n / BN), cap) fp32. */
+static size_t sm90_scratch_bytes(const smoe_gemm_problem *p)
+{
+    const int64_t bn = sm90_dh_bn(p);
+    return (size_t)((p->n + bn - 1) / bn) * (size_t)p->cap * sizeof(float);
+}
 
 static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16 *w1,
                            const bf16 *b1, bf16 *h, bf16 *a, void *scratch, cudaStream_t s)
@@ -598,18 +833,18 @@ static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16
     prm.gated = p->gated;
     prm.act = (int)p->act;
     prm.concat = p->gated && p->w1_layout == SMOE_W1_CONCATENATED;
+    /* tile table: BN=256 with the 128-thread gather wherever H has 256+
+     * columns (measured best on every grid shape, notes/sm90_log.md); BN=128,
+     * 6 stages, one producer warp per stage below that. The variant hook
+     * forces one of them (1: BN=256, 2: BN=128). */
     const int v = smoe_sm90_gemm_variant;
-    const int bn = (p->h_cols >= 256 && v != 3) ? 256 : 128;
+    const int wide = v == 1 || (v == 0 && p->h_cols >= 256);
+    const int bn = wide ? 256 : 128;
     CUtensorMap mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w1, p->E * p->h_cols, p->d,
                                         prm.concat ? bn / 2 : bn, "w1"));
-    if (bn == 256) {
-        if (v == 1) return sm90_launch<256, 4, SM90_MODE_UP, 4>(p, &mb, &mb, &prm, s, "up");
-        if (v == 2) return sm90_launch<256, 4, SM90_MODE_UP, 8>(p, &mb, &mb, &prm, s, "up");
-        return sm90_launch<256, 4, SM90_MODE_UP, 0>(p, &mb, &mb, &prm, s, "up");
-    }
-    if (v == 3) return sm90_launch<128, 6, SM90_MODE_UP, 4>(p, &mb, &mb, &prm, s, "up");
-    return sm90_launch<128, 6, SM90_MODE_UP, 0>(p, &mb, &mb, &prm, s, "up");
+    if (wide) return sm90_launch<256, 4, SM90_MODE_UP, false>(p, &mb, &mb, &prm, s, "up");
+    return sm90_launch<128, 6, SM90_MODE_UP, true>(p, &mb, &mb, &prm, s, "up");
 }
 
 static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf16 *w2,
@@ -637,8 +872,8 @@ static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf
     CUtensorMap ma, mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&ma, a, p->cap, p->n, SM90_BM, "a"));
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w2, p->E * p->d, p->n, bn, "w2"));
-    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DOWN, 0>(p, &ma, &mb, &prm, s, "down");
-    return sm90_launch<128, 6, SM90_MODE_DOWN, 0>(p, &ma, &mb, &prm, s, "down");
+    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DOWN, false>(p, &ma, &mb, &prm, s, "down");
+    return sm90_launch<128, 6, SM90_MODE_DOWN, false>(p, &ma, &mb, &prm, s, "down");
 }
 
 static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *w1, bf16 *dxt,
@@ -670,8 +905,8 @@ static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf
     CUtensorMap ma, mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&ma, dh, p->cap, p->h_cols, SM90_BM, "dh"));
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w1, p->E * p->h_cols, p->d, 64, "w1"));
-    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DXT, 0>(p, &ma, &mb, &prm, s, "dxt");
-    return sm90_launch<128, 6, SM90_MODE_DXT, 0>(p, &ma, &mb, &prm, s, "dxt");
+    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DXT, false>(p, &ma, &mb, &prm, s, "dxt");
+    return sm90_launch<128, 6, SM90_MODE_DXT, false>(p, &ma, &mb, &prm, s, "dxt");
 }
 
 /* The weight-gradient GEMMs (varlen-K) are in varlen_k_sm90.cu. */
@@ -682,12 +917,60 @@ extern "C" smoe_status smoe_sm90_dw1(const smoe_gemm_problem *p, const bf16 *dh,
                                      void *dw1, smoe_dtype out_dtype, int accumulate,
                                      void *scratch, cudaStream_t s);
 
+static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const bf16 *w2,
+                           const bf16 *b2, const bf16 *h, bf16 *dh, bf16 *a_scaled, float *ds,
+                           void *scratch, cudaStream_t s)
+{
+    SMOE_FORWARD_IF_ERROR(sm90_check_common(p, "dh"));
+    if (sm90_misaligned(dout) || sm90_misaligned(w2) || sm90_misaligned(h) ||
+        sm90_misaligned(dh) || sm90_misaligned(a_scaled) || sm90_misaligned(b2))
+        return smoe_fail(SMOE_ERROR_UNSUPPORTED,
+                         "sm90 dh: dout, w2, b2, h, dh, a_scaled must be 16-byte aligned");
+    if (!scratch || !p->row_score)
+        return smoe_fail(SMOE_ERROR_INTERNAL, "sm90 dh: scratch and row_score are required");
+    if (p->cap == 0 || p->E == 0) return SMOE_SUCCESS;
+    sm90_gemm_params prm;
+    memset(&prm, 0, sizeof(prm));
+    prm.a_src = dout;
+    prm.out0 = dh;
+    prm.out1 = a_scaled;
+    prm.expert_offset = p->expert_offset;
+    prm.row_token = p->row_token;
+    prm.E = (int)p->E;
+    prm.K = (int)p->d;
+    prm.N = (int)p->n;
+    prm.n = (int)p->n;
+    prm.gated = p->gated;
+    prm.act = (int)p->act;
+    prm.h_in = h;
+    prm.score = p->row_score;
+    prm.dsp = (float *)scratch;
+    prm.cap = p->cap;
+    prm.h_cols = (int)p->h_cols;
+    const int bn = sm90_dh_bn(p);
+    CUtensorMap mb;
+    SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w2, p->E * p->d, p->n, 64, "w2"));
+    smoe_status st = bn == 256
+                         ? sm90_launch<256, 4, SM90_MODE_DH, false>(p, &mb, &mb, &prm, s, "dh")
+                         : sm90_launch<128, 6, SM90_MODE_DH, false>(p, &mb, &mb, &prm, s, "dh");
+    SMOE_FORWARD_IF_ERROR(st);
+    const int tiles = (int)((p->n + bn - 1) / bn);
+    sm90_ds_finish<<<(unsigned)((p->cap + 7) / 8), 256, 0, s>>>(
+        (const float *)scratch, tiles, p->cap, p->expert_offset, (int)p->E, p->row_token, dout, b2,
+        (int)p->d, ds);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess)
+        return smoe_fail(SMOE_ERROR_BACKEND, "sm90 dh: dS reduction launch failed: %s",
+                         cudaGetErrorString(err));
+    return SMOE_SUCCESS;
+}
+
 extern "C" const smoe_gemm_ops smoe_gemm_ops_sm90 = {
     /* name          */ "tma+wgmma",
     /* scratch_bytes */ sm90_scratch_bytes,
     /* up            */ sm90_up,
     /* down          */ sm90_down,
-    /* dh            */ NULL,
+    /* dh            */ sm90_dh,
     /* dw2           */ smoe_sm90_dw2,
     /* dxt           */ sm90_dxt,
     /* dw1           */ smoe_sm90_dw1,
