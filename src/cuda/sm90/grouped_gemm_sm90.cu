@@ -150,8 +150,6 @@ __device__ __forceinline__ float sm90_act_plain(int act, float h)
     }
 }
 
-__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
-
 __device__ __forceinline__ float load_bias(const bf16 *b, int64_t i)
 {
     return b ? __bfloat162float(b[i]) : 0.0f;
@@ -183,11 +181,6 @@ __device__ __forceinline__ sm90_tile sm90_tile_decode(int t, const int *tile_sta
 
 /* ------------------------------------------------------------ epilogue staging */
 
-
-__device__ __forceinline__ void ep_put1(uint8_t *eb, int r, int c, float v)
-{
-    *(bf16 *)(eb + r * SM90_EP_STRIDE + c * 2) = __float2bfloat16(v);
-}
 
 __device__ __forceinline__ void ep_put2(uint8_t *eb, int r, int c, float v0, float v1)
 {

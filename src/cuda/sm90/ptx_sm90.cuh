@@ -84,13 +84,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map
                  : "memory");
 }
 
-/* Prefetches `bytes` (a multiple of 16, 16-byte aligned address) into L2 through
- * the copy engine. */
-__device__ __forceinline__ void bulk_prefetch_l2(const void *src, uint32_t bytes)
-{
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
-
 /* ------------------------------------------------------------ cp.async */
 
 /* 16-byte copy; src_bytes 0 writes zeros (src must still be a valid address). */
