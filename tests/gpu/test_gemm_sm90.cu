@@ -1,7 +1,8 @@
 /*
- * test_gemm_sm90.cu -- the Hopper grouped GEMMs (smoe_gemm_ops_sm90) against
- * an independent reference: a naive CUDA kernel (one thread per output, fp32
- * sums of bf16 products) for the GEMM and host double for the activation.
+ * test_gemm_sm90.cu -- the Hopper grouped GEMMs of smoe_gemm_ops_sm90 (up,
+ * down, dxt, dh) against an independent reference: naive CUDA kernels (one
+ * thread per output, fp32 sums of bf16 products) for the GEMMs and host double
+ * for the activation, dSwiGLU, A' and dS.
  *
  *   test_gemm_sm90              correctness: random shapes, random expert
  *                               counts (empty experts, counts that are not
@@ -11,7 +12,10 @@
  *   test_gemm_sm90 --bench      timing on the grid shapes (balanced routing,
  *                               CUDA events, median of 20), with sampled rows
  *                               checked, and cuBLAS dense GEMMs of the same
- *                               FLOPs in the same process as the roofline.
+ *                               FLOPs in the same process as the roofline;
+ *                               --shapes N times the first N shapes only.
+ *   --variant V                 forces an `up` configuration (1: BN=256,
+ *                               2: BN=128 warp-per-stage); --seed, --cases.
  *   test_gemm_sm90 --small      one small case (for compute-sanitizer).
  *
  * Exit status 0 only if every check passed. Seeded; a failure prints the
