@@ -1,34 +1,52 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build, GPU tests, sanitizer on a small case,
-# benchmark over the grid; a short table last. Usage (from the repo root):
-#   scripts/device_check.sh [quick|full]     (OUT=dir keeps logs and CSVs)
-# quick: tests + 3 grid rows; full: tests + sanitizer + all 12 rows.
+# One call on the GPU machine, from the repo root:
+#   scripts/device_check.sh verify   build; C GPU tests; memcheck + racecheck on
+#                                    a small layer case; Python GPU tests;
+#                                    `make run` on the GPU
+#   scripts/device_check.sh bench    the grid on the Hopper path and on the
+#                                    portable path, and the plain PyTorch
+#                                    grouped_mm layer in the same call
+# Logs and CSVs go to $OUT (or /tmp/smoe_out); a short table comes last.
 set -uo pipefail
-mode=${1:-quick}
+mode=${1:-verify}
 out=${OUT:-/tmp/smoe_out}
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-echo "commit $commit ($(git status --porcelain 2>/dev/null | wc -l) uncommitted changes), $(date -u +%F)"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)," \
+     "$(git status --porcelain --untracked-files=no 2>/dev/null | wc -l) modified files, $(date -u '+%F %H:%M') UTC"
 
 if ! make -j16 all >"$out/build.log" 2>&1; then
   tail -40 "$out/build.log"; echo "BUILD FAILED"; exit 1
 fi
 echo "build ok"
-
 status=0
-make test-gpu 2>&1 | tee "$out/test_gpu.log" | grep -E "passed|FAIL|failed|error" | tail -20
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+step() { # name, command...: run, keep the log, print one line
+  local name=$1; shift
+  local t0=$(date +%s)
+  if "$@" >"$out/$name.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
+  printf '%-12s %-7s %4ss  %s\n' "$name" "$r" "$(( $(date +%s) - t0 ))" \
+    "$(grep -E '[0-9]+ passed|ERROR SUMMARY' "$out/$name.log" | tail -n 1)"
+  [ $r = ok ] || tail -15 "$out/$name.log"
+}
 
-if [ "$mode" = full ] && [ -x build/tests/gpu/test_layer_gpu ]; then
-  compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/gpu/test_layer_gpu --small \
-    >"$out/memcheck.log" 2>&1 && echo "memcheck clean" || { echo "MEMCHECK FAILED"; tail -20 "$out/memcheck.log"; status=1; }
-  compute-sanitizer --tool racecheck --error-exitcode 9 build/tests/gpu/test_layer_gpu --small \
-    >"$out/racecheck.log" 2>&1 && echo "racecheck clean" || { echo "RACECHECK FAILED"; tail -20 "$out/racecheck.log"; status=1; }
-fi
-
-if [ -x build/smoe_bench ]; then
-  if [ "$mode" = full ]; then rows=all; else rows=7B-n256,30B-n512,120B-n1024; fi
-  build/smoe_bench --rows "$rows" --csv "$out/bench.csv" 2>&1 | tee "$out/bench.log" | tail -25
+if [ "$mode" = verify ]; then
+  step test-gpu make test-gpu
+  step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/gpu/test_layer_gpu --small
+  step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 build/tests/gpu/test_layer_gpu --small
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
+    export PYTHONPATH=/tmp/site:$PWD/python
+  else
+    export PYTHONPATH=$PWD/python
+  fi
+  step python env SMOE_LIBRARY=$PWD/build/libsmoe.so python3 -m pytest -q -p no:cacheprovider python/tests
+  step run-gpu build/smoe_run
+  step run-7B build/smoe_run --config 7B-n256
+  echo; tail -n 12 "$out/run-7B.log"
+else
+  step bench-sm90 build/smoe_bench --rows all --backend sm90 --csv "$out/bench_sm90.csv"
+  step bench-cuda build/smoe_bench --rows all --backend cuda --csv "$out/bench_cuda.csv"
+  step torch python3 bench/torch_baseline.py --rows all --csv "$out/torch.csv"
+  echo; tail -n 16 "$out/bench-cuda.log"; echo; tail -n 16 "$out/bench-sm90.log"; echo; cat "$out/torch.log"
 fi
 exit $status
