@@ -1,0 +1,737 @@
+"""MoE layer implementations side by side, in one run on one device.
+
+For each configuration (the rows of bench/grid.h, or any T,d,n,E,K) every
+implementation gets the same router weights, the same expert weights, the
+same input, the same output gradient and the same routing decisions. Each
+one's output and gradients (dx, drouter, dw1, dw2) are first compared with
+an fp32 reference; one that fails is reported and not timed. Then, with the
+L2 cache flushed before each repetition and CUDA events around it:
+
+  forward TFLOPS  = 6TKdn / t_fwd
+  backward TFLOPS = 12TKdn / (t_fwdbwd - t_fwd)
+  act_gib         = torch.cuda.memory_allocated() growth over one forward
+                    (training mode; the outputs and everything kept for
+                    backward), the number of SonicMoE's Figure 13
+  peak_gib        = peak allocation of one forward+backward above what was
+                    allocated before it
+
+medians over --reps repetitions. The gradient pass is torch.autograd.grad
+(no accumulation into .grad), the same for every implementation.
+
+Implementations (--impls):
+  smoe-sm90, smoe-cuda  smoe.moe() with $SMOE_TORCH_BACKEND forcing the
+                        backend (the Hopper kernels; the portable CUDA ones)
+  smoe-cpu              smoe.moe() on CPU tensors (--device cpu)
+  torch                 bench/torch_baseline.py's layer (router, index gather,
+                        torch.nn.functional.grouped_mm, SwiGLU, index_add)
+  scattermoe            scattermoe.mlp.GLUMLP, if importable, with the
+                        reference routing given to it
+  sonicmoe              sonicmoe.MoE, if importable (routes itself)
+An implementation that cannot be imported or built is listed as
+'unavailable' in the CSV, with the reason.
+
+Routing. Router weights and inputs are made so that every token's top-K
+experts win by a wide margin (logits of the chosen experts in [1, 2], of the
+others in [-2, 0], before bf16 rounding): a layer that computes its logits
+in bf16 or fp32, with any summation order, picks the same experts. The
+decisions are computed once from fp32 logits (the reference routing), given
+to the implementations that take routing as input, and compared with what
+the self-routing ones pick (smoe: from the logits it returns; torch: its
+routing step recomputed). Which experts a token gets is uniformly random,
+as with a random router; the timings do not depend on the values.
+
+Reference: an fp32 per-expert loop (this file, independent of every
+implementation) with the reference routing, run before the implementations.
+Errors are relative L2 norms, |a - ref| / |ref|, per tensor; the check
+passes when all are below --tol and finite.
+
+    python3 bench/compare.py [--rows all|NAME,...] [--shape T,d,n,E,K ...]
+        [--impls smoe-sm90,smoe-cuda,torch,scattermoe,sonicmoe] [--reps 10]
+        [--csv FILE] [--device cuda|cpu] [--time-budget SECONDS]
+    python3 bench/compare.py --device cpu --shape 64,64,32,8,2   # CPU smoke test
+
+The CSV has one line per (configuration, implementation); lines starting
+with '#' say the device, versions, commit and settings. bench/plot.py turns
+it into plots and a Markdown table.
+"""
+import argparse
+import csv
+import datetime
+import gc
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import torch_baseline  # noqa: E402  (its grid parser and its layer)
+
+FIELDS = ["row", "T", "d", "n", "E", "K", "impl", "status", "path", "fwd_ms", "bwd_ms",
+          "fwd_tflops", "bwd_tflops", "act_gib", "peak_gib", "err_out", "err_dx",
+          "err_drouter", "err_dw1", "err_dw2", "routing_mismatch", "note"]
+GRAD_NAMES = ("out", "dx", "drouter", "dw1", "dw2")
+
+
+# ------------------------------------------------------------------ problem
+
+class Problem:
+    """One configuration's tensors, on the device, in bf16, plus the reference
+    routing: top_i (T, K) int64 expert ids (sorted per token)."""
+
+    def __init__(self, T, d, n, E, K, device, seed):
+        if E > d:
+            raise ValueError("E = %d > d = %d: the margin construction needs E <= d" % (E, d))
+        self.T, self.d, self.n, self.E, self.K = T, d, n, E, K
+        self.device = device
+        g = torch.Generator(device=device).manual_seed(seed)
+        dt = torch.bfloat16
+        # Router: E orthonormal rows (a random router's rows are nearly so).
+        q, _ = torch.linalg.qr(torch.randn(d, E, device=device, generator=g, dtype=torch.float32))
+        # Designed logits: the K chosen experts of each token in [1, 2], the rest in [-2, 0].
+        chosen = torch.rand(T, E, device=device, generator=g).topk(K, dim=1).indices
+        logits = torch.rand(T, E, device=device, generator=g) * 2.0 - 2.0
+        logits.scatter_(1, chosen, 1.0 + torch.rand(T, K, device=device, generator=g))
+        # x = noise outside span(q) + the component that gives those logits.
+        z = torch.randn(T, d, device=device, generator=g)
+        z -= (z @ q) @ q.t()
+        z += logits @ q.t()
+        del logits
+        self.x = z.to(dt)
+        del z
+        self.wr = q.t().contiguous().to(dt)
+        self.w1 = (torch.randn(E, 2 * n, d, device=device, generator=g) * d ** -0.5).to(dt)
+        self.w2 = (torch.randn(E, d, n, device=device, generator=g) * n ** -0.5).to(dt)
+        self.dout = (torch.randn(T, d, device=device, generator=g) * 0.1).to(dt)
+        # The reference routing, from fp32 logits of the bf16 tensors.
+        ref_logits = self.x.float() @ self.wr.float().t()
+        top = ref_logits.topk(K + 1 if K < E else K, dim=1).values
+        self.margin = float((top[:, K - 1] - top[:, K]).min()) if K < E else float("inf")
+        self.top_i = ref_logits.topk(K, dim=1).indices.sort(dim=1).values
+        self.designed_ok = bool((self.top_i == chosen.sort(dim=1).values).all())
+        del ref_logits, top, chosen
+
+    def leaves(self):
+        """Fresh leaf tensors (requires_grad) over the same storage."""
+        return [t.detach().requires_grad_() for t in (self.x, self.wr, self.w1, self.w2)]
+
+
+def routing_mismatch(prob, logits):
+    """Tokens whose top-K set from `logits` differs from the reference."""
+    sel = logits.float().topk(prob.K, dim=1).indices.sort(dim=1).values
+    return int((sel != prob.top_i).any(dim=1).sum())
+
+
+# ---------------------------------------------------------------- reference
+
+def reference(prob):
+    """fp32 output and gradients (out, dx, drouter, dw1, dw2) of the layer with
+    the reference routing and SwiGLU (w1 interleaved: row 2j gate j, row 2j+1
+    up j), for the loss sum(out * dout). A loop over experts, each expert's
+    gradients from its own small autograd graph."""
+    T, d, E, K = prob.T, prob.d, prob.E, prob.K
+    x = prob.x.float().requires_grad_()
+    wr = prob.wr.float().requires_grad_()
+    w1, w2 = prob.w1.float(), prob.w2.float()
+    dout = prob.dout.float()
+    logits = x @ wr.t()
+    scores = logits.gather(1, prob.top_i).softmax(dim=1)          # (T, K)
+    s_flat = scores.detach().reshape(-1)
+    flat_e = prob.top_i.reshape(-1)
+    order = flat_e.argsort(stable=True)                          # pair positions, by expert
+    counts = torch.bincount(flat_e, minlength=E).tolist()
+    out = torch.zeros(T, d, device=x.device)
+    dx = torch.zeros(T, d, device=x.device)
+    dw1, dw2 = torch.zeros_like(w1), torch.zeros_like(w2)
+    ds = torch.zeros(T * K, device=x.device)
+    start = 0
+    for e in range(E):
+        pos = order[start:start + counts[e]]
+        start += counts[e]
+        if pos.numel() == 0:
+            continue
+        tok = pos // K
+        xe = x.detach()[tok].requires_grad_()
+        w1e = w1[e].requires_grad_()
+        w2e = w2[e].requires_grad_()
+        se = s_flat[pos].requires_grad_()
+        h = xe @ w1e.t()
+        a = F.silu(h[:, 0::2]) * h[:, 1::2]
+        y = (a @ w2e.t()) * se.unsqueeze(1)
+        gx, g1, g2, gs = torch.autograd.grad(y, (xe, w1e, w2e, se), dout[tok])
+        out.index_add_(0, tok, y.detach())
+        dx.index_add_(0, tok, gx)
+        dw1[e] = g1
+        dw2[e] = g2
+        ds[pos] = gs
+    gx_router, gwr = torch.autograd.grad(scores, (x, wr), ds.view(T, K))
+    dx += gx_router
+    return {"out": out, "dx": dx, "drouter": gwr, "dw1": dw1, "dw2": dw2}
+
+
+@torch.no_grad()
+def rel_err(a, ref):
+    """|a - ref| / |ref| (Frobenius), in fp32, in chunks; inf if not finite."""
+    num = 0.0
+    den = 0.0
+    a2, r2 = a.reshape(a.shape[0], -1), ref.reshape(ref.shape[0], -1)
+    step = max(1, (64 << 20) // max(1, a2.shape[1]))
+    for i in range(0, a2.shape[0], step):
+        ac = a2[i:i + step].float()
+        rc = r2[i:i + step].float()
+        num += float(((ac - rc) ** 2).sum())
+        den += float((rc ** 2).sum())
+    if not math.isfinite(num):
+        return float("inf")
+    return math.sqrt(num / den) if den > 0 else math.sqrt(num)
+
+
+# ----------------------------------------------------------- implementations
+
+class Impl:
+    """An implementation: prepare() once per configuration, then run(leaves)
+    is the layer (forward, in training mode) returning its output; grads()
+    maps the gradients of the prepared leaves to (dx, drouter, dw1, dw2) in
+    the reference's layout."""
+    name = "?"
+
+    def available(self, device):
+        """None if it can run on `device`, else why not."""
+        return None
+
+    def prepare(self, prob):
+        self.prob = prob
+        self.leaves = prob.leaves()
+        self.path = ""
+
+    def run(self):
+        raise NotImplementedError
+
+    def grads(self, g):
+        return g
+
+    def routing_check(self):
+        """(mismatching tokens or None, note) after one run()."""
+        return None, ""
+
+    def release(self):
+        self.leaves = None
+        self.prob = None
+
+
+def import_smoe():
+    try:
+        import smoe  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, os.path.join(ROOT, "python"))
+        import smoe  # noqa: F401
+    return sys.modules["smoe"]
+
+
+class SmoeImpl(Impl):
+    def __init__(self, backend):
+        self.backend = backend            # 'sm90', 'cuda' or 'cpu'
+        self.name = "smoe-" + backend
+
+    def available(self, device):
+        want_cpu = self.backend == "cpu"
+        if want_cpu != (device == "cpu"):
+            return "runs on %s tensors" % ("CPU" if want_cpu else "CUDA")
+        try:
+            import_smoe().library_version()
+        except Exception as e:  # ImportError, OSError from ctypes
+            return "import smoe: %s" % e
+        return None
+
+    def _select_backend(self):
+        smoe = import_smoe()
+        if self.backend != "cpu":
+            os.environ["SMOE_TORCH_BACKEND"] = self.backend
+        # smoe.functional caches one layer per configuration and device, not per
+        # backend: drop the cache so the next call builds the forced backend.
+        smoe.functional._layers.clear()
+
+    def prepare(self, prob):
+        super().prepare(prob)
+        self._select_backend()
+        self.smoe = import_smoe()
+        self.out_extra = None
+
+    def run(self):
+        x, wr, w1, w2 = self.leaves
+        out, counts, logits = self.smoe.moe(x, wr, w1, w2, top_k=self.prob.K,
+                                            routing="topk_softmax", activation="swiglu",
+                                            w1_layout="interleaved")
+        self.out_extra = (counts, logits)
+        return out
+
+    def routing_check(self):
+        counts, logits = self.out_extra
+        layers = list(self.smoe.functional._layers.values())
+        if layers:
+            self.path = layers[-1].path_name
+        mism = routing_mismatch(self.prob, logits)
+        want = torch.bincount(self.prob.top_i.reshape(-1), minlength=self.prob.E)
+        note = "" if torch.equal(counts.long().cpu(), want.cpu()) else "expert counts differ"
+        return mism, note
+
+    def release(self):
+        super().release()
+        self.out_extra = None
+        if "smoe" in sys.modules:
+            sys.modules["smoe"].functional._layers.clear()
+        os.environ.pop("SMOE_TORCH_BACKEND", None)
+
+
+class TorchImpl(Impl):
+    name = "torch"
+
+    def prepare(self, prob):
+        super().prepare(prob)
+        self.path = "grouped_mm %s" % ("cuda" if prob.device != "cpu" else "cpu")
+
+    def run(self):
+        x, wr, w1, w2 = self.leaves
+        return torch_baseline.moe_forward(x, wr, w1, w2, self.prob.K)
+
+    def routing_check(self):
+        # torch_baseline.moe_forward routes from bf16 logits: recompute them.
+        x, wr = self.prob.x, self.prob.wr
+        with torch.no_grad():
+            return routing_mismatch(self.prob, (x @ wr.t()).float()), "routes itself (bf16 logits)"
+
+
+class ScatterMoEImpl(Impl):
+    name = "scattermoe"
+
+    def available(self, device):
+        if device == "cpu":
+            return "Triton kernels: CUDA only"
+        try:
+            import scattermoe.mlp  # noqa: F401
+        except Exception as e:
+            return "import scattermoe: %s" % e
+        return None
+
+    def prepare(self, prob):
+        super().prepare(prob)
+        import scattermoe.mlp
+        E, d, n, K = prob.E, prob.d, prob.n, prob.K
+        # GLUMLP's up projection: rows [0, n) the 'up' half, [n, 2n) the gate.
+        w1 = prob.w1
+        w1_sc = torch.cat([w1[:, 1::2], w1[:, 0::2]], dim=1).contiguous()
+        mlp = scattermoe.mlp.GLUMLP(d, n, E, K).to(device=prob.device, dtype=torch.bfloat16)
+        mlp.experts.weight = torch.nn.Parameter(w1_sc)
+        mlp.output_experts.weight = torch.nn.Parameter(prob.w2.clone())
+        self.mlp = mlp
+        x, wr = prob.leaves()[:2]
+        self.leaves = [x, wr, mlp.experts.weight, mlp.output_experts.weight]
+        self.path = "scattermoe %s" % getattr(sys.modules["scattermoe"], "__version__", "")
+
+    def run(self):
+        x, wr = self.leaves[:2]
+        logits = x @ wr.t()
+        p = logits.float().gather(1, self.prob.top_i).softmax(dim=1).to(x.dtype)
+        return self.mlp(x, p, self.prob.top_i)
+
+    def grads(self, g):
+        dx, dwr, dw1_sc, dw2 = g
+        n = self.prob.n
+        dw1 = torch.empty_like(dw1_sc)
+        dw1[:, 0::2] = dw1_sc[:, n:]
+        dw1[:, 1::2] = dw1_sc[:, :n]
+        return dx, dwr, dw1, dw2
+
+    def routing_check(self):
+        return 0, "reference routing given"
+
+    def release(self):
+        super().release()
+        self.mlp = None
+
+
+class SonicMoEImpl(Impl):
+    name = "sonicmoe"
+
+    def available(self, device):
+        if device == "cpu":
+            return "CUDA only"
+        try:
+            import sonicmoe  # noqa: F401
+            from sonicmoe.enums import ActivationType  # noqa: F401
+        except Exception as e:
+            return "import sonicmoe: %s" % e
+        return None
+
+    def prepare(self, prob):
+        super().prepare(prob)
+        import sonicmoe
+        from sonicmoe.enums import ActivationType
+        m = sonicmoe.MoE(prob.E, prob.K, prob.d, prob.n, ActivationType.SWIGLU, False, 0.02)
+        m = m.to(device=prob.device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            m.router.weight.copy_(prob.wr)
+            m.c_fc.weight.copy_(prob.w1)        # interleaved gate/up, as smoe
+            m.c_proj.weight.copy_(prob.w2)
+        m.train()
+        self.m = m
+        x = prob.leaves()[0]
+        self.leaves = [x, m.router.weight, m.c_fc.weight, m.c_proj.weight]
+        self.path = "sonicmoe %s" % getattr(sonicmoe, "__version__", "")
+
+    def run(self):
+        return self.m(self.leaves[0])[0]
+
+    def routing_check(self):
+        return None, "routes itself (not checked; output and gradients are)"
+
+    def release(self):
+        super().release()
+        self.m = None
+
+
+IMPLS = {
+    "smoe-sm90": lambda: SmoeImpl("sm90"),
+    "smoe-cuda": lambda: SmoeImpl("cuda"),
+    "smoe-cpu": lambda: SmoeImpl("cpu"),
+    "torch": TorchImpl,
+    "scattermoe": ScatterMoEImpl,
+    "sonicmoe": SonicMoEImpl,
+}
+
+
+# ------------------------------------------------------------------- timing
+
+class Timer:
+    def __init__(self, device):
+        self.cuda = device != "cpu"
+        # 256 MiB written before each repetition: more than any L2 (H100: 50 MB).
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda else None
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def median_ms(self, fn, reps):
+        times = []
+        for _ in range(reps):
+            if self.cuda:
+                self.flush.zero_()
+                s = torch.cuda.Event(enable_timing=True)
+                e = torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                torch.cuda.synchronize()
+                times.append(s.elapsed_time(e))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def measure(impl, prob, ref, args, timer):
+    """One implementation on one configuration: a CSV record (dict)."""
+    rec = {"impl": impl.name, "status": "", "path": "", "note": ""}
+    impl.prepare(prob)
+    try:
+        # Check: one forward + backward against the reference.
+        out = impl.run()
+        mism, note = impl.routing_check()
+        rec["path"] = impl.path
+        rec["routing_mismatch"] = "" if mism is None else mism
+        rec["note"] = note
+        g = torch.autograd.grad(out, impl.leaves, prob.dout)
+        got = dict(zip(GRAD_NAMES, (out,) + tuple(impl.grads(g))))
+        timer.sync()
+        errs = {k: rel_err(got[k], ref[k]) for k in GRAD_NAMES}
+        del out, g, got
+        for k, v in errs.items():
+            rec["err_" + k] = "%.3g" % v
+        bad = [k for k, v in errs.items() if not v <= args.tol]
+        if bad:
+            rec["status"] = "failed"
+            rec["note"] = ("; ".join(filter(None, [rec["note"], "over --tol %g: %s"
+                                                    % (args.tol, ", ".join(bad))])))
+            return rec
+        if mism:
+            rec["note"] = "; ".join(filter(None, [rec["note"], "routing differs on %d tokens" % mism]))
+
+        leaves, dout = impl.leaves, prob.dout
+
+        def fwd():
+            return impl.run()
+
+        def fwd_bwd():
+            o = impl.run()
+            return torch.autograd.grad(o, leaves, dout)
+
+        for _ in range(args.warmup):
+            fwd_bwd()
+        timer.sync()
+        t_f = timer.median_ms(fwd, args.reps)
+        t_fb = timer.median_ms(fwd_bwd, args.reps)
+        t_b = t_fb - t_f
+        flops = 6.0 * prob.T * prob.K * prob.d * prob.n
+        rec.update(fwd_ms="%.4f" % t_f, bwd_ms="%.4f" % t_b,
+                   fwd_tflops="%.2f" % (flops / (t_f * 1e-3) / 1e12),
+                   bwd_tflops="%.2f" % (2 * flops / (t_b * 1e-3) / 1e12) if t_b > 0 else "")
+        if timer.cuda:
+            impl.out_extra = None
+            gc.collect()
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            out = impl.run()
+            torch.cuda.synchronize()
+            rec["act_gib"] = "%.3f" % ((torch.cuda.memory_allocated() - before) / 2 ** 30)
+            del out
+            impl.out_extra = None
+            gc.collect()
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            g = fwd_bwd()
+            torch.cuda.synchronize()
+            rec["peak_gib"] = "%.3f" % ((torch.cuda.max_memory_allocated() - before) / 2 ** 30)
+            del g
+        rec["status"] = "ok"
+        return rec
+    finally:
+        impl.release()
+
+
+# ---------------------------------------------------------------------- main
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def versions(device):
+    lines = ["date %s" % datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")]
+    if device != "cpu":
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        lines.append("device %s (%d SMs, %.0f GiB)" % (p.name, p.multi_processor_count,
+                                                       p.total_memory / 2 ** 30))
+    else:
+        lines.append("device cpu (%s, %d threads)" % (platform.processor() or platform.machine(),
+                                                     torch.get_num_threads()))
+    lines.append("torch %s (CUDA %s)" % (torch.__version__, torch.version.cuda))
+    try:
+        import triton
+        lines.append("triton %s" % triton.__version__)
+    except Exception:
+        lines.append("triton none")
+    try:
+        smoe = import_smoe()
+        lines.append("smoe %s (%s)" % (smoe.library_version(), smoe.library_path()))
+    except Exception as e:
+        lines.append("smoe unavailable (%s)" % str(e).splitlines()[0])
+    lines.append("python %s" % platform.python_version())
+    return lines
+
+
+class Progress:
+    """tqdm if importable, else one line per step."""
+
+    def __init__(self, total):
+        try:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="run", dynamic_ncols=True, file=sys.stderr)
+        except ImportError:
+            self.bar = None
+        self.total, self.done, self.t0 = total, 0, time.time()
+
+    def step(self, what):
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(what)
+            self.bar.update(1)
+        else:
+            print("[%d/%d %4.0fs] %s" % (self.done, self.total, time.time() - self.t0, what),
+                  file=sys.stderr, flush=True)
+
+    def write(self, line):
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def parse_configs(args):
+    grid = torch_baseline.grid_rows()
+    configs = []
+    if args.rows is not None or not args.shape:
+        names = list(grid) if args.rows in (None, "all") else args.rows.split(",")
+        for name in names:
+            if name not in grid:
+                sys.exit("compare.py: no row %r in bench/grid.h (rows: %s)" % (name, ", ".join(grid)))
+            configs.append((name,) + grid[name])
+    for s in args.shape or []:
+        try:
+            T, d, n, E, K = (int(v) for v in s.split(","))
+        except ValueError:
+            sys.exit("compare.py: --shape %r: want T,d,n,E,K" % s)
+        if min(T, d, n, E, K) < 1 or K > E:
+            sys.exit("compare.py: --shape %r: sizes must be positive and K <= E" % s)
+        configs.append(("T%d-d%d-n%d-E%d-K%d" % (T, d, n, E, K), T, d, n, E, K))
+    return configs
+
+
+def fmt_row(rec):
+    return ("%-12s %-10s %-7s %8s %8s %7s %7s %7s %8s %8s %8s %8s  %s" % (
+        rec["row"], rec["impl"], rec["status"], rec.get("fwd_ms", ""), rec.get("bwd_ms", ""),
+        rec.get("fwd_tflops", ""), rec.get("bwd_tflops", ""), rec.get("act_gib", ""),
+        rec.get("err_out", ""), rec.get("err_dx", ""), rec.get("err_dw1", ""),
+        rec.get("err_drouter", ""), rec.get("path", "") + ("  " + rec["note"] if rec.get("note") else "")))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", help="grid rows, comma-separated, or 'all' (default: all, "
+                    "unless --shape is given)")
+    ap.add_argument("--shape", action="append", help="T,d,n,E,K (repeatable)")
+    ap.add_argument("--impls", help="comma-separated, from %s (default: smoe-sm90,smoe-cuda,"
+                    "torch,scattermoe,sonicmoe on CUDA; smoe-cpu,torch on CPU)" % ", ".join(IMPLS))
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2, help="forward+backward runs before timing")
+    ap.add_argument("--tol", type=float, default=5e-2,
+                    help="largest relative L2 error of the output and each gradient")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--csv", help="write the results here (written row by row)")
+    ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD, if any)")
+    ap.add_argument("--time-budget", type=float, default=0,
+                    help="seconds; configurations not started by then are skipped (0: none)")
+    args = ap.parse_args()
+
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("compare.py: no CUDA device (use --device cpu for the smoke test)")
+    names = (args.impls.split(",") if args.impls else
+             ["smoe-sm90", "smoe-cuda", "torch", "scattermoe", "sonicmoe"] if device == "cuda"
+             else ["smoe-cpu", "torch"])
+    for nm in names:
+        if nm not in IMPLS:
+            sys.exit("compare.py: no implementation %r (have: %s)" % (nm, ", ".join(IMPLS)))
+    configs = parse_configs(args)
+    impls = [IMPLS[nm]() for nm in names]
+    why_not = {im.name: im.available(device) for im in impls}
+    runnable = [im for im in impls if why_not[im.name] is None]
+
+    header = versions(device)
+    header.append("commit %s" % (args.commit or git_commit() or "unknown"))
+    header.append("settings reps=%d warmup=%d tol=%g seed=%d; L2 flushed (256 MiB) before each "
+                  "rep; medians; bf16, SwiGLU, TOPK_SOFTMAX" % (args.reps, args.warmup, args.tol,
+                                                                 args.seed))
+    header.append("command %s" % " ".join(sys.argv))
+    for line in header:
+        print("# " + line)
+    for nm, why in why_not.items():
+        if why:
+            print("# %s unavailable: %s" % (nm, why))
+
+    csv_file = open(args.csv, "w", newline="") if args.csv else None
+    writer = None
+    if csv_file:
+        for line in header:
+            csv_file.write("# " + line + "\n")
+        writer = csv.DictWriter(csv_file, fieldnames=FIELDS, extrasaction="ignore")
+        writer.writeheader()
+
+    def emit(rec):
+        if writer:
+            writer.writerow(rec)
+            csv_file.flush()
+
+    print("%-12s %-10s %-7s %8s %8s %7s %7s %7s %8s %8s %8s %8s  %s" % (
+        "row", "impl", "status", "fwd ms", "bwd ms", "fwd TF", "bwd TF", "act GiB",
+        "err out", "err dx", "err dw1", "err dr", "path / note"), flush=True)
+    timer = Timer(device)
+    progress = Progress(len(configs) * (1 + len(runnable)))
+    t_start = time.time()
+    n_failed = 0
+    for (name, T, d, n, E, K) in configs:
+        base = {"row": name, "T": T, "d": d, "n": n, "E": E, "K": K}
+        if args.time_budget and time.time() - t_start > args.time_budget:
+            for im in impls:
+                rec = dict(base, impl=im.name, status="skipped", note="--time-budget reached")
+                emit(rec)
+                progress.write(fmt_row(rec))
+            for _ in range(1 + len(runnable)):
+                progress.step("%s skipped" % name)
+            continue
+        prob = ref = None
+        try:
+            prob = Problem(T, d, n, E, K, device, args.seed)
+            if not prob.designed_ok:
+                progress.write("# %s: the reference routing is not the designed one "
+                               "(min margin %.3g)" % (name, prob.margin))
+            ref = reference(prob)
+            timer.sync()
+        except Exception as e:
+            msg = "%s: %s" % (type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            for im in impls:
+                rec = dict(base, impl=im.name, status="error", note="problem/reference: " + msg)
+                emit(rec)
+                progress.write(fmt_row(rec))
+            prob = ref = None
+            gc.collect()
+            if timer.cuda:
+                torch.cuda.empty_cache()
+            for _ in range(1 + len(runnable)):
+                progress.step("%s error" % name)
+            continue
+        progress.step("%s reference" % name)
+        for im in impls:
+            if why_not[im.name]:
+                rec = dict(base, impl=im.name, status="unavailable", note=why_not[im.name])
+            else:
+                try:
+                    rec = dict(base, **measure(im, prob, ref, args, timer))
+                except Exception as e:
+                    msg = str(e).strip().splitlines()
+                    rec = dict(base, impl=im.name, status="error",
+                               note="%s: %s" % (type(e).__name__, msg[0] if msg else ""))
+                    if os.environ.get("COMPARE_TRACEBACK"):
+                        traceback.print_exc()
+                gc.collect()
+                if timer.cuda:
+                    torch.cuda.empty_cache()
+                progress.step("%s %s" % (name, im.name))
+            if rec["status"] in ("failed", "error"):
+                n_failed += 1
+            emit(rec)
+            progress.write(fmt_row(rec))
+        if not prob.designed_ok or prob.margin < 0.5:
+            progress.write("# %s: reference routing margin %.3g" % (name, prob.margin))
+        del prob, ref
+        gc.collect()
+        if timer.cuda:
+            torch.cuda.empty_cache()
+    progress.close()
+    if csv_file:
+        csv_file.close()
+    print("# %d configurations, %d implementation(s) failed or errored, %.0f s"
+          % (len(configs), n_failed, time.time() - t_start))
+    return 1 if n_failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
