@@ -138,6 +138,7 @@ def reference(prob):
     up j), for the loss sum(out * dout). A loop over experts, each expert's
     gradients from its own small autograd graph."""
     T, d, E, K = prob.T, prob.d, prob.E, prob.K
+    torch.set_float32_matmul_precision("highest")     # no TF32
     x = prob.x.float().requires_grad_()
     wr = prob.wr.float().requires_grad_()
     w1, w2 = prob.w1.float(), prob.w2.float()
@@ -195,6 +196,14 @@ def rel_err(a, ref):
 
 
 # ----------------------------------------------------------- implementations
+
+def pkg_version(module, dist):
+    try:
+        import importlib.metadata
+        return importlib.metadata.version(dist)
+    except Exception:
+        return getattr(module, "__version__", "?")
+
 
 class Impl:
     """An implementation: prepare() once per configuration, then run(leaves)
@@ -328,13 +337,14 @@ class ScatterMoEImpl(Impl):
         # GLUMLP's up projection: rows [0, n) the 'up' half, [n, 2n) the gate.
         w1 = prob.w1
         w1_sc = torch.cat([w1[:, 1::2], w1[:, 0::2]], dim=1).contiguous()
-        mlp = scattermoe.mlp.GLUMLP(d, n, E, K).to(device=prob.device, dtype=torch.bfloat16)
+        with torch.device("meta"):           # its own initial weights are replaced
+            mlp = scattermoe.mlp.GLUMLP(d, n, E, K)
         mlp.experts.weight = torch.nn.Parameter(w1_sc)
         mlp.output_experts.weight = torch.nn.Parameter(prob.w2.clone())
         self.mlp = mlp
         x, wr = prob.leaves()[:2]
         self.leaves = [x, wr, mlp.experts.weight, mlp.output_experts.weight]
-        self.path = "scattermoe %s" % getattr(sys.modules["scattermoe"], "__version__", "")
+        self.path = "scattermoe %s" % pkg_version(sys.modules["scattermoe"], "scattermoe")
 
     def run(self):
         x, wr = self.leaves[:2]
@@ -375,8 +385,9 @@ class SonicMoEImpl(Impl):
         super().prepare(prob)
         import sonicmoe
         from sonicmoe.enums import ActivationType
-        m = sonicmoe.MoE(prob.E, prob.K, prob.d, prob.n, ActivationType.SWIGLU, False, 0.02)
-        m = m.to(device=prob.device, dtype=torch.bfloat16)
+        with torch.device(prob.device):
+            m = sonicmoe.MoE(prob.E, prob.K, prob.d, prob.n, ActivationType.SWIGLU, False, 0.02)
+        m = m.to(dtype=torch.bfloat16)
         with torch.no_grad():
             m.router.weight.copy_(prob.wr)
             m.c_fc.weight.copy_(prob.w1)        # interleaved gate/up, as smoe
@@ -385,7 +396,7 @@ class SonicMoEImpl(Impl):
         self.m = m
         x = prob.leaves()[0]
         self.leaves = [x, m.router.weight, m.c_fc.weight, m.c_proj.weight]
-        self.path = "sonicmoe %s" % getattr(sonicmoe, "__version__", "")
+        self.path = "sonicmoe %s" % pkg_version(sonicmoe, "sonic-moe")
 
     def run(self):
         return self.m(self.leaves[0])[0]

@@ -17,6 +17,7 @@ Needs matplotlib (and nothing else: no torch).
 """
 import argparse
 import csv
+import math
 import os
 import re
 import sys
@@ -198,13 +199,51 @@ def cell(rec, metric, fmt):
     return fmt % v if v is not None else ""
 
 
-def tables(rows, impls, by, grid, header):
-    """Markdown: forward TFLOPS, backward TFLOPS, activation GiB."""
+def geomean_ratio(rows, by, grid, a, b, metric, published):
+    """Geometric mean of a/b over the configurations where both have a value
+    (b may be PUBLISHED), and how many there were."""
+    logs = []
+    for r in rows:
+        ra = by.get((r, a), {})
+        va = num(ra.get(metric)) if ra.get("status") == "ok" else None
+        if b == PUBLISHED:
+            vb = grid.get(r, {}).get(published, -1)
+            vb = vb if vb > 0 else None
+        else:
+            rb = by.get((r, b), {})
+            vb = num(rb.get(metric)) if rb.get("status") == "ok" else None
+        if va and vb:
+            logs.append(math.log(va / vb))
+    return (math.exp(sum(logs) / len(logs)), len(logs)) if logs else (None, 0)
+
+
+def readme_section(rows, impls, by, grid, header, image_dir):
+    """The README's comparison section: how it was measured, the plots, the
+    tables (forward TFLOPS, backward TFLOPS, activation GiB), geometric-mean
+    ratios, and what did not run."""
     all_impls = impls
-    out = []
+    info = {}
     for h in header:
-        if h.split(" ")[0] in ("date", "device", "torch", "triton", "smoe", "commit", "settings"):
-            out.append("- " + h)
+        key, _, rest = h.partition(" ")
+        info.setdefault(key, rest)
+    out = ["## Compared with other MoE layers", ""]
+    out.append("Measured with `bench/compare.py` in one run on one GPU: %s, %s; torch %s, "
+               "triton %s; smoe commit %s. Every implementation gets the same router, expert "
+               "weights, input, output gradient and routing decisions, and its output and "
+               "gradients (dx, drouter, dw1, dw2) are checked against an fp32 reference before "
+               "it is timed (relative L2 error below the tolerance). bf16, SwiGLU, top-K then "
+               "softmax routing; TFLOPS count only the expert GEMMs (6TKdn forward, 12TKdn "
+               "backward); medians of CUDA-event timings with the L2 cache flushed; activation "
+               "memory is what one training-mode forward leaves allocated (outputs "
+               "included). %s is SonicMoE's paper (H100), not measured here."
+               % (info.get("device", "?"), info.get("date", "?"), info.get("torch", "?"),
+                  info.get("triton", "?"), info.get("commit", "?"), PUBLISHED))
+    out.append("")
+    for fname, alt in (("fwd_tflops.png", "forward TFLOPS"), ("bwd_tflops.png", "backward TFLOPS"),
+                       ("act_memory.png", "activation memory")):
+        if os.path.exists(os.path.join(image_dir, fname)):
+            rel = os.path.relpath(os.path.join(image_dir, fname), os.path.dirname(HERE))
+            out.append("![%s](%s)" % (alt, rel))
     out.append("")
     # Implementations that never ran get no column (the notes below say why).
     impls = [im for im in impls if any(by.get((r, im), {}).get("status") not in
@@ -213,29 +252,58 @@ def tables(rows, impls, by, grid, header):
              ("Backward TFLOPS", "bwd_tflops", "%.0f", "sonicmoe_bwd"),
              ("Activation memory (GiB)", "act_gib", "%.2f", "floor_act_gib")]
     for title, metric, fmt, extra in specs:
-        extra_name = "floor" if extra == "floor_act_gib" else PUBLISHED
+        extra_name = "floor (H+O+routing)" if extra == "floor_act_gib" else PUBLISHED
         out.append("**%s**" % title)
         out.append("")
         out.append("| config | T | d | n | E | K | " + " | ".join(impls) + " | %s |" % extra_name)
         out.append("|" + "---|" * (6 + len(impls) + 1))
         for r in rows:
-            rec0 = next(by[(r, im)] for im in impls if (r, im) in by)
-            g = grid.get(r, {})
-            ev = g.get(extra, -1)
+            rec0 = next(by[(r, im)] for im in all_impls if (r, im) in by)
+            ev = grid.get(r, {}).get(extra, -1)
             cells = [r] + [rec0[k] for k in ("T", "d", "n", "E", "K")]
             cells += [cell(by.get((r, im)), metric, fmt) for im in impls]
             cells.append(fmt % ev if ev is not None and ev >= 0 else "")
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+    ratios = []
+    for a in impls:
+        for b in [im for im in impls if im != a and not im.startswith("smoe")] + [PUBLISHED]:
+            if not a.startswith("smoe"):
+                continue
+            parts = []
+            for metric, published in (("fwd_tflops", "sonicmoe_fwd"), ("bwd_tflops", "sonicmoe_bwd")):
+                g, cnt = geomean_ratio(rows, by, grid, a, b, metric, published)
+                if g is not None:
+                    parts.append("%s %.2fx (%d configs)" % (metric.split("_")[0], g, cnt))
+            if parts:
+                ratios.append("- %s / %s: %s" % (a, b, ", ".join(parts)))
+    if ratios:
+        out.append("Geometric means of the TFLOPS ratios:")
+        out.append("")
+        out.extend(ratios)
+        out.append("")
     notes = [(r, im, by[(r, im)]) for r in rows for im in all_impls
              if (r, im) in by and by[(r, im)].get("status") != "ok"]
     seen = set()
+    lines = []
     for r, im, rec in notes:
         key = (im, rec.get("status"), rec.get("note"))
         if key in seen:
             continue
         seen.add(key)
-        out.append("- %s, %s (first at %s): %s" % (im, rec.get("status"), r, rec.get("note", "")))
+        lines.append("- %s, %s (first at %s): %s" % (im, rec.get("status"), r, rec.get("note", "")))
+    if lines:
+        out.append("Not measured:")
+        out.append("")
+        out.extend(lines)
+        out.append("")
+    if "command" in info:
+        out.append("Reproduce (after `make lib`; see notes/compare.md):")
+        out.append("")
+        out.append("```sh")
+        out.append("python3 " + re.sub(r"--csv\s+\S+", "--csv results.csv", info["command"]))
+        out.append("python3 bench/plot.py results.csv")
+        out.append("```")
     return "\n".join(out) + "\n"
 
 
@@ -243,7 +311,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csv")
     ap.add_argument("--out", default=os.path.join(HERE, "plots"), help="folder for the PNGs")
-    ap.add_argument("--table", help="write the Markdown tables here (default: print them)")
+    ap.add_argument("--table", help="write the README section (Markdown: tables, plots, notes) "
+                    "here (default: print it)")
     args = ap.parse_args()
     header, records = read_csv(args.csv)
     if not records:
@@ -262,7 +331,7 @@ def main():
             print("wrote %s (%d bytes)" % (path, os.path.getsize(path)))
         else:
             print("%s: no %s measured, no plot" % (names[metric], metric))
-    md = tables(rows, impls, by, grid, header)
+    md = readme_section(rows, impls, by, grid, header, args.out)
     if args.table:
         with open(args.table, "w") as f:
             f.write(md)
