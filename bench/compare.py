@@ -475,7 +475,8 @@ def measure(impl, prob, ref, args, timer):
                                                     % (args.tol, ", ".join(bad))])))
             return rec
         if mism:
-            rec["note"] = "; ".join(filter(None, [rec["note"], "routing differs on %d tokens" % mism]))
+            rec["note"] = "; ".join(filter(None, [rec["note"],
+                                                  "routing differs on %d tokens" % mism]))
 
         leaves, dout = impl.leaves, prob.dout
 
@@ -531,7 +532,8 @@ def git_commit():
 
 
 def versions(device):
-    lines = ["date %s" % datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    lines = ["date %s" % now.strftime("%Y-%m-%d %H:%M UTC")]
     if device != "cpu":
         p = torch.cuda.get_device_properties(torch.cuda.current_device())
         lines.append("device %s (%d SMs, %.0f GiB)" % (p.name, p.multi_processor_count,
@@ -592,7 +594,8 @@ def parse_configs(args):
         names = list(grid) if args.rows in (None, "all") else args.rows.split(",")
         for name in names:
             if name not in grid:
-                sys.exit("compare.py: no row %r in bench/grid.h (rows: %s)" % (name, ", ".join(grid)))
+                sys.exit("compare.py: no row %r in bench/grid.h (rows: %s)"
+                         % (name, ", ".join(grid)))
             configs.append((name,) + grid[name])
     for s in args.shape or []:
         try:
@@ -610,7 +613,8 @@ def fmt_row(rec):
         rec["row"], rec["impl"], rec["status"], rec.get("fwd_ms", ""), rec.get("bwd_ms", ""),
         rec.get("fwd_tflops", ""), rec.get("bwd_tflops", ""), rec.get("act_gib", ""),
         rec.get("err_out", ""), rec.get("err_dx", ""), rec.get("err_dw1", ""),
-        rec.get("err_drouter", ""), rec.get("path", "") + ("  " + rec["note"] if rec.get("note") else "")))
+        rec.get("err_drouter", ""),
+        rec.get("path", "") + ("  " + rec["note"] if rec.get("note") else "")))
 
 
 def main():
@@ -700,6 +704,7 @@ def main():
             msg = "%s: %s" % (type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             for im in impls:
                 rec = dict(base, impl=im.name, status="error", note="problem/reference: " + msg)
+                n_failed += 1
                 emit(rec)
                 progress.write(fmt_row(rec))
             prob = ref = None

@@ -271,7 +271,8 @@ def readme_section(rows, impls, by, grid, header, image_dir):
             if not a.startswith("smoe"):
                 continue
             parts = []
-            for metric, published in (("fwd_tflops", "sonicmoe_fwd"), ("bwd_tflops", "sonicmoe_bwd")):
+            for metric, published in (("fwd_tflops", "sonicmoe_fwd"),
+                                      ("bwd_tflops", "sonicmoe_bwd")):
                 g, cnt = geomean_ratio(rows, by, grid, a, b, metric, published)
                 if g is not None:
                     parts.append("%s %.2fx (%d configs)" % (metric.split("_")[0], g, cnt))
