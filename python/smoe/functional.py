@@ -144,8 +144,9 @@ def _gpu_backends():
 
 
 def _get_layer(cfg, device):
-    """The cached layer for a configuration on a torch device."""
-    key = (cfg, device.type, device.index)
+    """The cached layer for a configuration on a torch device (and the backend
+    $SMOE_TORCH_BACKEND forces, so changing it takes effect)."""
+    key = (cfg, device.type, device.index, os.environ.get("SMOE_TORCH_BACKEND", "").lower())
     layer = _layers.get(key)
     if layer is not None:
         return layer
