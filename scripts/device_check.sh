@@ -44,9 +44,12 @@ if [ "$mode" = verify ]; then
   step run-7B build/smoe_run --config 7B-n256
   echo; tail -n 12 "$out/run-7B.log"
 else
+  step ceilings python3 bench/ceilings.py
   step bench-sm90 build/smoe_bench --rows all --backend sm90 --csv "$out/bench_sm90.csv"
-  step bench-cuda build/smoe_bench --rows all --backend cuda --csv "$out/bench_cuda.csv"
-  step torch python3 bench/torch_baseline.py --rows all --csv "$out/torch.csv"
-  echo; tail -n 16 "$out/bench-cuda.log"; echo; tail -n 16 "$out/bench-sm90.log"; echo; cat "$out/torch.log"
+  step stages build/smoe_bench --rows 7B-n256,120B-n1024 --backend sm90 --stages
+  # smoe (both paths) and the plain PyTorch layer, same inputs, same process
+  step compare env SMOE_LIBRARY=$PWD/build/libsmoe.so timeout 330 python3 bench/compare.py \
+       --impls smoe-sm90,smoe-cuda,torch --time-budget 270 --csv "$out/compare.csv"
+  echo; cat "$out/ceilings.log"; tail -n 16 "$out/bench-sm90.log"; echo; tail -n 30 "$out/compare.log"
 fi
 exit $status
