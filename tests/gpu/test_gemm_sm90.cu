@@ -14,12 +14,8 @@
  *                               checked, and cuBLAS dense GEMMs of the same
  *                               FLOPs in the same process as the roofline;
  *                               --shapes N times the first N shapes only.
- *   --variant V                 forces a configuration (bits 0-1, up: 1
- *                               BN=256, 2 BN=128; V >> 2, gather of up and
- *                               dh: 1 cp.async, 2 TMA rows, 3 32 TMA + 96
- *                               cp.async rows, 4 16 TMA + 112 cp.async);
- *                               --bench times them all and checks with V;
- *                               --seed, --cases.
+ *   --variant V                 forces an `up` configuration (1: BN=256,
+ *                               2: BN=128 warp-per-stage); --seed, --cases.
  *   test_gemm_sm90 --small      one small case (for compute-sanitizer).
  *
  * Exit status 0 only if every check passed. Seeded; a failure prints the
@@ -787,16 +783,12 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
         if (it >= 0) t_down[it] = ms;
     }
     CK(cudaGetLastError());
-    /* alternatives of `up` (variant hook): cp.async gather wide / narrow; TMA
-     * rows, 32 TMA + 96 cp.async rows, 16 TMA + 112 cp.async rows (wide); and
-     * the same FLOPs through the down kernel with swapped sizes: TMA-loaded
-     * contiguous A, plain store */
-    static const int up_vars[5] = {4 | 1, 4 | 2, 8 | 1, 12 | 1, 16 | 1};
-    const int user_variant = smoe_sm90_gemm_variant;
-    float t_var[5] = {0, 0, 0, 0, 0}, t_tma = 0;
-    for (int v = 0; v < 5; v++) {
+    /* alternatives of `up` (variant hook), and the same FLOPs through the
+     * down kernel with swapped sizes: TMA-loaded contiguous A, plain store */
+    float t_var[3] = {0, 0, 0}, t_tma = 0;
+    for (int v = 0; v < 3; v++) {
         float tv[BENCH_REPS];
-        smoe_sm90_gemm_variant = up_vars[v];
+        smoe_sm90_gemm_variant = v;
         for (int it = -2; it < BENCH_REPS; it++) {
             float ms;
             CK(cudaEventRecord(e0));
@@ -808,7 +800,7 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
         }
         t_var[v] = median_ms(tv, BENCH_REPS);
     }
-    smoe_sm90_gemm_variant = user_variant;
+    smoe_sm90_gemm_variant = 0;
     {
         smoe_gemm_problem g2 = g;
         g2.n = P.d;
@@ -876,24 +868,6 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
         if (it >= 0) t_dh[it] = ms;
     }
     float mh = median_ms(t_dh, BENCH_REPS);
-    float t_dhv[4];
-    for (int v = 0; v < 4; v++) { /* dh: cp.async, TMA rows, mix 32, mix 16 */
-        float tv[BENCH_REPS];
-        smoe_sm90_gemm_variant = 4 * (v + 1);
-        for (int it = -2; it < BENCH_REPS; it++) {
-            float ms;
-            CK(cudaEventRecord(e0));
-            if (smoe_gemm_ops_sm90.dh(&g, D.dout, D.w2, NULL, D.dh_in, D.dh_out, D.as_out,
-                                      D.ds_out, D.scratch, 0) != SMOE_SUCCESS)
-                ok = 0;
-            CK(cudaEventRecord(e1));
-            CK(cudaEventSynchronize(e1));
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            if (it >= 0) tv[it] = ms;
-        }
-        t_dhv[v] = median_ms(tv, BENCH_REPS);
-    }
-    smoe_sm90_gemm_variant = user_variant;
     float mu = median_ms(t_up, BENCH_REPS), md = median_ms(t_down, BENCH_REPS);
     float cu = median_ms(t_cb_up, BENCH_REPS), cd = median_ms(t_cb_down, BENCH_REPS);
 
@@ -905,12 +879,6 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
     if (smoe_gemm_ops_sm90.down(&g, D.a_in, D.w2, NULL, D.y, NULL, 0) != SMOE_SUCCESS) ok = 0;
     CK(cudaMemset(D.dxt, 0xFF, P.cap * P.d * 2));
     if (smoe_gemm_ops_sm90.dxt(&g, D.dh_in, D.w1, D.dxt, NULL, 0) != SMOE_SUCCESS) ok = 0;
-    CK(cudaMemset(D.dh_out, 0xFF, P.cap * hc * 2));
-    CK(cudaMemset(D.as_out, 0xFF, P.cap * P.n * 2));
-    CK(cudaMemset(D.ds_out, 0xFF, P.cap * 4));
-    if (smoe_gemm_ops_sm90.dh(&g, D.dout, D.w2, NULL, D.dh_in, D.dh_out, D.as_out, D.ds_out,
-                              D.scratch, 0) != SMOE_SUCCESS)
-        ok = 0;
     D.dxt_ran = 1;
     D.dh_ran = 1;
     CK(cudaDeviceSynchronize());
@@ -928,16 +896,10 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
            S->name, (long long)S->T, (long long)S->d, (long long)S->n, (long long)S->E,
            (long long)S->K, mu, up_flops / mu / 1e9, up_flops / cu / 1e9, md,
            down_flops / md / 1e9, down_flops / cd / 1e9, ok ? "ok" : "FAIL");
-    printf("%-10s up cp.async gather: wide (BN=256, 4 st) %.1f, narrow (BN=128, 6 st, warp/stage) "
-           "%.1f | wide, TMA rows %.1f, 32 TMA + 96 cp.async %.1f, 16 TMA + 112 cp.async %.1f TF "
-           "| same FLOPs, TMA A, plain store: %.1f TF\n",
+    printf("%-10s up table %.1f | wide (BN=256, 4 st) %.1f | narrow (BN=128, 6 st, warp/stage) %.1f TF "
+           "| same FLOPs, TMA A, plain store: %.1f TF | dxt %.3f ms %.1f TF | dh %.3f ms %.1f TF\n",
            S->name, up_flops / t_var[0] / 1e9, up_flops / t_var[1] / 1e9, up_flops / t_var[2] / 1e9,
-           up_flops / t_var[3] / 1e9, up_flops / t_var[4] / 1e9, up_flops / t_tma / 1e9);
-    printf("%-10s dxt %.3f ms %.1f TF | dh %.3f ms %.1f TF (cp.async %.1f, TMA rows %.1f, 32 TMA "
-           "+ 96 cp.async %.1f, 16 TMA + 112 cp.async %.1f TF)\n",
-           S->name, mx, up_flops / mx / 1e9, mh, down_flops / mh / 1e9,
-           down_flops / t_dhv[0] / 1e9, down_flops / t_dhv[1] / 1e9, down_flops / t_dhv[2] / 1e9,
-           down_flops / t_dhv[3] / 1e9);
+           up_flops / t_tma / 1e9, mx, up_flops / mx / 1e9, mh, down_flops / mh / 1e9);
     cudaEventDestroy(e0); cudaEventDestroy(e1);
     dev_free(&D);
     free(P.offset); free(P.row_token); free(P.row_expert);

@@ -19,12 +19,9 @@
  *    (chunk c of row r at r*128 + ((c ^ (r & 7)) << 4)), completing on the
  *    stage's full barrier by cp.async.mbarrier.arrive.noinc (count 128 + the
  *    TMA thread's expect_tx arrival). For down/dxt the A tile comes by TMA.
- *    Alternative gathers, chosen only through the benchmark hook (slower on
- *    an H100, notes/sm90_log.md rung 4): TMA rows (each of the 4 producer
- *    warps loads 32 rows as 1-row tensor-map boxes of 64 columns; the copy
- *    engine's 128B swizzle follows the shared-memory address, so a row
- *    written at r * 128 lands in the wgmma layout), and mixes of 32 or 16
- *    TMA rows with cp.async for the rest.
+ *    Gathering rows by TMA instead (1-row boxes, alone or mixed with
+ *    cp.async) was measured 10-25% slower on an H100 and removed
+ *    (notes/sm90_log.md, rung 4; code in commit e2d1a1a).
  *  - Warpgroups 1 and 2 consume (setmaxnreg up to 232): each owns 64 rows of
  *    the 128-row tile and runs wgmma m64nBNk16 (fp32 accumulators in
  *    registers; transpose bit for MN-major B), releasing a stage through its
@@ -404,30 +401,13 @@ __global__ void sm90_ds_finish(const float *dsp, int tiles, int64_t cap, const i
 
 /* ------------------------------------------------------------ the kernel */
 
-/* Gather methods of the producer (GM): the 128-thread cp.async gather, the
- * warp-per-stage cp.async gather, the TMA row gather (all 128 rows), and
- * mixes: 32 or 16 rows by TMA, the rest by cp.async. */
-enum {
-    SM90_GATHER_CPASYNC = 0,
-    SM90_GATHER_WARP = 1,
-    SM90_GATHER_TMA = 2,
-    SM90_GATHER_MIX32 = 3,
-    SM90_GATHER_MIX16 = 4
-};
-/* TMA rows per producer warp */
-#define SM90_TMA_ROWS(gm) ((gm) == SM90_GATHER_TMA ? 32 : (gm) == SM90_GATHER_MIX32 ? 8 : 4)
-
-template <int BN, int STAGES, int MODE, int GM>
+template <int BN, int STAGES, int MODE, bool WS>
 __global__ void __launch_bounds__(SM90_THREADS, 1)
 sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                          const __grid_constant__ CUtensorMap map_b, const sm90_gemm_params p)
 {
     typedef sm90_tile_cfg<BN, STAGES> cfg;
     constexpr bool GATHER = (MODE == SM90_MODE_UP || MODE == SM90_MODE_DH);
-    constexpr bool WS = GATHER && GM == SM90_GATHER_WARP;
-    /* rows gathered by cp.async (generic proxy): consumers fence before wgmma */
-    constexpr bool CP_GATHER = GATHER && GM != SM90_GATHER_TMA;
-    constexpr bool TMA_GATHER = GATHER && GM >= SM90_GATHER_TMA;
     /* B stored K x N, N contiguous: W1 for dxt, W2 for dh */
     constexpr bool TRANS_B = (MODE == SM90_MODE_DXT || MODE == SM90_MODE_DH);
     constexpr int NACC = BN / 2;
@@ -447,12 +427,9 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
 
     if (tid == 0) {
         tma_prefetch_map(&map_b);
-        if (!GATHER || TMA_GATHER) tma_prefetch_map(&map_a);
+        if (!GATHER) tma_prefetch_map(&map_a);
         for (int s = 0; s < STAGES; s++) {
-            /* cp.async arrivals (one per gathering thread) + expect_tx arrivals
-             * (the TMA thread, or lane 0 of each producer warp with TMA rows) */
-            mbar_init(smem_addr(full + s),
-                      (CP_GATHER ? (WS ? 32 : 128) : 0) + (TMA_GATHER ? 4 : 1));
+            mbar_init(smem_addr(full + s), GATHER ? (WS ? 32 : 128) + 1 : 1);
             mbar_init(smem_addr(empty + s), 2);
         }
         mbar_fence_init();
@@ -482,87 +459,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         /* ---------------- producer ---------------- */
         setmaxnreg_dec<SM90_PRODUCER_REGS>();
         const uint32_t tx_bytes = GATHER ? cfg::B_BYTES : cfg::A_BYTES + cfg::B_BYTES;
-        if constexpr (GATHER && GM >= SM90_GATHER_TMA) {
-            /* TMA row gather, alone or beside cp.async. Each producer warp loads
-             * TR of the tile's rows by TMA, one 1-row box of 64 columns per lane
-             * (rows 16 CPR + TR w + lane), into row r of the 128B-swizzled A
-             * tile: the copy engine swizzles by shared-memory address bits, so
-             * the row lands where the wgmma layout expects it. Its lane 0
-             * announces those bytes (warp 0: plus the weight tile, which it
-             * loads) before the lanes issue. The other CPR x 16 rows come by
-             * cp.async from all 128 threads as in the plain gather. TMA rows past
-             * the expert's end load the expert's last row (never stored), so
-             * every stage moves exactly the announced bytes. The TMA rows'
-             * tokens are loaded one tile ahead, into registers. */
-            constexpr int TR = SM90_TMA_ROWS(GM), CPR = (SM90_BM - 4 * TR) / 16;
-            const int pw = tid >> 5, lane = tid & 31, chunk = tid & 7, rsub = tid >> 3;
-            const bool trow = lane < TR;
-            const uint32_t ta_bytes = TR * 128 + (pw == 0 ? cfg::B_BYTES : 0);
-            int32_t tok_t = 0, tok_next = 0;
-            auto load_token = [&](int t) {
-                sm90_tile tn = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset);
-                const int r = min(tn.row0 + 16 * CPR + TR * pw + lane, tn.row_end - 1);
-                return __ldg(p.row_token + r);
-            };
-            if ((int)blockIdx.x < total && trow) tok_next = load_token(blockIdx.x);
-            int32_t *tok = tok_slots + 8 * tid;
-            int stage = 0;
-            uint32_t phase = 0;
-            for (int t = blockIdx.x; t < total; t += gridDim.x) {
-                sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset);
-                tok_t = tok_next;
-#pragma unroll
-                for (int i = 0; i < CPR; i++) {
-                    int r = tl.row0 + rsub + 16 * i;
-                    tok[i] = r < tl.row_end ? __ldg(p.row_token + r) : -1;
-                }
-                for (int kb = 0; kb < kb_count; kb++) {
-                    const uint32_t fb = smem_addr(full + stage);
-                    const uint32_t sa = smem_addr(smem + stage * cfg::STAGE_BYTES);
-                    const uint32_t sb = sa + cfg::A_BYTES;
-                    mbar_wait(smem_addr(empty + stage), phase ^ 1);
-                    if (lane == 0) {
-                        mbar_arrive_expect_tx(fb, ta_bytes);
-                        if (pw == 0) {
-                            if constexpr (TRANS_B) {
-#pragma unroll
-                                for (int j = 0; j < BN / 64; j++)
-                                    tma_load_2d(sb + j * 8192, &map_b, fb, tl.n_tile * BN + 64 * j,
-                                                tl.e * p.K + kb * SM90_BK);
-                            } else if (p.concat) {
-                                int g = tl.e * p.N + tl.n_tile * (BN / 2);
-                                tma_load_2d(sb, &map_b, fb, kb * SM90_BK, g);
-                                tma_load_2d(sb + cfg::B_BYTES / 2, &map_b, fb, kb * SM90_BK,
-                                            g + p.n);
-                            } else {
-                                tma_load_2d(sb, &map_b, fb, kb * SM90_BK,
-                                            tl.e * p.N + tl.n_tile * BN);
-                            }
-                        }
-                    }
-                    __syncwarp(); /* the expect_tx precedes this warp's rows' complete_tx */
-                    if (trow)
-                        tma_load_2d(sa + (16 * CPR + TR * pw + lane) * 128, &map_a, fb,
-                                    kb * SM90_BK, tok_t);
-                    if constexpr (CPR > 0) {
-                        const bf16 *src0 = p.a_src + kb * SM90_BK + chunk * 8;
-#pragma unroll
-                        for (int i = 0; i < CPR; i++) {
-                            int r = rsub + 16 * i;
-                            uint32_t dst = sa + r * 128 + ((chunk ^ (r & 7)) << 4);
-                            const int32_t ti = tok[i];
-                            cp_async_16(dst, src0 + (int64_t)(ti < 0 ? 0 : ti) * p.K,
-                                        ti < 0 ? 0u : 16u);
-                        }
-                        cp_async_mbar_arrive_noinc(fb);
-                    }
-                    /* the next tile's TMA token, once this tile's first stage is out */
-                    if (kb == 0 && trow && t + (int)gridDim.x < total)
-                        tok_next = load_token(t + gridDim.x);
-                    if (++stage == STAGES) { stage = 0; phase ^= 1; }
-                }
-            }
-        } else if constexpr (GATHER && WS) {
+        if constexpr (GATHER && WS) {
             /* Warp-per-stage gather: k-block `it` belongs to producer warp it % 4,
              * which loads the whole A tile of that stage (32 cp.async per lane)
              * and the weight tile, so four stages are in flight on four warps.
@@ -676,7 +573,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             int prev = 0;
             for (int kb = 0; kb < kb_count; kb++) {
                 mbar_wait(smem_addr(full + stage), phase);
-                if (CP_GATHER) fence_proxy_async(); /* cp.async (generic) writes -> wgmma reads */
+                if (GATHER) fence_proxy_async(); /* cp.async (generic) writes -> wgmma reads */
                 const uint32_t sa = smem_addr(smem + stage * cfg::STAGE_BYTES) + cw * 64 * 128;
                 const uint32_t sb = smem_addr(smem + stage * cfg::STAGE_BYTES) + cfg::A_BYTES;
                 wgmma_fence_regs<NACC>(acc);
@@ -842,25 +739,6 @@ static smoe_status sm90_make_map(CUtensorMap *map, const void *base, int64_t row
     return SMOE_SUCCESS;
 }
 
-/* The gathered operand (X or dO, rows of `cols` bf16) as a tensor map of
- * 1-row boxes of 64 columns, 128B swizzle, for the TMA row gather. Its row
- * count is not known on the host (tokens index it); the map spans 2^31 - 1
- * rows and the kernel only addresses rows named by row_token. Returns 0 if
- * the driver refuses the map (the caller then gathers by cp.async). */
-static int sm90_make_row_map(CUtensorMap *map, const void *base, int64_t cols)
-{
-    PFN_cuTensorMapEncodeTiled_v12000 encode = sm90_encode_fn();
-    if (!encode) return 0;
-    cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)INT32_MAX};
-    cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
-    cuuint32_t box[2] = {SM90_BK, 1};
-    cuuint32_t estr[2] = {1, 1};
-    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)base, dims, strides, box, estr,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 static smoe_status sm90_check_common(const smoe_gemm_problem *p, const char *op)
 {
     if (p->d % 64 != 0 || p->n % 64 != 0)
@@ -893,14 +771,14 @@ static int sm90_grid(const smoe_gemm_problem *p, int64_t n_tiles)
     return (int)(upper < sms ? upper : sms);
 }
 
-template <int BN, int STAGES, int MODE, int GM>
+template <int BN, int STAGES, int MODE, bool WS>
 static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma,
                                const CUtensorMap *mb, const sm90_gemm_params *prm, cudaStream_t s,
                                const char *op)
 {
     typedef sm90_tile_cfg<BN, STAGES> cfg;
     void (*kern)(const CUtensorMap, const CUtensorMap, const sm90_gemm_params) =
-        sm90_grouped_gemm_kernel<BN, STAGES, MODE, GM>;
+        sm90_grouped_gemm_kernel<BN, STAGES, MODE, WS>;
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            cfg::SMEM_BYTES);
     if (err != cudaSuccess)
@@ -916,44 +794,10 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
     return SMOE_SUCCESS;
 }
 
-/* Benchmark hook for tests/gpu/test_gemm_sm90.cu. Bits 0-1: 0 runs the tile
- * table, 1 forces up's wide configuration, 2 its narrow one. Bits 2-4 (v >> 2)
- * pick the gather of up and dh: 0 the default, 1 cp.async (up: 128 threads
- * wide, warp-per-stage narrow; dh: 128 threads), 2 TMA rows only, 3 32 TMA
- * rows + 96 cp.async rows, 4 16 TMA rows + 112 cp.async rows. */
+/* Benchmark hook for tests/gpu/test_gemm_sm90.cu: 0 runs the tile table;
+ * 1 forces up's wide configuration, 2 its narrow one. */
 extern "C" int smoe_sm90_gemm_variant;
 int smoe_sm90_gemm_variant = 0;
-
-#define SM90_DEFAULT_GATHER SM90_GATHER_CPASYNC
-
-/* The gather method asked for (SM90_GATHER_*; CPASYNC stands for both
- * cp.async forms), or CPASYNC if the gathered operand's row map cannot be
- * made. */
-static int sm90_gather(CUtensorMap *ma, const void *src, int64_t cols)
-{
-    int g = (smoe_sm90_gemm_variant >> 2) & 7;
-    g = g == 0 ? SM90_DEFAULT_GATHER : g == 1 ? SM90_GATHER_CPASYNC : g;
-    if (g < SM90_GATHER_TMA || g > SM90_GATHER_MIX16) return SM90_GATHER_CPASYNC;
-    return sm90_make_row_map(ma, src, cols) ? g : SM90_GATHER_CPASYNC;
-}
-
-/* Launches a gathering GEMM (up or dh) with gather method g; `cp` is the
- * cp.async form this configuration uses. */
-template <int BN, int STAGES, int MODE, int CP>
-static smoe_status sm90_launch_gather(int g, const smoe_gemm_problem *p, const CUtensorMap *ma,
-                                      const CUtensorMap *mb, const sm90_gemm_params *prm,
-                                      cudaStream_t s, const char *op)
-{
-    switch (g) {
-    case SM90_GATHER_TMA:
-        return sm90_launch<BN, STAGES, MODE, SM90_GATHER_TMA>(p, ma, mb, prm, s, op);
-    case SM90_GATHER_MIX32:
-        return sm90_launch<BN, STAGES, MODE, SM90_GATHER_MIX32>(p, ma, mb, prm, s, op);
-    case SM90_GATHER_MIX16:
-        return sm90_launch<BN, STAGES, MODE, SM90_GATHER_MIX16>(p, ma, mb, prm, s, op);
-    default: return sm90_launch<BN, STAGES, MODE, CP>(p, mb, mb, prm, s, op);
-    }
-}
 
 static int sm90_dh_bn(const smoe_gemm_problem *p) { return p->n >= 256 ? 256 : 128; }
 
@@ -989,18 +833,14 @@ static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16
      * columns (measured best on every grid shape, notes/sm90_log.md); BN=128,
      * 6 stages, one producer warp per stage below that. The variant hook
      * forces one of them (1: BN=256, 2: BN=128). */
-    const int v = smoe_sm90_gemm_variant & 3;
-    const int wide = v == 1 || (v != 2 && p->h_cols >= 256);
+    const int v = smoe_sm90_gemm_variant;
+    const int wide = v == 1 || (v == 0 && p->h_cols >= 256);
     const int bn = wide ? 256 : 128;
-    CUtensorMap ma, mb;
+    CUtensorMap mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w1, p->E * p->h_cols, p->d,
                                         prm.concat ? bn / 2 : bn, "w1"));
-    const int g = sm90_gather(&ma, x, p->d);
-    if (wide)
-        return sm90_launch_gather<256, 4, SM90_MODE_UP, SM90_GATHER_CPASYNC>(g, p, &ma, &mb, &prm,
-                                                                            s, "up");
-    return sm90_launch_gather<128, 6, SM90_MODE_UP, SM90_GATHER_WARP>(g, p, &ma, &mb, &prm, s,
-                                                                      "up");
+    if (wide) return sm90_launch<256, 4, SM90_MODE_UP, false>(p, &mb, &mb, &prm, s, "up");
+    return sm90_launch<128, 6, SM90_MODE_UP, true>(p, &mb, &mb, &prm, s, "up");
 }
 
 static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf16 *w2,
@@ -1028,8 +868,8 @@ static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf
     CUtensorMap ma, mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&ma, a, p->cap, p->n, SM90_BM, "a"));
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w2, p->E * p->d, p->n, bn, "w2"));
-    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DOWN, 0>(p, &ma, &mb, &prm, s, "down");
-    return sm90_launch<128, 6, SM90_MODE_DOWN, 0>(p, &ma, &mb, &prm, s, "down");
+    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DOWN, false>(p, &ma, &mb, &prm, s, "down");
+    return sm90_launch<128, 6, SM90_MODE_DOWN, false>(p, &ma, &mb, &prm, s, "down");
 }
 
 static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *w1, bf16 *dxt,
@@ -1061,8 +901,8 @@ static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf
     CUtensorMap ma, mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&ma, dh, p->cap, p->h_cols, SM90_BM, "dh"));
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w1, p->E * p->h_cols, p->d, 64, "w1"));
-    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DXT, 0>(p, &ma, &mb, &prm, s, "dxt");
-    return sm90_launch<128, 6, SM90_MODE_DXT, 0>(p, &ma, &mb, &prm, s, "dxt");
+    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DXT, false>(p, &ma, &mb, &prm, s, "dxt");
+    return sm90_launch<128, 6, SM90_MODE_DXT, false>(p, &ma, &mb, &prm, s, "dxt");
 }
 
 /* The weight-gradient GEMMs (varlen-K) are in varlen_k_sm90.cu. */
@@ -1104,14 +944,11 @@ static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const b
     prm.cap = p->cap;
     prm.h_cols = (int)p->h_cols;
     const int bn = sm90_dh_bn(p);
-    CUtensorMap ma, mb;
+    CUtensorMap mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w2, p->E * p->d, p->n, 64, "w2"));
-    const int g = sm90_gather(&ma, dout, p->d);
-    smoe_status st =
-        bn == 256 ? sm90_launch_gather<256, 4, SM90_MODE_DH, SM90_GATHER_CPASYNC>(g, p, &ma, &mb,
-                                                                                 &prm, s, "dh")
-                  : sm90_launch_gather<128, 6, SM90_MODE_DH, SM90_GATHER_CPASYNC>(g, p, &ma, &mb,
-                                                                                 &prm, s, "dh");
+    smoe_status st = bn == 256
+                         ? sm90_launch<256, 4, SM90_MODE_DH, false>(p, &mb, &mb, &prm, s, "dh")
+                         : sm90_launch<128, 6, SM90_MODE_DH, false>(p, &mb, &mb, &prm, s, "dh");
     SMOE_FORWARD_IF_ERROR(st);
     const int tiles = (int)((p->n + bn - 1) / bn);
     sm90_ds_finish<<<(unsigned)((p->cap + 7) / 8), 256, 0, s>>>(
