@@ -91,118 +91,14 @@ typedef struct vk_args {
     int n_half;                    /* n, for that map */
 } vk_args;
 
-/* ------------------------------------------------------------ PTX the header lacks */
-
-/* Shared-memory descriptor of an MN-major, 128B-swizzled bf16 operand:
- * 64-element (128-byte) MN atoms, 8 k-rows of 128 bytes per 1024-byte swizzle
- * atom. For MN-major layouts the leading byte offset is the distance between
- * neighbouring 64-column MN atoms and the stride byte offset the distance
- * between neighbouring groups of 8 k-rows. */
-static __device__ __forceinline__ uint64_t vk_desc_mn_sw128(uint32_t saddr, uint32_t mn_atom_bytes)
-{
-    uint64_t d = 0;
-    d |= (uint64_t)((saddr & 0x3FFFF) >> 4);
-    d |= (uint64_t)((mn_atom_bytes >> 4) & 0x3FFF) << 16;
-    d |= (uint64_t)(1024 >> 4) << 32;
-    d |= (uint64_t)1 << 62;
-    return d;
-}
-
-/* 4-byte cp.async through L1 (the row tokens). */
-static __device__ __forceinline__ void vk_cp_async_4(uint32_t dst, const void *src)
-{
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-
-static __device__ __forceinline__ void vk_cp_async_commit()
-{
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-/* Waits until at most N of this thread's cp.async groups are pending. */
-template <int N>
-static __device__ __forceinline__ void vk_cp_async_wait()
-{
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-static __device__ __forceinline__ uint4 vk_ld_shared_v4(uint32_t addr)
-{
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(addr)
-                 : "memory");
-    return v;
-}
-
-static __device__ __forceinline__ void vk_prefetch_l2(const void *p)
-{
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
-/* wgmma with both operands MN-major (transpose bits 1, 1): ptx_sm90.cuh's
- * wrappers fix A as K-major. */
-static __device__ __forceinline__ void vk_wgmma_m64n256k16_mn(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d)
-{
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p, 1, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-static __device__ __forceinline__ void vk_wgmma_m64n128k16_mn(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d)
-{
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
+/* ------------------------------------------------------------ wgmma, both operands MN-major */
 
 template <int BN>
 static __device__ __forceinline__ void vk_wgmma_mn(float *d, uint64_t desc_a, uint64_t desc_b,
                                                    int scale_d)
 {
-    if constexpr (BN == 256) vk_wgmma_m64n256k16_mn(d, desc_a, desc_b, scale_d);
-    else vk_wgmma_m64n128k16_mn(d, desc_a, desc_b, scale_d);
+    if constexpr (BN == 256) wgmma_m64n256k16<1, 1>(d, desc_a, desc_b, scale_d);
+    else wgmma_m64n128k16<1, 1>(d, desc_a, desc_b, scale_d);
 }
 
 /* ------------------------------------------------------------ kernel */
@@ -266,7 +162,7 @@ static __device__ __forceinline__ void vk_fetch_tokens(const vk_args &p, const v
     const int row0 = c.row_begin + c.kt * VK_BK + 4 * g;
 #pragma unroll
     for (int i = 0; i < 4; i++)
-        if (row0 + i < c.row_end) vk_cp_async_4(slot + 4 * i, p.row_token + row0 + i);
+        if (row0 + i < c.row_end) cp_async_4(slot + 4 * i, p.row_token + row0 + i);
 }
 
 /* One operand's stage: 64 k-rows x W columns from column col0; k-row r is
@@ -307,7 +203,7 @@ static __device__ __forceinline__ void vk_prefetch_out(const vk_args &p, int e, 
         const char *rp = (const char *)p.out + (((size_t)e * p.M + prow) * p.N + col_tile) * ESZ;
 #pragma unroll
         for (int l = lane % 4; l < LINES; l += 4)
-            if (col_tile + l * (128 / ESZ) < p.N) vk_prefetch_l2(rp + 128 * l);
+            if (col_tile + l * (128 / ESZ) < p.N) prefetch_l2(rp + 128 * l);
     }
 }
 
@@ -451,7 +347,7 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
                 vk_fetch_tokens(p, ahead, my_tok + i * VK_TOK_SLOT_BYTES, g);
                 vk_cursor_next(p, &ahead);
             }
-            vk_cp_async_commit();
+            cp_async_commit();
         }
         for (uint32_t it = 0; cur.tile < p.total_tiles; it++, vk_cursor_next(p, &cur)) {
             if (ahead.tile < p.total_tiles) {
@@ -459,11 +355,11 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
                                 my_tok + ((it + VK_TOK_AHEAD) % VK_TOK_SLOTS) * VK_TOK_SLOT_BYTES, g);
                 vk_cursor_next(p, &ahead);
             }
-            vk_cp_async_commit();
+            cp_async_commit();
             /* the groups older than the last VK_TOK_AHEAD hold this
              * iteration's tokens (and the copies of iteration it - VK_STAGES,
              * which must land before this stage is refilled anyway) */
-            vk_cp_async_wait<VK_TOK_AHEAD>();
+            cp_async_wait<VK_TOK_AHEAD>();
             const uint32_t s = it % VK_STAGES;
             const uint32_t ph = (it / VK_STAGES) & 1;
             int e, mt, nt;
@@ -472,7 +368,7 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
             const int rows_left = cur.row_end - row0;
             int src_row[4];
             {
-                uint4 tk = vk_ld_shared_v4(my_tok + (it % VK_TOK_SLOTS) * VK_TOK_SLOT_BYTES);
+                uint4 tk = ld_shared_v4(my_tok + (it % VK_TOK_SLOTS) * VK_TOK_SLOT_BYTES);
                 src_row[0] = (int)tk.x; src_row[1] = (int)tk.y;
                 src_row[2] = (int)tk.z; src_row[3] = (int)tk.w;
             }
@@ -522,8 +418,8 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
 #pragma unroll
                 for (int ks = 0; ks < VK_BK / 16; ks++) {
                     /* 16 k-rows = 2048 bytes: whole swizzle atoms, no phase change */
-                    uint64_t da = vk_desc_mn_sw128(sa + ks * 2048, VK_SLAB_BYTES);
-                    uint64_t db = vk_desc_mn_sw128(sb + ks * 2048, VK_SLAB_BYTES);
+                    uint64_t da = wgmma_desc_sw128_mn(sa + ks * 2048, VK_SLAB_BYTES);
+                    uint64_t db = wgmma_desc_sw128_mn(sb + ks * 2048, VK_SLAB_BYTES);
                     vk_wgmma_mn<BN>(acc, da, db, (kt > 0 || ks > 0) ? 1 : 0);
                 }
                 wgmma_commit();
