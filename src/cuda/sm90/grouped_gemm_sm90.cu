@@ -808,6 +808,22 @@ static size_t sm90_scratch_bytes(const smoe_gemm_problem *p)
     return (size_t)((p->n + bn - 1) / bn) * (size_t)p->cap * sizeof(float);
 }
 
+/* The parameters every mode shares; the launchers fill in the rest. */
+static sm90_gemm_params sm90_params(const smoe_gemm_problem *p, int64_t K, int64_t N)
+{
+    sm90_gemm_params prm;
+    memset(&prm, 0, sizeof(prm));
+    prm.expert_offset = p->expert_offset;
+    prm.row_token = p->row_token;
+    prm.E = (int)p->E;
+    prm.K = (int)K;
+    prm.N = (int)N;
+    prm.n = (int)p->n;
+    prm.cap = p->cap;
+    prm.h_cols = (int)p->h_cols;
+    return prm;
+}
+
 static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16 *w1,
                            const bf16 *b1, bf16 *h, bf16 *a, void *scratch, cudaStream_t s)
 {
@@ -815,17 +831,11 @@ static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16
     if (sm90_misaligned(x) || sm90_misaligned(w1) || sm90_misaligned(h) || sm90_misaligned(a))
         return smoe_fail(SMOE_ERROR_UNSUPPORTED, "sm90 up: x, w1, h, a must be 16-byte aligned");
     if (p->cap == 0 || p->E == 0) return SMOE_SUCCESS;
-    sm90_gemm_params prm;
+    sm90_gemm_params prm = sm90_params(p, p->d, p->h_cols);
     prm.a_src = x;
     prm.bias = b1;
     prm.out0 = h;
     prm.out1 = a;
-    prm.expert_offset = p->expert_offset;
-    prm.row_token = p->row_token;
-    prm.E = (int)p->E;
-    prm.K = (int)p->d;
-    prm.N = (int)p->h_cols;
-    prm.n = (int)p->n;
     prm.gated = p->gated;
     prm.act = (int)p->act;
     prm.concat = p->gated && p->w1_layout == SMOE_W1_CONCATENATED;
@@ -850,20 +860,9 @@ static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf
     if (sm90_misaligned(a) || sm90_misaligned(w2) || sm90_misaligned(y))
         return smoe_fail(SMOE_ERROR_UNSUPPORTED, "sm90 down: a, w2, y must be 16-byte aligned");
     if (p->cap == 0 || p->E == 0) return SMOE_SUCCESS;
-    sm90_gemm_params prm;
-    prm.a_src = NULL;
+    sm90_gemm_params prm = sm90_params(p, p->n, p->d);
     prm.bias = b2;
     prm.out0 = y;
-    prm.out1 = NULL;
-    prm.expert_offset = p->expert_offset;
-    prm.row_token = p->row_token;
-    prm.E = (int)p->E;
-    prm.K = (int)p->n;
-    prm.N = (int)p->d;
-    prm.n = (int)p->n;
-    prm.gated = 0;
-    prm.act = 0;
-    prm.concat = 0;
     const int bn = p->d >= 256 ? 256 : 128;
     CUtensorMap ma, mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&ma, a, p->cap, p->n, SM90_BM, "a"));
@@ -883,20 +882,8 @@ static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf
     if (sm90_misaligned(dh) || sm90_misaligned(w1) || sm90_misaligned(dxt))
         return smoe_fail(SMOE_ERROR_UNSUPPORTED, "sm90 dxt: dh, w1, dxt must be 16-byte aligned");
     if (p->cap == 0 || p->E == 0) return SMOE_SUCCESS;
-    sm90_gemm_params prm;
-    prm.a_src = NULL;
-    prm.bias = NULL;
+    sm90_gemm_params prm = sm90_params(p, p->h_cols, p->d);
     prm.out0 = dxt;
-    prm.out1 = NULL;
-    prm.expert_offset = p->expert_offset;
-    prm.row_token = p->row_token;
-    prm.E = (int)p->E;
-    prm.K = (int)p->h_cols;
-    prm.N = (int)p->d;
-    prm.n = (int)p->n;
-    prm.gated = 0;
-    prm.act = 0;
-    prm.concat = 0;
     const int bn = p->d >= 256 ? 256 : 128;
     CUtensorMap ma, mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&ma, dh, p->cap, p->h_cols, SM90_BM, "dh"));
@@ -925,24 +912,15 @@ static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const b
     if (!scratch || !p->row_score)
         return smoe_fail(SMOE_ERROR_INTERNAL, "sm90 dh: scratch and row_score are required");
     if (p->cap == 0 || p->E == 0) return SMOE_SUCCESS;
-    sm90_gemm_params prm;
-    memset(&prm, 0, sizeof(prm));
+    sm90_gemm_params prm = sm90_params(p, p->d, p->n);
     prm.a_src = dout;
     prm.out0 = dh;
     prm.out1 = a_scaled;
-    prm.expert_offset = p->expert_offset;
-    prm.row_token = p->row_token;
-    prm.E = (int)p->E;
-    prm.K = (int)p->d;
-    prm.N = (int)p->n;
-    prm.n = (int)p->n;
     prm.gated = p->gated;
     prm.act = (int)p->act;
     prm.h_in = h;
     prm.score = p->row_score;
     prm.dsp = (float *)scratch;
-    prm.cap = p->cap;
-    prm.h_cols = (int)p->h_cols;
     const int bn = sm90_dh_bn(p);
     CUtensorMap mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w2, p->E * p->d, p->n, 64, "w2"));
