@@ -94,8 +94,6 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, uint3
                  : "memory");
 }
 
-/* Arrives on `bar` once all of this thread's earlier cp.async have landed;
- * the arrival counts against the barrier's expected count (noinc). */
 /* 4-byte cp.async through L1 (small index loads, e.g. row tokens). */
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void *src)
 {
@@ -129,6 +127,8 @@ __device__ __forceinline__ void prefetch_l2(const void *p)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+/* Arrives on `bar` once all of this thread's earlier cp.async have landed;
+ * the arrival counts against the barrier's expected count (noinc). */
 __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar)
 {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
