@@ -6,12 +6,16 @@
 #   scripts/device_check.sh bench    the grid on the Hopper path and on the
 #                                    portable path, and the plain PyTorch
 #                                    grouped_mm layer in the same call
-# Logs and CSVs go to $OUT (or /tmp/smoe_out); a short table comes last.
+# Logs and CSVs are written to /tmp/smoe_out and, when $OUT is set (the
+# device tool), packed into one file there ($OUT keeps at most 8 files); a
+# short table comes last.
 set -uo pipefail
 mode=${1:-verify}
-out=${OUT:-/tmp/smoe_out}
-mkdir -p "$out"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+out=/tmp/smoe_out
+rm -rf "$out"; mkdir -p "$out"
+pack() { [ -n "${OUT:-}" ] && tar -czf "$OUT/device_check_$mode.tgz" -C "$out" .; }
+trap pack EXIT
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)," \
      "$(git status --porcelain --untracked-files=no 2>/dev/null | wc -l) modified files, $(date -u '+%F %H:%M') UTC"
 
@@ -32,14 +36,13 @@ step() { # name, command...: run, keep the log, print one line
 if [ "$mode" = verify ]; then
   step test-gpu make test-gpu
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/gpu/test_layer_gpu --small
-  step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 build/tests/gpu/test_layer_gpu --small
-  if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
-    export PYTHONPATH=/tmp/site:$PWD/python
-  else
-    export PYTHONPATH=$PWD/python
-  fi
-  step python env SMOE_LIBRARY=$PWD/build/libsmoe.so python3 -m pytest -q -p no:cacheprovider python/tests
+  # racecheck: the portable layer path and the Hopper varlen-M GEMMs on small
+  # cases (the Hopper layer test under racecheck runs past 8 minutes)
+  step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 build/tests/gpu/test_layer_gpu --small --sm80
+  step race-sm90 compute-sanitizer --tool racecheck --error-exitcode 9 build/tests/gpu/test_gemm_sm90 --small
+  # the machine's own pytest (a carried one can clash with its plugins)
+  export PYTHONPATH=$PWD/python
+  step python env SMOE_LIBRARY=$PWD/build/libsmoe.so timeout 300 python3 -m pytest -q -p no:cacheprovider python/tests
   step run-gpu build/smoe_run
   step run-7B build/smoe_run --config 7B-n256
   echo; tail -n 12 "$out/run-7B.log"
@@ -47,9 +50,12 @@ else
   step ceilings python3 bench/ceilings.py
   step bench-sm90 build/smoe_bench --rows all --backend sm90 --csv "$out/bench_sm90.csv"
   step stages build/smoe_bench --rows 7B-n256,120B-n1024 --backend sm90 --stages
+  step bench-cuda build/smoe_bench --rows all --backend cuda --csv "$out/bench_cuda.csv"
+  step torch python3 bench/torch_baseline.py --rows all --csv "$out/torch.csv"
   # smoe (both paths) and the plain PyTorch layer, same inputs, same process
   step compare env SMOE_LIBRARY=$PWD/build/libsmoe.so timeout 330 python3 bench/compare.py \
        --impls smoe-sm90,smoe-cuda,torch --time-budget 270 --csv "$out/compare.csv"
-  echo; cat "$out/ceilings.log"; tail -n 16 "$out/bench-sm90.log"; echo; tail -n 30 "$out/compare.log"
+  echo; cat "$out/ceilings.log"; tail -n 16 "$out/bench-sm90.log"; echo
+  tail -n 16 "$out/bench-cuda.log"; echo; cat "$out/torch.log"
 fi
 exit $status
