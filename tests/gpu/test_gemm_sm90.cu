@@ -786,6 +786,7 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
     /* alternatives of `up` (variant hook), and the same FLOPs through the
      * down kernel with swapped sizes: TMA-loaded contiguous A, plain store */
     float t_var[3] = {0, 0, 0}, t_tma = 0;
+    const int forced = smoe_sm90_gemm_variant; /* --variant: kept for the next shapes */
     for (int v = 0; v < 3; v++) {
         float tv[BENCH_REPS];
         smoe_sm90_gemm_variant = v;
@@ -800,7 +801,7 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
         }
         t_var[v] = median_ms(tv, BENCH_REPS);
     }
-    smoe_sm90_gemm_variant = 0;
+    smoe_sm90_gemm_variant = forced;
     {
         smoe_gemm_problem g2 = g;
         g2.n = P.d;
