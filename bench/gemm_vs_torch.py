@@ -30,8 +30,6 @@ import argparse
 import csv
 import ctypes
 import os
-import re
-import statistics
 import sys
 import time
 from ctypes import Structure, c_char_p, c_int, c_int32, c_int64, c_size_t, c_void_p
@@ -40,8 +38,10 @@ import torch
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GRID_H = os.path.join(HERE, "grid.h")
 DEFAULT_SHIM = os.path.join(os.path.dirname(HERE), "build", "libsmoe_gemm_shim.so")
+sys.path.insert(0, HERE)
+import torch_baseline  # noqa: E402  (its grid parser and its timing loop)
+from torch_baseline import grid_rows  # noqa: E402
 DEFAULT_ROWS = "7B-n256,30B-n512,120B-n1024,120B-n2048"
 
 KINDS = ["up", "down", "dh", "dw2", "dxt", "dw1"]  # index = the shim's kind number
@@ -51,16 +51,6 @@ SMOE_ACT_SWIGLU, SMOE_W1_INTERLEAVED = 0, 0
 SHIM_NO_ENTRY, SHIM_BAD_ARG = -1, -2
 STATUS = ["SUCCESS", "NULL_POINTER", "INVALID_SIZE", "INVALID_VALUE", "UNSUPPORTED",
           "NO_DEVICE", "OUT_OF_MEMORY", "BACKEND", "INTERNAL"]
-
-
-def grid_rows():
-    rows = {}
-    pat = re.compile(r'\{"([^"]+)",\s*"[^"]+",\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),')
-    for line in open(GRID_H):
-        m = pat.search(line)
-        if m and m.group(1) != "small":
-            rows[m.group(1)] = tuple(int(v) for v in m.groups()[1:])
-    return rows
 
 
 # ------------------------------------------------------------------ the shim
@@ -323,19 +313,11 @@ def check_ours(kind, P, B, ref, rows_per_chunk=8192):
 # ------------------------------------------------------------------ timing
 
 def median_ms(fn, reps, warmup, flush):
+    """torch_baseline's CUDA-event median (L2 flushed per rep), after warm-up calls."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    return torch_baseline.median_ms(fn, reps, flush)
 
 
 def bench_row(name, shape, args, lib, flush, num_sms):
