@@ -413,7 +413,10 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     constexpr int NACC = BN / 2;
 
     extern __shared__ uint8_t smem_raw[];
-    uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    /* 1024-byte aligned base by an offset from smem_raw (not an integer round
+     * trip, which loses the shared address space and turns every access
+     * through it into a generic LD/ST: notes/sm90_log.md, rung 5) */
+    uint8_t *smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
     uint8_t *ep_base = smem + STAGES * cfg::STAGE_BYTES; /* 2 x SM90_EP_BYTES */
     uint64_t *full = (uint64_t *)(ep_base + 2 * SM90_EP_BYTES);
     uint64_t *empty = full + STAGES;
