@@ -18,6 +18,19 @@ L2 cache flushed before each repetition and CUDA events around it:
 medians over --reps repetitions. The gradient pass is torch.autograd.grad
 (no accumulation into .grad), the same for every implementation.
 
+Launch overhead. Between the L2 flush and the start event each repetition
+enqueues a GPU-side delay (torch.cuda._sleep, --gpu-delay-ms, default 2 ms,
+calibrated in clock cycles at start-up). While the GPU sleeps, the CPU runs
+ahead and enqueues the layer's kernels, so the events time the GPU work, not
+the Python side's launch overhead, as in a training loop where the host runs
+ahead of the GPU. Without the delay the GPU is idle when the start event is
+recorded and the host's work up to the first kernel is timed: smoe through
+Python then read 5-20% below the C benchmark (0.3-0.5 ms a call). The
+host's enqueue time (perf_counter around the call, no synchronization) is
+in the CSV (host_fwd_ms, host_fwdbwd_ms); the note says where it exceeded
+the delay (the region may then include waits for the host) or the GPU time
+(host-bound: a loop of such layers would leave the GPU waiting).
+
 Implementations (--impls):
   smoe-sm90, smoe-cuda  smoe.moe() with $SMOE_TORCH_BACKEND forcing the
                         backend (the Hopper kernels; the portable CUDA ones)
@@ -26,7 +39,9 @@ Implementations (--impls):
                         torch.nn.functional.grouped_mm, SwiGLU, index_add)
   scattermoe            scattermoe.mlp.GLUMLP, if importable, with the
                         reference routing given to it
-  sonicmoe              sonicmoe.MoE, if importable (routes itself)
+  sonicmoe              sonicmoe.functional.moe_TC_softmax_topk_layer (what
+                        sonicmoe.MoE calls, without its auxiliary loss), if
+                        importable; it routes itself
 An implementation that cannot be imported or built is listed as
 'unavailable' in the CSV, with the reason.
 
@@ -36,9 +51,10 @@ others in [-2, 0], before bf16 rounding): a layer that computes its logits
 in bf16 or fp32, with any summation order, picks the same experts. The
 decisions are computed once from fp32 logits (the reference routing), given
 to the implementations that take routing as input, and compared with what
-the self-routing ones pick (smoe: from the logits it returns; torch: its
-routing step recomputed). Which experts a token gets is uniformly random,
-as with a random router; the timings do not depend on the values.
+the self-routing ones pick (smoe, sonicmoe: from the logits they return;
+torch: its routing step recomputed). Which experts a token gets is
+uniformly random, as with a random router; the timings do not depend on the
+values.
 
 Reference: an fp32 per-expert loop (this file, independent of every
 implementation) with the reference routing, run before the implementations.
@@ -48,6 +64,7 @@ passes when all are below --tol and finite.
     python3 bench/compare.py [--rows all|NAME,...] [--shape T,d,n,E,K ...]
         [--impls smoe-sm90,smoe-cuda,torch,scattermoe,sonicmoe] [--reps 10]
         [--csv FILE] [--device cuda|cpu] [--time-budget SECONDS]
+        [--gpu-delay-ms 2]
     python3 bench/compare.py --device cpu --shape 64,64,32,8,2   # CPU smoke test
 
 The CSV has one line per (configuration, implementation); lines starting
@@ -77,7 +94,8 @@ import torch_baseline  # noqa: E402  (its grid parser and its layer)
 
 FIELDS = ["row", "T", "d", "n", "E", "K", "impl", "status", "path", "fwd_ms", "bwd_ms",
           "fwd_tflops", "bwd_tflops", "act_gib", "peak_gib", "err_out", "err_dx",
-          "err_drouter", "err_dw1", "err_dw2", "routing_mismatch", "note"]
+          "err_drouter", "err_dw1", "err_dw2", "routing_mismatch", "host_fwd_ms",
+          "host_fwdbwd_ms", "note"]
 GRAD_NAMES = ("out", "dx", "drouter", "dw1", "dw2")
 
 
@@ -369,44 +387,55 @@ class ScatterMoEImpl(Impl):
 
 
 class SonicMoEImpl(Impl):
+    """SonicMoE's layer function, the one its nn.Module (sonicmoe.MoE) calls:
+    router GEMM, its top-K-then-softmax router, both expert GEMMs and their
+    backward. Called directly so that the module's auxiliary load-balancing
+    loss (an extra softmax over all E logits) is not timed: no other
+    implementation here computes one. It takes smoe's weight layouts as they
+    are (w1 (E, 2n, d) interleaved gate/up, w2 (E, d, n)), viewed as
+    (2n, d, E) and (d, n, E) as sonicmoe.MoE.forward does."""
     name = "sonicmoe"
 
     def available(self, device):
         if device == "cpu":
             return "CUDA only"
         try:
-            import sonicmoe  # noqa: F401
             from sonicmoe.enums import ActivationType  # noqa: F401
+            from sonicmoe.functional import moe_TC_softmax_topk_layer  # noqa: F401
         except Exception as e:
-            return "import sonicmoe: %s" % e
+            return "import sonicmoe: %s: %s" % (type(e).__name__, str(e).splitlines()[0]
+                                                if str(e) else "")
         return None
 
     def prepare(self, prob):
         super().prepare(prob)
         import sonicmoe
         from sonicmoe.enums import ActivationType
-        with torch.device(prob.device):
-            m = sonicmoe.MoE(prob.E, prob.K, prob.d, prob.n, ActivationType.SWIGLU, False, 0.02)
-        m = m.to(dtype=torch.bfloat16)
-        with torch.no_grad():
-            m.router.weight.copy_(prob.wr)
-            m.c_fc.weight.copy_(prob.w1)        # interleaved gate/up, as smoe
-            m.c_proj.weight.copy_(prob.w2)
-        m.train()
-        self.m = m
-        x = prob.leaves()[0]
-        self.leaves = [x, m.router.weight, m.c_fc.weight, m.c_proj.weight]
+        from sonicmoe.functional import moe_TC_softmax_topk_layer
+        self.layer = moe_TC_softmax_topk_layer
+        self.act = ActivationType.SWIGLU
+        self.stream = torch.cuda.current_stream().cuda_stream
+        self.out_extra = None
         self.path = "sonicmoe %s" % pkg_version(sonicmoe, "sonic-moe")
 
     def run(self):
-        return self.m(self.leaves[0])[0]
+        x, wr, w1, w2 = self.leaves
+        out, logits, counts = self.layer(x, wr, w1.permute(1, 2, 0), None, w2.permute(1, 2, 0),
+                                         None, self.prob.K, self.stream, self.act, False)
+        self.out_extra = (counts, logits)
+        return out
 
     def routing_check(self):
-        return None, "routes itself (not checked; output and gradients are)"
+        counts, logits = self.out_extra
+        mism = routing_mismatch(self.prob, logits)
+        want = torch.bincount(self.prob.top_i.reshape(-1), minlength=self.prob.E)
+        note = "" if torch.equal(counts.long().cpu(), want.cpu()) else "expert counts differ"
+        return mism, note
 
     def release(self):
         super().release()
-        self.m = None
+        self.out_extra = None
+        self.layer = None
 
 
 IMPLS = {
@@ -422,24 +451,76 @@ IMPLS = {
 # ------------------------------------------------------------------- timing
 
 class Timer:
-    def __init__(self, device):
+    """CUDA-event timing of one callable, the L2 flushed before each repetition.
+
+    The repetition is enqueued as: flush (256 MiB zeroed), a GPU-side delay
+    (torch.cuda._sleep, --gpu-delay-ms long), start event, the callable, end
+    event. The delay keeps the GPU busy while the CPU runs ahead and enqueues
+    the callable's kernels, so the GPU time between the events is the layer's
+    own, not the Python side's launch overhead (custom-op dispatch, ctypes,
+    autograd, tensor allocation), as in a training loop where the CPU runs
+    ahead of the GPU. Without it, each repetition starts with an idle GPU
+    right after the flush and the events also time the host's work up to the
+    first kernel and every gap where the host falls behind. Every
+    implementation is timed the same way. The host's own time to enqueue the
+    callable is measured too (perf_counter, no synchronization inside it) and
+    reported; where it is longer than the delay plus the GPU time, the GPU
+    waited for the host after all and the event time includes that wait.
+
+    _sleep counts clock cycles: the cycles per millisecond are measured once
+    here (the fastest of five 1M-cycle sleeps, so the delay is at least the
+    asked-for time at the highest clock seen)."""
+
+    def __init__(self, device, delay_ms=1.0):
         self.cuda = device != "cpu"
         # 256 MiB written before each repetition: more than any L2 (H100: 50 MB).
         self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda else None
+        self.delay_ms = delay_ms if self.cuda else 0.0
+        self.delay_cycles = 0
+        self.cycles_per_ms = None
+        if self.cuda and delay_ms > 0:
+            n = 1_000_000
+            best = None
+            torch.cuda._sleep(n)
+            for _ in range(5):
+                s = torch.cuda.Event(enable_timing=True)
+                e = torch.cuda.Event(enable_timing=True)
+                s.record()
+                torch.cuda._sleep(n)
+                e.record()
+                torch.cuda.synchronize()
+                ms = s.elapsed_time(e)
+                best = ms if best is None else min(best, ms)
+            self.cycles_per_ms = n / best
+            self.delay_cycles = int(math.ceil(delay_ms * self.cycles_per_ms))
+
+    def describe(self):
+        if not self.cuda:
+            return "host wall clock"
+        if not self.delay_cycles:
+            return "no GPU delay before the start event"
+        return ("GPU delay %.2g ms (torch.cuda._sleep %d cycles, %.0f MHz measured) between the "
+                "flush and the start event" % (self.delay_ms, self.delay_cycles,
+                                               self.cycles_per_ms / 1e3))
 
     def sync(self):
         if self.cuda:
             torch.cuda.synchronize()
 
     def median_ms(self, fn, reps):
-        times = []
+        """(median GPU ms between the events, median host ms to enqueue fn)."""
+        times, host = [], []
         for _ in range(reps):
             if self.cuda:
                 self.flush.zero_()
+                if self.delay_cycles:
+                    torch.cuda._sleep(self.delay_cycles)
                 s = torch.cuda.Event(enable_timing=True)
                 e = torch.cuda.Event(enable_timing=True)
                 s.record()
+                t0 = time.perf_counter()
                 fn()
+                host.append((time.perf_counter() - t0) * 1e3)
                 e.record()
                 torch.cuda.synchronize()
                 times.append(s.elapsed_time(e))
@@ -447,7 +528,8 @@ class Timer:
                 t0 = time.perf_counter()
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+                host.append(times[-1])
+        return statistics.median(times), statistics.median(host)
 
 
 def measure(impl, prob, ref, args, timer):
@@ -490,11 +572,23 @@ def measure(impl, prob, ref, args, timer):
         for _ in range(args.warmup):
             fwd_bwd()
         timer.sync()
-        t_f = timer.median_ms(fwd, args.reps)
-        t_fb = timer.median_ms(fwd_bwd, args.reps)
+        t_f, h_f = timer.median_ms(fwd, args.reps)
+        t_fb, h_fb = timer.median_ms(fwd_bwd, args.reps)
         t_b = t_fb - t_f
         flops = 6.0 * prob.T * prob.K * prob.d * prob.n
+        if timer.cuda:
+            # The host's enqueue time against the GPU's: longer than the delay, the
+            # region may hold waits for the host; longer than the GPU time, a loop
+            # of such layers would leave the GPU waiting (host-bound).
+            warn = []
+            for what, h, t in (("fwd", h_f, t_f), ("fwd+bwd", h_fb, t_fb)):
+                if h > t:
+                    warn.append("host-bound %s: enqueue %.2f ms > GPU %.2f ms" % (what, h, t))
+                elif h > timer.delay_ms:
+                    warn.append("%s enqueue %.2f ms > delay %.2g ms" % (what, h, timer.delay_ms))
+            rec["note"] = "; ".join(filter(None, [rec["note"]] + warn))
         rec.update(fwd_ms="%.4f" % t_f, bwd_ms="%.4f" % t_b,
+                   host_fwd_ms="%.4f" % h_f, host_fwdbwd_ms="%.4f" % h_fb,
                    fwd_tflops="%.2f" % (flops / (t_f * 1e-3) / 1e12),
                    bwd_tflops="%.2f" % (2 * flops / (t_b * 1e-3) / 1e12) if t_b > 0 else "")
         if timer.cuda:
@@ -531,7 +625,11 @@ def git_commit():
         return None
 
 
-def versions(device):
+OTHER_DISTS = {"scattermoe": ["scattermoe"],
+               "sonicmoe": ["sonic-moe", "quack-kernels", "nvidia-cutlass-dsl", "apache-tvm-ffi"]}
+
+
+def versions(device, names=()):
     now = datetime.datetime.now(datetime.timezone.utc)
     lines = ["date %s" % now.strftime("%Y-%m-%d %H:%M UTC")]
     if device != "cpu":
@@ -552,6 +650,16 @@ def versions(device):
         lines.append("smoe %s (%s)" % (smoe.library_version(), smoe.library_path()))
     except Exception as e:
         lines.append("smoe unavailable (%s)" % str(e).splitlines()[0])
+    import importlib.metadata
+    for nm in names:
+        found = []
+        for dist in OTHER_DISTS.get(nm, []):
+            try:
+                found.append("%s %s" % (dist, importlib.metadata.version(dist)))
+            except Exception:
+                pass
+        if found:
+            lines.append("%s: %s" % (nm, ", ".join(found)))
     lines.append("python %s" % platform.python_version())
     return lines
 
@@ -630,6 +738,9 @@ def main():
     ap.add_argument("--tol", type=float, default=5e-2,
                     help="largest relative L2 error of the output and each gradient")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gpu-delay-ms", type=float, default=2.0,
+                    help="GPU-side delay between the L2 flush and the start event, so the host's "
+                    "launch overhead is not timed (0: none; see Timer)")
     ap.add_argument("--csv", help="write the results here (written row by row)")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD, if any)")
     ap.add_argument("--time-budget", type=float, default=0,
@@ -650,11 +761,12 @@ def main():
     why_not = {im.name: im.available(device) for im in impls}
     runnable = [im for im in impls if why_not[im.name] is None]
 
-    header = versions(device)
+    timer = Timer(device, args.gpu_delay_ms)
+    header = versions(device, names)
     header.append("commit %s" % (args.commit or git_commit() or "unknown"))
     header.append("settings reps=%d warmup=%d tol=%g seed=%d; L2 flushed (256 MiB) before each "
-                  "rep; medians; bf16, SwiGLU, TOPK_SOFTMAX" % (args.reps, args.warmup, args.tol,
-                                                                 args.seed))
+                  "rep, then %s; medians; bf16, SwiGLU, TOPK_SOFTMAX"
+                  % (args.reps, args.warmup, args.tol, args.seed, timer.describe()))
     header.append("command %s" % " ".join(sys.argv))
     for line in header:
         print("# " + line)
@@ -678,7 +790,6 @@ def main():
     print("%-12s %-10s %-7s %8s %8s %7s %7s %7s %8s %8s %8s %8s  %s" % (
         "row", "impl", "status", "fwd ms", "bwd ms", "fwd TF", "bwd TF", "act GiB",
         "err out", "err dx", "err dw1", "err dr", "path / note"), flush=True)
-    timer = Timer(device)
     progress = Progress(len(configs) * (1 + len(runnable)))
     t_start = time.time()
     n_failed = 0

@@ -226,18 +226,21 @@ def readme_section(rows, impls, by, grid, header, image_dir):
     for h in header:
         key, _, rest = h.partition(" ")
         info.setdefault(key, rest)
-    out = ["## Compared with other MoE layers", ""]
+    out = ["### Compared with other MoE layers", ""]
+    others = "".join("; %s" % info[k] for k in ("sonicmoe:", "scattermoe:") if k in info)
     out.append("Measured with `bench/compare.py` in one run on one GPU: %s, %s; torch %s, "
-               "triton %s; smoe commit %s. Every implementation gets the same router, expert "
+               "triton %s%s; smoe commit %s. Every implementation gets the same router, expert "
                "weights, input, output gradient and routing decisions, and its output and "
                "gradients (dx, drouter, dw1, dw2) are checked against an fp32 reference before "
                "it is timed (relative L2 error below the tolerance). bf16, SwiGLU, top-K then "
                "softmax routing; TFLOPS count only the expert GEMMs (6TKdn forward, 12TKdn "
-               "backward); medians of CUDA-event timings with the L2 cache flushed; activation "
-               "memory is what one training-mode forward leaves allocated (outputs "
-               "included). %s is SonicMoE's paper (H100), not measured here."
+               "backward); medians of CUDA-event timings with the L2 cache flushed and a "
+               "GPU-side delay before each start event, so that the host's launch overhead "
+               "is not timed (as in a training loop; see compare.py); activation memory is "
+               "what one training-mode forward leaves allocated (outputs included). %s is "
+               "SonicMoE's paper (H100), not measured here."
                % (info.get("device", "?"), info.get("date", "?"), info.get("torch", "?"),
-                  info.get("triton", "?"), info.get("commit", "?"), PUBLISHED))
+                  info.get("triton", "?"), others, info.get("commit", "?"), PUBLISHED))
     out.append("")
     for fname, alt in (("fwd_tflops.png", "forward TFLOPS"), ("bwd_tflops.png", "backward TFLOPS"),
                        ("act_memory.png", "activation memory")):
