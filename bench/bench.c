@@ -10,6 +10,8 @@
  *   options: --backend auto|cuda|sm90  --reps N (10)  --warmup N (3)
  *            --csv FILE  --list  --stages (per-stage times, from the
  *            library's SMOE_CUDA_TIMING stage timer, on stderr)
+ *            --sm90-variant V (experiments: the Hopper GEMMs' variant hook,
+ *            src/cuda/sm90/grouped_gemm_sm90.cu; 0 = the tile table)
  *
  * Setting: bf16, SwiGLU, TOPK_SOFTMAX routing (the grid's), random inputs
  * (router weights random, so routing is near uniform), every gradient
@@ -26,6 +28,9 @@
 #include "smoe.h"
 
 #include <cuda_runtime_api.h>
+#ifdef SMOE_WITH_SM90
+extern int smoe_sm90_gemm_variant; /* benchmark hook of the Hopper GEMMs */
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -349,7 +354,7 @@ static void usage(void)
 {
     printf("usage: smoe_bench [--rows NAME[,NAME...]|all] [--shape T,d,n,E,K]\n"
            "                  [--backend auto|cuda|sm90] [--reps N] [--warmup N] [--csv FILE] "
-           "[--list] [--stages]\n");
+           "[--list] [--stages] [--sm90-variant V]\n");
 }
 
 int main(int argc, char **argv)
@@ -366,6 +371,9 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--reps") && v) { reps = atoi(v); i++; }
         else if (!strcmp(a, "--warmup") && v) { warmup = atoi(v); i++; }
         else if (!strcmp(a, "--stages")) stages = 1;
+#ifdef SMOE_WITH_SM90
+        else if (!strcmp(a, "--sm90-variant") && v) { smoe_sm90_gemm_variant = atoi(v); i++; }
+#endif
         else if (!strcmp(a, "--backend") && v) {
             if (!strcmp(v, "cuda")) backend = SMOE_BACKEND_CUDA;
             else if (!strcmp(v, "sm90")) backend = SMOE_BACKEND_SM90;

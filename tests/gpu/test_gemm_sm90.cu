@@ -14,8 +14,12 @@
  *                               checked, and cuBLAS dense GEMMs of the same
  *                               FLOPs in the same process as the roofline;
  *                               --shapes N times the first N shapes only.
- *   --variant V                 forces an `up` configuration (1: BN=256,
- *                               2: BN=128 warp-per-stage); --seed, --cases.
+ *   --variant V                 smoe_sm90_gemm_variant for every case and
+ *                               shape: bits 0-1 force an `up` configuration
+ *                               (1: BN=256, 2: BN=128 warp-per-stage), the
+ *                               higher bits switch kernel experiments on
+ *                               (grouped_gemm_sm90.cu, SM90_VAR_*);
+ *                               --seed, --cases.
  *   test_gemm_sm90 --small      one small case (for compute-sanitizer).
  *
  * Exit status 0 only if every check passed. Seeded; a failure prints the
@@ -789,7 +793,7 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
     const int forced = smoe_sm90_gemm_variant; /* --variant: kept for the next shapes */
     for (int v = 0; v < 3; v++) {
         float tv[BENCH_REPS];
-        smoe_sm90_gemm_variant = v;
+        smoe_sm90_gemm_variant = (forced & ~3) | v; /* experiment bits kept */
         for (int it = -2; it < BENCH_REPS; it++) {
             float ms;
             CK(cudaEventRecord(e0));
@@ -936,6 +940,17 @@ int main(int argc, char **argv)
         for (int i = 0; i < cases; i++) {
             total++;
             failed += !run_case(i, sms);
+        }
+        if (smoe_sm90_gemm_variant == 0) {
+            /* the ping-pong kernels (up and dh, variant bits 16 and 32) on
+             * further random cases, so the variant code stays tested */
+            smoe_sm90_gemm_variant = 16 | 32;
+            printf("variant %d (ping-pong up and dh):\n", smoe_sm90_gemm_variant);
+            for (int i = 0; i < (small ? 1 : 8); i++) {
+                total++;
+                failed += !run_case(cases + i, sms);
+            }
+            smoe_sm90_gemm_variant = 0;
         }
     } else {
         static const shape shapes[] = {

@@ -11,7 +11,8 @@
  *   dxt:  dX~[r] = dH[r] W1[e]                     (cap, d)
  *
  * Algorithm: one persistent CTA per SM (384 threads = 3 warpgroups).
- *  - Warpgroup 0 produces (setmaxnreg down to 40): one thread loads the
+ *  - Warpgroup 0 produces (setmaxnreg down to 40, 56 when it gathers and
+ *    keeps the tile's row tokens in registers): one thread loads the
  *    weight tile by TMA into 128B-swizzled shared memory (BN x 64 K-major for
  *    up/down; BN/64 boxes of 64 k-rows x 64 columns, MN-major, for dh/dxt).
  *    For the gathered operand (X in up, dO in dh) all 128 threads load the
@@ -22,7 +23,7 @@
  *    Gathering rows by TMA instead (1-row boxes, alone or mixed with
  *    cp.async) was measured 10-25% slower on an H100 and removed
  *    (notes/sm90_log.md, rung 4; code in commit e2d1a1a).
- *  - Warpgroups 1 and 2 consume (setmaxnreg up to 232): each owns 64 rows of
+ *  - Warpgroups 1 and 2 consume (setmaxnreg up to 232, or 224): each owns 64 rows of
  *    the 128-row tile and runs wgmma m64nBNk16 (fp32 accumulators in
  *    registers; transpose bit for MN-major B), releasing a stage through its
  *    empty barrier once the wgmma that read it has retired (wait_group 1).
@@ -81,8 +82,23 @@ using namespace smoe_sm90;
 #define SM90_BK 64
 #define SM90_THREADS 384
 #define SM90_MAX_EXPERTS 1024
+/* setmaxnreg budgets: the gathering producer keeps its 8 row tokens (and
+ * their row offsets) in registers for the whole tile, which needs 56; the
+ * TMA-only producer and the warp-per-stage gather fit in 40. */
 #define SM90_PRODUCER_REGS 40
 #define SM90_CONSUMER_REGS 232
+#define SM90_GATHER_PRODUCER_REGS 56
+#define SM90_GATHER_CONSUMER_REGS 224
+
+/* Kernel variant flags (template parameter FL):
+ *  SM90_FL_WS      gather one stage per producer warp (BN=128 up)
+ *  SM90_FL_PP      ping-pong consumers: each warpgroup owns whole 128 x BN
+ *                  tiles (alternate tiles of the CTA), so one warpgroup's
+ *                  epilogue runs under the other's main loop; BN = 128.
+ *                  Measured slower than the cooperative 128 x 256 tile for
+ *                  up and dh on an H100 (notes/sm90_log.md, rung 6); kept
+ *                  behind the variant hook and tested. */
+enum { SM90_FL_WS = 1, SM90_FL_PP = 2 };
 
 enum { SM90_MODE_UP = 0, SM90_MODE_DOWN = 1, SM90_MODE_DXT = 2, SM90_MODE_DH = 3 };
 
@@ -401,7 +417,7 @@ __global__ void sm90_ds_finish(const float *dsp, int tiles, int64_t cap, const i
 
 /* ------------------------------------------------------------ the kernel */
 
-template <int BN, int STAGES, int MODE, bool WS>
+template <int BN, int STAGES, int MODE, int FL>
 __global__ void __launch_bounds__(SM90_THREADS, 1)
 sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                          const __grid_constant__ CUtensorMap map_b, const sm90_gemm_params p)
@@ -410,7 +426,16 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     constexpr bool GATHER = (MODE == SM90_MODE_UP || MODE == SM90_MODE_DH);
     /* B stored K x N, N contiguous: W1 for dxt, W2 for dh */
     constexpr bool TRANS_B = (MODE == SM90_MODE_DXT || MODE == SM90_MODE_DH);
-    constexpr int NACC = BN / 2;
+    constexpr int NACC = BN / 2;              /* accumulators of one m64 x BN block */
+    constexpr bool WS = (FL & SM90_FL_WS) != 0;
+    /* gather tokens in registers, loaded once per tile (not reloaded from
+     * shared memory per k-block: that dependent chain stalled the producer;
+     * notes/sm90_log.md, rung 6) */
+    constexpr bool TOKREG = GATHER && !WS;
+    constexpr bool PP = (FL & SM90_FL_PP) != 0;
+    constexpr int MH = PP ? 2 : 1;            /* m64 blocks per consumer warpgroup */
+    static_assert(!PP || BN == 128, "ping-pong tiles are 128 x 128");
+    static_assert(!(WS && PP), "the warp-per-stage gather stands alone");
 
     extern __shared__ uint8_t smem_raw[];
     /* 1024-byte aligned base by an offset from smem_raw (not an integer round
@@ -421,7 +446,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     uint64_t *full = (uint64_t *)(ep_base + 2 * SM90_EP_BYTES);
     uint64_t *empty = full + STAGES;
     int *tile_start = (int *)(empty + STAGES);
-    int32_t *tok_slots = tile_start + SM90_MAX_EXPERTS + 1; /* 8 per producer thread */
+    int32_t *tok_slots = tile_start + SM90_MAX_EXPERTS + 1; /* WS: 2 x 128 tile tokens */
 
     const int tid = threadIdx.x;
     const int wg = tid / 128;
@@ -433,7 +458,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         if (!GATHER) tma_prefetch_map(&map_a);
         for (int s = 0; s < STAGES; s++) {
             mbar_init(smem_addr(full + s), GATHER ? (WS ? 32 : 128) + 1 : 1);
-            mbar_init(smem_addr(empty + s), 2);
+            mbar_init(smem_addr(empty + s), PP ? 1 : 2);
         }
         mbar_fence_init();
     }
@@ -460,7 +485,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
 
     if (wg == 0) {
         /* ---------------- producer ---------------- */
-        setmaxnreg_dec<SM90_PRODUCER_REGS>();
+        setmaxnreg_dec<TOKREG ? SM90_GATHER_PRODUCER_REGS : SM90_PRODUCER_REGS>();
         const uint32_t tx_bytes = GATHER ? cfg::B_BYTES : cfg::A_BYTES + cfg::B_BYTES;
         if constexpr (GATHER && WS) {
             /* Warp-per-stage gather: k-block `it` belongs to producer warp it % 4,
@@ -514,9 +539,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         uint32_t phase = 0;
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
             sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset);
-            /* this thread's 8 gather rows, kept in shared memory (private slots:
-             * no barrier) so the producer fits its small register budget */
-            int32_t *tok = tok_slots + 8 * tid;
+            /* this thread's 8 gather rows, for the whole tile */
+            int32_t tok[8];
             if (GATHER) {
 #pragma unroll
                 for (int i = 0; i < 8; i++) {
@@ -564,45 +588,68 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         }
     } else {
         /* ---------------- consumers ---------------- */
-        setmaxnreg_inc<SM90_CONSUMER_REGS>();
-        const int cw = wg - 1;            /* rows 64 cw .. 64 cw + 63 of the tile */
+        setmaxnreg_inc<TOKREG ? SM90_GATHER_CONSUMER_REGS : SM90_CONSUMER_REGS>();
+        /* cooperative: rows 64 cw .. 64 cw + 63 of every tile; ping-pong: whole
+         * tiles, the CTA's tiles j with j % 2 == cw */
+        const int cw = wg - 1;
         const int lane = tid & 31, warp = (tid >> 5) & 3;
         const int q = lane & 3;
-        float acc[NACC];
-        int stage = 0;
-        uint32_t phase = 0;
-        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        float acc[MH * NACC];
+        /* ring position of this warpgroup's next k-block: the producer fills
+         * kb_count stages per tile, tile after tile */
+        uint32_t pos = PP ? (uint32_t)(cw * kb_count) : 0u;
+        for (int t = blockIdx.x + (PP ? cw * gridDim.x : 0); t < total;
+             t += (PP ? 2 : 1) * gridDim.x) {
             sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset);
             int prev = 0;
-            for (int kb = 0; kb < kb_count; kb++) {
-                mbar_wait(smem_addr(full + stage), phase);
-                if (GATHER) fence_proxy_async(); /* cp.async (generic) writes -> wgmma reads */
-                const uint32_t sa = smem_addr(smem + stage * cfg::STAGE_BYTES) + cw * 64 * 128;
+            /* Ping-pong order: a warpgroup starts its main loop only after the
+             * other one has waited for the previous tile's last stage. Besides
+             * taking turns on the tensor cores, this keeps its full-barrier
+             * waits at most one phase ahead of the producer (a parity wait two
+             * phases ahead would pass at once). Named barriers 4 (warpgroup 1
+             * may go) and 5 (warpgroup 0 may go); an arrival is made only when
+             * the other warpgroup has a next tile, so every one is matched. */
+            if (PP && t >= (int)gridDim.x) named_barrier_sync(4 + (cw ^ 1), 256);
+            for (int kb = 0; kb < kb_count; kb++, pos++) {
+                const int stage = (int)(pos % STAGES);
+                mbar_wait(smem_addr(full + stage), (pos / STAGES) & 1);
+                /* cp.async (generic proxy) writes -> wgmma (async proxy) reads
+                 * (dropping it measured no gain: rung 6) */
+                if (GATHER) fence_proxy_async();
+                const uint32_t sa =
+                    smem_addr(smem + stage * cfg::STAGE_BYTES) + (PP ? 0 : cw * 64 * 128);
                 const uint32_t sb = smem_addr(smem + stage * cfg::STAGE_BYTES) + cfg::A_BYTES;
-                wgmma_fence_regs<NACC>(acc);
+                wgmma_fence_regs<MH * NACC>(acc);
                 wgmma_fence();
 #pragma unroll
                 for (int k = 0; k < SM90_BK / 16; k++) {
-                    uint64_t da = wgmma_desc_sw128(sa + k * 32);
                     /* K-major B steps 32 bytes along its rows; MN-major B steps 16 k-rows */
                     uint64_t db = TRANS_B ? wgmma_desc_sw128_mn(sb + k * 2048, 8192)
                                           : wgmma_desc_sw128(sb + k * 32);
-                    if constexpr (BN == 256)
-                        wgmma_m64n256k16<TRANS_B ? 1 : 0>(acc, da, db, (kb | k) != 0);
-                    else
-                        wgmma_m64n128k16<TRANS_B ? 1 : 0>(acc, da, db, (kb | k) != 0);
+#pragma unroll
+                    for (int mh = 0; mh < MH; mh++) {
+                        uint64_t da = wgmma_desc_sw128(sa + mh * 64 * 128 + k * 32);
+                        if constexpr (BN == 256)
+                            wgmma_m64n256k16<TRANS_B ? 1 : 0>(acc, da, db, (kb | k) != 0);
+                        else
+                            wgmma_m64n128k16<TRANS_B ? 1 : 0>(acc + mh * NACC, da, db,
+                                                              (kb | k) != 0);
+                    }
                 }
                 wgmma_commit();
-                wgmma_fence_regs<NACC>(acc);
+                wgmma_fence_regs<MH * NACC>(acc);
                 if (kb > 0) { /* the previous stage's wgmma has retired: release it */
                     wgmma_wait<1>();
                     if ((tid & 127) == 0) mbar_arrive(smem_addr(empty + prev));
                 }
                 prev = stage;
-                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+            }
+            if (PP) {
+                pos += kb_count; /* the other warpgroup's tile */
+                if (t + (int)gridDim.x < total) named_barrier_arrive(4 + cw, 256);
             }
             wgmma_wait<0>();
-            wgmma_fence_regs<NACC>(acc);
+            wgmma_fence_regs<MH * NACC>(acc);
             if ((tid & 127) == 0) mbar_arrive(smem_addr(empty + prev));
 
             /* ---------------- epilogue ----------------
@@ -612,11 +659,14 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
              * 128-byte row segments (16 bytes per thread), clipped at the
              * expert's last row. */
             uint8_t *eb = ep_base + cw * SM90_EP_BYTES;
-            const int lr = warp * 16 + (lane >> 2); /* this thread's rows lr, lr + 8 in the WG's 64 */
-            const int wrow0 = tl.row0 + cw * 64;    /* first row of the WG's 64 */
-            const int nvalid = min(64, tl.row_end - wrow0);
+            const int lr = warp * 16 + (lane >> 2); /* this thread's rows lr, lr + 8 in the 64 */
             const int n0 = tl.n_tile * BN;
             const int64_t bo = (int64_t)tl.e * p.N;
+#pragma unroll
+            for (int mh = 0; mh < MH; mh++) { /* each m64 block of the warpgroup */
+            const float *ac = acc + mh * NACC;
+            const int wrow0 = tl.row0 + (PP ? mh : cw) * 64; /* first row of the 64 */
+            const int nvalid = min(64, tl.row_end - wrow0);
             float dsr[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* dh: dS partials of rows t/8 + 16 i */
 #pragma unroll
             for (int c = 0; c < (MODE == SM90_MODE_DH ? BN / 32 : BN / 64); c++) {
@@ -630,7 +680,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
 #pragma unroll
                         for (int h = 0; h < 2; h++)
                             *(float2 *)(eb + (lr + 8 * h) * SM90_EP_STRIDE + (8 * jj + 2 * q) * 4) =
-                                make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+                                make_float2(ac[4 * j + 2 * h], ac[4 * j + 2 * h + 1]);
                     }
                     ep_flush_dh(eb, p.h_in, p.score, p.out0, p.out1, p.h_cols, p.n, p.gated,
                                 p.act, wrow0, u0, nvalid, tid & 127, cw, dsr);
@@ -654,7 +704,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
 #pragma unroll
                         for (int h = 0; h < 2; h++)
                             ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q,
-                                    acc[4 * j + 2 * h] + b0, acc[4 * j + 2 * h + 1] + b1);
+                                    ac[4 * j + 2 * h] + b0, ac[4 * j + 2 * h + 1] + b1);
                     }
                     ep_flush<128>(eb, p.out0 + (int64_t)wrow0 * p.N + col0, p.N, nvalid, tid & 127, cw);
                 } else {
@@ -678,9 +728,9 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                             float bu1 = load_bias(p.bias, bo + p.n + u + 1);
 #pragma unroll
                             for (int h = 0; h < 2; h++)
-                                ep_put4(eb, lr + 8 * h, 16 * jj + 4 * q, acc[4 * jg + 2 * h] + bg0,
-                                        acc[4 * ju + 2 * h] + bu0, acc[4 * jg + 2 * h + 1] + bg1,
-                                        acc[4 * ju + 2 * h + 1] + bu1);
+                                ep_put4(eb, lr + 8 * h, 16 * jj + 4 * q, ac[4 * jg + 2 * h] + bg0,
+                                        ac[4 * ju + 2 * h] + bu0, ac[4 * jg + 2 * h + 1] + bg1,
+                                        ac[4 * ju + 2 * h + 1] + bu1);
                         }
                     } else {
                         hc0 = n0 + 64 * c;
@@ -691,14 +741,15 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                             float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
 #pragma unroll
                             for (int h = 0; h < 2; h++)
-                                ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q, acc[4 * j + 2 * h] + b0,
-                                        acc[4 * j + 2 * h + 1] + b1);
+                                ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q, ac[4 * j + 2 * h] + b0,
+                                        ac[4 * j + 2 * h + 1] + b1);
                         }
                     }
                     ep_flush_up(eb, p.out0, p.out1, p.N, p.n, p.gated, p.act, wrow0, hc0, nvalid,
                                 tid & 127, cw);
                 }
             }
+            } /* mh */
         }
     }
 }
@@ -774,14 +825,14 @@ static int sm90_grid(const smoe_gemm_problem *p, int64_t n_tiles)
     return (int)(upper < sms ? upper : sms);
 }
 
-template <int BN, int STAGES, int MODE, bool WS>
+template <int BN, int STAGES, int MODE, int FL>
 static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma,
                                const CUtensorMap *mb, const sm90_gemm_params *prm, cudaStream_t s,
                                const char *op)
 {
     typedef sm90_tile_cfg<BN, STAGES> cfg;
     void (*kern)(const CUtensorMap, const CUtensorMap, const sm90_gemm_params) =
-        sm90_grouped_gemm_kernel<BN, STAGES, MODE, WS>;
+        sm90_grouped_gemm_kernel<BN, STAGES, MODE, FL>;
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            cfg::SMEM_BYTES);
     if (err != cudaSuccess)
@@ -797,18 +848,24 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
     return SMOE_SUCCESS;
 }
 
-/* Benchmark hook for tests/gpu/test_gemm_sm90.cu: 0 runs the tile table;
- * 1 forces up's wide configuration, 2 its narrow one. */
+/* Benchmark hook for tests/gpu/test_gemm_sm90.cu and smoe_bench
+ * --sm90-variant: 0 runs the tile table. Bits 0-1: 1 forces up's wide
+ * configuration, 2 its narrow one; SM90_VAR_UP_PP / SM90_VAR_DH_PP: the
+ * ping-pong 128 x 128 tiles for up / dh. */
 extern "C" int smoe_sm90_gemm_variant;
 int smoe_sm90_gemm_variant = 0;
+enum { SM90_VAR_UP_PP = 16, SM90_VAR_DH_PP = 32 };
 
-static int sm90_dh_bn(const smoe_gemm_problem *p) { return p->n >= 256 ? 256 : 128; }
+static int sm90_dh_bn(const smoe_gemm_problem *p)
+{
+    return (p->n >= 256 && !(smoe_sm90_gemm_variant & SM90_VAR_DH_PP)) ? 256 : 128;
+}
 
-/* dh's partial dS sums: (ceil(n / BN), cap) fp32. */
+/* dh's partial dS sums: (ceil(n / BN), cap) fp32, sized for BN = 128 so that
+ * every dh configuration fits. */
 static size_t sm90_scratch_bytes(const smoe_gemm_problem *p)
 {
-    const int64_t bn = sm90_dh_bn(p);
-    return (size_t)((p->n + bn - 1) / bn) * (size_t)p->cap * sizeof(float);
+    return (size_t)((p->n + 127) / 128) * (size_t)p->cap * sizeof(float);
 }
 
 /* The parameters every mode shares; the launchers fill in the rest. */
@@ -847,13 +904,15 @@ static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16
      * 6 stages, one producer warp per stage below that. The variant hook
      * forces one of them (1: BN=256, 2: BN=128). */
     const int v = smoe_sm90_gemm_variant;
-    const int wide = v == 1 || (v == 0 && p->h_cols >= 256);
+    const int pp = (v & SM90_VAR_UP_PP) != 0;
+    const int wide = !pp && ((v & 3) == 1 || ((v & 3) == 0 && p->h_cols >= 256));
     const int bn = wide ? 256 : 128;
     CUtensorMap mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w1, p->E * p->h_cols, p->d,
                                         prm.concat ? bn / 2 : bn, "w1"));
-    if (wide) return sm90_launch<256, 4, SM90_MODE_UP, false>(p, &mb, &mb, &prm, s, "up");
-    return sm90_launch<128, 6, SM90_MODE_UP, true>(p, &mb, &mb, &prm, s, "up");
+    if (pp) return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_PP>(p, &mb, &mb, &prm, s, "up");
+    if (wide) return sm90_launch<256, 4, SM90_MODE_UP, 0>(p, &mb, &mb, &prm, s, "up");
+    return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_WS>(p, &mb, &mb, &prm, s, "up");
 }
 
 static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf16 *w2,
@@ -870,8 +929,8 @@ static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf
     CUtensorMap ma, mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&ma, a, p->cap, p->n, SM90_BM, "a"));
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w2, p->E * p->d, p->n, bn, "w2"));
-    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DOWN, false>(p, &ma, &mb, &prm, s, "down");
-    return sm90_launch<128, 6, SM90_MODE_DOWN, false>(p, &ma, &mb, &prm, s, "down");
+    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DOWN, 0>(p, &ma, &mb, &prm, s, "down");
+    return sm90_launch<128, 6, SM90_MODE_DOWN, 0>(p, &ma, &mb, &prm, s, "down");
 }
 
 static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *w1, bf16 *dxt,
@@ -891,8 +950,8 @@ static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf
     CUtensorMap ma, mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&ma, dh, p->cap, p->h_cols, SM90_BM, "dh"));
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w1, p->E * p->h_cols, p->d, 64, "w1"));
-    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DXT, false>(p, &ma, &mb, &prm, s, "dxt");
-    return sm90_launch<128, 6, SM90_MODE_DXT, false>(p, &ma, &mb, &prm, s, "dxt");
+    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DXT, 0>(p, &ma, &mb, &prm, s, "dxt");
+    return sm90_launch<128, 6, SM90_MODE_DXT, 0>(p, &ma, &mb, &prm, s, "dxt");
 }
 
 /* The weight-gradient GEMMs (varlen-K) are in varlen_k_sm90.cu. */
@@ -927,9 +986,13 @@ static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const b
     const int bn = sm90_dh_bn(p);
     CUtensorMap mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w2, p->E * p->d, p->n, 64, "w2"));
-    smoe_status st = bn == 256
-                         ? sm90_launch<256, 4, SM90_MODE_DH, false>(p, &mb, &mb, &prm, s, "dh")
-                         : sm90_launch<128, 6, SM90_MODE_DH, false>(p, &mb, &mb, &prm, s, "dh");
+    smoe_status st;
+    if (bn == 256)
+        st = sm90_launch<256, 4, SM90_MODE_DH, 0>(p, &mb, &mb, &prm, s, "dh");
+    else if (smoe_sm90_gemm_variant & SM90_VAR_DH_PP)
+        st = sm90_launch<128, 6, SM90_MODE_DH, SM90_FL_PP>(p, &mb, &mb, &prm, s, "dh");
+    else
+        st = sm90_launch<128, 6, SM90_MODE_DH, 0>(p, &mb, &mb, &prm, s, "dh");
     SMOE_FORWARD_IF_ERROR(st);
     const int tiles = (int)((p->n + bn - 1) / bn);
     sm90_ds_finish<<<(unsigned)((p->cap + 7) / 8), 256, 0, s>>>(

@@ -161,6 +161,12 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads)
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+/* Arrives on named barrier `id` without waiting (the other side syncs). */
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads)
+{
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 /* Four 8x8 b16 matrices from registers to shared memory; lane l gives the
  * address of row l%8 of matrix l/8. */
 __device__ __forceinline__ void stmatrix_x4(uint32_t dst, uint32_t r0, uint32_t r1, uint32_t r2,
