@@ -23,10 +23,12 @@
  * For reference, cuBLAS's strided-batched GEMM of the same per-expert shapes
  * (equal counts, contiguous, no gather) and a dense 8192^3 product.
  *
- * Usage: test_varlen_k_sm90 [--small | --profile] [seed]   (--small:
- * correctness only, small shapes, for compute-sanitizer; --profile: one call
- * of each op, f32 overwrite then accumulate, on the 7B shape, for ncu). Exit code 0 only if every check
- * passed.
+ * Usage: test_varlen_k_sm90 [--small | --profile] [--variants a,b,..] [seed]
+ * (--small: correctness only, small shapes, for compute-sanitizer;
+ * --profile: one call of each op, f32 overwrite then accumulate, on the 7B
+ * shape, for ncu; --variants: run every check and timing for each listed
+ * kernel variant, VK_F_* bits of varlen_k_sm90.cu, -1 = the default, and
+ * print a summary table). Exit code 0 only if every check passed.
  *
  * Build (sm_90a; links the kernel source directly):
  *   nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc
@@ -45,6 +47,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "cuda/gemm.h"
@@ -55,6 +58,10 @@ extern "C" smoe_status smoe_sm90_dw2(const smoe_gemm_problem *p, const bf16 *dou
 extern "C" smoe_status smoe_sm90_dw1(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *x,
                                      void *dw1, smoe_dtype out_dtype, int accumulate,
                                      void *scratch, cudaStream_t s);
+
+/* Benchmark hook of varlen_k_sm90.cu: a kernel variant (a combination of its
+ * VK_F_* bits), -1 for the launcher's default. */
+extern "C" int smoe_sm90_vk_variant;
 
 /* The kernels' only library dependency; the test links the .cu alone. */
 static char g_last_error[512];
@@ -79,6 +86,19 @@ extern "C" smoe_status smoe_fail(smoe_status status, const char *fmt, ...)
 static int g_pass = 0, g_fail = 0;
 static uint64_t g_seed = 12345;
 
+/* Variants under test (--variants a,b,c; default: the default one only);
+ * every correctness check runs for each, and failures are counted per
+ * variant for the summary table. */
+static std::vector<int> g_variants(1, -1);
+static int g_cur_vi = 0;                 /* index into g_variants of the running one */
+static std::vector<int> g_var_fail(1, 0);
+
+static void set_variant(int vi)
+{
+    g_cur_vi = vi;
+    smoe_sm90_vk_variant = g_variants[vi];
+}
+
 static void check(int ok, const char *fmt, ...)
 {
     va_list ap;
@@ -88,7 +108,10 @@ static void check(int ok, const char *fmt, ...)
     printf(ok ? "\n" : "  (seed %llu)\n", (unsigned long long)g_seed);
     va_end(ap);
     if (ok) g_pass++;
-    else g_fail++;
+    else {
+        g_fail++;
+        g_var_fail[g_cur_vi]++;
+    }
 }
 
 /* ------------------------------------------------------------ RNG, fills */
@@ -478,9 +501,9 @@ static int run_and_compare(const char *tag, const problem *P, int op, const refb
     cudaError_t ce = cudaDeviceSynchronize();
     int ok = st == SMOE_SUCCESS && ce == cudaSuccess;
     if (!ok) {
-        check(0, "%s %s out=%s acc=%d: status %d (%s), cuda %s", tag, op ? "dw1" : "dw2",
-              dt == SMOE_DTYPE_F32 ? "f32" : "bf16", acc, (int)st, g_last_error,
-              cudaGetErrorString(ce));
+        check(0, "%s v%d %s out=%s acc=%d: status %d (%s), cuda %s", tag, smoe_sm90_vk_variant,
+              op ? "dw1" : "dw2", dt == SMOE_DTYPE_F32 ? "f32" : "bf16", acc, (int)st,
+              g_last_error, cudaGetErrorString(ce));
         exit(1); /* a device fault leaves the context unusable */
     }
     cmp_result *d_res, h_res;
@@ -494,9 +517,10 @@ static int run_and_compare(const char *tag, const problem *P, int op, const refb
     double rel = h_res.ref2 > 0 ? sqrt(h_res.diff2 / h_res.ref2) : sqrt(h_res.diff2);
     double rel_lim = dt == SMOE_DTYPE_F32 ? 1e-5 : 4e-3;
     int pass = h_res.bad == 0 && h_res.nonfinite == 0 && h_res.checked == elems && rel <= rel_lim;
-    check(pass, "%-28s %s out=%-4s acc=%d  M=%d N=%d: rel_fro %.2e, worst/tol %.3f, bad %llu, "
-          "nonfinite %llu", tag, op ? "dw1" : "dw2", dt == SMOE_DTYPE_F32 ? "f32" : "bf16", acc,
-          s.M, s.N, rel, h_res.worst, h_res.bad, h_res.nonfinite);
+    check(pass, "%-28s v%-2d %s out=%-4s acc=%d  M=%d N=%d: rel_fro %.2e, worst/tol %.3f, "
+          "bad %llu, nonfinite %llu", tag, smoe_sm90_vk_variant, op ? "dw1" : "dw2",
+          dt == SMOE_DTYPE_F32 ? "f32" : "bf16", acc, s.M, s.N, rel, h_res.worst, h_res.bad,
+          h_res.nonfinite);
     cudaFree(d_res);
     cudaFree(out);
     if (old) cudaFree(old);
@@ -527,10 +551,14 @@ static void correctness_case(const char *tag, problem *P, int num_sms, int host_
     for (int op = 0; op < 2; op++) {
         refbuf rb = gpu_ref(P, op);
         if (host_check) check_ref_against_host(tag, P, op, &rb);
-        for (int dti = 0; dti < 2; dti++)
-            for (int acc = 0; acc < 2; acc++)
-                run_and_compare(tag, P, op, &rb, dti ? SMOE_DTYPE_BF16 : SMOE_DTYPE_F32, acc,
-                                num_sms);
+        for (size_t vi = 0; vi < g_variants.size(); vi++) {
+            set_variant((int)vi);
+            for (int dti = 0; dti < 2; dti++)
+                for (int acc = 0; acc < 2; acc++)
+                    run_and_compare(tag, P, op, &rb, dti ? SMOE_DTYPE_BF16 : SMOE_DTYPE_F32, acc,
+                                    num_sms);
+        }
+        set_variant(0);
         refbuf_free(&rb);
     }
     problem_free(P);
@@ -539,7 +567,9 @@ static void correctness_case(const char *tag, problem *P, int num_sms, int host_
 static void determinism_case(problem *P, int num_sms)
 {
     problem_alloc(P, g_seed + 5);
-    for (int op = 0; op < 2; op++) {
+    for (size_t k = 0; k < 2 * g_variants.size(); k++) {
+        const int op = (int)(k % 2);
+        set_variant((int)(k / 2));
         op_shape s = op_shape_of(P, op);
         size_t bytes = (size_t)P->E * s.M * s.N * 4;
         void *o1, *o2;
@@ -552,10 +582,12 @@ static void determinism_case(problem *P, int num_sms)
         CK(cudaMemcpy(h1.data(), o1, bytes, cudaMemcpyDeviceToHost));
         CK(cudaMemcpy(h2.data(), o2, bytes, cudaMemcpyDeviceToHost));
         check(a == SMOE_SUCCESS && b == SMOE_SUCCESS && memcmp(h1.data(), h2.data(), bytes) == 0,
-              "determinism %s: two runs bitwise equal", op ? "dw1" : "dw2");
+              "determinism v%d %s: two runs bitwise equal", smoe_sm90_vk_variant,
+              op ? "dw1" : "dw2");
         cudaFree(o1);
         cudaFree(o2);
     }
+    set_variant(0);
     problem_free(P);
 }
 
@@ -695,6 +727,11 @@ static void profile_shape(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K,
     problem_free(&P);
 }
 
+/* TFLOPS per variant for the summary table: [variant][shape * 2 + op][dtype case] */
+#define BENCH_CASES 3
+static std::vector<std::vector<std::vector<double>>> g_tflops;
+static std::vector<std::string> g_cols;
+
 static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64_t E, int64_t K,
                         int num_sms, cublasHandle_t h)
 {
@@ -708,28 +745,40 @@ static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64
            (long long)P.R, (long long)(P.R / E));
     for (int op = 0; op < 2; op++) {
         op_shape os = op_shape_of(&P, op);
+        const char *nm = op ? "dw1" : "dw2";
         refbuf rb = gpu_ref(&P, op);
         char tag[64];
         snprintf(tag, sizeof tag, "%s balanced", name);
-        run_and_compare(tag, &P, op, &rb, SMOE_DTYPE_F32, 0, num_sms);
-        run_and_compare(tag, &P, op, &rb, SMOE_DTYPE_BF16, 1, num_sms);
+        for (size_t vi = 0; vi < g_variants.size(); vi++) {
+            set_variant((int)vi);
+            run_and_compare(tag, &P, op, &rb, SMOE_DTYPE_F32, 0, num_sms);
+            run_and_compare(tag, &P, op, &rb, SMOE_DTYPE_BF16, 1, num_sms);
+        }
         refbuf_free(&rb);
         size_t elems = (size_t)E * os.M * os.N;
         void *out;
         CK(cudaMalloc(&out, elems * 4));
         CK(cudaMemset(out, 0, elems * 4));
         double flop = 2.0 * (double)P.R * os.M * os.N;
-        const char *nm = op ? "dw1" : "dw2";
-        struct { smoe_dtype dt; int acc; const char *what; } v[3] = {
+        struct { smoe_dtype dt; int acc; const char *what; } v[BENCH_CASES] = {
             {SMOE_DTYPE_F32, 0, "f32 overwrite"},
             {SMOE_DTYPE_F32, 1, "f32 accumulate"},
             {SMOE_DTYPE_BF16, 0, "bf16 overwrite"}};
-        for (int i = 0; i < 3; i++) {
-            float ms = time_ms([&]() { call_op(&P, op, out, v[i].dt, v[i].acc, num_sms, 0); }, 3, 20);
-            CK(cudaGetLastError());
-            printf("BENCH %-5s %s %-15s M=%-5d N=%-5d : %8.3f ms  %6.1f TFLOPS\n", name, nm,
-                   v[i].what, os.M, os.N, ms, flop / (ms * 1e-3) / 1e12);
+        g_cols.push_back(std::string(name) + " " + nm);
+        for (size_t vi = 0; vi < g_variants.size(); vi++) {
+            set_variant((int)vi);
+            g_tflops[vi].push_back(std::vector<double>(BENCH_CASES, 0.0));
+            for (int i = 0; i < BENCH_CASES; i++) {
+                float ms = time_ms([&]() { call_op(&P, op, out, v[i].dt, v[i].acc, num_sms, 0); },
+                                   3, 20);
+                CK(cudaGetLastError());
+                const double tf = flop / (ms * 1e-3) / 1e12;
+                g_tflops[vi].back()[i] = tf;
+                printf("BENCH %-5s %s v%-2d %-15s M=%-5d N=%-5d : %8.3f ms  %6.1f TFLOPS\n", name,
+                       nm, smoe_sm90_vk_variant, v[i].what, os.M, os.N, ms, tf);
+            }
         }
+        set_variant(0);
         int ok = 0;
         float cms = cublas_batched_ms(h, os.M, os.N, (int)(P.R / E), (int)E, &ok);
         printf("BENCH %-5s %s cuBLAS batched  M=%-5d N=%-5d : %8.3f ms  %6.1f TFLOPS "
@@ -740,6 +789,22 @@ static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64
     problem_free(&P);
 }
 
+/* One line per variant: failed checks, then TFLOPS per shape/op as
+ * f32 overwrite / f32 accumulate / bf16 overwrite. */
+static void print_summary(void)
+{
+    printf("\nSUMMARY (TFLOPS: f32 overwrite / f32 accumulate / bf16 overwrite)\n");
+    printf("%-8s %-6s", "variant", "failed");
+    for (const std::string &c : g_cols) printf(" | %-17s", c.c_str());
+    printf("\n");
+    for (size_t vi = 0; vi < g_variants.size(); vi++) {
+        printf("v%-7d %-6d", g_variants[vi], g_var_fail[vi]);
+        for (const std::vector<double> &t : g_tflops[vi])
+            printf(" | %5.0f/%5.0f/%5.0f", t[0], t[1], t[2]);
+        printf("\n");
+    }
+}
+
 /* ------------------------------------------------------------ main */
 
 int main(int argc, char **argv)
@@ -748,6 +813,12 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--small")) small = 1;
         else if (!strcmp(argv[i], "--profile")) profile = 1;
+        else if (!strcmp(argv[i], "--variants") && i + 1 < argc) {
+            g_variants.clear();
+            for (char *tok = strtok(argv[++i], ","); tok; tok = strtok(NULL, ","))
+                g_variants.push_back(atoi(tok));
+            if (g_variants.empty()) g_variants.push_back(-1);
+        }
         else g_seed = strtoull(argv[i], NULL, 10);
     }
     int dev = 0;
@@ -761,6 +832,9 @@ int main(int argc, char **argv)
         return 0;
     }
     const int num_sms = prop.multiProcessorCount;
+    g_var_fail.assign(g_variants.size(), 0);
+    g_tflops.assign(g_variants.size(), std::vector<std::vector<double>>());
+    set_variant(0);
     uint64_t s = g_seed;
     if (profile) {
         profile_shape(24576, 1536, 256, 128, 8, num_sms);
@@ -802,6 +876,7 @@ int main(int argc, char **argv)
         printf("BENCH cuBLAS dense bf16 8192^3: %.3f ms  %.1f TFLOPS\n", ms,
                2.0 * 8192.0 * 8192.0 * 8192.0 / (ms * 1e-3) / 1e12);
         cublasDestroy(h);
+        print_summary();
     }
     printf("\n%d passed, %d failed\n", g_pass, g_fail);
     return g_fail ? 1 : 0;

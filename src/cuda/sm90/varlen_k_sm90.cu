@@ -18,27 +18,38 @@
  * (E * ceil(M/128) * ceil(N/BN)), so the grid is static; the k-loop length of
  * a tile, ceil(count_e / 64), is read on the device from expert_offset, and
  * any count (0 included) works: rows past the expert's end are zero-filled.
- *   - warpgroup 0 (producer, 56 registers): 16-byte cp.async for both
- *     operands into the 128B-swizzled MN-major layout (a 64-column slab is
+ *   - warpgroup 0 (producer, 56 registers): the gathered operand by 16-byte
+ *     cp.async into the 128B-swizzled MN-major layout (a 64-column slab is
  *     64 k-rows of 128 bytes; chunk c of k-row r lands at r*128 +
  *     ((c ^ r%8)*16)). Thread 8g + q copies chunk q of every slab for k-rows
  *     4g..4g+3, so a warp instruction moves 4 rows x 128 contiguous bytes and
- *     a thread needs 4 row tokens per stage. The tokens come VK_TOK_AHEAD
+ *     a thread needs 4 row tokens per stage. The tokens come TOK_AHEAD
  *     k-iterations early, by 4-byte cp.async into the thread's own slots of
  *     a small shared-memory ring (cp.async.wait_group, no barrier): a token
  *     load issued just before its use waits behind the earlier stages' copies
  *     in the memory pipeline, which made the first version 1.8x slower.
- *     Completion goes to the stage's full mbarrier through
- *     cp.async.mbarrier.arrive.noinc (count: 128 producer threads). TMA is
- *     not used for the contiguous operand: a box would read rows past the
- *     expert's end (the next expert's rows, or rows past R that the contract
- *     forbids reading), which only a per-expert tensor map could clip.
+ *     The contiguous operand comes by TMA (one 64-column x 64-row box per
+ *     slab, issued by thread 0 with the stage's expect_tx) on every whole
+ *     k-tile of the expert; only its last, partial k-tile goes by zero-filling
+ *     cp.async, so no row past the expert's end (or past R) is read.
+ *     Completion: the stage's full mbarrier counts the 128 threads'
+ *     cp.async.mbarrier.arrive.noinc plus thread 0's arrival with the TMA
+ *     bytes. Per-tile work (tile coordinates, column bases, the contiguous
+ *     operand's row pointer) is done once per tile, and on whole k-tiles a
+ *     gathered row costs one wide multiply-add before its copies: the
+ *     producer's instruction stream, about 465 instructions per stage in the
+ *     first version, was what held the pipeline back (notes/
+ *     sm90_varlenk_log.md).
  *   - warpgroups 1 and 2 (consumers, 224 registers): each owns 64 rows of
  *     the 128-row M tile and runs wgmma m64nBNk16 (fp32 accumulators in
  *     registers) over the stage, releasing the previous stage through the
- *     empty mbarrier once its wgmma group retired (wait_group 1).
- *   - a ring of VK_STAGES stages; the producer runs ahead into the next tile
- *     while the consumers store the current one.
+ *     empty mbarrier once its wgmma group retired (wait_group 1). No
+ *     fence.proxy.async between the full-barrier wait and the wgmma reads of
+ *     the cp.async data (CUTLASS's cp.async wgmma mainloop and QuACK omit it
+ *     too; VK_F_NOFENCE below; the fenced variant measured 4-7% slower at
+ *     the 120B shapes).
+ *   - a ring of 4 stages of 64 k-rows; the producer runs ahead into the next
+ *     tile while the consumers store the current one.
  * Epilogue: through a 2 KB shared-memory buffer per consumer warp, so that
  * global stores (and, for accumulate, loads of the old values, read a few
  * pieces ahead and warmed in L2 at the tile's start) are 16-byte row pieces
@@ -56,7 +67,9 @@
  */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h> /* PFN_cuTensorMapEncodeTiled */
 #include <stdint.h>
+#include <string.h>
 
 #include "cuda/gemm.h"
 #include "cuda/sm90/ptx_sm90.cuh"
@@ -64,18 +77,51 @@
 using namespace smoe_sm90;
 
 #define VK_BM 128               /* M tile: two consumer warpgroups x 64 rows */
-#define VK_BK 64                /* k-rows per stage */
-#define VK_STAGES 4
 #define VK_THREADS 384          /* producer + 2 consumer warpgroups */
-#define VK_SLAB_BYTES (VK_BK * 128) /* one 64-column slab: 64 k-rows x 128 B */
-#define VK_TOK_AHEAD (VK_STAGES - 1) /* k-iterations the row tokens run ahead */
-#define VK_TOK_SLOTS (VK_TOK_AHEAD + 1)
-#define VK_TOK_SLOT_BYTES (128 * 16) /* 4 tokens per producer thread */
 #define VK_EPI_BUF_BYTES (16 * 128) /* per consumer warp: 16 rows x 32 fp32 */
 #define VK_PRODUCER_REGS 56
 #define VK_CONSUMER_REGS 224
 
-static_assert(VK_BK % 16 == 0, "k16 steps");
+/* Kernel variants (bits of the CFG template parameter; the benchmark hook
+ * smoe_sm90_vk_variant picks one, VK_DEFAULT_CFG otherwise). Measured in
+ * notes/sm90_varlenk_log.md; the default is all three (11).
+ *   VK_F_TMA:     the contiguous operand by TMA on the expert's whole k-tiles
+ *                 (cp.async only for its last, partial one);
+ *   VK_F_NOFENCE: no fence.proxy.async after the consumers' full-barrier
+ *                 wait (as CUTLASS's cp.async wgmma mainloop and QuACK do);
+ *   VK_F_LEAN:    the producer with its per-tile work hoisted out of the
+ *                 k-loop (vk_producer_lean), about 4x fewer instructions per
+ *                 stage; without it, the first version's producer.
+ * (A fourth flag, 32 k-rows x 8 stages, measured 5-20% slower with either
+ * producer and was removed.) */
+#define VK_F_TMA 1
+#define VK_F_NOFENCE 2
+#define VK_F_LEAN 8
+#define VK_F_ALL (VK_F_TMA | VK_F_NOFENCE | VK_F_LEAN)
+#define VK_DEFAULT_CFG (VK_F_TMA | VK_F_NOFENCE | VK_F_LEAN)
+
+template <int CFG>
+struct vk_cfg {
+    static constexpr int BK = 64;                    /* k-rows per stage */
+    static constexpr int STAGES = 4;
+    static constexpr int RPT = BK / 16;              /* k-rows per producer thread */
+    static constexpr int TOK_AHEAD = STAGES - 1;     /* k-iterations the row tokens run ahead */
+    static constexpr int TOK_SLOTS = TOK_AHEAD + 1;
+    static constexpr int TOK_SLOT_BYTES = 128 * RPT * 4; /* RPT tokens per producer thread */
+    static constexpr bool TMA = (CFG & VK_F_TMA) != 0;
+    static constexpr bool FENCE = (CFG & VK_F_NOFENCE) == 0;
+    static constexpr bool LEAN = (CFG & VK_F_LEAN) != 0;
+    static_assert(RPT == 4, "a producer thread reads its 4 tokens as one vector");
+};
+
+template <int BN, int CFG>
+static constexpr size_t vk_smem_bytes()
+{
+    typedef vk_cfg<CFG> C;
+    return (size_t)C::STAGES * (C::BK * VK_BM * 2 + C::BK * BN * 2) + 1024 + 128 +
+           (size_t)C::TOK_SLOTS * C::TOK_SLOT_BYTES + 8 * VK_EPI_BUF_BYTES;
+}
+
 static_assert(VK_PRODUCER_REGS * 128 + 2 * VK_CONSUMER_REGS * 128 <= 65536, "register file");
 
 typedef struct vk_args {
@@ -115,11 +161,12 @@ static __device__ __forceinline__ void vk_tile_coords(const vk_args &p, int tile
 
 /* The producer's walk over its (tile, k-tile) iterations, skipping tiles of
  * experts without rows; one cursor issues the copies, a second one runs
- * VK_TOK_AHEAD iterations ahead fetching row tokens. */
+ * TOK_AHEAD iterations ahead fetching row tokens. */
 typedef struct vk_cursor {
     int tile, kt, nk, row_begin, row_end;
 } vk_cursor;
 
+template <int BK>
 static __device__ __forceinline__ void vk_cursor_load(const vk_args &p, vk_cursor *c)
 {
     c->kt = 0;
@@ -128,63 +175,91 @@ static __device__ __forceinline__ void vk_cursor_load(const vk_args &p, vk_curso
     const int e = c->tile / (p.tiles_m * p.tiles_n);
     c->row_begin = __ldg(p.expert_offset + e);
     c->row_end = __ldg(p.expert_offset + e + 1);
-    c->nk = c->row_end > c->row_begin ? (c->row_end - c->row_begin + VK_BK - 1) / VK_BK : 0;
+    c->nk = c->row_end > c->row_begin ? (c->row_end - c->row_begin + BK - 1) / BK : 0;
 }
 
 /* Moves to the first iteration at or after the current one that exists. */
+template <int BK>
 static __device__ __forceinline__ void vk_cursor_settle(const vk_args &p, vk_cursor *c)
 {
     while (c->tile < p.total_tiles && c->kt >= c->nk) {
         c->tile += gridDim.x;
-        vk_cursor_load(p, c);
+        vk_cursor_load<BK>(p, c);
     }
 }
 
+template <int BK>
 static __device__ __forceinline__ void vk_cursor_start(const vk_args &p, vk_cursor *c)
 {
     c->tile = blockIdx.x;
-    vk_cursor_load(p, c);
-    vk_cursor_settle(p, c);
+    vk_cursor_load<BK>(p, c);
+    vk_cursor_settle<BK>(p, c);
 }
 
+template <int BK>
 static __device__ __forceinline__ void vk_cursor_next(const vk_args &p, vk_cursor *c)
 {
     c->kt++;
-    vk_cursor_settle(p, c);
+    vk_cursor_settle<BK>(p, c);
 }
 
-/* Producer thread t = 8 g + q owns k-rows 4g .. 4g+3 of a stage and, in each
- * 64-column slab, the 16-byte chunk q: one warp instruction moves 4 rows x
- * 128 contiguous bytes, and a thread needs only 4 row tokens per stage. */
+/* Producer thread t = 8 g + q owns k-rows RPT g .. RPT g + RPT-1 of a stage
+ * and, in each 64-column slab, the 16-byte chunk q: one warp instruction
+ * moves 4 rows x 128 contiguous bytes, and a thread needs only RPT row
+ * tokens per stage. */
+template <int BK>
 static __device__ __forceinline__ void vk_fetch_tokens(const vk_args &p, const vk_cursor &c,
                                                        uint32_t slot, int g)
 {
-    const int row0 = c.row_begin + c.kt * VK_BK + 4 * g;
+    constexpr int RPT = BK / 16;
+    const int row0 = c.row_begin + c.kt * BK + RPT * g;
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < RPT; i++)
         if (row0 + i < c.row_end) cp_async_4(slot + 4 * i, p.row_token + row0 + i);
 }
 
-/* One operand's stage: 64 k-rows x W columns from column col0; k-row r is
- * source row src_row[r - 4g] (a token or the row itself), zero-filled past
+/* One operand's stage: BK k-rows x W columns from column col0; k-row r is
+ * source row src_row[r - RPT g] (a token or the row itself), zero-filled past
  * the expert's end or the matrix's last column. */
-template <int W>
+template <int W, int BK>
 static __device__ __forceinline__ void vk_copy_operand(uint32_t sdst, const bf16 *src, int ld,
                                                        int col0, int ncols, const int *src_row,
                                                        int rows_left, int g, int q)
 {
+    constexpr int RPT = BK / 16;
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int r = 4 * g + i;
+    for (int i = 0; i < RPT; i++) {
+        const int r = RPT * g + i;
         const bool row_ok = r < rows_left;
         const bf16 *rowp = src + (size_t)(row_ok ? src_row[i] : 0) * (size_t)ld + col0 + 8 * q;
         const uint32_t dst = sdst + (uint32_t)r * 128 + ((uint32_t)(q ^ (r & 7)) << 4);
 #pragma unroll
         for (int sl = 0; sl < W / 64; sl++) {
             const bool ok = row_ok && col0 + 64 * sl < ncols;
-            cp_async_16(dst + sl * VK_SLAB_BYTES, ok ? rowp + 64 * sl : src, ok ? 16u : 0u);
+            cp_async_16(dst + sl * BK * 128, ok ? rowp + 64 * sl : src, ok ? 16u : 0u);
         }
     }
+}
+
+/* The contiguous operand's stage by TMA (whole k-tiles only: every row is
+ * the expert's): one box of 64 columns x BK rows per 64-column slab inside
+ * the matrix; slabs past its last column are not loaded (they only feed
+ * output rows/columns the epilogue clips). Returns the bytes issued. */
+template <int W, int BK>
+static __device__ __forceinline__ uint32_t vk_tma_operand(uint32_t sdst, const CUtensorMap *map,
+                                                          uint32_t bar, int col0, int ncols,
+                                                          int row0)
+{
+    uint32_t bytes = 0;
+#pragma unroll
+    for (int sl = 0; sl < W / 64; sl++)
+        if (col0 + 64 * sl < ncols) bytes += BK * 128;
+    mbar_arrive_expect_tx(bar, bytes);
+#pragma unroll
+    for (int sl = 0; sl < W / 64; sl++)
+        if (col0 + 64 * sl < ncols)
+            tma_load_2d(sdst + sl * BK * 128, map, bar, col0 + 64 * sl, row0);
+    return bytes;
 }
 
 /* Warms L2 with the old values of this thread's two output rows
@@ -304,26 +379,155 @@ static __device__ __forceinline__ void vk_store_tile(const vk_args &p, const flo
     }
 }
 
-template <int BN, bool GATHER_A>
-__global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_args p)
+/* 16-byte cp.async without zero fill (every byte is read). */
+static __device__ __forceinline__ void vk_cp_async_16_full(uint32_t dst, const void *src)
 {
-    constexpr uint32_t A_BYTES = VK_BK * VK_BM * 2;
-    constexpr uint32_t B_BYTES = VK_BK * BN * 2;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+/* The lean producer (VK_F_LEAN, the default): the same iterations, ring and
+ * token prefetch as the first version's producer (inline in the kernel
+ * below), with the per-tile work done once per tile. On a whole k-tile of a tile inside both matrices' columns
+ * a gathered row costs one wide multiply-add (token x row pitch + column
+ * base) and its 16-byte copies take the slab offsets as immediates; the
+ * contiguous operand's rows walk a pointer (or come by TMA with VK_F_TMA).
+ * Other k-tiles (the expert's last, partial one; partial column tiles) take
+ * the general zero-filling path. */
+template <int BN, bool GATHER_A, int CFG>
+static __device__ __forceinline__ void vk_producer_lean(const vk_args &p, const CUtensorMap *cmap,
+                                                        uint32_t base, uint32_t full_bar,
+                                                        uint32_t empty_bar, uint32_t tok_ring,
+                                                        int t)
+{
+    typedef vk_cfg<CFG> C;
+    constexpr int BK = C::BK, STAGES = C::STAGES, RPT = C::RPT;
+    constexpr uint32_t A_BYTES = BK * VK_BM * 2;
+    constexpr uint32_t STAGE_BYTES = A_BYTES + BK * BN * 2;
+    constexpr int WG = GATHER_A ? VK_BM : BN; /* the gathered operand's tile width */
+    constexpr int WC = GATHER_A ? BN : VK_BM; /* the contiguous one's */
+    constexpr uint32_t G_OFF = GATHER_A ? 0 : A_BYTES; /* their places in a stage */
+    constexpr uint32_t C_OFF = GATHER_A ? A_BYTES : 0;
+    const int g = t / 8, q = t % 8;
+    const uint32_t my_tok = tok_ring + 4 * RPT * t;
+    uint32_t dst_off[RPT];
+#pragma unroll
+    for (int i = 0; i < RPT; i++) {
+        const int r = RPT * g + i;
+        dst_off[i] = (uint32_t)r * 128 + ((uint32_t)(q ^ (r & 7)) << 4);
+    }
+    const bf16 *gsrc = GATHER_A ? p.a : p.b;
+    const bf16 *csrc = GATHER_A ? p.b : p.a;
+    const int gcols = GATHER_A ? p.M : p.N; /* = row pitch, elements */
+    const int ccols = GATHER_A ? p.N : p.M;
+    const uint32_t gpitch = 2u * (uint32_t)gcols; /* bytes */
+    const size_t cpitch = 2 * (size_t)ccols;
+
+    vk_cursor ahead;
+    vk_cursor_start<BK>(p, &ahead);
+#pragma unroll 1
+    for (int i = 0; i < C::TOK_AHEAD; i++) {
+        if (ahead.tile < p.total_tiles) {
+            vk_fetch_tokens<BK>(p, ahead, my_tok + i * C::TOK_SLOT_BYTES, g);
+            vk_cursor_next<BK>(p, &ahead);
+        }
+        cp_async_commit();
+    }
+    uint32_t it = 0;
+    for (int tile = blockIdx.x; tile < p.total_tiles; tile += gridDim.x) {
+        int e, mt, nt;
+        vk_tile_coords(p, tile, &e, &mt, &nt);
+        const int row_begin = __ldg(p.expert_offset + e);
+        const int row_end = __ldg(p.expert_offset + e + 1);
+        const int nk = row_end > row_begin ? (row_end - row_begin + BK - 1) / BK : 0;
+        const int gcol0 = GATHER_A ? mt * VK_BM : nt * BN;
+        const int ccol0 = GATHER_A ? nt * BN : mt * VK_BM;
+        const bool full_cols = gcol0 + WG <= gcols && ccol0 + WC <= ccols;
+        const char *gbase = (const char *)(gsrc + gcol0 + 8 * q);
+        const char *crow =
+            (const char *)(csrc + (size_t)(row_begin + RPT * g) * (size_t)ccols + ccol0 + 8 * q);
+#pragma unroll 1
+        for (int kt = 0; kt < nk; kt++, it++, crow += BK * cpitch) {
+            if (ahead.tile < p.total_tiles) {
+                vk_fetch_tokens<BK>(
+                    p, ahead, my_tok + ((it + C::TOK_AHEAD) % C::TOK_SLOTS) * C::TOK_SLOT_BYTES, g);
+                vk_cursor_next<BK>(p, &ahead);
+            }
+            cp_async_commit();
+            cp_async_wait<C::TOK_AHEAD>(); /* this iteration's tokens have landed */
+            const uint32_t s = it % STAGES;
+            const uint32_t ph = (it / STAGES) & 1;
+            const int row0 = row_begin + kt * BK;
+            const int rows_left = row_end - row0;
+            int src_row[RPT];
+            {
+                uint4 tk = ld_shared_v4(my_tok + (it % C::TOK_SLOTS) * C::TOK_SLOT_BYTES);
+                src_row[0] = (int)tk.x; src_row[1] = (int)tk.y;
+                src_row[2] = (int)tk.z; src_row[3] = (int)tk.w;
+            }
+            const uint32_t sa = base + s * STAGE_BYTES;
+            const uint32_t fb = full_bar + 8 * s;
+            mbar_wait(empty_bar + 8 * s, ph ^ 1);
+            if (full_cols && rows_left >= BK) {
+#pragma unroll
+                for (int i = 0; i < RPT; i++) {
+                    const char *gp = gbase + (size_t)(uint32_t)src_row[i] * gpitch;
+#pragma unroll
+                    for (int sl = 0; sl < WG / 64; sl++)
+                        vk_cp_async_16_full(sa + G_OFF + dst_off[i] + sl * BK * 128, gp + 128 * sl);
+                }
+                if (C::TMA) {
+                    if (t == 0) vk_tma_operand<WC, BK>(sa + C_OFF, cmap, fb, ccol0, ccols, row0);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < RPT; i++) {
+                        const char *cp = crow + i * cpitch;
+#pragma unroll
+                        for (int sl = 0; sl < WC / 64; sl++)
+                            vk_cp_async_16_full(sa + C_OFF + dst_off[i] + sl * BK * 128,
+                                                cp + 128 * sl);
+                    }
+                }
+            } else {
+                int own_row[RPT];
+#pragma unroll
+                for (int i = 0; i < RPT; i++) own_row[i] = row0 + RPT * g + i;
+                vk_copy_operand<VK_BM, BK>(sa, p.a, p.M, mt * VK_BM, p.M,
+                                           GATHER_A ? src_row : own_row, rows_left, g, q);
+                vk_copy_operand<BN, BK>(sa + A_BYTES, p.b, p.N, nt * BN, p.N,
+                                        GATHER_A ? own_row : src_row, rows_left, g, q);
+                if (C::TMA && t == 0) mbar_arrive(fb);
+            }
+            cp_async_mbar_arrive_noinc(fb);
+        }
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+template <int BN, bool GATHER_A, int CFG>
+__global__ void __launch_bounds__(VK_THREADS, 1)
+    vk_varlen_k_kernel(const vk_args p, const __grid_constant__ CUtensorMap cmap)
+{
+    typedef vk_cfg<CFG> C;
+    constexpr int BK = C::BK, STAGES = C::STAGES, RPT = C::RPT;
+    constexpr uint32_t A_BYTES = BK * VK_BM * 2;
+    constexpr uint32_t B_BYTES = BK * BN * 2;
     constexpr uint32_t STAGE_BYTES = A_BYTES + B_BYTES;
     static_assert(STAGE_BYTES % 1024 == 0, "stages stay 1024-byte aligned");
+    static_assert(2 * 8 * STAGES <= 128, "barriers fit their 128 bytes");
 
     extern __shared__ uint8_t vk_smem[];
     const uint32_t base = (smem_addr(vk_smem) + 1023u) & ~1023u;
-    const uint32_t full_bar = base + VK_STAGES * STAGE_BYTES; /* + 8 s */
-    const uint32_t empty_bar = full_bar + 8 * VK_STAGES;      /* + 8 s */
-    const uint32_t tok_ring = full_bar + 128;                 /* VK_TOK_SLOTS x 2 KB */
-    const uint32_t epi_buf = tok_ring + VK_TOK_SLOTS * VK_TOK_SLOT_BYTES; /* 8 x 2 KB */
+    const uint32_t full_bar = base + STAGES * STAGE_BYTES; /* + 8 s */
+    const uint32_t empty_bar = full_bar + 8 * STAGES;      /* + 8 s */
+    const uint32_t tok_ring = full_bar + 128;              /* TOK_SLOTS x TOK_SLOT_BYTES */
+    const uint32_t epi_buf = tok_ring + C::TOK_SLOTS * C::TOK_SLOT_BYTES; /* 8 x 2 KB */
     const int wg = threadIdx.x / 128;
     const int t = threadIdx.x % 128;
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < VK_STAGES; s++) {
-            mbar_init(full_bar + 8 * s, 128); /* one cp.async arrival per producer thread */
+        for (int s = 0; s < STAGES; s++) {
+            /* one cp.async arrival per producer thread (+ thread 0's TMA one) */
+            mbar_init(full_bar + 8 * s, C::TMA ? 129 : 128);
             mbar_init(empty_bar + 8 * s, 8);  /* one arrival per consumer warp */
         }
         mbar_fence_init();
@@ -333,55 +537,74 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
     if (wg == 0) {
         /* ---------------- producer ---------------- */
         setmaxnreg_dec<VK_PRODUCER_REGS>();
+        if constexpr (C::LEAN) {
+            vk_producer_lean<BN, GATHER_A, CFG>(p, &cmap, base, full_bar, empty_bar, tok_ring, t);
+            return;
+        }
         const int g = t / 8, q = t % 8;
-        const uint32_t my_tok = tok_ring + 16 * t;
+        const uint32_t my_tok = tok_ring + 4 * RPT * t;
         vk_cursor cur, ahead;
-        vk_cursor_start(p, &cur);
+        vk_cursor_start<BK>(p, &cur);
         ahead = cur;
-        /* row tokens travel VK_TOK_AHEAD iterations ahead of the copies that
+        /* row tokens travel TOK_AHEAD iterations ahead of the copies that
          * use them, through this thread's own slots of a small ring, so no
          * copy waits on a token load queued behind earlier copies */
 #pragma unroll 1
-        for (int i = 0; i < VK_TOK_AHEAD; i++) {
+        for (int i = 0; i < C::TOK_AHEAD; i++) {
             if (ahead.tile < p.total_tiles) {
-                vk_fetch_tokens(p, ahead, my_tok + i * VK_TOK_SLOT_BYTES, g);
-                vk_cursor_next(p, &ahead);
+                vk_fetch_tokens<BK>(p, ahead, my_tok + i * C::TOK_SLOT_BYTES, g);
+                vk_cursor_next<BK>(p, &ahead);
             }
             cp_async_commit();
         }
-        for (uint32_t it = 0; cur.tile < p.total_tiles; it++, vk_cursor_next(p, &cur)) {
+        for (uint32_t it = 0; cur.tile < p.total_tiles; it++, vk_cursor_next<BK>(p, &cur)) {
             if (ahead.tile < p.total_tiles) {
-                vk_fetch_tokens(p, ahead,
-                                my_tok + ((it + VK_TOK_AHEAD) % VK_TOK_SLOTS) * VK_TOK_SLOT_BYTES, g);
-                vk_cursor_next(p, &ahead);
+                vk_fetch_tokens<BK>(
+                    p, ahead, my_tok + ((it + C::TOK_AHEAD) % C::TOK_SLOTS) * C::TOK_SLOT_BYTES, g);
+                vk_cursor_next<BK>(p, &ahead);
             }
             cp_async_commit();
-            /* the groups older than the last VK_TOK_AHEAD hold this
-             * iteration's tokens (and the copies of iteration it - VK_STAGES,
+            /* the groups older than the last TOK_AHEAD hold this
+             * iteration's tokens (and the copies of iteration it - STAGES,
              * which must land before this stage is refilled anyway) */
-            cp_async_wait<VK_TOK_AHEAD>();
-            const uint32_t s = it % VK_STAGES;
-            const uint32_t ph = (it / VK_STAGES) & 1;
+            cp_async_wait<C::TOK_AHEAD>();
+            const uint32_t s = it % STAGES;
+            const uint32_t ph = (it / STAGES) & 1;
             int e, mt, nt;
             vk_tile_coords(p, cur.tile, &e, &mt, &nt);
-            const int row0 = cur.row_begin + cur.kt * VK_BK;
+            const int row0 = cur.row_begin + cur.kt * BK;
             const int rows_left = cur.row_end - row0;
-            int src_row[4];
+            int src_row[RPT];
             {
-                uint4 tk = ld_shared_v4(my_tok + (it % VK_TOK_SLOTS) * VK_TOK_SLOT_BYTES);
+                uint4 tk = ld_shared_v4(my_tok + (it % C::TOK_SLOTS) * C::TOK_SLOT_BYTES);
                 src_row[0] = (int)tk.x; src_row[1] = (int)tk.y;
                 src_row[2] = (int)tk.z; src_row[3] = (int)tk.w;
             }
-            int own_row[4];
+            int own_row[RPT];
 #pragma unroll
-            for (int i = 0; i < 4; i++) own_row[i] = row0 + 4 * g + i;
+            for (int i = 0; i < RPT; i++) own_row[i] = row0 + RPT * g + i;
             const uint32_t sa = base + s * STAGE_BYTES;
+            const uint32_t fb = full_bar + 8 * s;
             mbar_wait(empty_bar + 8 * s, ph ^ 1);
-            vk_copy_operand<VK_BM>(sa, p.a, p.M, mt * VK_BM, p.M, GATHER_A ? src_row : own_row,
-                                   rows_left, g, q);
-            vk_copy_operand<BN>(sa + A_BYTES, p.b, p.N, nt * BN, p.N,
-                                GATHER_A ? own_row : src_row, rows_left, g, q);
-            cp_async_mbar_arrive_noinc(full_bar + 8 * s);
+            if (C::TMA && rows_left >= BK) {
+                /* a whole k-tile: the contiguous operand by TMA */
+                if (GATHER_A) {
+                    if (t == 0) vk_tma_operand<BN, BK>(sa + A_BYTES, &cmap, fb, nt * BN, p.N, row0);
+                    vk_copy_operand<VK_BM, BK>(sa, p.a, p.M, mt * VK_BM, p.M, src_row, rows_left,
+                                               g, q);
+                } else {
+                    if (t == 0) vk_tma_operand<VK_BM, BK>(sa, &cmap, fb, mt * VK_BM, p.M, row0);
+                    vk_copy_operand<BN, BK>(sa + A_BYTES, p.b, p.N, nt * BN, p.N, src_row,
+                                            rows_left, g, q);
+                }
+            } else {
+                vk_copy_operand<VK_BM, BK>(sa, p.a, p.M, mt * VK_BM, p.M,
+                                           GATHER_A ? src_row : own_row, rows_left, g, q);
+                vk_copy_operand<BN, BK>(sa + A_BYTES, p.b, p.N, nt * BN, p.N,
+                                        GATHER_A ? own_row : src_row, rows_left, g, q);
+                if (C::TMA && t == 0) mbar_arrive(fb);
+            }
+            cp_async_mbar_arrive_noinc(fb);
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
     } else {
@@ -398,7 +621,7 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
             vk_tile_coords(p, tile, &e, &mt, &nt);
             const int row_begin = __ldg(p.expert_offset + e);
             const int row_end = __ldg(p.expert_offset + e + 1);
-            const int nk = row_end > row_begin ? (row_end - row_begin + VK_BK - 1) / VK_BK : 0;
+            const int nk = row_end > row_begin ? (row_end - row_begin + BK - 1) / BK : 0;
             if (nk == 0 && p.accumulate) continue;
             const int row_base = mt * VK_BM + cw * 64 + warp * 16 + lane / 4;
             if (p.accumulate) {
@@ -407,19 +630,19 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
             }
             uint32_t prev_s = 0;
             for (int kt = 0; kt < nk; kt++, it++) {
-                const uint32_t s = it % VK_STAGES;
-                const uint32_t ph = (it / VK_STAGES) & 1;
+                const uint32_t s = it % STAGES;
+                const uint32_t ph = (it / STAGES) & 1;
                 mbar_wait(full_bar + 8 * s, ph);
                 /* cp.async wrote through the generic proxy; wgmma reads through the async one */
-                fence_proxy_async();
-                const uint32_t sa = base + s * STAGE_BYTES + (uint32_t)cw * VK_SLAB_BYTES;
+                if (C::FENCE) fence_proxy_async();
+                const uint32_t sa = base + s * STAGE_BYTES + (uint32_t)cw * (BK * 128);
                 const uint32_t sb = base + s * STAGE_BYTES + A_BYTES;
                 wgmma_fence();
 #pragma unroll
-                for (int ks = 0; ks < VK_BK / 16; ks++) {
+                for (int ks = 0; ks < BK / 16; ks++) {
                     /* 16 k-rows = 2048 bytes: whole swizzle atoms, no phase change */
-                    uint64_t da = wgmma_desc_sw128_mn(sa + ks * 2048, VK_SLAB_BYTES);
-                    uint64_t db = wgmma_desc_sw128_mn(sb + ks * 2048, VK_SLAB_BYTES);
+                    uint64_t da = wgmma_desc_sw128_mn(sa + ks * 2048, BK * 128);
+                    uint64_t db = wgmma_desc_sw128_mn(sb + ks * 2048, BK * 128);
                     vk_wgmma_mn<BN>(acc, da, db, (kt > 0 || ks > 0) ? 1 : 0);
                 }
                 wgmma_commit();
@@ -453,22 +676,81 @@ __global__ void __launch_bounds__(VK_THREADS, 1) vk_varlen_k_kernel(const vk_arg
 
 /* ------------------------------------------------------------ launchers */
 
-template <int BN, bool GATHER_A>
-static smoe_status vk_launch(const vk_args *a, int num_sms, cudaStream_t stream)
+/* Benchmark hook for tests/gpu/test_varlen_k_sm90.cu: a combination of
+ * VK_F_* bits forces that kernel variant; -1 (or any other value) runs the
+ * default. */
+extern "C" int smoe_sm90_vk_variant;
+int smoe_sm90_vk_variant = -1;
+
+static PFN_cuTensorMapEncodeTiled_v12000 vk_encode_fn(void)
 {
-    const size_t smem = (size_t)VK_STAGES * (VK_BK * VK_BM * 2 + VK_BK * BN * 2) + 1024 + 128 +
-                        VK_TOK_SLOTS * VK_TOK_SLOT_BYTES + 8 * VK_EPI_BUF_BYTES;
-    cudaError_t err = cudaFuncSetAttribute(vk_varlen_k_kernel<BN, GATHER_A>,
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = NULL;
+    if (!fn) {
+        void *ptr = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                             cudaEnableDefault, &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (PFN_cuTensorMapEncodeTiled_v12000)ptr;
+    }
+    return fn;
+}
+
+/* The contiguous operand (rows x cols bf16, row-major) as a 2-D tensor map
+ * in boxes of 64 columns x box_rows rows, 128-byte swizzle: the layout the
+ * cp.async path writes. Rows = the caller's row capacity; only whole k-tiles
+ * of an expert are loaded through it, so no row past R is read. */
+static smoe_status vk_make_map(CUtensorMap *map, const bf16 *base, int64_t rows, int64_t cols,
+                               int box_rows, const char *name)
+{
+    PFN_cuTensorMapEncodeTiled_v12000 encode = vk_encode_fn();
+    SMOE_RETURN_ERROR_IF(!encode, SMOE_ERROR_BACKEND,
+                         "sm90 %s: cuTensorMapEncodeTiled not available from the driver", name);
+    cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
+    cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
+    cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
+    cuuint32_t estr[2] = {1, 1};
+    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)base, dims, strides, box,
+                        estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    SMOE_RETURN_ERROR_IF(r != CUDA_SUCCESS, SMOE_ERROR_BACKEND,
+                         "sm90 %s: tensor map (%lld x %lld) failed (CUresult %d)", name,
+                         (long long)rows, (long long)cols, (int)r);
+    return SMOE_SUCCESS;
+}
+
+template <int BN, bool GATHER_A, int CFG>
+static smoe_status vk_launch(const vk_args *a, const CUtensorMap *map, int num_sms,
+                             cudaStream_t stream)
+{
+    const size_t smem = vk_smem_bytes<BN, CFG>();
+    cudaError_t err = cudaFuncSetAttribute(vk_varlen_k_kernel<BN, GATHER_A, CFG>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND,
                          "sm90 varlen-K GEMM: cudaFuncSetAttribute(%zu bytes): %s", smem,
                          cudaGetErrorString(err));
     int grid = a->total_tiles < num_sms ? a->total_tiles : num_sms;
-    vk_varlen_k_kernel<BN, GATHER_A><<<grid, VK_THREADS, smem, stream>>>(*a);
+    vk_varlen_k_kernel<BN, GATHER_A, CFG><<<grid, VK_THREADS, smem, stream>>>(*a, *map);
     err = cudaGetLastError();
     SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND,
                          "sm90 varlen-K GEMM: launch failed: %s", cudaGetErrorString(err));
     return SMOE_SUCCESS;
+}
+
+template <int BN, bool GATHER_A>
+static smoe_status vk_launch_cfg(int cfg, const vk_args *a, const CUtensorMap *map, int num_sms,
+                                 cudaStream_t stream)
+{
+    switch (cfg) {
+    case 0: return vk_launch<BN, GATHER_A, 0>(a, map, num_sms, stream);
+    case 1: return vk_launch<BN, GATHER_A, 1>(a, map, num_sms, stream);
+    case 2: return vk_launch<BN, GATHER_A, 2>(a, map, num_sms, stream);
+    case 3: return vk_launch<BN, GATHER_A, 3>(a, map, num_sms, stream);
+    case 8: return vk_launch<BN, GATHER_A, 8>(a, map, num_sms, stream);
+    case 9: return vk_launch<BN, GATHER_A, 9>(a, map, num_sms, stream);
+    case 10: return vk_launch<BN, GATHER_A, 10>(a, map, num_sms, stream);
+    default: return vk_launch<BN, GATHER_A, 11>(a, map, num_sms, stream);
+    }
 }
 
 /* Shared checks and launch: C_e (M x N) = A_e^T B_e, A gathered if gather_a. */
@@ -526,11 +808,21 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     args.accumulate = accumulate != 0;
     args.map_rows = map_rows;
     args.n_half = (int)p->n;
+    const int v = smoe_sm90_vk_variant;
+    const int cfg = (v >= 0 && (v & ~VK_F_ALL) == 0) ? v : VK_DEFAULT_CFG;
+    /* the contiguous operand: B (a_scaled) when A is gathered, else A (dH) */
+    CUtensorMap map;
+    memset(&map, 0, sizeof map);
+    if ((cfg & VK_F_TMA) && p->cap > 0) {
+        const int box_rows = vk_cfg<0>::BK;
+        SMOE_FORWARD_IF_ERROR(gather_a ? vk_make_map(&map, b, p->cap, N, box_rows, name)
+                                       : vk_make_map(&map, a, p->cap, M, box_rows, name));
+    }
     if (bn == 256)
-        return gather_a ? vk_launch<256, true>(&args, num_sms, stream)
-                        : vk_launch<256, false>(&args, num_sms, stream);
-    return gather_a ? vk_launch<128, true>(&args, num_sms, stream)
-                    : vk_launch<128, false>(&args, num_sms, stream);
+        return gather_a ? vk_launch_cfg<256, true>(cfg, &args, &map, num_sms, stream)
+                        : vk_launch_cfg<256, false>(cfg, &args, &map, num_sms, stream);
+    return gather_a ? vk_launch_cfg<128, true>(cfg, &args, &map, num_sms, stream)
+                    : vk_launch_cfg<128, false>(cfg, &args, &map, num_sms, stream);
 }
 
 extern "C" smoe_status smoe_sm90_dw2(const smoe_gemm_problem *p, const bf16 *dout,
