@@ -17,10 +17,13 @@
  * Algorithm: one kernel template, gg_kernel, in two parts.
  *  - Main loop: a BM x BN output tile, BK-deep k-tiles streamed through a
  *    STAGES-deep cp.async ring in shared memory (16-byte copies, zero-filled
- *    past ragged edges, one barrier per k-tile), fragments read with
- *    ldmatrix (.trans for operands stored MN-major) one k16-step ahead of
- *    the mma.sync m16n8k16 bf16 -> fp32 that consume them (double-buffered
- *    fragments). An operand is K-major (memory rows run along K: X, dO, A,
+ *    past ragged edges, optionally with a 128/256-byte L2 prefetch hint;
+ *    one barrier per k-tile), fragments read with ldmatrix (.trans for
+ *    operands stored MN-major) for the mma.sync m16n8k16 bf16 -> fp32 that
+ *    consume them: B's one k16-step ahead (double-buffered), A's either
+ *    the same way (FA = 2) or each m16 fragment re-read right after its
+ *    last MMA (FA = 1, 16 registers fewer, used with BK = 64). An operand
+ *    is K-major (memory rows run along K: X, dO, A,
  *    dH, W1 in up, W2 in down) or MN-major (memory rows run along M or N:
  *    W2 in dh, W1 in dxt, both operands of dw1/dw2); its memory row comes
  *    from its logical index through a map: identity, the row's token (the
@@ -39,14 +42,23 @@
  *    N-tile to scratch, A' stored, dH written over H in shared memory and
  *    then stored), DW (fp32 or bf16, overwrite or accumulate in fp32, zeros
  *    for empty experts on overwrite). gg_ds_reduce then sums the dS
- *    partials in N-tile order and adds <dO_t, b2[e]>.
- *  Tiles (per GEMM, see the configurations above the launchers): warp
- *  tiles of 64x64; 128x128x32 with 4 warps and 4 stages (two CTAs per SM)
- *  or 128x256x32 / 256x128x32 with 8 warps and 3 stages. Shared-memory
- *  tiles are XOR-swizzled in 16-byte chunks so that cp.async stores and
- *  ldmatrix reads hit distinct banks: chunk ^ (row & 7) for rows of 8+
- *  chunks, chunk ^ ((row >> 1) & 3) for 64-byte rows; epilogue tiles are
- *  padded instead.
+ *    partials in N-tile order and adds <dO_t, b2[e]>. DH and DW run each
+ *    thread over its own fragments in unrolled code (DH: 560 KB of code
+ *    for its seven activations); their staged forms DHR and DWS (the
+ *    defaults where shared memory allows) first write the fp32 tile, half
+ *    the rows at a time, into shared memory and then run a rolled loop:
+ *    DHR one warp per row (4 dA' columns a lane per 128; dS of the row is
+ *    a warp sum, written straight to the partials), DWS 8 columns a thread
+ *    with 16-byte stores (and loads, to accumulate).
+ *  Tiles and variants (per GEMM, see the configurations and the variant
+ *  hook above the launchers): warp tiles of 64x64; 256x128x64 with 8
+ *  warps and 3 or 4 stages (144 or 192 KiB) by default, 256x128x32 /
+ *  128x256x32 with 3 stages and 128x128x32 with 4 warps (two CTAs per SM)
+ *  as alternatives and fallbacks for devices with less shared memory.
+ *  Shared-memory tiles are XOR-swizzled in 16-byte chunks so that cp.async
+ *  stores and ldmatrix reads hit distinct banks: chunk ^ (row & 7) for
+ *  rows of 8+ chunks, chunk ^ ((row >> 1) & 3) for 64-byte rows; epilogue
+ *  tiles are padded instead.
  *  Scheduling: varlen-M grids are sized for the worst case,
  *  tiles_n * (ceil(cap/BM) + E) CTAs; each CTA finds its expert and m-tile
  *  with a warp-wide prefix sum over ceil(count_e/BM) read from off[] (no
@@ -63,9 +75,9 @@
  * accumulate=1, are added to the existing values in fp32.
  *
  * Determinism: every output element is produced by one thread with a fixed
- * summation order; dS partial sums are combined in a fixed order (quad
- * shuffles, warps in order, then N-tiles in order by gg_ds_reduce). No
- * atomics.
+ * summation order; dS partial sums are combined in a fixed order (DH: quad
+ * shuffles, warps in order; DHR: each lane's columns, then a butterfly;
+ * then N-tiles in order by gg_ds_reduce). No atomics.
  *
  * Requirements: d % 8 == 0, n % 8 == 0 and 16-byte aligned pointers (every
  * row is a whole number of 16-byte chunks); anything else is rejected with
@@ -73,6 +85,7 @@
  * are predicated.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cuda/gemm.h"
@@ -89,6 +102,22 @@ static __device__ __forceinline__ void gg_cp_async16(uint32_t dst, const void *s
 {
     int n = pred ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+
+/* The same with an L2 prefetch hint (l2: 1 = 128 bytes, 2 = 256 bytes around
+ * the chunk come into L2; uniform across the block). */
+static __device__ __forceinline__ void gg_cp_async16_l2(uint32_t dst, const void *src, bool pred,
+                                                        int l2)
+{
+    int n = pred ? 16 : 0;
+    if (l2 == 2)
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                     "r"(n));
+    else if (l2 == 1)
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                     "r"(n));
+    else
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
 
 static __device__ __forceinline__ void gg_cp_async_commit(void)
@@ -177,7 +206,12 @@ static __device__ __forceinline__ void gg_act_fd(float x, float &f, float &df)
 /* ------------------------------------------------------------ parameters */
 
 enum { GG_MAP_IDENT = 0, GG_MAP_TOKEN = 1, GG_MAP_W1 = 2 };
-enum { GG_EPI_UP = 0, GG_EPI_STORE = 1, GG_EPI_DH = 2, GG_EPI_DW = 3 };
+/* GG_EPI_DHR and GG_EPI_DWS: the epilogues of dh and dw with the fp32
+ * accumulators staged in shared memory (half a tile at a time) and then
+ * processed in a rolled loop, whole rows by whole warps (DHR) or 16-byte
+ * chunks by threads (DWS), instead of each thread handling its own
+ * fragments in fully unrolled code (DH, DW). */
+enum { GG_EPI_UP = 0, GG_EPI_STORE = 1, GG_EPI_DH = 2, GG_EPI_DW = 3, GG_EPI_DHR = 4, GG_EPI_DWS = 5 };
 
 typedef struct gg_operand {
     const bf16 *ptr;       /* expert 0's matrix (or the activation matrix) */
@@ -209,6 +243,7 @@ typedef struct gg_args {
     int64_t cap;
     void *wout; /* (E, M, N) weight gradient (dw) */
     int out_f32, accumulate, out_map;
+    int l2pf; /* L2 prefetch hint of the operand copies (gg_cp_async16_l2) */
 } gg_args;
 
 static __device__ __forceinline__ int64_t gg_map(const gg_args &p, int map, int64_t i)
@@ -277,7 +312,7 @@ static __device__ __forceinline__ void gg_issue(const gg_args &p,
         for (int i = 0; i < L::IPT; i++) {
             const int r = l.row0 + i * L::RPP;
             const bool v = kv && l.rp[i] != nullptr;
-            gg_cp_async16(dst + gg_swz<L::CPR>(r, l.col), v ? l.rp[i] + k0 : base, v);
+            gg_cp_async16_l2(dst + gg_swz<L::CPR>(r, l.col), v ? l.rp[i] + k0 : base, v, p.l2pf);
         }
     } else {
         const int64_t k0 = k_begin + (int64_t)kt * ROWS;
@@ -286,7 +321,7 @@ static __device__ __forceinline__ void gg_issue(const gg_args &p,
             const int r = l.row0 + i * L::RPP;
             const bool v = l.cval && k0 + r < k_end;
             const bf16 *src = base + (int64_t)l.tokn[i] * op.ld + c0 + l.col * 8;
-            gg_cp_async16(dst + gg_swz<L::CPR>(r, l.col), v ? src : base, v);
+            gg_cp_async16_l2(dst + gg_swz<L::CPR>(r, l.col), v ? src : base, v, p.l2pf);
             const int64_t kn = k0 + ROWS + r;
             l.tokn[i] = kn < k_end ? (int32_t)gg_map_c<MAP>(p, kn) : 0;
         }
@@ -296,23 +331,25 @@ static __device__ __forceinline__ void gg_issue(const gg_args &p,
 /* Fragments of k16-step ks for a warp's WTM x WTN tile: A as MI m16k16
  * tiles (ldmatrix x4), B as NI k16n8 tiles (x4 covers two). MN-major
  * operands are read transposed. */
-template <int A_KM, int B_KM, int A_CPR, int B_CPR, int MI, int NI>
-static __device__ __forceinline__ void gg_load_frags(uint32_t sa, uint32_t sb, int ks, int lane,
-                                                     int wm0, int wn0, uint32_t af[MI][4],
-                                                     uint32_t bfr[NI][2])
+template <int A_KM, int A_CPR>
+static __device__ __forceinline__ void gg_load_a_frag(uint32_t sa, int ks, int lane, int row0,
+                                                      uint32_t af[4])
 {
-#pragma unroll
-    for (int mi = 0; mi < MI; mi++) {
-        if (A_KM) {
-            const int r = wm0 + mi * 16 + (lane & 15);
-            const int c = ks * 2 + (lane >> 4);
-            gg_ldsm_x4(sa + gg_swz<A_CPR>(r, c), af[mi]);
-        } else {
-            const int r = ks * 16 + ((lane >> 4) << 3) + (lane & 7);
-            const int c = (wm0 + mi * 16) / 8 + ((lane >> 3) & 1);
-            gg_ldsm_x4_t(sa + gg_swz<A_CPR>(r, c), af[mi]);
-        }
+    if (A_KM) {
+        const int r = row0 + (lane & 15);
+        const int c = ks * 2 + (lane >> 4);
+        gg_ldsm_x4(sa + gg_swz<A_CPR>(r, c), af);
+    } else {
+        const int r = ks * 16 + ((lane >> 4) << 3) + (lane & 7);
+        const int c = row0 / 8 + ((lane >> 3) & 1);
+        gg_ldsm_x4_t(sa + gg_swz<A_CPR>(r, c), af);
     }
+}
+
+template <int B_KM, int B_CPR, int NI>
+static __device__ __forceinline__ void gg_load_b_frags(uint32_t sb, int ks, int lane, int wn0,
+                                                       uint32_t bfr[NI][2])
+{
 #pragma unroll
     for (int nj = 0; nj < NI / 2; nj++) {
         uint32_t t[4];
@@ -330,6 +367,16 @@ static __device__ __forceinline__ void gg_load_frags(uint32_t sa, uint32_t sb, i
         bfr[2 * nj + 1][0] = t[2];
         bfr[2 * nj + 1][1] = t[3];
     }
+}
+
+template <int A_KM, int B_KM, int A_CPR, int B_CPR, int MI, int NI>
+static __device__ __forceinline__ void gg_load_frags(uint32_t sa, uint32_t sb, int ks, int lane,
+                                                     int wm0, int wn0, uint32_t af[MI][4],
+                                                     uint32_t bfr[NI][2])
+{
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++) gg_load_a_frag<A_KM, A_CPR>(sa, ks, lane, wm0 + mi * 16, af[mi]);
+    gg_load_b_frags<B_KM, B_CPR, NI>(sb, ks, lane, wn0, bfr);
 }
 
 /* dh's per-element epilogue, from the thread's fp32 dA' accumulators and
@@ -390,9 +437,94 @@ static __device__ __forceinline__ void gg_epi_dh(const gg_args &p, const float (
         }
 }
 
+/* The thread's fp32 accumulator pairs into a staging tile (row pitch
+ * `srow` bytes), rows relative to the staged block (lr0 = the warp's
+ * first row there). */
+template <int MI, int NI>
+static __device__ __forceinline__ void gg_stage_acc(const float (&acc)[MI][NI][4], float *stg,
+                                                    int srow, int lr0, int wn0, int g, int t4)
+{
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float *row = (float *)((unsigned char *)stg + (lr0 + mi * 16 + g + h * 8) * srow);
+#pragma unroll
+            for (int ni = 0; ni < NI; ni++)
+                *(float2 *)(row + wn0 + ni * 8 + 2 * t4) =
+                    make_float2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+        }
+}
+
+/* dh's epilogue over staged rows [r0, r0 + nrows) of the tile (DHR): one
+ * warp per row, BN/32 dA' columns per lane (4 or 8, in 4-column groups:
+ * 16 bytes of fp32 dA', 16 bytes of gated H or 8 of plain H). dS of the
+ * row: the lane's columns in order, then a butterfly over the warp; A' out
+ * with 8-byte stores, dH over H in shared memory. n is a multiple of 8, so
+ * a 4-column group is inside N or outside it as a whole. */
+template <int ACT, int BN, int NW>
+static __device__ void gg_epi_dh_rows(const gg_args &p, const float *stg, int srow,
+                                      unsigned char *hs, int pitch, int r0, int nrows,
+                                      int64_t m0, int64_t m_lim, int64_t n0, int64_t n_lim,
+                                      int n_tile, int warp, int lane)
+{
+    constexpr bool GATED =
+        ACT == SMOE_ACT_SWIGLU || ACT == SMOE_ACT_GEGLU || ACT == SMOE_ACT_REGLU;
+    constexpr int GROUPS = BN / 128; /* 4-column groups per lane */
+#pragma unroll 1
+    for (int lr = r0 + warp; lr < r0 + nrows; lr += NW) {
+        const int64_t r = m0 + lr;
+        if (r >= m_lim) break; /* rows ascend: the rest of this warp's are out too */
+        const float s = p.score[r];
+        const float *srw = (const float *)((const unsigned char *)stg + (lr - r0) * srow);
+        float dsum = 0.0f;
+#pragma unroll
+        for (int q = 0; q < GROUPS; q++) {
+            const int cl = (q * 32 + lane) * 4; /* local dA' column */
+            const int64_t c = n0 + cl;
+            if (c >= n_lim) continue;
+            const float4 dv = *(const float4 *)(srw + cl);
+            const float d[4] = {dv.x, dv.y, dv.z, dv.w};
+            float a[4];
+            if (GATED) {
+                uint4 hv = *(const uint4 *)(hs + lr * pitch + cl * 4);
+                __nv_bfloat162 *hp = (__nv_bfloat162 *)&hv;
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const float u = __high2float(hp[k]);
+                    float f, df;
+                    gg_act_fd<ACT>(__low2float(hp[k]), f, df);
+                    a[k] = f * u;
+                    hp[k] = __floats2bfloat162_rn(s * d[k] * df * u, s * d[k] * f);
+                }
+                *(uint4 *)(hs + lr * pitch + cl * 4) = hv;
+            } else {
+                uint2 hv = *(const uint2 *)(hs + lr * pitch + cl * 2);
+                __nv_bfloat162 *hp = (__nv_bfloat162 *)&hv;
+#pragma unroll
+                for (int k = 0; k < 2; k++) {
+                    float df0, df1;
+                    gg_act_fd<ACT>(__low2float(hp[k]), a[2 * k], df0);
+                    gg_act_fd<ACT>(__high2float(hp[k]), a[2 * k + 1], df1);
+                    hp[k] = __floats2bfloat162_rn(s * d[2 * k] * df0, s * d[2 * k + 1] * df1);
+                }
+                *(uint2 *)(hs + lr * pitch + cl * 2) = hv;
+            }
+#pragma unroll
+            for (int k = 0; k < 4; k++) dsum += d[k] * a[k];
+            __nv_bfloat162 ao[2] = {__floats2bfloat162_rn(s * a[0], s * a[1]),
+                                    __floats2bfloat162_rn(s * a[2], s * a[3])};
+            *(uint2 *)(p.out2 + r * p.ld_out2 + c) = *(const uint2 *)ao;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) dsum += __shfl_xor_sync(0xffffffffu, dsum, o);
+        if (lane == 0) p.dsp[(int64_t)n_tile * p.cap + r] = dsum;
+    }
+}
+
 /* ------------------------------------------------------------ the kernel */
 
-template <int BM, int BN, int BK, int WM, int WN, int STAGES>
+template <int BM, int BN, int BK, int WM, int WN, int STAGES, int FA>
 struct gg_cfg {
     static constexpr int BM_ = BM, BN_ = BN;
     static constexpr int NT = WM * WN * 32;
@@ -407,24 +539,35 @@ struct gg_cfg {
     static constexpr int DH_SMEM = DH_H_BYTES + WN * BM * 4;
     /* up and down/dxt: the staged output tiles (H and A, or Y/dX~). */
     static constexpr int UP_SMEM = BM * (2 * BN + 16);
+    /* DHR / DWS: fp32 staging of half the tile's rows, rows padded by 32
+     * bytes (a quad's float2 writes of 8 rows hit distinct banks); DHR
+     * puts it after the H tile. */
+    static constexpr int SROW = 4 * BN + 32;
+    static constexpr int DHR_SMEM = DH_H_BYTES + (BM / 2) * SROW;
+    static constexpr int DWS_SMEM = (BM / 2) * SROW;
     static constexpr int ST_SMEM = BM * (2 * BN + 16);
     static constexpr int mx(int a, int b) { return a > b ? a : b; }
     static constexpr int smem_bytes(int epi)
     {
         return epi == 0 ? mx(SMEM, UP_SMEM) : epi == 1 ? mx(SMEM, ST_SMEM)
-                        : epi == 2 ? mx(SMEM, DH_SMEM) : SMEM;
+                        : epi == 2 ? mx(SMEM, DH_SMEM) : epi == 4 ? mx(SMEM, DHR_SMEM)
+                        : epi == 5 ? mx(SMEM, DWS_SMEM) : SMEM;
     }
+    /* Fragment buffers of A: FA = 2 double-buffers them like B's (read a
+     * k16-step ahead, before the MMAs), FA = 1 keeps one set, each m16
+     * fragment re-read right after its last MMA (16 registers fewer). */
+    static_assert(FA == 1 || FA == 2, "A fragment buffers");
     static_assert(WTM % 16 == 0 && WTN % 16 == 0 && BK % 16 == 0, "warp tile shape");
 };
 
-template <int BM, int BN, int BK, int WM, int WN, int STAGES, int A_KM, int B_KM, int A_MAP,
-          int B_MAP, int EPI>
+template <int BM, int BN, int BK, int WM, int WN, int STAGES, int FA, int A_KM, int B_KM,
+          int A_MAP, int B_MAP, int EPI>
 __global__ void __launch_bounds__(WM *WN * 32)
     gg_kernel(const gg_args p)
 {
-    typedef gg_cfg<BM, BN, BK, WM, WN, STAGES> C;
+    typedef gg_cfg<BM, BN, BK, WM, WN, STAGES, FA> C;
     constexpr int NT = C::NT, MI = C::MI, NI = C::NI;
-    constexpr bool VARLEN_K = (EPI == GG_EPI_DW);
+    constexpr bool VARLEN_K = (EPI == GG_EPI_DW || EPI == GG_EPI_DWS);
     /* A tile: K-major [BM][BK], MN-major [BK][BM]; B likewise with BN. */
     constexpr int A_ROWS = A_KM ? BM : BK, A_COLS = A_KM ? BK : BM;
     constexpr int B_ROWS = B_KM ? BN : BK, B_COLS = B_KM ? BK : BN;
@@ -565,7 +708,12 @@ __global__ void __launch_bounds__(WM *WN * 32)
         gg_cp_async_commit();
     }
     const int wm0 = wm * C::WTM, wn0 = wn * C::WTN;
-    uint32_t af[2][MI][4], bfr[2][NI][2];
+    /* Fragments: B's double-buffered (those of k16-step ks+1, or of the
+     * next stage at the last step, read before the MMAs of ks), A's as FA
+     * says. The barrier at the start of the last step both lands the next
+     * stage (wait_group) and frees the stage the copies of step 0 refill:
+     * every read of a stage happens before the barrier of its last step. */
+    uint32_t af[FA][MI][4], bfr[2][NI][2];
     gg_cp_async_wait<STAGES - 2>();
     __syncthreads();
     if (KT > 0)
@@ -576,16 +724,21 @@ __global__ void __launch_bounds__(WM *WN * 32)
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
             const int cur = ks & 1, nxt = (ks + 1) & 1;
-            if (ks == KS - 1) {
+            const int ca = ks & (FA - 1), na = (ks + 1) & (FA - 1);
+            const bool last = ks == KS - 1;
+            if (last) {
                 gg_cp_async_wait<STAGES - 2>();
                 __syncthreads();
             }
-            const bool last = ks == KS - 1;
-            if (!last || kt + 1 < KT) {
-                const int ns = last ? (kt + 1) % STAGES : s;
-                const uint32_t sa = smem0 + ns * C::STAGE_BYTES;
-                gg_load_frags<A_KM, B_KM, A_CPR, B_CPR, MI, NI>(
-                    sa, sa + C::A_ELEMS * 2, last ? 0 : ks + 1, lane, wm0, wn0, af[nxt], bfr[nxt]);
+            const bool more = !last || kt + 1 < KT;
+            const uint32_t sa = smem0 + (last ? (kt + 1) % STAGES : s) * C::STAGE_BYTES;
+            const int nks = last ? 0 : ks + 1;
+            if (more) {
+                if (FA == 2)
+                    gg_load_frags<A_KM, B_KM, A_CPR, B_CPR, MI, NI>(
+                        sa, sa + C::A_ELEMS * 2, nks, lane, wm0, wn0, af[na], bfr[nxt]);
+                else
+                    gg_load_b_frags<B_KM, B_CPR, NI>(sa + C::A_ELEMS * 2, nks, lane, wn0, bfr[nxt]);
             }
             if (ks == 0) {
                 const int nk = kt + STAGES - 1;
@@ -597,10 +750,13 @@ __global__ void __launch_bounds__(WM *WN * 32)
                 gg_cp_async_commit();
             }
 #pragma unroll
-            for (int mi = 0; mi < MI; mi++)
+            for (int mi = 0; mi < MI; mi++) {
 #pragma unroll
                 for (int ni = 0; ni < NI; ni++)
-                    gg_mma(acc[mi][ni], af[cur][mi], bfr[cur][ni][0], bfr[cur][ni][1]);
+                    gg_mma(acc[mi][ni], af[ca][mi], bfr[cur][ni][0], bfr[cur][ni][1]);
+                if (FA == 1 && more)
+                    gg_load_a_frag<A_KM, A_CPR>(sa, nks, lane, wm0 + mi * 16, af[0][mi]);
+            }
         }
     }
     gg_cp_async_wait<0>();
@@ -666,15 +822,15 @@ __global__ void __launch_bounds__(WM *WN * 32)
                 }
             }
         }
-    } else if (EPI == GG_EPI_DH) {
+    } else if (EPI == GG_EPI_DH || EPI == GG_EPI_DHR) {
         /* dA' tile (BM x BN over n) needs H columns [2*n0, 2*n0 + 2*BN)
-         * (gated) or [n0, n0 + BN): they come into shared memory with
-         * coalesced 16-byte copies, rows padded so that a quad's 8-byte
-         * (gated) or 4-byte reads of 8 rows hit distinct banks. */
-        const int hw = p.gated ? 2 * BN : BN;
+         * (gated) or [n0, n0 + BN): they come into shared memory (over the
+         * stages) with coalesced 16-byte copies, rows padded so that a
+         * quad's 8-byte (gated) or 4-byte reads of 8 rows hit distinct
+         * banks. */
+        const int hcpr = (p.gated ? 2 * BN : BN) / 8;
         const int pitch = p.gated ? 4 * BN + 32 : 2 * BN + 16; /* bytes */
         const int64_t hc0 = p.gated ? 2 * n0 : n0;
-        const int hcpr = hw / 8;
         __syncthreads(); /* every warp is done with the pipeline's stages */
         for (int i = tid; i < BM * hcpr; i += NT) {
             const int lr = i / hcpr, ch = i % hcpr;
@@ -684,45 +840,76 @@ __global__ void __launch_bounds__(WM *WN * 32)
         }
         gg_cp_async_commit();
         gg_cp_async_wait<0>();
-        __syncthreads();
-        unsigned char *hs = gg_smem; /* H in, dH out: each thread its own elements */
-        float dsr[MI][2];
-        switch (p.act) {
+        unsigned char *hs = gg_smem; /* H in, dH out */
+        if (EPI == GG_EPI_DHR) {
+            /* Half the rows at a time: the warps owning them stage their
+             * fp32 dA' after the H tile, then every warp takes whole rows
+             * (gg_epi_dh_rows): dS of a row is one warp's sum, no partials
+             * to combine across warps. */
+            float *stg = (float *)(gg_smem + C::DH_H_BYTES);
+            constexpr int PR = BM / 2;
+#pragma unroll 1
+            for (int pass = 0; pass < 2; pass++) {
+                if (wm0 / PR == pass) gg_stage_acc<MI, NI>(acc, stg, C::SROW, wm0 - pass * PR, wn0, g, t4);
+                __syncthreads(); /* staging written, H landed for every thread */
+                switch (p.act) {
+#define GG_DH_CASE(A)                                                                          \
+    case A:                                                                                    \
+        gg_epi_dh_rows<A, BN, NT / 32>(p, stg, C::SROW, hs, pitch, pass * PR, PR, m0, m_lim, n0, \
+                                       n_lim, n_tile, warp, lane);                             \
+        break;
+                    GG_DH_CASE(SMOE_ACT_SWIGLU)
+                    GG_DH_CASE(SMOE_ACT_GEGLU)
+                    GG_DH_CASE(SMOE_ACT_REGLU)
+                    GG_DH_CASE(SMOE_ACT_RELU2)
+                    GG_DH_CASE(SMOE_ACT_RELU)
+                    GG_DH_CASE(SMOE_ACT_SILU)
+                    GG_DH_CASE(SMOE_ACT_GELU)
+#undef GG_DH_CASE
+                default: break;
+                }
+                __syncthreads(); /* staging consumed; dH written */
+            }
+        } else {
+            __syncthreads();
+            float dsr[MI][2];
+            switch (p.act) {
 #define GG_DH_CASE(A)                                                                          \
     case A:                                                                                    \
         gg_epi_dh<A, MI, NI>(p, acc, hs, pitch, m0, m_lim, n0, n_lim, wm0, wn0, g, t4, dsr);   \
         break;
-            GG_DH_CASE(SMOE_ACT_SWIGLU)
-            GG_DH_CASE(SMOE_ACT_GEGLU)
-            GG_DH_CASE(SMOE_ACT_REGLU)
-            GG_DH_CASE(SMOE_ACT_RELU2)
-            GG_DH_CASE(SMOE_ACT_RELU)
-            GG_DH_CASE(SMOE_ACT_SILU)
-            GG_DH_CASE(SMOE_ACT_GELU)
+                GG_DH_CASE(SMOE_ACT_SWIGLU)
+                GG_DH_CASE(SMOE_ACT_GEGLU)
+                GG_DH_CASE(SMOE_ACT_REGLU)
+                GG_DH_CASE(SMOE_ACT_RELU2)
+                GG_DH_CASE(SMOE_ACT_RELU)
+                GG_DH_CASE(SMOE_ACT_SILU)
+                GG_DH_CASE(SMOE_ACT_GELU)
 #undef GG_DH_CASE
-        default:
+            default:
 #pragma unroll
-            for (int mi = 0; mi < MI; mi++) dsr[mi][0] = dsr[mi][1] = 0.0f;
-        }
-        /* Row sums: the quad, then the WN warps of a row in order. */
-        float *red = (float *)(gg_smem + C::DH_H_BYTES); /* [WN][BM], after the H tile */
-#pragma unroll
-        for (int mi = 0; mi < MI; mi++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                float v = dsr[mi][h];
-                v += __shfl_xor_sync(0xffffffffu, v, 1);
-                v += __shfl_xor_sync(0xffffffffu, v, 2);
-                if (t4 == 0) red[wn * BM + wm0 + mi * 16 + g + h * 8] = v;
+                for (int mi = 0; mi < MI; mi++) dsr[mi][0] = dsr[mi][1] = 0.0f;
             }
-        __syncthreads();
-        for (int lr = tid; lr < BM; lr += NT) {
-            const int64_t r = m0 + lr;
-            if (r >= m_lim) continue;
-            float v = 0.0f;
+            /* Row sums: the quad, then the WN warps of a row in order. */
+            float *red = (float *)(gg_smem + C::DH_H_BYTES); /* [WN][BM], after the H tile */
 #pragma unroll
-            for (int w = 0; w < WN; w++) v += red[w * BM + lr];
-            p.dsp[(int64_t)n_tile * p.cap + r] = v;
+            for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    float v = dsr[mi][h];
+                    v += __shfl_xor_sync(0xffffffffu, v, 1);
+                    v += __shfl_xor_sync(0xffffffffu, v, 2);
+                    if (t4 == 0) red[wn * BM + wm0 + mi * 16 + g + h * 8] = v;
+                }
+            __syncthreads();
+            for (int lr = tid; lr < BM; lr += NT) {
+                const int64_t r = m0 + lr;
+                if (r >= m_lim) continue;
+                float v = 0.0f;
+#pragma unroll
+                for (int w = 0; w < WN; w++) v += red[w * BM + lr];
+                p.dsp[(int64_t)n_tile * p.cap + r] = v;
+            }
         }
         /* dH rows out, coalesced (the barrier above ordered the writes). */
         for (int i = tid; i < BM * hcpr; i += NT) {
@@ -730,6 +917,54 @@ __global__ void __launch_bounds__(WM *WN * 32)
             const int64_t r = m0 + lr, col = hc0 + ch * 8;
             if (r < m_lim && col < p.ld_out)
                 *(uint4 *)(p.out + r * p.ld_out + col) = *(const uint4 *)(hs + lr * pitch + ch * 16);
+        }
+    } else if (EPI == GG_EPI_DWS) {
+        /* Half the rows at a time through fp32 staging over the stages, then
+         * 8 columns per thread and step: coalesced 16-byte (bf16) or 2x16-byte
+         * (fp32) stores, the old value read the same way to accumulate. */
+        float *stg = (float *)gg_smem;
+        constexpr int PR = BM / 2, CPR = BN / 8;
+        __syncthreads(); /* every warp is done with the pipeline's stages */
+#pragma unroll 1
+        for (int pass = 0; pass < 2; pass++) {
+            if (wm0 / PR == pass) gg_stage_acc<MI, NI>(acc, stg, C::SROW, wm0 - pass * PR, wn0, g, t4);
+            __syncthreads();
+#pragma unroll 1
+            for (int i = tid; i < PR * CPR; i += NT) {
+                const int lr = i / CPR, ch = i % CPR;
+                const int64_t m = m0 + pass * PR + lr, c = n0 + ch * 8;
+                if (m >= m_lim || c >= n_lim) continue;
+                const float *sp = (const float *)((const unsigned char *)stg + lr * C::SROW) + ch * 8;
+                const float4 v0 = *(const float4 *)sp, v1 = *(const float4 *)(sp + 4);
+                float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+                const int64_t o = ((int64_t)e * p.M + gg_map(p, p.out_map, m)) * p.N + c;
+                if (p.out_f32) {
+                    float4 *q = (float4 *)((float *)p.wout + o);
+                    if (p.accumulate) {
+                        const float4 a0 = q[0], a1 = q[1];
+                        v[0] += a0.x; v[1] += a0.y; v[2] += a0.z; v[3] += a0.w;
+                        v[4] += a1.x; v[5] += a1.y; v[6] += a1.z; v[7] += a1.w;
+                    }
+                    q[0] = make_float4(v[0], v[1], v[2], v[3]);
+                    q[1] = make_float4(v[4], v[5], v[6], v[7]);
+                } else {
+                    uint4 *q = (uint4 *)((bf16 *)p.wout + o);
+                    if (p.accumulate) {
+                        const uint4 a = *q;
+                        const __nv_bfloat162 *ap = (const __nv_bfloat162 *)&a;
+#pragma unroll
+                        for (int k = 0; k < 4; k++) {
+                            v[2 * k] += __low2float(ap[k]);
+                            v[2 * k + 1] += __high2float(ap[k]);
+                        }
+                    }
+                    __nv_bfloat162 ov[4];
+#pragma unroll
+                    for (int k = 0; k < 4; k++) ov[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+                    *q = *(const uint4 *)ov;
+                }
+            }
+            __syncthreads(); /* staging consumed */
         }
     } else { /* GG_EPI_DW */
 #pragma unroll
@@ -806,42 +1041,81 @@ __global__ void gg_ds_reduce(const float *dsp, int tiles, int64_t cap, const int
 
 /* ------------------------------------------------------------ launchers */
 
-/* Tile configurations, one per GEMM: (BM, BN, BK, warps along M, warps
- * along N, stages), warp tiles 64x64 in all (128 fp32 accumulators and
- * 240-255 registers a thread).
- *  128x128x32, 2x2 warps, 4 stages: 64 KiB of stages, two CTAs (8 warps)
- *    per SM, so one CTA's epilogue overlaps the other's main loop.
- *  128x256x32 / 256x128x32, 8 warps, 3 stages: 72 KiB of stages, one CTA
- *    per SM, less operand traffic per FLOP. For dw1/dw2 the 256 side goes
- *    to the operand that is not gathered.
- * Chosen from timings of every GEMM under each of the three on an H100 at
- * three shapes of the SonicMoE grid (7B, 30B, 120B; test_gemm --bench).
- * All fit the 163 KiB of shared memory of an A100 (dh at 256x128 takes
- * 138 KiB: the gated H tile plus the dS partials). */
-#ifndef GG_CFG_UP
-#define GG_CFG_UP 128, 128, 32, 2, 2, 4
-#endif
-#ifndef GG_CFG_DOWN
-#define GG_CFG_DOWN 256, 128, 32, 4, 2, 3
-#endif
-#ifndef GG_CFG_DH
-#define GG_CFG_DH 256, 128, 32, 4, 2, 3
-#endif
-#ifndef GG_CFG_DXT
-#define GG_CFG_DXT 128, 128, 32, 2, 2, 4
-#endif
-#ifndef GG_CFG_DW2
-#define GG_CFG_DW2 128, 256, 32, 2, 4, 3
-#endif
-#ifndef GG_CFG_DW1
-#define GG_CFG_DW1 256, 128, 32, 4, 2, 3
-#endif
-typedef gg_cfg<GG_CFG_UP> gg_cfg_up;
-typedef gg_cfg<GG_CFG_DOWN> gg_cfg_down;
-typedef gg_cfg<GG_CFG_DH> gg_cfg_dh;
-typedef gg_cfg<GG_CFG_DXT> gg_cfg_dxt;
-typedef gg_cfg<GG_CFG_DW2> gg_cfg_dw2;
-typedef gg_cfg<GG_CFG_DW1> gg_cfg_dw1;
+/* Tile configurations: (BM, BN, BK, warps along M, warps along N, stages,
+ * A fragment buffers FA). Warp tiles of 64x64: 128 fp32 accumulators,
+ * 240-255 registers a thread, so one CTA of 8 warps or two of 4 per SM.
+ * Shared memory of the stages in the comment; dh adds its H tile (136-141
+ * KiB at 256x128 or 128x256), the staged epilogues their fp32 staging.
+ * Measured on an H100 (notes/portable_log.md): 256x128x64 with 8 warps is
+ * the fastest main loop at the large shapes, 1 and 3 were the earlier
+ * defaults; 64x32 warp tiles (16 warps per SM), 128x128x64, 128x256x64
+ * and 5-stage rings were measured slower and removed. The numbers match
+ * the log. */
+#define GG_CFG_1 128, 128, 32, 2, 2, 4, 2  /*  4 warps,  64 KiB: two CTAs per SM */
+#define GG_CFG_2 256, 128, 32, 4, 2, 3, 2  /*  8 warps,  72 KiB */
+#define GG_CFG_3 128, 256, 32, 2, 4, 3, 2  /*  8 warps,  72 KiB */
+#define GG_CFG_4 256, 128, 64, 4, 2, 3, 1  /*  8 warps, 144 KiB */
+#define GG_CFG_12 256, 128, 64, 4, 2, 4, 1 /*  8 warps, 192 KiB (sm_90: 227 KiB a block) */
+/* The smallest BN of the list (dh's dS partial sums: one per row and N-tile). */
+#define GG_MIN_BN 128
+
+/* GEMM indices (gemm.h order), the default variant of each (see
+ * gg_dispatch for the numbering) and the fallback run where the default
+ * needs more shared memory than the device lets a block have (A100: 163
+ * KiB; the defaults need up to 204 KiB, sm_90's 227 KiB); configuration 1
+ * (at most 71 KiB) where the fallback does not fit either. */
+enum { GG_UP = 0, GG_DOWN, GG_DH, GG_DW2, GG_DXT, GG_DW1, GG_NGEMM };
+static const char *const gg_gemm_names[GG_NGEMM] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
+static const int gg_default_variant[GG_NGEMM] = {2004, 2012, 2204, 2202, 2004, 2212};
+static const int gg_fallback_variant[GG_NGEMM] = {2004, 2004, 2, 2202, 2004, 2204};
+
+/* Variant hook for tests and tuning: 0 = the default. Set directly (tests)
+ * or from the environment variable SMOE_SM80_GEMM_VARIANT, read at the
+ * first launch: either one number for all six GEMMs or a list such as
+ * "dh=202,dw1=2004" (smoe_sm80_gemm_variant_parse). */
+extern "C" int smoe_sm80_gemm_variant[GG_NGEMM];
+int smoe_sm80_gemm_variant[GG_NGEMM] = {0, 0, 0, 0, 0, 0};
+static int gg_env_read = 0;
+
+extern "C" int smoe_sm80_gemm_variant_parse(const char *spec);
+int smoe_sm80_gemm_variant_parse(const char *spec)
+{
+    gg_env_read = 1;
+    if (!spec || !*spec) return 0;
+    if (!strchr(spec, '=')) {
+        const int v = atoi(spec);
+        for (int g = 0; g < GG_NGEMM; g++) smoe_sm80_gemm_variant[g] = v;
+        return 0;
+    }
+    const char *q = spec;
+    while (*q) {
+        int g, found = -1;
+        for (g = 0; g < GG_NGEMM; g++) {
+            const size_t len = strlen(gg_gemm_names[g]);
+            if (!strncmp(q, gg_gemm_names[g], len) && q[len] == '=') {
+                found = g;
+                q += len + 1;
+                break;
+            }
+        }
+        if (found < 0) return -1;
+        smoe_sm80_gemm_variant[found] = (int)strtol(q, (char **)&q, 10);
+        if (*q == ',') q++;
+        else if (*q) return -1;
+    }
+    return 0;
+}
+
+static int gg_variant(int gemm)
+{
+    if (!gg_env_read) {
+        const char *env = getenv("SMOE_SM80_GEMM_VARIANT");
+        if (env) smoe_sm80_gemm_variant_parse(env);
+        gg_env_read = 1;
+    }
+    const int v = smoe_sm80_gemm_variant[gemm];
+    return v ? v : gg_default_variant[gemm];
+}
 
 static int64_t gg_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -901,13 +1175,41 @@ static int gg_w1_map(const smoe_gemm_problem *p)
     return (p->gated && p->w1_layout != SMOE_W1_INTERLEAVED) ? GG_MAP_W1 : GG_MAP_IDENT;
 }
 
-template <int BM, int BN, int BK, int WM, int WN, int STAGES, int A_KM, int B_KM, int A_MAP,
-          int B_MAP, int EPI>
-static smoe_status gg_launch(gg_args *a, int64_t blocks, cudaStream_t s, const char *what)
+
+/* Shared memory a block may opt in to on the current device. */
+static int gg_smem_optin(void)
 {
-    typedef gg_cfg<BM, BN, BK, WM, WN, STAGES> C;
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+        return 0;
+    return v;
+}
+
+/* Launches one configuration: the grid from the problem (varlen-M: worst
+ * case, sum ceil(c_e/BM) <= ceil(cap/BM) + E m-tiles; varlen-K: E * tiles).
+ * probe != 0: only says whether the configuration fits the device. */
+template <int BM, int BN, int BK, int WM, int WN, int STAGES, int FA, int A_KM, int B_KM,
+          int A_MAP, int B_MAP, int EPI>
+static smoe_status gg_launch(gg_args *a, const smoe_gemm_problem *p, int probe, cudaStream_t s,
+                             const char *what)
+{
+    typedef gg_cfg<BM, BN, BK, WM, WN, STAGES, FA> C;
     const int smem = C::smem_bytes(EPI);
-    auto kern = gg_kernel<BM, BN, BK, WM, WN, STAGES, A_KM, B_KM, A_MAP, B_MAP, EPI>;
+    const int optin = gg_smem_optin();
+    if (probe) return smem <= optin ? SMOE_SUCCESS : SMOE_ERROR_UNSUPPORTED;
+    SMOE_RETURN_ERROR_IF(smem > optin, SMOE_ERROR_UNSUPPORTED,
+                         "%s: tile %dx%dx%d needs %d bytes of shared memory, the device gives %d",
+                         what, BM, BN, BK, smem, optin);
+    auto kern = gg_kernel<BM, BN, BK, WM, WN, STAGES, FA, A_KM, B_KM, A_MAP, B_MAP, EPI>;
+    int64_t blocks;
+    a->tiles_n = (int)gg_cdiv(a->N, BN);
+    if (EPI == GG_EPI_DW || EPI == GG_EPI_DWS) {
+        a->tiles_m = (int)gg_cdiv(a->M, BM);
+        blocks = p->E * a->tiles_m * a->tiles_n;
+    } else {
+        blocks = p->cap == 0 ? 0 : (gg_cdiv(p->cap, BM) + p->E) * a->tiles_n;
+    }
     if (blocks <= 0) return SMOE_SUCCESS;
     SMOE_RETURN_ERROR_IF(blocks > (int64_t)INT32_MAX, SMOE_ERROR_UNSUPPORTED,
                          "%s: %lld thread blocks exceed the grid limit", what, (long long)blocks);
@@ -922,17 +1224,63 @@ static smoe_status gg_launch(gg_args *a, int64_t blocks, cudaStream_t s, const c
     return SMOE_SUCCESS;
 }
 
-/* Worst-case m-tiles over all experts: sum ceil(c_e/BM) <= ceil(cap/BM) + E. */
-static int64_t gg_varlen_m_blocks(const smoe_gemm_problem *p, int bm, int tiles_n)
+/* Variant v of one GEMM kind: configuration c = v % 100 (GG_CFG_c); plus
+ * 200 for dh, dw1, dw2: the staged epilogue (GG_EPI_DHR, GG_EPI_DWS); plus
+ * 1000 or 2000: operand copies with a 128- or 256-byte L2 prefetch hint. */
+template <int A_KM, int B_KM, int A_MAP, int B_MAP, int EPI>
+static smoe_status gg_dispatch(int v, gg_args *a, const smoe_gemm_problem *p, int probe,
+                               cudaStream_t s, const char *what)
 {
-    if (p->cap == 0) return 0;
-    return (gg_cdiv(p->cap, bm) + p->E) * tiles_n;
+#define GG_CASE(c, E_)                                                                          \
+    case c: return gg_launch<GG_CFG_##c, A_KM, B_KM, A_MAP, B_MAP, E_>(a, p, probe, s, what);
+    a->l2pf = v / 1000;
+    v = a->l2pf <= 2 && v >= 0 ? v % 1000 : -1;
+    if constexpr (EPI == GG_EPI_DH || EPI == GG_EPI_DW) {
+        constexpr int E2 = EPI == GG_EPI_DH ? GG_EPI_DHR : GG_EPI_DWS;
+        switch (v - 200) {
+            GG_CASE(2, E2)
+            GG_CASE(3, E2)
+            GG_CASE(4, E2)
+            GG_CASE(12, E2)
+        default: break;
+        }
+    }
+    switch (v) {
+        GG_CASE(1, EPI)
+        GG_CASE(2, EPI)
+        GG_CASE(3, EPI)
+        GG_CASE(4, EPI)
+        GG_CASE(12, EPI)
+    default: break;
+    }
+#undef GG_CASE
+    if (probe) return SMOE_ERROR_UNSUPPORTED;
+    return smoe_fail(SMOE_ERROR_UNSUPPORTED, "%s: no tile configuration %d", what, v);
+}
+
+/* The selected variant of `gemm`; a default that does not fit the device
+ * runs the fallback, then configuration 1. A variant set through the hook
+ * runs as asked (or fails with its reason). */
+template <int A_KM, int B_KM, int A_MAP, int B_MAP, int EPI>
+static smoe_status gg_run(int gemm, gg_args *a, const smoe_gemm_problem *p, cudaStream_t s,
+                          const char *what)
+{
+    int v = gg_variant(gemm);
+    if (!smoe_sm80_gemm_variant[gemm]) {
+        const int order[3] = {v, gg_fallback_variant[gemm], 1};
+        for (int i = 0; i < 3; i++) {
+            v = order[i];
+            if (gg_dispatch<A_KM, B_KM, A_MAP, B_MAP, EPI>(v, a, p, 1, s, what) == SMOE_SUCCESS)
+                break;
+        }
+    }
+    return gg_dispatch<A_KM, B_KM, A_MAP, B_MAP, EPI>(v, a, p, 0, s, what);
 }
 
 static size_t gg_scratch_bytes(const smoe_gemm_problem *p)
 {
-    /* dh: dS partial sums, (ceil(n/BN), cap) fp32. */
-    return (size_t)gg_cdiv(p->n, gg_cfg_dh::BN_) * (size_t)p->cap * sizeof(float) + 256;
+    /* dh: dS partial sums, (ceil(n/BN), cap) fp32, for the smallest BN. */
+    return (size_t)gg_cdiv(p->n, GG_MIN_BN) * (size_t)p->cap * sizeof(float) + 256;
 }
 
 static smoe_status gg_up(const smoe_gemm_problem *p, const bf16 *x, const bf16 *w1, const bf16 *b1,
@@ -948,7 +1296,6 @@ static smoe_status gg_up(const smoe_gemm_problem *p, const bf16 *x, const bf16 *
     gg_args a = gg_args_make(p);
     a.N = p->h_cols;
     a.K = p->d;
-    a.tiles_n = (int)gg_cdiv(a.N, gg_cfg_up::BN_);
     a.a = gg_op(x, 0, p->d, GG_MAP_TOKEN);
     a.b = gg_op(w1, p->h_cols * p->d, p->d, gg_w1_map(p));
     a.bias = b1;
@@ -958,8 +1305,7 @@ static smoe_status gg_up(const smoe_gemm_problem *p, const bf16 *x, const bf16 *
     a.ld_out = p->h_cols;
     a.out2 = a_out;
     a.ld_out2 = p->n;
-    return gg_launch<GG_CFG_UP, 1, 1, 0, 0, GG_EPI_UP>(
-        &a, gg_varlen_m_blocks(p, gg_cfg_up::BM_, a.tiles_n), s, what);
+    return gg_run<1, 1, 0, 0, GG_EPI_UP>(GG_UP, &a, p, s, what);
 }
 
 static smoe_status gg_down(const smoe_gemm_problem *p, const bf16 *a_in, const bf16 *w2,
@@ -974,7 +1320,6 @@ static smoe_status gg_down(const smoe_gemm_problem *p, const bf16 *a_in, const b
     gg_args a = gg_args_make(p);
     a.N = p->d;
     a.K = p->n;
-    a.tiles_n = (int)gg_cdiv(a.N, gg_cfg_down::BN_);
     a.a = gg_op(a_in, 0, p->n, GG_MAP_IDENT);
     a.b = gg_op(w2, p->d * p->n, p->n, GG_MAP_IDENT);
     a.bias = b2;
@@ -982,8 +1327,7 @@ static smoe_status gg_down(const smoe_gemm_problem *p, const bf16 *a_in, const b
     a.bias_map = GG_MAP_IDENT;
     a.out = y;
     a.ld_out = p->d;
-    return gg_launch<GG_CFG_DOWN, 1, 1, 0, 0, GG_EPI_STORE>(
-        &a, gg_varlen_m_blocks(p, gg_cfg_down::BM_, a.tiles_n), s, what);
+    return gg_run<1, 1, 0, 0, GG_EPI_STORE>(GG_DOWN, &a, p, s, what);
 }
 
 static smoe_status gg_dh(const smoe_gemm_problem *p, const bf16 *dout, const bf16 *w2,
@@ -1004,7 +1348,6 @@ static smoe_status gg_dh(const smoe_gemm_problem *p, const bf16 *dout, const bf1
     gg_args a = gg_args_make(p);
     a.N = p->n;
     a.K = p->d;
-    a.tiles_n = (int)gg_cdiv(a.N, gg_cfg_dh::BN_);
     a.a = gg_op(dout, 0, p->d, GG_MAP_TOKEN);
     a.b = gg_op(w2, p->d * p->n, p->n, GG_MAP_IDENT); /* k-row k of W2[e] (d, n) */
     a.hin = h;
@@ -1014,8 +1357,7 @@ static smoe_status gg_dh(const smoe_gemm_problem *p, const bf16 *dout, const bf1
     a.out2 = a_scaled;
     a.ld_out2 = p->n;
     a.dsp = (float *)scratch;
-    smoe_status st = gg_launch<GG_CFG_DH, 1, 0, 0, GG_MAP_IDENT, GG_EPI_DH>(
-        &a, gg_varlen_m_blocks(p, gg_cfg_dh::BM_, a.tiles_n), s, what);
+    smoe_status st = gg_run<1, 0, 0, GG_MAP_IDENT, GG_EPI_DH>(GG_DH, &a, p, s, what);
     if (st != SMOE_SUCCESS) return st;
     const int rows_per_block = 8;
     gg_ds_reduce<<<(unsigned)gg_cdiv(p->cap, rows_per_block), rows_per_block * 32, 0, s>>>(
@@ -1046,16 +1388,13 @@ static smoe_status gg_dw2(const smoe_gemm_problem *p, const bf16 *dout, const bf
     gg_args a = gg_args_make(p);
     a.M = p->d;
     a.N = p->n;
-    a.tiles_m = (int)gg_cdiv(a.M, gg_cfg_dw2::BM_);
-    a.tiles_n = (int)gg_cdiv(a.N, gg_cfg_dw2::BN_);
     a.a = gg_op(dout, 0, p->d, GG_MAP_TOKEN);
     a.b = gg_op(a_scaled, 0, p->n, GG_MAP_IDENT);
     a.wout = dw2;
     a.out_f32 = out_dtype == SMOE_DTYPE_F32;
     a.accumulate = accumulate != 0;
     a.out_map = GG_MAP_IDENT;
-    return gg_launch<GG_CFG_DW2, 0, 0, GG_MAP_TOKEN, GG_MAP_IDENT, GG_EPI_DW>(
-        &a, p->E * a.tiles_m * a.tiles_n, s, what);
+    return gg_run<0, 0, GG_MAP_TOKEN, GG_MAP_IDENT, GG_EPI_DW>(GG_DW2, &a, p, s, what);
 }
 
 static smoe_status gg_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *w1, bf16 *dxt,
@@ -1069,15 +1408,13 @@ static smoe_status gg_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf16
     gg_args a = gg_args_make(p);
     a.N = p->d;
     a.K = p->h_cols;
-    a.tiles_n = (int)gg_cdiv(a.N, gg_cfg_dxt::BN_);
     a.a = gg_op(dh, 0, p->h_cols, GG_MAP_IDENT);
     a.b = gg_op(w1, p->h_cols * p->d, p->d, gg_w1_map(p)); /* k-row c: W1 row w1_row(c) */
     a.out = dxt;
     a.ld_out = p->d;
-    const int64_t blocks = gg_varlen_m_blocks(p, gg_cfg_dxt::BM_, a.tiles_n);
     if (a.b.map == GG_MAP_W1)
-        return gg_launch<GG_CFG_DXT, 1, 0, 0, GG_MAP_W1, GG_EPI_STORE>(&a, blocks, s, what);
-    return gg_launch<GG_CFG_DXT, 1, 0, 0, GG_MAP_IDENT, GG_EPI_STORE>(&a, blocks, s, what);
+        return gg_run<1, 0, 0, GG_MAP_W1, GG_EPI_STORE>(GG_DXT, &a, p, s, what);
+    return gg_run<1, 0, 0, GG_MAP_IDENT, GG_EPI_STORE>(GG_DXT, &a, p, s, what);
 }
 
 static smoe_status gg_dw1(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *x, void *dw1,
@@ -1092,16 +1429,13 @@ static smoe_status gg_dw1(const smoe_gemm_problem *p, const bf16 *dh, const bf16
     gg_args a = gg_args_make(p);
     a.M = p->h_cols;
     a.N = p->d;
-    a.tiles_m = (int)gg_cdiv(a.M, gg_cfg_dw1::BM_);
-    a.tiles_n = (int)gg_cdiv(a.N, gg_cfg_dw1::BN_);
     a.a = gg_op(dh, 0, p->h_cols, GG_MAP_IDENT);
     a.b = gg_op(x, 0, p->d, GG_MAP_TOKEN);
     a.wout = dw1;
     a.out_f32 = out_dtype == SMOE_DTYPE_F32;
     a.accumulate = accumulate != 0;
     a.out_map = gg_w1_map(p);
-    return gg_launch<GG_CFG_DW1, 0, 0, GG_MAP_IDENT, GG_MAP_TOKEN, GG_EPI_DW>(
-        &a, p->E * a.tiles_m * a.tiles_n, s, what);
+    return gg_run<0, 0, GG_MAP_IDENT, GG_MAP_TOKEN, GG_EPI_DW>(GG_DW1, &a, p, s, what);
 }
 
 extern "C" const smoe_gemm_ops smoe_gemm_ops_sm80 = {

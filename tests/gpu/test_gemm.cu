@@ -5,12 +5,21 @@
  *   test_gemm            random cases (sizes not multiples of the tiles,
  *                        empty experts, every activation, both W1 layouts,
  *                        bias on/off, fp32/bf16 weight gradients,
- *                        overwrite/accumulate), determinism, bad input
+ *                        overwrite/accumulate), determinism, bad input;
+ *                        then a few cases on the fallback kernels (those
+ *                        of devices with less shared memory than sm_90)
  *   test_gemm --small    a few small cases (for compute-sanitizer)
  *   test_gemm --bench    TFLOPS of each GEMM on three grid shapes (CUDA events,
- *                        median of 10 runs after 2 warm-ups); --shape NAME,
- *                        --gemm NAME (up down dh dw2 dxt dw1), --reps N pick
- *                        one shape, one GEMM, the number of timed runs
+ *                        median of 10 runs after 2 warm-ups; weight gradients
+ *                        in bf16 as the layer asks, --wgrad-f32 for fp32);
+ *                        --shape NAME, --gemm NAME (up down dh dw2 dxt dw1),
+ *                        --reps N pick one shape, one GEMM, the number of
+ *                        timed runs; --variants "SPEC SPEC ..." times each
+ *                        variant spec in turn on the same buffers
+ *   --variant SPEC       tile configurations of grouped_gemm.cu (its variant
+ *                        hook): "V" for all six GEMMs or "dh=202,dw1=2004";
+ *                        with --variants, a spec with '=' times only the
+ *                        GEMMs it names
  *   --seed N             the random seed (printed on failure)
  *
  * Tolerances: each GEMM's inputs are random bf16; the reference sums in
@@ -51,6 +60,10 @@
     } while (0)
 
 static const smoe_gemm_ops *G = &smoe_gemm_ops_sm80;
+
+/* The variant hook of grouped_gemm.cu (tile configurations per GEMM). */
+extern "C" int smoe_sm80_gemm_variant[6];
+extern "C" int smoe_sm80_gemm_variant_parse(const char *spec);
 static int g_fail = 0;
 static uint64_t g_seed = 1;
 
@@ -586,6 +599,18 @@ static void test_rejects(void)
         fprintf(stderr, "FAIL: misaligned pointer gave status %d, want UNSUPPORTED\n", (int)st);
         g_fail++;
     }
+    /* An unknown tile configuration is refused before anything runs. */
+    int saved[6];
+    memcpy(saved, smoe_sm80_gemm_variant, sizeof saved);
+    smoe_sm80_gemm_variant[0] = 99;
+    p.d = 16;
+    p.cap = 0;
+    st = G->up(&p, NULL, NULL, NULL, NULL, NULL, NULL, 0);
+    memcpy(smoe_sm80_gemm_variant, saved, sizeof saved);
+    if (st != SMOE_ERROR_UNSUPPORTED) {
+        fprintf(stderr, "FAIL: tile configuration 99 gave status %d, want UNSUPPORTED\n", (int)st);
+        g_fail++;
+    }
     printf("ok   bad input rejected (%s)\n", smoe_last_error());
 }
 
@@ -614,6 +639,19 @@ static bf16 *bench_alloc(size_t count, uint32_t seed, float scale)
 
 static const char *g_bench_gemm = NULL; /* --gemm NAME: time only this one */
 static int g_reps = 10;
+static const char *g_variants = NULL; /* --variants "SPEC SPEC ...": one timing each */
+static smoe_dtype g_wgrad = SMOE_DTYPE_BF16; /* the layer's choice; --wgrad-f32 */
+
+/* A variant spec of the form "dh=202,dw1=4" names the GEMMs it sets; one
+ * without '=' sets all six. */
+static bool spec_names(const char *spec, const char *name)
+{
+    if (!strchr(spec, '=')) return true;
+    const size_t len = strlen(name);
+    for (const char *q = spec; q && *q; q = strchr(q, ',') ? strchr(q, ',') + 1 : NULL)
+        if (!strncmp(q, name, len) && q[len] == '=') return true;
+    return false;
+}
 
 static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64_t E, int64_t K)
 {
@@ -647,43 +685,72 @@ static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64
     const double flop = 2.0 * R * d * n;
     const char *names[6] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
     const double flops[6] = {2 * flop, flop, flop, flop, 2 * flop, 2 * flop};
-    double ms_med[6];
     cudaEvent_t ev0, ev1;
     CK(cudaEventCreate(&ev0));
     CK(cudaEventCreate(&ev1));
-    for (int g = 0; g < 6; g++) {
-        const int reps = g_reps;
-        ms_med[g] = 0;
-        if (g_bench_gemm && strcmp(g_bench_gemm, names[g])) continue;
-        std::vector<float> ms(reps);
-        for (int it = reps > 1 ? -2 : 0; it < reps; it++) {
-            CK(cudaEventRecord(ev0));
-            switch (g) {
-            case 0: CKS(G->up(&p, x, w1, NULL, h, a, scratch, 0)); break;
-            case 1: CKS(G->down(&p, a, w2, NULL, y, scratch, 0)); break;
-            case 2: CKS(G->dh(&p, dO, w2, NULL, h, dh, as, ds, scratch, 0)); break;
-            case 3: CKS(G->dw2(&p, dO, as, dw2, SMOE_DTYPE_F32, 0, scratch, 0)); break;
-            case 4: CKS(G->dxt(&p, dh, w1, dxt, scratch, 0)); break;
-            case 5: CKS(G->dw1(&p, dh, x, dw1, SMOE_DTYPE_F32, 0, scratch, 0)); break;
-            }
-            CK(cudaEventRecord(ev1));
-            CK(cudaEventSynchronize(ev1));
-            if (it >= 0) CK(cudaEventElapsedTime(&ms[it], ev0, ev1));
-        }
-        std::sort(ms.begin(), ms.end());
-        ms_med[g] = ms[reps / 2];
-    }
-    double fwd = ms_med[0] + ms_med[1], bwd = ms_med[2] + ms_med[3] + ms_med[4] + ms_med[5];
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
-    printf("%s (%s): T=%lld d=%lld n=%lld E=%lld K=%lld\n", name, prop.name, (long long)T,
-           (long long)d, (long long)n, (long long)E, (long long)K);
-    for (int g = 0; g < 6; g++)
-        if (ms_med[g] > 0)
-            printf("  %-5s %9.3f ms %7.1f TFLOPS\n", names[g], ms_med[g], flops[g] / ms_med[g] * 1e-9);
-    if (!g_bench_gemm)
-        printf("  fwd GEMMs %8.3f ms %7.1f TFLOPS   bwd GEMMs %8.3f ms %7.1f TFLOPS\n", fwd,
-           3 * flop / fwd * 1e-9, bwd, 6 * flop / bwd * 1e-9);
+    printf("%s (%s): T=%lld d=%lld n=%lld E=%lld K=%lld, weight gradients %s\n", name, prop.name,
+           (long long)T, (long long)d, (long long)n, (long long)E, (long long)K,
+           g_wgrad == SMOE_DTYPE_F32 ? "fp32" : "bf16");
+    /* One timing per variant spec (--variants), the current one if none. */
+    char vbuf[1024];
+    snprintf(vbuf, sizeof vbuf, "%s", g_variants ? g_variants : "");
+    int saved[6];
+    memcpy(saved, smoe_sm80_gemm_variant, sizeof saved);
+    char *save_ptr = NULL;
+    char *spec = g_variants ? strtok_r(vbuf, " ", &save_ptr) : NULL;
+    do {
+        if (spec) {
+            memset(smoe_sm80_gemm_variant, 0, sizeof saved);
+            if (smoe_sm80_gemm_variant_parse(spec) != 0) {
+                fprintf(stderr, "bad variant spec %s\n", spec);
+                exit(2);
+            }
+        }
+        double ms_med[6];
+        for (int g = 0; g < 6; g++) {
+            const int reps = g_reps;
+            ms_med[g] = 0;
+            if (g_bench_gemm && strcmp(g_bench_gemm, names[g])) continue;
+            if (spec && !spec_names(spec, names[g])) continue;
+            std::vector<float> ms(reps);
+            bool ok = true;
+            for (int it = reps > 1 ? -2 : 0; it < reps && ok; it++) {
+                smoe_status st = SMOE_SUCCESS;
+                CK(cudaEventRecord(ev0));
+                switch (g) {
+                case 0: st = G->up(&p, x, w1, NULL, h, a, scratch, 0); break;
+                case 1: st = G->down(&p, a, w2, NULL, y, scratch, 0); break;
+                case 2: st = G->dh(&p, dO, w2, NULL, h, dh, as, ds, scratch, 0); break;
+                case 3: st = G->dw2(&p, dO, as, dw2, g_wgrad, 0, scratch, 0); break;
+                case 4: st = G->dxt(&p, dh, w1, dxt, scratch, 0); break;
+                case 5: st = G->dw1(&p, dh, x, dw1, g_wgrad, 0, scratch, 0); break;
+                }
+                CK(cudaEventRecord(ev1));
+                CK(cudaEventSynchronize(ev1));
+                if (st != SMOE_SUCCESS) { /* e.g. a configuration too large for the device */
+                    printf("  %-5s %s\n", names[g], smoe_last_error());
+                    ok = false;
+                }
+                if (it >= 0) CK(cudaEventElapsedTime(&ms[it], ev0, ev1));
+            }
+            if (!ok) continue;
+            std::sort(ms.begin(), ms.end());
+            ms_med[g] = ms[reps / 2];
+        }
+        double fwd = ms_med[0] + ms_med[1], bwd = ms_med[2] + ms_med[3] + ms_med[4] + ms_med[5];
+        if (spec) printf(" variant %s\n", spec);
+        for (int g = 0; g < 6; g++)
+            if (ms_med[g] > 0)
+                printf("  %-5s %9.3f ms %7.1f TFLOPS  [%s %s %s]\n", names[g], ms_med[g],
+                       flops[g] / ms_med[g] * 1e-9, name, names[g], spec ? spec : "-");
+        if (!g_bench_gemm && fwd > 0 && bwd > 0)
+            printf("  fwd GEMMs %8.3f ms %7.1f TFLOPS   bwd GEMMs %8.3f ms %7.1f TFLOPS\n", fwd,
+                   3 * flop / fwd * 1e-9, bwd, 6 * flop / bwd * 1e-9);
+        fflush(stdout);
+    } while (spec && (spec = strtok_r(NULL, " ", &save_ptr)) != NULL);
+    memcpy(smoe_sm80_gemm_variant, saved, sizeof saved);
     CK(cudaFree(d_off)); CK(cudaFree(d_tok)); CK(cudaFree(d_score));
     CK(cudaFree(x)); CK(cudaFree(w1)); CK(cudaFree(w2)); CK(cudaFree(dO)); CK(cudaFree(h));
     CK(cudaFree(a)); CK(cudaFree(y)); CK(cudaFree(dh)); CK(cudaFree(as)); CK(cudaFree(dxt));
@@ -702,11 +769,20 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--shape") && i + 1 < argc) shape = argv[++i];
         else if (!strcmp(argv[i], "--gemm") && i + 1 < argc) g_bench_gemm = argv[++i];
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) g_reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--variants") && i + 1 < argc) g_variants = argv[++i];
+        else if (!strcmp(argv[i], "--wgrad-f32")) g_wgrad = SMOE_DTYPE_F32;
+        else if (!strcmp(argv[i], "--variant") && i + 1 < argc) {
+            if (smoe_sm80_gemm_variant_parse(argv[++i]) != 0) {
+                fprintf(stderr, "bad --variant %s\n", argv[i]);
+                return 2;
+            }
+        }
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc) g_seed = strtoull(argv[++i], NULL, 10);
         else {
             fprintf(stderr,
-                    "usage: %s [--small | --bench [--shape 7B|30B|120B] [--gemm NAME] [--reps N]]"
-                    " [--seed N]\n", argv[0]);
+                    "usage: %s [--small | --bench [--shape 7B|30B|120B] [--gemm NAME] [--reps N]"
+                    " [--variants \"SPEC ...\"] [--wgrad-f32]] [--variant SPEC] [--seed N]\n",
+                    argv[0]);
             return 2;
         }
     }
@@ -735,6 +811,21 @@ int main(int argc, char **argv)
         c.counts = {0, 0, 1};
         c.T = 1; c.d = 8; c.n = 8;
         run_case(c, 1001);
+    }
+    /* The kernels a device with less shared memory runs instead of the
+     * defaults (grouped_gemm.cu's gg_fallback_variant, for an A100, then
+     * configuration 1), on a few more cases, unless --variant chose. */
+    bool forced = false;
+    for (int g = 0; g < 6; g++) forced = forced || smoe_sm80_gemm_variant[g] != 0;
+    if (!forced && !small) {
+        static const char *const alt[2] = {"up=2004,down=2004,dh=2,dw2=2202,dxt=2004,dw1=2204",
+                                           "1"};
+        for (int k = 0; k < 2; k++) {
+            smoe_sm80_gemm_variant_parse(alt[k]);
+            printf("variant %s:\n", alt[k]);
+            for (int i = 0; i < 6; i++) run_case(random_case(0), 2000 + 10 * k + i);
+            memset(smoe_sm80_gemm_variant, 0, sizeof(int) * 6);
+        }
     }
     if (g_fail) {
         printf("test_gemm: %d failures (seed %llu)\n", g_fail, (unsigned long long)g_seed);
