@@ -6,6 +6,13 @@
 #   scripts/device_check.sh bench    the grid on the Hopper path and on the
 #                                    portable path, and the plain PyTorch
 #                                    grouped_mm layer in the same call
+#   scripts/device_check.sh sm90     the short loop for Hopper kernel work:
+#                                    C GPU tests, racecheck of the Hopper
+#                                    GEMMs, their --bench, the grid on the
+#                                    Hopper path and its stage times; with
+#                                    VARIANTS="v ..." also, per variant of
+#                                    the Hopper GEMMs' hook: correctness,
+#                                    racecheck, --bench and the grid
 # Logs and CSVs are written to /tmp/smoe_out and, when $OUT is set (the
 # device tool), packed into one file there ($OUT keeps at most 8 files); a
 # short table comes last.
@@ -46,6 +53,32 @@ if [ "$mode" = verify ]; then
   step run-gpu build/smoe_run
   step run-7B build/smoe_run --config 7B-n256
   echo; tail -n 12 "$out/run-7B.log"
+elif [ "$mode" = sm90 ]; then
+  g=build/tests/gpu/test_gemm_sm90
+  for v in ${VARIANTS:-}; do
+    step "gemm-v$v" timeout 90 $g --variant "$v" --cases 24
+    step "race-v$v" timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 $g --small --variant "$v"
+  done
+  step test-gpu timeout 300 make test-gpu
+  step race-sm90 timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 $g --small
+  for v in 0 ${VARIANTS:-}; do
+    step "gemm-bench-v$v" timeout 90 $g --bench --variant "$v"
+  done
+  step bench-sm90 timeout 150 build/smoe_bench --rows all --backend sm90 --csv "$out/bench_sm90.csv"
+  for v in ${VARIANTS:-}; do
+    if grep -qE '^([0-9]+)/\1 passed' "$out/gemm-v$v.log"; then # every case passed
+      step "bench-v$v" timeout 150 build/smoe_bench --rows all --backend sm90 --sm90-variant "$v" \
+        --csv "$out/bench_sm90_v$v.csv"
+    fi
+  done
+  step stages timeout 90 build/smoe_bench --rows 7B-n256,120B-n1024 --backend sm90 --stages
+  for v in 0 ${VARIANTS:-}; do
+    echo "== GEMMs, variant $v"; grep -E "up table|check" "$out/gemm-bench-v$v.log"
+  done
+  echo "== grid, default"; tail -n 14 "$out/bench-sm90.log"
+  for v in ${VARIANTS:-}; do
+    [ -f "$out/bench-v$v.log" ] && { echo "== grid, variant $v"; tail -n 14 "$out/bench-v$v.log"; }
+  done
 else
   step ceilings python3 bench/ceilings.py
   step bench-sm90 build/smoe_bench --rows all --backend sm90 --csv "$out/bench_sm90.csv"

@@ -942,13 +942,18 @@ int main(int argc, char **argv)
             failed += !run_case(i, sms);
         }
         if (smoe_sm90_gemm_variant == 0) {
-            /* the ping-pong kernels (up and dh, variant bits 16 and 32) on
-             * further random cases, so the variant code stays tested */
-            smoe_sm90_gemm_variant = 16 | 32;
-            printf("variant %d (ping-pong up and dh):\n", smoe_sm90_gemm_variant);
-            for (int i = 0; i < (small ? 1 : 8); i++) {
-                total++;
-                failed += !run_case(cases + i, sms);
+            /* the ping-pong kernels (up and dh, variant bits 16 and 32) and
+             * the cluster kernels (bit 128) on further random cases, so the
+             * variant code stays tested */
+            static const int vars[2] = {16 | 32, 128};
+            for (int k = 0; k < 2; k++) {
+                smoe_sm90_gemm_variant = vars[k];
+                printf("variant %d (%s):\n", vars[k],
+                       k == 0 ? "ping-pong up and dh" : "2-CTA clusters, weight multicast");
+                for (int i = 0; i < (small ? 1 : 8); i++) {
+                    total++;
+                    failed += !run_case(cases + 8 * k + i, sms);
+                }
             }
             smoe_sm90_gemm_variant = 0;
         }

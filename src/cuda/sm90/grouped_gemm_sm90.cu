@@ -89,6 +89,8 @@ using namespace smoe_sm90;
 #define SM90_CONSUMER_REGS 232
 #define SM90_GATHER_PRODUCER_REGS 56
 #define SM90_GATHER_CONSUMER_REGS 224
+#define SM90_CLUSTER_PRODUCER_REGS 72 /* the multicast producer needs a few more */
+#define SM90_CLUSTER_CONSUMER_REGS 216
 
 /* Kernel variant flags (template parameter FL):
  *  SM90_FL_WS      gather one stage per producer warp (BN=128 up)
@@ -97,8 +99,15 @@ using namespace smoe_sm90;
  *                  epilogue runs under the other's main loop; BN = 128.
  *                  Measured slower than the cooperative 128 x 256 tile for
  *                  up and dh on an H100 (notes/sm90_log.md, rung 6); kept
- *                  behind the variant hook and tested. */
-enum { SM90_FL_WS = 1, SM90_FL_PP = 2 };
+ *                  behind the variant hook and tested.
+ *  SM90_FL_CLUSTER clusters of 2 CTAs along M: the pair takes m-tiles 2m and
+ *                  2m + 1 of one (expert, n-tile), each CTA loads half of the
+ *                  weight tile by TMA multicast into both, and a stage is
+ *                  free only when the consumers of both CTAs released it
+ *                  (empty barrier count 4, two arrivals remote). Measured
+ *                  20-35% slower than one CTA per tile on an H100
+ *                  (notes/sm90_log.md, rung 7); behind the hook, tested. */
+enum { SM90_FL_WS = 1, SM90_FL_PP = 2, SM90_FL_CLUSTER = 4 };
 
 enum { SM90_MODE_UP = 0, SM90_MODE_DOWN = 1, SM90_MODE_DXT = 2, SM90_MODE_DH = 3 };
 
@@ -181,8 +190,11 @@ typedef struct sm90_tile {
     int row0, row_end; /* first row of the tile, end of the expert's rows */
 } sm90_tile;
 
+/* Tile (or, in a cluster of CL CTAs, tile group) t: expert, n-tile and this
+ * CTA's m-tile (CTA `rank` of the group takes m-tile CL * m + rank). */
+template <int CL>
 __device__ __forceinline__ sm90_tile sm90_tile_decode(int t, const int *tile_start, int E, int nt,
-                                                      const int32_t *expert_offset)
+                                                      const int32_t *expert_offset, int rank)
 {
     int lo = 0, hi = E; /* tile_start[lo] <= t < tile_start[hi] */
     while (hi - lo > 1) {
@@ -193,7 +205,7 @@ __device__ __forceinline__ sm90_tile sm90_tile_decode(int t, const int *tile_sta
     int local = t - tile_start[lo];
     tl.e = lo;
     tl.n_tile = local % nt;
-    tl.row0 = __ldg(expert_offset + lo) + (local / nt) * SM90_BM;
+    tl.row0 = __ldg(expert_offset + lo) + ((local / nt) * CL + rank) * SM90_BM;
     tl.row_end = __ldg(expert_offset + lo + 1);
     return tl;
 }
@@ -313,28 +325,50 @@ __device__ __forceinline__ void sm90_act_fd(int act, float x, float &f, float &d
  *   gated:     A = f(g) u, dH = (s dA' f'(g) u, s dA' f(g)), A' = s A
  *   non-gated: A = f(h),   dH = s dA' f'(h),                 A' = s A
  * and dS partials <dA', A> summed over the row's 8 threads in a fixed order
- * into dsr[i] (row t/8 + 16 i). 4 units per thread. */
+ * into dsr[i] (row t/8 + 16 i). 4 units per thread. The thread's H and
+ * scores of its 4 rows are loaded first, before the barrier and before any
+ * store (a store may alias them for the compiler, so loads left in the row
+ * loop were issued one row at a time, each waiting a full memory latency). */
 __device__ __noinline__ void ep_flush_dh(const uint8_t *eb, const bf16 *h_in, const float *score,
                                          bf16 *out_dh, bf16 *out_as, int h_cols, int n, int gated,
                                          int act, int wrow0, int u0, int nvalid, int t, int cw,
                                          float *dsr)
 {
-    named_barrier_sync(1 + cw, 128);
     const int v = t & 7;
+    const int u = u0 + 4 * v;
+    uint4 hvs[4];
+    float ss[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int r = (t >> 3) + 16 * i;
+        hvs[i] = make_uint4(0u, 0u, 0u, 0u);
+        ss[i] = 0.0f;
+        if (r < nvalid) {
+            const int64_t row = wrow0 + r;
+            ss[i] = __ldg(score + row);
+            if (gated) {
+                hvs[i] = __ldg((const uint4 *)(h_in + row * h_cols + 2 * u));
+            } else {
+                const uint2 h = __ldg((const uint2 *)(h_in + row * h_cols + u));
+                hvs[i].x = h.x;
+                hvs[i].y = h.y;
+            }
+        }
+    }
+    named_barrier_sync(1 + cw, 128);
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const int r = (t >> 3) + 16 * i;
         float part = 0.0f;
         if (r < nvalid) {
             const int64_t row = wrow0 + r;
-            const float s = score[row];
+            const float s = ss[i];
             const float4 da = *(const float4 *)(eb + r * SM90_EP_STRIDE + v * 16);
             const float dav[4] = {da.x, da.y, da.z, da.w};
-            const int u = u0 + 4 * v;
             float av[4];
             uint32_t dh_pk[4];
             if (gated) {
-                const uint4 hv = *(const uint4 *)(h_in + row * h_cols + 2 * u);
+                const uint4 hv = hvs[i];
                 const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv;
 #pragma unroll
                 for (int k = 0; k < 4; k++) {
@@ -348,7 +382,7 @@ __device__ __noinline__ void ep_flush_dh(const uint8_t *eb, const bf16 *h_in, co
                 *(uint4 *)(out_dh + row * h_cols + 2 * u) =
                     make_uint4(dh_pk[0], dh_pk[1], dh_pk[2], dh_pk[3]);
             } else {
-                const uint2 hv = *(const uint2 *)(h_in + row * h_cols + u);
+                const uint2 hv = make_uint2(hvs[i].x, hvs[i].y);
                 const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv;
                 float dhv[4];
 #pragma unroll
@@ -417,6 +451,15 @@ __global__ void sm90_ds_finish(const float *dsp, int tiles, int64_t cap, const i
 
 /* ------------------------------------------------------------ the kernel */
 
+/* A consumer warpgroup frees a stage: in a cluster, in both CTAs (the peer
+ * multicasts its half of the next weight tile into this CTA's stage). */
+template <int CL>
+__device__ __forceinline__ void sm90_release(uint32_t empty_bar, int rank)
+{
+    mbar_arrive(empty_bar);
+    if constexpr (CL > 1) mbar_arrive_cluster(empty_bar, (uint32_t)(rank ^ 1));
+}
+
 template <int BN, int STAGES, int MODE, int FL>
 __global__ void __launch_bounds__(SM90_THREADS, 1)
 sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
@@ -436,6 +479,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     constexpr int MH = PP ? 2 : 1;            /* m64 blocks per consumer warpgroup */
     static_assert(!PP || BN == 128, "ping-pong tiles are 128 x 128");
     static_assert(!(WS && PP), "the warp-per-stage gather stands alone");
+    constexpr int CL = (FL & SM90_FL_CLUSTER) ? 2 : 1; /* CTAs per cluster */
+    static_assert(CL == 1 || (!WS && !PP), "clusters with the cooperative kernel only");
 
     extern __shared__ uint8_t smem_raw[];
     /* 1024-byte aligned base by an offset from smem_raw (not an integer round
@@ -452,13 +497,16 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     const int wg = tid / 128;
     const int nt = (p.N + BN - 1) / BN;
     const int kb_count = p.K / SM90_BK;
+    /* CTA crank of cluster cid; tile groups cid, cid + ncl, ... */
+    const int crank = CL > 1 ? (int)cluster_ctarank() : 0;
+    const int cid = blockIdx.x / CL, ncl = gridDim.x / CL;
 
     if (tid == 0) {
         tma_prefetch_map(&map_b);
         if (!GATHER) tma_prefetch_map(&map_a);
         for (int s = 0; s < STAGES; s++) {
             mbar_init(smem_addr(full + s), GATHER ? (WS ? 32 : 128) + 1 : 1);
-            mbar_init(smem_addr(empty + s), PP ? 1 : 2);
+            mbar_init(smem_addr(empty + s), PP ? 1 : 2 * CL);
         }
         mbar_fence_init();
     }
@@ -468,7 +516,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             int e = e0 + tid, v = 0;
             if (e < p.E) {
                 int cnt = __ldg(p.expert_offset + e + 1) - __ldg(p.expert_offset + e);
-                v = ((cnt + SM90_BM - 1) / SM90_BM) * nt;
+                v = (((cnt + SM90_BM - 1) / SM90_BM + CL - 1) / CL) * nt;
             }
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
@@ -481,11 +529,13 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         if (tid == 0) tile_start[0] = 0;
     }
     __syncthreads();
+    if constexpr (CL > 1) cluster_sync(); /* the peer's barriers are initialised */
     const int total = tile_start[p.E];
 
     if (wg == 0) {
         /* ---------------- producer ---------------- */
-        setmaxnreg_dec<TOKREG ? SM90_GATHER_PRODUCER_REGS : SM90_PRODUCER_REGS>();
+        setmaxnreg_dec<(CL > 1) ? SM90_CLUSTER_PRODUCER_REGS
+                                : TOKREG ? SM90_GATHER_PRODUCER_REGS : SM90_PRODUCER_REGS>();
         const uint32_t tx_bytes = GATHER ? cfg::B_BYTES : cfg::A_BYTES + cfg::B_BYTES;
         if constexpr (GATHER && WS) {
             /* Warp-per-stage gather: k-block `it` belongs to producer warp it % 4,
@@ -497,7 +547,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             const int pw = tid >> 5, lane = tid & 31, chunk = lane & 7;
             int it = 0, nth = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x, nth++) {
-                sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset);
+                sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset, crank);
                 int32_t *tokb = tok_slots + 128 * (nth & 1);
                 {
                     int r = tl.row0 + tid;
@@ -537,8 +587,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         const int chunk = tid & 7, rsub = tid >> 3; /* rows rsub + 16 i, 16-byte chunk */
         int stage = 0;
         uint32_t phase = 0;
-        for (int t = blockIdx.x; t < total; t += gridDim.x) {
-            sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset);
+        for (int t = cid; t < total; t += ncl) {
+            sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset, crank);
             /* this thread's 8 gather rows, for the whole tile */
             int32_t tok[8];
             if (GATHER) {
@@ -555,7 +605,21 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                 mbar_wait(smem_addr(empty + stage), phase ^ 1);
                 if (tid == 0) {
                     mbar_arrive_expect_tx(fb, tx_bytes);
-                    if constexpr (TRANS_B) {
+                    if constexpr (CL > 1) {
+                        /* this CTA's half of the weight tile, into both CTAs */
+                        if constexpr (TRANS_B) {
+#pragma unroll
+                            for (int j = crank * BN / 128; j < (crank + 1) * BN / 128; j++)
+                                tma_load_2d_mc(sb + j * 8192, &map_b, fb, tl.n_tile * BN + 64 * j,
+                                               tl.e * p.K + kb * SM90_BK, 3);
+                        } else {
+                            int g = tl.e * p.N + tl.n_tile * BN + crank * (BN / 2);
+                            if (MODE == SM90_MODE_UP && p.concat)
+                                g = tl.e * p.N + tl.n_tile * (BN / 2) + crank * p.n;
+                            tma_load_2d_mc(sb + crank * (cfg::B_BYTES / 2), &map_b, fb,
+                                           kb * SM90_BK, g, 3);
+                        }
+                    } else if constexpr (TRANS_B) {
                         /* BN/64 boxes of 64 k-rows x 64 n-columns, 8 KiB apart */
 #pragma unroll
                         for (int j = 0; j < BN / 64; j++)
@@ -588,7 +652,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         }
     } else {
         /* ---------------- consumers ---------------- */
-        setmaxnreg_inc<TOKREG ? SM90_GATHER_CONSUMER_REGS : SM90_CONSUMER_REGS>();
+        setmaxnreg_inc<(CL > 1) ? SM90_CLUSTER_CONSUMER_REGS
+                                : TOKREG ? SM90_GATHER_CONSUMER_REGS : SM90_CONSUMER_REGS>();
         /* cooperative: rows 64 cw .. 64 cw + 63 of every tile; ping-pong: whole
          * tiles, the CTA's tiles j with j % 2 == cw */
         const int cw = wg - 1;
@@ -598,9 +663,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         /* ring position of this warpgroup's next k-block: the producer fills
          * kb_count stages per tile, tile after tile */
         uint32_t pos = PP ? (uint32_t)(cw * kb_count) : 0u;
-        for (int t = blockIdx.x + (PP ? cw * gridDim.x : 0); t < total;
-             t += (PP ? 2 : 1) * gridDim.x) {
-            sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset);
+        for (int t = cid + (PP ? cw * ncl : 0); t < total; t += (PP ? 2 : 1) * ncl) {
+            sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset, crank);
             int prev = 0;
             /* Ping-pong order: a warpgroup starts its main loop only after the
              * other one has waited for the previous tile's last stage. Besides
@@ -609,7 +673,21 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
              * phases ahead would pass at once). Named barriers 4 (warpgroup 1
              * may go) and 5 (warpgroup 0 may go); an arrival is made only when
              * the other warpgroup has a next tile, so every one is matched. */
-            if (PP && t >= (int)gridDim.x) named_barrier_sync(4 + (cw ^ 1), 256);
+            if (PP && t >= ncl) named_barrier_sync(4 + (cw ^ 1), 256);
+            if constexpr (MODE == SM90_MODE_DH) {
+                /* warm L2 with the H rows this warpgroup's epilogue will read:
+                 * two threads per row, 128-byte lines */
+                const int hb = (p.gated ? 2 : 1) * tl.n_tile * BN; /* first H column */
+                const int hw = min((p.gated ? 2 : 1) * BN, p.h_cols - hb);
+#pragma unroll
+                for (int mh = 0; mh < MH; mh++) {
+                    const int row = tl.row0 + (PP ? mh : cw) * 64 + ((tid & 127) >> 1);
+                    if (row < tl.row_end) {
+                        const bf16 *hp = p.h_in + (int64_t)row * p.h_cols + hb;
+                        for (int j = tid & 1; j * 64 < hw; j += 2) prefetch_l2(hp + j * 64);
+                    }
+                }
+            }
             for (int kb = 0; kb < kb_count; kb++, pos++) {
                 const int stage = (int)(pos % STAGES);
                 mbar_wait(smem_addr(full + stage), (pos / STAGES) & 1);
@@ -640,17 +718,17 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                 wgmma_fence_regs<MH * NACC>(acc);
                 if (kb > 0) { /* the previous stage's wgmma has retired: release it */
                     wgmma_wait<1>();
-                    if ((tid & 127) == 0) mbar_arrive(smem_addr(empty + prev));
+                    if ((tid & 127) == 0) sm90_release<CL>(smem_addr(empty + prev), crank);
                 }
                 prev = stage;
             }
             if (PP) {
                 pos += kb_count; /* the other warpgroup's tile */
-                if (t + (int)gridDim.x < total) named_barrier_arrive(4 + cw, 256);
+                if (t + ncl < total) named_barrier_arrive(4 + cw, 256);
             }
             wgmma_wait<0>();
             wgmma_fence_regs<MH * NACC>(acc);
-            if ((tid & 127) == 0) mbar_arrive(smem_addr(empty + prev));
+            if ((tid & 127) == 0) sm90_release<CL>(smem_addr(empty + prev), crank);
 
             /* ---------------- epilogue ----------------
              * Through a per-warpgroup shared buffer, 64 columns at a time: the
@@ -752,6 +830,9 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             } /* mh */
         }
     }
+    /* no CTA leaves while its peer may still multicast into it or arrive on
+     * its barriers */
+    if constexpr (CL > 1) cluster_sync();
 }
 
 /* ------------------------------------------------------------ host side */
@@ -840,8 +921,37 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
                          cudaGetErrorString(err));
     int grid = sm90_grid(p, (prm->N + BN - 1) / BN);
     if (grid <= 0) return SMOE_SUCCESS;
-    kern<<<grid, SM90_THREADS, cfg::SMEM_BYTES, s>>>(*ma, *mb, *prm);
-    err = cudaGetLastError();
+    if constexpr ((FL & SM90_FL_CLUSTER) != 0) {
+        /* pairs of CTAs, no more than can be resident at once (the
+         * schedule is static: a pair started late would run its tiles last) */
+        cudaLaunchConfig_t lc;
+        memset(&lc, 0, sizeof(lc));
+        cudaLaunchAttribute at[1];
+        at[0].id = cudaLaunchAttributeClusterDimension;
+        at[0].val.clusterDim.x = 2;
+        at[0].val.clusterDim.y = 1;
+        at[0].val.clusterDim.z = 1;
+        lc.blockDim = dim3(SM90_THREADS, 1, 1);
+        lc.dynamicSmemBytes = cfg::SMEM_BYTES;
+        lc.stream = s;
+        lc.attrs = at;
+        lc.numAttrs = 1;
+        static int max_clusters = 0; /* per instantiation, from the occupancy API */
+        if (max_clusters == 0) {
+            lc.gridDim = dim3((unsigned)(grid & ~1) > 0 ? (unsigned)(grid & ~1) : 2u, 1, 1);
+            err = cudaOccupancyMaxActiveClusters(&max_clusters, kern, &lc);
+            if (err != cudaSuccess || max_clusters <= 0)
+                return smoe_fail(SMOE_ERROR_BACKEND, "sm90 %s: no 2-CTA cluster fits (%s)", op,
+                                 cudaGetErrorString(err));
+        }
+        grid = grid < 2 ? 2 : grid & ~1;
+        if (grid > 2 * max_clusters) grid = 2 * max_clusters;
+        lc.gridDim = dim3((unsigned)grid, 1, 1);
+        err = cudaLaunchKernelEx(&lc, kern, *ma, *mb, *prm);
+    } else {
+        kern<<<grid, SM90_THREADS, cfg::SMEM_BYTES, s>>>(*ma, *mb, *prm);
+        err = cudaGetLastError();
+    }
     if (err != cudaSuccess)
         return smoe_fail(SMOE_ERROR_BACKEND, "sm90 %s: launch failed: %s", op,
                          cudaGetErrorString(err));
@@ -854,7 +964,11 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
  * ping-pong 128 x 128 tiles for up / dh. */
 extern "C" int smoe_sm90_gemm_variant;
 int smoe_sm90_gemm_variant = 0;
-enum { SM90_VAR_UP_PP = 16, SM90_VAR_DH_PP = 32 };
+enum {
+    SM90_VAR_UP_PP = 16,
+    SM90_VAR_DH_PP = 32,
+    SM90_VAR_CLUSTER = 128 /* 2-CTA clusters with weight multicast, BN = 256 kernels */
+};
 
 static int sm90_dh_bn(const smoe_gemm_problem *p)
 {
@@ -907,9 +1021,12 @@ static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16
     const int pp = (v & SM90_VAR_UP_PP) != 0;
     const int wide = !pp && ((v & 3) == 1 || ((v & 3) == 0 && p->h_cols >= 256));
     const int bn = wide ? 256 : 128;
+    const int cl = wide && (v & SM90_VAR_CLUSTER);
     CUtensorMap mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w1, p->E * p->h_cols, p->d,
-                                        prm.concat ? bn / 2 : bn, "w1"));
+                                        (prm.concat || cl) ? bn / 2 : bn, "w1"));
+    if (cl)
+        return sm90_launch<256, 4, SM90_MODE_UP, SM90_FL_CLUSTER>(p, &mb, &mb, &prm, s, "up");
     if (pp) return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_PP>(p, &mb, &mb, &prm, s, "up");
     if (wide) return sm90_launch<256, 4, SM90_MODE_UP, 0>(p, &mb, &mb, &prm, s, "up");
     return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_WS>(p, &mb, &mb, &prm, s, "up");
@@ -927,8 +1044,11 @@ static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf
     prm.out0 = y;
     const int bn = p->d >= 256 ? 256 : 128;
     CUtensorMap ma, mb;
+    const int cl = bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER);
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&ma, a, p->cap, p->n, SM90_BM, "a"));
-    SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w2, p->E * p->d, p->n, bn, "w2"));
+    SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w2, p->E * p->d, p->n, cl ? bn / 2 : bn, "w2"));
+    if (cl)
+        return sm90_launch<256, 4, SM90_MODE_DOWN, SM90_FL_CLUSTER>(p, &ma, &mb, &prm, s, "down");
     if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DOWN, 0>(p, &ma, &mb, &prm, s, "down");
     return sm90_launch<128, 6, SM90_MODE_DOWN, 0>(p, &ma, &mb, &prm, s, "down");
 }
@@ -950,6 +1070,8 @@ static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf
     CUtensorMap ma, mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&ma, dh, p->cap, p->h_cols, SM90_BM, "dh"));
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w1, p->E * p->h_cols, p->d, 64, "w1"));
+    if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER))
+        return sm90_launch<256, 4, SM90_MODE_DXT, SM90_FL_CLUSTER>(p, &ma, &mb, &prm, s, "dxt");
     if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DXT, 0>(p, &ma, &mb, &prm, s, "dxt");
     return sm90_launch<128, 6, SM90_MODE_DXT, 0>(p, &ma, &mb, &prm, s, "dxt");
 }
@@ -987,7 +1109,9 @@ static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const b
     CUtensorMap mb;
     SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w2, p->E * p->d, p->n, 64, "w2"));
     smoe_status st;
-    if (bn == 256)
+    if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER))
+        st = sm90_launch<256, 4, SM90_MODE_DH, SM90_FL_CLUSTER>(p, &mb, &mb, &prm, s, "dh");
+    else if (bn == 256)
         st = sm90_launch<256, 4, SM90_MODE_DH, 0>(p, &mb, &mb, &prm, s, "dh");
     else if (smoe_sm90_gemm_variant & SM90_VAR_DH_PP)
         st = sm90_launch<128, 6, SM90_MODE_DH, SM90_FL_PP>(p, &mb, &mb, &prm, s, "dh");

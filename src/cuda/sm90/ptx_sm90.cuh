@@ -84,6 +84,44 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map
                  : "memory");
 }
 
+/* The same load multicast to the CTAs of the cluster in cta_mask: the box
+ * lands at offset dst of each one's shared memory and completes on the
+ * barrier at offset bar in each. */
+__device__ __forceinline__ void tma_load_2d_mc(uint32_t dst, const CUtensorMap *map, uint32_t bar,
+                                               int32_t c0, int32_t c1, uint16_t cta_mask)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(dst),
+                 "l"((uint64_t)map), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
+                 : "memory");
+}
+
+/* ------------------------------------------------------------ clusters */
+
+__device__ __forceinline__ uint32_t cluster_ctarank()
+{
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+/* All threads of all CTAs of the cluster (release / acquire). */
+__device__ __forceinline__ void cluster_sync()
+{
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+/* Arrives on the barrier at shared offset `bar` of CTA `rank` of the cluster. */
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
+{
+    asm volatile("{\n.reg .b32 ra;\n"
+                 "mapa.shared::cluster.u32 ra, %0, %1;\n"
+                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}" ::"r"(bar),
+                 "r"(rank)
+                 : "memory");
+}
+
 /* ------------------------------------------------------------ cp.async */
 
 /* 16-byte copy; src_bytes 0 writes zeros (src must still be a valid address). */
