@@ -75,6 +75,7 @@
 
 #include "cuda/gemm.h"
 #include "cuda/sm90/ptx_sm90.cuh"
+#include "cuda/sm90/tensor_map_sm90.h"
 
 using namespace smoe_sm90;
 
@@ -851,10 +852,9 @@ static PFN_cuTensorMapEncodeTiled_v12000 sm90_encode_fn(void)
     return fn;
 }
 
-/* Row-major bf16 matrix (rows, cols) as a 2-D tensor map with 128B swizzle
- * and boxes of box_rows x 64. */
-static smoe_status sm90_make_map(CUtensorMap *map, const void *base, int64_t rows, int64_t cols,
-                                 int box_rows, const char *what)
+/* tensor_map_sm90.h */
+extern "C" smoe_status smoe_sm90_make_map(CUtensorMap *map, const void *base, int64_t rows,
+                                          int64_t cols, int box_rows, const char *what)
 {
     PFN_cuTensorMapEncodeTiled_v12000 encode = sm90_encode_fn();
     if (!encode)
@@ -1023,7 +1023,7 @@ static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16
     const int bn = wide ? 256 : 128;
     const int cl = wide && (v & SM90_VAR_CLUSTER);
     CUtensorMap mb;
-    SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w1, p->E * p->h_cols, p->d,
+    SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w1, p->E * p->h_cols, p->d,
                                         (prm.concat || cl) ? bn / 2 : bn, "w1"));
     if (cl)
         return sm90_launch<256, 4, SM90_MODE_UP, SM90_FL_CLUSTER>(p, &mb, &mb, &prm, s, "up");
@@ -1045,8 +1045,8 @@ static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf
     const int bn = p->d >= 256 ? 256 : 128;
     CUtensorMap ma, mb;
     const int cl = bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER);
-    SMOE_FORWARD_IF_ERROR(sm90_make_map(&ma, a, p->cap, p->n, SM90_BM, "a"));
-    SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w2, p->E * p->d, p->n, cl ? bn / 2 : bn, "w2"));
+    SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&ma, a, p->cap, p->n, SM90_BM, "a"));
+    SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w2, p->E * p->d, p->n, cl ? bn / 2 : bn, "w2"));
     if (cl)
         return sm90_launch<256, 4, SM90_MODE_DOWN, SM90_FL_CLUSTER>(p, &ma, &mb, &prm, s, "down");
     if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DOWN, 0>(p, &ma, &mb, &prm, s, "down");
@@ -1068,8 +1068,8 @@ static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf
     prm.out0 = dxt;
     const int bn = p->d >= 256 ? 256 : 128;
     CUtensorMap ma, mb;
-    SMOE_FORWARD_IF_ERROR(sm90_make_map(&ma, dh, p->cap, p->h_cols, SM90_BM, "dh"));
-    SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w1, p->E * p->h_cols, p->d, 64, "w1"));
+    SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&ma, dh, p->cap, p->h_cols, SM90_BM, "dh"));
+    SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w1, p->E * p->h_cols, p->d, 64, "w1"));
     if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER))
         return sm90_launch<256, 4, SM90_MODE_DXT, SM90_FL_CLUSTER>(p, &ma, &mb, &prm, s, "dxt");
     if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DXT, 0>(p, &ma, &mb, &prm, s, "dxt");
@@ -1107,7 +1107,7 @@ static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const b
     prm.dsp = (float *)scratch;
     const int bn = sm90_dh_bn(p);
     CUtensorMap mb;
-    SMOE_FORWARD_IF_ERROR(sm90_make_map(&mb, w2, p->E * p->d, p->n, 64, "w2"));
+    SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w2, p->E * p->d, p->n, 64, "w2"));
     smoe_status st;
     if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER))
         st = sm90_launch<256, 4, SM90_MODE_DH, SM90_FL_CLUSTER>(p, &mb, &mb, &prm, s, "dh");

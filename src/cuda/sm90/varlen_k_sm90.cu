@@ -67,12 +67,12 @@
  */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-#include <cudaTypedefs.h> /* PFN_cuTensorMapEncodeTiled */
 #include <stdint.h>
 #include <string.h>
 
 #include "cuda/gemm.h"
 #include "cuda/sm90/ptx_sm90.cuh"
+#include "cuda/sm90/tensor_map_sm90.h"
 
 using namespace smoe_sm90;
 
@@ -682,42 +682,11 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
 extern "C" int smoe_sm90_vk_variant;
 int smoe_sm90_vk_variant = -1;
 
-static PFN_cuTensorMapEncodeTiled_v12000 vk_encode_fn(void)
-{
-    static PFN_cuTensorMapEncodeTiled_v12000 fn = NULL;
-    if (!fn) {
-        void *ptr = NULL;
-        cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
-                                             cudaEnableDefault, &q) == cudaSuccess &&
-            q == cudaDriverEntryPointSuccess)
-            fn = (PFN_cuTensorMapEncodeTiled_v12000)ptr;
-    }
-    return fn;
-}
-
-/* The contiguous operand (rows x cols bf16, row-major) as a 2-D tensor map
- * in boxes of 64 columns x box_rows rows, 128-byte swizzle: the layout the
- * cp.async path writes. Rows = the caller's row capacity; only whole k-tiles
- * of an expert are loaded through it, so no row past R is read. */
-static smoe_status vk_make_map(CUtensorMap *map, const bf16 *base, int64_t rows, int64_t cols,
-                               int box_rows, const char *name)
-{
-    PFN_cuTensorMapEncodeTiled_v12000 encode = vk_encode_fn();
-    SMOE_RETURN_ERROR_IF(!encode, SMOE_ERROR_BACKEND,
-                         "sm90 %s: cuTensorMapEncodeTiled not available from the driver", name);
-    cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
-    cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
-    cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
-    cuuint32_t estr[2] = {1, 1};
-    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)base, dims, strides, box,
-                        estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    SMOE_RETURN_ERROR_IF(r != CUDA_SUCCESS, SMOE_ERROR_BACKEND,
-                         "sm90 %s: tensor map (%lld x %lld) failed (CUresult %d)", name,
-                         (long long)rows, (long long)cols, (int)r);
-    return SMOE_SUCCESS;
-}
+/* The contiguous operand (rows x cols bf16, row-major) is loaded through a
+ * tensor map (tensor_map_sm90.h) in boxes of 64 columns x box_rows rows,
+ * 128-byte swizzle: the layout the cp.async path writes. Rows = the caller's
+ * row capacity; only whole k-tiles of an expert are loaded through it, so no
+ * row past R is read. */
 
 template <int BN, bool GATHER_A, int CFG>
 static smoe_status vk_launch(const vk_args *a, const CUtensorMap *map, int num_sms,
@@ -815,8 +784,8 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     memset(&map, 0, sizeof map);
     if ((cfg & VK_F_TMA) && p->cap > 0) {
         const int box_rows = vk_cfg<0>::BK;
-        SMOE_FORWARD_IF_ERROR(gather_a ? vk_make_map(&map, b, p->cap, N, box_rows, name)
-                                       : vk_make_map(&map, a, p->cap, M, box_rows, name));
+        SMOE_FORWARD_IF_ERROR(gather_a ? smoe_sm90_make_map(&map, b, p->cap, N, box_rows, name)
+                                       : smoe_sm90_make_map(&map, a, p->cap, M, box_rows, name));
     }
     if (bn == 256)
         return gather_a ? vk_launch_cfg<256, true>(cfg, &args, &map, num_sms, stream)
