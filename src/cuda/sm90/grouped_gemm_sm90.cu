@@ -960,19 +960,22 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
 
 /* Benchmark hook for tests/gpu/test_gemm_sm90.cu and smoe_bench
  * --sm90-variant: 0 runs the tile table. Bits 0-1: 1 forces up's wide
- * configuration, 2 its narrow one; SM90_VAR_UP_PP / SM90_VAR_DH_PP: the
- * ping-pong 128 x 128 tiles for up / dh. */
+ * configuration, 2 its narrow one; the SM90_VAR_* bits below switch on
+ * kernels that are not in the tile table (notes/sm90_log.md). */
 extern "C" int smoe_sm90_gemm_variant;
 int smoe_sm90_gemm_variant = 0;
 enum {
     SM90_VAR_UP_PP = 16,
     SM90_VAR_DH_PP = 32,
-    SM90_VAR_CLUSTER = 128 /* 2-CTA clusters with weight multicast, BN = 256 kernels */
+    SM90_VAR_CLUSTER = 128, /* 2-CTA clusters with weight multicast, BN = 256 kernels */
+    SM90_VAR_DH_BN128 = 256 /* dh in 128 x 128 cooperative tiles, 6 stages (not yet timed) */
 };
 
 static int sm90_dh_bn(const smoe_gemm_problem *p)
 {
-    return (p->n >= 256 && !(smoe_sm90_gemm_variant & SM90_VAR_DH_PP)) ? 256 : 128;
+    return (p->n >= 256 && !(smoe_sm90_gemm_variant & (SM90_VAR_DH_PP | SM90_VAR_DH_BN128)))
+               ? 256
+               : 128;
 }
 
 /* dh's partial dS sums: (ceil(n / BN), cap) fp32, sized for BN = 128 so that
