@@ -143,7 +143,7 @@ struct sm90_tile_cfg {
     static constexpr int B_BYTES = BN * SM90_BK * 2;
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
     static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * SM90_EP_BYTES +
-                                      2 * STAGES * 8 + (SM90_MAX_EXPERTS + 1) * 4 + 128 * 8 * 4;
+                                      2 * STAGES * 8 + (SM90_MAX_EXPERTS + 1) * 4 + 2 * 128 * 4;
     static_assert(STAGE_BYTES % 1024 == 0, "stages must keep 1024-byte alignment");
     static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget");
 };
