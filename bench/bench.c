@@ -20,7 +20,9 @@
  * timed call a 256 MiB memset evicts L2 (the H100 has 50 MiB), and CUDA
  * events bracket the call alone. Medians are reported. TFLOPS = 6TKdn /
  * forward time and 12TKdn / backward time (backward time = the backward
- * call), DESIGN.md section 8.
+ * call), DESIGN.md section 8. "host" is the CPU time the forward and
+ * backward calls take to enqueue their work (median), the library's share
+ * of a training step's host time.
  * Activation memory: the saved block plus the output O (2Td bytes) -- what
  * a training forward leaves allocated -- next to the grid's floor.
  */
@@ -36,6 +38,7 @@ extern int smoe_sm90_gemm_variant; /* benchmark hook of the Hopper GEMMs */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define FLUSH_BYTES ((size_t)256 << 20)
 #define GIB (1024.0 * 1024.0 * 1024.0)
@@ -99,6 +102,7 @@ typedef struct result {
     const smoe_grid_row *row;
     int ok;
     double fwd_ms, bwd_ms, fwd_tflops, bwd_tflops, act_gib, ws_gib;
+    double host_fwd_us, host_bwd_us; /* CPU time to enqueue the call (median) */
     char path[128];
 } result;
 
@@ -106,6 +110,14 @@ static int cmp_double(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
+}
+
+/* Monotonic wall clock in microseconds (host enqueue times). */
+static double host_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
 }
 
 static double median(double *v, int n)
@@ -153,8 +165,10 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
     cudaEvent_t ev[4] = {0};
     double *tf = (double *)calloc((size_t)reps, sizeof(double));
     double *tb = (double *)calloc((size_t)reps, sizeof(double));
+    double *hf = (double *)calloc((size_t)reps, sizeof(double));
+    double *hb = (double *)calloc((size_t)reps, sizeof(double));
     pool = (uint16_t *)malloc((size_t)POOL * 2);
-    if (!tf || !tb || !pool) goto out;
+    if (!tf || !tb || !hf || !hb || !pool) goto out;
 
     DMALLOC(x, (size_t)(T * d) * 2);
     DMALLOC(wr, (size_t)(E * d) * 2);
@@ -192,12 +206,16 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
     for (int it = 0; it < warmup + reps; it++) {
         if (!cuda_ok(cudaMemsetAsync(flush, it & 0xff, FLUSH_BYTES, NULL), "flush")) goto out;
         cudaEventRecord(ev[0], NULL);
+        const double h0 = host_us();
         st = smoe_layer_forward(L, &fa, saved, ws, NULL);
+        const double h1 = host_us();
         cudaEventRecord(ev[1], NULL);
         if (st != SMOE_SUCCESS) break;
         if (!cuda_ok(cudaMemsetAsync(flush, (it + 1) & 0xff, FLUSH_BYTES, NULL), "flush")) goto out;
         cudaEventRecord(ev[2], NULL);
+        const double h2 = host_us();
         st = smoe_layer_backward(L, &ba, saved, ws, NULL);
+        const double h3 = host_us();
         cudaEventRecord(ev[3], NULL);
         if (st != SMOE_SUCCESS) break;
         if (!cuda_ok(cudaEventSynchronize(ev[3]), "run")) goto out;
@@ -207,6 +225,8 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
         if (it >= warmup) {
             tf[it - warmup] = f;
             tb[it - warmup] = b;
+            hf[it - warmup] = h1 - h0;
+            hb[it - warmup] = h3 - h2;
         }
     }
     if (st != SMOE_SUCCESS) {
@@ -223,6 +243,8 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
         res->bwd_tflops = 12.0 * flop / (res->bwd_ms * 1e-3) / 1e12;
         res->act_gib = ((double)saved_b + 2.0 * (double)(T * d)) / GIB;
         res->ws_gib = (double)ws_b / GIB;
+        res->host_fwd_us = median(hf, reps);
+        res->host_bwd_us = median(hb, reps);
         res->ok = 1;
     }
     if (stages) {
@@ -256,6 +278,8 @@ out:
     free(pool);
     free(tf);
     free(tb);
+    free(hf);
+    free(hb);
     smoe_layer_free(L);
 }
 
@@ -271,10 +295,11 @@ static void print_line(const result *r)
         return;
     }
     printf("%-11s T=%-6lld d=%-5lld n=%-5lld E=%-4lld K=%-3lld fwd %8.3f ms %6.1f TFLOPS  "
-           "bwd %8.3f ms %6.1f TFLOPS  act %.3f GiB (floor %.2f)  ws %.2f GiB  [%s]\n",
+           "bwd %8.3f ms %6.1f TFLOPS  act %.3f GiB (floor %.2f)  ws %.2f GiB  "
+           "host %.0f/%.0f us  [%s]\n",
            g->name, (long long)g->T, (long long)g->d, (long long)g->n, (long long)g->E,
            (long long)g->K, r->fwd_ms, r->fwd_tflops, r->bwd_ms, r->bwd_tflops, r->act_gib,
-           g->floor_act_gib, r->ws_gib, r->path);
+           g->floor_act_gib, r->ws_gib, r->host_fwd_us, r->host_bwd_us, r->path);
     if (g->sonicmoe_fwd > 0)
         printf("%-11s   published: SonicMoE %3.0f/%3.0f  torch grouped_mm %5.1f/%5.1f "
                "(%.2f GiB)  ScatterMoE %5.1f/%5.1f (%.2f GiB)  cuBLAS-bound %3.0f/%3.0f TFLOPS\n",
@@ -294,7 +319,7 @@ static void write_csv(const char *file, const result *rs, int nr, const char *de
     fprintf(f, "name,T,d,n,E,K,device,path,fwd_ms,bwd_ms,fwd_tflops,bwd_tflops,act_gib,"
                "floor_act_gib,workspace_gib,sonicmoe_fwd,sonicmoe_bwd,torch_fwd,torch_bwd,"
                "torch_act_gib,scattermoe_fwd,scattermoe_bwd,scattermoe_act_gib,gemm_bound_fwd,"
-               "gemm_bound_bwd\n");
+               "gemm_bound_bwd,host_fwd_us,host_bwd_us\n");
     for (int i = 0; i < nr; i++) {
         const result *r = &rs[i];
         const smoe_grid_row *g = r->row;
@@ -306,10 +331,14 @@ static void write_csv(const char *file, const result *rs, int nr, const char *de
                     r->bwd_tflops, r->act_gib);
         else
             fprintf(f, ",,,,,");
-        fprintf(f, "%.2f,%.3f,%.0f,%.0f,%.1f,%.1f,%.2f,%.1f,%.1f,%.2f,%.0f,%.0f\n",
+        fprintf(f, "%.2f,%.3f,%.0f,%.0f,%.1f,%.1f,%.2f,%.1f,%.1f,%.2f,%.0f,%.0f,",
                 g->floor_act_gib, r->ws_gib, g->sonicmoe_fwd, g->sonicmoe_bwd, g->torch_fwd,
                 g->torch_bwd, g->torch_act_gib, g->scattermoe_fwd, g->scattermoe_bwd,
                 g->scattermoe_act_gib, g->gemm_bound_fwd, g->gemm_bound_bwd);
+        if (r->ok)
+            fprintf(f, "%.1f,%.1f\n", r->host_fwd_us, r->host_bwd_us);
+        else
+            fprintf(f, ",\n");
     }
     fclose(f);
 }
