@@ -942,14 +942,16 @@ int main(int argc, char **argv)
             failed += !run_case(i, sms);
         }
         if (smoe_sm90_gemm_variant == 0) {
-            /* the ping-pong kernels (up and dh, variant bits 16 and 32) and
-             * the cluster kernels (bit 128) on further random cases, so the
-             * variant code stays tested */
-            static const int vars[2] = {16 | 32, 128};
-            for (int k = 0; k < 2; k++) {
+            /* the ping-pong kernels (up and dh, variant bits 16 and 32), the
+             * cluster kernels (bit 128) and the compile-time-activation dh
+             * flush (bit 512) on further random cases, so the variant code
+             * stays tested */
+            static const int vars[3] = {16 | 32, 128, 512};
+            static const char *what[3] = {"ping-pong up and dh", "2-CTA clusters, weight multicast",
+                                          "dh flush with compile-time activation"};
+            for (int k = 0; k < 3; k++) {
                 smoe_sm90_gemm_variant = vars[k];
-                printf("variant %d (%s):\n", vars[k],
-                       k == 0 ? "ping-pong up and dh" : "2-CTA clusters, weight multicast");
+                printf("variant %d (%s):\n", vars[k], what[k]);
                 for (int i = 0; i < (small ? 1 : 8); i++) {
                     total++;
                     failed += !run_case(cases + 8 * k + i, sms);

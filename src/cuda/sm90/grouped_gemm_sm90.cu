@@ -107,8 +107,10 @@ using namespace smoe_sm90;
  *                  free only when the consumers of both CTAs released it
  *                  (empty barrier count 4, two arrivals remote). Measured
  *                  20-35% slower than one CTA per tile on an H100
- *                  (notes/sm90_log.md, rung 7); behind the hook, tested. */
-enum { SM90_FL_WS = 1, SM90_FL_PP = 2, SM90_FL_CLUSTER = 4 };
+ *                  (notes/sm90_log.md, rung 7); behind the hook, tested.
+ *  SM90_FL_DH_CT   dh's flush with the activation dispatched once per chunk
+ *                  (ep_flush_dh_ct); not yet timed. */
+enum { SM90_FL_WS = 1, SM90_FL_PP = 2, SM90_FL_CLUSTER = 4, SM90_FL_DH_CT = 8 };
 
 enum { SM90_MODE_UP = 0, SM90_MODE_DOWN = 1, SM90_MODE_DXT = 2, SM90_MODE_DH = 3 };
 
@@ -321,24 +323,15 @@ __device__ __forceinline__ void sm90_act_fd(int act, float x, float &f, float &d
     }
 }
 
-/* dh's flush: per row r and unit u of the chunk (32 units from u0), with
- * dA' staged in fp32, H read from memory and s = score[r]:
- *   gated:     A = f(g) u, dH = (s dA' f'(g) u, s dA' f(g)), A' = s A
- *   non-gated: A = f(h),   dH = s dA' f'(h),                 A' = s A
- * and dS partials <dA', A> summed over the row's 8 threads in a fixed order
- * into dsr[i] (row t/8 + 16 i). 4 units per thread. The thread's H and
- * scores of its 4 rows are loaded first, before the barrier and before any
- * store (a store may alias them for the compiler, so loads left in the row
- * loop were issued one row at a time, each waiting a full memory latency). */
-__device__ __noinline__ void ep_flush_dh(const uint8_t *eb, const bf16 *h_in, const float *score,
-                                         bf16 *out_dh, bf16 *out_as, int h_cols, int n, int gated,
-                                         int act, int wrow0, int u0, int nvalid, int t, int cw,
-                                         float *dsr)
+/* dh's flush, first step: the thread's H values (4 units: 4 (gate, up)
+ * pairs or 4 plain values) and scores of its 4 rows t/8 + 16 i, loaded
+ * before the staging barrier and before any store (a store may alias them
+ * for the compiler, so loads left in the row loop were issued one row at a
+ * time, each waiting a full memory latency). */
+__device__ __forceinline__ void ep_dh_load(const bf16 *h_in, const float *score, int h_cols,
+                                           int gated, int wrow0, int u, int nvalid, int t,
+                                           uint4 *hvs, float *ss)
 {
-    const int v = t & 7;
-    const int u = u0 + 4 * v;
-    uint4 hvs[4];
-    float ss[4];
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const int r = (t >> 3) + 16 * i;
@@ -356,6 +349,155 @@ __device__ __noinline__ void ep_flush_dh(const uint8_t *eb, const bf16 *h_in, co
             }
         }
     }
+}
+
+/* f and f' with the activation known at compile time: no per-element
+ * dispatch, and the sigmoid by the fast reciprocal (1-2 ulp in fp32 before
+ * the bf16 rounding). */
+template <int ACT>
+__device__ __forceinline__ void sm90_act_fd_ct(float x, float &f, float &df)
+{
+    if constexpr (ACT == SMOE_ACT_GEGLU || ACT == SMOE_ACT_GELU) {
+        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+        const float th = tanhf(k0 * (x + k1 * x * x * x));
+        f = 0.5f * x * (1.0f + th);
+        df = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * k0 * (1.0f + 3.0f * k1 * x * x);
+    } else if constexpr (ACT == SMOE_ACT_REGLU || ACT == SMOE_ACT_RELU) {
+        f = fmaxf(x, 0.0f);
+        df = x > 0.0f ? 1.0f : 0.0f;
+    } else if constexpr (ACT == SMOE_ACT_RELU2) {
+        const float r = fmaxf(x, 0.0f);
+        f = r * r;
+        df = 2.0f * r;
+    } else { /* SWIGLU, SILU */
+        const float sg = __fdividef(1.0f, 1.0f + __expf(-x));
+        f = x * sg;
+        df = sg * (1.0f + x * (1.0f - sg));
+    }
+}
+
+/* dh's flush body for one thread's 4 rows, activation ACT; FULL: all 64
+ * rows of the block are valid, so the rows need no predicate and the
+ * compiler can interleave all 16 elements. */
+template <int ACT, bool FULL>
+__device__ __forceinline__ void ep_dh_rows(const uint8_t *eb, const uint4 *hvs, const float *ss,
+                                           bf16 *out_dh, bf16 *out_as, int h_cols, int n,
+                                           int wrow0, int u, int nvalid, int t, float *dsr)
+{
+    constexpr bool GATED = ACT <= SMOE_ACT_REGLU;
+    const int v = t & 7;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int r = (t >> 3) + 16 * i;
+        float part = 0.0f;
+        if (FULL || r < nvalid) {
+            const int64_t row = wrow0 + r;
+            const float s = ss[i];
+            const float4 da = *(const float4 *)(eb + r * SM90_EP_STRIDE + v * 16);
+            const float dav[4] = {da.x, da.y, da.z, da.w};
+            float av[4];
+            if constexpr (GATED) {
+                const uint4 hv = hvs[i];
+                const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv;
+                uint32_t dh_pk[4];
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const float g = __low2float(h2[k]), up = __high2float(h2[k]);
+                    float f, df;
+                    sm90_act_fd_ct<ACT>(g, f, df);
+                    av[k] = f * up;
+                    __nv_bfloat162 o = __floats2bfloat162_rn(s * dav[k] * df * up, s * dav[k] * f);
+                    dh_pk[k] = *(uint32_t *)&o;
+                }
+                *(uint4 *)(out_dh + row * h_cols + 2 * u) =
+                    make_uint4(dh_pk[0], dh_pk[1], dh_pk[2], dh_pk[3]);
+            } else {
+                const uint2 hv = make_uint2(hvs[i].x, hvs[i].y);
+                const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv;
+                float dhv[4];
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const float x = (k & 1) ? __high2float(h2[k >> 1]) : __low2float(h2[k >> 1]);
+                    float f, df;
+                    sm90_act_fd_ct<ACT>(x, f, df);
+                    av[k] = f;
+                    dhv[k] = s * dav[k] * df;
+                }
+                __nv_bfloat162 o0 = __floats2bfloat162_rn(dhv[0], dhv[1]);
+                __nv_bfloat162 o1 = __floats2bfloat162_rn(dhv[2], dhv[3]);
+                *(uint2 *)(out_dh + row * h_cols + u) =
+                    make_uint2(*(uint32_t *)&o0, *(uint32_t *)&o1);
+            }
+            __nv_bfloat162 a0 = __floats2bfloat162_rn(s * av[0], s * av[1]);
+            __nv_bfloat162 a1 = __floats2bfloat162_rn(s * av[2], s * av[3]);
+            *(uint2 *)(out_as + row * n + u) = make_uint2(*(uint32_t *)&a0, *(uint32_t *)&a1);
+            part = dav[0] * av[0] + dav[1] * av[1] + dav[2] * av[2] + dav[3] * av[3];
+        }
+        /* the row's 8 threads are 8 consecutive lanes */
+        part += __shfl_xor_sync(0xffffffffu, part, 1);
+        part += __shfl_xor_sync(0xffffffffu, part, 2);
+        part += __shfl_xor_sync(0xffffffffu, part, 4);
+        dsr[i] += part;
+    }
+}
+
+template <int ACT>
+__device__ __forceinline__ void ep_dh_rows_any(const uint8_t *eb, const uint4 *hvs,
+                                               const float *ss, bf16 *out_dh, bf16 *out_as,
+                                               int h_cols, int n, int wrow0, int u, int nvalid,
+                                               int t, float *dsr)
+{
+    if (nvalid >= 64)
+        ep_dh_rows<ACT, true>(eb, hvs, ss, out_dh, out_as, h_cols, n, wrow0, u, nvalid, t, dsr);
+    else
+        ep_dh_rows<ACT, false>(eb, hvs, ss, out_dh, out_as, h_cols, n, wrow0, u, nvalid, t, dsr);
+}
+
+/* ep_flush_dh with one activation dispatch per chunk (SM90_FL_DH_CT; the
+ * default's per-element switch compiles to an indirect branch per element,
+ * notes/sm90_dh_research.md). Same arguments, same results up to the fast
+ * sigmoid reciprocal. */
+__device__ __noinline__ void ep_flush_dh_ct(const uint8_t *eb, const bf16 *h_in,
+                                            const float *score, bf16 *out_dh, bf16 *out_as,
+                                            int h_cols, int n, int gated, int act, int wrow0,
+                                            int u0, int nvalid, int t, int cw, float *dsr)
+{
+    const int u = u0 + 4 * (t & 7);
+    uint4 hvs[4];
+    float ss[4];
+    ep_dh_load(h_in, score, h_cols, gated, wrow0, u, nvalid, t, hvs, ss);
+    named_barrier_sync(1 + cw, 128);
+#define SM90_DH_ROWS(A)                                                                      \
+    ep_dh_rows_any<A>(eb, hvs, ss, out_dh, out_as, h_cols, n, wrow0, u, nvalid, t, dsr)
+    switch (act) {
+    case SMOE_ACT_GEGLU: SM90_DH_ROWS(SMOE_ACT_GEGLU); break;
+    case SMOE_ACT_REGLU: SM90_DH_ROWS(SMOE_ACT_REGLU); break;
+    case SMOE_ACT_RELU2: SM90_DH_ROWS(SMOE_ACT_RELU2); break;
+    case SMOE_ACT_RELU: SM90_DH_ROWS(SMOE_ACT_RELU); break;
+    case SMOE_ACT_SILU: SM90_DH_ROWS(SMOE_ACT_SILU); break;
+    case SMOE_ACT_GELU: SM90_DH_ROWS(SMOE_ACT_GELU); break;
+    default: SM90_DH_ROWS(SMOE_ACT_SWIGLU); break;
+    }
+#undef SM90_DH_ROWS
+    named_barrier_sync(1 + cw, 128);
+}
+
+/* dh's flush: per row r and unit u of the chunk (32 units from u0), with
+ * dA' staged in fp32, H read from memory and s = score[r]:
+ *   gated:     A = f(g) u, dH = (s dA' f'(g) u, s dA' f(g)), A' = s A
+ *   non-gated: A = f(h),   dH = s dA' f'(h),                 A' = s A
+ * and dS partials <dA', A> summed over the row's 8 threads in a fixed order
+ * into dsr[i] (row t/8 + 16 i). 4 units per thread, loaded by ep_dh_load. */
+__device__ __noinline__ void ep_flush_dh(const uint8_t *eb, const bf16 *h_in, const float *score,
+                                         bf16 *out_dh, bf16 *out_as, int h_cols, int n, int gated,
+                                         int act, int wrow0, int u0, int nvalid, int t, int cw,
+                                         float *dsr)
+{
+    const int v = t & 7;
+    const int u = u0 + 4 * v;
+    uint4 hvs[4];
+    float ss[4];
+    ep_dh_load(h_in, score, h_cols, gated, wrow0, u, nvalid, t, hvs, ss);
     named_barrier_sync(1 + cw, 128);
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -761,7 +903,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                             *(float2 *)(eb + (lr + 8 * h) * SM90_EP_STRIDE + (8 * jj + 2 * q) * 4) =
                                 make_float2(ac[4 * j + 2 * h], ac[4 * j + 2 * h + 1]);
                     }
-                    ep_flush_dh(eb, p.h_in, p.score, p.out0, p.out1, p.h_cols, p.n, p.gated,
+                    ((FL & SM90_FL_DH_CT) ? ep_flush_dh_ct : ep_flush_dh)(eb, p.h_in, p.score, p.out0, p.out1, p.h_cols, p.n, p.gated,
                                 p.act, wrow0, u0, nvalid, tid & 127, cw, dsr);
                     if (c == BN / 32 - 1 || u0 + 32 >= p.N) {
                         /* the row partials of this n-tile, one writer per row */
@@ -968,7 +1110,8 @@ enum {
     SM90_VAR_UP_PP = 16,
     SM90_VAR_DH_PP = 32,
     SM90_VAR_CLUSTER = 128, /* 2-CTA clusters with weight multicast, BN = 256 kernels */
-    SM90_VAR_DH_BN128 = 256 /* dh in 128 x 128 cooperative tiles, 6 stages (not yet timed) */
+    SM90_VAR_DH_BN128 = 256, /* dh in 128 x 128 cooperative tiles, 6 stages (not yet timed) */
+    SM90_VAR_DH_CT = 512     /* dh, BN = 256: SM90_FL_DH_CT (not yet timed) */
 };
 
 static int sm90_dh_bn(const smoe_gemm_problem *p)
@@ -1112,7 +1255,9 @@ static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const b
     CUtensorMap mb;
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w2, p->E * p->d, p->n, 64, "w2"));
     smoe_status st;
-    if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER))
+    if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_DH_CT))
+        st = sm90_launch<256, 4, SM90_MODE_DH, SM90_FL_DH_CT>(p, &mb, &mb, &prm, s, "dh");
+    else if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER))
         st = sm90_launch<256, 4, SM90_MODE_DH, SM90_FL_CLUSTER>(p, &mb, &mb, &prm, s, "dh");
     else if (bn == 256)
         st = sm90_launch<256, 4, SM90_MODE_DH, 0>(p, &mb, &mb, &prm, s, "dh");
