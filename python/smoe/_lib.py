@@ -191,6 +191,39 @@ class smoe_routing_result(Structure):
     ]
 
 
+# The same two argument structs with every pointer as a plain c_void_p (and
+# smoe_backward_args' smoe_grad members spelled out field by field), for the
+# calls smoe.functional makes on every forward and backward: such a struct
+# is filled in one constructor call from data_ptr() integers, with no
+# ctypes.cast per pointer. Same sizes and offsets as the mirrors above
+# (tests/test_lib.py checks them), so the library reads the same bytes.
+
+
+def _raw(ctype):
+    """An integer field as it is; a pointer as c_void_p."""
+    return ctype if ctype in (c_int64, c_int) else c_void_p
+
+
+class forward_args_raw(Structure):
+    _fields_ = [(name, _raw(ctype)) for name, ctype in smoe_forward_args._fields_]
+
+
+def _flattened(fields):
+    """fields with each smoe_grad member replaced by its own fields, named
+    <member>_<field>."""
+    out = []
+    for name, ctype in fields:
+        if ctype is smoe_grad:
+            out += [(name + "_" + f, _raw(t)) for f, t in smoe_grad._fields_]
+        else:
+            out.append((name, _raw(ctype)))
+    return out
+
+
+class backward_args_raw(Structure):
+    _fields_ = _flattened(smoe_backward_args._fields_)
+
+
 # Every struct of the header, by its C type name.
 STRUCTS = {
     "smoe_layer_desc": smoe_layer_desc,
@@ -290,8 +323,24 @@ def lib():
         if major_minor != VERSION[:2]:
             raise ImportError("smoe: %s is version %s, this Python package mirrors %d.%d"
                               % (path, version, VERSION[0], VERSION[1]))
+        # Second function objects for forward and backward taking the raw
+        # structs above (a CDLL item is a new function object each time).
+        global forward_raw, backward_raw
+        forward_raw = handle["smoe_layer_forward"]
+        forward_raw.restype = c_enum
+        forward_raw.argtypes = [c_void_p, POINTER(forward_args_raw), c_void_p, c_void_p, c_void_p]
+        backward_raw = handle["smoe_layer_backward"]
+        backward_raw.restype = c_enum
+        backward_raw.argtypes = [c_void_p, POINTER(backward_args_raw), c_void_p, c_void_p,
+                                 c_void_p]
         _lib = handle
         return _lib
+
+
+# smoe_layer_forward / smoe_layer_backward taking forward_args_raw /
+# backward_args_raw; set by lib().
+forward_raw = None
+backward_raw = None
 
 
 def last_error():

@@ -13,12 +13,20 @@ the inputs, which the caller holds anyway.
 
 CPU tensors run on the CPU backend (float32, bfloat16, float64); CUDA
 tensors on the GPU backends (bfloat16), on the current CUDA stream.
+
+Host cost. A plain eager call (plain tensors on CPU or CUDA, not under
+torch.compile or export, no TorchDispatchMode or TorchFunctionMode active,
+no torch.func transform, no torch.jit trace) skips PyTorch's dispatcher: it
+runs the same implementation as the operators, through an
+autograd.Function when a gradient is wanted and directly otherwise. Every
+other call goes through the operators. Per configuration and device the
+layer handle is cached, and per token count its workspace and saved-block
+sizes; the ctypes argument structs are filled in one constructor call.
 """
-import contextlib
 import ctypes
 import os
 import threading
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -68,6 +76,10 @@ _DTYPE_SIZE = {L.SMOE_DTYPE_F32: 4, L.SMOE_DTYPE_BF16: 2, L.SMOE_DTYPE_F64: 8}
 
 
 def _enum(table, value, what):
+    try:
+        return table[value]   # the usual case: a name spelled as in the table
+    except (KeyError, TypeError):
+        pass
     key = value
     if not (value is None or isinstance(value, str)):
         # Enum members (SonicMoE's ActivationType etc.): use their value or name.
@@ -84,10 +96,16 @@ def _enum(table, value, what):
 
 # ------------------------------------------------------------ layer cache
 
-class _Layer:
-    """One smoe_layer handle (freed with the object)."""
+# Entries kept per layer in each of its size caches (workspace, saved block)
+# before the cache starts over: one per token count seen.
+_SIZE_CACHE_ENTRIES = 4096
 
-    def __init__(self, desc):
+
+class _Layer:
+    """One smoe_layer handle (freed with the object), with its configuration
+    and the sizes it reported, per (T, pairs)."""
+
+    def __init__(self, desc, cfg=None):
         lib = L.lib()
         ptr = ctypes.c_void_p()
         L.check(lib.smoe_layer_create(ctypes.byref(desc), ctypes.byref(ptr)))
@@ -96,6 +114,13 @@ class _Layer:
         self.desc = desc
         self.backend = lib.smoe_layer_backend(ptr)
         self.path_name = lib.smoe_layer_path_name(ptr).decode()
+        self.cfg = cfg
+        if cfg is not None:
+            (self.d, self.n, self.E, self.K, self.activation, _, self.has_bias, self.routing, _,
+             self.rounding, self.round_tile, self.dtype) = cfg
+            self.general = self.routing == L.SMOE_ROUTING_GENERAL
+        self._ws = {}
+        self._saved = {}
 
     def __del__(self):
         ptr, self.ptr = getattr(self, "ptr", None), None
@@ -117,7 +142,41 @@ class _Layer:
             raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, L.last_error())
         return n
 
+    def workspace_nbytes(self, T, pairs):
+        """workspace_bytes(), asked of the library once per (T, pairs)."""
+        key = (T, pairs)
+        n = self._ws.get(key)
+        if n is None:
+            n = self.workspace_bytes(T, pairs)
+            if len(self._ws) >= _SIZE_CACHE_ENTRIES:
+                self._ws.clear()
+            self._ws[key] = n
+        return n
 
+    def saved_nbytes(self, T, pairs):
+        """saved_bytes(), asked of the library once per (T, pairs) and then
+        checked against the Python mirror saved_bytes() (which the fake
+        implementation uses under torch.compile)."""
+        key = (T, pairs)
+        n = self._saved.get(key)
+        if n is None:
+            n = self.saved_bytes(T, pairs)
+            want = saved_bytes(T, pairs, d=self.d, n=self.n, E=self.E, K=self.K,
+                               activation=self.activation, routing=self.routing,
+                               rounding=self.rounding, round_tile=self.round_tile,
+                               dtype=self.dtype)
+            if n != want:
+                raise SmoeError(L.SMOE_ERROR_INTERNAL,
+                                "smoe_layer_saved_bytes() = %d but smoe.functional.saved_bytes()"
+                                " = %d: the Python mirror of the saved layout is out of date"
+                                % (n, want))
+            if len(self._saved) >= _SIZE_CACHE_ENTRIES:
+                self._saved.clear()
+            self._saved[key] = n
+        return n
+
+
+# {(cfg, device type, device index, $SMOE_TORCH_BACKEND for CUDA): _Layer}
 _layers = {}
 _layers_lock = threading.Lock()
 
@@ -144,9 +203,11 @@ def _gpu_backends():
 
 
 def _get_layer(cfg, device):
-    """The cached layer for a configuration on a torch device (and the backend
-    $SMOE_TORCH_BACKEND forces, so changing it takes effect)."""
-    key = (cfg, device.type, device.index, os.environ.get("SMOE_TORCH_BACKEND", "").lower())
+    """The cached layer for a configuration on a torch device (and, on CUDA,
+    the backend $SMOE_TORCH_BACKEND forces, so changing it takes effect)."""
+    dtype = device.type
+    key = (cfg, dtype, device.index,
+           "" if dtype == "cpu" else os.environ.get("SMOE_TORCH_BACKEND", "").lower())
     layer = _layers.get(key)
     if layer is not None:
         return layer
@@ -155,13 +216,13 @@ def _get_layer(cfg, device):
         if layer is not None:
             return layer
         if device.type == "cpu":
-            layer = _Layer(_make_desc(cfg, L.SMOE_BACKEND_CPU, 0))
+            layer = _Layer(_make_desc(cfg, L.SMOE_BACKEND_CPU, 0), cfg)
         elif device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
             error = None
             for backend in _gpu_backends():
                 try:
-                    layer = _Layer(_make_desc(cfg, backend, index))
+                    layer = _Layer(_make_desc(cfg, backend, index), cfg)
                     break
                 except SmoeError as e:
                     if e.status not in (L.SMOE_ERROR_NO_DEVICE, L.SMOE_ERROR_UNSUPPORTED):
@@ -176,6 +237,19 @@ def _get_layer(cfg, device):
                             "tensors on %s: smoe runs on CPU and CUDA tensors" % device)
         _layers[key] = layer
         return layer
+
+
+def _config(x, w1, w2, has_bias, top_k, routing, renormalize, activation, w1_layout, rounding,
+            round_tile):
+    """The layer configuration (the key of _layers) for these tensors and options."""
+    d, n, E = x.shape[1], w2.shape[2], w1.shape[0]
+    K = 0 if routing == L.SMOE_ROUTING_GENERAL else top_k
+    dtype = _DTYPES.get(x.dtype)
+    if dtype is None:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
+                        "dtype %s: smoe takes float32, bfloat16 or float64" % x.dtype)
+    return (int(d), int(n), int(E), int(K), int(activation), int(w1_layout), bool(has_bias),
+            int(routing), bool(renormalize), int(rounding), int(round_tile), dtype)
 
 
 # ------------------------------------------------------------ sizes
@@ -213,99 +287,181 @@ def _ptr(t):
     return t.data_ptr() if t is not None else None
 
 
-def _stream(device):
-    if device.type == "cuda":
-        return torch.cuda.current_stream(device).cuda_stream
-    return None
-
-
-def _config(x, w1, w2, b1, top_k, routing, renormalize, activation, w1_layout, rounding,
-            round_tile):
-    d, n, E = x.shape[1], w2.shape[2], w1.shape[0]
-    K = 0 if routing == L.SMOE_ROUTING_GENERAL else top_k
-    dtype = _DTYPES.get(x.dtype)
-    if dtype is None:
-        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
-                        "dtype %s: smoe takes float32, bfloat16 or float64" % x.dtype)
-    return (int(d), int(n), int(E), int(K), activation, w1_layout, b1 is not None, routing,
-            bool(renormalize), rounding, int(round_tile), dtype)
+def _grad_ptr(t):
+    """A gradient buffer's pointer: NULL for one not computed or empty."""
+    return t.data_ptr() if t is not None and t.numel() > 0 else None
 
 
 def _contig(t):
     return t if t is None or t.is_contiguous() else t.contiguous()
 
 
+# On CUDA the call runs with the tensors' device current and on its current
+# stream, as `with torch.cuda.device(dev)` and torch.cuda.current_stream(dev)
+# would do, through the functions those use (cheaper per call), where this
+# PyTorch has them.
+_exchange_device = getattr(torch.cuda, "_exchange_device", None)
+_maybe_exchange_device = getattr(torch.cuda, "_maybe_exchange_device", None)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _call(fn, layer, args, saved, ws, dev):
+    """fn (L.forward_raw or L.backward_raw) on the layer; raises SmoeError."""
+    if dev.type != "cuda":
+        status = fn(layer.ptr, ctypes.byref(args), saved, ws, None)
+    elif _exchange_device is None or _maybe_exchange_device is None or _raw_stream is None:
+        with torch.cuda.device(dev):
+            status = fn(layer.ptr, ctypes.byref(args), saved, ws,
+                        torch.cuda.current_stream(dev).cuda_stream)
+    else:
+        prev = _exchange_device(dev.index)
+        try:
+            status = fn(layer.ptr, ctypes.byref(args), saved, ws, _raw_stream(dev.index))
+        finally:
+            _maybe_exchange_device(prev)
+    if status != L.SMOE_SUCCESS:
+        L.check(status)
+
+
+def _forward_core(layer, x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2,
+                  inference, save):
+    """smoe_layer_forward on real tensors: (out, expert_counts, router_logits
+    ((0,) for GENERAL), saved block or None when nothing is kept)."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    router_w, w1, w2, b1, b2 = map(_contig, (router_w, w1, w2, b1, b2))
+    general = layer.general
+    T = x.shape[0]
+    E = layer.E
+    dev = x.device
+    out = torch.empty_like(x)
+    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    logits = torch.empty((0,) if general else (T, E), dtype=torch.float32, device=dev)
+    if general:
+        pairs = pair_token.shape[0]
+        if pairs > 0:
+            pair_token, pair_expert, pair_score = map(_contig, (pair_token, pair_expert,
+                                                                pair_score))
+            pt, pe, ps = pair_token.data_ptr(), pair_expert.data_ptr(), pair_score.data_ptr()
+        else:
+            pt = pe = ps = None
+    else:
+        pairs = 0
+        pt = pe = ps = None
+    # A forward whose result nobody differentiates needs no saved block, and
+    # without token rounding the library's inference mode computes the same.
+    lib_inference = inference or (not save and layer.rounding == L.SMOE_ROUND_OFF)
+    if lib_inference:
+        saved = None
+    else:
+        saved = torch.empty(layer.saved_nbytes(T, pairs), dtype=torch.uint8, device=dev)
+    ws = torch.empty(layer.workspace_nbytes(T, pairs), dtype=torch.uint8, device=dev)
+    args = L.forward_args_raw(T, x.data_ptr(), _ptr(router_w), pairs, pt, pe, ps,
+                              w1.data_ptr(), _ptr(b1), w2.data_ptr(), _ptr(b2), out.data_ptr(),
+                              None if general else logits.data_ptr(), counts.data_ptr(),
+                              int(lib_inference))
+    _call(L.forward_raw, layer, args, None if saved is None else saved.data_ptr(),
+          ws.data_ptr(), dev)
+    if not save or inference:
+        saved = None
+    return out, counts, logits, saved
+
+
+# Bits of `needs` in moe_backward: which gradients to compute.
+_NEED_X, _NEED_ROUTER, _NEED_W1, _NEED_B1, _NEED_W2, _NEED_B2, _NEED_SCORE = (1 << i for i in range(7))
+
+
+def _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, pairs, needs):
+    """smoe_layer_backward on real tensors: (dx, drouter_w, dw1, db1, dw2,
+    db2, dpair_score), None for a gradient not asked for in `needs` or not
+    part of the layer."""
+    x, router_w, w1, w2, b2 = map(_contig, (x, router_w, w1, w2, b2))
+    dtype = x.dtype
+    if dout.dtype != dtype:
+        dout = dout.to(dtype)
+    if not dout.is_contiguous():
+        dout = dout.contiguous()
+    if dlogits_extra is not None:
+        if dlogits_extra.dtype != torch.float32:
+            dlogits_extra = dlogits_extra.to(torch.float32)
+        if not dlogits_extra.is_contiguous():
+            dlogits_extra = dlogits_extra.contiguous()
+    general = layer.general
+    has_bias = layer.has_bias
+    T, E = x.shape[0], layer.E
+    dev = x.device
+
+    def empty(shape, dt=dtype):
+        return torch.empty(shape, dtype=dt, device=dev)
+
+    dx = empty(x.shape) if needs & _NEED_X else None
+    drouter = empty(router_w.shape) if not general and needs & _NEED_ROUTER else None
+    dw1 = empty(w1.shape) if needs & _NEED_W1 else None
+    db1 = empty((E, w1.shape[1])) if has_bias and needs & _NEED_B1 else None
+    dw2 = empty(w2.shape) if needs & _NEED_W2 else None
+    db2 = empty((E, x.shape[1])) if has_bias and needs & _NEED_B2 else None
+    dscore = empty((pairs,), torch.float32) if general and needs & _NEED_SCORE else None
+    ws = torch.empty(layer.workspace_nbytes(T, pairs), dtype=torch.uint8, device=dev)
+    ld, f32 = layer.dtype, L.SMOE_DTYPE_F32
+    # Gradients overwrite (accumulate = 0).
+    args = L.backward_args_raw(T, x.data_ptr(), _ptr(router_w), pairs, w1.data_ptr(),
+                               w2.data_ptr(), _ptr(b2), dout.data_ptr(), _ptr(dlogits_extra),
+                               _grad_ptr(dx), ld, 0, _grad_ptr(drouter), ld, 0,
+                               _grad_ptr(dw1), ld, 0, _grad_ptr(db1), ld, 0,
+                               _grad_ptr(dw2), ld, 0, _grad_ptr(db2), ld, 0,
+                               _grad_ptr(dscore), f32, 0)
+    _call(L.backward_raw, layer, args, saved.data_ptr(), ws.data_ptr(), dev)
+    return dx, drouter, dw1, db1, dw2, db2, dscore
+
+
 # ------------------------------------------------------------ custom operators
+
+# The forward operator's `config`: these options, in this order (ints).
+_FWD_CONFIG = ("top_k", "routing", "renormalize", "activation", "w1_layout", "rounding",
+               "round_tile", "inference", "save")
+# The backward operator's `config`.
+_BWD_CONFIG = ("pairs", "has_bias", "top_k", "routing", "renormalize", "activation",
+               "w1_layout", "rounding", "round_tile", "needs")
+
+
+def _unpack(config, names, op):
+    if len(config) != len(names):
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "%s: config has %d entries, must have %d (%s)"
+                        % (op, len(config), len(names), ", ".join(names)))
+    return config
+
 
 @torch.library.custom_op("smoe::moe_forward", mutates_args=())
 def _moe_forward(x: Tensor, router_w: Optional[Tensor], pair_token: Optional[Tensor],
                  pair_expert: Optional[Tensor], pair_score: Optional[Tensor], w1: Tensor,
-                 w2: Tensor, b1: Optional[Tensor], b2: Optional[Tensor], top_k: int, routing: int,
-                 renormalize: bool, activation: int, w1_layout: int, rounding: int,
-                 round_tile: int, inference: bool,
-                 save: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                 w2: Tensor, b1: Optional[Tensor], b2: Optional[Tensor],
+                 config: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out (T, d), expert_counts (E) int32, router_logits (T, E) fp32 or (0,)
-    for GENERAL, saved uint8 block or (0,) when nothing is kept)."""
-    cfg = _config(x, w1, w2, b1, top_k, routing, renormalize, activation, w1_layout, rounding,
-                  round_tile)
-    general = routing == L.SMOE_ROUTING_GENERAL
-    T, E = x.shape[0], w1.shape[0]
-    pairs = pair_token.shape[0] if general else 0
-    dev = x.device
-    layer = _get_layer(cfg, dev)
-    x, router_w, w1, w2, b1, b2 = map(_contig, (x, router_w, w1, w2, b1, b2))
-    pair_token, pair_expert, pair_score = map(_contig, (pair_token, pair_expert, pair_score))
+    for GENERAL, saved uint8 block or (0,) when nothing is kept).
 
-    out = torch.empty_like(x)
-    counts = torch.empty(E, dtype=torch.int32, device=dev)
-    logits = torch.empty((0,) if general else (T, E), dtype=torch.float32, device=dev)
-    # A forward whose result nobody differentiates needs no saved block, and
-    # without token rounding the library's inference mode computes the same.
-    lib_inference = inference or (not save and rounding == L.SMOE_ROUND_OFF)
-    if lib_inference:
-        saved = torch.empty(0, dtype=torch.uint8, device=dev)
-    else:
-        nbytes = layer.saved_bytes(T, pairs)
-        want = saved_bytes(T, pairs, d=cfg[0], n=cfg[1], E=E, K=cfg[3], activation=activation,
-                           routing=routing, rounding=rounding, round_tile=round_tile,
-                           dtype=cfg[11])
-        if nbytes != want:
-            raise SmoeError(L.SMOE_ERROR_INTERNAL,
-                            "smoe_layer_saved_bytes() = %d but smoe.functional.saved_bytes() = %d:"
-                            " the Python mirror of the saved layout is out of date" % (nbytes, want))
-        saved = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    ws = torch.empty(layer.workspace_bytes(T, pairs), dtype=torch.uint8, device=dev)
-
-    a = L.smoe_forward_args()
-    a.T = T
-    a.x = _ptr(x)
-    a.router_w = _ptr(router_w)
-    a.pairs = pairs
-    if general and pairs > 0:
-        a.pair_token = ctypes.cast(pair_token.data_ptr(), ctypes.POINTER(ctypes.c_int32))
-        a.pair_expert = ctypes.cast(pair_expert.data_ptr(), ctypes.POINTER(ctypes.c_int32))
-        a.pair_score = ctypes.cast(pair_score.data_ptr(), ctypes.POINTER(ctypes.c_float))
-    a.w1, a.b1, a.w2, a.b2 = _ptr(w1), _ptr(b1), _ptr(w2), _ptr(b2)
-    a.out = out.data_ptr()
-    if not general:
-        a.router_logits = ctypes.cast(logits.data_ptr(), ctypes.POINTER(ctypes.c_float))
-    a.expert_counts = ctypes.cast(counts.data_ptr(), ctypes.POINTER(ctypes.c_int32))
-    a.inference = int(lib_inference)
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        L.check(L.lib().smoe_layer_forward(layer.ptr, ctypes.byref(a),
-                                           None if lib_inference else saved.data_ptr(),
-                                           ws.data_ptr(), _stream(dev)))
-    if not save or inference:
-        saved = torch.empty(0, dtype=torch.uint8, device=dev)
+    config: [top_k, routing, renormalize, activation, w1_layout, rounding,
+    round_tile, inference, save] as ints (enums as smoe_* codes). The
+    options are one list rather than one argument each because PyTorch's
+    custom-operator autograd wrapper spends time quadratic in the number of
+    arguments on every call."""
+    (top_k, routing, renormalize, activation, w1_layout, rounding, round_tile, inference,
+     save) = _unpack(config, _FWD_CONFIG, "smoe::moe_forward")
+    layer = _get_layer(_config(x, w1, w2, b1 is not None, top_k, routing, renormalize,
+                               activation, w1_layout, rounding, round_tile), x.device)
+    out, counts, logits, saved = _forward_core(layer, x, router_w, pair_token, pair_expert,
+                                               pair_score, w1, w2, b1, b2, bool(inference),
+                                               bool(save))
+    if saved is None:
+        saved = torch.empty(0, dtype=torch.uint8, device=x.device)
     return out, counts, logits, saved
 
 
 @_moe_forward.register_fake
-def _moe_forward_fake(x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2, top_k,
-                      routing, renormalize, activation, w1_layout, rounding, round_tile,
-                      inference, save):
-    cfg = _config(x, w1, w2, b1, top_k, routing, renormalize, activation, w1_layout, rounding,
-                  round_tile)
+def _moe_forward_fake(x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2, config):
+    (top_k, routing, renormalize, activation, w1_layout, rounding, round_tile, inference,
+     save) = _unpack(config, _FWD_CONFIG, "smoe::moe_forward")
+    cfg = _config(x, w1, w2, b1 is not None, top_k, routing, renormalize, activation, w1_layout,
+                  rounding, round_tile)
     general = routing == L.SMOE_ROUTING_GENERAL
     T, E = x.shape[0], w1.shape[0]
     pairs = pair_token.shape[0] if general else 0
@@ -322,80 +478,36 @@ def _moe_forward_fake(x, router_w, pair_token, pair_expert, pair_score, w1, w2, 
     return out, counts, logits, saved
 
 
-# Bits of `needs` in moe_backward: which gradients to compute.
-_NEED_X, _NEED_ROUTER, _NEED_W1, _NEED_B1, _NEED_W2, _NEED_B2, _NEED_SCORE = (1 << i for i in range(7))
-
-
 @torch.library.custom_op("smoe::moe_backward", mutates_args=())
 def _moe_backward(dout: Tensor, dlogits_extra: Optional[Tensor], x: Tensor,
                   router_w: Optional[Tensor], w1: Tensor, w2: Tensor, b2: Optional[Tensor],
-                  saved: Tensor, pairs: int, has_bias: bool, top_k: int, routing: int,
-                  renormalize: bool, activation: int, w1_layout: int, rounding: int,
-                  round_tile: int,
-                  needs: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  saved: Tensor,
+                  config: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, drouter_w, dw1, db1, dw2, db2, dpair_score); a gradient not asked
-    for in `needs` (or not part of the layer) is an empty tensor."""
-    b1_marker = w1 if has_bias else None   # only its presence matters to _config
-    cfg = _config(x, w1, w2, b1_marker, top_k, routing, renormalize, activation, w1_layout,
-                  rounding, round_tile)
-    general = routing == L.SMOE_ROUTING_GENERAL
-    T, E = x.shape[0], w1.shape[0]
-    dev = x.device
+    for in `needs` (or not part of the layer) is an empty tensor.
+
+    config: [pairs, has_bias, top_k, routing, renormalize, activation,
+    w1_layout, rounding, round_tile, needs] as ints."""
+    (pairs, has_bias, top_k, routing, renormalize, activation, w1_layout, rounding, round_tile,
+     needs) = _unpack(config, _BWD_CONFIG, "smoe::moe_backward")
     if saved.numel() == 0:
         raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
                         "backward through a forward that kept nothing for it "
                         "(run with inference=True)")
-    layer = _get_layer(cfg, dev)
-    x, router_w, w1, w2, b2 = map(_contig, (x, router_w, w1, w2, b2))
-    dout = dout.to(x.dtype).contiguous()
-    if dlogits_extra is not None:
-        dlogits_extra = dlogits_extra.to(torch.float32).contiguous()
-
-    def grad_buf(bit, like, allowed=True, dtype=None):
-        if allowed and needs & bit:
-            return torch.empty(like.shape, dtype=dtype or like.dtype, device=dev)
-        return torch.empty(0, dtype=dtype or x.dtype, device=dev)
-
-    dx = grad_buf(_NEED_X, x)
-    drouter = grad_buf(_NEED_ROUTER, router_w if router_w is not None else x, not general)
-    dw1 = grad_buf(_NEED_W1, w1)
-    db1 = (torch.empty((E, w1.shape[1]), dtype=x.dtype, device=dev)
-           if has_bias and needs & _NEED_B1 else torch.empty(0, dtype=x.dtype, device=dev))
-    dw2 = grad_buf(_NEED_W2, w2)
-    db2 = (torch.empty((E, x.shape[1]), dtype=x.dtype, device=dev)
-           if has_bias and needs & _NEED_B2 else torch.empty(0, dtype=x.dtype, device=dev))
-    dscore = (torch.empty(pairs, dtype=torch.float32, device=dev)
-              if general and needs & _NEED_SCORE else torch.empty(0, dtype=torch.float32, device=dev))
-    ws = torch.empty(layer.workspace_bytes(T, pairs), dtype=torch.uint8, device=dev)
-
-    a = L.smoe_backward_args()
-    a.T = T
-    a.x = x.data_ptr()
-    a.router_w = _ptr(router_w)
-    a.pairs = pairs
-    a.w1, a.w2, a.b2 = w1.data_ptr(), w2.data_ptr(), _ptr(b2)
-    a.dout = dout.data_ptr()
-    if dlogits_extra is not None:
-        a.dlogits_extra = ctypes.cast(dlogits_extra.data_ptr(), ctypes.POINTER(ctypes.c_float))
-    layer_dtype = cfg[11]
-    for name, buf, dt in (("dx", dx, layer_dtype), ("drouter_w", drouter, layer_dtype),
-                          ("dw1", dw1, layer_dtype), ("db1", db1, layer_dtype),
-                          ("dw2", dw2, layer_dtype), ("db2", db2, layer_dtype),
-                          ("dpair_score", dscore, L.SMOE_DTYPE_F32)):
-        g = getattr(a, name)
-        g.ptr = buf.data_ptr() if buf.numel() > 0 else None
-        g.dtype = dt
-        g.accumulate = 0   # gradients overwrite
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        L.check(L.lib().smoe_layer_backward(layer.ptr, ctypes.byref(a), saved.data_ptr(),
-                                            ws.data_ptr(), _stream(dev)))
-    return dx, drouter, dw1, db1, dw2, db2, dscore
+    layer = _get_layer(_config(x, w1, w2, has_bias, top_k, routing, renormalize, activation,
+                               w1_layout, rounding, round_tile), x.device)
+    grads = _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, pairs,
+                           needs)
+    dev = x.device
+    return tuple(g if g is not None else
+                 torch.empty(0, dtype=torch.float32 if i == 6 else x.dtype, device=dev)
+                 for i, g in enumerate(grads))
 
 
 @_moe_backward.register_fake
-def _moe_backward_fake(dout, dlogits_extra, x, router_w, w1, w2, b2, saved, pairs, has_bias,
-                       top_k, routing, renormalize, activation, w1_layout, rounding, round_tile,
-                       needs):
+def _moe_backward_fake(dout, dlogits_extra, x, router_w, w1, w2, b2, saved, config):
+    (pairs, has_bias, top_k, routing, renormalize, activation, w1_layout, rounding, round_tile,
+     needs) = _unpack(config, _BWD_CONFIG, "smoe::moe_backward")
     general = routing == L.SMOE_ROUTING_GENERAL
     E = w1.shape[0]
 
@@ -412,34 +524,41 @@ def _moe_backward_fake(dout, dlogits_extra, x, router_w, w1, w2, b2, saved, pair
             buf(general and needs & _NEED_SCORE, (pairs,), torch.float32))
 
 
-# Positions of the differentiable inputs of moe_forward.
+# Positions of the differentiable inputs of moe_forward, with their `needs` bits.
 _IN_X, _IN_ROUTER, _IN_SCORE, _IN_W1, _IN_W2, _IN_B1, _IN_B2 = 0, 1, 4, 5, 6, 7, 8
-_N_INPUTS = 18
+_N_TENSORS = 9
+_GRAD_SLOTS = ((_IN_X, _NEED_X), (_IN_ROUTER, _NEED_ROUTER), (_IN_W1, _NEED_W1),
+               (_IN_B1, _NEED_B1), (_IN_W2, _NEED_W2), (_IN_B2, _NEED_B2),
+               (_IN_SCORE, _NEED_SCORE))   # in moe_backward's output order
 
 
-def _setup_context(ctx, inputs, output):
-    (x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2, top_k, routing,
-     renormalize, activation, w1_layout, rounding, round_tile, inference, save) = inputs
-    saved = output[3]
+def _save_context(ctx, x, router_w, pair_token, w1, w2, b1, b2, saved, options, inference,
+                  layer):
     ctx.save_for_backward(x, router_w, w1, w2, b2, saved)
-    ctx.cfg = (top_k, routing, renormalize, activation, w1_layout, rounding, round_tile)
+    ctx.options = options          # top_k .. round_tile of the forward config
     ctx.has_bias = b1 is not None
     ctx.pairs = pair_token.shape[0] if pair_token is not None else 0
     ctx.inference = inference
+    ctx.layer = layer              # None: backward through the operator
 
 
-def _backward(ctx, dout, dcounts, dlogits, dsaved):
+def _setup_context(ctx, inputs, output):
+    x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2, config = inputs
+    _save_context(ctx, x, router_w, pair_token, w1, w2, b1, b2, output[3], tuple(config[:7]),
+                  bool(config[7]), None)
+
+
+def _input_grads(ctx, dout, dlogits):
+    """The gradients of moe_forward's 9 tensor inputs."""
     x, router_w, w1, w2, b2, saved = ctx.saved_tensors
     need = ctx.needs_input_grad
-    bits = ((_IN_X, _NEED_X), (_IN_ROUTER, _NEED_ROUTER), (_IN_W1, _NEED_W1),
-            (_IN_B1, _NEED_B1), (_IN_W2, _NEED_W2), (_IN_B2, _NEED_B2), (_IN_SCORE, _NEED_SCORE))
     needs = 0
-    for pos, bit in bits:
+    for pos, bit in _GRAD_SLOTS:
         if need[pos]:
             needs |= bit
-    grads = [None] * _N_INPUTS
+    grads = [None] * _N_TENSORS
     if needs == 0 or (dout is None and dlogits is None):
-        return tuple(grads)
+        return grads
     if ctx.inference:
         raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
                         "backward through smoe.moe(..., inference=True): the forward kept "
@@ -448,17 +567,80 @@ def _backward(ctx, dout, dcounts, dlogits, dsaved):
         dout = torch.zeros_like(x)
     if dlogits is not None and dlogits.numel() == 0:
         dlogits = None
-    dx, dr, dw1, db1, dw2, db2, ds = torch.ops.smoe.moe_backward(
-        dout, dlogits, x, router_w, w1, w2, b2, saved, ctx.pairs, ctx.has_bias, *ctx.cfg, needs)
-    for pos, bit, g in ((_IN_X, _NEED_X, dx), (_IN_ROUTER, _NEED_ROUTER, dr),
-                        (_IN_W1, _NEED_W1, dw1), (_IN_B1, _NEED_B1, db1), (_IN_W2, _NEED_W2, dw2),
-                        (_IN_B2, _NEED_B2, db2), (_IN_SCORE, _NEED_SCORE, ds)):
+    layer = ctx.layer
+    if (layer is not None and not torch.is_grad_enabled()
+            and _direct(x.device, dout, dlogits, x, router_w, w1, w2, b2, saved)):
+        out = _backward_core(layer, dout, dlogits, x, router_w, w1, w2, b2, saved, ctx.pairs,
+                             needs)
+    else:
+        out = torch.ops.smoe.moe_backward(dout, dlogits, x, router_w, w1, w2, b2, saved,
+                                          [ctx.pairs, int(ctx.has_bias), *ctx.options, needs])
+    for (pos, bit), g in zip(_GRAD_SLOTS, out):
         if needs & bit:
             grads[pos] = g
-    return tuple(grads)
+    return grads
+
+
+def _backward(ctx, dout, dcounts, dlogits, dsaved):
+    return tuple(_input_grads(ctx, dout, dlogits)) + (None,)   # none for config
 
 
 _moe_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------ the eager path
+
+class _MoeFunction(torch.autograd.Function):
+    """moe_forward's autograd formula for plain eager calls (see _direct),
+    without the dispatcher: the same implementation, the same saved
+    tensors, the backward called directly when it can be."""
+
+    @staticmethod
+    def forward(ctx, x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2, layer,
+                config):
+        inference = bool(config[7])
+        out, counts, logits, saved = _forward_core(layer, x, router_w, pair_token, pair_expert,
+                                                   pair_score, w1, w2, b1, b2, inference,
+                                                   not inference)
+        ctx.set_materialize_grads(False)   # an unused output's gradient stays None
+        ctx.mark_non_differentiable(counts)
+        _save_context(ctx, x, router_w, pair_token, w1, w2, b1, b2, saved, tuple(config[:7]),
+                      inference, layer)
+        return out, counts, logits
+
+    @staticmethod
+    def backward(ctx, dout, dcounts, dlogits):
+        return tuple(_input_grads(ctx, dout, dlogits)) + (None, None)
+
+
+# Set False to send every call through the operators (the tests run both ways).
+_EAGER = True
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_C = torch._C
+_functorch = getattr(_C, "_functorch", None)
+_peek_interpreter = getattr(_functorch, "peek_interpreter_stack", None)
+_dispatch_modes = getattr(_C, "_len_torch_dispatch_stack", None)
+_function_modes = getattr(_C, "_is_torch_function_mode_enabled", None)
+_jit_tracing = getattr(_C, "_get_tracing_state", None)
+if None in (_peek_interpreter, _dispatch_modes, _function_modes, _jit_tracing):
+    _EAGER = False   # this PyTorch cannot tell: always the operators
+
+
+def _direct(device, *tensors):
+    """Whether a call on these tensors can skip the operators: a plain eager
+    call on plain CPU or CUDA tensors, which the operators would send
+    straight to their implementation (so it computes the same)."""
+    if torch.compiler.is_compiling() or not _EAGER:
+        return False
+    if device.type != "cpu" and device.type != "cuda":
+        return False
+    if (_dispatch_modes() or _function_modes() or _peek_interpreter() is not None
+            or _jit_tracing() is not None):
+        return False
+    for t in tensors:
+        if t is not None and type(t) not in _PLAIN:
+            return False
+    return True
 
 
 # ------------------------------------------------------------ public functions
@@ -479,7 +661,7 @@ def _check_tensor(t, name, dim, device, dtype=None):
 
 
 def _check_shape(t, name, shape):
-    if tuple(t.shape) != tuple(shape):
+    if t.shape != shape:
         raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "%s has shape %s, expected %s"
                         % (name, tuple(t.shape), tuple(shape)))
 
@@ -491,30 +673,33 @@ def _check_experts(x, w1, w2, b1, b2, activation):
         raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
                         "x has dtype %s: smoe takes float32, bfloat16 or float64" % x.dtype)
     d = x.shape[-1]
-    _check_tensor(w1, "w1", 3, x.device, x.dtype)
-    _check_tensor(w2, "w2", 3, x.device, x.dtype)
-    E = w1.shape[0]
+    device, dtype = x.device, x.dtype
+    _check_tensor(w1, "w1", 3, device, dtype)
+    _check_tensor(w2, "w2", 3, device, dtype)
+    E, h, _ = w1.shape
     n = w2.shape[2]
-    gated = activation in GATED
-    _check_shape(w1, "w1", (E, 2 * n if gated else n, d))
+    _check_shape(w1, "w1", (E, 2 * n if activation in GATED else n, d))
     _check_shape(w2, "w2", (E, d, n))
     if (b1 is None) != (b2 is None):
         if b1 is None:
-            b1 = torch.zeros((E, w1.shape[1]), dtype=x.dtype, device=x.device)
+            b1 = torch.zeros((E, h), dtype=dtype, device=device)
         else:
-            b2 = torch.zeros((E, d), dtype=x.dtype, device=x.device)
+            b2 = torch.zeros((E, d), dtype=dtype, device=device)
     if b1 is not None:
-        _check_tensor(b1, "b1", 2, x.device, x.dtype)
-        _check_tensor(b2, "b2", 2, x.device, x.dtype)
-        _check_shape(b1, "b1", (E, w1.shape[1]))
+        _check_tensor(b1, "b1", 2, device, dtype)
+        _check_tensor(b2, "b2", 2, device, dtype)
+        _check_shape(b1, "b1", (E, h))
         _check_shape(b2, "b2", (E, d))
     return d, n, E, b1, b2
 
 
 def _autocast_dtype(device):
     if _AUTOCAST_BY_DEVICE:
-        if torch.is_autocast_enabled(device.type):
-            return torch.get_autocast_dtype(device.type)
+        try:
+            if torch.is_autocast_enabled(device.type):
+                return torch.get_autocast_dtype(device.type)
+        except RuntimeError:   # a device type without autocast ('meta')
+            pass
         return None
     if device.type == "cuda" and torch.is_autocast_enabled():
         return torch.get_autocast_gpu_dtype()
@@ -543,6 +728,26 @@ except (TypeError, AttributeError):
 
 def _wants_grad(*tensors):
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _run(x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2, config, d, n, E):
+    """The forward on checked inputs (x (T, d)): through the eager path when
+    _direct() allows, else through the operator. Returns (out, counts,
+    logits)."""
+    if _direct(x.device, x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2):
+        top_k, routing, renormalize, act, layout, rounding, round_tile = config[:7]
+        cfg = (d, n, E, top_k, act, layout, b1 is not None, routing, bool(renormalize), rounding,
+               round_tile, _DTYPES[x.dtype])
+        layer = _get_layer(cfg, x.device)
+        if config[8] or (config[7] and _wants_grad(x, router_w, pair_score, w1, w2, b1, b2)):
+            # (inference=True with inputs that want a gradient: the output
+            # takes part in autograd, whose backward then says why not.)
+            return _MoeFunction.apply(x, router_w, pair_token, pair_expert, pair_score, w1, w2,
+                                      b1, b2, layer, config)
+        return _forward_core(layer, x, router_w, pair_token, pair_expert, pair_score, w1, w2,
+                             b1, b2, bool(config[7]), False)[:3]
+    return torch.ops.smoe.moe_forward(x, router_w, pair_token, pair_expert, pair_score, w1, w2,
+                                      b1, b2, config)[:3]
 
 
 def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
@@ -592,12 +797,15 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
         raise SmoeError(L.SMOE_ERROR_INVALID_SIZE,
                         "top_k = %r, must be an int in [1, E = %d]" % (top_k, E))
+    flat = x.dim() == 2
+    x2 = x if flat else x.reshape(-1, d)
+    save = not inference and _wants_grad(x2, router_w, w1, w2, b1, b2)
+    config = [int(top_k), routing_c, int(bool(renormalize)), act, layout, rounding,
+              int(round_tile), int(bool(inference)), int(save)]
+    out, counts, logits = _run(x2, router_w, None, None, None, w1, w2, b1, b2, config, d, n, E)
+    if flat:
+        return out, counts, logits
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, d)
-    save = not inference and _wants_grad(x, router_w, w1, w2, b1, b2)
-    out, counts, logits, _ = torch.ops.smoe.moe_forward(
-        x2, router_w, None, None, None, w1, w2, b1, b2, int(top_k), routing_c, bool(renormalize),
-        act, layout, rounding, int(round_tile), bool(inference), save)
     return out.view(*lead, d), counts, logits.view(*lead, E)
 
 
@@ -644,9 +852,10 @@ def moe_general(x, pair_token, pair_expert, pair_score, w1, w2, b1=None, b2=None
     if validate and pairs > 0:
         _validate_triples(pair_token, pair_expert, pair_score, x.shape[0], E)
     save = not inference and _wants_grad(x, pair_score, w1, w2, b1, b2)
-    out, counts, _, _ = torch.ops.smoe.moe_forward(
-        x, None, pair_token, pair_expert, pair_score, w1, w2, b1, b2, 0, L.SMOE_ROUTING_GENERAL,
-        False, act, layout, L.SMOE_ROUND_OFF, 128, bool(inference), save)
+    config = [0, L.SMOE_ROUTING_GENERAL, 0, act, layout, L.SMOE_ROUND_OFF, 128,
+              int(bool(inference)), int(save)]
+    out, counts, _ = _run(x, None, pair_token, pair_expert, pair_score, w1, w2, b1, b2, config,
+                          d, n, E)
     return out, counts
 
 

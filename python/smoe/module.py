@@ -11,6 +11,12 @@ from .functional import ACTIVATIONS, GATED, _enum, moe
 
 __all__ = ["Experts", "MoE", "switch_load_balancing_loss", "load_hf_moe_weights"]
 
+# Each activation code's first name in ACTIVATIONS ('relu2' for RELU2).
+_ACT_NAMES = {}
+for _name, _code in ACTIVATIONS.items():
+    _ACT_NAMES.setdefault(_code, _name)
+del _name, _code
+
 
 class Experts(nn.Module):
     """E linear maps stacked: weight (E, out_features, in_features), bias
@@ -113,7 +119,7 @@ class MoE(nn.Module):
         return out, switch_load_balancing_loss(logits, counts)
 
     def _act_name(self):
-        return next(k for k, v in ACTIVATIONS.items() if v == self._act)
+        return _ACT_NAMES[self._act]
 
     def extra_repr(self):
         return ("num_experts=%d, top_k=%d, hidden_size=%d, intermediate_size=%d, "

@@ -52,8 +52,9 @@ def _fwd_args(save=True, bias=True, routing=0, rounding=0):
                                 dtype=torch.float32)
     ins = [t.requires_grad_() if t is not None else None for t in (x, r, w1, w2, b1, b2)]
     x, r, w1, w2, b1, b2 = ins
-    return (x, r, None, None, None, w1, w2, b1, b2, 2, routing, True, 0, 0, rounding, 4, False,
-            save)
+    # config: top_k, routing, renormalize, activation, w1_layout, rounding,
+    # round_tile, inference, save
+    return (x, r, None, None, None, w1, w2, b1, b2, [2, routing, 1, 0, 0, rounding, 4, 0, int(save)])
 
 
 # opcheck's AOT-dispatch tests compare every output bit for bit between two
@@ -82,7 +83,9 @@ def test_opcheck_backward():
         out, counts, logits, saved = torch.ops.smoe.moe_forward(*args)
     dout = torch.randn_like(out)
     dlog = torch.randn_like(logits)
-    bargs = (dout, dlog, x.detach(), r.detach(), w1.detach(), w2.detach(), b2.detach(), saved, 0,
-             True, 2, 0, True, 0, 0, 0, 4, 0b111111)
+    # config: pairs, has_bias, top_k, routing, renormalize, activation,
+    # w1_layout, rounding, round_tile, needs
+    bargs = (dout, dlog, x.detach(), r.detach(), w1.detach(), w2.detach(), b2.detach(), saved,
+             [0, 1, 2, 0, 1, 0, 0, 0, 4, 0b111111])
     torch.library.opcheck(torch.ops.smoe.moe_backward.default, bargs,
                           test_utils=("test_schema", "test_faketensor"))
