@@ -4,7 +4,6 @@ import re
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from . import _lib as L
 from .functional import ACTIVATIONS, GATED, _enum, moe
@@ -52,10 +51,18 @@ def switch_load_balancing_loss(router_logits, expert_counts):
     router_logits (smoe passes it to the library as dlogits_extra)."""
     logits = router_logits.reshape(-1, router_logits.shape[-1])
     E = logits.shape[1]
-    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-    p = F.normalize(probs.sum(0), p=1, dim=0)
-    f = F.normalize(expert_counts.to(torch.float32), p=1, dim=0)
+    # F.softmax(logits, -1, dtype=float32) and F.normalize(., p=1, dim=0),
+    # spelled as the tensor operations those run (the same kernels and
+    # autograd graph, so the same bits) without their Python wrappers.
+    probs = logits.softmax(-1, dtype=torch.float32)
+    p = _l1_normalize(probs.sum(0))
+    f = _l1_normalize(expert_counts.to(torch.float32))
     return E * (p * f).sum()
+
+
+def _l1_normalize(v):
+    """F.normalize(v, p=1, dim=0, eps=1e-12)."""
+    return v / torch.linalg.vector_norm(v, 1, 0, keepdim=True).clamp_min(1e-12).expand_as(v)
 
 
 class MoE(nn.Module):

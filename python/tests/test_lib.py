@@ -147,3 +147,27 @@ def test_route_cpu_binding():
     assert expert.tolist() == [[1, 3], [0, 1], [2, 4]]
     e = np.exp(np.array([3.0, 2.0]) - 3.0)
     np.testing.assert_allclose(score[0], e / e.sum(), rtol=1e-6)
+
+
+def test_raw_argument_structs_match_the_mirrors():
+    # smoe.functional fills forward_args_raw / backward_args_raw (pointers
+    # as c_void_p, smoe_grad members flattened): every field at the offset
+    # and with the size of the mirror's field, and the same total size.
+    for raw, mirror in ((L.forward_args_raw, L.smoe_forward_args),
+                        (L.backward_args_raw, L.smoe_backward_args)):
+        want = {}
+        for name, ctype in mirror._fields_:
+            base = getattr(mirror, name).offset
+            if ctype is L.smoe_grad:
+                for f, t in L.smoe_grad._fields_:
+                    want[name + "_" + f] = (base + getattr(L.smoe_grad, f).offset,
+                                            ctypes.sizeof(t))
+            else:
+                want[name] = (base, ctypes.sizeof(ctype))
+        got = {f: (getattr(raw, f).offset, getattr(raw, f).size) for f, _ in raw._fields_}
+        assert got == want, raw.__name__
+        assert [f for f, _ in raw._fields_] == list(want), raw.__name__
+        assert ctypes.sizeof(raw) == ctypes.sizeof(mirror), raw.__name__
+    L.lib()
+    assert L.forward_raw.argtypes[1]._type_ is L.forward_args_raw
+    assert L.backward_raw.argtypes[1]._type_ is L.backward_args_raw

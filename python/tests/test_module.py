@@ -194,3 +194,27 @@ def test_load_from_transformers_model(family):
     want = want[0] if isinstance(want, tuple) else want
     out, _ = m(x)
     assert_close(out, want, 1e-5, "out")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_switch_loss_is_the_normalize_formula_bit_for_bit(dtype):
+    # smoe's switch_load_balancing_loss spells F.softmax / F.normalize as the
+    # tensor operations they run: the same value and gradient, to the bit.
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 5, 6, generator=g).to(dtype)
+    counts = torch.tensor([4, 0, 7, 1, 3, 15], dtype=torch.int32)
+
+    def textbook(lg):
+        lg = lg.reshape(-1, lg.shape[-1])
+        probs = F.softmax(lg, dim=-1, dtype=torch.float32)
+        p = F.normalize(probs.sum(0), p=1, dim=0)
+        f = F.normalize(counts.to(torch.float32), p=1, dim=0)
+        return lg.shape[1] * (p * f).sum()
+
+    res = []
+    for fn in (smoe.switch_load_balancing_loss, lambda lg, c: textbook(lg)):
+        lg = logits.clone().requires_grad_()
+        loss = fn(lg, counts)
+        loss.backward()
+        res.append((loss.detach(), lg.grad))
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
