@@ -481,8 +481,8 @@ def _moe_forward_fake(x, router_w, pair_token, pair_expert, pair_score, w1, w2, 
 @torch.library.custom_op("smoe::moe_backward", mutates_args=())
 def _moe_backward(dout: Tensor, dlogits_extra: Optional[Tensor], x: Tensor,
                   router_w: Optional[Tensor], w1: Tensor, w2: Tensor, b2: Optional[Tensor],
-                  saved: Tensor,
-                  config: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  saved: Tensor, config: List[int]
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, drouter_w, dw1, db1, dw2, db2, dpair_score); a gradient not asked
     for in `needs` (or not part of the layer) is an empty tensor.
 

@@ -54,7 +54,8 @@ def _fwd_args(save=True, bias=True, routing=0, rounding=0):
     x, r, w1, w2, b1, b2 = ins
     # config: top_k, routing, renormalize, activation, w1_layout, rounding,
     # round_tile, inference, save
-    return (x, r, None, None, None, w1, w2, b1, b2, [2, routing, 1, 0, 0, rounding, 4, 0, int(save)])
+    return (x, r, None, None, None, w1, w2, b1, b2,
+            [2, routing, 1, 0, 0, rounding, 4, 0, int(save)])
 
 
 # opcheck's AOT-dispatch tests compare every output bit for bit between two
