@@ -376,15 +376,30 @@ __device__ __forceinline__ void sm90_act_fd_ct(float x, float &f, float &df)
     }
 }
 
-/* dh's flush body for one thread's 4 rows, activation ACT; FULL: all 64
- * rows of the block are valid, so the rows need no predicate and the
- * compiler can interleave all 16 elements. */
+/* sm90_act_fd (ACT < 0) or sm90_act_fd_ct<ACT>. */
+template <int ACT>
+__device__ __forceinline__ void sm90_act_fd_any(int act, float x, float &f, float &df)
+{
+    if constexpr (ACT < 0) sm90_act_fd(act, x, f, df);
+    else sm90_act_fd_ct<ACT>(x, f, df);
+}
+
+/* dh's flush body for one thread's 4 rows (after the loads and the staging
+ * barrier): per row r and unit u, with dA' staged in fp32 and s = score[r],
+ *   gated:     A = f(g) u, dH = (s dA' f'(g) u, s dA' f(g)), A' = s A
+ *   non-gated: A = f(h),   dH = s dA' f'(h),                 A' = s A
+ * and dS partials <dA', A> summed over the row's 8 threads in a fixed order
+ * into dsr[i] (row t/8 + 16 i). ACT < 0: the activation (and gating) from
+ * the runtime `act` / `gated`, dispatched per element; ACT >= 0: known at
+ * compile time. FULL: all 64 rows of the block are valid, so the rows need
+ * no predicate and the compiler can interleave all 16 elements. */
 template <int ACT, bool FULL>
 __device__ __forceinline__ void ep_dh_rows(const uint8_t *eb, const uint4 *hvs, const float *ss,
                                            bf16 *out_dh, bf16 *out_as, int h_cols, int n,
-                                           int wrow0, int u, int nvalid, int t, float *dsr)
+                                           int gated, int act, int wrow0, int u, int nvalid,
+                                           int t, float *dsr)
 {
-    constexpr bool GATED = ACT <= SMOE_ACT_REGLU;
+    const bool GATED = ACT < 0 ? gated != 0 : ACT <= SMOE_ACT_REGLU;
     const int v = t & 7;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -396,7 +411,7 @@ __device__ __forceinline__ void ep_dh_rows(const uint8_t *eb, const uint4 *hvs, 
             const float4 da = *(const float4 *)(eb + r * SM90_EP_STRIDE + v * 16);
             const float dav[4] = {da.x, da.y, da.z, da.w};
             float av[4];
-            if constexpr (GATED) {
+            if (GATED) {
                 const uint4 hv = hvs[i];
                 const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv;
                 uint32_t dh_pk[4];
@@ -404,7 +419,7 @@ __device__ __forceinline__ void ep_dh_rows(const uint8_t *eb, const uint4 *hvs, 
                 for (int k = 0; k < 4; k++) {
                     const float g = __low2float(h2[k]), up = __high2float(h2[k]);
                     float f, df;
-                    sm90_act_fd_ct<ACT>(g, f, df);
+                    sm90_act_fd_any<ACT>(act, g, f, df);
                     av[k] = f * up;
                     __nv_bfloat162 o = __floats2bfloat162_rn(s * dav[k] * df * up, s * dav[k] * f);
                     dh_pk[k] = *(uint32_t *)&o;
@@ -419,7 +434,7 @@ __device__ __forceinline__ void ep_dh_rows(const uint8_t *eb, const uint4 *hvs, 
                 for (int k = 0; k < 4; k++) {
                     const float x = (k & 1) ? __high2float(h2[k >> 1]) : __low2float(h2[k >> 1]);
                     float f, df;
-                    sm90_act_fd_ct<ACT>(x, f, df);
+                    sm90_act_fd_any<ACT>(act, x, f, df);
                     av[k] = f;
                     dhv[k] = s * dav[k] * df;
                 }
@@ -448,9 +463,11 @@ __device__ __forceinline__ void ep_dh_rows_any(const uint8_t *eb, const uint4 *h
                                                int t, float *dsr)
 {
     if (nvalid >= 64)
-        ep_dh_rows<ACT, true>(eb, hvs, ss, out_dh, out_as, h_cols, n, wrow0, u, nvalid, t, dsr);
+        ep_dh_rows<ACT, true>(eb, hvs, ss, out_dh, out_as, h_cols, n, 0, 0, wrow0, u, nvalid, t,
+                              dsr);
     else
-        ep_dh_rows<ACT, false>(eb, hvs, ss, out_dh, out_as, h_cols, n, wrow0, u, nvalid, t, dsr);
+        ep_dh_rows<ACT, false>(eb, hvs, ss, out_dh, out_as, h_cols, n, 0, 0, wrow0, u, nvalid, t,
+                               dsr);
 }
 
 /* ep_flush_dh with one activation dispatch per chunk (SM90_FL_DH_CT; the
@@ -482,76 +499,21 @@ __device__ __noinline__ void ep_flush_dh_ct(const uint8_t *eb, const bf16 *h_in,
     named_barrier_sync(1 + cw, 128);
 }
 
-/* dh's flush: per row r and unit u of the chunk (32 units from u0), with
- * dA' staged in fp32, H read from memory and s = score[r]:
- *   gated:     A = f(g) u, dH = (s dA' f'(g) u, s dA' f(g)), A' = s A
- *   non-gated: A = f(h),   dH = s dA' f'(h),                 A' = s A
- * and dS partials <dA', A> summed over the row's 8 threads in a fixed order
- * into dsr[i] (row t/8 + 16 i). 4 units per thread, loaded by ep_dh_load. */
+/* dh's flush (the default): dA' for 32 units from u0 staged in fp32 by the
+ * warpgroup; H and scores by ep_dh_load, then ep_dh_rows with the runtime
+ * activation. */
 __device__ __noinline__ void ep_flush_dh(const uint8_t *eb, const bf16 *h_in, const float *score,
                                          bf16 *out_dh, bf16 *out_as, int h_cols, int n, int gated,
                                          int act, int wrow0, int u0, int nvalid, int t, int cw,
                                          float *dsr)
 {
-    const int v = t & 7;
-    const int u = u0 + 4 * v;
+    const int u = u0 + 4 * (t & 7);
     uint4 hvs[4];
     float ss[4];
     ep_dh_load(h_in, score, h_cols, gated, wrow0, u, nvalid, t, hvs, ss);
     named_barrier_sync(1 + cw, 128);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int r = (t >> 3) + 16 * i;
-        float part = 0.0f;
-        if (r < nvalid) {
-            const int64_t row = wrow0 + r;
-            const float s = ss[i];
-            const float4 da = *(const float4 *)(eb + r * SM90_EP_STRIDE + v * 16);
-            const float dav[4] = {da.x, da.y, da.z, da.w};
-            float av[4];
-            uint32_t dh_pk[4];
-            if (gated) {
-                const uint4 hv = hvs[i];
-                const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv;
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    const float g = __low2float(h2[k]), up = __high2float(h2[k]);
-                    float f, df;
-                    sm90_act_fd(act, g, f, df);
-                    av[k] = f * up;
-                    __nv_bfloat162 o = __floats2bfloat162_rn(s * dav[k] * df * up, s * dav[k] * f);
-                    dh_pk[k] = *(uint32_t *)&o;
-                }
-                *(uint4 *)(out_dh + row * h_cols + 2 * u) =
-                    make_uint4(dh_pk[0], dh_pk[1], dh_pk[2], dh_pk[3]);
-            } else {
-                const uint2 hv = make_uint2(hvs[i].x, hvs[i].y);
-                const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv;
-                float dhv[4];
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    const float x = (k & 1) ? __high2float(h2[k >> 1]) : __low2float(h2[k >> 1]);
-                    float f, df;
-                    sm90_act_fd(act, x, f, df);
-                    av[k] = f;
-                    dhv[k] = s * dav[k] * df;
-                }
-                __nv_bfloat162 o0 = __floats2bfloat162_rn(dhv[0], dhv[1]);
-                __nv_bfloat162 o1 = __floats2bfloat162_rn(dhv[2], dhv[3]);
-                *(uint2 *)(out_dh + row * h_cols + u) =
-                    make_uint2(*(uint32_t *)&o0, *(uint32_t *)&o1);
-            }
-            __nv_bfloat162 a0 = __floats2bfloat162_rn(s * av[0], s * av[1]);
-            __nv_bfloat162 a1 = __floats2bfloat162_rn(s * av[2], s * av[3]);
-            *(uint2 *)(out_as + row * n + u) = make_uint2(*(uint32_t *)&a0, *(uint32_t *)&a1);
-            part = dav[0] * av[0] + dav[1] * av[1] + dav[2] * av[2] + dav[3] * av[3];
-        }
-        /* the row's 8 threads are 8 consecutive lanes */
-        part += __shfl_xor_sync(0xffffffffu, part, 1);
-        part += __shfl_xor_sync(0xffffffffu, part, 2);
-        part += __shfl_xor_sync(0xffffffffu, part, 4);
-        dsr[i] += part;
-    }
+    ep_dh_rows<-1, false>(eb, hvs, ss, out_dh, out_as, h_cols, n, gated, act, wrow0, u, nvalid, t,
+                          dsr);
     named_barrier_sync(1 + cw, 128);
 }
 
