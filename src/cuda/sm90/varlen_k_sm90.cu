@@ -84,21 +84,19 @@ using namespace smoe_sm90;
 
 /* Kernel variants (bits of the CFG template parameter; the benchmark hook
  * smoe_sm90_vk_variant picks one, VK_DEFAULT_CFG otherwise). Measured in
- * notes/sm90_varlenk_log.md; the default is all three (11).
+ * notes/sm90_varlenk_log.md; the default is both (3).
  *   VK_F_TMA:     the contiguous operand by TMA on the expert's whole k-tiles
  *                 (cp.async only for its last, partial one);
  *   VK_F_NOFENCE: no fence.proxy.async after the consumers' full-barrier
- *                 wait (as CUTLASS's cp.async wgmma mainloop and QuACK do);
- *   VK_F_LEAN:    the producer with its per-tile work hoisted out of the
- *                 k-loop (vk_producer_lean), about 4x fewer instructions per
- *                 stage; without it, the first version's producer.
- * (A fourth flag, 32 k-rows x 8 stages, measured 5-20% slower with either
- * producer and was removed.) */
+ *                 wait (as CUTLASS's cp.async wgmma mainloop and QuACK do).
+ * Two flags measured in the same runs were removed after them: VK_F_LEAN
+ * (8; the producer with its per-tile work hoisted, about 4x fewer
+ * instructions per stage) is now the only producer, so the measured variant
+ * 11 is today's 3 and 9 is 1; 32 k-rows x 8 stages was 5-20% slower. */
 #define VK_F_TMA 1
 #define VK_F_NOFENCE 2
-#define VK_F_LEAN 8
-#define VK_F_ALL (VK_F_TMA | VK_F_NOFENCE | VK_F_LEAN)
-#define VK_DEFAULT_CFG (VK_F_TMA | VK_F_NOFENCE | VK_F_LEAN)
+#define VK_F_ALL (VK_F_TMA | VK_F_NOFENCE)
+#define VK_DEFAULT_CFG (VK_F_TMA | VK_F_NOFENCE)
 
 template <int CFG>
 struct vk_cfg {
@@ -110,7 +108,6 @@ struct vk_cfg {
     static constexpr int TOK_SLOT_BYTES = 128 * RPT * 4; /* RPT tokens per producer thread */
     static constexpr bool TMA = (CFG & VK_F_TMA) != 0;
     static constexpr bool FENCE = (CFG & VK_F_NOFENCE) == 0;
-    static constexpr bool LEAN = (CFG & VK_F_LEAN) != 0;
     static_assert(RPT == 4, "a producer thread reads its 4 tokens as one vector");
 };
 
@@ -385,16 +382,17 @@ static __device__ __forceinline__ void vk_cp_async_16_full(uint32_t dst, const v
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 
-/* The lean producer (VK_F_LEAN, the default): the same iterations, ring and
- * token prefetch as the first version's producer (inline in the kernel
- * below), with the per-tile work done once per tile. On a whole k-tile of a tile inside both matrices' columns
- * a gathered row costs one wide multiply-add (token x row pitch + column
- * base) and its 16-byte copies take the slab offsets as immediates; the
- * contiguous operand's rows walk a pointer (or come by TMA with VK_F_TMA).
- * Other k-tiles (the expert's last, partial one; partial column tiles) take
- * the general zero-filling path. */
+/* The producer: the tile/k-tile iterations (vk_cursor), the row tokens
+ * TOK_AHEAD iterations ahead through the thread's ring slots, and the
+ * per-tile work done once per tile (the first version, which redid it every
+ * stage, was removed after measuring: notes/sm90_varlenk_log.md). On a whole
+ * k-tile of a tile inside both matrices' columns a gathered row costs one
+ * wide multiply-add (token x row pitch + column base) and its 16-byte copies
+ * take the slab offsets as immediates; the contiguous operand's rows walk a
+ * pointer (or come by TMA with VK_F_TMA). Other k-tiles (the expert's last,
+ * partial one; partial column tiles) take the general zero-filling path. */
 template <int BN, bool GATHER_A, int CFG>
-static __device__ __forceinline__ void vk_producer_lean(const vk_args &p, const CUtensorMap *cmap,
+static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUtensorMap *cmap,
                                                         uint32_t base, uint32_t full_bar,
                                                         uint32_t empty_bar, uint32_t tok_ring,
                                                         int t)
@@ -508,7 +506,7 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
     vk_varlen_k_kernel(const vk_args p, const __grid_constant__ CUtensorMap cmap)
 {
     typedef vk_cfg<CFG> C;
-    constexpr int BK = C::BK, STAGES = C::STAGES, RPT = C::RPT;
+    constexpr int BK = C::BK, STAGES = C::STAGES;
     constexpr uint32_t A_BYTES = BK * VK_BM * 2;
     constexpr uint32_t B_BYTES = BK * BN * 2;
     constexpr uint32_t STAGE_BYTES = A_BYTES + B_BYTES;
@@ -537,76 +535,8 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
     if (wg == 0) {
         /* ---------------- producer ---------------- */
         setmaxnreg_dec<VK_PRODUCER_REGS>();
-        if constexpr (C::LEAN) {
-            vk_producer_lean<BN, GATHER_A, CFG>(p, &cmap, base, full_bar, empty_bar, tok_ring, t);
-            return;
-        }
-        const int g = t / 8, q = t % 8;
-        const uint32_t my_tok = tok_ring + 4 * RPT * t;
-        vk_cursor cur, ahead;
-        vk_cursor_start<BK>(p, &cur);
-        ahead = cur;
-        /* row tokens travel TOK_AHEAD iterations ahead of the copies that
-         * use them, through this thread's own slots of a small ring, so no
-         * copy waits on a token load queued behind earlier copies */
-#pragma unroll 1
-        for (int i = 0; i < C::TOK_AHEAD; i++) {
-            if (ahead.tile < p.total_tiles) {
-                vk_fetch_tokens<BK>(p, ahead, my_tok + i * C::TOK_SLOT_BYTES, g);
-                vk_cursor_next<BK>(p, &ahead);
-            }
-            cp_async_commit();
-        }
-        for (uint32_t it = 0; cur.tile < p.total_tiles; it++, vk_cursor_next<BK>(p, &cur)) {
-            if (ahead.tile < p.total_tiles) {
-                vk_fetch_tokens<BK>(
-                    p, ahead, my_tok + ((it + C::TOK_AHEAD) % C::TOK_SLOTS) * C::TOK_SLOT_BYTES, g);
-                vk_cursor_next<BK>(p, &ahead);
-            }
-            cp_async_commit();
-            /* the groups older than the last TOK_AHEAD hold this
-             * iteration's tokens (and the copies of iteration it - STAGES,
-             * which must land before this stage is refilled anyway) */
-            cp_async_wait<C::TOK_AHEAD>();
-            const uint32_t s = it % STAGES;
-            const uint32_t ph = (it / STAGES) & 1;
-            int e, mt, nt;
-            vk_tile_coords(p, cur.tile, &e, &mt, &nt);
-            const int row0 = cur.row_begin + cur.kt * BK;
-            const int rows_left = cur.row_end - row0;
-            int src_row[RPT];
-            {
-                uint4 tk = ld_shared_v4(my_tok + (it % C::TOK_SLOTS) * C::TOK_SLOT_BYTES);
-                src_row[0] = (int)tk.x; src_row[1] = (int)tk.y;
-                src_row[2] = (int)tk.z; src_row[3] = (int)tk.w;
-            }
-            int own_row[RPT];
-#pragma unroll
-            for (int i = 0; i < RPT; i++) own_row[i] = row0 + RPT * g + i;
-            const uint32_t sa = base + s * STAGE_BYTES;
-            const uint32_t fb = full_bar + 8 * s;
-            mbar_wait(empty_bar + 8 * s, ph ^ 1);
-            if (C::TMA && rows_left >= BK) {
-                /* a whole k-tile: the contiguous operand by TMA */
-                if (GATHER_A) {
-                    if (t == 0) vk_tma_operand<BN, BK>(sa + A_BYTES, &cmap, fb, nt * BN, p.N, row0);
-                    vk_copy_operand<VK_BM, BK>(sa, p.a, p.M, mt * VK_BM, p.M, src_row, rows_left,
-                                               g, q);
-                } else {
-                    if (t == 0) vk_tma_operand<VK_BM, BK>(sa, &cmap, fb, mt * VK_BM, p.M, row0);
-                    vk_copy_operand<BN, BK>(sa + A_BYTES, p.b, p.N, nt * BN, p.N, src_row,
-                                            rows_left, g, q);
-                }
-            } else {
-                vk_copy_operand<VK_BM, BK>(sa, p.a, p.M, mt * VK_BM, p.M,
-                                           GATHER_A ? src_row : own_row, rows_left, g, q);
-                vk_copy_operand<BN, BK>(sa + A_BYTES, p.b, p.N, nt * BN, p.N,
-                                        GATHER_A ? own_row : src_row, rows_left, g, q);
-                if (C::TMA && t == 0) mbar_arrive(fb);
-            }
-            cp_async_mbar_arrive_noinc(fb);
-        }
-        asm volatile("cp.async.wait_all;" ::: "memory");
+        vk_producer<BN, GATHER_A, CFG>(p, &cmap, base, full_bar, empty_bar, tok_ring, t);
+        return;
     } else {
         /* ---------------- consumers ---------------- */
         setmaxnreg_inc<VK_CONSUMER_REGS>();
@@ -714,11 +644,7 @@ static smoe_status vk_launch_cfg(int cfg, const vk_args *a, const CUtensorMap *m
     case 0: return vk_launch<BN, GATHER_A, 0>(a, map, num_sms, stream);
     case 1: return vk_launch<BN, GATHER_A, 1>(a, map, num_sms, stream);
     case 2: return vk_launch<BN, GATHER_A, 2>(a, map, num_sms, stream);
-    case 3: return vk_launch<BN, GATHER_A, 3>(a, map, num_sms, stream);
-    case 8: return vk_launch<BN, GATHER_A, 8>(a, map, num_sms, stream);
-    case 9: return vk_launch<BN, GATHER_A, 9>(a, map, num_sms, stream);
-    case 10: return vk_launch<BN, GATHER_A, 10>(a, map, num_sms, stream);
-    default: return vk_launch<BN, GATHER_A, 11>(a, map, num_sms, stream);
+    default: return vk_launch<BN, GATHER_A, 3>(a, map, num_sms, stream);
     }
 }
 
