@@ -47,6 +47,13 @@ LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudar
 endif
 
 LIB_OBJ := $(CPU_OBJ) $(CUDA_OBJ)
+
+# A CPU-only build (SMOE_CUDA=0) and a CUDA build share $(BUILD): every object
+# depends on a stamp named by a hash of the flags, so switching rebuilds
+# instead of linking objects compiled for the other configuration.
+FLAGS_STAMP := $(BUILD)/.flags-$(shell echo '$(SMOE_CUDA) $(CFLAGS) $(NVCCFLAGS)' | cksum | cut -d' ' -f1)
+$(FLAGS_STAMP):
+	@mkdir -p $(BUILD) && rm -f $(BUILD)/.flags-* && touch $@
 LIB_A   := $(BUILD)/libsmoe.a
 LIB_SO  := $(BUILD)/libsmoe.so
 
@@ -63,22 +70,26 @@ GPU_TEST_BIN += $(GPU_TEST_CU:tests/gpu/%.cu=$(BUILD)/tests/gpu/%)
 PROGS += $(if $(wildcard bench/bench.c),$(BUILD)/smoe_bench)
 endif
 
-.PHONY: all lib run test test-gpu sanitize bench clean print-version
+.PHONY: all lib run test test-gpu sanitize bench clean print-version print-gpu-tests
 all: lib $(PROGS) $(TEST_BIN) $(GPU_TEST_BIN)
 lib: $(LIB_A) $(LIB_SO)
 
 print-version:
 	@echo $(VERSION)
 
-$(BUILD)/%.o: %.c include/smoe.h src/smoe_internal.h $(wildcard src/*.h src/cpu/*.h)
+# The GPU test programs (scripts/prebuild.sh stages them for the device).
+print-gpu-tests:
+	@echo $(GPU_TEST_BIN)
+
+$(BUILD)/%.o: %.c include/smoe.h src/smoe_internal.h $(wildcard src/*.h src/cpu/*.h) $(FLAGS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
-$(BUILD)/src/cuda/sm90/%.o: src/cuda/sm90/%.cu include/smoe.h src/smoe_internal.h $(wildcard src/cuda/*.h src/cuda/*.cuh src/cuda/sm90/*.cuh)
+$(BUILD)/src/cuda/sm90/%.o: src/cuda/sm90/%.cu include/smoe.h src/smoe_internal.h $(wildcard src/cuda/*.h src/cuda/*.cuh src/cuda/sm90/*.cuh) $(FLAGS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) $(CUDA_ARCH_SM90) -c $< -o $@
 
-$(BUILD)/src/cuda/%.o: src/cuda/%.cu include/smoe.h src/smoe_internal.h $(wildcard src/cuda/*.h src/cuda/*.cuh)
+$(BUILD)/src/cuda/%.o: src/cuda/%.cu include/smoe.h src/smoe_internal.h $(wildcard src/cuda/*.h src/cuda/*.cuh) $(FLAGS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) $(CUDA_ARCH_PORTABLE) -c $< -o $@
 
