@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""sonic_precompile.py: build, on a machine WITHOUT a GPU, every QuACK GEMM
-kernel that SonicMoE's autotuner compiles on its first forward+backward on an
-H100 (sm_90a), into QuACK's on-disk kernel cache, so that a device run only
-benchmarks the candidate configurations instead of compiling them.
+"""sonic_precompile.py: build, on a machine WITHOUT a GPU, every kernel that
+SonicMoE (0.1.2.post1 over quack-kernels 0.3.11, nvidia-cutlass-dsl 4.4.2,
+triton 3.6.0) compiles on its first forward+backward on an H100 (sm_90a):
+QuACK's GEMM candidates into QuACK's disk cache, the Triton kernels' candidates
+into Triton's; a device run then loads them and only times the candidates
+(its autotuning is unchanged).
 
-Why this works (quack-kernels 0.3.11, nvidia-cutlass-dsl 4.4.2):
+Why this works:
 - QuACK's GEMM entry points (quack/gemm.py, gemm_act.py, gemm_dact.py) compile
   through `jit_cache` (quack/cache_utils.py): the compile takes symbolic sizes
   (fake CuTe tensors), its key is (function, dtypes, majors, tile, cluster,
@@ -15,39 +17,49 @@ Why this works (quack-kernels 0.3.11, nvidia-cutlass-dsl 4.4.2):
   QuACK's own sources, so a cache made here from the same unpacked wheels is
   found by the device. The .o holds x86-64 host code and an sm_90a cubin; the
   device loads it with `cute.runtime.load_module` (milliseconds).
-- The autotuner (quack/autotuner.py) first compiles configs[0] in-process;
-  when that takes under 0.5 s (a cache hit) it starts no compile workers,
-  then times every candidate, each loaded from the cache.
+- QuACK's autotuner (quack/autotuner.py) first compiles configs[0]
+  in-process; when that takes under 0.5 s (a cache hit) it starts no compile
+  workers, then times every candidate, each loaded from the cache.
 - The compile needs no GPU: QUACK_ARCH=90 replaces the capability query,
-  CUTE_DSL_ARCH=sm_90a the DSL's, and the DSL's only driver use before the
-  export is a `cuInit(0)` check (cutlass/base_dsl/compiler.py) that fails
-  when libcuda.so.1 cannot be loaded. This script then builds a small
-  stand-in libcuda.so.1 (C, built with cc here) whose cuInit succeeds and
-  whose other entry points return CUDA_ERROR_STUB_LIBRARY, and runs itself
-  again with it on LD_LIBRARY_PATH. No kernel is launched.
+  CUTE_DSL_ARCH=sm_90a the DSL's, and the DSL's only driver use is a
+  `cuInit(0)` check before its JIT step (cutlass/base_dsl/compiler.py), which
+  fails when libcuda.so.1 cannot be loaded, and with the CUDA toolkit's link
+  stub too (cuda-bindings finds cuInit through cuGetProcAddress, which the
+  stub answers with an error). This script builds a small stand-in
+  libcuda.so.1 (C, compiled with cc into a temp folder) whose cuInit succeeds
+  and whose other entry points return CUDA_ERROR_STUB_LIBRARY, and runs
+  itself again with it on LD_LIBRARY_PATH. No kernel is launched.
+- Triton compiles without a GPU given a target: JITFunction.run(...,
+  warmup=True) compiles into TRITON_CACHE_DIR and launches nothing; the
+  device finds the kernel when the cache key matches (same triton build, same
+  source, specialization and options). Triton's group files record absolute
+  paths: the device must unpack the cache to the same path (--out).
 
 What it does: under torch's FakeTensorMode (device "cuda", no memory), it
-runs SonicMoE's own layer function (`moe_TC_softmax_topk_layer`, forward and
-`torch.autograd.grad`, tensors laid out as bench/compare.py passes them) for
-each configuration asked for, with SonicMoE's and QuACK's custom operators
-replaced by the Python functions they wrap, SonicMoE's non-GEMM kernels
-(Triton and the CuTe top-K, which do not use the disk cache) by no-ops, and
-QuACK's `Autotuner.__call__` by a loop that compiles every configuration the
-real autotuner would try (the same pruning function) with
-quack.cache_utils.COMPILE_ONLY set (as QuACK's own compile workers do). The
-kernel keys do not depend on T, d, n, E or K, so the first configuration
-compiles everything and the others only confirm it (in-memory hits).
+runs SonicMoE's own layer function (`moe_TC_softmax_topk_layer`, tensors laid
+out as bench/compare.py passes them) and then its backward nodes, for each
+configuration asked for, with SonicMoE's and QuACK's custom operators
+replaced by the Python functions they wrap, SonicMoE's CuTe top-K kernel
+(kept in memory only, never on disk) by a no-op, QuACK's
+`Autotuner.__call__` by a loop that compiles every candidate the real
+autotuner would time (the same pruning) with quack.cache_utils.COMPILE_ONLY
+set (as QuACK's own compile workers do), Triton's launches by compiles and
+Triton's autotuner by a loop over its pruned candidates. QuACK's kernel keys
+do not depend on T, d, n, E or K (the first configuration compiles all 80,
+the others hit them); Triton's depend on d and K (constexprs).
 
-Usage (Python 3.12, with torch, triton and cuda-bindings; the wheels of
-notes/compare.md unpacked into SITE):
+Usage (Python 3.12 with torch 2.11, triton 3.6.0 and cuda-bindings; the
+wheels of notes/compare.md unpacked into SITE):
     python3.12 scripts/sonic_precompile.py --site /tmp/cmp-site \
-        --out .sonic-cache/quack --jobs 2 --tar .sonic-cache/quack.tar.xz
-On the device: unpack the tar to a folder, export QUACK_CACHE_DIR=<folder>.
+        --out /tmp/sonic-cache --jobs 2 --tar .sonic-cache/sonic-cache.tar.xz
+On the device: tar -xJf .sonic-cache/sonic-cache.tar.xz -C /tmp, then
+QUACK_CACHE_DIR=/tmp/sonic-cache/quack TRITON_CACHE_DIR=/tmp/sonic-cache/triton.
 
 Options: --rows (grid rows of bench/grid.h, comma-separated, or all; default
 all), --shape T,d,n,E,K (repeatable), --jobs N (compile processes; each takes
-every N-th configuration of each GEMM), --list (print the GEMMs and their
-candidate counts, compile nothing), --tar FILE (xz-compressed tar of --out).
+every N-th candidate of each autotuned kernel), --no-triton (QuACK only),
+--list (count the kernels and candidates, compile nothing), --tar FILE
+(xz-compressed tar of --out, without lock files and Triton's IR files).
 """
 
 import argparse
@@ -333,6 +345,13 @@ def patch_triton(stats, part, nparts, list_only):
     orig_run = tj.JITFunction.run
 
     in_tuner = []
+    outcome = []  # cache_hit of the last compile, from Triton's compilation listener
+
+    def listener(src, metadata, metadata_group, times, cache_hit):
+        outcome.append(cache_hit)
+
+    from triton import knobs
+    knobs.compilation.listener = listener
 
     def jit_run(self, *args, grid, warmup, **kwargs):
         name = "triton " + self.fn.__name__
@@ -341,7 +360,7 @@ def patch_triton(stats, part, nparts, list_only):
         if list_only or (not in_tuner and part != 0):
             return None
         t0 = time.time()
-        n0 = len(self.device_caches[0][0]) if 0 in self.device_caches else 0
+        outcome.clear()
         try:
             orig_run(self, *[mock(a) for a in args], grid=grid, warmup=True,
                      **{k: mock(v) for k, v in kwargs.items()})
@@ -352,10 +371,8 @@ def patch_triton(stats, part, nparts, list_only):
                                                 if str(e).strip() else ""))
             return None
         st["seconds"] += time.time() - t0
-        if len(self.device_caches[0][0]) > n0:
-            st["compiled"] += 1
-        else:
-            st["hit"] += 1
+        # No listener call: an in-memory hit (same key earlier in this process).
+        st["hit" if outcome != [False] else "compiled"] += 1
         return None
 
     def tuner_run(self, *args, **kwargs):
