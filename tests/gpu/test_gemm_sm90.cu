@@ -13,7 +13,8 @@
  *                               CUDA events, median of 20), with sampled rows
  *                               checked, and cuBLAS dense GEMMs of the same
  *                               FLOPs in the same process as the roofline;
- *                               --shapes N times the first N shapes only.
+ *                               --shapes N times the first N shapes only,
+ *                               --only NAME the shape NAME (e.g. 7B) only.
  *   --variant V                 smoe_sm90_gemm_variant for every case and
  *                               shape: bits 0-1 force an `up` configuration
  *                               (1: BN=256, 2: BN=128 warp-per-stage), the
@@ -914,6 +915,7 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
 int main(int argc, char **argv)
 {
     int bench = 0, small = 0, cases = 40, nshapes = 4;
+    const char *only = NULL; /* --bench: this shape alone */
     uint64_t seed = 0x5EED5EEDull;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--bench")) bench = 1;
@@ -921,6 +923,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--shapes") && i + 1 < argc) nshapes = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 0);
         else if (!strcmp(argv[i], "--cases") && i + 1 < argc) cases = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
         else if (!strcmp(argv[i], "--variant") && i + 1 < argc) smoe_sm90_gemm_variant = atoi(argv[++i]);
     }
     g_rng = seed ? seed : 1;
@@ -943,12 +946,12 @@ int main(int argc, char **argv)
         }
         if (smoe_sm90_gemm_variant == 0) {
             /* the ping-pong kernels (up and dh, variant bits 16 and 32), the
-             * cluster kernels (bit 128) and the compile-time-activation dh
-             * flush (bit 512) on further random cases, so the variant code
+             * cluster kernels (bit 128) and the TMA-store epilogue of down
+             * and dxt (bit 512) on further random cases, so the variant code
              * stays tested */
             static const int vars[3] = {16 | 32, 128, 512};
             static const char *what[3] = {"ping-pong up and dh", "2-CTA clusters, weight multicast",
-                                          "dh flush with compile-time activation"};
+                                          "down and dxt stored by TMA"};
             for (int k = 0; k < 3; k++) {
                 smoe_sm90_gemm_variant = vars[k];
                 printf("variant %d (%s):\n", vars[k], what[k]);
@@ -969,6 +972,7 @@ int main(int argc, char **argv)
         cublasHandle_t cb;
         if (cublasCreate(&cb) != CUBLAS_STATUS_SUCCESS) { printf("cublasCreate failed\n"); return 2; }
         for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]) && (int)i < nshapes; i++) {
+            if (only && strcmp(only, shapes[i].name)) continue;
             total++;
             failed += !bench_shape(&shapes[i], sms, cb);
         }

@@ -108,9 +108,13 @@ using namespace smoe_sm90;
  *                  (empty barrier count 4, two arrivals remote). Measured
  *                  20-35% slower than one CTA per tile on an H100
  *                  (notes/sm90_log.md, rung 7); behind the hook, tested.
- *  SM90_FL_DH_CT   dh's flush with the activation dispatched once per chunk
- *                  (ep_flush_dh_ct); not yet timed. */
-enum { SM90_FL_WS = 1, SM90_FL_PP = 2, SM90_FL_CLUSTER = 4, SM90_FL_DH_CT = 8 };
+ *  SM90_FL_TMA_ST  down / dxt: whole 64-row blocks leave through a TMA store
+ *                  from a 128B-swizzled staging buffer (asynchronous: the
+ *                  warpgroup goes on to the next chunk or tile while it
+ *                  drains); partial blocks (an expert's last rows) keep the
+ *                  per-thread stores, so no row of the next expert is written.
+ *                  (The dh epilogue: ep_dh_direct, for every variant.) */
+enum { SM90_FL_WS = 1, SM90_FL_PP = 2, SM90_FL_CLUSTER = 4, SM90_FL_TMA_ST = 8 };
 
 enum { SM90_MODE_UP = 0, SM90_MODE_DOWN = 1, SM90_MODE_DXT = 2, SM90_MODE_DH = 3 };
 
@@ -150,36 +154,7 @@ struct sm90_tile_cfg {
     static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget");
 };
 
-/* ------------------------------------------------------------ activations */
-
-__device__ __forceinline__ float sm90_silu(float x) { return x / (1.0f + __expf(-x)); }
-
-__device__ __forceinline__ float sm90_gelu_tanh(float x)
-{
-    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-    /* 0.5 (1 + tanh z) = 1 / (1 + exp(-2z)): one exponential, no tanhf */
-    float z = k0 * (x + k1 * x * x * x);
-    return x / (1.0f + __expf(-2.0f * z));
-}
-
-__device__ __forceinline__ float sm90_act_gated(int act, float g, float u)
-{
-    switch (act) {
-    case SMOE_ACT_GEGLU: return sm90_gelu_tanh(g) * u;
-    case SMOE_ACT_REGLU: return fmaxf(g, 0.0f) * u;
-    default: return sm90_silu(g) * u; /* SWIGLU */
-    }
-}
-
-__device__ __forceinline__ float sm90_act_plain(int act, float h)
-{
-    switch (act) {
-    case SMOE_ACT_RELU2: { float r = fmaxf(h, 0.0f); return r * r; }
-    case SMOE_ACT_RELU: return fmaxf(h, 0.0f);
-    case SMOE_ACT_SILU: return sm90_silu(h);
-    default: return sm90_gelu_tanh(h); /* GELU */
-    }
-}
+/* ------------------------------------------------------------ bias */
 
 __device__ __forceinline__ float load_bias(const bf16 *b, int64_t i)
 {
@@ -211,6 +186,25 @@ __device__ __forceinline__ sm90_tile sm90_tile_decode(int t, const int *tile_sta
     tl.row0 = __ldg(expert_offset + lo) + ((local / nt) * CL + rank) * SM90_BM;
     tl.row_end = __ldg(expert_offset + lo + 1);
     return tl;
+}
+
+/* f(x) with the activation known at compile time (gated: of the gate), the
+ * sigmoid by the fast reciprocal (1-2 ulp in fp32 before the bf16
+ * rounding). */
+template <int ACT>
+__device__ __forceinline__ float sm90_act_ct(float x)
+{
+    if constexpr (ACT == SMOE_ACT_GEGLU || ACT == SMOE_ACT_GELU) {
+        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+        return __fdividef(x, 1.0f + __expf(-2.0f * k0 * (x + k1 * x * x * x)));
+    } else if constexpr (ACT == SMOE_ACT_REGLU || ACT == SMOE_ACT_RELU) {
+        return fmaxf(x, 0.0f);
+    } else if constexpr (ACT == SMOE_ACT_RELU2) {
+        const float r = fmaxf(x, 0.0f);
+        return r * r;
+    } else { /* SWIGLU, SILU */
+        return __fdividef(x, 1.0f + __expf(-x));
+    }
 }
 
 /* ------------------------------------------------------------ epilogue staging */
@@ -252,103 +246,69 @@ __device__ __forceinline__ void ep_flush(const uint8_t *eb, bf16 *dst, int64_t l
 
 /* up's flush: stores the staged H chunk (64 columns from hc0, when H is
  * wanted) and A = act(H) from the same bf16 values: 8 columns per thread,
- * i.e. 4 (gate, up) pairs or 8 plain values. */
-__device__ __noinline__ void ep_flush_up(const uint8_t *eb, bf16 *out_h, bf16 *out_a, int ldh,
-                                         int lda, int gated, int act, int wrow0, int hc0,
-                                         int nvalid, int t, int cw)
+ * i.e. 4 (gate, up) pairs or 8 plain values, for 4 rows. The activation is
+ * a template parameter (ep_flush_up_any dispatches once per chunk; a
+ * per-element switch with an IEEE division measured 12-14% slower on up,
+ * notes/sm90_log.md rung 8); the 4 rows are read before the second barrier,
+ * so the buffer is refilled while the math and stores run. */
+template <int ACT>
+__device__ __noinline__ void ep_flush_up_ct(const uint8_t *eb, bf16 *out_h, bf16 *out_a, int ldh,
+                                            int lda, int wrow0, int hc0, int nvalid, int t,
+                                            int cw)
 {
+    constexpr bool GATED = ACT <= SMOE_ACT_REGLU;
     named_barrier_sync(1 + cw, 128);
     const int v = t & 7;
-#pragma unroll 1
-    for (int r = t >> 3; r < 64; r += 16) {
-        if (r >= nvalid) break;
-        const uint4 hv = *(const uint4 *)(eb + r * SM90_EP_STRIDE + v * 16);
-        const int64_t row = wrow0 + r;
-        if (out_h) *(uint4 *)(out_h + row * ldh + hc0 + 8 * v) = hv;
-        const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv;
-        if (gated) {
-            __nv_bfloat162 o0 = __floats2bfloat162_rn(
-                sm90_act_gated(act, __low2float(h2[0]), __high2float(h2[0])),
-                sm90_act_gated(act, __low2float(h2[1]), __high2float(h2[1])));
-            __nv_bfloat162 o1 = __floats2bfloat162_rn(
-                sm90_act_gated(act, __low2float(h2[2]), __high2float(h2[2])),
-                sm90_act_gated(act, __low2float(h2[3]), __high2float(h2[3])));
-            uint2 pk;
-            pk.x = *(uint32_t *)&o0;
-            pk.y = *(uint32_t *)&o1;
-            *(uint2 *)(out_a + row * lda + hc0 / 2 + 4 * v) = pk;
-        } else {
-            uint4 ov;
-            uint32_t *o = (uint32_t *)&ov;
+    uint4 hv[4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                __nv_bfloat162 a2 = __floats2bfloat162_rn(sm90_act_plain(act, __low2float(h2[i])),
-                                                          sm90_act_plain(act, __high2float(h2[i])));
-                o[i] = *(uint32_t *)&a2;
-            }
-            *(uint4 *)(out_a + row * lda + hc0 + 8 * v) = ov;
-        }
-    }
-    named_barrier_sync(1 + cw, 128);
-}
-
-/* f(x) and f'(x): the gate function (gated) or the activation. */
-__device__ __forceinline__ void sm90_act_fd(int act, float x, float &f, float &df)
-{
-    switch (act) {
-    case SMOE_ACT_GEGLU:
-    case SMOE_ACT_GELU: {
-        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-        const float th = tanhf(k0 * (x + k1 * x * x * x));
-        f = 0.5f * x * (1.0f + th);
-        df = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * k0 * (1.0f + 3.0f * k1 * x * x);
-        break;
-    }
-    case SMOE_ACT_REGLU:
-    case SMOE_ACT_RELU:
-        f = fmaxf(x, 0.0f);
-        df = x > 0.0f ? 1.0f : 0.0f;
-        break;
-    case SMOE_ACT_RELU2: {
-        const float r = fmaxf(x, 0.0f);
-        f = r * r;
-        df = 2.0f * r;
-        break;
-    }
-    default: { /* SWIGLU, SILU */
-        const float sg = 1.0f / (1.0f + __expf(-x));
-        f = x * sg;
-        df = sg * (1.0f + x * (1.0f - sg));
-    }
-    }
-}
-
-/* dh's flush, first step: the thread's H values (4 units: 4 (gate, up)
- * pairs or 4 plain values) and scores of its 4 rows t/8 + 16 i, loaded
- * before the staging barrier and before any store (a store may alias them
- * for the compiler, so loads left in the row loop were issued one row at a
- * time, each waiting a full memory latency). */
-__device__ __forceinline__ void ep_dh_load(const bf16 *h_in, const float *score, int h_cols,
-                                           int gated, int wrow0, int u, int nvalid, int t,
-                                           uint4 *hvs, float *ss)
-{
+    for (int i = 0; i < 4; i++) hv[i] = *(const uint4 *)(eb + ((t >> 3) + 16 * i) * SM90_EP_STRIDE + v * 16);
+    named_barrier_sync(1 + cw, 128); /* the buffer may be refilled now */
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const int r = (t >> 3) + 16 * i;
-        hvs[i] = make_uint4(0u, 0u, 0u, 0u);
-        ss[i] = 0.0f;
-        if (r < nvalid) {
-            const int64_t row = wrow0 + r;
-            ss[i] = __ldg(score + row);
-            if (gated) {
-                hvs[i] = __ldg((const uint4 *)(h_in + row * h_cols + 2 * u));
-            } else {
-                const uint2 h = __ldg((const uint2 *)(h_in + row * h_cols + u));
-                hvs[i].x = h.x;
-                hvs[i].y = h.y;
+        if (r >= nvalid) break;
+        const int64_t row = wrow0 + r;
+        if (out_h) *(uint4 *)(out_h + row * ldh + hc0 + 8 * v) = hv[i];
+        const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv[i];
+        if (GATED) {
+            uint32_t o[2];
+#pragma unroll
+            for (int k = 0; k < 2; k++) {
+                __nv_bfloat162 a2 = __floats2bfloat162_rn(
+                    sm90_act_ct<ACT>(__low2float(h2[2 * k])) * __high2float(h2[2 * k]),
+                    sm90_act_ct<ACT>(__low2float(h2[2 * k + 1])) * __high2float(h2[2 * k + 1]));
+                o[k] = *(uint32_t *)&a2;
             }
+            *(uint2 *)(out_a + row * lda + hc0 / 2 + 4 * v) = make_uint2(o[0], o[1]);
+        } else {
+            uint32_t o[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                __nv_bfloat162 a2 = __floats2bfloat162_rn(sm90_act_ct<ACT>(__low2float(h2[k])),
+                                                          sm90_act_ct<ACT>(__high2float(h2[k])));
+                o[k] = *(uint32_t *)&a2;
+            }
+            *(uint4 *)(out_a + row * lda + hc0 + 8 * v) = make_uint4(o[0], o[1], o[2], o[3]);
         }
     }
+}
+
+/* ep_flush_up_ct with the activation dispatched once per chunk. */
+__device__ __forceinline__ void ep_flush_up_any(const uint8_t *eb, bf16 *out_h, bf16 *out_a,
+                                                int ldh, int lda, int act, int wrow0, int hc0,
+                                                int nvalid, int t, int cw)
+{
+#define SM90_UP_FLUSH(A) ep_flush_up_ct<A>(eb, out_h, out_a, ldh, lda, wrow0, hc0, nvalid, t, cw)
+    switch (act) {
+    case SMOE_ACT_GEGLU: SM90_UP_FLUSH(SMOE_ACT_GEGLU); break;
+    case SMOE_ACT_REGLU: SM90_UP_FLUSH(SMOE_ACT_REGLU); break;
+    case SMOE_ACT_RELU2: SM90_UP_FLUSH(SMOE_ACT_RELU2); break;
+    case SMOE_ACT_RELU: SM90_UP_FLUSH(SMOE_ACT_RELU); break;
+    case SMOE_ACT_SILU: SM90_UP_FLUSH(SMOE_ACT_SILU); break;
+    case SMOE_ACT_GELU: SM90_UP_FLUSH(SMOE_ACT_GELU); break;
+    default: SM90_UP_FLUSH(SMOE_ACT_SWIGLU); break;
+    }
+#undef SM90_UP_FLUSH
 }
 
 /* f and f' with the activation known at compile time: no per-element
@@ -376,145 +336,119 @@ __device__ __forceinline__ void sm90_act_fd_ct(float x, float &f, float &df)
     }
 }
 
-/* sm90_act_fd (ACT < 0) or sm90_act_fd_ct<ACT>. */
-template <int ACT>
-__device__ __forceinline__ void sm90_act_fd_any(int act, float x, float &f, float &df)
+/* dh's epilogue, straight from the accumulators. The thread
+ * holds dA' for rows lr and lr + 8 of the warpgroup's 64 and, in 8-column
+ * group j, units n0 + 8j + 2q and + 1 (the m64nBN accumulator layout:
+ * acc[4j + 2h + {0,1}]). Per group it loads the H pairs of those units
+ * (gated: (gate, up) x 2 = 8 bytes; plain: 4 bytes per row; a warp reads
+ * whole 32-byte sectors), computes dH and A' = s A and stores them from
+ * registers, and adds <dA', A> to its two row sums. The loads run DIST
+ * groups ahead of the math, so only the first group's latency is exposed
+ * (staged through shared memory, each 32-unit chunk waited a full memory
+ * latency: ncu, notes/sm90_log.md rung 8). The row sums are reduced over
+ * the row's 4 lanes once per tile. */
+template <int ACT, int BN>
+__device__ __forceinline__ void ep_dh_direct(const float *ac, const sm90_gemm_params &p,
+                                             int wrow0, int nvalid, int n0, int lr, int q,
+                                             int n_tile)
 {
-    if constexpr (ACT < 0) sm90_act_fd(act, x, f, df);
-    else sm90_act_fd_ct<ACT>(x, f, df);
-}
-
-/* dh's flush body for one thread's 4 rows (after the loads and the staging
- * barrier): per row r and unit u, with dA' staged in fp32 and s = score[r],
- *   gated:     A = f(g) u, dH = (s dA' f'(g) u, s dA' f(g)), A' = s A
- *   non-gated: A = f(h),   dH = s dA' f'(h),                 A' = s A
- * and dS partials <dA', A> summed over the row's 8 threads in a fixed order
- * into dsr[i] (row t/8 + 16 i). ACT < 0: the activation (and gating) from
- * the runtime `act` / `gated`, dispatched per element; ACT >= 0: known at
- * compile time. FULL: all 64 rows of the block are valid, so the rows need
- * no predicate and the compiler can interleave all 16 elements. */
-template <int ACT, bool FULL>
-__device__ __forceinline__ void ep_dh_rows(const uint8_t *eb, const uint4 *hvs, const float *ss,
-                                           bf16 *out_dh, bf16 *out_as, int h_cols, int n,
-                                           int gated, int act, int wrow0, int u, int nvalid,
-                                           int t, float *dsr)
-{
-    const bool GATED = ACT < 0 ? gated != 0 : ACT <= SMOE_ACT_REGLU;
-    const int v = t & 7;
+    constexpr bool GATED = ACT <= SMOE_ACT_REGLU;
+    constexpr int J = BN / 8, DIST = 8, HW = GATED ? 2 : 1; /* H columns per unit */
+    const int jn = min(J, (p.N - n0) / 8); /* n % 64 == 0: whole groups */
+    /* No branches in the body, so the compiler can keep the loads in flight:
+     * rows past the expert's end and groups past n load row 0 / group 0 of
+     * the tile (always valid) and store nothing. */
+    bool rv[2];
+    int64_t row[2];
+    float s[2], ds[2] = {0.0f, 0.0f};
+    const bf16 *hp[2];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int r = (t >> 3) + 16 * i;
-        float part = 0.0f;
-        if (FULL || r < nvalid) {
-            const int64_t row = wrow0 + r;
-            const float s = ss[i];
-            const float4 da = *(const float4 *)(eb + r * SM90_EP_STRIDE + v * 16);
-            const float dav[4] = {da.x, da.y, da.z, da.w};
-            float av[4];
-            if (GATED) {
-                const uint4 hv = hvs[i];
-                const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv;
-                uint32_t dh_pk[4];
+    for (int h = 0; h < 2; h++) {
+        rv[h] = lr + 8 * h < nvalid;
+        row[h] = wrow0 + (rv[h] ? lr + 8 * h : 0);
+        s[h] = __ldg(p.score + row[h]);
+        hp[h] = p.h_in + row[h] * p.h_cols + HW * (n0 + 2 * q);
+    }
+    uint2 hv[J][2];
 #pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    const float g = __low2float(h2[k]), up = __high2float(h2[k]);
-                    float f, df;
-                    sm90_act_fd_any<ACT>(act, g, f, df);
-                    av[k] = f * up;
-                    __nv_bfloat162 o = __floats2bfloat162_rn(s * dav[k] * df * up, s * dav[k] * f);
-                    dh_pk[k] = *(uint32_t *)&o;
+    for (int j = 0; j < J + DIST; j++) {
+        if (j < J) { /* loads DIST groups ahead of their use */
+            const int jl = j < jn ? j : 0;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                /* plain (coherent) loads: the compiler may not move them
+                 * past the stores below (they might alias), so they stay
+                 * DIST groups ahead; __ldg ones were sunk to their use */
+                if (GATED) {
+                    hv[j][h] = *(const uint2 *)(hp[h] + 16 * jl);
+                } else {
+                    hv[j][h].x = *(const unsigned int *)(hp[h] + 8 * jl);
+                    hv[j][h].y = 0u;
                 }
-                *(uint4 *)(out_dh + row * h_cols + 2 * u) =
-                    make_uint4(dh_pk[0], dh_pk[1], dh_pk[2], dh_pk[3]);
-            } else {
-                const uint2 hv = make_uint2(hvs[i].x, hvs[i].y);
-                const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv;
-                float dhv[4];
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    const float x = (k & 1) ? __high2float(h2[k >> 1]) : __low2float(h2[k >> 1]);
-                    float f, df;
-                    sm90_act_fd_any<ACT>(act, x, f, df);
-                    av[k] = f;
-                    dhv[k] = s * dav[k] * df;
-                }
-                __nv_bfloat162 o0 = __floats2bfloat162_rn(dhv[0], dhv[1]);
-                __nv_bfloat162 o1 = __floats2bfloat162_rn(dhv[2], dhv[3]);
-                *(uint2 *)(out_dh + row * h_cols + u) =
-                    make_uint2(*(uint32_t *)&o0, *(uint32_t *)&o1);
             }
-            __nv_bfloat162 a0 = __floats2bfloat162_rn(s * av[0], s * av[1]);
-            __nv_bfloat162 a1 = __floats2bfloat162_rn(s * av[2], s * av[3]);
-            *(uint2 *)(out_as + row * n + u) = make_uint2(*(uint32_t *)&a0, *(uint32_t *)&a1);
-            part = dav[0] * av[0] + dav[1] * av[1] + dav[2] * av[2] + dav[3] * av[3];
         }
-        /* the row's 8 threads are 8 consecutive lanes */
-        part += __shfl_xor_sync(0xffffffffu, part, 1);
-        part += __shfl_xor_sync(0xffffffffu, part, 2);
-        part += __shfl_xor_sync(0xffffffffu, part, 4);
-        dsr[i] += part;
+        const int jc = j - DIST;
+        if (jc < 0) continue;
+        const bool jv = jc < jn;
+        const int u = n0 + 8 * jc + 2 * q;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const float da0 = ac[4 * jc + 2 * h], da1 = ac[4 * jc + 2 * h + 1];
+            const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv[jc][h];
+            const bool st = rv[h] && jv;
+            float a0, a1;
+            if (GATED) {
+                float f0, df0, f1, df1;
+                const float g0 = __low2float(h2[0]), u0 = __high2float(h2[0]);
+                const float g1 = __low2float(h2[1]), u1 = __high2float(h2[1]);
+                sm90_act_fd_ct<ACT>(g0, f0, df0);
+                sm90_act_fd_ct<ACT>(g1, f1, df1);
+                a0 = f0 * u0;
+                a1 = f1 * u1;
+                const float e0 = s[h] * da0, e1 = s[h] * da1;
+                __nv_bfloat162 o0 = __floats2bfloat162_rn(e0 * df0 * u0, e0 * f0);
+                __nv_bfloat162 o1 = __floats2bfloat162_rn(e1 * df1 * u1, e1 * f1);
+                if (st)
+                    *(uint2 *)(p.out0 + row[h] * p.h_cols + 2 * u) =
+                        make_uint2(*(uint32_t *)&o0, *(uint32_t *)&o1);
+            } else {
+                float df0, df1;
+                sm90_act_fd_ct<ACT>(__low2float(h2[0]), a0, df0);
+                sm90_act_fd_ct<ACT>(__high2float(h2[0]), a1, df1);
+                __nv_bfloat162 o = __floats2bfloat162_rn(s[h] * da0 * df0, s[h] * da1 * df1);
+                if (st) *(uint32_t *)(p.out0 + row[h] * p.h_cols + u) = *(uint32_t *)&o;
+            }
+            __nv_bfloat162 a = __floats2bfloat162_rn(s[h] * a0, s[h] * a1);
+            if (st) *(uint32_t *)(p.out1 + row[h] * p.n + u) = *(uint32_t *)&a;
+            ds[h] = jv ? fmaf(da1, a1, fmaf(da0, a0, ds[h])) : ds[h];
+        }
+    }
+    /* the row's 4 lanes (same lane / 4) hold its 4 column phases */
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        ds[h] += __shfl_xor_sync(0xffffffffu, ds[h], 1);
+        ds[h] += __shfl_xor_sync(0xffffffffu, ds[h], 2);
+        if (q == 0 && rv[h]) p.dsp[(int64_t)n_tile * p.cap + row[h]] = ds[h];
     }
 }
 
-template <int ACT>
-__device__ __forceinline__ void ep_dh_rows_any(const uint8_t *eb, const uint4 *hvs,
-                                               const float *ss, bf16 *out_dh, bf16 *out_as,
-                                               int h_cols, int n, int wrow0, int u, int nvalid,
-                                               int t, float *dsr)
+/* ep_dh_direct with the activation dispatched once per tile. */
+template <int BN>
+__device__ __forceinline__ void ep_dh_direct_any(const float *ac, const sm90_gemm_params &p,
+                                                 int wrow0, int nvalid, int n0, int lr, int q,
+                                                 int n_tile)
 {
-    if (nvalid >= 64)
-        ep_dh_rows<ACT, true>(eb, hvs, ss, out_dh, out_as, h_cols, n, 0, 0, wrow0, u, nvalid, t,
-                              dsr);
-    else
-        ep_dh_rows<ACT, false>(eb, hvs, ss, out_dh, out_as, h_cols, n, 0, 0, wrow0, u, nvalid, t,
-                               dsr);
-}
-
-/* ep_flush_dh with one activation dispatch per chunk (SM90_FL_DH_CT; the
- * default's per-element switch compiles to an indirect branch per element,
- * notes/sm90_dh_research.md). Same arguments, same results up to the fast
- * sigmoid reciprocal. */
-__device__ __noinline__ void ep_flush_dh_ct(const uint8_t *eb, const bf16 *h_in,
-                                            const float *score, bf16 *out_dh, bf16 *out_as,
-                                            int h_cols, int n, int gated, int act, int wrow0,
-                                            int u0, int nvalid, int t, int cw, float *dsr)
-{
-    const int u = u0 + 4 * (t & 7);
-    uint4 hvs[4];
-    float ss[4];
-    ep_dh_load(h_in, score, h_cols, gated, wrow0, u, nvalid, t, hvs, ss);
-    named_barrier_sync(1 + cw, 128);
-#define SM90_DH_ROWS(A)                                                                      \
-    ep_dh_rows_any<A>(eb, hvs, ss, out_dh, out_as, h_cols, n, wrow0, u, nvalid, t, dsr)
-    switch (act) {
-    case SMOE_ACT_GEGLU: SM90_DH_ROWS(SMOE_ACT_GEGLU); break;
-    case SMOE_ACT_REGLU: SM90_DH_ROWS(SMOE_ACT_REGLU); break;
-    case SMOE_ACT_RELU2: SM90_DH_ROWS(SMOE_ACT_RELU2); break;
-    case SMOE_ACT_RELU: SM90_DH_ROWS(SMOE_ACT_RELU); break;
-    case SMOE_ACT_SILU: SM90_DH_ROWS(SMOE_ACT_SILU); break;
-    case SMOE_ACT_GELU: SM90_DH_ROWS(SMOE_ACT_GELU); break;
-    default: SM90_DH_ROWS(SMOE_ACT_SWIGLU); break;
+#define SM90_DH_DIRECT(A) ep_dh_direct<A, BN>(ac, p, wrow0, nvalid, n0, lr, q, n_tile)
+    switch (p.act) {
+    case SMOE_ACT_GEGLU: SM90_DH_DIRECT(SMOE_ACT_GEGLU); break;
+    case SMOE_ACT_REGLU: SM90_DH_DIRECT(SMOE_ACT_REGLU); break;
+    case SMOE_ACT_RELU2: SM90_DH_DIRECT(SMOE_ACT_RELU2); break;
+    case SMOE_ACT_RELU: SM90_DH_DIRECT(SMOE_ACT_RELU); break;
+    case SMOE_ACT_SILU: SM90_DH_DIRECT(SMOE_ACT_SILU); break;
+    case SMOE_ACT_GELU: SM90_DH_DIRECT(SMOE_ACT_GELU); break;
+    default: SM90_DH_DIRECT(SMOE_ACT_SWIGLU); break;
     }
-#undef SM90_DH_ROWS
-    named_barrier_sync(1 + cw, 128);
-}
-
-/* dh's flush (the default): dA' for 32 units from u0 staged in fp32 by the
- * warpgroup; H and scores by ep_dh_load, then ep_dh_rows with the runtime
- * activation. */
-__device__ __noinline__ void ep_flush_dh(const uint8_t *eb, const bf16 *h_in, const float *score,
-                                         bf16 *out_dh, bf16 *out_as, int h_cols, int n, int gated,
-                                         int act, int wrow0, int u0, int nvalid, int t, int cw,
-                                         float *dsr)
-{
-    const int u = u0 + 4 * (t & 7);
-    uint4 hvs[4];
-    float ss[4];
-    ep_dh_load(h_in, score, h_cols, gated, wrow0, u, nvalid, t, hvs, ss);
-    named_barrier_sync(1 + cw, 128);
-    ep_dh_rows<-1, false>(eb, hvs, ss, out_dh, out_as, h_cols, n, gated, act, wrow0, u, nvalid, t,
-                          dsr);
-    named_barrier_sync(1 + cw, 128);
+#undef SM90_DH_DIRECT
 }
 
 /* ds[r] = the n-tile partials in tile order (+ <dO[tok[r]], b2[e]>). One
@@ -568,7 +502,8 @@ __device__ __forceinline__ void sm90_release(uint32_t empty_bar, int rank)
 template <int BN, int STAGES, int MODE, int FL>
 __global__ void __launch_bounds__(SM90_THREADS, 1)
 sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
-                         const __grid_constant__ CUtensorMap map_b, const sm90_gemm_params p)
+                         const __grid_constant__ CUtensorMap map_b,
+                         const __grid_constant__ CUtensorMap map_c, const sm90_gemm_params p)
 {
     typedef sm90_tile_cfg<BN, STAGES> cfg;
     constexpr bool GATHER = (MODE == SM90_MODE_UP || MODE == SM90_MODE_DH);
@@ -581,6 +516,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
      * notes/sm90_log.md, rung 6) */
     constexpr bool TOKREG = GATHER && !WS;
     constexpr bool PP = (FL & SM90_FL_PP) != 0;
+    constexpr bool TMA_ST =
+        (FL & SM90_FL_TMA_ST) != 0 && (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT);
     constexpr int MH = PP ? 2 : 1;            /* m64 blocks per consumer warpgroup */
     static_assert(!PP || BN == 128, "ping-pong tiles are 128 x 128");
     static_assert(!(WS && PP), "the warp-per-stage gather stands alone");
@@ -850,36 +787,42 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             const float *ac = acc + mh * NACC;
             const int wrow0 = tl.row0 + (PP ? mh : cw) * 64; /* first row of the 64 */
             const int nvalid = min(64, tl.row_end - wrow0);
-            float dsr[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* dh: dS partials of rows t/8 + 16 i */
+            if constexpr (MODE == SM90_MODE_DH) {
+                ep_dh_direct_any<BN>(ac, p, wrow0, nvalid, n0, lr, q, tl.n_tile);
+            } else {
 #pragma unroll
-            for (int c = 0; c < (MODE == SM90_MODE_DH ? BN / 32 : BN / 64); c++) {
-                if constexpr (MODE == SM90_MODE_DH) {
-                    /* dA' in fp32, 32 units a chunk; the flush does the rest */
-                    const int u0 = n0 + 32 * c;
-                    if (u0 >= p.N) break;
-#pragma unroll
-                    for (int jj = 0; jj < 4; jj++) {
-                        const int j = 4 * c + jj;
-#pragma unroll
-                        for (int h = 0; h < 2; h++)
-                            *(float2 *)(eb + (lr + 8 * h) * SM90_EP_STRIDE + (8 * jj + 2 * q) * 4) =
-                                make_float2(ac[4 * j + 2 * h], ac[4 * j + 2 * h + 1]);
-                    }
-                    ((FL & SM90_FL_DH_CT) ? ep_flush_dh_ct : ep_flush_dh)(eb, p.h_in, p.score, p.out0, p.out1, p.h_cols, p.n, p.gated,
-                                p.act, wrow0, u0, nvalid, tid & 127, cw, dsr);
-                    if (c == BN / 32 - 1 || u0 + 32 >= p.N) {
-                        /* the row partials of this n-tile, one writer per row */
-                        if ((tid & 7) == 0)
-#pragma unroll
-                            for (int i = 0; i < 4; i++) {
-                                const int r = ((tid & 127) >> 3) + 16 * i;
-                                if (r < nvalid)
-                                    p.dsp[(int64_t)tl.n_tile * p.cap + wrow0 + r] = dsr[i];
-                            }
-                    }
-                } else if constexpr (MODE != SM90_MODE_UP) {
+            for (int c = 0; c < BN / 64; c++) {
+                if constexpr (MODE != SM90_MODE_UP) {
                     const int col0 = n0 + 64 * c;
                     if (col0 >= p.N) break;
+                    if (TMA_ST && nvalid == 64) {
+                        /* the previous TMA store from this buffer has read it */
+                        if ((tid & 127) == 0) bulk_wait_read<0>();
+                        named_barrier_sync(1 + cw, 128);
+#pragma unroll
+                        for (int jj = 0; jj < 8; jj++) {
+                            const int j = 8 * c + jj, col = col0 + 8 * jj + 2 * q;
+                            float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
+#pragma unroll
+                            for (int h = 0; h < 2; h++) {
+                                const int r = lr + 8 * h;
+                                *(__nv_bfloat162 *)(eb + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * q) =
+                                    __floats2bfloat162_rn(ac[4 * j + 2 * h] + b0,
+                                                          ac[4 * j + 2 * h + 1] + b1);
+                            }
+                        }
+                        fence_proxy_async(); /* generic writes -> the TMA engine's reads */
+                        named_barrier_sync(1 + cw, 128);
+                        if ((tid & 127) == 0) {
+                            tma_store_2d(&map_c, smem_addr(eb), col0, wrow0);
+                            bulk_commit();
+                        }
+                        continue;
+                    }
+                    if (TMA_ST) { /* a TMA store may still read the buffer */
+                        if ((tid & 127) == 0) bulk_wait_read<0>();
+                        named_barrier_sync(1 + cw, 128);
+                    }
 #pragma unroll
                     for (int jj = 0; jj < 8; jj++) {
                         const int j = 8 * c + jj, col = col0 + 8 * jj + 2 * q;
@@ -928,13 +871,18 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                                         ac[4 * j + 2 * h + 1] + b1);
                         }
                     }
-                    ep_flush_up(eb, p.out0, p.out1, p.N, p.n, p.gated, p.act, wrow0, hc0, nvalid,
-                                tid & 127, cw);
+                    ep_flush_up_any(eb, p.out0, p.out1, p.N, p.n, p.act, wrow0, hc0, nvalid,
+                                    tid & 127, cw);
                 }
             }
+            } /* not dh */
             } /* mh */
         }
     }
+    /* the TMA stores have read their shared-memory sources before the CTA's
+     * shared memory goes away */
+    if constexpr (TMA_ST)
+        if (wg > 0 && (tid & 127) == 0) bulk_wait<0>();
     /* no CTA leaves while its peer may still multicast into it or arrive on
      * its barriers */
     if constexpr (CL > 1) cluster_sync();
@@ -1012,11 +960,11 @@ static int sm90_grid(const smoe_gemm_problem *p, int64_t n_tiles)
 
 template <int BN, int STAGES, int MODE, int FL>
 static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma,
-                               const CUtensorMap *mb, const sm90_gemm_params *prm, cudaStream_t s,
-                               const char *op)
+                               const CUtensorMap *mb, const CUtensorMap *mc,
+                               const sm90_gemm_params *prm, cudaStream_t s, const char *op)
 {
     typedef sm90_tile_cfg<BN, STAGES> cfg;
-    void (*kern)(const CUtensorMap, const CUtensorMap, const sm90_gemm_params) =
+    void (*kern)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const sm90_gemm_params) =
         sm90_grouped_gemm_kernel<BN, STAGES, MODE, FL>;
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            cfg::SMEM_BYTES);
@@ -1051,9 +999,9 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
         grid = grid < 2 ? 2 : grid & ~1;
         if (grid > 2 * max_clusters) grid = 2 * max_clusters;
         lc.gridDim = dim3((unsigned)grid, 1, 1);
-        err = cudaLaunchKernelEx(&lc, kern, *ma, *mb, *prm);
+        err = cudaLaunchKernelEx(&lc, kern, *ma, *mb, *mc, *prm);
     } else {
-        kern<<<grid, SM90_THREADS, cfg::SMEM_BYTES, s>>>(*ma, *mb, *prm);
+        kern<<<grid, SM90_THREADS, cfg::SMEM_BYTES, s>>>(*ma, *mb, *mc, *prm);
         err = cudaGetLastError();
     }
     if (err != cudaSuccess)
@@ -1072,8 +1020,8 @@ enum {
     SM90_VAR_UP_PP = 16,
     SM90_VAR_DH_PP = 32,
     SM90_VAR_CLUSTER = 128, /* 2-CTA clusters with weight multicast, BN = 256 kernels */
-    SM90_VAR_DH_BN128 = 256, /* dh in 128 x 128 cooperative tiles, 6 stages (not yet timed) */
-    SM90_VAR_DH_CT = 512     /* dh, BN = 256: SM90_FL_DH_CT (not yet timed) */
+    SM90_VAR_DH_BN128 = 256, /* dh in 128 x 128 cooperative tiles, 6 stages */
+    SM90_VAR_TMA_ST = 512    /* down, dxt: SM90_FL_TMA_ST */
 };
 
 static int sm90_dh_bn(const smoe_gemm_problem *p)
@@ -1134,10 +1082,10 @@ static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w1, p->E * p->h_cols, p->d,
                                         (prm.concat || cl) ? bn / 2 : bn, "w1"));
     if (cl)
-        return sm90_launch<256, 4, SM90_MODE_UP, SM90_FL_CLUSTER>(p, &mb, &mb, &prm, s, "up");
-    if (pp) return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_PP>(p, &mb, &mb, &prm, s, "up");
-    if (wide) return sm90_launch<256, 4, SM90_MODE_UP, 0>(p, &mb, &mb, &prm, s, "up");
-    return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_WS>(p, &mb, &mb, &prm, s, "up");
+        return sm90_launch<256, 4, SM90_MODE_UP, SM90_FL_CLUSTER>(p, &mb, &mb, &mb, &prm, s, "up");
+    if (pp) return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_PP>(p, &mb, &mb, &mb, &prm, s, "up");
+    if (wide) return sm90_launch<256, 4, SM90_MODE_UP, 0>(p, &mb, &mb, &mb, &prm, s, "up");
+    return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_WS>(p, &mb, &mb, &mb, &prm, s, "up");
 }
 
 static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf16 *w2,
@@ -1156,9 +1104,16 @@ static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&ma, a, p->cap, p->n, SM90_BM, "a"));
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w2, p->E * p->d, p->n, cl ? bn / 2 : bn, "w2"));
     if (cl)
-        return sm90_launch<256, 4, SM90_MODE_DOWN, SM90_FL_CLUSTER>(p, &ma, &mb, &prm, s, "down");
-    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DOWN, 0>(p, &ma, &mb, &prm, s, "down");
-    return sm90_launch<128, 6, SM90_MODE_DOWN, 0>(p, &ma, &mb, &prm, s, "down");
+        return sm90_launch<256, 4, SM90_MODE_DOWN, SM90_FL_CLUSTER>(p, &ma, &mb, &mb, &prm, s, "down");
+    if (smoe_sm90_gemm_variant & SM90_VAR_TMA_ST) {
+        CUtensorMap mc;
+        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, y, p->cap, p->d, 64, "y"));
+        if (bn == 256)
+            return sm90_launch<256, 4, SM90_MODE_DOWN, SM90_FL_TMA_ST>(p, &ma, &mb, &mc, &prm, s, "down");
+        return sm90_launch<128, 6, SM90_MODE_DOWN, SM90_FL_TMA_ST>(p, &ma, &mb, &mc, &prm, s, "down");
+    }
+    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DOWN, 0>(p, &ma, &mb, &mb, &prm, s, "down");
+    return sm90_launch<128, 6, SM90_MODE_DOWN, 0>(p, &ma, &mb, &mb, &prm, s, "down");
 }
 
 static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *w1, bf16 *dxt,
@@ -1179,9 +1134,16 @@ static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&ma, dh, p->cap, p->h_cols, SM90_BM, "dh"));
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w1, p->E * p->h_cols, p->d, 64, "w1"));
     if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER))
-        return sm90_launch<256, 4, SM90_MODE_DXT, SM90_FL_CLUSTER>(p, &ma, &mb, &prm, s, "dxt");
-    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DXT, 0>(p, &ma, &mb, &prm, s, "dxt");
-    return sm90_launch<128, 6, SM90_MODE_DXT, 0>(p, &ma, &mb, &prm, s, "dxt");
+        return sm90_launch<256, 4, SM90_MODE_DXT, SM90_FL_CLUSTER>(p, &ma, &mb, &mb, &prm, s, "dxt");
+    if (smoe_sm90_gemm_variant & SM90_VAR_TMA_ST) {
+        CUtensorMap mc;
+        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, dxt, p->cap, p->d, 64, "dxt"));
+        if (bn == 256)
+            return sm90_launch<256, 4, SM90_MODE_DXT, SM90_FL_TMA_ST>(p, &ma, &mb, &mc, &prm, s, "dxt");
+        return sm90_launch<128, 6, SM90_MODE_DXT, SM90_FL_TMA_ST>(p, &ma, &mb, &mc, &prm, s, "dxt");
+    }
+    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DXT, 0>(p, &ma, &mb, &mb, &prm, s, "dxt");
+    return sm90_launch<128, 6, SM90_MODE_DXT, 0>(p, &ma, &mb, &mb, &prm, s, "dxt");
 }
 
 /* The weight-gradient GEMMs (varlen-K) are in varlen_k_sm90.cu. */
@@ -1217,16 +1179,14 @@ static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const b
     CUtensorMap mb;
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w2, p->E * p->d, p->n, 64, "w2"));
     smoe_status st;
-    if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_DH_CT))
-        st = sm90_launch<256, 4, SM90_MODE_DH, SM90_FL_DH_CT>(p, &mb, &mb, &prm, s, "dh");
-    else if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER))
-        st = sm90_launch<256, 4, SM90_MODE_DH, SM90_FL_CLUSTER>(p, &mb, &mb, &prm, s, "dh");
+    if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER))
+        st = sm90_launch<256, 4, SM90_MODE_DH, SM90_FL_CLUSTER>(p, &mb, &mb, &mb, &prm, s, "dh");
     else if (bn == 256)
-        st = sm90_launch<256, 4, SM90_MODE_DH, 0>(p, &mb, &mb, &prm, s, "dh");
+        st = sm90_launch<256, 4, SM90_MODE_DH, 0>(p, &mb, &mb, &mb, &prm, s, "dh");
     else if (smoe_sm90_gemm_variant & SM90_VAR_DH_PP)
-        st = sm90_launch<128, 6, SM90_MODE_DH, SM90_FL_PP>(p, &mb, &mb, &prm, s, "dh");
+        st = sm90_launch<128, 6, SM90_MODE_DH, SM90_FL_PP>(p, &mb, &mb, &mb, &prm, s, "dh");
     else
-        st = sm90_launch<128, 6, SM90_MODE_DH, 0>(p, &mb, &mb, &prm, s, "dh");
+        st = sm90_launch<128, 6, SM90_MODE_DH, 0>(p, &mb, &mb, &mb, &prm, s, "dh");
     SMOE_FORWARD_IF_ERROR(st);
     const int tiles = (int)((p->n + bn - 1) / bn);
     sm90_ds_finish<<<(unsigned)((p->cap + 7) / 8), 256, 0, s>>>(

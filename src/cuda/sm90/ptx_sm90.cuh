@@ -96,6 +96,34 @@ __device__ __forceinline__ void tma_load_2d_mc(uint32_t dst, const CUtensorMap *
                  : "memory");
 }
 
+/* 2-D tile store from shared memory (the map's box and swizzle), in this
+ * thread's bulk group; rows or columns past the tensor's extent are not
+ * written. The source may be reused after bulk_wait_read. */
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, uint32_t src, int32_t c0,
+                                             int32_t c1)
+{
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
+                 ::"l"((uint64_t)map), "r"(src), "r"(c0), "r"(c1)
+                 : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+/* Waits until at most N of this thread's bulk groups are still reading
+ * their shared-memory source. */
+template <int N>
+__device__ __forceinline__ void bulk_wait_read()
+{
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+/* Waits until at most N of this thread's bulk groups are incomplete. */
+template <int N>
+__device__ __forceinline__ void bulk_wait()
+{
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+
 /* ------------------------------------------------------------ clusters */
 
 __device__ __forceinline__ uint32_t cluster_ctarank()
