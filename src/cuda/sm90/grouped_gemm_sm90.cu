@@ -716,20 +716,6 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
              * may go) and 5 (warpgroup 0 may go); an arrival is made only when
              * the other warpgroup has a next tile, so every one is matched. */
             if (PP && t >= ncl) named_barrier_sync(4 + (cw ^ 1), 256);
-            if constexpr (MODE == SM90_MODE_DH) {
-                /* warm L2 with the H rows this warpgroup's epilogue will read:
-                 * two threads per row, 128-byte lines */
-                const int hb = (p.gated ? 2 : 1) * tl.n_tile * BN; /* first H column */
-                const int hw = min((p.gated ? 2 : 1) * BN, p.h_cols - hb);
-#pragma unroll
-                for (int mh = 0; mh < MH; mh++) {
-                    const int row = tl.row0 + (PP ? mh : cw) * 64 + ((tid & 127) >> 1);
-                    if (row < tl.row_end) {
-                        const bf16 *hp = p.h_in + (int64_t)row * p.h_cols + hb;
-                        for (int j = tid & 1; j * 64 < hw; j += 2) prefetch_l2(hp + j * 64);
-                    }
-                }
-            }
             for (int kb = 0; kb < kb_count; kb++, pos++) {
                 const int stage = (int)(pos % STAGES);
                 mbar_wait(smem_addr(full + stage), (pos / STAGES) & 1);
