@@ -34,13 +34,20 @@
  *    a linear tile index into (expert, m-tile, n-tile) by binary search. CTA b
  *    takes tiles b, b + grid, ... N-tiles vary fastest, so the CTAs running
  *    at once share an expert's weight tiles and gathered rows in L2.
- *  - Epilogue through a per-warpgroup shared buffer, 64 columns (dh: 32 fp32
- *    units) at a time: the accumulator layout scatters a warp's stores over 8
- *    rows, so the chunk is staged and then stored as 128-byte row segments,
- *    clipped at the expert's last row and at N. The elementwise work (up: A =
- *    act(H); dh: dSwiGLU, A', dS) runs in a compact loop over the staged
- *    values, not unrolled over the 128 accumulators: unrolled, it made the
- *    kernel 450 KB of code and the instruction fetches stalled every warp.
+ *  - Epilogue of up, down, dxt through a per-warpgroup shared buffer, 64
+ *    columns at a time: the accumulator layout scatters a warp's stores over
+ *    8 rows, so the chunk is staged and then stored as 128-byte row
+ *    segments, clipped at the expert's last row and at N. up's A = act(H)
+ *    runs in a compact loop over the staged values with the activation as a
+ *    template parameter (unrolled over the 128 accumulators with a runtime
+ *    switch it made the kernel 450 KB of code and stalled every warp on
+ *    instruction fetch).
+ *  - dh's epilogue works straight from the accumulator registers
+ *    (ep_dh_direct): each thread loads the H pairs of its own accumulator
+ *    columns (8 bytes per row and column group, 16 loads in flight ahead of
+ *    the math), computes dH, A' and its rows' dS partials, and stores from
+ *    registers; no staging, no barriers (staged, each chunk waited for its
+ *    H loads with nothing in flight: notes/sm90_log.md, rung 8).
  *    Rows of a tile past the expert's end are computed on zeros (gather) or
  *    on the next rows of A (TMA; possibly rows in [R, cap), which are
  *    allocated) and never stored.
@@ -57,9 +64,10 @@
  * Numerics: bf16 operands, fp32 accumulation in the tensor cores, bias added
  * in fp32, H rounded to bf16, A = act(bf16 H) in fp32 rounded to bf16 (the
  * same value the backward recomputes from the saved H). dh: A recomputed
- * from the saved bf16 H, dS partial sums per (row, n-tile) in fp32 in a fixed
- * order, written to scratch and summed in n-tile order by sm90_ds_finish
- * (plus <dO, b2[e]>). Deterministic: every output element is written once by
+ * from the saved bf16 H (sigmoid by the fast reciprocal: 1-2 fp32 ulp before
+ * rounding), dS partial sums per (row, n-tile) in fp32 in a fixed order,
+ * written to scratch and summed in n-tile order by sm90_ds_finish (plus
+ * <dO, b2[e]>). Deterministic: every output element is written once by
  * one thread; no atomics.
  *
  * Tile table (BM = 128 rows, BK = 64; H100 timings in notes/sm90_log.md):
