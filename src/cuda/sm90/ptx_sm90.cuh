@@ -140,12 +140,16 @@ __device__ __forceinline__ void cluster_sync()
                  "barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-/* Arrives on the barrier at shared offset `bar` of CTA `rank` of the cluster. */
+/* Arrives on the barrier at shared offset `bar` of CTA `rank` of the cluster,
+ * with the default (.release, CTA-scope) semantics, as CUTLASS's cluster
+ * barrier does: `.release.cluster` made every stage release a cluster-scope
+ * memory barrier (ERRBAR + CGAERRBAR in the SASS, 8-10% of the cluster
+ * kernel's warp stalls under ncu, notes/sm90_log.md rung 8). */
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
 {
     asm volatile("{\n.reg .b32 ra;\n"
                  "mapa.shared::cluster.u32 ra, %0, %1;\n"
-                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}" ::"r"(bar),
+                 "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}" ::"r"(bar),
                  "r"(rank)
                  : "memory");
 }
