@@ -269,7 +269,8 @@ __device__ __noinline__ void ep_flush_up_ct(const uint8_t *eb, bf16 *out_h, bf16
     const int v = t & 7;
     uint4 hv[4];
 #pragma unroll
-    for (int i = 0; i < 4; i++) hv[i] = *(const uint4 *)(eb + ((t >> 3) + 16 * i) * SM90_EP_STRIDE + v * 16);
+    for (int i = 0; i < 4; i++)
+        hv[i] = *(const uint4 *)(eb + ((t >> 3) + 16 * i) * SM90_EP_STRIDE + v * 16);
     named_barrier_sync(1 + cw, 128); /* the buffer may be refilled now */
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -796,7 +797,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
 #pragma unroll
                         for (int jj = 0; jj < 8; jj++) {
                             const int j = 8 * c + jj, col = col0 + 8 * jj + 2 * q;
-                            float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
+                            const float b0 = load_bias(p.bias, bo + col);
+                            const float b1 = load_bias(p.bias, bo + col + 1);
 #pragma unroll
                             for (int h = 0; h < 2; h++) {
                                 const int r = lr + 8 * h;
@@ -1098,13 +1100,16 @@ static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&ma, a, p->cap, p->n, SM90_BM, "a"));
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w2, p->E * p->d, p->n, cl ? bn / 2 : bn, "w2"));
     if (cl)
-        return sm90_launch<256, 4, SM90_MODE_DOWN, SM90_FL_CLUSTER>(p, &ma, &mb, &mb, &prm, s, "down");
+        return sm90_launch<256, 4, SM90_MODE_DOWN, SM90_FL_CLUSTER>(p, &ma, &mb, &mb, &prm, s,
+                                                                    "down");
     if (smoe_sm90_gemm_variant & SM90_VAR_TMA_ST) {
         CUtensorMap mc;
         SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, y, p->cap, p->d, 64, "y"));
         if (bn == 256)
-            return sm90_launch<256, 4, SM90_MODE_DOWN, SM90_FL_TMA_ST>(p, &ma, &mb, &mc, &prm, s, "down");
-        return sm90_launch<128, 6, SM90_MODE_DOWN, SM90_FL_TMA_ST>(p, &ma, &mb, &mc, &prm, s, "down");
+            return sm90_launch<256, 4, SM90_MODE_DOWN, SM90_FL_TMA_ST>(p, &ma, &mb, &mc, &prm, s,
+                                                                       "down");
+        return sm90_launch<128, 6, SM90_MODE_DOWN, SM90_FL_TMA_ST>(p, &ma, &mb, &mc, &prm, s,
+                                                                   "down");
     }
     if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DOWN, 0>(p, &ma, &mb, &mb, &prm, s, "down");
     return sm90_launch<128, 6, SM90_MODE_DOWN, 0>(p, &ma, &mb, &mb, &prm, s, "down");
@@ -1128,12 +1133,14 @@ static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&ma, dh, p->cap, p->h_cols, SM90_BM, "dh"));
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w1, p->E * p->h_cols, p->d, 64, "w1"));
     if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER))
-        return sm90_launch<256, 4, SM90_MODE_DXT, SM90_FL_CLUSTER>(p, &ma, &mb, &mb, &prm, s, "dxt");
+        return sm90_launch<256, 4, SM90_MODE_DXT, SM90_FL_CLUSTER>(p, &ma, &mb, &mb, &prm, s,
+                                                                   "dxt");
     if (smoe_sm90_gemm_variant & SM90_VAR_TMA_ST) {
         CUtensorMap mc;
         SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, dxt, p->cap, p->d, 64, "dxt"));
         if (bn == 256)
-            return sm90_launch<256, 4, SM90_MODE_DXT, SM90_FL_TMA_ST>(p, &ma, &mb, &mc, &prm, s, "dxt");
+            return sm90_launch<256, 4, SM90_MODE_DXT, SM90_FL_TMA_ST>(p, &ma, &mb, &mc, &prm, s,
+                                                                      "dxt");
         return sm90_launch<128, 6, SM90_MODE_DXT, SM90_FL_TMA_ST>(p, &ma, &mb, &mc, &prm, s, "dxt");
     }
     if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DXT, 0>(p, &ma, &mb, &mb, &prm, s, "dxt");
