@@ -1081,6 +1081,25 @@ static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16
     return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_WS>(p, &mb, &mb, &mb, &prm, s, "up");
 }
 
+/* down and dxt (contiguous A, stored output prm->out0: cap x d) once their
+ * maps are made: the tile table (BN = 256 where d >= 256) or the hook's
+ * variants (clusters: cl, BN = 256; TMA-store epilogue). */
+template <int MODE>
+static smoe_status sm90_launch_store(const smoe_gemm_problem *p, const CUtensorMap *ma,
+                                     const CUtensorMap *mb, const sm90_gemm_params *prm, int bn,
+                                     int cl, cudaStream_t s, const char *op)
+{
+    if (cl) return sm90_launch<256, 4, MODE, SM90_FL_CLUSTER>(p, ma, mb, mb, prm, s, op);
+    if (smoe_sm90_gemm_variant & SM90_VAR_TMA_ST) {
+        CUtensorMap mc;
+        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, prm->out0, p->cap, p->d, 64, op));
+        if (bn == 256) return sm90_launch<256, 4, MODE, SM90_FL_TMA_ST>(p, ma, mb, &mc, prm, s, op);
+        return sm90_launch<128, 6, MODE, SM90_FL_TMA_ST>(p, ma, mb, &mc, prm, s, op);
+    }
+    if (bn == 256) return sm90_launch<256, 4, MODE, 0>(p, ma, mb, mb, prm, s, op);
+    return sm90_launch<128, 6, MODE, 0>(p, ma, mb, mb, prm, s, op);
+}
+
 static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf16 *w2,
                              const bf16 *b2, bf16 *y, void *scratch, cudaStream_t s)
 {
@@ -1096,20 +1115,7 @@ static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf
     const int cl = bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER);
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&ma, a, p->cap, p->n, SM90_BM, "a"));
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w2, p->E * p->d, p->n, cl ? bn / 2 : bn, "w2"));
-    if (cl)
-        return sm90_launch<256, 4, SM90_MODE_DOWN, SM90_FL_CLUSTER>(p, &ma, &mb, &mb, &prm, s,
-                                                                    "down");
-    if (smoe_sm90_gemm_variant & SM90_VAR_TMA_ST) {
-        CUtensorMap mc;
-        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, y, p->cap, p->d, 64, "y"));
-        if (bn == 256)
-            return sm90_launch<256, 4, SM90_MODE_DOWN, SM90_FL_TMA_ST>(p, &ma, &mb, &mc, &prm, s,
-                                                                       "down");
-        return sm90_launch<128, 6, SM90_MODE_DOWN, SM90_FL_TMA_ST>(p, &ma, &mb, &mc, &prm, s,
-                                                                   "down");
-    }
-    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DOWN, 0>(p, &ma, &mb, &mb, &prm, s, "down");
-    return sm90_launch<128, 6, SM90_MODE_DOWN, 0>(p, &ma, &mb, &mb, &prm, s, "down");
+    return sm90_launch_store<SM90_MODE_DOWN>(p, &ma, &mb, &prm, bn, cl, s, "down");
 }
 
 static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *w1, bf16 *dxt,
@@ -1129,19 +1135,8 @@ static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf
     CUtensorMap ma, mb;
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&ma, dh, p->cap, p->h_cols, SM90_BM, "dh"));
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w1, p->E * p->h_cols, p->d, 64, "w1"));
-    if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER))
-        return sm90_launch<256, 4, SM90_MODE_DXT, SM90_FL_CLUSTER>(p, &ma, &mb, &mb, &prm, s,
-                                                                   "dxt");
-    if (smoe_sm90_gemm_variant & SM90_VAR_TMA_ST) {
-        CUtensorMap mc;
-        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, dxt, p->cap, p->d, 64, "dxt"));
-        if (bn == 256)
-            return sm90_launch<256, 4, SM90_MODE_DXT, SM90_FL_TMA_ST>(p, &ma, &mb, &mc, &prm, s,
-                                                                      "dxt");
-        return sm90_launch<128, 6, SM90_MODE_DXT, SM90_FL_TMA_ST>(p, &ma, &mb, &mc, &prm, s, "dxt");
-    }
-    if (bn == 256) return sm90_launch<256, 4, SM90_MODE_DXT, 0>(p, &ma, &mb, &mb, &prm, s, "dxt");
-    return sm90_launch<128, 6, SM90_MODE_DXT, 0>(p, &ma, &mb, &mb, &prm, s, "dxt");
+    const int cl = bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER);
+    return sm90_launch_store<SM90_MODE_DXT>(p, &ma, &mb, &prm, bn, cl, s, "dxt");
 }
 
 /* The weight-gradient GEMMs (varlen-K) are in varlen_k_sm90.cu. */
