@@ -948,9 +948,11 @@ int main(int argc, char **argv)
             /* the ping-pong kernels (up and dh, variant bits 16 and 32), the
              * cluster kernels (bit 128) and the TMA-store epilogue of down
              * and dxt (bit 512) on further random cases, so the variant code
-             * stays tested */
-            static const int vars[3] = {16 | 32, 128, 512};
-            static const char *what[3] = {"ping-pong up and dh", "2-CTA clusters, weight multicast",
+             * stays tested; the grouped tile orders (bits 1024, 2048) ride
+             * along with the first two */
+            static const int vars[3] = {16 | 32 | 1024, 128 | 2048, 512};
+            static const char *what[3] = {"ping-pong up and dh, tiles in groups of 16 m-tiles",
+                                          "2-CTA clusters, weight multicast, groups of 8",
                                           "down and dxt stored by TMA"};
             for (int k = 0; k < 3; k++) {
                 smoe_sm90_gemm_variant = vars[k];

@@ -116,11 +116,14 @@ using namespace smoe_sm90;
  *                  (empty barrier count 4, two arrivals remote). Measured
  *                  20-35% slower than one CTA per tile on an H100
  *                  (notes/sm90_log.md, rung 7); behind the hook, tested.
- *  SM90_FL_TMA_ST  down / dxt: whole 64-row blocks leave through a TMA store
- *                  from a 128B-swizzled staging buffer (asynchronous: the
- *                  warpgroup goes on to the next chunk or tile while it
- *                  drains); partial blocks (an expert's last rows) keep the
- *                  per-thread stores, so no row of the next expert is written.
+ *  SM90_FL_TMA_ST  down / dxt, BN = 256, 3 stages: the whole output tile is
+ *                  staged (64 KiB: per warpgroup BN/64 boxes of 64 x 64,
+ *                  128B swizzle) and leaves by TMA stores that drain while
+ *                  the warpgroup runs the next tile's main loop; the buffer
+ *                  is waited for only at the next tile's epilogue. Blocks of
+ *                  fewer than 64 rows (an expert's last rows) are stored by
+ *                  the threads from the same buffer, so no row of the next
+ *                  expert is written.
  *                  (The dh epilogue: ep_dh_direct, for every variant.) */
 enum { SM90_FL_WS = 1, SM90_FL_PP = 2, SM90_FL_CLUSTER = 4, SM90_FL_TMA_ST = 8 };
 
@@ -144,6 +147,7 @@ typedef struct sm90_gemm_params {
     float *dsp;                   /* (tiles_n, cap) partial dS sums */
     int64_t cap;
     int h_cols;
+    int raster_gm; /* tile order within an expert: 0 row-major, else groups of gm m-tiles */
 } sm90_gemm_params;
 
 /* Per consumer warpgroup: 64 rows x 64 bf16, rows padded to 144 bytes so the
@@ -151,12 +155,15 @@ typedef struct sm90_gemm_params {
 #define SM90_EP_STRIDE 144
 #define SM90_EP_BYTES (64 * SM90_EP_STRIDE)
 
-template <int BN, int STAGES>
+template <int BN, int STAGES, bool FULL_EP = false>
 struct sm90_tile_cfg {
     static constexpr int A_BYTES = SM90_BM * SM90_BK * 2;
     static constexpr int B_BYTES = BN * SM90_BK * 2;
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * SM90_EP_BYTES +
+    /* epilogue buffers: two 64-column chunk buffers, or (FULL_EP) the
+     * whole 128 x BN bf16 tile */
+    static constexpr int EP_TOTAL = FULL_EP ? SM90_BM * BN * 2 : 2 * SM90_EP_BYTES;
+    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EP_TOTAL +
                                       2 * STAGES * 8 + (SM90_MAX_EXPERTS + 1) * 4 + 2 * 128 * 4;
     static_assert(STAGE_BYTES % 1024 == 0, "stages must keep 1024-byte alignment");
     static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget");
@@ -177,10 +184,15 @@ typedef struct sm90_tile {
 } sm90_tile;
 
 /* Tile (or, in a cluster of CL CTAs, tile group) t: expert, n-tile and this
- * CTA's m-tile (CTA `rank` of the group takes m-tile CL * m + rank). */
+ * CTA's m-tile (CTA `rank` of the group takes m-tile CL * m + rank). Within
+ * an expert the tiles run row-major (gm == 0: every n-tile of one m-tile,
+ * then the next m-tile) or in groups of gm m-tiles, column-major inside a
+ * group, so that the tiles in flight at once share fewer weight columns.
+ */
 template <int CL>
 __device__ __forceinline__ sm90_tile sm90_tile_decode(int t, const int *tile_start, int E, int nt,
-                                                      const int32_t *expert_offset, int rank)
+                                                      const int32_t *expert_offset, int rank,
+                                                      int gm)
 {
     int lo = 0, hi = E; /* tile_start[lo] <= t < tile_start[hi] */
     while (hi - lo > 1) {
@@ -188,10 +200,20 @@ __device__ __forceinline__ sm90_tile sm90_tile_decode(int t, const int *tile_sta
         if (tile_start[mid] <= t) lo = mid; else hi = mid;
     }
     sm90_tile tl;
-    int local = t - tile_start[lo];
+    const int local = t - tile_start[lo];
+    int m;
+    if (gm > 1) {
+        const int mt = (tile_start[lo + 1] - tile_start[lo]) / nt;
+        const int first = local / (gm * nt) * gm;
+        const int rows = min(gm, mt - first), idx = local - first * nt;
+        m = first + idx % rows;
+        tl.n_tile = idx / rows;
+    } else {
+        m = local / nt;
+        tl.n_tile = local % nt;
+    }
     tl.e = lo;
-    tl.n_tile = local % nt;
-    tl.row0 = __ldg(expert_offset + lo) + ((local / nt) * CL + rank) * SM90_BM;
+    tl.row0 = __ldg(expert_offset + lo) + (m * CL + rank) * SM90_BM;
     tl.row_end = __ldg(expert_offset + lo + 1);
     return tl;
 }
@@ -452,6 +474,10 @@ __device__ __forceinline__ void ep_dh_direct_any(const float *ac, const sm90_gem
                                                  int wrow0, int nvalid, int n0, int lr, int q,
                                                  int n_tile)
 {
+    /* a block wholly past the expert's end stores nothing, and its "row 0"
+     * (the stand-in row of ep_dh_direct's loads) may lie past the buffer's
+     * last row: found by compute-sanitizer memcheck on the GEMM test */
+    if (nvalid <= 0) return;
 #define SM90_DH_DIRECT(A) ep_dh_direct<A, BN>(ac, p, wrow0, nvalid, n0, lr, q, n_tile)
     SM90_ACT_SWITCH(p.act, SM90_DH_DIRECT);
 #undef SM90_DH_DIRECT
@@ -496,6 +522,57 @@ __global__ void sm90_ds_finish(const float *dsp, int tiles, int64_t cap, const i
 
 /* ------------------------------------------------------------ the kernel */
 
+/* down / dxt with SM90_FL_TMA_ST: the warpgroup's 64 x BN block of the
+ * tile (bias added, rounded) into its staging buffer sb, BN/64 boxes of 64
+ * rows x 64 columns in the 128B-swizzled layout of map_c, then out by TMA
+ * (whole blocks) or by the threads (rows < nvalid only). The TMA stores
+ * drain while the next tile's main loop runs; only the next epilogue waits
+ * for them to have read the buffer. */
+template <int BN>
+__device__ __forceinline__ void ep_store_tile_tma(const float *ac, uint8_t *sb,
+                                                  const CUtensorMap *map_c,
+                                                  const sm90_gemm_params &p, int wrow0, int nvalid,
+                                                  int n0, int64_t bo, int lr, int q, int t, int cw)
+{
+    if (t == 0) bulk_wait_read<0>(); /* this warpgroup's previous stores have read sb */
+    named_barrier_sync(1 + cw, 128);
+#pragma unroll
+    for (int c = 0; c < BN / 64; c++) {
+        uint8_t *box = sb + c * 8192;
+#pragma unroll
+        for (int jj = 0; jj < 8; jj++) {
+            const int j = 8 * c + jj, col = n0 + 64 * c + 8 * jj + 2 * q;
+            const float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = lr + 8 * h;
+                *(__nv_bfloat162 *)(box + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * q) =
+                    __floats2bfloat162_rn(ac[4 * j + 2 * h] + b0, ac[4 * j + 2 * h + 1] + b1);
+            }
+        }
+    }
+    fence_proxy_async(); /* generic writes -> the TMA engine's reads */
+    named_barrier_sync(1 + cw, 128);
+    if (nvalid == 64) {
+        if (t == 0) {
+#pragma unroll
+            for (int c = 0; c < BN / 64; c++)
+                if (n0 + 64 * c < p.N)
+                    tma_store_2d(map_c, smem_addr(sb + c * 8192), n0 + 64 * c, wrow0);
+            bulk_commit();
+        }
+    } else {
+        /* 16 bytes per (row, 8-column group); BN / 8 groups per row */
+#pragma unroll 4
+        for (int i = t; i < 64 * (BN / 8); i += 128) {
+            const int r = i / (BN / 8), g = i % (BN / 8), col = n0 + 8 * g;
+            if (r < nvalid && col < p.N)
+                *(uint4 *)(p.out0 + (int64_t)(wrow0 + r) * p.N + col) =
+                    *(const uint4 *)(sb + (g >> 3) * 8192 + r * 128 + (((g & 7) ^ (r & 7)) << 4));
+        }
+    }
+}
+
 /* A consumer warpgroup frees a stage: in a cluster, in both CTAs (the peer
  * multicasts its half of the next weight tile into this CTA's stage). */
 template <int CL>
@@ -511,7 +588,10 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                          const __grid_constant__ CUtensorMap map_b,
                          const __grid_constant__ CUtensorMap map_c, const sm90_gemm_params p)
 {
-    typedef sm90_tile_cfg<BN, STAGES> cfg;
+    constexpr bool TMA_ST =
+        (FL & SM90_FL_TMA_ST) != 0 && (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT);
+    static_assert(!TMA_ST || BN == 256, "the staged TMA-store epilogue is for 128 x 256 tiles");
+    typedef sm90_tile_cfg<BN, STAGES, TMA_ST> cfg;
     constexpr bool GATHER = (MODE == SM90_MODE_UP || MODE == SM90_MODE_DH);
     /* B stored K x N, N contiguous: W1 for dxt, W2 for dh */
     constexpr bool TRANS_B = (MODE == SM90_MODE_DXT || MODE == SM90_MODE_DH);
@@ -522,8 +602,6 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
      * notes/sm90_log.md, rung 6) */
     constexpr bool TOKREG = GATHER && !WS;
     constexpr bool PP = (FL & SM90_FL_PP) != 0;
-    constexpr bool TMA_ST =
-        (FL & SM90_FL_TMA_ST) != 0 && (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT);
     constexpr int MH = PP ? 2 : 1;            /* m64 blocks per consumer warpgroup */
     static_assert(!PP || BN == 128, "ping-pong tiles are 128 x 128");
     static_assert(!(WS && PP), "the warp-per-stage gather stands alone");
@@ -535,8 +613,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
      * trip, which loses the shared address space and turns every access
      * through it into a generic LD/ST: notes/sm90_log.md, rung 5) */
     uint8_t *smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-    uint8_t *ep_base = smem + STAGES * cfg::STAGE_BYTES; /* 2 x SM90_EP_BYTES */
-    uint64_t *full = (uint64_t *)(ep_base + 2 * SM90_EP_BYTES);
+    uint8_t *ep_base = smem + STAGES * cfg::STAGE_BYTES; /* cfg::EP_TOTAL bytes */
+    uint64_t *full = (uint64_t *)(ep_base + cfg::EP_TOTAL);
     uint64_t *empty = full + STAGES;
     int *tile_start = (int *)(empty + STAGES);
     int32_t *tok_slots = tile_start + SM90_MAX_EXPERTS + 1; /* WS: 2 x 128 tile tokens */
@@ -595,7 +673,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             const int pw = tid >> 5, lane = tid & 31, chunk = lane & 7;
             int it = 0, nth = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x, nth++) {
-                sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset, crank);
+                sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
+                                                    crank, p.raster_gm);
                 int32_t *tokb = tok_slots + 128 * (nth & 1);
                 {
                     int r = tl.row0 + tid;
@@ -636,7 +715,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         int stage = 0;
         uint32_t phase = 0;
         for (int t = cid; t < total; t += ncl) {
-            sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset, crank);
+            sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
+                                                crank, p.raster_gm);
             /* this thread's 8 gather rows, for the whole tile */
             int32_t tok[8];
             if (GATHER) {
@@ -712,7 +792,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
          * kb_count stages per tile, tile after tile */
         uint32_t pos = PP ? (uint32_t)(cw * kb_count) : 0u;
         for (int t = cid + (PP ? cw * ncl : 0); t < total; t += (PP ? 2 : 1) * ncl) {
-            sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset, crank);
+            sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
+                                                crank, p.raster_gm);
             int prev = 0;
             /* Ping-pong order: a warpgroup starts its main loop only after the
              * other one has waited for the previous tile's last stage. Besides
@@ -782,40 +863,15 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             if constexpr (MODE == SM90_MODE_DH) {
                 ep_dh_direct_any<BN>(ac, p, wrow0, nvalid, n0, lr, q, tl.n_tile);
             } else {
+            if constexpr (TMA_ST) {
+                ep_store_tile_tma<BN>(ac, ep_base + cw * (64 * BN * 2), &map_c, p, wrow0, nvalid,
+                                      n0, bo, lr, q, tid & 127, cw);
+            } else {
 #pragma unroll
             for (int c = 0; c < BN / 64; c++) {
                 if constexpr (MODE != SM90_MODE_UP) {
                     const int col0 = n0 + 64 * c;
                     if (col0 >= p.N) break;
-                    if (TMA_ST && nvalid == 64) {
-                        /* the previous TMA store from this buffer has read it */
-                        if ((tid & 127) == 0) bulk_wait_read<0>();
-                        named_barrier_sync(1 + cw, 128);
-#pragma unroll
-                        for (int jj = 0; jj < 8; jj++) {
-                            const int j = 8 * c + jj, col = col0 + 8 * jj + 2 * q;
-                            const float b0 = load_bias(p.bias, bo + col);
-                            const float b1 = load_bias(p.bias, bo + col + 1);
-#pragma unroll
-                            for (int h = 0; h < 2; h++) {
-                                const int r = lr + 8 * h;
-                                *(__nv_bfloat162 *)(eb + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * q) =
-                                    __floats2bfloat162_rn(ac[4 * j + 2 * h] + b0,
-                                                          ac[4 * j + 2 * h + 1] + b1);
-                            }
-                        }
-                        fence_proxy_async(); /* generic writes -> the TMA engine's reads */
-                        named_barrier_sync(1 + cw, 128);
-                        if ((tid & 127) == 0) {
-                            tma_store_2d(&map_c, smem_addr(eb), col0, wrow0);
-                            bulk_commit();
-                        }
-                        continue;
-                    }
-                    if (TMA_ST) { /* a TMA store may still read the buffer */
-                        if ((tid & 127) == 0) bulk_wait_read<0>();
-                        named_barrier_sync(1 + cw, 128);
-                    }
 #pragma unroll
                     for (int jj = 0; jj < 8; jj++) {
                         const int j = 8 * c + jj, col = col0 + 8 * jj + 2 * q;
@@ -868,6 +924,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                                     tid & 127, cw);
                 }
             }
+            } /* not TMA_ST */
             } /* not dh */
             } /* mh */
         }
@@ -956,7 +1013,8 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
                                const CUtensorMap *mb, const CUtensorMap *mc,
                                const sm90_gemm_params *prm, cudaStream_t s, const char *op)
 {
-    typedef sm90_tile_cfg<BN, STAGES> cfg;
+    typedef sm90_tile_cfg<BN, STAGES, (FL & SM90_FL_TMA_ST) != 0 &&
+                          (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT)> cfg;
     void (*kern)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const sm90_gemm_params) =
         sm90_grouped_gemm_kernel<BN, STAGES, MODE, FL>;
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1014,7 +1072,10 @@ enum {
     SM90_VAR_DH_PP = 32,
     SM90_VAR_CLUSTER = 128, /* 2-CTA clusters with weight multicast, BN = 256 kernels */
     SM90_VAR_DH_BN128 = 256, /* dh in 128 x 128 cooperative tiles, 6 stages */
-    SM90_VAR_TMA_ST = 512    /* down, dxt: SM90_FL_TMA_ST */
+    SM90_VAR_TMA_ST = 512,   /* down, dxt: SM90_FL_TMA_ST */
+    SM90_VAR_RASTER16 = 1024, /* tiles in groups of 16 m-tiles (sm90_tile_decode) */
+    SM90_VAR_RASTER8 = 2048,  /* ... of 8 */
+    SM90_VAR_ROWMAJOR = 4096  /* row-major tile order on every shape */
 };
 
 static int sm90_dh_bn(const smoe_gemm_problem *p)
@@ -1044,6 +1105,18 @@ static sm90_gemm_params sm90_params(const smoe_gemm_problem *p, int64_t K, int64
     prm.n = (int)p->n;
     prm.cap = p->cap;
     prm.h_cols = (int)p->h_cols;
+    /* Tile order (sm90_tile_decode): in groups of 16 m-tiles where one
+     * expert's weight slice (K x N) is 16 MiB or more, row-major below.
+     * Measured on the H100 (notes/sm90_log.md, rung 9): up, dxt, down and dh
+     * +3-12% at 120B-n2048 (W1 32 MiB, W2 16 MiB), up and dxt +3-7% at
+     * 120B (W1 16 MiB), but down -5% there (W2 8 MiB); 7B and 30B neutral. */
+    const int v = smoe_sm90_gemm_variant;
+    const int grouped = K * N * 2 >= ((int64_t)16 << 20);
+    prm.raster_gm = (v & SM90_VAR_ROWMAJOR) ? 0
+                    : (v & SM90_VAR_RASTER16) ? 16
+                    : (v & SM90_VAR_RASTER8)  ? 8
+                    : grouped                 ? 16
+                                              : 0;
     return prm;
 }
 
@@ -1093,8 +1166,7 @@ static smoe_status sm90_launch_store(const smoe_gemm_problem *p, const CUtensorM
     if (smoe_sm90_gemm_variant & SM90_VAR_TMA_ST) {
         CUtensorMap mc;
         SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, prm->out0, p->cap, p->d, 64, op));
-        if (bn == 256) return sm90_launch<256, 4, MODE, SM90_FL_TMA_ST>(p, ma, mb, &mc, prm, s, op);
-        return sm90_launch<128, 6, MODE, SM90_FL_TMA_ST>(p, ma, mb, &mc, prm, s, op);
+        if (bn == 256) return sm90_launch<256, 3, MODE, SM90_FL_TMA_ST>(p, ma, mb, &mc, prm, s, op);
     }
     if (bn == 256) return sm90_launch<256, 4, MODE, 0>(p, ma, mb, mb, prm, s, op);
     return sm90_launch<128, 6, MODE, 0>(p, ma, mb, mb, prm, s, op);
