@@ -54,8 +54,9 @@
  * global stores (and, for accumulate, loads of the old values, read a few
  * pieces ahead and warmed in L2 at the tile's start) are 16-byte row pieces
  * of 128 contiguous bytes; fp32 or bf16 output, the sum with the old value
- * formed in fp32. Tiles of experts without rows write zeros (overwrite) or
- * nothing (accumulate).
+ * formed in fp32; bf16 overwrite rounds into the buffer instead, so its row
+ * pieces are 128 bytes too. Tiles of experts without rows write zeros
+ * (overwrite) or nothing (accumulate).
  *
  * Numerics: bf16 products exact in fp32, fp32 accumulation by the tensor
  * cores in a fixed order. Deterministic: every output tile is owned by one
@@ -376,6 +377,57 @@ static __device__ __forceinline__ void vk_store_tile(const vk_args &p, const flo
     }
 }
 
+/* bf16 overwrite: the accumulators rounded to bf16 on their way into the
+ * warp's 2 KB buffer, which then holds 16 rows x 64 columns, so each row
+ * piece leaves as 128 contiguous bytes (8 threads x 16 B); the fp32 staging
+ * above gives bf16 rows only 64-byte pieces. Rounded once, as there. */
+template <int BN>
+static __device__ __forceinline__ void vk_store_tile_bf16(const vk_args &p, const float *acc,
+                                                          int e, int row0_warp, int n0, int lane,
+                                                          uint32_t buf, bool zero)
+{
+    constexpr int PIECES = BN / 64;
+    const int rr0 = lane / 8, ch = lane % 8; /* read-back: row rr0 + 4 i, chunk ch */
+    size_t rowoff[4];
+    bool row_ok[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int row = row0_warp + rr0 + 4 * i;
+        row_ok[i] = row < p.M;
+        const int prow = p.map_rows ? ((row & 1) ? p.n_half + (row >> 1) : (row >> 1)) : row;
+        rowoff[i] = ((size_t)e * p.M + (size_t)prow) * p.N;
+    }
+#pragma unroll
+    for (int c = 0; c < PIECES; c++) {
+        /* 8-column group jj of the piece is 16-byte chunk jj of a buffer row */
+#pragma unroll
+        for (int jj = 0; jj < 8; jj++) {
+            const int j = 8 * c + jj;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = lane / 4 + 8 * h;
+                const uint32_t a = buf + r * 128 + (((jj ^ (r & 7)) << 4) | ((lane % 4) << 2));
+                __nv_bfloat162 v = __floats2bfloat162_rn(zero ? 0.f : acc[4 * j + 2 * h],
+                                                         zero ? 0.f : acc[4 * j + 2 * h + 1]);
+                asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(*(uint32_t *)&v) : "memory");
+            }
+        }
+        __syncwarp();
+        const int col = n0 + 64 * c + 8 * ch; /* N % 64 == 0: a chunk is all in or all out */
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = rr0 + 4 * i;
+            uint4 v;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(buf + r * 128 + ((ch ^ (r & 7)) << 4))
+                         : "memory");
+            if (row_ok[i] && col < p.N) *(uint4 *)((bf16 *)p.out + rowoff[i] + col) = v;
+        }
+        __syncwarp();
+    }
+}
+
 /* 16-byte cp.async without zero fill (every byte is read). */
 static __device__ __forceinline__ void vk_cp_async_16_full(uint32_t dst, const void *src)
 {
@@ -598,7 +650,7 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
                 if (p.accumulate)
                     vk_store_tile<false, true, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
                 else
-                    vk_store_tile<false, false, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
+                    vk_store_tile_bf16<BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
             }
         }
     }
