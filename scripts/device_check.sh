@@ -57,6 +57,10 @@ step() { # name, command...: run, keep the log, print one line
 if [ "$mode" = verify ]; then
   step test-gpu test_gpu
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/gpu/test_layer_gpu --small
+  # the Hopper GEMMs alone, with their hook variants (the layer test's small
+  # shapes never put a whole 64-row block past the buffer's end)
+  step mem-sm90 compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/gpu/test_gemm_sm90 --small
+  step mem-vk compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/gpu/test_varlen_k_sm90 --small
   # racecheck: the portable layer path and the Hopper varlen-M GEMMs on small
   # cases (the Hopper layer test under racecheck runs past 8 minutes)
   step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 build/tests/gpu/test_layer_gpu --small --sm80

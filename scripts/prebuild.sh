@@ -16,7 +16,7 @@ for t in $(make -s print-gpu-tests); do cp -a "$t" "$st/tests/gpu/"; done
   echo "built $(date -u '+%F %H:%M') UTC"; } > "$st/STAMP"
 # every program links the whole library statically (~12 MB of kernels each):
 # compressed, the set travels in about a third of the 64 MiB a call carries
-rm -rf .prebuilt && mkdir -p .prebuilt
+mkdir -p .prebuilt && rm -f .prebuilt/prebuilt.tar.xz .prebuilt/STAMP
 tar -cf - -C "$st" . | xz -T0 -2 > .prebuilt/prebuilt.tar.xz
 cp "$st/STAMP" .prebuilt/
 rm -rf "$st"
