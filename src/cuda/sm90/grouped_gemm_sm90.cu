@@ -124,8 +124,15 @@ using namespace smoe_sm90;
  *                  fewer than 64 rows (an expert's last rows) are stored by
  *                  the threads from the same buffer, so no row of the next
  *                  expert is written.
+ *  SM90_FL_RASTER  the cooperative BN = 256 kernels with the grouped tile
+ *                  order (sm90_tile_decode, p.raster_gm); sm90_launch picks
+ *                  it when the host asked for groups, so the row-major
+ *                  kernels keep exactly the code they had before it (with
+ *                  the order as a runtime branch in every kernel, some
+ *                  forwards read 1-2% lower: inside the noise, not ruled
+ *                  out). The ping-pong and cluster kernels stay row-major.
  *                  (The dh epilogue: ep_dh_direct, for every variant.) */
-enum { SM90_FL_WS = 1, SM90_FL_PP = 2, SM90_FL_CLUSTER = 4, SM90_FL_TMA_ST = 8 };
+enum { SM90_FL_WS = 1, SM90_FL_PP = 2, SM90_FL_CLUSTER = 4, SM90_FL_TMA_ST = 8, SM90_FL_RASTER = 16 };
 
 enum { SM90_MODE_UP = 0, SM90_MODE_DOWN = 1, SM90_MODE_DXT = 2, SM90_MODE_DH = 3 };
 
@@ -200,20 +207,18 @@ __device__ __forceinline__ sm90_tile sm90_tile_decode(int t, const int *tile_sta
         if (tile_start[mid] <= t) lo = mid; else hi = mid;
     }
     sm90_tile tl;
-    const int local = t - tile_start[lo];
-    int m;
+    int local = t - tile_start[lo];
+    tl.e = lo;
     if (gm > 1) {
         const int mt = (tile_start[lo + 1] - tile_start[lo]) / nt;
         const int first = local / (gm * nt) * gm;
         const int rows = min(gm, mt - first), idx = local - first * nt;
-        m = first + idx % rows;
         tl.n_tile = idx / rows;
+        tl.row0 = __ldg(expert_offset + lo) + ((first + idx % rows) * CL + rank) * SM90_BM;
     } else {
-        m = local / nt;
         tl.n_tile = local % nt;
+        tl.row0 = __ldg(expert_offset + lo) + ((local / nt) * CL + rank) * SM90_BM;
     }
-    tl.e = lo;
-    tl.row0 = __ldg(expert_offset + lo) + (m * CL + rank) * SM90_BM;
     tl.row_end = __ldg(expert_offset + lo + 1);
     return tl;
 }
@@ -606,6 +611,9 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     static_assert(!PP || BN == 128, "ping-pong tiles are 128 x 128");
     static_assert(!(WS && PP), "the warp-per-stage gather stands alone");
     constexpr int CL = (FL & SM90_FL_CLUSTER) ? 2 : 1; /* CTAs per cluster */
+    /* m-tiles per group of the tile order, 0: row-major (constant 0 unless
+     * SM90_FL_RASTER, so the other kernels carry no grouped-order code) */
+    const int gm = (FL & SM90_FL_RASTER) ? p.raster_gm : 0;
     static_assert(CL == 1 || (!WS && !PP), "clusters with the cooperative kernel only");
 
     extern __shared__ uint8_t smem_raw[];
@@ -674,7 +682,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             int it = 0, nth = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x, nth++) {
                 sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
-                                                    crank, p.raster_gm);
+                                                    crank, gm);
                 int32_t *tokb = tok_slots + 128 * (nth & 1);
                 {
                     int r = tl.row0 + tid;
@@ -716,7 +724,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         uint32_t phase = 0;
         for (int t = cid; t < total; t += ncl) {
             sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
-                                                crank, p.raster_gm);
+                                                crank, gm);
             /* this thread's 8 gather rows, for the whole tile */
             int32_t tok[8];
             if (GATHER) {
@@ -793,7 +801,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         uint32_t pos = PP ? (uint32_t)(cw * kb_count) : 0u;
         for (int t = cid + (PP ? cw * ncl : 0); t < total; t += (PP ? 2 : 1) * ncl) {
             sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
-                                                crank, p.raster_gm);
+                                                crank, gm);
             int prev = 0;
             /* Ping-pong order: a warpgroup starts its main loop only after the
              * other one has waited for the previous tile's last stage. Besides
@@ -1022,6 +1030,9 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
     if (err != cudaSuccess)
         return smoe_fail(SMOE_ERROR_BACKEND, "sm90 %s: cudaFuncSetAttribute: %s", op,
                          cudaGetErrorString(err));
+    if constexpr (FL == 0 && BN == 256) /* the grouped tile order: its own kernel */
+        if (prm->raster_gm > 1)
+            return sm90_launch<BN, STAGES, MODE, SM90_FL_RASTER>(p, ma, mb, mc, prm, s, op);
     int grid = sm90_grid(p, (prm->N + BN - 1) / BN);
     if (grid <= 0) return SMOE_SUCCESS;
     if constexpr ((FL & SM90_FL_CLUSTER) != 0) {
@@ -1073,9 +1084,10 @@ enum {
     SM90_VAR_CLUSTER = 128, /* 2-CTA clusters with weight multicast, BN = 256 kernels */
     SM90_VAR_DH_BN128 = 256, /* dh in 128 x 128 cooperative tiles, 6 stages */
     SM90_VAR_TMA_ST = 512,   /* down, dxt: SM90_FL_TMA_ST */
-    SM90_VAR_RASTER16 = 1024, /* tiles in groups of 16 m-tiles (sm90_tile_decode) */
+    /* the tile order of the cooperative BN = 256 kernels (SM90_FL_RASTER) */
+    SM90_VAR_RASTER16 = 1024, /* groups of 16 m-tiles on every shape */
     SM90_VAR_RASTER8 = 2048,  /* ... of 8 */
-    SM90_VAR_ROWMAJOR = 4096  /* row-major tile order on every shape */
+    SM90_VAR_ROWMAJOR = 4096  /* row-major on every shape */
 };
 
 static int sm90_dh_bn(const smoe_gemm_problem *p)
