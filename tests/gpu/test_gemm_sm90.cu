@@ -22,6 +22,7 @@
  *                               (grouped_gemm_sm90.cu, SM90_VAR_*);
  *                               --seed, --cases.
  *   test_gemm_sm90 --small      one small case (for compute-sanitizer).
+ *   --trace                     each op synchronised and named as it ends.
  *
  * Exit status 0 only if every check passed. Seeded; a failure prints the
  * seed and the case.
@@ -596,6 +597,17 @@ static void build_rows_from_counts(problem_host *P, const int *counts)
 }
 
 /* One random correctness case. */
+/* --trace: each op of run_case synchronised and named on stdout (flushed)
+ * as it finishes, to find the launch a sanitizer run stops in. */
+static int g_trace = 0;
+static void trace_op(const char *tag, int rep, const char *op)
+{
+    if (!g_trace) return;
+    cudaError_t e = cudaDeviceSynchronize();
+    printf("  trace %s rep %d: %s done (%s)\n", tag, rep, op, cudaGetErrorString(e));
+    fflush(stdout);
+}
+
 static int run_case(int idx, int sms)
 {
     static const int ds[] = {64, 128, 192, 256, 384, 512, 576};
@@ -650,9 +662,12 @@ static int run_case(int idx, int sms)
         smoe_status st = smoe_gemm_ops_sm90.up(&g, D.x, D.w1, P.bias ? D.b1 : NULL,
                                                with_h ? h : NULL, a, NULL, 0);
         if (st != SMOE_SUCCESS) { printf("  FAIL %s: up returned %d\n", tag, (int)st); ok = 0; }
+        trace_op(tag, rep, "up");
         st = smoe_gemm_ops_sm90.down(&g, D.a_in, D.w2, P.bias ? D.b2 : NULL, y, NULL, 0);
         if (st != SMOE_SUCCESS) { printf("  FAIL %s: down returned %d\n", tag, (int)st); ok = 0; }
+        trace_op(tag, rep, "down");
         st = smoe_gemm_ops_sm90.dxt(&g, D.dh_in, D.w1, xt, NULL, 0);
+        trace_op(tag, rep, "dxt");
         int concat = P.gated && P.layout == SMOE_W1_CONCATENATED;
         if (concat ? st != SMOE_ERROR_UNSUPPORTED : st != SMOE_SUCCESS) {
             printf("  FAIL %s: dxt returned %d\n", tag, (int)st);
@@ -671,6 +686,7 @@ static int run_case(int idx, int sms)
                                        D.as_out, D.ds_out, D.scratch, 0);
             if (st != SMOE_SUCCESS) { printf("  FAIL %s: dh returned %d\n", tag, (int)st); ok = 0; }
             D.dh_ran = st == SMOE_SUCCESS;
+            trace_op(tag, rep, "dh");
         }
         CK(cudaDeviceSynchronize());
     }
@@ -920,6 +936,7 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--bench")) bench = 1;
         else if (!strcmp(argv[i], "--small")) small = 1;
+        else if (!strcmp(argv[i], "--trace")) g_trace = 1;
         else if (!strcmp(argv[i], "--shapes") && i + 1 < argc) nshapes = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 0);
         else if (!strcmp(argv[i], "--cases") && i + 1 < argc) cases = atoi(argv[++i]);
@@ -947,14 +964,16 @@ int main(int argc, char **argv)
         if (smoe_sm90_gemm_variant == 0) {
             /* the ping-pong kernels (up and dh, variant bits 16 and 32), the
              * cluster kernels (bit 128), the TMA-store epilogue of down
-             * and dxt (bit 512) and the grouped tile order (bit 1024: the
-             * table picks it only for weight slices of 16 MiB and more) on
-             * further random cases, so the variant code stays tested */
-            static const int vars[4] = {16 | 32, 128, 512, 1024};
-            static const char *what[4] = {"ping-pong up and dh", "2-CTA clusters, weight multicast",
+             * and dxt (bit 512), the grouped tile order (bit 1024: the
+             * table picks it only for weight slices of 16 MiB and more) and
+             * the evict-first stores of down and dxt (bit 8192) on further
+             * random cases, so the variant code stays tested */
+            static const int vars[5] = {16 | 32, 128, 512, 1024, 8192};
+            static const char *what[5] = {"ping-pong up and dh", "2-CTA clusters, weight multicast",
                                           "down and dxt stored by TMA",
-                                          "tiles in groups of 16 m-tiles"};
-            for (int k = 0; k < 4; k++) {
+                                          "tiles in groups of 16 m-tiles",
+                                          "down and dxt stores evict-first"};
+            for (int k = 0; k < 5; k++) {
                 smoe_sm90_gemm_variant = vars[k];
                 printf("variant %d (%s):\n", vars[k], what[k]);
                 for (int i = 0; i < (small ? 1 : 8); i++) {

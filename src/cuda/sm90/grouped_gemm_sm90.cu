@@ -131,8 +131,20 @@ using namespace smoe_sm90;
  *                  the order as a runtime branch in every kernel, some
  *                  forwards read 1-2% lower: inside the noise, not ruled
  *                  out). The ping-pong and cluster kernels stay row-major.
+ *  SM90_FL_STREAM  down / dxt, row-major BN = 256: the output rows stored
+ *                  with the evict-first hint (st.global.cs), so Y / dX~
+ *                  (GBs, read back only by the aggregation) do not push the
+ *                  weight and A tiles out of L2. Experiment (hook 8192), not
+ *                  yet measured.
  *                  (The dh epilogue: ep_dh_direct, for every variant.) */
-enum { SM90_FL_WS = 1, SM90_FL_PP = 2, SM90_FL_CLUSTER = 4, SM90_FL_TMA_ST = 8, SM90_FL_RASTER = 16 };
+enum {
+    SM90_FL_WS = 1,
+    SM90_FL_PP = 2,
+    SM90_FL_CLUSTER = 4,
+    SM90_FL_TMA_ST = 8,
+    SM90_FL_RASTER = 16,
+    SM90_FL_STREAM = 32
+};
 
 enum { SM90_MODE_UP = 0, SM90_MODE_DOWN = 1, SM90_MODE_DXT = 2, SM90_MODE_DH = 3 };
 
@@ -274,10 +286,10 @@ __device__ __forceinline__ void ep_put4(uint8_t *eb, int r, int c, float v0, flo
 }
 
 /* Stores the warpgroup's staged 64 rows (WBYTES bytes each) to dst (row
- * stride ld elements), rows < nvalid only. Named barriers around it: the
- * whole warpgroup's writes land before the reads, and the reads finish
- * before the buffer is written again. */
-template <int WBYTES>
+ * stride ld elements), rows < nvalid only; CS: with the evict-first hint.
+ * Named barriers around it: the whole warpgroup's writes land before the
+ * reads, and the reads finish before the buffer is written again. */
+template <int WBYTES, bool CS = false>
 __device__ __forceinline__ void ep_flush(const uint8_t *eb, bf16 *dst, int64_t ld, int nvalid,
                                          int t, int cw)
 {
@@ -285,10 +297,13 @@ __device__ __forceinline__ void ep_flush(const uint8_t *eb, bf16 *dst, int64_t l
     named_barrier_sync(1 + cw, 128);
     const int v = t % VPR;
 #pragma unroll
-    for (int r = t / VPR; r < 64; r += RPI)
-        if (r < nvalid)
-            *(uint4 *)((uint8_t *)(dst + (int64_t)r * ld) + v * 16) =
-                *(const uint4 *)(eb + r * SM90_EP_STRIDE + v * 16);
+    for (int r = t / VPR; r < 64; r += RPI) {
+        if (r >= nvalid) continue;
+        uint8_t *gp = (uint8_t *)(dst + (int64_t)r * ld) + v * 16;
+        const uint4 val = *(const uint4 *)(eb + r * SM90_EP_STRIDE + v * 16);
+        if constexpr (CS) st_global_cs_v4(gp, val);
+        else *(uint4 *)gp = val;
+    }
     named_barrier_sync(1 + cw, 128);
 }
 
@@ -889,7 +904,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                             ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q,
                                     ac[4 * j + 2 * h] + b0, ac[4 * j + 2 * h + 1] + b1);
                     }
-                    ep_flush<128>(eb, p.out0 + (int64_t)wrow0 * p.N + col0, p.N, nvalid, tid & 127, cw);
+                    ep_flush<128, (FL & SM90_FL_STREAM) != 0>(
+                        eb, p.out0 + (int64_t)wrow0 * p.N + col0, p.N, nvalid, tid & 127, cw);
                 } else {
                     /* The chunk's 64 H columns (bias added, rounded) go to shared
                      * memory in interleaved order; the flush stores them and computes
@@ -1087,7 +1103,8 @@ enum {
     /* the tile order of the cooperative BN = 256 kernels (SM90_FL_RASTER) */
     SM90_VAR_RASTER16 = 1024, /* groups of 16 m-tiles on every shape */
     SM90_VAR_RASTER8 = 2048,  /* ... of 8 */
-    SM90_VAR_ROWMAJOR = 4096  /* row-major on every shape */
+    SM90_VAR_ROWMAJOR = 4096, /* row-major on every shape */
+    SM90_VAR_STREAM = 8192    /* down, dxt: SM90_FL_STREAM (row-major BN = 256 tiles) */
 };
 
 static int sm90_dh_bn(const smoe_gemm_problem *p)
@@ -1180,6 +1197,8 @@ static smoe_status sm90_launch_store(const smoe_gemm_problem *p, const CUtensorM
         SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, prm->out0, p->cap, p->d, 64, op));
         if (bn == 256) return sm90_launch<256, 3, MODE, SM90_FL_TMA_ST>(p, ma, mb, &mc, prm, s, op);
     }
+    if (bn == 256 && prm->raster_gm <= 1 && (smoe_sm90_gemm_variant & SM90_VAR_STREAM))
+        return sm90_launch<256, 4, MODE, SM90_FL_STREAM>(p, ma, mb, mb, prm, s, op);
     if (bn == 256) return sm90_launch<256, 4, MODE, 0>(p, ma, mb, mb, prm, s, op);
     return sm90_launch<128, 6, MODE, 0>(p, ma, mb, mb, prm, s, op);
 }
