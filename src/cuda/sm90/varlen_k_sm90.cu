@@ -280,6 +280,21 @@ static __device__ __forceinline__ void vk_prefetch_out(const vk_args &p, int e, 
     }
 }
 
+/* The epilogue's read-back rows of a thread: rows row0, row0 + 4, + 8,
+ * + 12 of expert e's output (the concatenated-W1 row map applied), their
+ * element offsets and whether they exist. */
+static __device__ __forceinline__ void vk_epi_rows(const vk_args &p, int e, int row0,
+                                                   size_t *rowoff, bool *row_ok)
+{
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int row = row0 + 4 * i;
+        row_ok[i] = row < p.M;
+        const int prow = p.map_rows ? ((row & 1) ? p.n_half + (row >> 1) : (row >> 1)) : row;
+        rowoff[i] = ((size_t)e * p.M + (size_t)prow) * p.N;
+    }
+}
+
 /* Accumulators to global memory through a 2 KB shared-memory buffer per
  * warp: a warp's 16 rows go out in pieces of 32 columns, each row piece as
  * 128 contiguous bytes (8 threads x 16 B) instead of 8-row scatters of 32 B.
@@ -301,13 +316,7 @@ static __device__ __forceinline__ void vk_store_tile(const vk_args &p, const flo
     const int rr0 = lane / 8, ch = lane % 8; /* read-back: row rr0 + 4 i, chunk ch */
     size_t rowoff[4];
     bool row_ok[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int row = row0_warp + rr0 + 4 * i;
-        row_ok[i] = row < p.M;
-        const int prow = p.map_rows ? ((row & 1) ? p.n_half + (row >> 1) : (row >> 1)) : row;
-        rowoff[i] = ((size_t)e * p.M + (size_t)prow) * p.N;
-    }
+    vk_epi_rows(p, e, row0_warp + rr0, rowoff, row_ok);
     float4 old[VK_EPI_AHEAD][4];
     auto load_old = [&](int c, float4 *o) {
         const int col = n0 + 32 * c + 4 * ch;
@@ -390,13 +399,7 @@ static __device__ __forceinline__ void vk_store_tile_bf16(const vk_args &p, cons
     const int rr0 = lane / 8, ch = lane % 8; /* read-back: row rr0 + 4 i, chunk ch */
     size_t rowoff[4];
     bool row_ok[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int row = row0_warp + rr0 + 4 * i;
-        row_ok[i] = row < p.M;
-        const int prow = p.map_rows ? ((row & 1) ? p.n_half + (row >> 1) : (row >> 1)) : row;
-        rowoff[i] = ((size_t)e * p.M + (size_t)prow) * p.N;
-    }
+    vk_epi_rows(p, e, row0_warp + rr0, rowoff, row_ok);
 #pragma unroll
     for (int c = 0; c < PIECES; c++) {
         /* 8-column group jj of the piece is 16-byte chunk jj of a buffer row */
