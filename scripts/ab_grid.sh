@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Interleaved A/B runs of the layer benchmark, for differences smaller than
+# the run-to-run spread (5-10% on one shape between runs of one binary):
+#   scripts/ab_grid.sh ROWS "A B ..." [REPS]
+# Each of A, B, ... is either an --sm90-variant number (run with
+# build/smoe_bench) or a path to another smoe_bench binary (run with its
+# defaults), e.g.
+#   scripts/ab_grid.sh 30B-n256,120B-n512 "0 8192" 3
+#   scripts/ab_grid.sh all "build/smoe_bench old/smoe_bench" 3
+# REPS rounds (default 3), each running every candidate once in turn; then a
+# table per row: the median forward / backward TFLOPS of each candidate, its
+# range, and its ratio to the first candidate's median. CSVs go to
+# ${OUT:-/tmp}/ab_*.csv.
+set -uo pipefail
+rows=$1 cands=$2 reps=${3:-3}
+out=${OUT:-/tmp}
+bench=build/smoe_bench
+i=0
+for r in $(seq 1 "$reps"); do
+  for c in $cands; do
+    tag=$(echo "$c" | tr '/' '_')
+    if [[ $c =~ ^[0-9]+$ ]]; then
+      $bench --rows "$rows" --backend sm90 --sm90-variant "$c" --csv "$out/ab_${tag}_$r.csv" >/dev/null
+    else
+      "$c" --rows "$rows" --backend sm90 --csv "$out/ab_${tag}_$r.csv" >/dev/null
+    fi || { echo "FAILED: $c (round $r)"; exit 1; }
+  done
+done
+python3 - "$out" "$reps" $cands <<'EOF'
+import csv, statistics, sys
+out, reps, cands = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+res = {}  # (cand, row) -> [(fwd, bwd)]
+order = []
+for c in cands:
+    tag = c.replace('/', '_')
+    for r in range(1, reps + 1):
+        for row in csv.DictReader(open(f"{out}/ab_{tag}_{r}.csv")):
+            if row['name'] not in order:
+                order.append(row['name'])
+            res.setdefault((c, row['name']), []).append(
+                (float(row['fwd_tflops']), float(row['bwd_tflops'])))
+print(f"{reps} interleaved rounds; TFLOPS median [min-max], ratio of medians to {cands[0]}")
+print(f"{'row':12s} " + " | ".join(f"{c:>34s}" for c in cands))
+for name in order:
+    cells = []
+    base = res[(cands[0], name)]
+    bf = statistics.median(x[0] for x in base)
+    bb = statistics.median(x[1] for x in base)
+    for c in cands:
+        v = res[(c, name)]
+        f = [x[0] for x in v]
+        b = [x[1] for x in v]
+        mf, mb = statistics.median(f), statistics.median(b)
+        cells.append(f"{mf:5.0f}[{min(f):.0f}-{max(f):.0f}] {mb:5.0f}[{min(b):.0f}-{max(b):.0f}]"
+                     f" {mf / bf:4.2f},{mb / bb:4.2f}")
+    print(f"{name:12s} " + " | ".join(f"{x:>34s}" for x in cells))
+EOF
