@@ -360,11 +360,9 @@ static __device__ __forceinline__ void vk_store_tile(const vk_args &p, const flo
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int r = rr0 + 4 * i;
-            float4 v;
-            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-                         : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                         : "r"(buf + r * 128 + ((ch ^ (r & 7)) << 4))
-                         : "memory");
+            const uint4 u4 = ld_shared_v4(buf + r * 128 + ((ch ^ (r & 7)) << 4));
+            float4 v = make_float4(__uint_as_float(u4.x), __uint_as_float(u4.y),
+                                   __uint_as_float(u4.z), __uint_as_float(u4.w));
             if (!row_ok[i] || !col_ok) continue;
             if (ACC) {
                 const float4 o = old[c % VK_EPI_AHEAD][i];
@@ -420,11 +418,7 @@ static __device__ __forceinline__ void vk_store_tile_bf16(const vk_args &p, cons
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int r = rr0 + 4 * i;
-            uint4 v;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                         : "r"(buf + r * 128 + ((ch ^ (r & 7)) << 4))
-                         : "memory");
+            const uint4 v = ld_shared_v4(buf + r * 128 + ((ch ^ (r & 7)) << 4));
             if (row_ok[i] && col < p.N) *(uint4 *)((bf16 *)p.out + rowoff[i] + col) = v;
         }
         __syncwarp();
