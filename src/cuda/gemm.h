@@ -108,6 +108,21 @@ typedef struct smoe_gemm_ops {
                        cudaStream_t s);
 } smoe_gemm_ops;
 
+/* For kernels whose epilogue takes the activation as a template constant:
+ * CALL(A) with act as the compile-time constant A, dispatched once per tile
+ * or chunk, not per element. Layers are made with a valid activation; any
+ * other value runs SwiGLU's code. */
+#define SMOE_ACT_SWITCH(act, CALL)                                                               \
+    switch (act) {                                                                               \
+    case SMOE_ACT_GEGLU: CALL(SMOE_ACT_GEGLU); break;                                            \
+    case SMOE_ACT_REGLU: CALL(SMOE_ACT_REGLU); break;                                            \
+    case SMOE_ACT_RELU2: CALL(SMOE_ACT_RELU2); break;                                            \
+    case SMOE_ACT_RELU: CALL(SMOE_ACT_RELU); break;                                              \
+    case SMOE_ACT_SILU: CALL(SMOE_ACT_SILU); break;                                              \
+    case SMOE_ACT_GELU: CALL(SMOE_ACT_GELU); break;                                              \
+    default: CALL(SMOE_ACT_SWIGLU); break;                                                       \
+    }
+
 #ifdef __cplusplus
 extern "C" {
 #endif

@@ -178,27 +178,6 @@ static __device__ __forceinline__ float gg_act(int act, float x)
     }
 }
 
-/* CALL(A) with the activation act as the compile-time constant A, OTHER
- * for any other value (layers are made with a valid one). */
-#define GG_ACT_SWITCH(act, CALL, OTHER)                                                          \
-    switch (act) {                                                                             \
-    case SMOE_ACT_SWIGLU: CALL(SMOE_ACT_SWIGLU); break;                                        \
-    case SMOE_ACT_GEGLU: CALL(SMOE_ACT_GEGLU); break;                                          \
-    case SMOE_ACT_REGLU: CALL(SMOE_ACT_REGLU); break;                                          \
-    case SMOE_ACT_RELU2: CALL(SMOE_ACT_RELU2); break;                                          \
-    case SMOE_ACT_RELU: CALL(SMOE_ACT_RELU); break;                                            \
-    case SMOE_ACT_SILU: CALL(SMOE_ACT_SILU); break;                                            \
-    case SMOE_ACT_GELU: CALL(SMOE_ACT_GELU); break;                                            \
-    default: OTHER;                                                                            \
-    }
-
-template <int MI>
-static __device__ __forceinline__ void gg_zero_rows(float (&dsr)[MI][2])
-{
-#pragma unroll
-    for (int mi = 0; mi < MI; mi++) dsr[mi][0] = dsr[mi][1] = 0.0f;
-}
-
 /* f(x) and f'(x) with the activation known at compile time (dh's epilogue
  * is unrolled over the thread's 64 elements: a run-time switch there would
  * inline every activation 64 times and overflow the instruction cache). */
@@ -876,7 +855,7 @@ __global__ void __launch_bounds__(WM *WN * 32)
 #define GG_DH_ROWS(A)                                                                          \
     gg_epi_dh_rows<A, BN, NT / 32>(p, stg, C::SROW, hs, pitch, pass * PR, PR, m0, m_lim, n0,   \
                                    n_lim, n_tile, warp, lane)
-                GG_ACT_SWITCH(p.act, GG_DH_ROWS, (void)0);
+                SMOE_ACT_SWITCH(p.act, GG_DH_ROWS);
 #undef GG_DH_ROWS
                 __syncthreads(); /* staging consumed; dH written */
             }
@@ -885,7 +864,7 @@ __global__ void __launch_bounds__(WM *WN * 32)
             float dsr[MI][2];
 #define GG_DH_REGS(A)                                                                          \
     gg_epi_dh<A, MI, NI>(p, acc, hs, pitch, m0, m_lim, n0, n_lim, wm0, wn0, g, t4, dsr)
-            GG_ACT_SWITCH(p.act, GG_DH_REGS, gg_zero_rows<MI>(dsr));
+            SMOE_ACT_SWITCH(p.act, GG_DH_REGS);
 #undef GG_DH_REGS
             /* Row sums: the quad, then the WN warps of a row in order. */
             float *red = (float *)(gg_smem + C::DH_H_BYTES); /* [WN][BM], after the H tile */

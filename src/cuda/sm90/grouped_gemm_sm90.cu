@@ -235,19 +235,6 @@ __device__ __forceinline__ sm90_tile sm90_tile_decode(int t, const int *tile_sta
     return tl;
 }
 
-/* CALL(A) with the activation `act` as the compile-time constant A: the
- * epilogues dispatch once per chunk or tile, not per element. */
-#define SM90_ACT_SWITCH(act, CALL)                                                                 \
-    switch (act) {                                                                                 \
-    case SMOE_ACT_GEGLU: CALL(SMOE_ACT_GEGLU); break;                                              \
-    case SMOE_ACT_REGLU: CALL(SMOE_ACT_REGLU); break;                                              \
-    case SMOE_ACT_RELU2: CALL(SMOE_ACT_RELU2); break;                                              \
-    case SMOE_ACT_RELU: CALL(SMOE_ACT_RELU); break;                                                \
-    case SMOE_ACT_SILU: CALL(SMOE_ACT_SILU); break;                                                \
-    case SMOE_ACT_GELU: CALL(SMOE_ACT_GELU); break;                                                \
-    default: CALL(SMOE_ACT_SWIGLU); break;                                                         \
-    }
-
 /* f(x) with the activation known at compile time (gated: of the gate), the
  * sigmoid by the fast reciprocal (1-2 ulp in fp32 before the bf16
  * rounding). */
@@ -363,7 +350,7 @@ __device__ __forceinline__ void ep_flush_up_any(const uint8_t *eb, bf16 *out_h, 
                                                 int nvalid, int t, int cw)
 {
 #define SM90_UP_FLUSH(A) ep_flush_up_ct<A>(eb, out_h, out_a, ldh, lda, wrow0, hc0, nvalid, t, cw)
-    SM90_ACT_SWITCH(act, SM90_UP_FLUSH);
+    SMOE_ACT_SWITCH(act, SM90_UP_FLUSH);
 #undef SM90_UP_FLUSH
 }
 
@@ -499,7 +486,7 @@ __device__ __forceinline__ void ep_dh_direct_any(const float *ac, const sm90_gem
      * last row: found by compute-sanitizer memcheck on the GEMM test */
     if (nvalid <= 0) return;
 #define SM90_DH_DIRECT(A) ep_dh_direct<A, BN>(ac, p, wrow0, nvalid, n0, lr, q, n_tile)
-    SM90_ACT_SWITCH(p.act, SM90_DH_DIRECT);
+    SMOE_ACT_SWITCH(p.act, SM90_DH_DIRECT);
 #undef SM90_DH_DIRECT
 }
 
