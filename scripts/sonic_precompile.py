@@ -199,19 +199,8 @@ def setup_paths(site):
 
 
 def configs_from_args(args):
-    import torch_baseline  # bench/: grid rows parsed from bench/grid.h
-    grid = torch_baseline.grid_rows()
-    out = []
-    if args.rows is not None or not args.shape:
-        names = list(grid) if args.rows in (None, "all") else args.rows.split(",")
-        for nm in names:
-            if nm not in grid:
-                sys.exit("sonic_precompile: no row %r in bench/grid.h" % nm)
-            out.append((nm,) + grid[nm])
-    for s in args.shape or []:
-        T, d, n, E, K = (int(v) for v in s.split(","))
-        out.append(("T%d-d%d-n%d-E%d-K%d" % (T, d, n, E, K), T, d, n, E, K))
-    return out
+    import compare  # bench/: the same --rows / --shape selection as the run
+    return compare.parse_configs(args)
 
 
 class Stats:
