@@ -188,17 +188,31 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
     w->f_gemm = o; o += gs;
     w->fwd_end = o;
 
+    /* The backward's buffers, by lifetime (one stream, so in this order):
+     *   dh:        written by the dh GEMM; read by dxt, dw1, db1
+     *   a_scaled:  written by the dh GEMM; read by dw2 (before dxt)
+     *   ds:        written by the dh GEMM; read by the router backward and
+     *              the pair-score gradient (to the end)
+     *   dxt:       written by dxt (after dw2); read by the dx aggregation
+     *   router:    split, tc, dla, wr2, dwr2, dxr: written after db1, read
+     *              up to the dx aggregation
+     * so a_scaled and dxt share one region, and the router's buffers share
+     * dh's (dead once db1 has run). */
     o = base;
-    w->dh = o; o += al(c * hc * 2);
-    w->a_scaled = o; o += al(c * n * 2);
+    w->dh = o;
+    size_t r = o; /* the router's buffers from the same start */
+    w->split = r; r += al(t * 2 * E * 2);
+    w->wr2 = r; r += al(2 * E * dd * 2);
+    w->dwr2 = r; r += al(2 * E * dd * 4);
+    w->dxr = r; r += al(t * dd * 4);
+    w->tc = r; r += al(t * K * 4);
+    w->dla = r; r += al(c * 4);
+    o += al(c * hc * 2);
+    if (r > o) o = r;
     w->ds = o; o += al(c * 4);
-    w->dxt = o; o += al(c * dd * 2);
-    w->split = o; o += al(t * 2 * E * 2);
-    w->wr2 = o; o += al(2 * E * dd * 2);
-    w->dwr2 = o; o += al(2 * E * dd * 4);
-    w->dxr = o; o += al(t * dd * 4);
-    w->tc = o; o += al(t * K * 4);
-    w->dla = o; o += al(c * 4);
+    w->a_scaled = o;
+    w->dxt = o;
+    o += al(c * (dd > n ? dd : n) * 2);
     w->b_gemm = o; o += gs;
     w->bwd_end = o;
     w->total = w->fwd_end > w->bwd_end ? w->fwd_end : w->bwd_end;
