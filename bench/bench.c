@@ -12,15 +12,26 @@
  *            library's SMOE_CUDA_TIMING stage timer, on stderr)
  *            --sm90-variant V (experiments: the Hopper GEMMs' variant hook,
  *            src/cuda/sm90/grouped_gemm_sm90.cu; 0 = the tile table)
+ *            --timing queued|synced (queued)  --gpu-delay-ms X (0)
  *
  * Setting: bf16, SwiGLU, TOPK_SOFTMAX routing (the grid's), random inputs
  * (router weights random, so routing is near uniform), every gradient
  * wanted (dX, dWr, dW1, dW2 in bf16, overwritten).
  * Timing: warm-up calls, then `reps` forward+backward pairs; before each
  * timed call a 256 MiB memset evicts L2 (the H100 has 50 MiB), and CUDA
- * events bracket the call alone. Medians are reported. TFLOPS = 6TKdn /
- * forward time and 12TKdn / backward time (backward time = the backward
- * call), DESIGN.md section 8. "host" is the CPU time the forward and
+ * events bracket the call alone. Medians are reported. Queued (the
+ * default): after the warm-up the pairs are enqueued back to back and the
+ * host waits once at the end, so the host runs ahead of the GPU as in a
+ * training loop, and as in triton's do_bench, which SonicMoE's benchmark
+ * uses (benchmarks/moe-cute.py there: flush, event, call, event, no
+ * synchronisation between repetitions). Synced: the host waits for every
+ * pair, so each call starts on an idle GPU and the events include the
+ * host's latency up to its first kernel (sessions 1-4 timed this way).
+ * --gpu-delay-ms X adds X ms of further memsets of the flush buffer between
+ * the flush and the start event (the count calibrated once; an experiment:
+ * it changes how long the GPU works at low power before each call).
+ * TFLOPS = 6TKdn / forward time and 12TKdn / backward time (backward time =
+ * the backward call), DESIGN.md section 8. "host" is the CPU time the forward and
  * backward calls take to enqueue their work (median), the library's share
  * of a training step's host time.
  * Activation memory: the saved block plus the output O (2Td bytes) -- what
@@ -41,6 +52,9 @@ extern int smoe_sm90_gemm_variant; /* benchmark hook of the Hopper GEMMs */
 #include <time.h>
 
 #define FLUSH_BYTES ((size_t)256 << 20)
+static double g_delay_ms = 0.0; /* --gpu-delay-ms */
+static int g_queued = 1;        /* --timing queued|synced */
+static int g_delay_n = -1;      /* memsets of FLUSH_BYTES per delay, calibrated once */
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
 static int cuda_ok(cudaError_t e, const char *what)
@@ -133,6 +147,35 @@ static double median(double *v, int n)
             goto out;                                                               \
     } while (0)
 
+/* The flush, then g_delay_n more memsets of the same buffer (the delay). */
+static int flush_and_delay(void *flush, int it)
+{
+    if (g_delay_n < 0) { /* calibrate: the fastest of 3 timed memsets */
+        cudaEvent_t a = NULL, b = NULL;
+        float best = 0.0f;
+        g_delay_n = 0;
+        if (g_delay_ms > 0 && cuda_ok(cudaEventCreate(&a), "cudaEventCreate") &&
+            cuda_ok(cudaEventCreate(&b), "cudaEventCreate")) {
+            for (int i = 0; i < 4; i++) {
+                cudaEventRecord(a, NULL);
+                cudaMemsetAsync(flush, i, FLUSH_BYTES, NULL);
+                cudaEventRecord(b, NULL);
+                if (!cuda_ok(cudaEventSynchronize(b), "delay calibration")) break;
+                float ms = 0.0f;
+                cudaEventElapsedTime(&ms, a, b);
+                if (i > 0 && (best == 0.0f || ms < best)) best = ms;
+            }
+            if (best > 0.0f) g_delay_n = (int)ceil(g_delay_ms / best);
+        }
+        if (a) cudaEventDestroy(a);
+        if (b) cudaEventDestroy(b);
+    }
+    for (int i = 0; i <= g_delay_n; i++)
+        if (!cuda_ok(cudaMemsetAsync(flush, (it + i) & 0xff, FLUSH_BYTES, NULL), "flush"))
+            return 0;
+    return 1;
+}
+
 static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, int warmup,
                       int stages, result *res)
 {
@@ -162,13 +205,14 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
     void *dx = NULL, *dwr = NULL, *dw1 = NULL, *dw2 = NULL, *saved = NULL, *ws = NULL;
     void *flush = NULL;
     uint16_t *pool = NULL;
-    cudaEvent_t ev[4] = {0};
+    const int nit = warmup + reps;
+    cudaEvent_t *ev = (cudaEvent_t *)calloc((size_t)(4 * nit), sizeof(cudaEvent_t));
     double *tf = (double *)calloc((size_t)reps, sizeof(double));
     double *tb = (double *)calloc((size_t)reps, sizeof(double));
     double *hf = (double *)calloc((size_t)reps, sizeof(double));
     double *hb = (double *)calloc((size_t)reps, sizeof(double));
     pool = (uint16_t *)malloc((size_t)POOL * 2);
-    if (!tf || !tb || !hf || !hb || !pool) goto out;
+    if (!tf || !tb || !hf || !hb || !pool || !ev) goto out;
 
     DMALLOC(x, (size_t)(T * d) * 2);
     DMALLOC(wr, (size_t)(E * d) * 2);
@@ -189,7 +233,7 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
         !fill_random(w2, (size_t)(E * d * n), 1.0f / sqrtf((float)n), pool) ||
         !fill_random(dout, (size_t)(T * d), 1.0f, pool))
         goto out;
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 4 * nit; i++)
         if (!cuda_ok(cudaEventCreate(&ev[i]), "cudaEventCreate")) goto out;
 
     smoe_forward_args fa;
@@ -203,30 +247,40 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
     ba.dw1 = (smoe_grad){dw1, SMOE_DTYPE_BF16, 0};
     ba.dw2 = (smoe_grad){dw2, SMOE_DTYPE_BF16, 0};
 
-    for (int it = 0; it < warmup + reps; it++) {
-        if (!cuda_ok(cudaMemsetAsync(flush, it & 0xff, FLUSH_BYTES, NULL), "flush")) goto out;
-        cudaEventRecord(ev[0], NULL);
+    /* queued: the calls follow each other on the GPU with no
+     * synchronisation between them (after the warm-up), so the host runs
+     * ahead; synced: the host waits for each pair to finish */
+    for (int it = 0; it < nit; it++) {
+        cudaEvent_t *e = ev + 4 * it;
+        if (!flush_and_delay(flush, it)) goto out;
+        cudaEventRecord(e[0], NULL);
         const double h0 = host_us();
         st = smoe_layer_forward(L, &fa, saved, ws, NULL);
         const double h1 = host_us();
-        cudaEventRecord(ev[1], NULL);
+        cudaEventRecord(e[1], NULL);
         if (st != SMOE_SUCCESS) break;
-        if (!cuda_ok(cudaMemsetAsync(flush, (it + 1) & 0xff, FLUSH_BYTES, NULL), "flush")) goto out;
-        cudaEventRecord(ev[2], NULL);
+        if (!flush_and_delay(flush, it + 1)) goto out;
+        cudaEventRecord(e[2], NULL);
         const double h2 = host_us();
         st = smoe_layer_backward(L, &ba, saved, ws, NULL);
         const double h3 = host_us();
-        cudaEventRecord(ev[3], NULL);
+        cudaEventRecord(e[3], NULL);
         if (st != SMOE_SUCCESS) break;
-        if (!cuda_ok(cudaEventSynchronize(ev[3]), "run")) goto out;
-        float f = 0, b = 0;
-        cudaEventElapsedTime(&f, ev[0], ev[1]);
-        cudaEventElapsedTime(&b, ev[2], ev[3]);
+        if ((!g_queued || it + 1 == warmup) && !cuda_ok(cudaEventSynchronize(e[3]), "run"))
+            goto out;
         if (it >= warmup) {
-            tf[it - warmup] = f;
-            tb[it - warmup] = b;
             hf[it - warmup] = h1 - h0;
             hb[it - warmup] = h3 - h2;
+        }
+    }
+    if (st == SMOE_SUCCESS) {
+        if (!cuda_ok(cudaDeviceSynchronize(), "run")) goto out;
+        for (int it = warmup; it < nit; it++) {
+            float f = 0, b = 0;
+            cudaEventElapsedTime(&f, ev[4 * it], ev[4 * it + 1]);
+            cudaEventElapsedTime(&b, ev[4 * it + 2], ev[4 * it + 3]);
+            tf[it - warmup] = f;
+            tb[it - warmup] = b;
         }
     }
     if (st != SMOE_SUCCESS) {
@@ -270,8 +324,9 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
         fflush(stderr);
     }
 out:
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; ev && i < 4 * nit; i++)
         if (ev[i]) cudaEventDestroy(ev[i]);
+    free(ev);
     cudaFree(x); cudaFree(wr); cudaFree(w1); cudaFree(w2); cudaFree(out); cudaFree(dout);
     cudaFree(dx); cudaFree(dwr); cudaFree(dw1); cudaFree(dw2); cudaFree(saved); cudaFree(ws);
     cudaFree(flush);
@@ -319,7 +374,7 @@ static void write_csv(const char *file, const result *rs, int nr, const char *de
     fprintf(f, "name,T,d,n,E,K,device,path,fwd_ms,bwd_ms,fwd_tflops,bwd_tflops,act_gib,"
                "floor_act_gib,workspace_gib,sonicmoe_fwd,sonicmoe_bwd,torch_fwd,torch_bwd,"
                "torch_act_gib,scattermoe_fwd,scattermoe_bwd,scattermoe_act_gib,gemm_bound_fwd,"
-               "gemm_bound_bwd,host_fwd_us,host_bwd_us\n");
+               "gemm_bound_bwd,host_fwd_us,host_bwd_us,gpu_delay_ms,timing\n");
     for (int i = 0; i < nr; i++) {
         const result *r = &rs[i];
         const smoe_grid_row *g = r->row;
@@ -336,9 +391,10 @@ static void write_csv(const char *file, const result *rs, int nr, const char *de
                 g->torch_bwd, g->torch_act_gib, g->scattermoe_fwd, g->scattermoe_bwd,
                 g->scattermoe_act_gib, g->gemm_bound_fwd, g->gemm_bound_bwd);
         if (r->ok)
-            fprintf(f, "%.1f,%.1f\n", r->host_fwd_us, r->host_bwd_us);
+            fprintf(f, "%.1f,%.1f,", r->host_fwd_us, r->host_bwd_us);
         else
-            fprintf(f, ",\n");
+            fprintf(f, ",,");
+        fprintf(f, "%.3g,%s\n", g_delay_ms, g_queued ? "queued" : "synced");
     }
     fclose(f);
 }
@@ -383,7 +439,8 @@ static void usage(void)
 {
     printf("usage: smoe_bench [--rows NAME[,NAME...]|all] [--shape T,d,n,E,K]\n"
            "                  [--backend auto|cuda|sm90] [--reps N] [--warmup N] [--csv FILE] "
-           "[--list] [--stages] [--sm90-variant V]\n");
+           "[--list] [--stages] [--sm90-variant V] [--gpu-delay-ms X]\n"
+           "                  [--timing queued|synced]\n");
 }
 
 int main(int argc, char **argv)
@@ -400,6 +457,11 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--reps") && v) { reps = atoi(v); i++; }
         else if (!strcmp(a, "--warmup") && v) { warmup = atoi(v); i++; }
         else if (!strcmp(a, "--stages")) stages = 1;
+        else if (!strcmp(a, "--gpu-delay-ms") && v) { g_delay_ms = atof(v); i++; }
+        else if (!strcmp(a, "--timing") && v && (!strcmp(v, "queued") || !strcmp(v, "synced"))) {
+            g_queued = !strcmp(v, "queued");
+            i++;
+        }
 #ifdef SMOE_WITH_SM90
         else if (!strcmp(a, "--sm90-variant") && v) { smoe_sm90_gemm_variant = atoi(v); i++; }
 #endif
@@ -471,8 +533,9 @@ int main(int argc, char **argv)
     snprintf(device, sizeof device, "%s (sm_%d%d, %d SMs)", prop.name, prop.major, prop.minor,
              prop.multiProcessorCount);
     printf("smoe_bench %s on %s: bf16 SwiGLU TOPK_SOFTMAX, median of %d (warm-up %d), L2 "
-           "flushed\n",
-           smoe_version_string(), device, reps, warmup);
+           "flushed, %s timing, GPU delay %.3g ms before each timed call\n",
+           smoe_version_string(), device, reps, warmup, g_queued ? "queued" : "synced",
+           g_delay_ms);
 
     result *rs = (result *)calloc((size_t)nt + 1, sizeof(result));
     int failed = 0;

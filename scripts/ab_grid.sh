@@ -2,9 +2,10 @@
 # Interleaved A/B runs of the layer benchmark, for differences smaller than
 # the run-to-run spread (5-10% on one shape between runs of one binary):
 #   scripts/ab_grid.sh ROWS "A B ..." [REPS]
-# Each of A, B, ... is either an --sm90-variant number (run with
-# build/smoe_bench) or a path to another smoe_bench binary (run with its
-# defaults), e.g.
+# Each of A, B, ... is an --sm90-variant number (run with build/smoe_bench),
+# a path to another smoe_bench binary (run with its defaults), or
+# args:OPTIONS with ':' for spaces (build/smoe_bench with those options,
+# e.g. args:--gpu-delay-ms:0), e.g.
 #   scripts/ab_grid.sh 30B-n256,120B-n512 "0 8192" 3
 #   scripts/ab_grid.sh all "build/smoe_bench old/smoe_bench" 3
 # REPS rounds (default 3), each running every candidate once in turn; then a
@@ -21,6 +22,8 @@ for r in $(seq 1 "$reps"); do
     tag=$(echo "$c" | tr '/' '_')
     if [[ $c =~ ^[0-9]+$ ]]; then
       $bench --rows "$rows" --backend sm90 --sm90-variant "$c" --csv "$out/ab_${tag}_$r.csv" >/dev/null
+    elif [[ $c == args:* ]]; then
+      $bench --rows "$rows" --backend sm90 $(echo "${c#args:}" | tr : " ") --csv "$out/ab_${tag}_$r.csv" >/dev/null
     else
       "$c" --rows "$rows" --backend sm90 --csv "$out/ab_${tag}_$r.csv" >/dev/null
     fi || { echo "FAILED: $c (round $r)"; exit 1; }
