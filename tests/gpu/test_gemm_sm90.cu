@@ -965,15 +965,25 @@ int main(int argc, char **argv)
             /* the ping-pong kernels (up and dh, variant bits 16 and 32), the
              * cluster kernels (bit 128), the TMA-store epilogue of down
              * and dxt (bit 512), the grouped tile order (bit 1024: the
-             * table picks it only for weight slices of 16 MiB and more) and
-             * the evict-first stores of down and dxt (bit 8192) on further
-             * random cases, so the variant code stays tested */
-            static const int vars[5] = {16 | 32, 128, 512, 1024, 8192};
-            static const char *what[5] = {"ping-pong up and dh", "2-CTA clusters, weight multicast",
-                                          "down and dxt stored by TMA",
-                                          "tiles in groups of 16 m-tiles",
-                                          "down and dxt stores evict-first"};
-            for (int k = 0; k < 5; k++) {
+             * table picks it only for weight slices of 16 MiB and more),
+             * the evict-first stores of down and dxt (bit 8192), their
+             * storer warps (bit 16384, row-major and grouped) and their
+             * ping-pong 128 x 192 tiles everywhere (bit 32768; the table
+             * takes them for down at n <= 1024 and dxt at 2n <= 512) or
+             * nowhere (bit 65536) on further random cases, so the variant
+             * code stays tested */
+            enum { NV = 9 };
+            static const int vars[NV] = {16 | 32, 128, 512, 1024, 8192, 16384, 16384 | 1024, 32768,
+                                         65536};
+            static const char *what[NV] = {"ping-pong up and dh", "2-CTA clusters, weight multicast",
+                                           "down and dxt stored by TMA",
+                                           "tiles in groups of 16 m-tiles",
+                                           "down and dxt stores evict-first",
+                                           "down and dxt stored by the storer warps",
+                                           "storer warps, tiles in groups of 16 m-tiles",
+                                           "down and dxt in ping-pong 128 x 192 tiles",
+                                           "down and dxt in cooperative 128 x 256 tiles"};
+            for (int k = 0; k < NV; k++) {
                 smoe_sm90_gemm_variant = vars[k];
                 printf("variant %d (%s):\n", vars[k], what[k]);
                 for (int i = 0; i < (small ? 1 : 8); i++) {

@@ -74,6 +74,9 @@
  *   N >= 256: BN = 256, 4 stages (48 KiB each)
  *   N <  256: BN = 128, 6 stages (32 KiB each); up gathers one stage per
  *             producer warp there
+ *   down / dxt with a short reduction (sm90_store_bn): ping-pong 128 x 192
+ *             tiles, 5 stages (40 KiB each), a narrower wgmma on a last
+ *             n-tile of 64 or 128 columns
  * Requirements (else SMOE_ERROR_UNSUPPORTED, and the layer runs the portable
  * kernel): d % 64 == 0, n % 64 == 0, E <= 1024, 16-byte aligned pointers.
  */
@@ -105,10 +108,13 @@ using namespace smoe_sm90;
  *  SM90_FL_WS      gather one stage per producer warp (BN=128 up)
  *  SM90_FL_PP      ping-pong consumers: each warpgroup owns whole 128 x BN
  *                  tiles (alternate tiles of the CTA), so one warpgroup's
- *                  epilogue runs under the other's main loop; BN = 128.
- *                  Measured slower than the cooperative 128 x 256 tile for
- *                  up and dh on an H100 (notes/sm90_log.md, rung 6); kept
- *                  behind the variant hook and tested.
+ *                  epilogue runs under the other's main loop; BN = 128, or
+ *                  192 for down / dxt (5 stages of 40 KiB; 192 accumulators
+ *                  per thread; SonicMoE's H100 down-projection tile for
+ *                  256 <= n < 1024). BN = 128 measured slower than the
+ *                  cooperative 128 x 256 tile for up and dh on an H100
+ *                  (notes/sm90_log.md, rung 6); kept behind the variant
+ *                  hook and tested.
  *  SM90_FL_CLUSTER clusters of 2 CTAs along M: the pair takes m-tiles 2m and
  *                  2m + 1 of one (expert, n-tile), each CTA loads half of the
  *                  weight tile by TMA multicast into both, and a stage is
@@ -134,8 +140,17 @@ using namespace smoe_sm90;
  *  SM90_FL_STREAM  down / dxt, row-major BN = 256: the output rows stored
  *                  with the evict-first hint (st.global.cs), so Y / dX~
  *                  (GBs, read back only by the aggregation) do not push the
- *                  weight and A tiles out of L2. Experiment (hook 8192), not
- *                  yet measured.
+ *                  weight and A tiles out of L2. Measured 0-2% slower on
+ *                  30B-n256, 30B-n512, 120B-n512 (hook 8192, rung 10); kept
+ *                  behind the hook.
+ *  SM90_FL_STORE   down / dxt, BN = 256, 3 stages: the consumers put the
+ *                  whole tile (bias added, rounded) into a 64 KiB staging
+ *                  buffer and go on to the next tile's main loop; warps 1-3
+ *                  of the producer warpgroup (idle there: one thread issues
+ *                  the TMA loads) store it with the same 16-byte row pieces
+ *                  the consumers' own flush writes, so the stores overlap
+ *                  the tensor cores with no change in the DRAM traffic
+ *                  (unlike SM90_FL_TMA_ST, which moved more). Hook 16384.
  *                  (The dh epilogue: ep_dh_direct, for every variant.) */
 enum {
     SM90_FL_WS = 1,
@@ -143,7 +158,8 @@ enum {
     SM90_FL_CLUSTER = 4,
     SM90_FL_TMA_ST = 8,
     SM90_FL_RASTER = 16,
-    SM90_FL_STREAM = 32
+    SM90_FL_STREAM = 32,
+    SM90_FL_STORE = 64
 };
 
 enum { SM90_MODE_UP = 0, SM90_MODE_DOWN = 1, SM90_MODE_DXT = 2, SM90_MODE_DH = 3 };
@@ -182,8 +198,11 @@ struct sm90_tile_cfg {
     /* epilogue buffers: two 64-column chunk buffers, or (FULL_EP) the
      * whole 128 x BN bf16 tile */
     static constexpr int EP_TOTAL = FULL_EP ? SM90_BM * BN * 2 : 2 * SM90_EP_BYTES;
+    /* + the storer handshake (SM90_FL_STORE): 4 mbarriers, 2 x int4 of tile
+     * info (16-byte aligned), and the alignment's slack */
     static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EP_TOTAL +
-                                      2 * STAGES * 8 + (SM90_MAX_EXPERTS + 1) * 4 + 2 * 128 * 4;
+                                      2 * STAGES * 8 + (SM90_MAX_EXPERTS + 1) * 4 + 2 * 128 * 4 +
+                                      4 * 8 + 2 * 16 + 16;
     static_assert(STAGE_BYTES % 1024 == 0, "stages must keep 1024-byte alignment");
     static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget");
 };
@@ -535,14 +554,15 @@ __global__ void sm90_ds_finish(const float *dsp, int tiles, int64_t cap, const i
  * (whole blocks) or by the threads (rows < nvalid only). The TMA stores
  * drain while the next tile's main loop runs; only the next epilogue waits
  * for them to have read the buffer. */
+/* The warpgroup's 64 x BN block (bias added, rounded to bf16) into sb: BN/64
+ * boxes of 64 rows x 64 columns, 8 KiB apart, 16-byte chunk jj of row r at
+ * chunk jj ^ (r & 7) (the 128B swizzle of a TMA box; free of bank conflicts
+ * for these 4-byte writes and for 16-byte row reads). */
 template <int BN>
-__device__ __forceinline__ void ep_store_tile_tma(const float *ac, uint8_t *sb,
-                                                  const CUtensorMap *map_c,
-                                                  const sm90_gemm_params &p, int wrow0, int nvalid,
-                                                  int n0, int64_t bo, int lr, int q, int t, int cw)
+__device__ __forceinline__ void ep_stage_tile(const float *ac, uint8_t *sb,
+                                              const sm90_gemm_params &p, int n0, int64_t bo,
+                                              int lr, int q)
 {
-    if (t == 0) bulk_wait_read<0>(); /* this warpgroup's previous stores have read sb */
-    named_barrier_sync(1 + cw, 128);
 #pragma unroll
     for (int c = 0; c < BN / 64; c++) {
         uint8_t *box = sb + c * 8192;
@@ -558,6 +578,17 @@ __device__ __forceinline__ void ep_store_tile_tma(const float *ac, uint8_t *sb,
             }
         }
     }
+}
+
+template <int BN>
+__device__ __forceinline__ void ep_store_tile_tma(const float *ac, uint8_t *sb,
+                                                  const CUtensorMap *map_c,
+                                                  const sm90_gemm_params &p, int wrow0, int nvalid,
+                                                  int n0, int64_t bo, int lr, int q, int t, int cw)
+{
+    if (t == 0) bulk_wait_read<0>(); /* this warpgroup's previous stores have read sb */
+    named_barrier_sync(1 + cw, 128);
+    ep_stage_tile<BN>(ac, sb, p, n0, bo, lr, q);
     fence_proxy_async(); /* generic writes -> the TMA engine's reads */
     named_barrier_sync(1 + cw, 128);
     if (nvalid == 64) {
@@ -580,6 +611,78 @@ __device__ __forceinline__ void ep_store_tile_tma(const float *ac, uint8_t *sb,
     }
 }
 
+/* SM90_FL_STORE's storers (warps 1-3 of the producer warpgroup, st = 0..95):
+ * for each tile of the CTA and each consumer warpgroup w, wait until w has
+ * staged its 64 x BN block (staged[w]), store its valid rows from the
+ * staging buffer in 16-byte pieces (a warp per row: 32 lanes x 16 bytes =
+ * one 512-byte row piece of a 256-column tile), then free the buffer
+ * (drained[w]) once every value read is in registers. */
+template <int BN>
+__device__ __forceinline__ void sm90_storer(const uint8_t *ep_base, const uint64_t *staged,
+                                            uint64_t *drained, const int4 *info,
+                                            const sm90_gemm_params &p, int ntiles, int st)
+{
+    static_assert(BN == 256, "a warp per 256-column row piece");
+    const int ws = st >> 5, lane = st & 31;
+    for (int k = 0; k < ntiles; k++) {
+#pragma unroll 1
+        for (int w = 0; w < 2; w++) {
+            mbar_wait(smem_addr(staged + w), (uint32_t)k & 1u);
+            const int4 in = info[w]; /* row0, nvalid, n0 */
+            const uint8_t *sb = ep_base + w * (64 * BN * 2);
+            const bool cv = in.z + 8 * lane < p.N;
+            const uint32_t soff = (uint32_t)(lane >> 3) * 8192u;
+            bf16 *dst = p.out0 + (int64_t)in.x * p.N + in.z + 8 * lane;
+            /* rows ws, ws + 3, ...: four loads in flight, then their stores
+             * (a row past 63 reads row 63 again and stores nothing) */
+#pragma unroll 1
+            for (int r0 = ws; r0 < 64; r0 += 12) {
+                uint4 v[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const int r = min(r0 + 3 * u, 63);
+                    v[u] = *(const uint4 *)(sb + soff + r * 128 + (((lane & 7) ^ (r & 7)) << 4));
+                }
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const int r = r0 + 3 * u;
+                    st_global_v4_if(dst + (int64_t)r * p.N, v[u], r < 64 && r < in.y && cv);
+                }
+            }
+            mbar_arrive(smem_addr(drained + w));
+        }
+    }
+}
+
+/* One k-block of the main loop: MH m64 blocks x WN columns x 64 k, from
+ * the stage's A (sa) and B (sb) tiles, committed as one wgmma group. The
+ * accumulators of block mh start at acc + mh * (NREG / MH); a width below the
+ * tile's writes the first of them. */
+template <int WN, bool TRANS_B, int MH, int NREG>
+__device__ __forceinline__ void sm90_mma_kblock(float *acc, uint32_t sa, uint32_t sb, int kb)
+{
+    wgmma_fence_regs<NREG>(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < SM90_BK / 16; k++) {
+        /* K-major B steps 32 bytes along its rows; MN-major B steps 16 k-rows */
+        uint64_t db = TRANS_B ? wgmma_desc_sw128_mn(sb + k * 2048, 8192)
+                              : wgmma_desc_sw128(sb + k * 32);
+#pragma unroll
+        for (int mh = 0; mh < MH; mh++) {
+            uint64_t da = wgmma_desc_sw128(sa + mh * 64 * 128 + k * 32);
+            float *am = acc + mh * (NREG / MH);
+            const int sc = (kb | k) != 0;
+            if constexpr (WN == 256) wgmma_m64n256k16<TRANS_B ? 1 : 0>(am, da, db, sc);
+            else if constexpr (WN == 192) wgmma_m64n192k16<TRANS_B ? 1 : 0>(am, da, db, sc);
+            else if constexpr (WN == 128) wgmma_m64n128k16<TRANS_B ? 1 : 0>(am, da, db, sc);
+            else wgmma_m64n64k16<TRANS_B ? 1 : 0>(am, da, db, sc);
+        }
+    }
+    wgmma_commit();
+    wgmma_fence_regs<NREG>(acc);
+}
+
 /* A consumer warpgroup frees a stage: in a cluster, in both CTAs (the peer
  * multicasts its half of the next weight tile into this CTA's stage). */
 template <int CL>
@@ -598,7 +701,10 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     constexpr bool TMA_ST =
         (FL & SM90_FL_TMA_ST) != 0 && (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT);
     static_assert(!TMA_ST || BN == 256, "the staged TMA-store epilogue is for 128 x 256 tiles");
-    typedef sm90_tile_cfg<BN, STAGES, TMA_ST> cfg;
+    constexpr bool STORE =
+        (FL & SM90_FL_STORE) != 0 && (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT);
+    static_assert(!STORE || (BN == 256 && !TMA_ST), "the storer warps take 128 x 256 tiles");
+    typedef sm90_tile_cfg<BN, STAGES, TMA_ST || STORE> cfg;
     constexpr bool GATHER = (MODE == SM90_MODE_UP || MODE == SM90_MODE_DH);
     /* B stored K x N, N contiguous: W1 for dxt, W2 for dh */
     constexpr bool TRANS_B = (MODE == SM90_MODE_DXT || MODE == SM90_MODE_DH);
@@ -610,7 +716,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     constexpr bool TOKREG = GATHER && !WS;
     constexpr bool PP = (FL & SM90_FL_PP) != 0;
     constexpr int MH = PP ? 2 : 1;            /* m64 blocks per consumer warpgroup */
-    static_assert(!PP || BN == 128, "ping-pong tiles are 128 x 128");
+    static_assert(!PP || BN == 128 || (BN == 192 && !GATHER),
+                  "ping-pong tiles are 128 x 128, or 128 x 192 for down / dxt");
     static_assert(!(WS && PP), "the warp-per-stage gather stands alone");
     constexpr int CL = (FL & SM90_FL_CLUSTER) ? 2 : 1; /* CTAs per cluster */
     /* m-tiles per group of the tile order, 0: row-major (constant 0 unless
@@ -628,6 +735,10 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     uint64_t *empty = full + STAGES;
     int *tile_start = (int *)(empty + STAGES);
     int32_t *tok_slots = tile_start + SM90_MAX_EXPERTS + 1; /* WS: 2 x 128 tile tokens */
+    /* STORE: staged[2], drained[2] (one pair per consumer warpgroup), then
+     * the warpgroups' tile info (first row, valid rows, first column) */
+    uint64_t *st_bar = (uint64_t *)(((uintptr_t)(tok_slots + 256) + 15) & ~(uintptr_t)15);
+    int4 *st_info = (int4 *)(st_bar + 4);
 
     const int tid = threadIdx.x;
     const int wg = tid / 128;
@@ -643,6 +754,12 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         for (int s = 0; s < STAGES; s++) {
             mbar_init(smem_addr(full + s), GATHER ? (WS ? 32 : 128) + 1 : 1);
             mbar_init(smem_addr(empty + s), PP ? 1 : 2 * CL);
+        }
+        if (STORE) {
+            for (int w = 0; w < 2; w++) {
+                mbar_init(smem_addr(st_bar + w), 128);    /* staged: the warpgroup */
+                mbar_init(smem_addr(st_bar + 2 + w), 96); /* drained: the storers */
+            }
         }
         mbar_fence_init();
     }
@@ -719,6 +836,11 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                     }
                     cp_async_mbar_arrive_noinc(fb);
                 }
+            }
+        } else if (STORE && tid >= 32) {
+            if constexpr (STORE) {
+                const int ntiles = cid < total ? (total - cid + ncl - 1) / ncl : 0;
+                sm90_storer<BN>(ep_base, st_bar, st_bar + 2, st_info, p, ntiles, tid - 32);
             }
         } else {
         const int chunk = tid & 7, rsub = tid >> 3; /* rows rsub + 16 i, 16-byte chunk */
@@ -801,6 +923,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         /* ring position of this warpgroup's next k-block: the producer fills
          * kb_count stages per tile, tile after tile */
         uint32_t pos = PP ? (uint32_t)(cw * kb_count) : 0u;
+        uint32_t kt = 0; /* STORE: this warpgroup's tiles so far */
         for (int t = cid + (PP ? cw * ncl : 0); t < total; t += (PP ? 2 : 1) * ncl) {
             sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
                                                 crank, gm);
@@ -813,6 +936,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
              * may go) and 5 (warpgroup 0 may go); an arrival is made only when
              * the other warpgroup has a next tile, so every one is matched. */
             if (PP && t >= ncl) named_barrier_sync(4 + (cw ^ 1), 256);
+            /* columns of this tile the MMA computes (BN = 192 only; p.N % 64 == 0) */
+            const int wn = min(BN, p.N - tl.n_tile * BN);
             for (int kb = 0; kb < kb_count; kb++, pos++) {
                 const int stage = (int)(pos % STAGES);
                 mbar_wait(smem_addr(full + stage), (pos / STAGES) & 1);
@@ -822,25 +947,20 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                 const uint32_t sa =
                     smem_addr(smem + stage * cfg::STAGE_BYTES) + (PP ? 0 : cw * 64 * 128);
                 const uint32_t sb = smem_addr(smem + stage * cfg::STAGE_BYTES) + cfg::A_BYTES;
-                wgmma_fence_regs<MH * NACC>(acc);
-                wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < SM90_BK / 16; k++) {
-                    /* K-major B steps 32 bytes along its rows; MN-major B steps 16 k-rows */
-                    uint64_t db = TRANS_B ? wgmma_desc_sw128_mn(sb + k * 2048, 8192)
-                                          : wgmma_desc_sw128(sb + k * 32);
-#pragma unroll
-                    for (int mh = 0; mh < MH; mh++) {
-                        uint64_t da = wgmma_desc_sw128(sa + mh * 64 * 128 + k * 32);
-                        if constexpr (BN == 256)
-                            wgmma_m64n256k16<TRANS_B ? 1 : 0>(acc, da, db, (kb | k) != 0);
-                        else
-                            wgmma_m64n128k16<TRANS_B ? 1 : 0>(acc + mh * NACC, da, db,
-                                                              (kb | k) != 0);
-                    }
+                if constexpr (BN == 192) {
+                    /* the last n-tile of d = 4096 has 64 valid columns: a
+                     * narrower wgmma there, no wasted MMA (each width its
+                     * own fence..commit block, so no wgmma sits in a
+                     * divergent path of another's) */
+                    if (wn == 192)
+                        sm90_mma_kblock<192, TRANS_B, MH, MH * NACC>(acc, sa, sb, kb);
+                    else if (wn == 128)
+                        sm90_mma_kblock<128, TRANS_B, MH, MH * NACC>(acc, sa, sb, kb);
+                    else
+                        sm90_mma_kblock<64, TRANS_B, MH, MH * NACC>(acc, sa, sb, kb);
+                } else {
+                    sm90_mma_kblock<BN, TRANS_B, MH, MH * NACC>(acc, sa, sb, kb);
                 }
-                wgmma_commit();
-                wgmma_fence_regs<MH * NACC>(acc);
                 if (kb > 0) { /* the previous stage's wgmma has retired: release it */
                     wgmma_wait<1>();
                     if ((tid & 127) == 0) sm90_release<CL>(smem_addr(empty + prev), crank);
@@ -873,7 +993,14 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             if constexpr (MODE == SM90_MODE_DH) {
                 ep_dh_direct_any<BN>(ac, p, wrow0, nvalid, n0, lr, q, tl.n_tile);
             } else {
-            if constexpr (TMA_ST) {
+            if constexpr (STORE) {
+                /* the storers have read this buffer's previous tile */
+                mbar_wait(smem_addr(st_bar + 2 + cw), (kt & 1u) ^ 1u);
+                ep_stage_tile<BN>(ac, ep_base + cw * (64 * BN * 2), p, n0, bo, lr, q);
+                if ((tid & 127) == 0) st_info[cw] = make_int4(wrow0, nvalid, n0, 0);
+                mbar_arrive(smem_addr(st_bar + cw));
+                kt++;
+            } else if constexpr (TMA_ST) {
                 ep_store_tile_tma<BN>(ac, ep_base + cw * (64 * BN * 2), &map_c, p, wrow0, nvalid,
                                       n0, bo, lr, q, tid & 127, cw);
             } else {
@@ -1024,10 +1151,11 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
                                const CUtensorMap *mb, const CUtensorMap *mc,
                                const sm90_gemm_params *prm, cudaStream_t s, const char *op)
 {
-    if constexpr (FL == 0 && BN == 256) /* the grouped tile order: its own kernel */
+    /* the grouped tile order: its own kernels (plain, or with the storers) */
+    if constexpr ((FL & ~SM90_FL_STORE) == 0 && BN == 256)
         if (prm->raster_gm > 1)
-            return sm90_launch<BN, STAGES, MODE, SM90_FL_RASTER>(p, ma, mb, mc, prm, s, op);
-    typedef sm90_tile_cfg<BN, STAGES, (FL & SM90_FL_TMA_ST) != 0 &&
+            return sm90_launch<BN, STAGES, MODE, FL | SM90_FL_RASTER>(p, ma, mb, mc, prm, s, op);
+    typedef sm90_tile_cfg<BN, STAGES, (FL & (SM90_FL_TMA_ST | SM90_FL_STORE)) != 0 &&
                           (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT)> cfg;
     void (*kern)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const sm90_gemm_params) =
         sm90_grouped_gemm_kernel<BN, STAGES, MODE, FL>;
@@ -1091,8 +1219,31 @@ enum {
     SM90_VAR_RASTER16 = 1024, /* groups of 16 m-tiles on every shape */
     SM90_VAR_RASTER8 = 2048,  /* ... of 8 */
     SM90_VAR_ROWMAJOR = 4096, /* row-major on every shape */
-    SM90_VAR_STREAM = 8192    /* down, dxt: SM90_FL_STREAM (row-major BN = 256 tiles) */
+    SM90_VAR_STREAM = 8192,   /* down, dxt: SM90_FL_STREAM (row-major BN = 256 tiles) */
+    SM90_VAR_STORE = 16384,   /* down, dxt: SM90_FL_STORE (storer warps) */
+    SM90_VAR_PP192 = 32768,   /* down, dxt: ping-pong 128 x 192 tiles everywhere */
+    SM90_VAR_NO_PP192 = 65536 /* down, dxt: never (the cooperative 128 x 256 tiles) */
 };
+
+/* Output tile width of down / dxt (reduction length K = n or 2n, d output
+ * columns): ping-pong 128 x 192 tiles (each warpgroup's epilogue hides
+ * under the other's main loop) where K <= 512, or K <= 1024 with d a
+ * multiple of 192; cooperative 128 x 256 elsewhere, 128 x 128 below
+ * d = 256. On an H100 (notes/sm90_log.md rung 10) the layer's forward rose
+ * 1-4% on the n <= 512 rows and 1-2% on 1.4B-n1024 / 7B-n1024, the
+ * backward 1-2% where dxt takes them; with d = 4096 and K >= 1024 they
+ * measured slower (dxt at K = 1024-4096 2x, down at K = 2048 -16%: not
+ * understood). */
+static int sm90_store_bn(const smoe_gemm_problem *p, int64_t K)
+{
+    const int v = smoe_sm90_gemm_variant;
+    if (p->d < 256) return 128;
+    if (v & SM90_VAR_PP192) return 192;
+    if (v & (SM90_VAR_NO_PP192 | SM90_VAR_CLUSTER | SM90_VAR_TMA_ST | SM90_VAR_STORE |
+             SM90_VAR_STREAM))
+        return 256;
+    return (K <= 512 || (K <= 1024 && p->d % 192 == 0)) ? 192 : 256;
+}
 
 static int sm90_dh_bn(const smoe_gemm_problem *p)
 {
@@ -1181,11 +1332,14 @@ static smoe_status sm90_launch_store(const smoe_gemm_problem *p, const CUtensorM
                                      int cl, cudaStream_t s, const char *op)
 {
     if (cl) return sm90_launch<256, 4, MODE, SM90_FL_CLUSTER>(p, ma, mb, mb, prm, s, op);
+    if (bn == 192) return sm90_launch<192, 5, MODE, SM90_FL_PP>(p, ma, mb, mb, prm, s, op);
     if (smoe_sm90_gemm_variant & SM90_VAR_TMA_ST) {
         CUtensorMap mc;
         SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, prm->out0, p->cap, p->d, 64, op));
         if (bn == 256) return sm90_launch<256, 3, MODE, SM90_FL_TMA_ST>(p, ma, mb, &mc, prm, s, op);
     }
+    if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_STORE))
+        return sm90_launch<256, 3, MODE, SM90_FL_STORE>(p, ma, mb, mb, prm, s, op);
     if (bn == 256 && prm->raster_gm <= 1 && (smoe_sm90_gemm_variant & SM90_VAR_STREAM))
         return sm90_launch<256, 4, MODE, SM90_FL_STREAM>(p, ma, mb, mb, prm, s, op);
     if (bn == 256) return sm90_launch<256, 4, MODE, 0>(p, ma, mb, mb, prm, s, op);
@@ -1202,7 +1356,7 @@ static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf
     sm90_gemm_params prm = sm90_params(p, p->n, p->d);
     prm.bias = b2;
     prm.out0 = y;
-    const int bn = p->d >= 256 ? 256 : 128;
+    const int bn = sm90_store_bn(p, p->n);
     CUtensorMap ma, mb;
     const int cl = bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER);
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&ma, a, p->cap, p->n, SM90_BM, "a"));
@@ -1223,7 +1377,7 @@ static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf
     if (p->cap == 0 || p->E == 0) return SMOE_SUCCESS;
     sm90_gemm_params prm = sm90_params(p, p->h_cols, p->d);
     prm.out0 = dxt;
-    const int bn = p->d >= 256 ? 256 : 128;
+    const int bn = sm90_store_bn(p, p->h_cols);
     CUtensorMap ma, mb;
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&ma, dh, p->cap, p->h_cols, SM90_BM, "dh"));
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w1, p->E * p->h_cols, p->d, 64, "w1"));
