@@ -104,11 +104,23 @@ __global__ void k_route_token_choice(const float *__restrict__ logits, int T, in
 }
 
 /* The same routing, one warp per token (E <= 32 * EPL, K <= 32): each lane
- * holds EPL logits' keys; each of the K picks is a warp arg-max over
- * (key desc, index asc), a total order, so every lane agrees and the picks
- * equal the sequential ones. Sums that the host takes in a fixed order are
- * taken in that order here too (one lane, or shuffles in pick order). */
+ * holds EPL logits as 64-bit ranks (key << 32 | ~index: larger = ranks
+ * ahead, a total order) sorted best first; each of the K picks takes the
+ * warp's best head in two warp reductions (the largest key, then the lowest
+ * index among the lanes holding it), and the winning lane drops its head.
+ * The picks equal the sequential ones. (A warp arg-max tree of shuffles per
+ * pick over all EPL values measured 0.135 ms at T = 32768, E = 256, K = 16
+ * on an H100.) Sums that the host takes in a fixed order are taken in that
+ * order here too (one lane, or shuffles in pick order). */
 #define TCW_WARPS 4
+
+/* compare-exchange: v[i] ends ranked ahead of (or equal to) v[j] */
+static __device__ __forceinline__ void tcw_cx(uint64_t &a, uint64_t &b)
+{
+    const uint64_t hi = a > b ? a : b, lo = a > b ? b : a;
+    a = hi;
+    b = lo;
+}
 
 template <int EPL>
 __global__ void __launch_bounds__(TCW_WARPS * 32)
@@ -124,36 +136,32 @@ k_route_token_choice_warp(const float *__restrict__ logits, int T, int E, int K,
     }
     if (t >= T) return;
     const float *l = logits + (int64_t)t * E;
-    uint32_t key[EPL];
-    uint32_t taken = 0;
+    /* rank = key << 32 | ~e; padding (e >= E) ranks below every logit (a
+     * NaN's key is 0 too, but its lower index ranks it ahead); K <= E, so
+     * padding and exhausted lanes (rank 0) are never picked */
+    uint64_t v[EPL];
 #pragma unroll
     for (int j = 0; j < EPL; ++j) {
         const int e = lane + 32 * j;
-        key[j] = e < E ? smoe_logit_key(l[e]) : 0u;
-        if (e >= E) taken |= 1u << j;
+        const uint32_t key = e < E ? smoe_logit_key(l[e]) : 0u;
+        v[j] = ((uint64_t)key << 32) | (uint32_t)~(uint32_t)e;
     }
+    /* sort the lane's ranks, best first (odd-even transposition network) */
+#pragma unroll
+    for (int r = 0; r < EPL; ++r)
+#pragma unroll
+        for (int j = r & 1; j + 1 < EPL; j += 2) tcw_cx(v[j], v[j + 1]);
     int my_idx = -1;
     for (int k = 0; k < K; ++k) {
-        uint32_t bk = 0;
-        int bi = INT_MAX;
+        const uint32_t hk = (uint32_t)(v[0] >> 32);
+        const uint32_t bk = __reduce_max_sync(0xffffffffu, hk);
+        const uint32_t bl = __reduce_max_sync(0xffffffffu, hk == bk ? (uint32_t)v[0] : 0u);
+        const int bi = (int)~bl;
+        if ((bi & 31) == lane) { /* this lane's head was picked: drop it */
 #pragma unroll
-        for (int j = 0; j < EPL; ++j) {
-            const int e = lane + 32 * j;
-            if (!((taken >> j) & 1u) && smoe_ahead(key[j], e, bk, bi)) {
-                bk = key[j];
-                bi = e;
-            }
+            for (int j = 0; j + 1 < EPL; ++j) v[j] = v[j + 1];
+            v[EPL - 1] = 0;
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const uint32_t ok = __shfl_xor_sync(0xffffffffu, bk, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (smoe_ahead(ok, oi, bk, bi)) {
-                bk = ok;
-                bi = oi;
-            }
-        }
-        if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
         if (lane == k) my_idx = bi;
     }
     const float lk = lane < K ? l[my_idx] : 0.0f;
