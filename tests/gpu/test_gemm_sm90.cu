@@ -972,9 +972,9 @@ int main(int argc, char **argv)
              * takes them for down at n <= 1024 and dxt at 2n <= 512) or
              * nowhere (bit 65536) on further random cases, so the variant
              * code stays tested */
-            enum { NV = 9 };
+            enum { NV = 10 };
             static const int vars[NV] = {16 | 32, 128, 512, 1024, 8192, 16384, 16384 | 1024, 32768,
-                                         65536};
+                                         32768 | 1024, 65536};
             static const char *what[NV] = {"ping-pong up and dh", "2-CTA clusters, weight multicast",
                                            "down and dxt stored by TMA",
                                            "tiles in groups of 16 m-tiles",
@@ -982,6 +982,7 @@ int main(int argc, char **argv)
                                            "down and dxt stored by the storer warps",
                                            "storer warps, tiles in groups of 16 m-tiles",
                                            "down and dxt in ping-pong 128 x 192 tiles",
+                                           "ping-pong 128 x 192, tiles in groups of 16 m-tiles",
                                            "down and dxt in cooperative 128 x 256 tiles"};
             for (int k = 0; k < NV; k++) {
                 smoe_sm90_gemm_variant = vars[k];

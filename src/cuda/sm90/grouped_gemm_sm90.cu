@@ -1332,7 +1332,11 @@ static smoe_status sm90_launch_store(const smoe_gemm_problem *p, const CUtensorM
                                      int cl, cudaStream_t s, const char *op)
 {
     if (cl) return sm90_launch<256, 4, MODE, SM90_FL_CLUSTER>(p, ma, mb, mb, prm, s, op);
-    if (bn == 192) return sm90_launch<192, 5, MODE, SM90_FL_PP>(p, ma, mb, mb, prm, s, op);
+    if (bn == 192) {
+        if (prm->raster_gm > 1) /* only with the hook's grouped order (experiment) */
+            return sm90_launch<192, 5, MODE, SM90_FL_PP | SM90_FL_RASTER>(p, ma, mb, mb, prm, s, op);
+        return sm90_launch<192, 5, MODE, SM90_FL_PP>(p, ma, mb, mb, prm, s, op);
+    }
     if (smoe_sm90_gemm_variant & SM90_VAR_TMA_ST) {
         CUtensorMap mc;
         SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, prm->out0, p->cap, p->d, 64, op));
