@@ -1222,7 +1222,8 @@ enum {
     SM90_VAR_STREAM = 8192,   /* down, dxt: SM90_FL_STREAM (row-major BN = 256 tiles) */
     SM90_VAR_STORE = 16384,   /* down, dxt: SM90_FL_STORE (storer warps) */
     SM90_VAR_PP192 = 32768,   /* down, dxt: ping-pong 128 x 192 tiles everywhere */
-    SM90_VAR_NO_PP192 = 65536 /* down, dxt: never (the cooperative 128 x 256 tiles) */
+    SM90_VAR_NO_PP192 = 65536, /* down, dxt: never (the cooperative 128 x 256 tiles) */
+    SM90_VAR_COOP192 = 131072  /* down, dxt: cooperative 128 x 192 tiles (a diagnostic) */
 };
 
 /* Output tile width of down / dxt (reduction length K = n or 2n, d output
@@ -1238,7 +1239,7 @@ static int sm90_store_bn(const smoe_gemm_problem *p, int64_t K)
 {
     const int v = smoe_sm90_gemm_variant;
     if (p->d < 256) return 128;
-    if (v & SM90_VAR_PP192) return 192;
+    if (v & (SM90_VAR_PP192 | SM90_VAR_COOP192)) return 192;
     if (v & (SM90_VAR_NO_PP192 | SM90_VAR_CLUSTER | SM90_VAR_TMA_ST | SM90_VAR_STORE |
              SM90_VAR_STREAM))
         return 256;
@@ -1333,6 +1334,8 @@ static smoe_status sm90_launch_store(const smoe_gemm_problem *p, const CUtensorM
 {
     if (cl) return sm90_launch<256, 4, MODE, SM90_FL_CLUSTER>(p, ma, mb, mb, prm, s, op);
     if (bn == 192) {
+        if (smoe_sm90_gemm_variant & SM90_VAR_COOP192)
+            return sm90_launch<192, 5, MODE, 0>(p, ma, mb, mb, prm, s, op);
         if (prm->raster_gm > 1) /* only with the hook's grouped order (experiment) */
             return sm90_launch<192, 5, MODE, SM90_FL_PP | SM90_FL_RASTER>(p, ma, mb, mb, prm, s, op);
         return sm90_launch<192, 5, MODE, SM90_FL_PP>(p, ma, mb, mb, prm, s, op);
