@@ -970,12 +970,13 @@ int main(int argc, char **argv)
              * storer warps (bit 16384, row-major and grouped) and their
              * ping-pong 128 x 192 tiles everywhere (bit 32768; the table
              * takes them for down at n <= 1024 and dxt at 2n <= 512) or
-             * nowhere (bit 65536), and cooperative 128 x 192 tiles (bit
-             * 131072) on further random cases, so the variant code stays
-             * tested */
-            enum { NV = 11 };
+             * nowhere (bit 65536), cooperative 128 x 192 tiles (bit
+             * 131072) and the double-buffered TMA-store epilogue (bit
+             * 262144, row-major and grouped) on further random cases, so
+             * the variant code stays tested */
+            enum { NV = 13 };
             static const int vars[NV] = {16 | 32, 128, 512, 1024, 8192, 16384, 16384 | 1024, 32768,
-                                         32768 | 1024, 65536, 131072};
+                                         32768 | 1024, 65536, 131072, 262144, 262144 | 1024};
             static const char *what[NV] = {"ping-pong up and dh", "2-CTA clusters, weight multicast",
                                            "down and dxt stored by TMA",
                                            "tiles in groups of 16 m-tiles",
@@ -985,7 +986,9 @@ int main(int argc, char **argv)
                                            "down and dxt in ping-pong 128 x 192 tiles",
                                            "ping-pong 128 x 192, tiles in groups of 16 m-tiles",
                                            "down and dxt in cooperative 128 x 256 tiles",
-                                           "down and dxt in cooperative 128 x 192 tiles"};
+                                           "down and dxt in cooperative 128 x 192 tiles",
+                                           "down and dxt chunks stored by TMA, double-buffered",
+                                           "double-buffered TMA stores, groups of 16 m-tiles"};
             for (int k = 0; k < NV; k++) {
                 smoe_sm90_gemm_variant = vars[k];
                 printf("variant %d (%s):\n", vars[k], what[k]);

@@ -77,6 +77,8 @@
  *   down / dxt with a short reduction (sm90_store_bn): ping-pong 128 x 192
  *             tiles, 5 stages (40 KiB each), a narrower wgmma on a last
  *             n-tile of 64 or 128 columns
+ *   down at 512 < n <= 1024 on the 128 x 256 tile (E <= 256): the
+ *             double-buffered TMA-store epilogue (SM90_FL_TMA_ST2)
  * Requirements (else SMOE_ERROR_UNSUPPORTED, and the layer runs the portable
  * kernel): d % 64 == 0, n % 64 == 0, E <= 1024, 16-byte aligned pointers.
  */
@@ -151,6 +153,16 @@ using namespace smoe_sm90;
  *                  the consumers' own flush writes, so the stores overlap
  *                  the tensor cores with no change in the DRAM traffic
  *                  (unlike SM90_FL_TMA_ST, which moved more). Hook 16384.
+ *  SM90_FL_TMA_ST2 down / dxt, BN = 256, 4 stages, E <= 256: each 64-column
+ *                  chunk of a warpgroup's block goes to one of two 8 KiB
+ *                  buffers and leaves by TMA store; a buffer is refilled
+ *                  once its store two chunks back has read it, so the last
+ *                  chunks drain under the next main loop. Fits beside four
+ *                  main-loop stages because its tile_start table holds 257
+ *                  entries (not 1025) and it has no WS / STORE slots.
+ *                  The table takes it for down at 512 < n <= 1024
+ *                  (sm90_down_tma_st2); hook 262144 forces it for down and
+ *                  dxt, 524288 turns it off.
  *                  (The dh epilogue: ep_dh_direct, for every variant.) */
 enum {
     SM90_FL_WS = 1,
@@ -159,7 +171,8 @@ enum {
     SM90_FL_TMA_ST = 8,
     SM90_FL_RASTER = 16,
     SM90_FL_STREAM = 32,
-    SM90_FL_STORE = 64
+    SM90_FL_STORE = 64,
+    SM90_FL_TMA_ST2 = 128
 };
 
 enum { SM90_MODE_UP = 0, SM90_MODE_DOWN = 1, SM90_MODE_DXT = 2, SM90_MODE_DH = 3 };
@@ -190,19 +203,22 @@ typedef struct sm90_gemm_params {
 #define SM90_EP_STRIDE 144
 #define SM90_EP_BYTES (64 * SM90_EP_STRIDE)
 
-template <int BN, int STAGES, bool FULL_EP = false>
+template <int BN, int STAGES, bool FULL_EP = false, bool DB_EP = false>
 struct sm90_tile_cfg {
     static constexpr int A_BYTES = SM90_BM * SM90_BK * 2;
     static constexpr int B_BYTES = BN * SM90_BK * 2;
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
     /* epilogue buffers: two 64-column chunk buffers, or (FULL_EP) the
      * whole 128 x BN bf16 tile */
-    static constexpr int EP_TOTAL = FULL_EP ? SM90_BM * BN * 2 : 2 * SM90_EP_BYTES;
+    static constexpr int EP_TOTAL = DB_EP     ? 2 * 2 * 8192 /* DB_EP: 2 warpgroups x 2 */
+                                    : FULL_EP ? SM90_BM * BN * 2
+                                              : 2 * SM90_EP_BYTES;
     /* + the storer handshake (SM90_FL_STORE): 4 mbarriers, 2 x int4 of tile
      * info (16-byte aligned), and the alignment's slack */
-    static constexpr int SMEM_BYTES = 1024 + STAGES * STAGE_BYTES + EP_TOTAL +
-                                      2 * STAGES * 8 + (SM90_MAX_EXPERTS + 1) * 4 + 2 * 128 * 4 +
-                                      4 * 8 + 2 * 16 + 16;
+    static constexpr int SMEM_BYTES =
+        DB_EP ? 1024 + STAGES * STAGE_BYTES + EP_TOTAL + 2 * STAGES * 8 + (256 + 1) * 4
+              : 1024 + STAGES * STAGE_BYTES + EP_TOTAL + 2 * STAGES * 8 +
+                    (SM90_MAX_EXPERTS + 1) * 4 + 2 * 128 * 4 + 4 * 8 + 2 * 16 + 16;
     static_assert(STAGE_BYTES % 1024 == 0, "stages must keep 1024-byte alignment");
     static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget");
 };
@@ -611,6 +627,59 @@ __device__ __forceinline__ void ep_store_tile_tma(const float *ac, uint8_t *sb,
     }
 }
 
+/* down / dxt with SM90_FL_TMA_ST2: the warpgroup's 64 x BN block in 64-column
+ * chunks through two 8 KiB buffers (wb, wb + 8192; 128B-swizzled 64 x 64
+ * boxes, as map_c reads them). Chunk i (counted over the warpgroup's whole
+ * run in `it`) takes buffer i & 1 once the TMA store of chunk i - 2 has read
+ * it (at most one bulk group left pending), and leaves by TMA store (whole
+ * 64-row blocks) or by the threads (rows < nvalid only: no row of the next
+ * expert is written). */
+template <int BN>
+__device__ __forceinline__ void ep_store_chunks_tma(const float *ac, uint8_t *wb,
+                                                    const CUtensorMap *map_c,
+                                                    const sm90_gemm_params &p, int wrow0,
+                                                    int nvalid, int n0, int64_t bo, int lr, int q,
+                                                    int t, int cw, uint32_t &it)
+{
+#pragma unroll
+    for (int c = 0; c < BN / 64; c++) {
+        const int col0 = n0 + 64 * c;
+        if (col0 >= p.N) break;
+        uint8_t *box = wb + (it & 1u) * 8192;
+        if (t == 0) bulk_wait_read<1>(); /* chunk it - 2's store has read this buffer */
+        named_barrier_sync(1 + cw, 128);
+#pragma unroll
+        for (int jj = 0; jj < 8; jj++) {
+            const int j = 8 * c + jj, col = col0 + 8 * jj + 2 * q;
+            const float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = lr + 8 * h;
+                *(__nv_bfloat162 *)(box + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * q) =
+                    __floats2bfloat162_rn(ac[4 * j + 2 * h] + b0, ac[4 * j + 2 * h + 1] + b1);
+            }
+        }
+        fence_proxy_async(); /* generic writes -> the TMA engine's reads */
+        named_barrier_sync(1 + cw, 128);
+        if (nvalid == 64) {
+            if (t == 0) {
+                tma_store_2d(map_c, smem_addr(box), col0, wrow0);
+                bulk_commit();
+            }
+        } else {
+            /* 16 bytes per (row, 8-column group): 64 x 8 pieces, 4 per thread */
+#pragma unroll
+            for (int i = t; i < 64 * 8; i += 128) {
+                const int r = i >> 3, g = i & 7;
+                if (r < nvalid)
+                    *(uint4 *)(p.out0 + (int64_t)(wrow0 + r) * p.N + col0 + 8 * g) =
+                        *(const uint4 *)(box + r * 128 + ((g ^ (r & 7)) << 4));
+            }
+        }
+        it++;
+    }
+}
+
 /* SM90_FL_STORE's storers (warps 1-3 of the producer warpgroup, st = 0..95):
  * for each tile of the CTA and each consumer warpgroup w, wait until w has
  * staged its 64 x BN block (staged[w]), store its valid rows from the
@@ -704,7 +773,12 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     constexpr bool STORE =
         (FL & SM90_FL_STORE) != 0 && (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT);
     static_assert(!STORE || (BN == 256 && !TMA_ST), "the storer warps take 128 x 256 tiles");
-    typedef sm90_tile_cfg<BN, STAGES, TMA_ST || STORE> cfg;
+    constexpr bool TMA_ST2 =
+        (FL & SM90_FL_TMA_ST2) != 0 && (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT);
+    static_assert(!TMA_ST2 || (BN == 256 && !TMA_ST && !STORE &&
+                               (FL & (SM90_FL_PP | SM90_FL_CLUSTER)) == 0),
+                  "the double-buffered TMA-store epilogue is for cooperative 128 x 256 tiles");
+    typedef sm90_tile_cfg<BN, STAGES, TMA_ST || STORE, TMA_ST2> cfg;
     constexpr bool GATHER = (MODE == SM90_MODE_UP || MODE == SM90_MODE_DH);
     /* B stored K x N, N contiguous: W1 for dxt, W2 for dh */
     constexpr bool TRANS_B = (MODE == SM90_MODE_DXT || MODE == SM90_MODE_DH);
@@ -924,6 +998,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
          * kb_count stages per tile, tile after tile */
         uint32_t pos = PP ? (uint32_t)(cw * kb_count) : 0u;
         uint32_t kt = 0; /* STORE: this warpgroup's tiles so far */
+        uint32_t ep_it = 0; /* TMA_ST2: this warpgroup's chunks so far */
         for (int t = cid + (PP ? cw * ncl : 0); t < total; t += (PP ? 2 : 1) * ncl) {
             sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
                                                 crank, gm);
@@ -993,7 +1068,10 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             if constexpr (MODE == SM90_MODE_DH) {
                 ep_dh_direct_any<BN>(ac, p, wrow0, nvalid, n0, lr, q, tl.n_tile);
             } else {
-            if constexpr (STORE) {
+            if constexpr (TMA_ST2) {
+                ep_store_chunks_tma<BN>(ac, ep_base + cw * 16384, &map_c, p, wrow0, nvalid, n0,
+                                        bo, lr, q, tid & 127, cw, ep_it);
+            } else if constexpr (STORE) {
                 /* the storers have read this buffer's previous tile */
                 mbar_wait(smem_addr(st_bar + 2 + cw), (kt & 1u) ^ 1u);
                 ep_stage_tile<BN>(ac, ep_base + cw * (64 * BN * 2), p, n0, bo, lr, q);
@@ -1069,7 +1147,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     }
     /* the TMA stores have read their shared-memory sources before the CTA's
      * shared memory goes away */
-    if constexpr (TMA_ST)
+    if constexpr (TMA_ST || TMA_ST2)
         if (wg > 0 && (tid & 127) == 0) bulk_wait<0>();
     /* no CTA leaves while its peer may still multicast into it or arrive on
      * its barriers */
@@ -1152,10 +1230,12 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
                                const sm90_gemm_params *prm, cudaStream_t s, const char *op)
 {
     /* the grouped tile order: its own kernels (plain, or with the storers) */
-    if constexpr ((FL & ~SM90_FL_STORE) == 0 && BN == 256)
+    if constexpr ((FL & ~(SM90_FL_STORE | SM90_FL_TMA_ST2)) == 0 && BN == 256)
         if (prm->raster_gm > 1)
             return sm90_launch<BN, STAGES, MODE, FL | SM90_FL_RASTER>(p, ma, mb, mc, prm, s, op);
     typedef sm90_tile_cfg<BN, STAGES, (FL & (SM90_FL_TMA_ST | SM90_FL_STORE)) != 0 &&
+                          (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT),
+                          (FL & SM90_FL_TMA_ST2) != 0 &&
                           (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT)> cfg;
     void (*kern)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const sm90_gemm_params) =
         sm90_grouped_gemm_kernel<BN, STAGES, MODE, FL>;
@@ -1223,8 +1303,26 @@ enum {
     SM90_VAR_STORE = 16384,   /* down, dxt: SM90_FL_STORE (storer warps) */
     SM90_VAR_PP192 = 32768,   /* down, dxt: ping-pong 128 x 192 tiles everywhere */
     SM90_VAR_NO_PP192 = 65536, /* down, dxt: never (the cooperative 128 x 256 tiles) */
-    SM90_VAR_COOP192 = 131072  /* down, dxt: cooperative 128 x 192 tiles (a diagnostic) */
+    SM90_VAR_COOP192 = 131072, /* down, dxt: cooperative 128 x 192 tiles (a diagnostic) */
+    SM90_VAR_TMA_ST2 = 262144, /* down, dxt: SM90_FL_TMA_ST2 where E <= 256 */
+    SM90_VAR_NO_TMA_ST2 = 524288 /* down: never SM90_FL_TMA_ST2 (the table before it) */
 };
+
+/* down (reduction K = n) with the double-buffered TMA-store epilogue: where
+ * the tile is the cooperative 128 x 256 one and 512 < K <= 1024 (E <= 256:
+ * its smaller tile_start table). On an H100: down +3% at 120B-n1024's shape
+ * and +7% at K = 512 (30B) alone; the layer's 30B-n1024 forward +2%,
+ * 120B-n1024 even, 120B-n2048 (K = 2048) -2% (notes/sm90_log.md rung 10). */
+static int sm90_down_tma_st2(const smoe_gemm_problem *p, int64_t K, int bn)
+{
+    const int v = smoe_sm90_gemm_variant;
+    if (bn != 256 || p->E > 256) return 0;
+    if (v & SM90_VAR_TMA_ST2) return 1;
+    if (v & (SM90_VAR_NO_TMA_ST2 | SM90_VAR_NO_PP192 | SM90_VAR_CLUSTER | SM90_VAR_TMA_ST |
+             SM90_VAR_STORE | SM90_VAR_STREAM | SM90_VAR_PP192 | SM90_VAR_COOP192))
+        return 0;
+    return K > 512 && K <= 1024;
+}
 
 /* Output tile width of down / dxt (reduction length K = n or 2n, d output
  * columns): ping-pong 128 x 192 tiles (each warpgroup's epilogue hides
@@ -1241,6 +1339,7 @@ static int sm90_store_bn(const smoe_gemm_problem *p, int64_t K)
     if (p->d < 256) return 128;
     if (v & (SM90_VAR_PP192 | SM90_VAR_COOP192)) return 192;
     if (v & (SM90_VAR_NO_PP192 | SM90_VAR_CLUSTER | SM90_VAR_TMA_ST | SM90_VAR_STORE |
+             SM90_VAR_TMA_ST2 |
              SM90_VAR_STREAM))
         return 256;
     return (K <= 512 || (K <= 1024 && p->d % 192 == 0)) ? 192 : 256;
@@ -1339,6 +1438,13 @@ static smoe_status sm90_launch_store(const smoe_gemm_problem *p, const CUtensorM
         if (prm->raster_gm > 1) /* only with the hook's grouped order (experiment) */
             return sm90_launch<192, 5, MODE, SM90_FL_PP | SM90_FL_RASTER>(p, ma, mb, mb, prm, s, op);
         return sm90_launch<192, 5, MODE, SM90_FL_PP>(p, ma, mb, mb, prm, s, op);
+    }
+    if (MODE == SM90_MODE_DOWN ? sm90_down_tma_st2(p, prm->K, bn)
+                               : bn == 256 && p->E <= 256 &&
+                                     (smoe_sm90_gemm_variant & SM90_VAR_TMA_ST2)) {
+        CUtensorMap mc;
+        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, prm->out0, p->cap, p->d, 64, op));
+        return sm90_launch<256, 4, MODE, SM90_FL_TMA_ST2>(p, ma, mb, &mc, prm, s, op);
     }
     if (smoe_sm90_gemm_variant & SM90_VAR_TMA_ST) {
         CUtensorMap mc;
