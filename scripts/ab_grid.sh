@@ -6,7 +6,7 @@
 # a path to another smoe_bench binary (run with its defaults), or
 # args:OPTIONS with ':' for spaces (build/smoe_bench with those options,
 # e.g. args:--gpu-delay-ms:0), e.g.
-#   scripts/ab_grid.sh 30B-n256,120B-n512 "0 8192" 3
+#   scripts/ab_grid.sh 30B-n256,120B-n512 "0 65536" 3
 #   scripts/ab_grid.sh all "build/smoe_bench old/smoe_bench" 3
 # REPS rounds (default 3), each running every candidate once in turn; then a
 # table per row: the median forward / backward TFLOPS of each candidate, its

@@ -963,26 +963,20 @@ int main(int argc, char **argv)
         }
         if (smoe_sm90_gemm_variant == 0) {
             /* the ping-pong kernels (up and dh, variant bits 16 and 32), the
-             * cluster kernels (bit 128), the TMA-store epilogue of down
-             * and dxt (bit 512), the grouped tile order (bit 1024: the
-             * table picks it only for weight slices of 16 MiB and more),
-             * the evict-first stores of down and dxt (bit 8192), their
-             * storer warps (bit 16384, row-major and grouped) and their
-             * ping-pong 128 x 192 tiles everywhere (bit 32768; the table
-             * takes them for down at n <= 1024 and dxt at 2n <= 512) or
-             * nowhere (bit 65536), cooperative 128 x 192 tiles (bit
-             * 131072) and the double-buffered TMA-store epilogue (bit
-             * 262144, row-major and grouped) on further random cases, so
-             * the variant code stays tested */
-            enum { NV = 13 };
-            static const int vars[NV] = {16 | 32, 128, 512, 1024, 8192, 16384, 16384 | 1024, 32768,
-                                         32768 | 1024, 65536, 131072, 262144, 262144 | 1024};
+             * cluster kernels (bit 128), the grouped tile order (bit 1024:
+             * the table picks it only for weight slices of 16 MiB and more),
+             * down and dxt in ping-pong 128 x 192 tiles everywhere (bit
+             * 32768; the table takes them where the reduction is short),
+             * also in the grouped order, or nowhere (bit 65536), in
+             * cooperative 128 x 192 tiles (bit 131072), and with the
+             * double-buffered TMA-store epilogue everywhere (bit 262144,
+             * row-major and grouped) on further random cases, so the
+             * variant code stays tested */
+            enum { NV = 9 };
+            static const int vars[NV] = {16 | 32, 128, 1024, 32768, 32768 | 1024, 65536, 131072,
+                                         262144, 262144 | 1024};
             static const char *what[NV] = {"ping-pong up and dh", "2-CTA clusters, weight multicast",
-                                           "down and dxt stored by TMA",
                                            "tiles in groups of 16 m-tiles",
-                                           "down and dxt stores evict-first",
-                                           "down and dxt stored by the storer warps",
-                                           "storer warps, tiles in groups of 16 m-tiles",
                                            "down and dxt in ping-pong 128 x 192 tiles",
                                            "ping-pong 128 x 192, tiles in groups of 16 m-tiles",
                                            "down and dxt in cooperative 128 x 256 tiles",

@@ -124,14 +124,6 @@ using namespace smoe_sm90;
  *                  (empty barrier count 4, two arrivals remote). Measured
  *                  20-35% slower than one CTA per tile on an H100
  *                  (notes/sm90_log.md, rung 7); behind the hook, tested.
- *  SM90_FL_TMA_ST  down / dxt, BN = 256, 3 stages: the whole output tile is
- *                  staged (64 KiB: per warpgroup BN/64 boxes of 64 x 64,
- *                  128B swizzle) and leaves by TMA stores that drain while
- *                  the warpgroup runs the next tile's main loop; the buffer
- *                  is waited for only at the next tile's epilogue. Blocks of
- *                  fewer than 64 rows (an expert's last rows) are stored by
- *                  the threads from the same buffer, so no row of the next
- *                  expert is written.
  *  SM90_FL_RASTER  the cooperative BN = 256 kernels with the grouped tile
  *                  order (sm90_tile_decode, p.raster_gm); sm90_launch picks
  *                  it when the host asked for groups, so the row-major
@@ -139,27 +131,18 @@ using namespace smoe_sm90;
  *                  the order as a runtime branch in every kernel, some
  *                  forwards read 1-2% lower: inside the noise, not ruled
  *                  out). The ping-pong and cluster kernels stay row-major.
- *  SM90_FL_STREAM  down / dxt, row-major BN = 256: the output rows stored
- *                  with the evict-first hint (st.global.cs), so Y / dX~
- *                  (GBs, read back only by the aggregation) do not push the
- *                  weight and A tiles out of L2. Measured 0-2% slower on
- *                  30B-n256, 30B-n512, 120B-n512 (hook 8192, rung 10); kept
- *                  behind the hook.
- *  SM90_FL_STORE   down / dxt, BN = 256, 3 stages: the consumers put the
- *                  whole tile (bias added, rounded) into a 64 KiB staging
- *                  buffer and go on to the next tile's main loop; warps 1-3
- *                  of the producer warpgroup (idle there: one thread issues
- *                  the TMA loads) store it with the same 16-byte row pieces
- *                  the consumers' own flush writes, so the stores overlap
- *                  the tensor cores with no change in the DRAM traffic
- *                  (unlike SM90_FL_TMA_ST, which moved more). Hook 16384.
+ *  Retired experiments (measured slower on an H100; the code is in the
+ *  history at commit 4efa11a, notes/sm90_log.md rungs 9-10): the whole tile
+ *  staged and stored by TMA with 3 stages (hook 512), evict-first stores
+ *  of Y / dX~ (8192), storer warps of the producer warpgroup storing a
+ *  staged tile (16384).
  *  SM90_FL_TMA_ST2 down / dxt, BN = 256, 4 stages, E <= 256: each 64-column
  *                  chunk of a warpgroup's block goes to one of two 8 KiB
  *                  buffers and leaves by TMA store; a buffer is refilled
  *                  once its store two chunks back has read it, so the last
  *                  chunks drain under the next main loop. Fits beside four
  *                  main-loop stages because its tile_start table holds 257
- *                  entries (not 1025) and it has no WS / STORE slots.
+ *                  entries (not 1025) and it has no WS slots.
  *                  The table takes it for down at 512 < n <= 1024
  *                  (sm90_down_tma_st2); hook 262144 forces it for down and
  *                  dxt, 524288 turns it off.
@@ -168,10 +151,7 @@ enum {
     SM90_FL_WS = 1,
     SM90_FL_PP = 2,
     SM90_FL_CLUSTER = 4,
-    SM90_FL_TMA_ST = 8,
     SM90_FL_RASTER = 16,
-    SM90_FL_STREAM = 32,
-    SM90_FL_STORE = 64,
     SM90_FL_TMA_ST2 = 128
 };
 
@@ -203,22 +183,19 @@ typedef struct sm90_gemm_params {
 #define SM90_EP_STRIDE 144
 #define SM90_EP_BYTES (64 * SM90_EP_STRIDE)
 
-template <int BN, int STAGES, bool FULL_EP = false, bool DB_EP = false>
+template <int BN, int STAGES, bool DB_EP = false>
 struct sm90_tile_cfg {
     static constexpr int A_BYTES = SM90_BM * SM90_BK * 2;
     static constexpr int B_BYTES = BN * SM90_BK * 2;
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-    /* epilogue buffers: two 64-column chunk buffers, or (FULL_EP) the
-     * whole 128 x BN bf16 tile */
-    static constexpr int EP_TOTAL = DB_EP     ? 2 * 2 * 8192 /* DB_EP: 2 warpgroups x 2 */
-                                    : FULL_EP ? SM90_BM * BN * 2
-                                              : 2 * SM90_EP_BYTES;
-    /* + the storer handshake (SM90_FL_STORE): 4 mbarriers, 2 x int4 of tile
-     * info (16-byte aligned), and the alignment's slack */
+    /* epilogue buffers: two 64-column chunk buffers (one per consumer
+     * warpgroup), or (DB_EP) two 8 KiB buffers per warpgroup */
+    static constexpr int EP_TOTAL = DB_EP ? 2 * 2 * 8192 : 2 * SM90_EP_BYTES;
+    /* DB_EP: tile_start for E <= 256 and no WS token slots */
     static constexpr int SMEM_BYTES =
         DB_EP ? 1024 + STAGES * STAGE_BYTES + EP_TOTAL + 2 * STAGES * 8 + (256 + 1) * 4
               : 1024 + STAGES * STAGE_BYTES + EP_TOTAL + 2 * STAGES * 8 +
-                    (SM90_MAX_EXPERTS + 1) * 4 + 2 * 128 * 4 + 4 * 8 + 2 * 16 + 16;
+                    (SM90_MAX_EXPERTS + 1) * 4 + 2 * 128 * 4;
     static_assert(STAGE_BYTES % 1024 == 0, "stages must keep 1024-byte alignment");
     static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget");
 };
@@ -308,10 +285,10 @@ __device__ __forceinline__ void ep_put4(uint8_t *eb, int r, int c, float v0, flo
 }
 
 /* Stores the warpgroup's staged 64 rows (WBYTES bytes each) to dst (row
- * stride ld elements), rows < nvalid only; CS: with the evict-first hint.
+ * stride ld elements), rows < nvalid only.
  * Named barriers around it: the whole warpgroup's writes land before the
  * reads, and the reads finish before the buffer is written again. */
-template <int WBYTES, bool CS = false>
+template <int WBYTES>
 __device__ __forceinline__ void ep_flush(const uint8_t *eb, bf16 *dst, int64_t ld, int nvalid,
                                          int t, int cw)
 {
@@ -323,8 +300,7 @@ __device__ __forceinline__ void ep_flush(const uint8_t *eb, bf16 *dst, int64_t l
         if (r >= nvalid) continue;
         uint8_t *gp = (uint8_t *)(dst + (int64_t)r * ld) + v * 16;
         const uint4 val = *(const uint4 *)(eb + r * SM90_EP_STRIDE + v * 16);
-        if constexpr (CS) st_global_cs_v4(gp, val);
-        else *(uint4 *)gp = val;
+        *(uint4 *)gp = val;
     }
     named_barrier_sync(1 + cw, 128);
 }
@@ -564,69 +540,6 @@ __global__ void sm90_ds_finish(const float *dsp, int tiles, int64_t cap, const i
 
 /* ------------------------------------------------------------ the kernel */
 
-/* down / dxt with SM90_FL_TMA_ST: the warpgroup's 64 x BN block of the
- * tile (bias added, rounded) into its staging buffer sb, BN/64 boxes of 64
- * rows x 64 columns in the 128B-swizzled layout of map_c, then out by TMA
- * (whole blocks) or by the threads (rows < nvalid only). The TMA stores
- * drain while the next tile's main loop runs; only the next epilogue waits
- * for them to have read the buffer. */
-/* The warpgroup's 64 x BN block (bias added, rounded to bf16) into sb: BN/64
- * boxes of 64 rows x 64 columns, 8 KiB apart, 16-byte chunk jj of row r at
- * chunk jj ^ (r & 7) (the 128B swizzle of a TMA box; free of bank conflicts
- * for these 4-byte writes and for 16-byte row reads). */
-template <int BN>
-__device__ __forceinline__ void ep_stage_tile(const float *ac, uint8_t *sb,
-                                              const sm90_gemm_params &p, int n0, int64_t bo,
-                                              int lr, int q)
-{
-#pragma unroll
-    for (int c = 0; c < BN / 64; c++) {
-        uint8_t *box = sb + c * 8192;
-#pragma unroll
-        for (int jj = 0; jj < 8; jj++) {
-            const int j = 8 * c + jj, col = n0 + 64 * c + 8 * jj + 2 * q;
-            const float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = lr + 8 * h;
-                *(__nv_bfloat162 *)(box + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * q) =
-                    __floats2bfloat162_rn(ac[4 * j + 2 * h] + b0, ac[4 * j + 2 * h + 1] + b1);
-            }
-        }
-    }
-}
-
-template <int BN>
-__device__ __forceinline__ void ep_store_tile_tma(const float *ac, uint8_t *sb,
-                                                  const CUtensorMap *map_c,
-                                                  const sm90_gemm_params &p, int wrow0, int nvalid,
-                                                  int n0, int64_t bo, int lr, int q, int t, int cw)
-{
-    if (t == 0) bulk_wait_read<0>(); /* this warpgroup's previous stores have read sb */
-    named_barrier_sync(1 + cw, 128);
-    ep_stage_tile<BN>(ac, sb, p, n0, bo, lr, q);
-    fence_proxy_async(); /* generic writes -> the TMA engine's reads */
-    named_barrier_sync(1 + cw, 128);
-    if (nvalid == 64) {
-        if (t == 0) {
-#pragma unroll
-            for (int c = 0; c < BN / 64; c++)
-                if (n0 + 64 * c < p.N)
-                    tma_store_2d(map_c, smem_addr(sb + c * 8192), n0 + 64 * c, wrow0);
-            bulk_commit();
-        }
-    } else {
-        /* 16 bytes per (row, 8-column group); BN / 8 groups per row */
-#pragma unroll 4
-        for (int i = t; i < 64 * (BN / 8); i += 128) {
-            const int r = i / (BN / 8), g = i % (BN / 8), col = n0 + 8 * g;
-            if (r < nvalid && col < p.N)
-                *(uint4 *)(p.out0 + (int64_t)(wrow0 + r) * p.N + col) =
-                    *(const uint4 *)(sb + (g >> 3) * 8192 + r * 128 + (((g & 7) ^ (r & 7)) << 4));
-        }
-    }
-}
-
 /* down / dxt with SM90_FL_TMA_ST2: the warpgroup's 64 x BN block in 64-column
  * chunks through two 8 KiB buffers (wb, wb + 8192; 128B-swizzled 64 x 64
  * boxes, as map_c reads them). Chunk i (counted over the warpgroup's whole
@@ -680,49 +593,6 @@ __device__ __forceinline__ void ep_store_chunks_tma(const float *ac, uint8_t *wb
     }
 }
 
-/* SM90_FL_STORE's storers (warps 1-3 of the producer warpgroup, st = 0..95):
- * for each tile of the CTA and each consumer warpgroup w, wait until w has
- * staged its 64 x BN block (staged[w]), store its valid rows from the
- * staging buffer in 16-byte pieces (a warp per row: 32 lanes x 16 bytes =
- * one 512-byte row piece of a 256-column tile), then free the buffer
- * (drained[w]) once every value read is in registers. */
-template <int BN>
-__device__ __forceinline__ void sm90_storer(const uint8_t *ep_base, const uint64_t *staged,
-                                            uint64_t *drained, const int4 *info,
-                                            const sm90_gemm_params &p, int ntiles, int st)
-{
-    static_assert(BN == 256, "a warp per 256-column row piece");
-    const int ws = st >> 5, lane = st & 31;
-    for (int k = 0; k < ntiles; k++) {
-#pragma unroll 1
-        for (int w = 0; w < 2; w++) {
-            mbar_wait(smem_addr(staged + w), (uint32_t)k & 1u);
-            const int4 in = info[w]; /* row0, nvalid, n0 */
-            const uint8_t *sb = ep_base + w * (64 * BN * 2);
-            const bool cv = in.z + 8 * lane < p.N;
-            const uint32_t soff = (uint32_t)(lane >> 3) * 8192u;
-            bf16 *dst = p.out0 + (int64_t)in.x * p.N + in.z + 8 * lane;
-            /* rows ws, ws + 3, ...: four loads in flight, then their stores
-             * (a row past 63 reads row 63 again and stores nothing) */
-#pragma unroll 1
-            for (int r0 = ws; r0 < 64; r0 += 12) {
-                uint4 v[4];
-#pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    const int r = min(r0 + 3 * u, 63);
-                    v[u] = *(const uint4 *)(sb + soff + r * 128 + (((lane & 7) ^ (r & 7)) << 4));
-                }
-#pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    const int r = r0 + 3 * u;
-                    st_global_v4_if(dst + (int64_t)r * p.N, v[u], r < 64 && r < in.y && cv);
-                }
-            }
-            mbar_arrive(smem_addr(drained + w));
-        }
-    }
-}
-
 /* One k-block of the main loop: MH m64 blocks x WN columns x 64 k, from
  * the stage's A (sa) and B (sb) tiles, committed as one wgmma group. The
  * accumulators of block mh start at acc + mh * (NREG / MH); a width below the
@@ -767,18 +637,11 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                          const __grid_constant__ CUtensorMap map_b,
                          const __grid_constant__ CUtensorMap map_c, const sm90_gemm_params p)
 {
-    constexpr bool TMA_ST =
-        (FL & SM90_FL_TMA_ST) != 0 && (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT);
-    static_assert(!TMA_ST || BN == 256, "the staged TMA-store epilogue is for 128 x 256 tiles");
-    constexpr bool STORE =
-        (FL & SM90_FL_STORE) != 0 && (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT);
-    static_assert(!STORE || (BN == 256 && !TMA_ST), "the storer warps take 128 x 256 tiles");
     constexpr bool TMA_ST2 =
         (FL & SM90_FL_TMA_ST2) != 0 && (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT);
-    static_assert(!TMA_ST2 || (BN == 256 && !TMA_ST && !STORE &&
-                               (FL & (SM90_FL_PP | SM90_FL_CLUSTER)) == 0),
+    static_assert(!TMA_ST2 || (BN == 256 && (FL & (SM90_FL_PP | SM90_FL_CLUSTER)) == 0),
                   "the double-buffered TMA-store epilogue is for cooperative 128 x 256 tiles");
-    typedef sm90_tile_cfg<BN, STAGES, TMA_ST || STORE, TMA_ST2> cfg;
+    typedef sm90_tile_cfg<BN, STAGES, TMA_ST2> cfg;
     constexpr bool GATHER = (MODE == SM90_MODE_UP || MODE == SM90_MODE_DH);
     /* B stored K x N, N contiguous: W1 for dxt, W2 for dh */
     constexpr bool TRANS_B = (MODE == SM90_MODE_DXT || MODE == SM90_MODE_DH);
@@ -809,10 +672,6 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     uint64_t *empty = full + STAGES;
     int *tile_start = (int *)(empty + STAGES);
     int32_t *tok_slots = tile_start + SM90_MAX_EXPERTS + 1; /* WS: 2 x 128 tile tokens */
-    /* STORE: staged[2], drained[2] (one pair per consumer warpgroup), then
-     * the warpgroups' tile info (first row, valid rows, first column) */
-    uint64_t *st_bar = (uint64_t *)(((uintptr_t)(tok_slots + 256) + 15) & ~(uintptr_t)15);
-    int4 *st_info = (int4 *)(st_bar + 4);
 
     const int tid = threadIdx.x;
     const int wg = tid / 128;
@@ -828,12 +687,6 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         for (int s = 0; s < STAGES; s++) {
             mbar_init(smem_addr(full + s), GATHER ? (WS ? 32 : 128) + 1 : 1);
             mbar_init(smem_addr(empty + s), PP ? 1 : 2 * CL);
-        }
-        if (STORE) {
-            for (int w = 0; w < 2; w++) {
-                mbar_init(smem_addr(st_bar + w), 128);    /* staged: the warpgroup */
-                mbar_init(smem_addr(st_bar + 2 + w), 96); /* drained: the storers */
-            }
         }
         mbar_fence_init();
     }
@@ -910,11 +763,6 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                     }
                     cp_async_mbar_arrive_noinc(fb);
                 }
-            }
-        } else if (STORE && tid >= 32) {
-            if constexpr (STORE) {
-                const int ntiles = cid < total ? (total - cid + ncl - 1) / ncl : 0;
-                sm90_storer<BN>(ep_base, st_bar, st_bar + 2, st_info, p, ntiles, tid - 32);
             }
         } else {
         const int chunk = tid & 7, rsub = tid >> 3; /* rows rsub + 16 i, 16-byte chunk */
@@ -997,7 +845,6 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         /* ring position of this warpgroup's next k-block: the producer fills
          * kb_count stages per tile, tile after tile */
         uint32_t pos = PP ? (uint32_t)(cw * kb_count) : 0u;
-        uint32_t kt = 0; /* STORE: this warpgroup's tiles so far */
         uint32_t ep_it = 0; /* TMA_ST2: this warpgroup's chunks so far */
         for (int t = cid + (PP ? cw * ncl : 0); t < total; t += (PP ? 2 : 1) * ncl) {
             sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
@@ -1071,16 +918,6 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             if constexpr (TMA_ST2) {
                 ep_store_chunks_tma<BN>(ac, ep_base + cw * 16384, &map_c, p, wrow0, nvalid, n0,
                                         bo, lr, q, tid & 127, cw, ep_it);
-            } else if constexpr (STORE) {
-                /* the storers have read this buffer's previous tile */
-                mbar_wait(smem_addr(st_bar + 2 + cw), (kt & 1u) ^ 1u);
-                ep_stage_tile<BN>(ac, ep_base + cw * (64 * BN * 2), p, n0, bo, lr, q);
-                if ((tid & 127) == 0) st_info[cw] = make_int4(wrow0, nvalid, n0, 0);
-                mbar_arrive(smem_addr(st_bar + cw));
-                kt++;
-            } else if constexpr (TMA_ST) {
-                ep_store_tile_tma<BN>(ac, ep_base + cw * (64 * BN * 2), &map_c, p, wrow0, nvalid,
-                                      n0, bo, lr, q, tid & 127, cw);
             } else {
 #pragma unroll
             for (int c = 0; c < BN / 64; c++) {
@@ -1096,7 +933,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                             ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q,
                                     ac[4 * j + 2 * h] + b0, ac[4 * j + 2 * h + 1] + b1);
                     }
-                    ep_flush<128, (FL & SM90_FL_STREAM) != 0>(
+                    ep_flush<128>(
                         eb, p.out0 + (int64_t)wrow0 * p.N + col0, p.N, nvalid, tid & 127, cw);
                 } else {
                     /* The chunk's 64 H columns (bias added, rounded) go to shared
@@ -1140,14 +977,14 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                                     tid & 127, cw);
                 }
             }
-            } /* not TMA_ST */
+            } /* not TMA_ST2 */
             } /* not dh */
             } /* mh */
         }
     }
     /* the TMA stores have read their shared-memory sources before the CTA's
      * shared memory goes away */
-    if constexpr (TMA_ST || TMA_ST2)
+    if constexpr (TMA_ST2)
         if (wg > 0 && (tid & 127) == 0) bulk_wait<0>();
     /* no CTA leaves while its peer may still multicast into it or arrive on
      * its barriers */
@@ -1230,13 +1067,11 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
                                const sm90_gemm_params *prm, cudaStream_t s, const char *op)
 {
     /* the grouped tile order: its own kernels (plain, or with the storers) */
-    if constexpr ((FL & ~(SM90_FL_STORE | SM90_FL_TMA_ST2)) == 0 && BN == 256)
+    if constexpr ((FL & ~SM90_FL_TMA_ST2) == 0 && BN == 256)
         if (prm->raster_gm > 1)
             return sm90_launch<BN, STAGES, MODE, FL | SM90_FL_RASTER>(p, ma, mb, mc, prm, s, op);
-    typedef sm90_tile_cfg<BN, STAGES, (FL & (SM90_FL_TMA_ST | SM90_FL_STORE)) != 0 &&
-                          (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT),
-                          (FL & SM90_FL_TMA_ST2) != 0 &&
-                          (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT)> cfg;
+    typedef sm90_tile_cfg<BN, STAGES, (FL & SM90_FL_TMA_ST2) != 0 &&
+                                          (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT)> cfg;
     void (*kern)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const sm90_gemm_params) =
         sm90_grouped_gemm_kernel<BN, STAGES, MODE, FL>;
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1294,13 +1129,11 @@ enum {
     SM90_VAR_DH_PP = 32,
     SM90_VAR_CLUSTER = 128, /* 2-CTA clusters with weight multicast, BN = 256 kernels */
     SM90_VAR_DH_BN128 = 256, /* dh in 128 x 128 cooperative tiles, 6 stages */
-    SM90_VAR_TMA_ST = 512,   /* down, dxt: SM90_FL_TMA_ST */
+    /* 512, 8192, 16384: retired experiments (see the flags above) */
     /* the tile order of the cooperative BN = 256 kernels (SM90_FL_RASTER) */
     SM90_VAR_RASTER16 = 1024, /* groups of 16 m-tiles on every shape */
     SM90_VAR_RASTER8 = 2048,  /* ... of 8 */
     SM90_VAR_ROWMAJOR = 4096, /* row-major on every shape */
-    SM90_VAR_STREAM = 8192,   /* down, dxt: SM90_FL_STREAM (row-major BN = 256 tiles) */
-    SM90_VAR_STORE = 16384,   /* down, dxt: SM90_FL_STORE (storer warps) */
     SM90_VAR_PP192 = 32768,   /* down, dxt: ping-pong 128 x 192 tiles everywhere */
     SM90_VAR_NO_PP192 = 65536, /* down, dxt: never (the cooperative 128 x 256 tiles) */
     SM90_VAR_COOP192 = 131072, /* down, dxt: cooperative 128 x 192 tiles (a diagnostic) */
@@ -1318,8 +1151,8 @@ static int sm90_down_tma_st2(const smoe_gemm_problem *p, int64_t K, int bn)
     const int v = smoe_sm90_gemm_variant;
     if (bn != 256 || p->E > 256) return 0;
     if (v & SM90_VAR_TMA_ST2) return 1;
-    if (v & (SM90_VAR_NO_TMA_ST2 | SM90_VAR_NO_PP192 | SM90_VAR_CLUSTER | SM90_VAR_TMA_ST |
-             SM90_VAR_STORE | SM90_VAR_STREAM | SM90_VAR_PP192 | SM90_VAR_COOP192))
+    if (v & (SM90_VAR_NO_TMA_ST2 | SM90_VAR_NO_PP192 | SM90_VAR_CLUSTER | SM90_VAR_PP192 |
+             SM90_VAR_COOP192))
         return 0;
     return K > 512 && K <= 1024;
 }
@@ -1338,9 +1171,7 @@ static int sm90_store_bn(const smoe_gemm_problem *p, int64_t K)
     const int v = smoe_sm90_gemm_variant;
     if (p->d < 256) return 128;
     if (v & (SM90_VAR_PP192 | SM90_VAR_COOP192)) return 192;
-    if (v & (SM90_VAR_NO_PP192 | SM90_VAR_CLUSTER | SM90_VAR_TMA_ST | SM90_VAR_STORE |
-             SM90_VAR_TMA_ST2 |
-             SM90_VAR_STREAM))
+    if (v & (SM90_VAR_NO_PP192 | SM90_VAR_CLUSTER | SM90_VAR_TMA_ST2))
         return 256;
     return (K <= 512 || (K <= 1024 && p->d % 192 == 0)) ? 192 : 256;
 }
@@ -1424,8 +1255,10 @@ static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16
 }
 
 /* down and dxt (contiguous A, stored output prm->out0: cap x d) once their
- * maps are made: the tile table (BN = 256 where d >= 256) or the hook's
- * variants (clusters: cl, BN = 256; TMA-store epilogue). */
+ * maps are made, with bn from sm90_store_bn: ping-pong 128 x 192 (or the
+ * hook's cooperative 192 and grouped-order ping-pong), the double-buffered
+ * TMA-store epilogue (sm90_down_tma_st2, or the hook), cooperative 128 x 256
+ * with thread stores, 128 x 128 below d = 256; the hook's clusters (cl). */
 template <int MODE>
 static smoe_status sm90_launch_store(const smoe_gemm_problem *p, const CUtensorMap *ma,
                                      const CUtensorMap *mb, const sm90_gemm_params *prm, int bn,
@@ -1446,15 +1279,6 @@ static smoe_status sm90_launch_store(const smoe_gemm_problem *p, const CUtensorM
         SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, prm->out0, p->cap, p->d, 64, op));
         return sm90_launch<256, 4, MODE, SM90_FL_TMA_ST2>(p, ma, mb, &mc, prm, s, op);
     }
-    if (smoe_sm90_gemm_variant & SM90_VAR_TMA_ST) {
-        CUtensorMap mc;
-        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, prm->out0, p->cap, p->d, 64, op));
-        if (bn == 256) return sm90_launch<256, 3, MODE, SM90_FL_TMA_ST>(p, ma, mb, &mc, prm, s, op);
-    }
-    if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_STORE))
-        return sm90_launch<256, 3, MODE, SM90_FL_STORE>(p, ma, mb, mb, prm, s, op);
-    if (bn == 256 && prm->raster_gm <= 1 && (smoe_sm90_gemm_variant & SM90_VAR_STREAM))
-        return sm90_launch<256, 4, MODE, SM90_FL_STREAM>(p, ma, mb, mb, prm, s, op);
     if (bn == 256) return sm90_launch<256, 4, MODE, 0>(p, ma, mb, mb, prm, s, op);
     return sm90_launch<128, 6, MODE, 0>(p, ma, mb, mb, prm, s, op);
 }

@@ -192,24 +192,6 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr)
     return v;
 }
 
-/* 16-byte global store with the streaming (evict-first) cache hint: for
- * outputs that are not read again while they could still be in L2. */
-__device__ __forceinline__ void st_global_cs_v4(void *p, uint4 v)
-{
-    asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
-                 "r"(v.z), "r"(v.w)
-                 : "memory");
-}
-
-/* 16-byte global store when `pred` is nonzero (predicated, no branch, so
- * the loads feeding a run of them can all be issued first). */
-__device__ __forceinline__ void st_global_v4_if(void *p, uint4 v, int pred)
-{
-    asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.s32 q, %5, 0;\n\t"
-                 "@q st.global.v4.u32 [%0], {%1, %2, %3, %4};\n\t}" ::"l"(p),
-                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(pred));
-}
-
 __device__ __forceinline__ void prefetch_l2(const void *p)
 {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
