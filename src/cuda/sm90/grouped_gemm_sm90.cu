@@ -144,7 +144,7 @@ using namespace smoe_sm90;
  *                  main-loop stages because its tile_start table holds 257
  *                  entries (not 1025) and it has no WS slots.
  *                  The table takes it for down at 512 < n <= 1024
- *                  (sm90_down_tma_st2); hook 262144 forces it for down and
+ *                  (sm90_use_tma_st2); hook 262144 forces it for down and
  *                  dxt, 524288 turns it off.
  *                  (The dh epilogue: ep_dh_direct, for every variant.) */
 enum {
@@ -1141,12 +1141,14 @@ enum {
     SM90_VAR_NO_TMA_ST2 = 524288 /* down: never SM90_FL_TMA_ST2 (the table before it) */
 };
 
-/* down (reduction K = n) with the double-buffered TMA-store epilogue: where
- * the tile is the cooperative 128 x 256 one and 512 < K <= 1024 (E <= 256:
- * its smaller tile_start table). On an H100: down +3% at 120B-n1024's shape
- * and +7% at K = 512 (30B) alone; the layer's 30B-n1024 forward +2%,
- * 120B-n1024 even, 120B-n2048 (K = 2048) -2% (notes/sm90_log.md rung 10). */
-static int sm90_down_tma_st2(const smoe_gemm_problem *p, int64_t K, int bn)
+/* The double-buffered TMA-store epilogue (SM90_FL_TMA_ST2) for down (down
+ * != 0, reduction K = n) or dxt on the cooperative 128 x 256 tile (E <= 256:
+ * its smaller tile_start table): the table takes it for down at
+ * 512 < K <= 1024 (on an H100 down +3% at 120B-n1024's shape and +7% at
+ * K = 512 alone; the layer's 30B-n1024 forward +2-5%, 120B-n1024 even,
+ * 120B-n2048 with K = 2048 -2%: notes/sm90_log.md rung 10), never for dxt;
+ * the hook forces it (262144) or turns it off (524288). */
+static int sm90_use_tma_st2(const smoe_gemm_problem *p, int64_t K, int bn, int down)
 {
     const int v = smoe_sm90_gemm_variant;
     if (bn != 256 || p->E > 256) return 0;
@@ -1154,18 +1156,9 @@ static int sm90_down_tma_st2(const smoe_gemm_problem *p, int64_t K, int bn)
     if (v & (SM90_VAR_NO_TMA_ST2 | SM90_VAR_NO_PP192 | SM90_VAR_CLUSTER | SM90_VAR_PP192 |
              SM90_VAR_COOP192))
         return 0;
-    return K > 512 && K <= 1024;
+    return down && K > 512 && K <= 1024;
 }
 
-/* Output tile width of down / dxt (reduction length K = n or 2n, d output
- * columns): ping-pong 128 x 192 tiles (each warpgroup's epilogue hides
- * under the other's main loop) where K <= 512, or K <= 1024 with d a
- * multiple of 192; cooperative 128 x 256 elsewhere, 128 x 128 below
- * d = 256. On an H100 (notes/sm90_log.md rung 10) the layer's forward rose
- * 1-4% on the n <= 512 rows and 1-2% on 1.4B-n1024 / 7B-n1024, the
- * backward 1-2% where dxt takes them; with d = 4096 and K >= 1024 they
- * measured slower (dxt at K = 1024-4096 2x, down at K = 2048 -16%: not
- * understood). */
 static int sm90_store_bn(const smoe_gemm_problem *p, int64_t K)
 {
     const int v = smoe_sm90_gemm_variant;
@@ -1257,7 +1250,7 @@ static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16
 /* down and dxt (contiguous A, stored output prm->out0: cap x d) once their
  * maps are made, with bn from sm90_store_bn: ping-pong 128 x 192 (or the
  * hook's cooperative 192 and grouped-order ping-pong), the double-buffered
- * TMA-store epilogue (sm90_down_tma_st2, or the hook), cooperative 128 x 256
+ * TMA-store epilogue (sm90_use_tma_st2), cooperative 128 x 256
  * with thread stores, 128 x 128 below d = 256; the hook's clusters (cl). */
 template <int MODE>
 static smoe_status sm90_launch_store(const smoe_gemm_problem *p, const CUtensorMap *ma,
@@ -1272,9 +1265,7 @@ static smoe_status sm90_launch_store(const smoe_gemm_problem *p, const CUtensorM
             return sm90_launch<192, 5, MODE, SM90_FL_PP | SM90_FL_RASTER>(p, ma, mb, mb, prm, s, op);
         return sm90_launch<192, 5, MODE, SM90_FL_PP>(p, ma, mb, mb, prm, s, op);
     }
-    if (MODE == SM90_MODE_DOWN ? sm90_down_tma_st2(p, prm->K, bn)
-                               : bn == 256 && p->E <= 256 &&
-                                     (smoe_sm90_gemm_variant & SM90_VAR_TMA_ST2)) {
+    if (sm90_use_tma_st2(p, prm->K, bn, MODE == SM90_MODE_DOWN)) {
         CUtensorMap mc;
         SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, prm->out0, p->cap, p->d, 64, op));
         return sm90_launch<256, 4, MODE, SM90_FL_TMA_ST2>(p, ma, mb, &mc, prm, s, op);
