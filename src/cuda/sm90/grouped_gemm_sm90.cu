@@ -145,7 +145,10 @@ using namespace smoe_sm90;
  *                  entries (not 1025) and it has no WS slots.
  *                  The table takes it for down at 512 < n <= 1024
  *                  (sm90_use_tma_st2); hook 262144 forces it for down and
- *                  dxt, 524288 turns it off.
+ *                  dxt, 524288 turns it off. For up (hook 1048576, an
+ *                  experiment: gated, interleaved W1, H wanted) each chunk's
+ *                  H and A go to an 8 KiB and a 4 KiB buffer per warpgroup
+ *                  (ep_up_chunks_tma), single-buffered.
  *                  (The dh epilogue: ep_dh_direct, for every variant.) */
 enum {
     SM90_FL_WS = 1,
@@ -593,6 +596,91 @@ __device__ __forceinline__ void ep_store_chunks_tma(const float *ac, uint8_t *wb
     }
 }
 
+/* up with SM90_FL_TMA_ST2 (gated activation, interleaved W1, H wanted): per
+ * 64-column chunk of the warpgroup's block, H (bias added, rounded) into hb
+ * (a 64 x 64 box, 128B swizzle, as map_h reads it) and A = act(gate) * up of
+ * the rounded pair into ab (64 rows x 32 units, 64B swizzle: 16-byte chunk
+ * k of row r at k ^ ((r >> 1) & 3), as map_ao reads it), both out by TMA
+ * store (whole 64-row blocks) or by the threads (rows < nvalid). A chunk
+ * waits only until the previous chunk's stores have read the buffers, so
+ * the last chunk's stores drain under the next main loop. The same values
+ * as ep_flush_up_ct (A from the rounded H, the activation's fast form). */
+template <int ACT, int BN>
+__device__ __forceinline__ void ep_up_chunks_tma(const float *ac, uint8_t *hb, uint8_t *ab,
+                                                 const CUtensorMap *map_h,
+                                                 const CUtensorMap *map_ao,
+                                                 const sm90_gemm_params &p, int wrow0, int nvalid,
+                                                 int n0, int64_t bo, int lr, int q, int t, int cw)
+{
+#pragma unroll /* (not unrolled, the accumulators went to local memory) */
+    for (int c = 0; c < BN / 64; c++) {
+        const int hc0 = n0 + 64 * c;
+        if (hc0 >= p.N) break;
+        if (t == 0) bulk_wait_read<0>(); /* the previous chunk's stores have read hb, ab */
+        named_barrier_sync(1 + cw, 128);
+#pragma unroll
+        for (int jj = 0; jj < 8; jj++) {
+            const int j = 8 * c + jj, col = hc0 + 8 * jj + 2 * q;
+            const float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = lr + 8 * h;
+                const __nv_bfloat162 hv =
+                    __floats2bfloat162_rn(ac[4 * j + 2 * h] + b0, ac[4 * j + 2 * h + 1] + b1);
+                *(__nv_bfloat162 *)(hb + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * q) = hv;
+                /* unit 4 jj + q of the chunk: byte 8 jj + 2 q of A's 64-byte row */
+                *(bf16 *)(ab + r * 64 + (((jj >> 1) ^ ((r >> 1) & 3)) << 4) + (jj & 1) * 8 + 2 * q) =
+                    __float2bfloat16_rn(sm90_act_ct<ACT>(__low2float(hv)) * __high2float(hv));
+            }
+        }
+        fence_proxy_async(); /* generic writes -> the TMA engine's reads */
+        named_barrier_sync(1 + cw, 128);
+        if (nvalid == 64) {
+            if (t == 0) {
+                tma_store_2d(map_h, smem_addr(hb), hc0, wrow0);
+                tma_store_2d(map_ao, smem_addr(ab), hc0 / 2, wrow0);
+                bulk_commit();
+            }
+        } else {
+            /* H: 64 rows x 8 pieces of 16 bytes; A: 64 rows x 4 */
+#pragma unroll
+            for (int i = t; i < 64 * 8; i += 128) {
+                const int r = i >> 3, g = i & 7;
+                if (r < nvalid)
+                    *(uint4 *)(p.out0 + (int64_t)(wrow0 + r) * p.N + hc0 + 8 * g) =
+                        *(const uint4 *)(hb + r * 128 + ((g ^ (r & 7)) << 4));
+            }
+#pragma unroll
+            for (int i = t; i < 64 * 4; i += 128) {
+                const int r = i >> 2, g = i & 3;
+                if (r < nvalid)
+                    *(uint4 *)(p.out1 + (int64_t)(wrow0 + r) * p.n + hc0 / 2 + 8 * g) =
+                        *(const uint4 *)(ab + r * 64 + ((g ^ ((r >> 1) & 3)) << 4));
+            }
+        }
+    }
+}
+
+/* ep_up_chunks_tma with the (gated) activation dispatched once per tile. */
+template <int BN>
+__device__ __forceinline__ void ep_up_chunks_tma_any(const float *ac, uint8_t *hb, uint8_t *ab,
+                                                     const CUtensorMap *map_h,
+                                                     const CUtensorMap *map_ao,
+                                                     const sm90_gemm_params &p, int wrow0,
+                                                     int nvalid, int n0, int64_t bo, int lr,
+                                                     int q, int t, int cw)
+{
+    if (p.act == SMOE_ACT_GEGLU)
+        ep_up_chunks_tma<SMOE_ACT_GEGLU, BN>(ac, hb, ab, map_h, map_ao, p, wrow0, nvalid, n0, bo,
+                                             lr, q, t, cw);
+    else if (p.act == SMOE_ACT_REGLU)
+        ep_up_chunks_tma<SMOE_ACT_REGLU, BN>(ac, hb, ab, map_h, map_ao, p, wrow0, nvalid, n0, bo,
+                                             lr, q, t, cw);
+    else
+        ep_up_chunks_tma<SMOE_ACT_SWIGLU, BN>(ac, hb, ab, map_h, map_ao, p, wrow0, nvalid, n0,
+                                              bo, lr, q, t, cw);
+}
+
 /* One k-block of the main loop: MH m64 blocks x WN columns x 64 k, from
  * the stage's A (sa) and B (sb) tiles, committed as one wgmma group. The
  * accumulators of block mh start at acc + mh * (NREG / MH); a width below the
@@ -637,9 +725,9 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                          const __grid_constant__ CUtensorMap map_b,
                          const __grid_constant__ CUtensorMap map_c, const sm90_gemm_params p)
 {
-    constexpr bool TMA_ST2 =
-        (FL & SM90_FL_TMA_ST2) != 0 && (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT);
-    static_assert(!TMA_ST2 || (BN == 256 && (FL & (SM90_FL_PP | SM90_FL_CLUSTER)) == 0),
+    /* up: map_a is A's output map there (up gathers its input), map_c H's */
+    constexpr bool TMA_ST2 = (FL & SM90_FL_TMA_ST2) != 0 && MODE != SM90_MODE_DH;
+    static_assert(!TMA_ST2 || (BN == 256 && (FL & (SM90_FL_PP | SM90_FL_CLUSTER | SM90_FL_WS)) == 0),
                   "the double-buffered TMA-store epilogue is for cooperative 128 x 256 tiles");
     typedef sm90_tile_cfg<BN, STAGES, TMA_ST2> cfg;
     constexpr bool GATHER = (MODE == SM90_MODE_UP || MODE == SM90_MODE_DH);
@@ -915,7 +1003,11 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             if constexpr (MODE == SM90_MODE_DH) {
                 ep_dh_direct_any<BN>(ac, p, wrow0, nvalid, n0, lr, q, tl.n_tile);
             } else {
-            if constexpr (TMA_ST2) {
+            if constexpr (TMA_ST2 && MODE == SM90_MODE_UP) {
+                ep_up_chunks_tma_any<BN>(ac, ep_base + cw * 16384, ep_base + cw * 16384 + 8192,
+                                         &map_c, &map_a, p, wrow0, nvalid, n0, bo, lr, q,
+                                         tid & 127, cw);
+            } else if constexpr (TMA_ST2) {
                 ep_store_chunks_tma<BN>(ac, ep_base + cw * 16384, &map_c, p, wrow0, nvalid, n0,
                                         bo, lr, q, tid & 127, cw, ep_it);
             } else {
@@ -1007,9 +1099,11 @@ static PFN_cuTensorMapEncodeTiled_v12000 sm90_encode_fn(void)
     return fn;
 }
 
-/* tensor_map_sm90.h */
-extern "C" smoe_status smoe_sm90_make_map(CUtensorMap *map, const void *base, int64_t rows,
-                                          int64_t cols, int box_rows, const char *what)
+/* A 2-D bf16 tensor map (rows x cols, row-major) with a box of box_cols x
+ * box_rows elements and the given shared-memory swizzle. */
+static smoe_status sm90_make_map_box(CUtensorMap *map, const void *base, int64_t rows,
+                                     int64_t cols, int box_cols, int box_rows,
+                                     CUtensorMapSwizzle swizzle, const char *what)
 {
     PFN_cuTensorMapEncodeTiled_v12000 encode = sm90_encode_fn();
     if (!encode)
@@ -1017,16 +1111,24 @@ extern "C" smoe_status smoe_sm90_make_map(CUtensorMap *map, const void *base, in
                                              "from the driver");
     cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
     cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
-    cuuint32_t box[2] = {SM90_BK, (cuuint32_t)box_rows};
+    cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows};
     cuuint32_t estr[2] = {1, 1};
     CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)base, dims, strides, box,
-                        estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        estr, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
         return smoe_fail(SMOE_ERROR_BACKEND,
                          "sm90 gemm: tensor map for %s (%lld x %lld) failed (CUresult %d)", what,
                          (long long)rows, (long long)cols, (int)r);
     return SMOE_SUCCESS;
+}
+
+/* tensor_map_sm90.h: 64-column boxes, 128B swizzle (the operand tiles) */
+extern "C" smoe_status smoe_sm90_make_map(CUtensorMap *map, const void *base, int64_t rows,
+                                          int64_t cols, int box_rows, const char *what)
+{
+    return sm90_make_map_box(map, base, rows, cols, SM90_BK, box_rows, CU_TENSOR_MAP_SWIZZLE_128B,
+                             what);
 }
 
 static smoe_status sm90_check_common(const smoe_gemm_problem *p, const char *op)
@@ -1070,8 +1172,7 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
     if constexpr ((FL & ~SM90_FL_TMA_ST2) == 0 && BN == 256)
         if (prm->raster_gm > 1)
             return sm90_launch<BN, STAGES, MODE, FL | SM90_FL_RASTER>(p, ma, mb, mc, prm, s, op);
-    typedef sm90_tile_cfg<BN, STAGES, (FL & SM90_FL_TMA_ST2) != 0 &&
-                                          (MODE == SM90_MODE_DOWN || MODE == SM90_MODE_DXT)> cfg;
+    typedef sm90_tile_cfg<BN, STAGES, (FL & SM90_FL_TMA_ST2) != 0 && MODE != SM90_MODE_DH> cfg;
     void (*kern)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const sm90_gemm_params) =
         sm90_grouped_gemm_kernel<BN, STAGES, MODE, FL>;
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1138,7 +1239,8 @@ enum {
     SM90_VAR_NO_PP192 = 65536, /* down, dxt: never (the cooperative 128 x 256 tiles) */
     SM90_VAR_COOP192 = 131072, /* down, dxt: cooperative 128 x 192 tiles (a diagnostic) */
     SM90_VAR_TMA_ST2 = 262144, /* down, dxt: SM90_FL_TMA_ST2 where E <= 256 */
-    SM90_VAR_NO_TMA_ST2 = 524288 /* down: never SM90_FL_TMA_ST2 (the table before it) */
+    SM90_VAR_NO_TMA_ST2 = 524288, /* down: never SM90_FL_TMA_ST2 (the table before it) */
+    SM90_VAR_UP_TMA_ST2 = 1048576 /* up: SM90_FL_TMA_ST2 where it applies (experiment) */
 };
 
 /* The double-buffered TMA-store epilogue (SM90_FL_TMA_ST2) for down (down
@@ -1242,6 +1344,15 @@ static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16
                                         (prm.concat || cl) ? bn / 2 : bn, "w1"));
     if (cl)
         return sm90_launch<256, 4, SM90_MODE_UP, SM90_FL_CLUSTER>(p, &mb, &mb, &mb, &prm, s, "up");
+    /* the double-buffered TMA-store epilogue (experiment, hook 1048576):
+     * gated, interleaved W1, H wanted, E <= 256 */
+    if (wide && (v & SM90_VAR_UP_TMA_ST2) && p->gated && !prm.concat && h && p->E <= 256) {
+        CUtensorMap mh, mao;
+        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mh, h, p->cap, p->h_cols, 64, "h"));
+        SMOE_FORWARD_IF_ERROR(sm90_make_map_box(&mao, a, p->cap, p->n, 32, 64,
+                                                CU_TENSOR_MAP_SWIZZLE_64B, "a"));
+        return sm90_launch<256, 4, SM90_MODE_UP, SM90_FL_TMA_ST2>(p, &mao, &mb, &mh, &prm, s, "up");
+    }
     if (pp) return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_PP>(p, &mb, &mb, &mb, &prm, s, "up");
     if (wide) return sm90_launch<256, 4, SM90_MODE_UP, 0>(p, &mb, &mb, &mb, &prm, s, "up");
     return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_WS>(p, &mb, &mb, &mb, &prm, s, "up");
