@@ -970,12 +970,14 @@ int main(int argc, char **argv)
              * also in the grouped order, or nowhere (bit 65536), in
              * cooperative 128 x 192 tiles (bit 131072), and with the
              * double-buffered TMA-store epilogue everywhere (bit 262144,
-             * row-major and grouped) and for up (bit 1048576: gated,
-             * interleaved, H wanted; row-major and grouped) on further
-             * random cases, so the variant code stays tested */
-            enum { NV = 11 };
+             * row-major and grouped), for up (bit 1048576: gated,
+             * interleaved, H wanted) and for dh (bit 2097152: gated; both
+             * row-major and grouped) on further random cases, so the
+             * variant code stays tested */
+            enum { NV = 13 };
             static const int vars[NV] = {16 | 32, 128, 1024, 32768, 32768 | 1024, 65536, 131072,
-                                         262144, 262144 | 1024, 1048576, 1048576 | 1024};
+                                         262144, 262144 | 1024, 1048576, 1048576 | 1024,
+                                         2097152, 2097152 | 1024};
             static const char *what[NV] = {"ping-pong up and dh", "2-CTA clusters, weight multicast",
                                            "tiles in groups of 16 m-tiles",
                                            "down and dxt in ping-pong 128 x 192 tiles",
@@ -985,13 +987,15 @@ int main(int argc, char **argv)
                                            "down and dxt chunks stored by TMA, double-buffered",
                                            "double-buffered TMA stores, groups of 16 m-tiles",
                                            "up's H and A stored by TMA",
-                                           "up's TMA stores, groups of 16 m-tiles"};
+                                           "up's TMA stores, groups of 16 m-tiles",
+                                           "dh's dH and A' stored by TMA",
+                                           "dh's TMA stores, groups of 16 m-tiles"};
             for (int k = 0; k < NV; k++) {
                 smoe_sm90_gemm_variant = vars[k];
                 printf("variant %d (%s):\n", vars[k], what[k]);
-                /* up's TMA path takes only some random cases (gated,
-                 * interleaved, H wanted): more of them there */
-                const int nk = small ? 1 : (vars[k] & 1048576) ? 24 : 8;
+                /* up's and dh's TMA paths take only some random cases
+                 * (gated; up: interleaved, H wanted): more of them there */
+                const int nk = small ? 1 : (vars[k] & (1048576 | 2097152)) ? 24 : 8;
                 for (int i = 0; i < nk; i++) {
                     total++;
                     failed += !run_case(cases + 32 * k + i, sms);

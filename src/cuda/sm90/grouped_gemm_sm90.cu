@@ -504,6 +504,133 @@ __device__ __forceinline__ void ep_dh_direct_any(const float *ac, const sm90_gem
 #undef SM90_DH_DIRECT
 }
 
+/* dh's epilogue with SM90_FL_TMA_ST2 (gated; experiment): the same
+ * arithmetic and H loads as ep_dh_direct, but dH and A' leave through
+ * shared memory by TMA store, 32 units at a time: dH's 64 x 64 chunk (the
+ * units' (gate, up) pairs) into hb (128B swizzle, as map_dh reads it) and
+ * A''s 64 x 32 chunk into ab (64B swizzle, as map_as reads it), instead of
+ * 8- and 4-byte stores scattered over 8 rows per warp instruction. A chunk
+ * waits until the previous chunk's stores have read the buffers; whole
+ * 64-row blocks leave by TMA, an expert's last rows by the threads. */
+template <int ACT, int BN>
+__device__ __forceinline__ void ep_dh_tma(const float *ac, uint8_t *hb, uint8_t *ab,
+                                          const CUtensorMap *map_dh, const CUtensorMap *map_as,
+                                          const sm90_gemm_params &p, int wrow0, int nvalid,
+                                          int n0, int lr, int q, int n_tile, int t, int cw)
+{
+    static_assert(ACT <= SMOE_ACT_REGLU, "gated activations only");
+    constexpr int J = BN / 8, DIST = 8;
+    const int jn = min(J, (p.N - n0) / 8);
+    bool rv[2];
+    int64_t row[2];
+    float s[2], ds[2] = {0.0f, 0.0f};
+    const bf16 *hp[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        rv[h] = lr + 8 * h < nvalid;
+        row[h] = wrow0 + (rv[h] ? lr + 8 * h : 0);
+        s[h] = __ldg(p.score + row[h]);
+        hp[h] = p.h_in + row[h] * p.h_cols + 2 * (n0 + 2 * q);
+    }
+    uint2 hv[J][2];
+#pragma unroll
+    for (int j = 0; j < J + DIST; j++) {
+        if (j < J) { /* loads DIST groups ahead of their use (see ep_dh_direct) */
+            const int jl = j < jn ? j : 0;
+#pragma unroll
+            for (int h = 0; h < 2; h++) hv[j][h] = *(const uint2 *)(hp[h] + 16 * jl);
+        }
+        const int jc = j - DIST;
+        if (jc < 0) continue;
+        const int g = jc & 3; /* group within the 32-unit chunk */
+        if (g == 0) {         /* a new chunk: the previous one's stores have read the buffers */
+            if (t == 0) bulk_wait_read<0>();
+            named_barrier_sync(1 + cw, 128);
+        }
+        const bool jv = jc < jn;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = lr + 8 * h;
+            const float da0 = ac[4 * jc + 2 * h], da1 = ac[4 * jc + 2 * h + 1];
+            const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv[jc][h];
+            float f0, df0, f1, df1;
+            const float g0 = __low2float(h2[0]), u0 = __high2float(h2[0]);
+            const float g1 = __low2float(h2[1]), u1 = __high2float(h2[1]);
+            sm90_act_fd_ct<ACT>(g0, f0, df0);
+            sm90_act_fd_ct<ACT>(g1, f1, df1);
+            const float a0 = f0 * u0, a1 = f1 * u1;
+            const float e0 = s[h] * da0, e1 = s[h] * da1;
+            __nv_bfloat162 o0 = __floats2bfloat162_rn(e0 * df0 * u0, e0 * f0);
+            __nv_bfloat162 o1 = __floats2bfloat162_rn(e1 * df1 * u1, e1 * f1);
+            /* dH: units 8 g + 2 q, +1 of the chunk = bytes 32 g + 8 q of the
+             * 128-byte row; A': bytes 16 g + 4 q of the 64-byte row */
+            *(uint2 *)(hb + r * 128 + (((2 * g + (q >> 1)) ^ (r & 7)) << 4) + 8 * (q & 1)) =
+                make_uint2(*(uint32_t *)&o0, *(uint32_t *)&o1);
+            __nv_bfloat162 a = __floats2bfloat162_rn(s[h] * a0, s[h] * a1);
+            *(uint32_t *)(ab + r * 64 + ((g ^ ((r >> 1) & 3)) << 4) + 4 * q) = *(uint32_t *)&a;
+            ds[h] = jv ? fmaf(da1, a1, fmaf(da0, a0, ds[h])) : ds[h];
+        }
+        if (g == 3) { /* the chunk is complete: out */
+            const int u0c = n0 + 8 * (jc - 3); /* its first unit */
+            fence_proxy_async();
+            named_barrier_sync(1 + cw, 128);
+            if (u0c < p.N) {
+                if (nvalid == 64) {
+                    if (t == 0) {
+                        tma_store_2d(map_dh, smem_addr(hb), 2 * u0c, wrow0);
+                        tma_store_2d(map_as, smem_addr(ab), u0c, wrow0);
+                        bulk_commit();
+                    }
+                } else {
+#pragma unroll
+                    for (int i = t; i < 64 * 8; i += 128) {
+                        const int rr = i >> 3, c = i & 7;
+                        if (rr < nvalid)
+                            *(uint4 *)(p.out0 + (int64_t)(wrow0 + rr) * p.h_cols + 2 * u0c + 8 * c) =
+                                *(const uint4 *)(hb + rr * 128 + ((c ^ (rr & 7)) << 4));
+                    }
+#pragma unroll
+                    for (int i = t; i < 64 * 4; i += 128) {
+                        const int rr = i >> 2, c = i & 3;
+                        if (rr < nvalid)
+                            *(uint4 *)(p.out1 + (int64_t)(wrow0 + rr) * p.n + u0c + 8 * c) =
+                                *(const uint4 *)(ab + rr * 64 + ((c ^ ((rr >> 1) & 3)) << 4));
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        ds[h] += __shfl_xor_sync(0xffffffffu, ds[h], 1);
+        ds[h] += __shfl_xor_sync(0xffffffffu, ds[h], 2);
+        if (q == 0 && rv[h]) p.dsp[(int64_t)n_tile * p.cap + row[h]] = ds[h];
+    }
+}
+
+/* ep_dh_tma with the (gated) activation dispatched once per tile. A block
+ * wholly past the expert's end returns at once, as in ep_dh_direct_any (its
+ * stand-in row may lie past the buffer); nvalid is the same for the whole
+ * warpgroup, so its named barriers stay matched. */
+template <int BN>
+__device__ __forceinline__ void ep_dh_tma_any(const float *ac, uint8_t *hb, uint8_t *ab,
+                                              const CUtensorMap *map_dh,
+                                              const CUtensorMap *map_as,
+                                              const sm90_gemm_params &p, int wrow0, int nvalid,
+                                              int n0, int lr, int q, int n_tile, int t, int cw)
+{
+    if (nvalid <= 0) return;
+    if (p.act == SMOE_ACT_GEGLU)
+        ep_dh_tma<SMOE_ACT_GEGLU, BN>(ac, hb, ab, map_dh, map_as, p, wrow0, nvalid, n0, lr, q,
+                                      n_tile, t, cw);
+    else if (p.act == SMOE_ACT_REGLU)
+        ep_dh_tma<SMOE_ACT_REGLU, BN>(ac, hb, ab, map_dh, map_as, p, wrow0, nvalid, n0, lr, q,
+                                      n_tile, t, cw);
+    else
+        ep_dh_tma<SMOE_ACT_SWIGLU, BN>(ac, hb, ab, map_dh, map_as, p, wrow0, nvalid, n0, lr, q,
+                                       n_tile, t, cw);
+}
+
 /* ds[r] = the n-tile partials in tile order (+ <dO[tok[r]], b2[e]>). One
  * warp per row; rows past R untouched. */
 __global__ void sm90_ds_finish(const float *dsp, int tiles, int64_t cap, const int32_t *off, int E,
@@ -725,8 +852,9 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                          const __grid_constant__ CUtensorMap map_b,
                          const __grid_constant__ CUtensorMap map_c, const sm90_gemm_params p)
 {
-    /* up: map_a is A's output map there (up gathers its input), map_c H's */
-    constexpr bool TMA_ST2 = (FL & SM90_FL_TMA_ST2) != 0 && MODE != SM90_MODE_DH;
+    /* up / dh: map_a is A's / A''s output map there (they gather their
+     * input), map_c H's / dH's */
+    constexpr bool TMA_ST2 = (FL & SM90_FL_TMA_ST2) != 0;
     static_assert(!TMA_ST2 || (BN == 256 && (FL & (SM90_FL_PP | SM90_FL_CLUSTER | SM90_FL_WS)) == 0),
                   "the double-buffered TMA-store epilogue is for cooperative 128 x 256 tiles");
     typedef sm90_tile_cfg<BN, STAGES, TMA_ST2> cfg;
@@ -1000,7 +1128,10 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             const float *ac = acc + mh * NACC;
             const int wrow0 = tl.row0 + (PP ? mh : cw) * 64; /* first row of the 64 */
             const int nvalid = min(64, tl.row_end - wrow0);
-            if constexpr (MODE == SM90_MODE_DH) {
+            if constexpr (MODE == SM90_MODE_DH && TMA_ST2) {
+                ep_dh_tma_any<BN>(ac, ep_base + cw * 16384, ep_base + cw * 16384 + 8192, &map_c,
+                                  &map_a, p, wrow0, nvalid, n0, lr, q, tl.n_tile, tid & 127, cw);
+            } else if constexpr (MODE == SM90_MODE_DH) {
                 ep_dh_direct_any<BN>(ac, p, wrow0, nvalid, n0, lr, q, tl.n_tile);
             } else {
             if constexpr (TMA_ST2 && MODE == SM90_MODE_UP) {
@@ -1172,7 +1303,7 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
     if constexpr ((FL & ~SM90_FL_TMA_ST2) == 0 && BN == 256)
         if (prm->raster_gm > 1)
             return sm90_launch<BN, STAGES, MODE, FL | SM90_FL_RASTER>(p, ma, mb, mc, prm, s, op);
-    typedef sm90_tile_cfg<BN, STAGES, (FL & SM90_FL_TMA_ST2) != 0 && MODE != SM90_MODE_DH> cfg;
+    typedef sm90_tile_cfg<BN, STAGES, (FL & SM90_FL_TMA_ST2) != 0> cfg;
     void (*kern)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const sm90_gemm_params) =
         sm90_grouped_gemm_kernel<BN, STAGES, MODE, FL>;
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1240,7 +1371,8 @@ enum {
     SM90_VAR_COOP192 = 131072, /* down, dxt: cooperative 128 x 192 tiles (a diagnostic) */
     SM90_VAR_TMA_ST2 = 262144, /* down, dxt: SM90_FL_TMA_ST2 where E <= 256 */
     SM90_VAR_NO_TMA_ST2 = 524288, /* down: never SM90_FL_TMA_ST2 (the table before it) */
-    SM90_VAR_UP_TMA_ST2 = 1048576 /* up: SM90_FL_TMA_ST2 where it applies (experiment) */
+    SM90_VAR_UP_TMA_ST2 = 1048576, /* up: SM90_FL_TMA_ST2 where it applies (experiment) */
+    SM90_VAR_DH_TMA_ST2 = 2097152  /* dh: SM90_FL_TMA_ST2 where it applies (experiment) */
 };
 
 /* The double-buffered TMA-store epilogue (SM90_FL_TMA_ST2) for down (down
@@ -1457,14 +1589,23 @@ static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const b
     CUtensorMap mb;
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w2, p->E * p->d, p->n, 64, "w2"));
     smoe_status st;
-    if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER))
+    if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER)) {
         st = sm90_launch<256, 4, SM90_MODE_DH, SM90_FL_CLUSTER>(p, &mb, &mb, &mb, &prm, s, "dh");
-    else if (bn == 256)
+    } else if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_DH_TMA_ST2) && p->gated &&
+               p->E <= 256) {
+        /* dH and A' stored by TMA (experiment, hook 2097152; ep_dh_tma) */
+        CUtensorMap mdh, mas;
+        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mdh, dh, p->cap, p->h_cols, 64, "dh"));
+        SMOE_FORWARD_IF_ERROR(sm90_make_map_box(&mas, a_scaled, p->cap, p->n, 32, 64,
+                                                CU_TENSOR_MAP_SWIZZLE_64B, "a_scaled"));
+        st = sm90_launch<256, 4, SM90_MODE_DH, SM90_FL_TMA_ST2>(p, &mas, &mb, &mdh, &prm, s, "dh");
+    } else if (bn == 256) {
         st = sm90_launch<256, 4, SM90_MODE_DH, 0>(p, &mb, &mb, &mb, &prm, s, "dh");
-    else if (smoe_sm90_gemm_variant & SM90_VAR_DH_PP)
+    } else if (smoe_sm90_gemm_variant & SM90_VAR_DH_PP) {
         st = sm90_launch<128, 6, SM90_MODE_DH, SM90_FL_PP>(p, &mb, &mb, &mb, &prm, s, "dh");
-    else
+    } else {
         st = sm90_launch<128, 6, SM90_MODE_DH, 0>(p, &mb, &mb, &mb, &prm, s, "dh");
+    }
     SMOE_FORWARD_IF_ERROR(st);
     const int tiles = (int)((p->n + bn - 1) / bn);
     sm90_ds_finish<<<(unsigned)((p->cap + 7) / 8), 256, 0, s>>>(
