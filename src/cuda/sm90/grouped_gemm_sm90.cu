@@ -504,6 +504,43 @@ __device__ __forceinline__ void ep_dh_direct_any(const float *ac, const sm90_gem
 #undef SM90_DH_DIRECT
 }
 
+/* A warpgroup's staged pair of chunks out (up's H and A, dh's dH and A'):
+ * hb (64 rows x 64 bf16, 128B swizzle) to columns c0.. of out0 (row stride
+ * ld0, map0) and ab (64 rows x 32 bf16, 64B swizzle) to columns c1.. of out1
+ * (ld1, map1); by TMA store (one bulk group) for a whole 64-row block, by
+ * the threads for an expert's last rows (r < nvalid only, so no row of the
+ * next expert is written). The caller has fenced and synchronised the
+ * warpgroup after writing the buffers. */
+__device__ __forceinline__ void ep_pair_out(const uint8_t *hb, const uint8_t *ab,
+                                            const CUtensorMap *map0, const CUtensorMap *map1,
+                                            bf16 *out0, int64_t ld0, int c0, bf16 *out1,
+                                            int64_t ld1, int c1, int wrow0, int nvalid, int t)
+{
+    if (nvalid == 64) {
+        if (t == 0) {
+            tma_store_2d(map0, smem_addr(hb), c0, wrow0);
+            tma_store_2d(map1, smem_addr(ab), c1, wrow0);
+            bulk_commit();
+        }
+        return;
+    }
+    /* 64 rows x 8 pieces of 16 bytes, then 64 rows x 4 */
+#pragma unroll
+    for (int i = t; i < 64 * 8; i += 128) {
+        const int r = i >> 3, g = i & 7;
+        if (r < nvalid)
+            *(uint4 *)(out0 + (int64_t)(wrow0 + r) * ld0 + c0 + 8 * g) =
+                *(const uint4 *)(hb + r * 128 + ((g ^ (r & 7)) << 4));
+    }
+#pragma unroll
+    for (int i = t; i < 64 * 4; i += 128) {
+        const int r = i >> 2, g = i & 3;
+        if (r < nvalid)
+            *(uint4 *)(out1 + (int64_t)(wrow0 + r) * ld1 + c1 + 8 * g) =
+                *(const uint4 *)(ab + r * 64 + ((g ^ ((r >> 1) & 3)) << 4));
+    }
+}
+
 /* dh's epilogue with SM90_FL_TMA_ST2 (gated; experiment): the same
  * arithmetic and H loads as ep_dh_direct, but dH and A' leave through
  * shared memory by TMA store, 32 units at a time: dH's 64 x 64 chunk (the
@@ -574,30 +611,9 @@ __device__ __forceinline__ void ep_dh_tma(const float *ac, uint8_t *hb, uint8_t 
             const int u0c = n0 + 8 * (jc - 3); /* its first unit */
             fence_proxy_async();
             named_barrier_sync(1 + cw, 128);
-            if (u0c < p.N) {
-                if (nvalid == 64) {
-                    if (t == 0) {
-                        tma_store_2d(map_dh, smem_addr(hb), 2 * u0c, wrow0);
-                        tma_store_2d(map_as, smem_addr(ab), u0c, wrow0);
-                        bulk_commit();
-                    }
-                } else {
-#pragma unroll
-                    for (int i = t; i < 64 * 8; i += 128) {
-                        const int rr = i >> 3, c = i & 7;
-                        if (rr < nvalid)
-                            *(uint4 *)(p.out0 + (int64_t)(wrow0 + rr) * p.h_cols + 2 * u0c + 8 * c) =
-                                *(const uint4 *)(hb + rr * 128 + ((c ^ (rr & 7)) << 4));
-                    }
-#pragma unroll
-                    for (int i = t; i < 64 * 4; i += 128) {
-                        const int rr = i >> 2, c = i & 3;
-                        if (rr < nvalid)
-                            *(uint4 *)(p.out1 + (int64_t)(wrow0 + rr) * p.n + u0c + 8 * c) =
-                                *(const uint4 *)(ab + rr * 64 + ((c ^ ((rr >> 1) & 3)) << 4));
-                    }
-                }
-            }
+            if (u0c < p.N)
+                ep_pair_out(hb, ab, map_dh, map_as, p.out0, p.h_cols, 2 * u0c, p.out1, p.n, u0c,
+                            wrow0, nvalid, t);
         }
     }
 #pragma unroll
@@ -762,29 +778,8 @@ __device__ __forceinline__ void ep_up_chunks_tma(const float *ac, uint8_t *hb, u
         }
         fence_proxy_async(); /* generic writes -> the TMA engine's reads */
         named_barrier_sync(1 + cw, 128);
-        if (nvalid == 64) {
-            if (t == 0) {
-                tma_store_2d(map_h, smem_addr(hb), hc0, wrow0);
-                tma_store_2d(map_ao, smem_addr(ab), hc0 / 2, wrow0);
-                bulk_commit();
-            }
-        } else {
-            /* H: 64 rows x 8 pieces of 16 bytes; A: 64 rows x 4 */
-#pragma unroll
-            for (int i = t; i < 64 * 8; i += 128) {
-                const int r = i >> 3, g = i & 7;
-                if (r < nvalid)
-                    *(uint4 *)(p.out0 + (int64_t)(wrow0 + r) * p.N + hc0 + 8 * g) =
-                        *(const uint4 *)(hb + r * 128 + ((g ^ (r & 7)) << 4));
-            }
-#pragma unroll
-            for (int i = t; i < 64 * 4; i += 128) {
-                const int r = i >> 2, g = i & 3;
-                if (r < nvalid)
-                    *(uint4 *)(p.out1 + (int64_t)(wrow0 + r) * p.n + hc0 / 2 + 8 * g) =
-                        *(const uint4 *)(ab + r * 64 + ((g ^ ((r >> 1) & 3)) << 4));
-            }
-        }
+        ep_pair_out(hb, ab, map_h, map_ao, p.out0, p.N, hc0, p.out1, p.n, hc0 / 2, wrow0, nvalid,
+                    t);
     }
 }
 
