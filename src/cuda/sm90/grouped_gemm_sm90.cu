@@ -393,6 +393,35 @@ __device__ __forceinline__ void sm90_act_fd_ct(float x, float &f, float &df)
     }
 }
 
+/* dh: a thread's two rows (lr, lr + 8 of the warpgroup's 64): valid?, the
+ * row loaded (row 0 of the block stands in for rows past nvalid), its score
+ * and its first H element (hw H columns per unit). */
+__device__ __forceinline__ void ep_dh_rows(const sm90_gemm_params &p, int wrow0, int nvalid,
+                                           int n0, int lr, int q, int hw, bool *rv, int64_t *row,
+                                           float *s, const bf16 **hp)
+{
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        rv[h] = lr + 8 * h < nvalid;
+        row[h] = wrow0 + (rv[h] ? lr + 8 * h : 0);
+        s[h] = __ldg(p.score + row[h]);
+        hp[h] = p.h_in + row[h] * p.h_cols + hw * (n0 + 2 * q);
+    }
+}
+
+/* dh: a thread's two row sums of dS partials, reduced over the row's 4 lanes
+ * (same lane / 4: its 4 column phases) and written for this n-tile. */
+__device__ __forceinline__ void ep_dh_ds_out(float *ds, const bool *rv, const int64_t *row, int q,
+                                             int n_tile, const sm90_gemm_params &p)
+{
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        ds[h] += __shfl_xor_sync(0xffffffffu, ds[h], 1);
+        ds[h] += __shfl_xor_sync(0xffffffffu, ds[h], 2);
+        if (q == 0 && rv[h]) p.dsp[(int64_t)n_tile * p.cap + row[h]] = ds[h];
+    }
+}
+
 /* dh's epilogue, straight from the accumulators. The thread
  * holds dA' for rows lr and lr + 8 of the warpgroup's 64 and, in 8-column
  * group j, units n0 + 8j + 2q and + 1 (the m64nBN accumulator layout:
@@ -419,13 +448,7 @@ __device__ __forceinline__ void ep_dh_direct(const float *ac, const sm90_gemm_pa
     int64_t row[2];
     float s[2], ds[2] = {0.0f, 0.0f};
     const bf16 *hp[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        rv[h] = lr + 8 * h < nvalid;
-        row[h] = wrow0 + (rv[h] ? lr + 8 * h : 0);
-        s[h] = __ldg(p.score + row[h]);
-        hp[h] = p.h_in + row[h] * p.h_cols + HW * (n0 + 2 * q);
-    }
+    ep_dh_rows(p, wrow0, nvalid, n0, lr, q, HW, rv, row, s, hp);
     uint2 hv[J][2];
 #pragma unroll
     for (int j = 0; j < J + DIST; j++) {
@@ -480,13 +503,7 @@ __device__ __forceinline__ void ep_dh_direct(const float *ac, const sm90_gemm_pa
             ds[h] = jv ? fmaf(da1, a1, fmaf(da0, a0, ds[h])) : ds[h];
         }
     }
-    /* the row's 4 lanes (same lane / 4) hold its 4 column phases */
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        ds[h] += __shfl_xor_sync(0xffffffffu, ds[h], 1);
-        ds[h] += __shfl_xor_sync(0xffffffffu, ds[h], 2);
-        if (q == 0 && rv[h]) p.dsp[(int64_t)n_tile * p.cap + row[h]] = ds[h];
-    }
+    ep_dh_ds_out(ds, rv, row, q, n_tile, p);
 }
 
 /* ep_dh_direct with the activation dispatched once per tile. */
@@ -562,13 +579,7 @@ __device__ __forceinline__ void ep_dh_tma(const float *ac, uint8_t *hb, uint8_t 
     int64_t row[2];
     float s[2], ds[2] = {0.0f, 0.0f};
     const bf16 *hp[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        rv[h] = lr + 8 * h < nvalid;
-        row[h] = wrow0 + (rv[h] ? lr + 8 * h : 0);
-        s[h] = __ldg(p.score + row[h]);
-        hp[h] = p.h_in + row[h] * p.h_cols + 2 * (n0 + 2 * q);
-    }
+    ep_dh_rows(p, wrow0, nvalid, n0, lr, q, 2, rv, row, s, hp);
     uint2 hv[J][2];
 #pragma unroll
     for (int j = 0; j < J + DIST; j++) {
@@ -616,12 +627,7 @@ __device__ __forceinline__ void ep_dh_tma(const float *ac, uint8_t *hb, uint8_t 
                             wrow0, nvalid, t);
         }
     }
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        ds[h] += __shfl_xor_sync(0xffffffffu, ds[h], 1);
-        ds[h] += __shfl_xor_sync(0xffffffffu, ds[h], 2);
-        if (q == 0 && rv[h]) p.dsp[(int64_t)n_tile * p.cap + row[h]] = ds[h];
-    }
+    ep_dh_ds_out(ds, rv, row, q, n_tile, p);
 }
 
 /* ep_dh_tma with the (gated) activation dispatched once per tile. A block
