@@ -148,8 +148,10 @@ using namespace smoe_sm90;
  *                  dxt, 524288 turns it off. For up (hook 1048576, an
  *                  experiment: gated, interleaved W1, H wanted) each chunk's
  *                  H and A go to an 8 KiB and a 4 KiB buffer per warpgroup
- *                  (ep_up_chunks_tma), single-buffered.
- *                  (The dh epilogue: ep_dh_direct, for every variant.) */
+ *                  (ep_up_chunks_tma), single-buffered; for dh (hook
+ *                  2097152, an experiment: gated) dH and A' the same way,
+ *                  32 units at a time (ep_dh_tma).
+ *                  (dh's epilogue otherwise: ep_dh_direct, every variant.) */
 enum {
     SM90_FL_WS = 1,
     SM90_FL_PP = 2,
@@ -1300,7 +1302,7 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
                                const CUtensorMap *mb, const CUtensorMap *mc,
                                const sm90_gemm_params *prm, cudaStream_t s, const char *op)
 {
-    /* the grouped tile order: its own kernels (plain, or with the storers) */
+    /* the grouped tile order: its own kernels (plain, or with TMA_ST2) */
     if constexpr ((FL & ~SM90_FL_TMA_ST2) == 0 && BN == 256)
         if (prm->raster_gm > 1)
             return sm90_launch<BN, STAGES, MODE, FL | SM90_FL_RASTER>(p, ma, mb, mc, prm, s, op);
