@@ -41,7 +41,10 @@
  *    runs in a compact loop over the staged values with the activation as a
  *    template parameter (unrolled over the 128 accumulators with a runtime
  *    switch it made the kernel 450 KB of code and stalled every warp on
- *    instruction fetch).
+ *    instruction fetch). down at 512 < n <= 1024 stages its chunks for TMA
+ *    stores instead (SM90_FL_TMA_ST2), and the ping-pong 128 x 192 kernels
+ *    of down / dxt hide one warpgroup's epilogue under the other's main
+ *    loop (the tile table below).
  *  - dh's epilogue works straight from the accumulator registers
  *    (ep_dh_direct): each thread loads the H pairs of its own accumulator
  *    columns (8 bytes per row and column group, 16 loads in flight ahead of
