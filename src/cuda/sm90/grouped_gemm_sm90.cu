@@ -697,6 +697,34 @@ __global__ void sm90_ds_finish(const float *dsp, int tiles, int64_t cap, const i
 
 /* ------------------------------------------------------------ the kernel */
 
+/* Chunk c (64 columns from col0) of a warpgroup's 64 x BN block, bias
+ * added and rounded, into the 64 x 64 box hb (128B swizzle: 16-byte chunk jj
+ * of row r at jj ^ (r & 7); free of bank conflicts for these 4-byte writes).
+ * WITH_A (up, gated, interleaved): also A = act(gate) * up of each rounded
+ * pair into ab, 64 rows x 32 units (64B swizzle: 16-byte chunk k of row r at
+ * k ^ ((r >> 1) & 3)); unit 4 jj + q is byte 8 jj + 2 q of A's row. */
+template <int ACT, bool WITH_A>
+__device__ __forceinline__ void ep_stage_chunk(const float *ac, uint8_t *hb, uint8_t *ab,
+                                               const sm90_gemm_params &p, int c, int col0,
+                                               int64_t bo, int lr, int q)
+{
+#pragma unroll
+    for (int jj = 0; jj < 8; jj++) {
+        const int j = 8 * c + jj, col = col0 + 8 * jj + 2 * q;
+        const float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = lr + 8 * h;
+            const __nv_bfloat162 hv =
+                __floats2bfloat162_rn(ac[4 * j + 2 * h] + b0, ac[4 * j + 2 * h + 1] + b1);
+            *(__nv_bfloat162 *)(hb + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * q) = hv;
+            if constexpr (WITH_A)
+                *(bf16 *)(ab + r * 64 + (((jj >> 1) ^ ((r >> 1) & 3)) << 4) + (jj & 1) * 8 + 2 * q) =
+                    __float2bfloat16_rn(sm90_act_ct<ACT>(__low2float(hv)) * __high2float(hv));
+        }
+    }
+}
+
 /* down / dxt with SM90_FL_TMA_ST2: the warpgroup's 64 x BN block in 64-column
  * chunks through two 8 KiB buffers (wb, wb + 8192; 128B-swizzled 64 x 64
  * boxes, as map_c reads them). Chunk i (counted over the warpgroup's whole
@@ -718,17 +746,7 @@ __device__ __forceinline__ void ep_store_chunks_tma(const float *ac, uint8_t *wb
         uint8_t *box = wb + (it & 1u) * 8192;
         if (t == 0) bulk_wait_read<1>(); /* chunk it - 2's store has read this buffer */
         named_barrier_sync(1 + cw, 128);
-#pragma unroll
-        for (int jj = 0; jj < 8; jj++) {
-            const int j = 8 * c + jj, col = col0 + 8 * jj + 2 * q;
-            const float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = lr + 8 * h;
-                *(__nv_bfloat162 *)(box + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * q) =
-                    __floats2bfloat162_rn(ac[4 * j + 2 * h] + b0, ac[4 * j + 2 * h + 1] + b1);
-            }
-        }
+        ep_stage_chunk<SMOE_ACT_SWIGLU, false>(ac, box, nullptr, p, c, col0, bo, lr, q);
         fence_proxy_async(); /* generic writes -> the TMA engine's reads */
         named_barrier_sync(1 + cw, 128);
         if (nvalid == 64) {
@@ -772,21 +790,7 @@ __device__ __forceinline__ void ep_up_chunks_tma(const float *ac, uint8_t *hb, u
         if (hc0 >= p.N) break;
         if (t == 0) bulk_wait_read<0>(); /* the previous chunk's stores have read hb, ab */
         named_barrier_sync(1 + cw, 128);
-#pragma unroll
-        for (int jj = 0; jj < 8; jj++) {
-            const int j = 8 * c + jj, col = hc0 + 8 * jj + 2 * q;
-            const float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = lr + 8 * h;
-                const __nv_bfloat162 hv =
-                    __floats2bfloat162_rn(ac[4 * j + 2 * h] + b0, ac[4 * j + 2 * h + 1] + b1);
-                *(__nv_bfloat162 *)(hb + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * q) = hv;
-                /* unit 4 jj + q of the chunk: byte 8 jj + 2 q of A's 64-byte row */
-                *(bf16 *)(ab + r * 64 + (((jj >> 1) ^ ((r >> 1) & 3)) << 4) + (jj & 1) * 8 + 2 * q) =
-                    __float2bfloat16_rn(sm90_act_ct<ACT>(__low2float(hv)) * __high2float(hv));
-            }
-        }
+        ep_stage_chunk<ACT, true>(ac, hb, ab, p, c, hc0, bo, lr, q);
         fence_proxy_async(); /* generic writes -> the TMA engine's reads */
         named_barrier_sync(1 + cw, 128);
         ep_pair_out(hb, ab, map_h, map_ao, p.out0, p.N, hc0, p.out1, p.n, hc0 / 2, wrow0, nvalid,
