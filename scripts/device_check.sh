@@ -15,6 +15,7 @@
 #                                    memcheck, racecheck, --bench, and the
 #                                    grid in interleaved rounds against the
 #                                    default (scripts/ab_grid.sh)
+# SKIP="name ..." leaves those steps out (a short call).
 # Logs and CSVs are written to /tmp/smoe_out and, when $OUT is set (the
 # device tool), packed into one file there ($OUT keeps at most 8 files); a
 # short table comes last.
@@ -49,6 +50,7 @@ test_gpu() {
 status=0
 step() { # name, command...: run, keep the log, print one line
   local name=$1; shift
+  case " ${SKIP:-} " in *" $name "*) echo "$name skipped (SKIP)"; return;; esac
   local t0=$(date +%s)
   if "$@" >"$out/$name.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
   printf '%-12s %-7s %4ss  %s\n' "$name" "$r" "$(( $(date +%s) - t0 ))" \

@@ -50,7 +50,10 @@
  *    columns (8 bytes per row and column group, 16 loads in flight ahead of
  *    the math), computes dH, A' and its rows' dS partials, and stores from
  *    registers; no staging, no barriers (staged, each chunk waited for its
- *    H loads with nothing in flight: notes/sm90_log.md, rung 8).
+ *    H loads with nothing in flight: notes/sm90_log.md, rung 8). Gated
+ *    with BN = 256 and E <= 256 (every grid row) it computes the same way
+ *    but stores dH and A' through two small shared buffers by TMA
+ *    (ep_dh_tma), which leave while the math of the next units runs.
  *    Rows of a tile past the expert's end are computed on zeros (gather) or
  *    on the next rows of A (TMA; possibly rows in [R, cap), which are
  *    allocated) and never stored.
@@ -151,10 +154,12 @@ using namespace smoe_sm90;
  *                  dxt, 524288 turns it off. For up (hook 1048576, an
  *                  experiment: gated, interleaved W1, H wanted) each chunk's
  *                  H and A go to an 8 KiB and a 4 KiB buffer per warpgroup
- *                  (ep_up_chunks_tma), single-buffered; for dh (hook
- *                  2097152, an experiment: gated) dH and A' the same way,
- *                  32 units at a time (ep_dh_tma).
- *                  (dh's epilogue otherwise: ep_dh_direct, every variant.) */
+ *                  (ep_up_chunks_tma), single-buffered. dh (gated, BN =
+ *                  256, E <= 256: the table's choice; hook 2097152 turns
+ *                  it off) stores dH and A' the same way, 32 units at a
+ *                  time (ep_dh_tma): backward +1-3% on the 1.4B, 7B,
+ *                  120B-n512 and 120B-n2048 rows, the others even.
+ *                  (dh's epilogue otherwise: ep_dh_direct.) */
 enum {
     SM90_FL_WS = 1,
     SM90_FL_PP = 2,
@@ -1382,7 +1387,7 @@ enum {
     SM90_VAR_TMA_ST2 = 262144, /* down, dxt: SM90_FL_TMA_ST2 where E <= 256 */
     SM90_VAR_NO_TMA_ST2 = 524288, /* down: never SM90_FL_TMA_ST2 (the table before it) */
     SM90_VAR_UP_TMA_ST2 = 1048576, /* up: SM90_FL_TMA_ST2 where it applies (experiment) */
-    SM90_VAR_DH_TMA_ST2 = 2097152  /* dh: SM90_FL_TMA_ST2 where it applies (experiment) */
+    SM90_VAR_NO_DH_TMA = 2097152   /* dh: never SM90_FL_TMA_ST2 (ep_dh_direct everywhere) */
 };
 
 /* The double-buffered TMA-store epilogue (SM90_FL_TMA_ST2) for down (down
@@ -1601,9 +1606,9 @@ static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const b
     smoe_status st;
     if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER)) {
         st = sm90_launch<256, 4, SM90_MODE_DH, SM90_FL_CLUSTER>(p, &mb, &mb, &mb, &prm, s, "dh");
-    } else if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_DH_TMA_ST2) && p->gated &&
+    } else if (bn == 256 && !(smoe_sm90_gemm_variant & SM90_VAR_NO_DH_TMA) && p->gated &&
                p->E <= 256) {
-        /* dH and A' stored by TMA (experiment, hook 2097152; ep_dh_tma) */
+        /* dH and A' stored by TMA (ep_dh_tma; hook 2097152 turns it off) */
         CUtensorMap mdh, mas;
         SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mdh, dh, p->cap, p->h_cols, 64, "dh"));
         SMOE_FORWARD_IF_ERROR(sm90_make_map_box(&mas, a_scaled, p->cap, p->n, 32, 64,
