@@ -27,8 +27,8 @@
  * (--small: correctness only, small shapes, for compute-sanitizer;
  * --profile: one call of each op, f32 overwrite then accumulate, on the 7B
  * shape, for ncu; --variants: run every check and timing for each listed
- * kernel variant, VK_F_* bits of varlen_k_sm90.cu, -1 = the default, and
- * print a summary table). Exit code 0 only if every check passed.
+ * kernel variant, VK_F_* bits of varlen_k_sm90.cu (4: dw1 in the old
+ * orientation), -1 = the default, and print a summary table; default -1,7). Exit code 0 only if every check passed.
  *
  * Build (sm_90a; links the kernel source directly):
  *   nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc
@@ -86,10 +86,12 @@ extern "C" smoe_status smoe_fail(smoe_status status, const char *fmt, ...)
 static int g_pass = 0, g_fail = 0;
 static uint64_t g_seed = 12345;
 
-/* Variants under test (--variants a,b,c; default: the default one only);
- * every correctness check runs for each, and failures are counted per
- * variant for the summary table. */
-static std::vector<int> g_variants(1, -1);
+/* Variants under test (--variants a,b,c; default: the default one and 7,
+ * which is the default kernel with dw1 in its old orientation, VK_V_DW1_NT:
+ * bf16-overwrite dw1 otherwise runs transposed); every correctness check
+ * runs for each, and failures are counted per variant for the summary
+ * table. */
+static std::vector<int> g_variants{-1, 7};
 static int g_cur_vi = 0;                 /* index into g_variants of the running one */
 static std::vector<int> g_var_fail(1, 0);
 

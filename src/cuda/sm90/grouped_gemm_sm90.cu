@@ -1387,7 +1387,8 @@ enum {
     SM90_VAR_TMA_ST2 = 262144, /* down, dxt: SM90_FL_TMA_ST2 where E <= 256 */
     SM90_VAR_NO_TMA_ST2 = 524288, /* down: never SM90_FL_TMA_ST2 (the table before it) */
     SM90_VAR_UP_TMA_ST2 = 1048576, /* up: SM90_FL_TMA_ST2 where it applies (experiment) */
-    SM90_VAR_NO_DH_TMA = 2097152   /* dh: never SM90_FL_TMA_ST2 (ep_dh_direct everywhere) */
+    SM90_VAR_NO_DH_TMA = 2097152,  /* dh: never SM90_FL_TMA_ST2 (ep_dh_direct everywhere) */
+    /* 4194304: dw1 in its old orientation (varlen_k_sm90.cu, SM90_VAR_DW1_NT) */
 };
 
 /* The double-buffered TMA-store epilogue (SM90_FL_TMA_ST2) for down (down

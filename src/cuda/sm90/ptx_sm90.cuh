@@ -247,6 +247,17 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t dst, uint32_t r0, uint32_t 
                  : "memory");
 }
 
+/* The same, each matrix transposed on its way: lane l gives the address of
+ * row l%8 of the TRANSPOSED matrix l/8 (column l%8 of the registers'
+ * matrix). */
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t dst, uint32_t r0, uint32_t r1,
+                                                  uint32_t r2, uint32_t r3)
+{
+    asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(dst),
+                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+
 /* ------------------------------------------------------------ wgmma */
 
 /* Shared-memory matrix descriptor for a 128B-swizzled operand whose 8-row

@@ -98,6 +98,13 @@ using namespace smoe_sm90;
 #define VK_F_NOFENCE 2
 #define VK_F_ALL (VK_F_TMA | VK_F_NOFENCE)
 #define VK_DEFAULT_CFG (VK_F_TMA | VK_F_NOFENCE)
+/* Not a kernel bit: with the hook, dw1 in the old orientation (dH^T X, X
+ * gathered along N); otherwise bf16-overwrite dw1 runs transposed (X^T dH,
+ * X gathered along M, tiles stored transposed: vk_store_tile_bf16_t). The
+ * Hopper GEMMs' hook has the same switch for the layer benchmark. */
+#define VK_V_DW1_NT 4
+#define SM90_VAR_DW1_NT 4194304
+extern "C" int smoe_sm90_gemm_variant;
 
 template <int CFG>
 struct vk_cfg {
@@ -133,6 +140,8 @@ typedef struct vk_args {
     int out_f32, accumulate;
     int map_rows;                  /* 1: logical row c -> smoe_w1_row (concatenated W1) */
     int n_half;                    /* n, for that map */
+    int trans_out;                 /* 1: out is (E, N, M), the tile stored transposed
+                                    * (bf16 overwrite; map_rows then maps columns) */
 } vk_args;
 
 /* ------------------------------------------------------------ wgmma, both operands MN-major */
@@ -425,6 +434,57 @@ static __device__ __forceinline__ void vk_store_tile_bf16(const vk_args &p, cons
     }
 }
 
+/* bf16 overwrite of the transposed tile (trans_out: out is (E, N, M), dW1
+ * computed as X^T dH so that the gathered operand is the narrow M side).
+ * The warpgroup's four 2 KB warp buffers form one 8 KB buffer of 64 output
+ * rows (columns j of the tile) x 64 elements (its rows i): per 64-column
+ * piece each warp puts its 16 rows there with stmatrix .trans (bf16 pairs
+ * straight from the accumulator layout), and after a warpgroup barrier each
+ * output row leaves as 128 contiguous bytes (8 threads x 16 B). Chunk ch of
+ * buffer row jr sits at chunk ch ^ (jr % 8), so neither side conflicts. */
+template <int BN>
+static __device__ __forceinline__ void vk_store_tile_bf16_t(const vk_args &p, const float *acc,
+                                                            int e, int m0, int n0, int warp,
+                                                            int lane, uint32_t wbuf, bool zero,
+                                                            int cw)
+{
+    constexpr int PIECES = BN / 64;
+    const int tw = warp * 32 + lane;                /* thread in the warpgroup */
+    const bool rows_ok = m0 < p.M;                  /* M % 64 == 0: all 64 or none */
+    const int mi = lane / 8, k = lane % 8;          /* stmatrix: matrix, row */
+#pragma unroll
+    for (int c = 0; c < PIECES; c++) {
+        if (n0 + 64 * c >= p.N) break;              /* N % 64 == 0 */
+#pragma unroll
+        for (int s4 = 0; s4 < 4; s4++) {
+            /* matrices (jb, h): jb = 2 s4 + (m >> 1) is the 8-column group,
+             * h = m & 1 the 8-row half of the warp's 16 */
+            uint32_t r[4];
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                const int j = 8 * c + 2 * s4 + (m >> 1), h = m & 1;
+                __nv_bfloat162 v = __floats2bfloat162_rn(zero ? 0.f : acc[4 * j + 2 * h],
+                                                         zero ? 0.f : acc[4 * j + 2 * h + 1]);
+                r[m] = *(uint32_t *)&v;
+            }
+            const int jr = 8 * (2 * s4 + (mi >> 1)) + k;  /* buffer row: tile column */
+            const int ch = 2 * warp + (mi & 1);           /* 16-byte chunk: 8 tile rows */
+            stmatrix_x4_trans(wbuf + jr * 128 + ((ch ^ (jr & 7)) << 4), r[0], r[1], r[2], r[3]);
+        }
+        named_barrier_sync(1 + cw, 128);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int jr = tw / 8 + 16 * i, ch = tw % 8;
+            const uint4 v = ld_shared_v4(wbuf + jr * 128 + ((ch ^ (jr & 7)) << 4));
+            const int col = n0 + 64 * c + jr;
+            const int prow = p.map_rows ? ((col & 1) ? p.n_half + (col >> 1) : (col >> 1)) : col;
+            if (rows_ok)
+                *(uint4 *)((bf16 *)p.out + ((size_t)e * p.N + prow) * p.M + m0 + 8 * ch) = v;
+        }
+        named_barrier_sync(1 + cw, 128); /* the buffer is free for the next piece */
+    }
+}
+
 /* 16-byte cp.async without zero fill (every byte is read). */
 static __device__ __forceinline__ void vk_cp_async_16_full(uint32_t dst, const void *src)
 {
@@ -643,6 +703,9 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
                     vk_store_tile<true, true, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
                 else
                     vk_store_tile<true, false, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
+            } else if (p.trans_out) {
+                vk_store_tile_bf16_t<BN>(p, acc, e, mt * VK_BM + cw * 64, nt * BN, warp, lane,
+                                         epi_buf + (uint32_t)cw * 4 * VK_EPI_BUF_BYTES, zero, cw);
             } else {
                 if (p.accumulate)
                     vk_store_tile<false, true, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
@@ -700,7 +763,8 @@ static smoe_status vk_launch_cfg(int cfg, const vk_args *a, const CUtensorMap *m
 /* Shared checks and launch: C_e (M x N) = A_e^T B_e, A gathered if gather_a. */
 static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf16 *a,
                           const bf16 *b, int64_t M, int64_t N, int gather_a, void *out,
-                          smoe_dtype out_dtype, int accumulate, int map_rows, cudaStream_t stream)
+                          smoe_dtype out_dtype, int accumulate, int map_rows, int trans_out,
+                          cudaStream_t stream)
 {
     SMOE_RETURN_ERROR_IF(p->d % 64 != 0 || p->n % 64 != 0 || p->h_cols % 64 != 0,
                          SMOE_ERROR_UNSUPPORTED,
@@ -752,8 +816,10 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     args.accumulate = accumulate != 0;
     args.map_rows = map_rows;
     args.n_half = (int)p->n;
+    args.trans_out = trans_out;
     const int v = smoe_sm90_vk_variant;
-    const int cfg = (v >= 0 && (v & ~VK_F_ALL) == 0) ? v : VK_DEFAULT_CFG;
+    const int cfg = (v >= 0 && (v & ~(VK_F_ALL | VK_V_DW1_NT)) == 0) ? (v & VK_F_ALL)
+                                                                      : VK_DEFAULT_CFG;
     /* the contiguous operand: B (a_scaled) when A is gathered, else A (dH) */
     CUtensorMap map;
     memset(&map, 0, sizeof map);
@@ -776,7 +842,7 @@ extern "C" smoe_status smoe_sm90_dw2(const smoe_gemm_problem *p, const bf16 *dou
     (void)scratch;
     SMOE_RETURN_ERROR_IF(!p, SMOE_ERROR_NULL_POINTER, "sm90 dw2: NULL problem");
     /* M = d (dO columns, gathered by token), N = n (a_scaled columns) */
-    return vk_run("dw2", p, dout, a_scaled, p->d, p->n, 1, dw2, out_dtype, accumulate, 0, s);
+    return vk_run("dw2", p, dout, a_scaled, p->d, p->n, 1, dw2, out_dtype, accumulate, 0, 0, s);
 }
 
 extern "C" smoe_status smoe_sm90_dw1(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *x,
@@ -785,7 +851,16 @@ extern "C" smoe_status smoe_sm90_dw1(const smoe_gemm_problem *p, const bf16 *dh,
 {
     (void)scratch;
     SMOE_RETURN_ERROR_IF(!p, SMOE_ERROR_NULL_POINTER, "sm90 dw1: NULL problem");
-    /* M = h_cols (dH columns, logical interleaved order), N = d (X columns, gathered) */
     const int map_rows = p->gated && p->w1_layout == SMOE_W1_CONCATENATED;
-    return vk_run("dw1", p, dh, x, p->h_cols, p->d, 0, dw1, out_dtype, accumulate, map_rows, s);
+    /* bf16 overwrite (the layer's weight gradients): dW1^T = X^T dH, M = d
+     * (X columns, gathered), N = h_cols, each tile stored transposed; the
+     * gathered operand is then the 128-wide side, as in dw2 (the hooks
+     * VK_V_DW1_NT / SM90_VAR_DW1_NT keep the other orientation) */
+    const int v = smoe_sm90_vk_variant;
+    const int nt = (v >= 0 && (v & VK_V_DW1_NT)) || (smoe_sm90_gemm_variant & SM90_VAR_DW1_NT);
+    if (out_dtype == SMOE_DTYPE_BF16 && !accumulate && !nt)
+        return vk_run("dw1", p, x, dh, p->d, p->h_cols, 1, dw1, out_dtype, accumulate, map_rows, 1,
+                      s);
+    /* M = h_cols (dH columns, logical interleaved order), N = d (X columns, gathered) */
+    return vk_run("dw1", p, dh, x, p->h_cols, p->d, 0, dw1, out_dtype, accumulate, map_rows, 0, s);
 }
