@@ -49,7 +49,11 @@
  *    the rows at a time, into shared memory and then run a rolled loop:
  *    DHR one warp per row (4 dA' columns a lane per 128; dS of the row is
  *    a warp sum, written straight to the partials), DWS 8 columns a thread
- *    with 16-byte stores (and loads, to accumulate).
+ *    with 16-byte stores (and loads, to accumulate). DHX (dh's default) is
+ *    DHR with H loaded unpadded in two halves (the second lands while the
+ *    first is processed), the rows' scores in shared memory, two rows per
+ *    warp at a time, and dH stored straight from registers; optionally the
+ *    H tile is prefetched into L2 near the end of the main loop.
  *  Tiles and variants (per GEMM, see the configurations and the variant
  *  hook above the launchers): warp tiles of 64x64; 256x128x64 with 8
  *  warps and 3 or 4 stages (144 or 192 KiB) by default, 256x128x32 /
@@ -65,7 +69,12 @@
  *  host reads); CTAs past the last tile exit. n-tiles vary fastest so the
  *  CTAs resident together share the gathered A rows and one expert's weight.
  *  varlen-K grids are E * tiles_m * tiles_n CTAs, each running over its
- *  expert's rows.
+ *  expert's rows. Persistent grids (a variant; down's default): as many
+ *  CTAs as fit at once walk the same tile order with a stride of the grid;
+ *  off[] and the m-tile prefix sums sit in shared memory, and after a
+ *  tile's main loop the next tile's first k-tiles (and the tokens of the
+ *  tile after it) are issued before the epilogue, which then runs in the
+ *  shared memory after those stages.
  *
  * Numerics: bf16 operands, fp32 accumulation (mma.sync), biases added in
  * fp32. up rounds H to bf16 and computes A from the rounded H, so that the
@@ -211,7 +220,18 @@ enum { GG_MAP_IDENT = 0, GG_MAP_TOKEN = 1, GG_MAP_W1 = 2 };
  * processed in a rolled loop, whole rows by whole warps (DHR) or 16-byte
  * chunks by threads (DWS), instead of each thread handling its own
  * fragments in fully unrolled code (DH, DW). */
-enum { GG_EPI_UP = 0, GG_EPI_STORE = 1, GG_EPI_DH = 2, GG_EPI_DW = 3, GG_EPI_DHR = 4, GG_EPI_DWS = 5 };
+/* GG_EPI_DHX: DHR with the H tile unpadded and loaded in two halves, the
+ * scores in shared memory, two rows per warp at a time and dH stored
+ * straight from registers (gg_epi_dh_rowsx). */
+enum {
+    GG_EPI_UP = 0,
+    GG_EPI_STORE = 1,
+    GG_EPI_DH = 2,
+    GG_EPI_DW = 3,
+    GG_EPI_DHR = 4,
+    GG_EPI_DWS = 5,
+    GG_EPI_DHX = 6
+};
 
 typedef struct gg_operand {
     const bf16 *ptr;       /* expert 0's matrix (or the activation matrix) */
@@ -244,6 +264,8 @@ typedef struct gg_args {
     void *wout; /* (E, M, N) weight gradient (dw) */
     int out_f32, accumulate, out_map;
     int l2pf; /* L2 prefetch hint of the operand copies (gg_cp_async16_l2) */
+    int hpf;  /* DHX: the H tile is prefetched into L2 this many K elements
+                 before the main loop ends (0: not) */
 } gg_args;
 
 static __device__ __forceinline__ int64_t gg_map(const gg_args &p, int map, int64_t i)
@@ -522,7 +544,95 @@ static __device__ void gg_epi_dh_rows(const gg_args &p, const float *stg, int sr
     }
 }
 
+/* DHX's rows [r0, r0 + nrows) of the tile: as gg_epi_dh_rows, two rows per
+ * warp at a time (rows lr and lr + NW: their loads and butterflies
+ * interleave), the score from shared memory (ssc, the tile's rows), H read
+ * from an unpadded tile (row pitch `pitch` bytes), dH stored to global
+ * memory straight from registers (16 bytes a lane gated, 8 plain: a warp
+ * writes one contiguous piece of the row). Same values and summation
+ * order as gg_epi_dh_rows. */
+template <int ACT, int BN, int NW>
+static __device__ void gg_epi_dh_rowsx(const gg_args &p, const float *stg, int srow,
+                                       const unsigned char *hs, int pitch, const float *ssc,
+                                       int r0, int nrows, int64_t m0, int64_t m_lim, int64_t n0,
+                                       int64_t n_lim, int n_tile, int warp, int lane)
+{
+    constexpr bool GATED =
+        ACT == SMOE_ACT_SWIGLU || ACT == SMOE_ACT_GEGLU || ACT == SMOE_ACT_REGLU;
+    constexpr int GROUPS = BN / 128; /* 4-column groups per lane */
+    const int64_t hc0 = GATED ? 2 * n0 : n0;
+#pragma unroll 1
+    for (int lb = r0 + warp; lb < r0 + nrows; lb += 2 * NW) {
+        float dsum[2] = {0.0f, 0.0f};
+        bool live[2];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int lr = lb + u * NW;
+            const int64_t r = m0 + lr;
+            live[u] = lr < r0 + nrows && r < m_lim; /* warp-uniform */
+            if (!live[u]) continue;
+            const float s = ssc[lr];
+            const float *srw = (const float *)((const unsigned char *)stg + (lr - r0) * srow);
+#pragma unroll
+            for (int q = 0; q < GROUPS; q++) {
+                const int cl = (q * 32 + lane) * 4; /* local dA' column */
+                const int64_t c = n0 + cl;
+                if (c >= n_lim) continue;
+                const float4 dv = *(const float4 *)(srw + cl);
+                const float d[4] = {dv.x, dv.y, dv.z, dv.w};
+                float a[4];
+                if (GATED) {
+                    uint4 hv = *(const uint4 *)(hs + lr * pitch + cl * 4);
+                    __nv_bfloat162 *hp = (__nv_bfloat162 *)&hv;
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        const float u_ = __high2float(hp[k]);
+                        float f, df;
+                        gg_act_fd<ACT>(__low2float(hp[k]), f, df);
+                        a[k] = f * u_;
+                        hp[k] = __floats2bfloat162_rn(s * d[k] * df * u_, s * d[k] * f);
+                    }
+                    *(uint4 *)(p.out + r * p.ld_out + hc0 + 2 * cl) = hv;
+                } else {
+                    uint2 hv = *(const uint2 *)(hs + lr * pitch + cl * 2);
+                    __nv_bfloat162 *hp = (__nv_bfloat162 *)&hv;
+#pragma unroll
+                    for (int k = 0; k < 2; k++) {
+                        float df0, df1;
+                        gg_act_fd<ACT>(__low2float(hp[k]), a[2 * k], df0);
+                        gg_act_fd<ACT>(__high2float(hp[k]), a[2 * k + 1], df1);
+                        hp[k] = __floats2bfloat162_rn(s * d[2 * k] * df0, s * d[2 * k + 1] * df1);
+                    }
+                    *(uint2 *)(p.out + r * p.ld_out + hc0 + cl) = hv;
+                }
+#pragma unroll
+                for (int k = 0; k < 4; k++) dsum[u] += d[k] * a[k];
+                __nv_bfloat162 ao[2] = {__floats2bfloat162_rn(s * a[0], s * a[1]),
+                                        __floats2bfloat162_rn(s * a[2], s * a[3])};
+                *(uint2 *)(p.out2 + r * p.ld_out2 + c) = *(const uint2 *)ao;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            dsum[0] += __shfl_xor_sync(0xffffffffu, dsum[0], o);
+            dsum[1] += __shfl_xor_sync(0xffffffffu, dsum[1], o);
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int u = 0; u < 2; u++)
+                if (live[u]) p.dsp[(int64_t)n_tile * p.cap + m0 + lb + u * NW] = dsum[u];
+        }
+    }
+}
+
 /* ------------------------------------------------------------ the kernel */
+
+/* Persistent grids (variants + 10000): one CTA per SM slot walks the tiles
+ * t = blockIdx.x, + gridDim.x, ... in the order of the non-persistent grid;
+ * it keeps off[] (and varlen-M's tile prefix sums) in shared memory, so
+ * E is at most GG_PERS_EMAX (larger E runs the same configuration
+ * non-persistently). */
+#define GG_PERS_EMAX 256
 
 template <int BM, int BN, int BK, int WM, int WN, int STAGES, int FA>
 struct gg_cfg {
@@ -546,12 +656,34 @@ struct gg_cfg {
     static constexpr int DHR_SMEM = DH_H_BYTES + (BM / 2) * SROW;
     static constexpr int DWS_SMEM = (BM / 2) * SROW;
     static constexpr int ST_SMEM = BM * (2 * BN + 16);
+    /* DHX: the H tile unpadded, the fp32 staging of half the rows after
+     * it, then the tile's row scores. */
+    static constexpr int DHX_H_BYTES = BM * 4 * BN;
+    static constexpr int DHX_SMEM = DHX_H_BYTES + (BM / 2) * SROW + BM * 4;
     static constexpr int mx(int a, int b) { return a > b ? a : b; }
     static constexpr int smem_bytes(int epi)
     {
         return epi == 0 ? mx(SMEM, UP_SMEM) : epi == 1 ? mx(SMEM, ST_SMEM)
                         : epi == 2 ? mx(SMEM, DH_SMEM) : epi == 4 ? mx(SMEM, DHR_SMEM)
-                        : epi == 5 ? mx(SMEM, DWS_SMEM) : SMEM;
+                        : epi == 5 ? mx(SMEM, DWS_SMEM) : epi == 6 ? mx(SMEM, DHX_SMEM)
+                        : SMEM;
+    }
+    /* Persistent grids (UP, STORE, DWS): the epilogue's shared memory
+     * after the first STAGES-1 stages (which the next tile's prologue
+     * fills while the epilogue runs), then off[0..E], varlen-M's tile
+     * prefix sums and two buffers of BM prefetched tokens. */
+    static constexpr int PERS_EOFF = (STAGES - 1) * STAGE_BYTES;
+    static constexpr int epi_bytes(int epi)
+    {
+        return epi == 0 ? UP_SMEM : epi == 1 ? ST_SMEM : epi == 5 ? DWS_SMEM : 0;
+    }
+    static constexpr int pers_tail(int epi)
+    {
+        return (mx(SMEM, PERS_EOFF + epi_bytes(epi)) + 15) / 16 * 16;
+    }
+    static constexpr int pers_smem(int epi)
+    {
+        return pers_tail(epi) + (2 * (GG_PERS_EMAX + 1) + 2 * BM) * 4;
     }
     /* Fragment buffers of A: FA = 2 double-buffers them like B's (read a
      * k16-step ahead, before the MMAs), FA = 1 keeps one set, each m16
@@ -560,154 +692,171 @@ struct gg_cfg {
     static_assert(WTM % 16 == 0 && WTN % 16 == 0 && BK % 16 == 0, "warp tile shape");
 };
 
-template <int BM, int BN, int BK, int WM, int WN, int STAGES, int FA, int A_KM, int B_KM,
-          int A_MAP, int B_MAP, int EPI>
-__global__ void __launch_bounds__(WM *WN * 32)
-    gg_kernel(const gg_args p)
-{
-    typedef gg_cfg<BM, BN, BK, WM, WN, STAGES, FA> C;
-    constexpr int NT = C::NT, MI = C::MI, NI = C::NI;
-    constexpr bool VARLEN_K = (EPI == GG_EPI_DW || EPI == GG_EPI_DWS);
-    /* A tile: K-major [BM][BK], MN-major [BK][BM]; B likewise with BN. */
-    constexpr int A_ROWS = A_KM ? BM : BK, A_COLS = A_KM ? BK : BM;
-    constexpr int B_ROWS = B_KM ? BN : BK, B_COLS = B_KM ? BK : BN;
-    constexpr int A_CPR = A_COLS / 8, B_CPR = B_COLS / 8;
+/* The kernel's template parameters (tile configuration, operand layouts and
+ * maps, epilogue), shared by its parts below. */
+#define GG_TPARAMS                                                                             \
+    int BM, int BN, int BK, int WM, int WN, int STAGES, int FA, int A_KM, int B_KM, int A_MAP, \
+        int B_MAP, int EPI
+#define GG_TARGS BM, BN, BK, WM, WN, STAGES, FA, A_KM, B_KM, A_MAP, B_MAP, EPI
 
-    extern __shared__ __align__(128) unsigned char gg_smem[];
-    __shared__ int64_t s_info[3];
-
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp / WN, wn = warp % WN;
-
-    /* --- which tile: expert e, M range [m0, m_lim), N offset n0, K range */
+/* One output tile: expert e, M range [m0, m_lim) (rows of e for varlen-M,
+ * M indices clipped at M for varlen-K), N-tile n_tile, K range
+ * [k_begin, k_end) (the expert's rows for varlen-K). */
+struct gg_tile {
     int e, n_tile;
     int64_t m0, m_lim, k_begin, k_end;
-    if (!VARLEN_K) {
-        const int64_t mt = blockIdx.x / p.tiles_n;
-        n_tile = (int)(blockIdx.x % p.tiles_n);
-        if (warp == 0) {
-            /* Tiles of expert e: ceil(count_e / BM); prefix sum 32 experts
-             * at a time. */
-            int64_t running = 0, found_e = -1, found_t = 0;
-            for (int base = 0; base < p.E && found_e < 0; base += 32) {
-                int ex = base + lane;
-                int tiles = 0;
-                if (ex < p.E) tiles = (p.off[ex + 1] - p.off[ex] + BM - 1) / BM;
-                int incl = tiles;
-#pragma unroll
-                for (int o = 1; o < 32; o <<= 1) {
-                    int v = __shfl_up_sync(0xffffffffu, incl, o);
-                    if (lane >= o) incl += v;
-                }
-                unsigned hit = __ballot_sync(0xffffffffu, ex < p.E && running + incl > mt);
-                if (hit) {
-                    int l = __ffs(hit) - 1;
-                    int excl = __shfl_sync(0xffffffffu, incl - tiles, l);
-                    found_e = base + l;
-                    found_t = mt - running - excl;
-                }
-                running += __shfl_sync(0xffffffffu, incl, 31);
-            }
-            if (lane == 0) {
-                s_info[0] = found_e;
-                s_info[1] = found_e >= 0 ? p.off[found_e] + found_t * BM : 0;
-                s_info[2] = found_e >= 0 ? p.off[found_e + 1] : 0;
-            }
-        }
-        __syncthreads();
-        e = (int)s_info[0];
-        if (e < 0) return;
-        m0 = s_info[1];
-        m_lim = s_info[2];
-        k_begin = 0;
-        k_end = p.K;
-    } else {
-        const int per_e = p.tiles_m * p.tiles_n;
-        e = blockIdx.x / per_e;
-        const int rem = blockIdx.x % per_e;
-        n_tile = rem % p.tiles_n;
-        m0 = (int64_t)(rem / p.tiles_n) * BM;
-        m_lim = p.M;
-        k_begin = p.off[e];
-        k_end = p.off[e + 1];
-        if (k_end == k_begin && p.accumulate) return; /* untouched */
-    }
-    const int64_t n0 = (int64_t)n_tile * BN;
-    const int64_t n_lim = p.N;
-    const int KT = (int)((k_end - k_begin + BK - 1) / BK);
+};
 
-    const bf16 *a_base = p.a.ptr + (int64_t)e * p.a.expert_stride;
-    const bf16 *b_base = p.b.ptr + (int64_t)e * p.b.expert_stride;
+/* Shapes derived from the template parameters. */
+template <GG_TPARAMS>
+struct gg_kt {
+    typedef gg_cfg<BM, BN, BK, WM, WN, STAGES, FA> C;
+    static constexpr bool VARLEN_K = (EPI == GG_EPI_DW || EPI == GG_EPI_DWS);
+    /* A tile: K-major [BM][BK], MN-major [BK][BM]; B likewise with BN. */
+    static constexpr int A_ROWS = A_KM ? BM : BK, A_COLS = A_KM ? BK : BM;
+    static constexpr int B_ROWS = B_KM ? BN : BK, B_COLS = B_KM ? BK : BN;
+    static constexpr int A_CPR = A_COLS / 8, B_CPR = B_COLS / 8;
+    typedef gg_loader<A_ROWS, A_COLS, C::NT, (bool)A_KM, A_MAP> LA;
+    typedef gg_loader<B_ROWS, B_COLS, C::NT, (bool)B_KM, B_MAP> LB;
+};
 
-    /* --- loaders */
-    gg_loader<A_ROWS, A_COLS, NT, (bool)A_KM, A_MAP> la;
-    gg_loader<B_ROWS, B_COLS, NT, (bool)B_KM, B_MAP> lb;
-    la.col = tid % A_CPR;
-    la.row0 = tid / A_CPR;
-    lb.col = tid % B_CPR;
-    lb.row0 = tid / B_CPR;
-    /* K-major: fixed strided indices (M for A, N for B). */
+/* The loaders of tile tl: K-major operands' row pointers (M for A, N for B),
+ * MN-major operands' memory rows of k-tile 0. tokp (persistent grids, A
+ * gathered by token): the tile's tokens, prefetched into shared memory. */
+template <GG_TPARAMS>
+static __device__ __forceinline__ void gg_setup(const gg_args &p, const gg_tile &tl,
+                                                typename gg_kt<GG_TARGS>::LA &la,
+                                                typename gg_kt<GG_TARGS>::LB &lb,
+                                                const bf16 *a_base, const bf16 *b_base, int tid,
+                                                const int *tokp)
+{
+    typedef gg_kt<GG_TARGS> K;
+    const int64_t n0 = (int64_t)tl.n_tile * BN;
+    la.col = tid % K::A_CPR;
+    la.row0 = tid / K::A_CPR;
+    lb.col = tid % K::B_CPR;
+    lb.row0 = tid / K::B_CPR;
     if (A_KM) {
 #pragma unroll
         for (int i = 0; i < la.IPT; i++) {
-            int64_t m = m0 + la.row0 + i * la.RPP;
-            la.rp[i] = m < m_lim ? a_base + gg_map(p, p.a.map, m) * p.a.ld + la.col * 8 : nullptr;
+            const int lr = la.row0 + i * la.RPP;
+            const int64_t m = tl.m0 + lr;
+            la.rp[i] = m < tl.m_lim ? a_base + (tokp ? (int64_t)tokp[lr] : gg_map(p, p.a.map, m)) *
+                                                   p.a.ld + la.col * 8
+                                    : nullptr;
         }
     } else {
-        la.cval = m0 + la.col * 8 < m_lim;
+        la.cval = tl.m0 + la.col * 8 < tl.m_lim;
     }
     if (B_KM) {
 #pragma unroll
         for (int i = 0; i < lb.IPT; i++) {
             int64_t nn = n0 + lb.row0 + i * lb.RPP;
-            lb.rp[i] = nn < n_lim ? b_base + gg_map(p, p.b.map, nn) * p.b.ld + lb.col * 8 : nullptr;
+            lb.rp[i] = nn < p.N ? b_base + gg_map(p, p.b.map, nn) * p.b.ld + lb.col * 8 : nullptr;
         }
     } else {
-        lb.cval = n0 + lb.col * 8 < n_lim;
+        lb.cval = n0 + lb.col * 8 < p.N;
     }
-    /* MN-major: memory rows of k-tile 0. */
     if (!A_KM) {
 #pragma unroll
         for (int i = 0; i < la.IPT; i++) {
-            int64_t k = k_begin + la.row0 + i * la.RPP;
-            la.tokn[i] = k < k_end ? (int32_t)gg_map_c<A_MAP>(p, k) : 0;
+            int64_t k = tl.k_begin + la.row0 + i * la.RPP;
+            la.tokn[i] = k < tl.k_end ? (int32_t)gg_map_c<A_MAP>(p, k) : 0;
         }
     }
     if (!B_KM) {
 #pragma unroll
         for (int i = 0; i < lb.IPT; i++) {
-            int64_t k = k_begin + lb.row0 + i * lb.RPP;
-            lb.tokn[i] = k < k_end ? (int32_t)gg_map_c<B_MAP>(p, k) : 0;
+            int64_t k = tl.k_begin + lb.row0 + i * lb.RPP;
+            lb.tokn[i] = k < tl.k_end ? (int32_t)gg_map_c<B_MAP>(p, k) : 0;
         }
     }
+}
 
-    const uint32_t smem0 = gg_smem_addr(gg_smem);
+/* 4-byte global->shared copy (cp.async.ca); pred false writes zeros. */
+static __device__ __forceinline__ void gg_cp_async4(uint32_t dst, const void *src, bool pred)
+{
+    int n = pred ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
 
-    float acc[MI][NI][4];
+/* The first STAGES-1 k-tiles of tile tl into stages 0.., one commit group
+ * each (empty past KT). tok_dst (persistent grids): the tokens of rows
+ * [tok_m0, tok_lim) of the tile after, copied into shared memory with the
+ * first group. */
+template <GG_TPARAMS>
+static __device__ __forceinline__ void gg_prologue(const gg_args &p, const gg_tile &tl,
+                                                   typename gg_kt<GG_TARGS>::LA &la,
+                                                   typename gg_kt<GG_TARGS>::LB &lb,
+                                                   const bf16 *a_base, const bf16 *b_base,
+                                                   uint32_t smem0, int KT, int tid,
+                                                   uint32_t tok_dst, int64_t tok_m0,
+                                                   int64_t tok_lim)
+{
+    typedef typename gg_kt<GG_TARGS>::C C;
+    const int64_t n0 = (int64_t)tl.n_tile * BN;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < KT) {
+            gg_issue(p, la, p.a, a_base, smem0 + s * C::STAGE_BYTES, s, tl.k_begin, tl.k_end,
+                     tl.m0);
+            gg_issue(p, lb, p.b, b_base, smem0 + s * C::STAGE_BYTES + C::A_ELEMS * 2, s,
+                     tl.k_begin, tl.k_end, n0);
+        }
+        if (s == 0 && tok_dst) {
+            for (int i = tid; i < BM; i += C::NT) {
+                const bool v = tok_m0 + i < tok_lim;
+                gg_cp_async4(tok_dst + 4 * i, v ? p.tok + tok_m0 + i : p.tok, v);
+            }
+        }
+        gg_cp_async_commit();
+    }
+}
+
+/* DHX: the H columns tile tl's epilogue reads, 128-byte lines into L2
+ * (prefetch.global.L2), issued some k-tiles before the main loop ends, so
+ * that the epilogue's copies find them in L2 and the DRAM reads of H,
+ * spread over the main loops still running, do not come in one burst when
+ * every CTA of a wave reaches its epilogue together. */
+template <int BM, int BN, int NT>
+static __device__ __forceinline__ void gg_prefetch_h(const gg_args &p, const gg_tile &tl)
+{
+    const int lines = p.gated ? (4 * BN) / 128 : (2 * BN) / 128; /* per H row */
+    const int64_t hc0 = p.gated ? 2 * (int64_t)tl.n_tile * BN : (int64_t)tl.n_tile * BN;
+    for (int i = threadIdx.x; i < BM * lines; i += NT) {
+        const int lr = i / lines, l = i % lines;
+        const int64_t r = tl.m0 + lr, col = hc0 + l * 64;
+        if (r < tl.m_lim && col < p.ld_h)
+            asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.hin + r * p.ld_h + col));
+    }
+}
+
+/* The main loop over tile tl's KT k-tiles (the prologue issued): acc
+ * zeroed, then accumulated. STAGES-deep cp.async ring, one barrier per
+ * k-tile. Fragments are double-buffered in registers: those of k16-step
+ * ks+1 (of the next stage at the last step) are read while the MMAs of ks
+ * run. The barrier before the last step's reads both lands the next stage
+ * (wait_group) and frees the stage the copies of step 0 refill. On return
+ * every copy has landed; warps may still read the last stage. */
+template <GG_TPARAMS>
+static __device__ __forceinline__ void gg_mainloop(
+    const gg_args &p, const gg_tile &tl, typename gg_kt<GG_TARGS>::LA &la,
+    typename gg_kt<GG_TARGS>::LB &lb, const bf16 *a_base, const bf16 *b_base, uint32_t smem0,
+    int KT, int lane, int wm0, int wn0,
+    float (&acc)[gg_kt<GG_TARGS>::C::MI][gg_kt<GG_TARGS>::C::NI][4], int pf_kt = -1)
+{
+    typedef gg_kt<GG_TARGS> K;
+    typedef typename K::C C;
+    constexpr int MI = C::MI, NI = C::NI, A_CPR = K::A_CPR, B_CPR = K::B_CPR;
+    const int64_t n0 = (int64_t)tl.n_tile * BN;
 #pragma unroll
     for (int i = 0; i < MI; i++)
 #pragma unroll
         for (int j = 0; j < NI; j++)
 #pragma unroll
             for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f;
-
-    /* --- main loop: STAGES-deep cp.async ring, one barrier per k-tile.
-     * Fragments are double-buffered in registers: those of k16-step ks+1
-     * (of the next stage at the last step) are read while the MMAs of ks
-     * run. The barrier before the last step's reads both lands the next
-     * stage (wait_group) and frees the stage the copies of step 0 refill. */
     constexpr int KS = BK / 16;
     static_assert(KS % 2 == 0 || KS == 1, "fragment double buffer parity");
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; s++) {
-        if (s < KT) {
-            gg_issue(p, la, p.a, a_base, smem0 + s * C::STAGE_BYTES, s, k_begin, k_end, m0);
-            gg_issue(p, lb, p.b, b_base, smem0 + s * C::STAGE_BYTES + C::A_ELEMS * 2, s, k_begin,
-                     k_end, n0);
-        }
-        gg_cp_async_commit();
-    }
-    const int wm0 = wm * C::WTM, wn0 = wn * C::WTN;
     /* Fragments: B's double-buffered (those of k16-step ks+1, or of the
      * next stage at the last step, read before the MMAs of ks), A's as FA
      * says. The barrier at the start of the last step both lands the next
@@ -741,11 +890,12 @@ __global__ void __launch_bounds__(WM *WN * 32)
                     gg_load_b_frags<B_KM, B_CPR, NI>(sa + C::A_ELEMS * 2, nks, lane, wn0, bfr[nxt]);
             }
             if (ks == 0) {
+                if (EPI == GG_EPI_DHX && kt == pf_kt) gg_prefetch_h<BM, BN, C::NT>(p, tl);
                 const int nk = kt + STAGES - 1;
                 if (nk < KT) {
                     const uint32_t st = smem0 + (nk % STAGES) * C::STAGE_BYTES;
-                    gg_issue(p, la, p.a, a_base, st, nk, k_begin, k_end, m0);
-                    gg_issue(p, lb, p.b, b_base, st + C::A_ELEMS * 2, nk, k_begin, k_end, n0);
+                    gg_issue(p, la, p.a, a_base, st, nk, tl.k_begin, tl.k_end, tl.m0);
+                    gg_issue(p, lb, p.b, b_base, st + C::A_ELEMS * 2, nk, tl.k_begin, tl.k_end, n0);
                 }
                 gg_cp_async_commit();
             }
@@ -760,7 +910,26 @@ __global__ void __launch_bounds__(WM *WN * 32)
         }
     }
     gg_cp_async_wait<0>();
+}
 
+/* The epilogues, chosen by EPI (see the file's overview), for tile tl
+ * from the thread's accumulators; es: the shared memory they may use (the
+ * pipeline's stages, free after the main loop, or in a persistent grid the
+ * space after the stages the next tile's prologue fills). */
+template <GG_TPARAMS>
+static __device__ __forceinline__ void gg_epilogue(
+    const gg_args &p, const gg_tile &tl,
+    const float (&acc)[gg_kt<GG_TARGS>::C::MI][gg_kt<GG_TARGS>::C::NI][4], unsigned char *es)
+{
+    typedef typename gg_kt<GG_TARGS>::C C;
+    constexpr int NT = C::NT, MI = C::MI, NI = C::NI;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / WN, wn = warp % WN;
+    const int wm0 = wm * C::WTM, wn0 = wn * C::WTN;
+    const int e = tl.e, n_tile = tl.n_tile;
+    const int64_t m0 = tl.m0, m_lim = tl.m_lim, n0 = (int64_t)n_tile * BN, n_lim = p.N;
+    const uint32_t esa = gg_smem_addr(es);
+    (void)esa;
     /* --- epilogues. Thread holds rows g, g+8 of each m16 and columns
      * 2*t4, 2*t4+1 of each n8: a gated pair (gate, up) sits in one thread. */
     const int g = lane >> 2, t4 = lane & 3;
@@ -772,7 +941,7 @@ __global__ void __launch_bounds__(WM *WN * 32)
          * and at N; up computes A from each chunk of H on the way out (a
          * gated pair sits in one chunk). */
         constexpr int OP = 2 * BN + 16; /* bytes per staged row */
-        unsigned char *ts = gg_smem;
+        unsigned char *ts = es;
         const bf16 *bias = p.bias ? p.bias + (int64_t)e * p.bias_stride : nullptr;
         __syncthreads(); /* every warp is done with the pipeline's stages */
 #pragma unroll
@@ -836,17 +1005,17 @@ __global__ void __launch_bounds__(WM *WN * 32)
             const int lr = i / hcpr, ch = i % hcpr;
             const int64_t r = m0 + lr, col = hc0 + ch * 8;
             const bool v = r < m_lim && col < p.ld_h;
-            gg_cp_async16(smem0 + lr * pitch + ch * 16, v ? p.hin + r * p.ld_h + col : p.hin, v);
+            gg_cp_async16(esa + lr * pitch + ch * 16, v ? p.hin + r * p.ld_h + col : p.hin, v);
         }
         gg_cp_async_commit();
         gg_cp_async_wait<0>();
-        unsigned char *hs = gg_smem; /* H in, dH out */
+        unsigned char *hs = es; /* H in, dH out */
         if (EPI == GG_EPI_DHR) {
             /* Half the rows at a time: the warps owning them stage their
              * fp32 dA' after the H tile, then every warp takes whole rows
              * (gg_epi_dh_rows): dS of a row is one warp's sum, no partials
              * to combine across warps. */
-            float *stg = (float *)(gg_smem + C::DH_H_BYTES);
+            float *stg = (float *)(es + C::DH_H_BYTES);
             constexpr int PR = BM / 2;
 #pragma unroll 1
             for (int pass = 0; pass < 2; pass++) {
@@ -867,7 +1036,7 @@ __global__ void __launch_bounds__(WM *WN * 32)
             SMOE_ACT_SWITCH(p.act, GG_DH_REGS);
 #undef GG_DH_REGS
             /* Row sums: the quad, then the WN warps of a row in order. */
-            float *red = (float *)(gg_smem + C::DH_H_BYTES); /* [WN][BM], after the H tile */
+            float *red = (float *)(es + C::DH_H_BYTES); /* [WN][BM], after the H tile */
 #pragma unroll
             for (int mi = 0; mi < MI; mi++)
 #pragma unroll
@@ -894,11 +1063,52 @@ __global__ void __launch_bounds__(WM *WN * 32)
             if (r < m_lim && col < p.ld_out)
                 *(uint4 *)(p.out + r * p.ld_out + col) = *(const uint4 *)(hs + lr * pitch + ch * 16);
         }
+    } else if (EPI == GG_EPI_DHX) {
+        /* H's rows come into shared memory unpadded (rows of whole 16-byte
+         * chunks, read back whole by consecutive lanes) in two commit
+         * groups, one per half of the rows, and the rows' scores beside
+         * them; half the fp32 dA' rows at a time are staged after H, and
+         * every warp takes whole rows (gg_epi_dh_rowsx, two at a time),
+         * storing dH and A' straight from registers: the second half's H
+         * lands while the first half is processed, no row waits for a
+         * score load, no pass copies dH back out of shared memory. */
+        const int hcpr = (p.gated ? 2 * BN : BN) / 8; /* 16-byte chunks per H row */
+        const int pitch = hcpr * 16;
+        const int64_t hc0 = p.gated ? 2 * n0 : n0;
+        constexpr int PR = BM / 2;
+        float *stg = (float *)(es + C::DHX_H_BYTES);
+        float *ssc = (float *)(es + C::DHX_H_BYTES + PR * C::SROW);
+        const int ch = tid % hcpr, rstep = NT / hcpr;
+        __syncthreads(); /* every warp is done with the pipeline's stages */
+#pragma unroll 1
+        for (int half = 0; half < 2; half++) {
+#pragma unroll 1
+            for (int lr = half * PR + tid / hcpr; lr < (half + 1) * PR; lr += rstep) {
+                const int64_t r = m0 + lr, col = hc0 + ch * 8;
+                const bool v = r < m_lim && col < p.ld_h;
+                gg_cp_async16(esa + lr * pitch + ch * 16, v ? p.hin + r * p.ld_h + col : p.hin, v);
+            }
+            gg_cp_async_commit();
+        }
+        for (int lr = tid; lr < BM; lr += NT) ssc[lr] = m0 + lr < m_lim ? p.score[m0 + lr] : 0.0f;
+#pragma unroll 1
+        for (int pass = 0; pass < 2; pass++) {
+            if (wm0 / PR == pass) gg_stage_acc<MI, NI>(acc, stg, C::SROW, wm0 - pass * PR, wn0, g, t4);
+            if (pass == 0) gg_cp_async_wait<1>();
+            else gg_cp_async_wait<0>();
+            __syncthreads(); /* staging written, this half's H and the scores landed */
+#define GG_DHX_ROWS(A)                                                                         \
+    gg_epi_dh_rowsx<A, BN, NT / 32>(p, stg, C::SROW, es, pitch, ssc, pass * PR, PR, m0, m_lim, \
+                                    n0, n_lim, n_tile, warp, lane)
+            SMOE_ACT_SWITCH(p.act, GG_DHX_ROWS);
+#undef GG_DHX_ROWS
+            if (pass == 0) __syncthreads(); /* staging consumed */
+        }
     } else if (EPI == GG_EPI_DWS) {
         /* Half the rows at a time through fp32 staging over the stages, then
          * 8 columns per thread and step: coalesced 16-byte (bf16) or 2x16-byte
          * (fp32) stores, the old value read the same way to accumulate. */
-        float *stg = (float *)gg_smem;
+        float *stg = (float *)es;
         constexpr int PR = BM / 2, CPR = BN / 8;
         __syncthreads(); /* every warp is done with the pipeline's stages */
 #pragma unroll 1
@@ -977,6 +1187,224 @@ __global__ void __launch_bounds__(WM *WN * 32)
     }
 }
 
+/* Tile t of a persistent grid (see gg_pers_next) from the tables in shared
+ * memory: s_off = off[0..E], s_ts = varlen-M's first tile of each expert
+ * (s_ts[E] = the m-tiles in all). */
+template <int BM, bool VARLEN_K>
+static __device__ __forceinline__ gg_tile gg_pers_tile(const gg_args &p, const int *s_off,
+                                                       const int *s_ts, int t)
+{
+    gg_tile tl;
+    if (!VARLEN_K) {
+        const int mt = t / p.tiles_n;
+        tl.n_tile = t % p.tiles_n;
+        int lo = 0, hi = p.E; /* the last e with s_ts[e] <= mt (s_ts[0] = 0) */
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if (s_ts[mid] <= mt) lo = mid;
+            else hi = mid;
+        }
+        tl.e = lo;
+        tl.m0 = s_off[lo] + (int64_t)(mt - s_ts[lo]) * BM;
+        tl.m_lim = s_off[lo + 1];
+        tl.k_begin = 0;
+        tl.k_end = p.K;
+    } else {
+        const int per_e = p.tiles_m * p.tiles_n;
+        tl.e = t / per_e;
+        const int rem = t % per_e;
+        tl.n_tile = rem % p.tiles_n;
+        tl.m0 = (int64_t)(rem / p.tiles_n) * BM;
+        tl.m_lim = p.M;
+        tl.k_begin = s_off[tl.e];
+        tl.k_end = s_off[tl.e + 1];
+    }
+    return tl;
+}
+
+/* The first tile index >= t, in steps of gridDim.x, with work (varlen-K
+ * skips the empty experts' tiles when accumulating: untouched), or -1. */
+template <bool VARLEN_K>
+static __device__ __forceinline__ int gg_pers_next(const gg_args &p, const int *s_off,
+                                                   const int *s_ts, int t)
+{
+    if (!VARLEN_K) return t < s_ts[p.E] * p.tiles_n ? t : -1;
+    const int per_e = p.tiles_m * p.tiles_n, total = p.E * per_e;
+    for (; t < total; t += gridDim.x) {
+        const int e = t / per_e;
+        if (!p.accumulate || s_off[e + 1] > s_off[e]) return t;
+    }
+    return -1;
+}
+
+/* The grouped GEMM. PERS = 0: one CTA per tile (varlen-M grids sized for
+ * the worst case; a CTA past the last tile exits). PERS = 1: persistent
+ * (UP, STORE and DWS epilogues): after a tile's main loop the next tile's
+ * loaders are set up and its first STAGES-1 k-tiles issued into the stages
+ * they fill, then the epilogue runs in the shared memory after them, so the
+ * next tile's loads land while it runs; varlen-M's gathered tokens of the
+ * tile after that come with the first of those loads. */
+template <GG_TPARAMS, int PERS>
+__global__ void __launch_bounds__(WM *WN * 32)
+    gg_kernel(const gg_args p)
+{
+    typedef gg_kt<GG_TARGS> K;
+    typedef typename K::C C;
+    constexpr int NT = C::NT, MI = C::MI, NI = C::NI;
+    constexpr bool VARLEN_K = K::VARLEN_K;
+    static_assert(!PERS || EPI == GG_EPI_UP || EPI == GG_EPI_STORE || EPI == GG_EPI_DWS,
+                  "persistent grids: epilogues that fit after the prologue's stages");
+
+    extern __shared__ __align__(128) unsigned char gg_smem[];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / WN, wn = warp % WN;
+    const int wm0 = wm * C::WTM, wn0 = wn * C::WTN;
+    const uint32_t smem0 = gg_smem_addr(gg_smem);
+    typename K::LA la;
+    typename K::LB lb;
+    float acc[MI][NI][4];
+
+    if constexpr (!PERS) {
+        __shared__ int64_t s_info[3];
+        /* --- which tile: expert e, M range [m0, m_lim), N offset n0, K range */
+        gg_tile tl;
+        if (!VARLEN_K) {
+            const int64_t mt = blockIdx.x / p.tiles_n;
+            tl.n_tile = (int)(blockIdx.x % p.tiles_n);
+            if (warp == 0) {
+                /* Tiles of expert e: ceil(count_e / BM); prefix sum 32 experts
+                 * at a time. */
+                int64_t running = 0, found_e = -1, found_t = 0;
+                for (int base = 0; base < p.E && found_e < 0; base += 32) {
+                    int ex = base + lane;
+                    int tiles = 0;
+                    if (ex < p.E) tiles = (p.off[ex + 1] - p.off[ex] + BM - 1) / BM;
+                    int incl = tiles;
+#pragma unroll
+                    for (int o = 1; o < 32; o <<= 1) {
+                        int v = __shfl_up_sync(0xffffffffu, incl, o);
+                        if (lane >= o) incl += v;
+                    }
+                    unsigned hit = __ballot_sync(0xffffffffu, ex < p.E && running + incl > mt);
+                    if (hit) {
+                        int l = __ffs(hit) - 1;
+                        int excl = __shfl_sync(0xffffffffu, incl - tiles, l);
+                        found_e = base + l;
+                        found_t = mt - running - excl;
+                    }
+                    running += __shfl_sync(0xffffffffu, incl, 31);
+                }
+                if (lane == 0) {
+                    s_info[0] = found_e;
+                    s_info[1] = found_e >= 0 ? p.off[found_e] + found_t * BM : 0;
+                    s_info[2] = found_e >= 0 ? p.off[found_e + 1] : 0;
+                }
+            }
+            __syncthreads();
+            tl.e = (int)s_info[0];
+            if (tl.e < 0) return;
+            tl.m0 = s_info[1];
+            tl.m_lim = s_info[2];
+            tl.k_begin = 0;
+            tl.k_end = p.K;
+        } else {
+            const int per_e = p.tiles_m * p.tiles_n;
+            tl.e = blockIdx.x / per_e;
+            const int rem = blockIdx.x % per_e;
+            tl.n_tile = rem % p.tiles_n;
+            tl.m0 = (int64_t)(rem / p.tiles_n) * BM;
+            tl.m_lim = p.M;
+            tl.k_begin = p.off[tl.e];
+            tl.k_end = p.off[tl.e + 1];
+            if (tl.k_end == tl.k_begin && p.accumulate) return; /* untouched */
+        }
+        const int KT = (int)((tl.k_end - tl.k_begin + BK - 1) / BK);
+        const bf16 *a_base = p.a.ptr + (int64_t)tl.e * p.a.expert_stride;
+        const bf16 *b_base = p.b.ptr + (int64_t)tl.e * p.b.expert_stride;
+        gg_setup<GG_TARGS>(p, tl, la, lb, a_base, b_base, tid, nullptr);
+        gg_prologue<GG_TARGS>(p, tl, la, lb, a_base, b_base, smem0, KT, tid, 0, 0, 0);
+        /* DHX: the k-tile at which the H tile's L2 prefetch is issued. */
+        const int pf_kt = EPI == GG_EPI_DHX && p.hpf > 0 ? max(KT - (p.hpf + BK - 1) / BK, 0) : -1;
+        gg_mainloop<GG_TARGS>(p, tl, la, lb, a_base, b_base, smem0, KT, lane, wm0, wn0, acc, pf_kt);
+        gg_epilogue<GG_TARGS>(p, tl, acc, gg_smem);
+    } else {
+        /* Tables: off[0..E], varlen-M's first tile of each expert; then
+         * two buffers of prefetched tokens (tile j's tokens come with tile
+         * j-1's prologue into buffer j & 1). */
+        int *s_off = (int *)(gg_smem + C::pers_tail(EPI));
+        int *s_ts = s_off + (GG_PERS_EMAX + 1);
+        int *tok_s = s_ts + (GG_PERS_EMAX + 1);
+        unsigned char *es = gg_smem + C::PERS_EOFF;
+        for (int i = tid; i <= p.E; i += NT) s_off[i] = p.off[i];
+        __syncthreads();
+        if (!VARLEN_K && warp == 0) {
+            int running = 0;
+            for (int base = 0; base < p.E; base += 32) {
+                const int ex = base + lane;
+                const int tiles = ex < p.E ? (s_off[ex + 1] - s_off[ex] + BM - 1) / BM : 0;
+                int incl = tiles;
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+                    if (lane >= o) incl += v;
+                }
+                if (ex < p.E) s_ts[ex] = running + incl - tiles;
+                running += __shfl_sync(0xffffffffu, incl, 31);
+            }
+            if (lane == 0) s_ts[p.E] = running;
+        }
+        __syncthreads();
+        const bool tokpf = !VARLEN_K && A_KM && p.a.map == GG_MAP_TOKEN;
+        int t = gg_pers_next<VARLEN_K>(p, s_off, s_ts, (int)blockIdx.x);
+        if (t < 0) return;
+        gg_tile tl = gg_pers_tile<BM, VARLEN_K>(p, s_off, s_ts, t);
+        int tn = gg_pers_next<VARLEN_K>(p, s_off, s_ts, t + (int)gridDim.x);
+        int KT = (int)((tl.k_end - tl.k_begin + BK - 1) / BK);
+        {
+            const bf16 *a_base = p.a.ptr + (int64_t)tl.e * p.a.expert_stride;
+            const bf16 *b_base = p.b.ptr + (int64_t)tl.e * p.b.expert_stride;
+            gg_setup<GG_TARGS>(p, tl, la, lb, a_base, b_base, tid, nullptr);
+            gg_tile nx = tl;
+            if (tokpf && tn >= 0) nx = gg_pers_tile<BM, VARLEN_K>(p, s_off, s_ts, tn);
+            gg_prologue<GG_TARGS>(p, tl, la, lb, a_base, b_base, smem0, KT, tid,
+                                  tokpf && tn >= 0 ? gg_smem_addr(tok_s + BM) : 0, nx.m0,
+                                  nx.m_lim);
+        }
+#pragma unroll 1
+        for (int it = 0;; it++) {
+            {
+                const bf16 *a_base = p.a.ptr + (int64_t)tl.e * p.a.expert_stride;
+                const bf16 *b_base = p.b.ptr + (int64_t)tl.e * p.b.expert_stride;
+                gg_mainloop<GG_TARGS>(p, tl, la, lb, a_base, b_base, smem0, KT, lane, wm0, wn0,
+                                      acc);
+            }
+            __syncthreads(); /* every warp is done with the stages */
+            gg_tile nx = tl;
+            int tnn = -1;
+            if (tn >= 0) {
+                nx = gg_pers_tile<BM, VARLEN_K>(p, s_off, s_ts, tn);
+                tnn = gg_pers_next<VARLEN_K>(p, s_off, s_ts, tn + (int)gridDim.x);
+                gg_tile nn = nx;
+                if (tokpf && tnn >= 0) nn = gg_pers_tile<BM, VARLEN_K>(p, s_off, s_ts, tnn);
+                const bf16 *a_base = p.a.ptr + (int64_t)nx.e * p.a.expert_stride;
+                const bf16 *b_base = p.b.ptr + (int64_t)nx.e * p.b.expert_stride;
+                gg_setup<GG_TARGS>(p, nx, la, lb, a_base, b_base, tid,
+                                   tokpf ? tok_s + ((it + 1) & 1) * BM : nullptr);
+                gg_prologue<GG_TARGS>(p, nx, la, lb, a_base, b_base, smem0,
+                                      (int)((nx.k_end - nx.k_begin + BK - 1) / BK), tid,
+                                      tokpf && tnn >= 0 ? gg_smem_addr(tok_s + (it & 1) * BM) : 0,
+                                      nn.m0, nn.m_lim);
+            }
+            gg_epilogue<GG_TARGS>(p, tl, acc, es);
+            if (tn < 0) break;
+            tl = nx;
+            tn = tnn;
+            KT = (int)((tl.k_end - tl.k_begin + BK - 1) / BK);
+        }
+    }
+}
+
 /* ds[r] = sum over N-tiles of the partial sums, in tile order, plus
  * <dO[tok[r]], b2[e]> when b2 is given. One warp per row. */
 __global__ void gg_ds_reduce(const float *dsp, int tiles, int64_t cap, const int32_t *off, int E,
@@ -1038,11 +1466,14 @@ __global__ void gg_ds_reduce(const float *dsp, int tiles, int64_t cap, const int
 /* GEMM indices (gemm.h order), the default variant of each (see
  * gg_dispatch for the numbering) and the fallback run where the default
  * needs more shared memory than the device lets a block have (A100: 163
- * KiB; the defaults need up to 204 KiB, sm_90's 227 KiB); configuration 1
- * (at most 71 KiB) where the fallback does not fit either. */
+ * KiB; the defaults need up to 216 KiB, sm_90's 227 KiB); configuration 1
+ * (at most 71 KiB) where the fallback does not fit either. dh's DHX and
+ * down's persistent grid were measured faster on an H100 (session 6 of
+ * notes/portable_log.md); the persistent grids of dw1, dw2, dxt and up
+ * were measured slower or even and stay variants. */
 enum { GG_UP = 0, GG_DOWN, GG_DH, GG_DW2, GG_DXT, GG_DW1, GG_NGEMM };
 static const char *const gg_gemm_names[GG_NGEMM] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
-static const int gg_default_variant[GG_NGEMM] = {2004, 2012, 2204, 2202, 2004, 2212};
+static const int gg_default_variant[GG_NGEMM] = {2004, 12012, 2404, 2202, 2004, 2212};
 static const int gg_fallback_variant[GG_NGEMM] = {2004, 2004, 2, 2202, 2004, 2204};
 
 /* Variant hook for tests and tuning: 0 = the default. Set directly (tests)
@@ -1163,21 +1594,27 @@ static int gg_smem_optin(void)
 }
 
 /* Launches one configuration: the grid from the problem (varlen-M: worst
- * case, sum ceil(c_e/BM) <= ceil(cap/BM) + E m-tiles; varlen-K: E * tiles).
+ * case, sum ceil(c_e/BM) <= ceil(cap/BM) + E m-tiles; varlen-K: E * tiles);
+ * PERS: as many CTAs of it as fit on the device at once (at most one per
+ * tile), E <= GG_PERS_EMAX (larger E runs the grid of one CTA per tile).
  * probe != 0: only says whether the configuration fits the device. */
 template <int BM, int BN, int BK, int WM, int WN, int STAGES, int FA, int A_KM, int B_KM,
-          int A_MAP, int B_MAP, int EPI>
+          int A_MAP, int B_MAP, int EPI, int PERS>
 static smoe_status gg_launch(gg_args *a, const smoe_gemm_problem *p, int probe, cudaStream_t s,
                              const char *what)
 {
     typedef gg_cfg<BM, BN, BK, WM, WN, STAGES, FA> C;
-    const int smem = C::smem_bytes(EPI);
+    if constexpr (PERS != 0)
+        if (p->E > GG_PERS_EMAX)
+            return gg_launch<BM, BN, BK, WM, WN, STAGES, FA, A_KM, B_KM, A_MAP, B_MAP, EPI, 0>(
+                a, p, probe, s, what);
+    const int smem = PERS ? C::pers_smem(EPI) : C::smem_bytes(EPI);
     const int optin = gg_smem_optin();
     if (probe) return smem <= optin ? SMOE_SUCCESS : SMOE_ERROR_UNSUPPORTED;
     SMOE_RETURN_ERROR_IF(smem > optin, SMOE_ERROR_UNSUPPORTED,
                          "%s: tile %dx%dx%d needs %d bytes of shared memory, the device gives %d",
                          what, BM, BN, BK, smem, optin);
-    auto kern = gg_kernel<BM, BN, BK, WM, WN, STAGES, FA, A_KM, B_KM, A_MAP, B_MAP, EPI>;
+    auto kern = gg_kernel<BM, BN, BK, WM, WN, STAGES, FA, A_KM, B_KM, A_MAP, B_MAP, EPI, PERS>;
     int64_t blocks;
     a->tiles_n = (int)gg_cdiv(a->N, BN);
     if (EPI == GG_EPI_DW || EPI == GG_EPI_DWS) {
@@ -1193,6 +1630,24 @@ static smoe_status gg_launch(gg_args *a, const smoe_gemm_problem *p, int probe, 
         cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND, "%s: cudaFuncSetAttribute: %s",
                          what, cudaGetErrorString(err));
+    if (PERS) {
+        /* Resident CTAs of this kernel per SM, asked once. */
+        static int per_sm = 0;
+        if (per_sm <= 0) {
+            err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, C::NT, smem);
+            SMOE_RETURN_ERROR_IF(err != cudaSuccess || per_sm <= 0, SMOE_ERROR_BACKEND,
+                                 "%s: occupancy query: %s", what, cudaGetErrorString(err));
+        }
+        int sms = p->num_sms;
+        if (sms <= 0) {
+            int dev = 0;
+            if (cudaGetDevice(&dev) != cudaSuccess ||
+                cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+                sms <= 0)
+                sms = 1;
+        }
+        if (blocks > (int64_t)sms * per_sm) blocks = (int64_t)sms * per_sm;
+    }
     kern<<<(unsigned)blocks, C::NT, smem, s>>>(*a);
     err = cudaGetLastError();
     SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND, "%s: launch: %s", what,
@@ -1201,33 +1656,79 @@ static smoe_status gg_launch(gg_args *a, const smoe_gemm_problem *p, int probe, 
 }
 
 /* Variant v of one GEMM kind: configuration c = v % 100 (GG_CFG_c); plus
- * 200 for dh, dw1, dw2: the staged epilogue (GG_EPI_DHR, GG_EPI_DWS); plus
- * 1000 or 2000: operand copies with a 128- or 256-byte L2 prefetch hint. */
+ * 200 for dh, dw1, dw2: the staged epilogue (GG_EPI_DHR, GG_EPI_DWS), plus
+ * 400 for dh: GG_EPI_DHX (600, 800: with H prefetched into L2); plus 1000 or 2000: operand copies with a 128- or
+ * 256-byte L2 prefetch hint; plus 10000: a persistent grid (up, down, dxt
+ * and the staged dw1, dw2; configurations 2, 4, 12). */
 template <int A_KM, int B_KM, int A_MAP, int B_MAP, int EPI>
 static smoe_status gg_dispatch(int v, gg_args *a, const smoe_gemm_problem *p, int probe,
                                cudaStream_t s, const char *what)
 {
-#define GG_CASE(c, E_)                                                                          \
-    case c: return gg_launch<GG_CFG_##c, A_KM, B_KM, A_MAP, B_MAP, E_>(a, p, probe, s, what);
-    a->l2pf = v / 1000;
-    v = a->l2pf <= 2 && v >= 0 ? v % 1000 : -1;
-    if constexpr (EPI == GG_EPI_DH || EPI == GG_EPI_DW) {
-        constexpr int E2 = EPI == GG_EPI_DH ? GG_EPI_DHR : GG_EPI_DWS;
-        switch (v - 200) {
-            GG_CASE(2, E2)
-            GG_CASE(3, E2)
-            GG_CASE(4, E2)
-            GG_CASE(12, E2)
-        default: break;
+#define GG_CASE(c, E_, P_)                                                                      \
+    case c: return gg_launch<GG_CFG_##c, A_KM, B_KM, A_MAP, B_MAP, E_, P_>(a, p, probe, s, what);
+    const int pers = v >= 0 ? v / 10000 : 0;
+    a->l2pf = v >= 0 ? (v / 1000) % 10 : 0;
+    v = v >= 0 && pers <= 1 && a->l2pf <= 2 ? v % 1000 : -1;
+    if constexpr (EPI == GG_EPI_DH) {
+        if (!pers) {
+            switch (v - 200) {
+                GG_CASE(1, GG_EPI_DHR, 0)
+                GG_CASE(2, GG_EPI_DHR, 0)
+                GG_CASE(3, GG_EPI_DHR, 0)
+                GG_CASE(4, GG_EPI_DHR, 0)
+                GG_CASE(12, GG_EPI_DHR, 0)
+            default: break;
+            }
+            /* DHX; + 600, + 800: the H tile prefetched into L2 512 or 1536
+             * K elements before the main loop ends. */
+            const int dhx = v >= 400 ? (v - 400) / 200 : -1;
+            a->hpf = dhx == 1 ? 512 : dhx == 2 ? 1536 : 0;
+            switch (dhx >= 0 && dhx <= 2 ? v - 400 - 200 * dhx : -1) {
+                GG_CASE(1, GG_EPI_DHX, 0)
+                GG_CASE(2, GG_EPI_DHX, 0)
+                GG_CASE(4, GG_EPI_DHX, 0)
+                GG_CASE(12, GG_EPI_DHX, 0)
+            default: break;
+            }
         }
     }
-    switch (v) {
-        GG_CASE(1, EPI)
-        GG_CASE(2, EPI)
-        GG_CASE(3, EPI)
-        GG_CASE(4, EPI)
-        GG_CASE(12, EPI)
-    default: break;
+    if constexpr (EPI == GG_EPI_DW) {
+        if (pers) {
+            switch (v - 200) {
+                GG_CASE(2, GG_EPI_DWS, 1)
+                GG_CASE(4, GG_EPI_DWS, 1)
+                GG_CASE(12, GG_EPI_DWS, 1)
+            default: break;
+            }
+        } else {
+            switch (v - 200) {
+                GG_CASE(2, GG_EPI_DWS, 0)
+                GG_CASE(3, GG_EPI_DWS, 0)
+                GG_CASE(4, GG_EPI_DWS, 0)
+                GG_CASE(12, GG_EPI_DWS, 0)
+            default: break;
+            }
+        }
+    }
+    if constexpr (EPI == GG_EPI_UP || EPI == GG_EPI_STORE) {
+        if (pers) {
+            switch (v) {
+                GG_CASE(2, EPI, 1)
+                GG_CASE(4, EPI, 1)
+                GG_CASE(12, EPI, 1)
+            default: break;
+            }
+        }
+    }
+    if (!pers) {
+        switch (v) {
+            GG_CASE(1, EPI, 0)
+            GG_CASE(2, EPI, 0)
+            GG_CASE(3, EPI, 0)
+            GG_CASE(4, EPI, 0)
+            GG_CASE(12, EPI, 0)
+        default: break;
+        }
     }
 #undef GG_CASE
     if (probe) return SMOE_ERROR_UNSUPPORTED;

@@ -241,7 +241,9 @@ static void run_case(const tcase &tc, int idx)
     p.gated = gated;
     p.act = (smoe_activation)tc.act;
     p.w1_layout = (smoe_w1_layout)tc.layout;
-    p.num_sms = 132;
+    /* Persistent grids size themselves by num_sms: every odd case claims 1
+     * to 3 SMs, so that each CTA walks many tiles. */
+    p.num_sms = (idx & 1) ? 1 + (idx >> 1) % 3 : 132;
     int32_t *d_off = dev_upload(off), *d_tok = dev_upload(tok);
     float *d_score = dev_upload(score);
     p.expert_offset = d_off;
@@ -811,16 +813,29 @@ int main(int argc, char **argv)
         c.counts = {0, 0, 1};
         c.T = 1; c.d = 8; c.n = 8;
         run_case(c, 1001);
+        /* More experts than a persistent grid keeps in shared memory
+         * (grouped_gemm.cu's GG_PERS_EMAX, 256): the one-CTA-per-tile grid. */
+        c.T = 64; c.d = 16; c.n = 16; c.E = 300; c.act = SMOE_ACT_GEGLU; c.layout = 0;
+        c.cap_slack = 5;
+        c.counts.assign(300, 0);
+        for (int e = 0; e < 300; e++) c.counts[e] = rnd_int(0, 3);
+        run_case(c, 1003);
     }
     /* The kernels a device with less shared memory runs instead of the
      * defaults (grouped_gemm.cu's gg_fallback_variant, for an A100, then
-     * configuration 1), on a few more cases, unless --variant chose. */
+     * configuration 1), and the other variants, on a few more cases each,
+     * unless --variant chose. */
     bool forced = false;
     for (int g = 0; g < 6; g++) forced = forced || smoe_sm80_gemm_variant[g] != 0;
     if (!forced && !small) {
-        static const char *const alt[2] = {"up=2004,down=2004,dh=2,dw2=2202,dxt=2004,dw1=2204",
-                                           "1"};
-        for (int k = 0; k < 2; k++) {
+        static const char *const alt[5] = {
+            "up=2004,down=2004,dh=2,dw2=2202,dxt=2004,dw1=2204", "1",
+            /* and the other variants still in the table: DHR, the
+             * persistent grids of up, dxt, dw1, dw2, DHX with the L2
+             * prefetch of H, DHX with two CTAs per SM */
+            "up=12012,down=2012,dh=2204,dw2=12202,dxt=12004,dw1=12212",
+            "up=12004,down=12004,dh=2604,dw2=12212,dxt=12012,dw1=12204", "dh=2401"};
+        for (int k = 0; k < 5; k++) {
             smoe_sm80_gemm_variant_parse(alt[k]);
             printf("variant %s:\n", alt[k]);
             for (int i = 0; i < 6; i++) run_case(random_case(0), 2000 + 10 * k + i);
