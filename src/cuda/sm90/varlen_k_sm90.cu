@@ -11,7 +11,10 @@
  * so both operands are MN-major in shared memory and wgmma reads them with
  * its transpose bits set. One operand is gathered by token along K (dO for
  * dW2: A; X for dW1: B), the other is a contiguous slice of rows (a_scaled,
- * dH).
+ * dH). bf16-overwrite dW1 (the layer's) is computed as dW1[e]^T = X^T dH
+ * instead, so that X is gathered on the 128-wide M side as dO is for dW2
+ * (gathering the 256-wide side cost 10-15%: notes/sm90_log.md rung 11),
+ * and each tile is stored transposed (vk_store_tile_bf16_t).
  *
  * Algorithm: a persistent, warp-specialised kernel. The tile scheduler walks
  * the OUTPUT tiles (expert, m-tile, n-tile), whose number the host knows
