@@ -41,8 +41,8 @@
  *    runs in a compact loop over the staged values with the activation as a
  *    template parameter (unrolled over the 128 accumulators with a runtime
  *    switch it made the kernel 450 KB of code and stalled every warp on
- *    instruction fetch). down at 512 < n <= 1024 stages its chunks for TMA
- *    stores instead (SM90_FL_TMA_ST2), and the ping-pong 128 x 192 kernels
+ *    instruction fetch). down at 256 < n <= 1024 on the 128 x 256 tile stages its
+ *    chunks for TMA stores instead (SM90_FL_TMA_ST2), and the ping-pong 128 x 192 kernels
  *    of down / dxt hide one warpgroup's epilogue under the other's main
  *    loop (the tile table below).
  *  - dh's epilogue works straight from the accumulator registers
@@ -83,8 +83,9 @@
  *   down / dxt with a short reduction (sm90_store_bn): ping-pong 128 x 192
  *             tiles, 5 stages (40 KiB each), a narrower wgmma on a last
  *             n-tile of 64 or 128 columns
- *   down at 512 < n <= 1024 on the 128 x 256 tile (E <= 256): the
- *             double-buffered TMA-store epilogue (SM90_FL_TMA_ST2)
+ *   down at 256 < n <= 1024 on the 128 x 256 tile (E <= 256; ping-pong
+ *             192 there only where d % 192 == 0): the double-buffered TMA-store
+ *             epilogue (SM90_FL_TMA_ST2)
  * Requirements (else SMOE_ERROR_UNSUPPORTED, and the layer runs the portable
  * kernel): d % 64 == 0, n % 64 == 0, E <= 1024, 16-byte aligned pointers.
  */
@@ -149,8 +150,8 @@ using namespace smoe_sm90;
  *                  chunks drain under the next main loop. Fits beside four
  *                  main-loop stages because its tile_start table holds 257
  *                  entries (not 1025) and it has no WS slots.
- *                  The table takes it for down at 512 < n <= 1024
- *                  (sm90_use_tma_st2); hook 262144 forces it for down and
+ *                  The table takes it for down at 256 < n <= 1024 on this
+ *                  tile (sm90_use_tma_st2); hook 262144 forces it for down and
  *                  dxt, 524288 turns it off. For up (hook 1048576, an
  *                  experiment: gated, interleaved W1, H wanted) each chunk's
  *                  H and A go to an 8 KiB and a 4 KiB buffer per warpgroup
@@ -1389,15 +1390,20 @@ enum {
     SM90_VAR_UP_TMA_ST2 = 1048576, /* up: SM90_FL_TMA_ST2 where it applies (experiment) */
     SM90_VAR_NO_DH_TMA = 2097152,  /* dh: never SM90_FL_TMA_ST2 (ep_dh_direct everywhere) */
     /* 4194304: dw1 in its old orientation (varlen_k_sm90.cu, SM90_VAR_DW1_NT) */
+    /* 8388608: up in the grouped order from 8 MiB W1 slices, measured
+     * 0.98-0.99 on the forwards it changes (notes/sm90_log.md rung 11) */
+    SM90_VAR_DOWN_PP_ANYD = 16777216 /* down at 256 < n <= 512: ping-pong 192 whatever d (the old table) */
 };
 
 /* The double-buffered TMA-store epilogue (SM90_FL_TMA_ST2) for down (down
  * != 0, reduction K = n) or dxt on the cooperative 128 x 256 tile (E <= 256:
  * its smaller tile_start table): the table takes it for down at
- * 512 < K <= 1024 (on an H100 down +3% at 120B-n1024's shape and +7% at
- * K = 512 alone; the layer's 30B-n1024 forward +2-5%, 120B-n1024 even,
- * 120B-n2048 with K = 2048 -2%: notes/sm90_log.md rung 10), never for dxt;
- * the hook forces it (262144) or turns it off (524288). */
+ * 256 < K <= 1024 wherever the tile is 128 x 256 (sm90_store_bn), never
+ * for dxt. On an H100
+ * (notes/sm90_log.md rungs 10, 11): down +3% at 120B-n1024's shape and +7%
+ * at K = 512 alone; the layer's 30B-n1024 forward +2-5%, 120B-n512 +1%
+ * (K = 512); 120B-n2048 with K = 2048 -2%. Hook
+ * 262144 forces it (down and dxt), 524288 turns it off. */
 static int sm90_use_tma_st2(const smoe_gemm_problem *p, int64_t K, int bn, int down)
 {
     const int v = smoe_sm90_gemm_variant;
@@ -1406,16 +1412,27 @@ static int sm90_use_tma_st2(const smoe_gemm_problem *p, int64_t K, int bn, int d
     if (v & (SM90_VAR_NO_TMA_ST2 | SM90_VAR_NO_PP192 | SM90_VAR_CLUSTER | SM90_VAR_PP192 |
              SM90_VAR_COOP192))
         return 0;
-    return down && K > 512 && K <= 1024;
+    return down && K > 256 && K <= 1024;
 }
 
-static int sm90_store_bn(const smoe_gemm_problem *p, int64_t K)
+/* Tile width of down (down != 0) and dxt: ping-pong 128 x 192 where the
+ * reduction is short (K <= 512), or K <= 1024 with d % 192 == 0 (d = 4096
+ * leaves a 64-column last n-tile); 128 x 256 otherwise. down with E <= 256
+ * at 256 < K <= 512 takes 192 only where d % 192 == 0, since its 128 x 256
+ * tile then has the TMA-store epilogue: on an H100, two calls, layer
+ * forward +1% / +1% at 120B-n512 (d = 4096, K = 512), 30B-n512 +1% / 0%;
+ * at K = 256 (30B-n256) 0% / -2%, so ping-pong stays there; at d = 768 and
+ * 1536 ping-pong measured 1-2% faster (notes/sm90_log.md rung 11). Hook
+ * 16777216 restores ping-pong at 256 < K <= 512 for any d. */
+static int sm90_store_bn(const smoe_gemm_problem *p, int64_t K, int down)
 {
     const int v = smoe_sm90_gemm_variant;
     if (p->d < 256) return 128;
     if (v & (SM90_VAR_PP192 | SM90_VAR_COOP192)) return 192;
     if (v & (SM90_VAR_NO_PP192 | SM90_VAR_CLUSTER | SM90_VAR_TMA_ST2))
         return 256;
+    if (down && p->E <= 256 && !(v & SM90_VAR_DOWN_PP_ANYD))
+        return (K <= 256 || (K <= 1024 && p->d % 192 == 0)) ? 192 : 256;
     return (K <= 512 || (K <= 1024 && p->d % 192 == 0)) ? 192 : 256;
 }
 
@@ -1543,7 +1560,7 @@ static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf
     sm90_gemm_params prm = sm90_params(p, p->n, p->d);
     prm.bias = b2;
     prm.out0 = y;
-    const int bn = sm90_store_bn(p, p->n);
+    const int bn = sm90_store_bn(p, p->n, 1);
     CUtensorMap ma, mb;
     const int cl = bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER);
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&ma, a, p->cap, p->n, SM90_BM, "a"));
@@ -1564,7 +1581,7 @@ static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf
     if (p->cap == 0 || p->E == 0) return SMOE_SUCCESS;
     sm90_gemm_params prm = sm90_params(p, p->h_cols, p->d);
     prm.out0 = dxt;
-    const int bn = sm90_store_bn(p, p->h_cols);
+    const int bn = sm90_store_bn(p, p->h_cols, 0);
     CUtensorMap ma, mb;
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&ma, dh, p->cap, p->h_cols, SM90_BM, "dh"));
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w1, p->E * p->h_cols, p->d, 64, "w1"));
