@@ -23,6 +23,9 @@
  *                               --seed, --cases.
  *   test_gemm_sm90 --small      one small case (for compute-sanitizer).
  *   --trace                     each op synchronised and named as it ends.
+ *   --only-case N               run only case N (as numbered in the output,
+ *                               the variant sweep's too); the others are
+ *                               still drawn, so case N is the same.
  *
  * Exit status 0 only if every check passed. Seeded; a failure prints the
  * seed and the case.
@@ -608,6 +611,12 @@ static void trace_op(const char *tag, int rep, const char *op)
     fflush(stdout);
 }
 
+/* --only-case N: every case is still drawn (the generator's sequence, and so
+ * each case, stays the same), only case N runs; run_case returns -1 for the
+ * others. */
+static int g_only_case = -1;
+
+/* 1 passed, 0 failed, -1 skipped (--only-case) */
 static int run_case(int idx, int sms)
 {
     static const int ds[] = {64, 128, 192, 256, 384, 512, 576};
@@ -644,7 +653,12 @@ static int run_case(int idx, int sms)
              (long long)P.cap, P.act, P.layout, P.bias, with_h);
 
     problem_dev D;
-    dev_alloc(&D, &P);
+    dev_alloc(&D, &P); /* (draws from the generator: made for skipped cases too) */
+    if (g_only_case >= 0 && idx != g_only_case) {
+        dev_free(&D);
+        free(P.offset); free(P.row_token); free(P.row_expert);
+        return -1;
+    }
     smoe_gemm_problem g = make_problem(&P, &D, sms);
     int64_t hc = g.h_cols;
     int ok = 1;
@@ -942,6 +956,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--cases") && i + 1 < argc) cases = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
         else if (!strcmp(argv[i], "--variant") && i + 1 < argc) smoe_sm90_gemm_variant = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--only-case") && i + 1 < argc) g_only_case = atoi(argv[++i]);
     }
     g_rng = seed ? seed : 1;
     int dev = 0;
@@ -958,8 +973,9 @@ int main(int argc, char **argv)
     if (small) cases = 2;
     if (!bench) {
         for (int i = 0; i < cases; i++) {
-            total++;
-            failed += !run_case(i, sms);
+            const int r = run_case(i, sms);
+            total += r >= 0;
+            failed += r == 0;
         }
         if (smoe_sm90_gemm_variant == 0) {
             /* the ping-pong kernels (up and dh, variant bits 16 and 32), the
@@ -999,8 +1015,9 @@ int main(int argc, char **argv)
                  * them there */
                 const int nk = small ? 1 : (vars[k] & (1048576 | 2097152)) ? 24 : 8;
                 for (int i = 0; i < nk; i++) {
-                    total++;
-                    failed += !run_case(cases + 32 * k + i, sms);
+                    const int r = run_case(cases + 32 * k + i, sms);
+                    total += r >= 0;
+                    failed += r == 0;
                 }
             }
             smoe_sm90_gemm_variant = 0;
