@@ -478,40 +478,6 @@ static __device__ __forceinline__ void gg_stage_acc(const float (&acc)[MI][NI][4
         }
 }
 
-/* One 4-column group of dh's epilogue: the group's H (gated: 4 (gate, up)
- * pairs, 16 bytes; else 4 values, 8 bytes) from h, d = its 4 fp32 dA'
- * values, s the row's score: dH (same layout as H) to dh_out, which may be
- * h itself, and a = act(H) (gated: f(gate) * up) for A' and dS. */
-template <int ACT, bool GATED>
-static __device__ __forceinline__ void gg_dh_group(const void *h, void *dh_out, float s,
-                                                   const float d[4], float a[4])
-{
-    if (GATED) {
-        uint4 hv = *(const uint4 *)h;
-        __nv_bfloat162 *hp = (__nv_bfloat162 *)&hv;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const float u = __high2float(hp[k]);
-            float f, df;
-            gg_act_fd<ACT>(__low2float(hp[k]), f, df);
-            a[k] = f * u;
-            hp[k] = __floats2bfloat162_rn(s * d[k] * df * u, s * d[k] * f);
-        }
-        *(uint4 *)dh_out = hv;
-    } else {
-        uint2 hv = *(const uint2 *)h;
-        __nv_bfloat162 *hp = (__nv_bfloat162 *)&hv;
-#pragma unroll
-        for (int k = 0; k < 2; k++) {
-            float df0, df1;
-            gg_act_fd<ACT>(__low2float(hp[k]), a[2 * k], df0);
-            gg_act_fd<ACT>(__high2float(hp[k]), a[2 * k + 1], df1);
-            hp[k] = __floats2bfloat162_rn(s * d[2 * k] * df0, s * d[2 * k + 1] * df1);
-        }
-        *(uint2 *)dh_out = hv;
-    }
-}
-
 /* dh's epilogue over staged rows [r0, r0 + nrows) of the tile (DHR): one
  * warp per row, BN/32 dA' columns per lane (4 or 8, in 4-column groups:
  * 16 bytes of fp32 dA', 16 bytes of gated H or 8 of plain H). dS of the
@@ -542,8 +508,30 @@ static __device__ void gg_epi_dh_rows(const gg_args &p, const float *stg, int sr
             const float4 dv = *(const float4 *)(srw + cl);
             const float d[4] = {dv.x, dv.y, dv.z, dv.w};
             float a[4];
-            unsigned char *hp = hs + lr * pitch + cl * (GATED ? 4 : 2);
-            gg_dh_group<ACT, GATED>(hp, hp, s, d, a);
+            if (GATED) {
+                uint4 hv = *(const uint4 *)(hs + lr * pitch + cl * 4);
+                __nv_bfloat162 *hp = (__nv_bfloat162 *)&hv;
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const float u = __high2float(hp[k]);
+                    float f, df;
+                    gg_act_fd<ACT>(__low2float(hp[k]), f, df);
+                    a[k] = f * u;
+                    hp[k] = __floats2bfloat162_rn(s * d[k] * df * u, s * d[k] * f);
+                }
+                *(uint4 *)(hs + lr * pitch + cl * 4) = hv;
+            } else {
+                uint2 hv = *(const uint2 *)(hs + lr * pitch + cl * 2);
+                __nv_bfloat162 *hp = (__nv_bfloat162 *)&hv;
+#pragma unroll
+                for (int k = 0; k < 2; k++) {
+                    float df0, df1;
+                    gg_act_fd<ACT>(__low2float(hp[k]), a[2 * k], df0);
+                    gg_act_fd<ACT>(__high2float(hp[k]), a[2 * k + 1], df1);
+                    hp[k] = __floats2bfloat162_rn(s * d[2 * k] * df0, s * d[2 * k + 1] * df1);
+                }
+                *(uint2 *)(hs + lr * pitch + cl * 2) = hv;
+            }
 #pragma unroll
             for (int k = 0; k < 4; k++) dsum += d[k] * a[k];
             __nv_bfloat162 ao[2] = {__floats2bfloat162_rn(s * a[0], s * a[1]),
@@ -593,9 +581,30 @@ static __device__ void gg_epi_dh_rowsx(const gg_args &p, const float *stg, int s
                 const float4 dv = *(const float4 *)(srw + cl);
                 const float d[4] = {dv.x, dv.y, dv.z, dv.w};
                 float a[4];
-                gg_dh_group<ACT, GATED>(hs + lr * pitch + cl * (GATED ? 4 : 2),
-                                        p.out + r * p.ld_out + hc0 + (GATED ? 2 * cl : cl), s, d,
-                                        a);
+                if (GATED) {
+                    uint4 hv = *(const uint4 *)(hs + lr * pitch + cl * 4);
+                    __nv_bfloat162 *hp = (__nv_bfloat162 *)&hv;
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        const float u_ = __high2float(hp[k]);
+                        float f, df;
+                        gg_act_fd<ACT>(__low2float(hp[k]), f, df);
+                        a[k] = f * u_;
+                        hp[k] = __floats2bfloat162_rn(s * d[k] * df * u_, s * d[k] * f);
+                    }
+                    *(uint4 *)(p.out + r * p.ld_out + hc0 + 2 * cl) = hv;
+                } else {
+                    uint2 hv = *(const uint2 *)(hs + lr * pitch + cl * 2);
+                    __nv_bfloat162 *hp = (__nv_bfloat162 *)&hv;
+#pragma unroll
+                    for (int k = 0; k < 2; k++) {
+                        float df0, df1;
+                        gg_act_fd<ACT>(__low2float(hp[k]), a[2 * k], df0);
+                        gg_act_fd<ACT>(__high2float(hp[k]), a[2 * k + 1], df1);
+                        hp[k] = __floats2bfloat162_rn(s * d[2 * k] * df0, s * d[2 * k + 1] * df1);
+                    }
+                    *(uint2 *)(p.out + r * p.ld_out + hc0 + cl) = hv;
+                }
 #pragma unroll
                 for (int k = 0; k < 4; k++) dsum[u] += d[k] * a[k];
                 __nv_bfloat162 ao[2] = {__floats2bfloat162_rn(s * a[0], s * a[1]),
