@@ -41,10 +41,10 @@
  *    runs in a compact loop over the staged values with the activation as a
  *    template parameter (unrolled over the 128 accumulators with a runtime
  *    switch it made the kernel 450 KB of code and stalled every warp on
- *    instruction fetch). down at 256 < n <= 1024 on the 128 x 256 tile stages its
- *    chunks for TMA stores instead (SM90_FL_TMA_ST2), and the ping-pong 128 x 192 kernels
- *    of down / dxt hide one warpgroup's epilogue under the other's main
- *    loop (the tile table below).
+ *    instruction fetch). down at 256 < n <= 1024 on the 128 x 256 tile
+ *    stages its chunks for TMA stores instead (SM90_FL_TMA_ST2), and the
+ *    ping-pong 128 x 192 kernels of down / dxt hide one warpgroup's
+ *    epilogue under the other's main loop (the tile table below).
  *  - dh's epilogue works straight from the accumulator registers
  *    (ep_dh_direct): each thread loads the H pairs of its own accumulator
  *    columns (8 bytes per row and column group, 16 loads in flight ahead of
@@ -84,8 +84,8 @@
  *             tiles, 5 stages (40 KiB each), a narrower wgmma on a last
  *             n-tile of 64 or 128 columns
  *   down at 256 < n <= 1024 on the 128 x 256 tile (E <= 256; ping-pong
- *             192 there only where d % 192 == 0): the double-buffered TMA-store
- *             epilogue (SM90_FL_TMA_ST2)
+ *             192 there only where d % 192 == 0): the double-buffered
+ *             TMA-store epilogue (SM90_FL_TMA_ST2)
  * Requirements (else SMOE_ERROR_UNSUPPORTED, and the layer runs the portable
  * kernel): d % 64 == 0, n % 64 == 0, E <= 1024, 16-byte aligned pointers.
  */
@@ -150,9 +150,9 @@ using namespace smoe_sm90;
  *                  chunks drain under the next main loop. Fits beside four
  *                  main-loop stages because its tile_start table holds 257
  *                  entries (not 1025) and it has no WS slots.
- *                  The table takes it for down at 256 < n <= 1024 on this
- *                  tile (sm90_use_tma_st2); hook 262144 forces it for down and
- *                  dxt, 524288 turns it off. For up (hook 1048576, an
+ *                  The table takes it for down at 256 < n <= 1024 on
+ *                  this tile (sm90_use_tma_st2); hook 262144 forces it for
+ *                  down and dxt, 524288 turns it off. For up (hook 1048576, an
  *                  experiment: gated, interleaved W1, H wanted) each chunk's
  *                  H and A go to an 8 KiB and a 4 KiB buffer per warpgroup
  *                  (ep_up_chunks_tma), single-buffered. dh (gated, BN =
@@ -1392,18 +1392,18 @@ enum {
     /* 4194304: dw1 in its old orientation (varlen_k_sm90.cu, SM90_VAR_DW1_NT) */
     /* 8388608: up in the grouped order from 8 MiB W1 slices, measured
      * 0.98-0.99 on the forwards it changes (notes/sm90_log.md rung 11) */
-    SM90_VAR_DOWN_PP_ANYD = 16777216 /* down at 256 < n <= 512: ping-pong 192 whatever d (the old table) */
+    /* down at 256 < n <= 512: ping-pong 192 whatever d (the old table) */
+    SM90_VAR_DOWN_PP_ANYD = 16777216
 };
 
 /* The double-buffered TMA-store epilogue (SM90_FL_TMA_ST2) for down (down
  * != 0, reduction K = n) or dxt on the cooperative 128 x 256 tile (E <= 256:
  * its smaller tile_start table): the table takes it for down at
  * 256 < K <= 1024 wherever the tile is 128 x 256 (sm90_store_bn), never
- * for dxt. On an H100
- * (notes/sm90_log.md rungs 10, 11): down +3% at 120B-n1024's shape and +7%
- * at K = 512 alone; the layer's 30B-n1024 forward +2-5%, 120B-n512 +1%
- * (K = 512); 120B-n2048 with K = 2048 -2%. Hook
- * 262144 forces it (down and dxt), 524288 turns it off. */
+ * for dxt. On an H100 (notes/sm90_log.md rungs 10, 11): down +3% at
+ * 120B-n1024's shape and +7% at K = 512 alone; the layer's 30B-n1024
+ * forward +2-5%, 120B-n512 +1% (K = 512); 120B-n2048 with K = 2048 -2%.
+ * Hook 262144 forces it (down and dxt), 524288 turns it off. */
 static int sm90_use_tma_st2(const smoe_gemm_problem *p, int64_t K, int bn, int down)
 {
     const int v = smoe_sm90_gemm_variant;
