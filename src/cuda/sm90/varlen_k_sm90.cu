@@ -272,6 +272,13 @@ static __device__ __forceinline__ uint32_t vk_tma_operand(uint32_t sdst, const C
     return bytes;
 }
 
+/* The stored row of logical dW1 row c: the concatenated W1 layout (map_rows)
+ * keeps the gate rows first, then the up rows (smoe_w1_row). */
+static __device__ __forceinline__ int vk_w1_row(const vk_args &p, int c)
+{
+    return p.map_rows ? ((c & 1) ? p.n_half + (c >> 1) : (c >> 1)) : c;
+}
+
 /* Warms L2 with the old values of this thread's two output rows
  * (accumulate), so the epilogue's reads return sooner. */
 template <bool F32, int BN>
@@ -284,7 +291,7 @@ static __device__ __forceinline__ void vk_prefetch_out(const vk_args &p, int e, 
     for (int h = 0; h < 2; h++) {
         const int row = row_base + 8 * h;
         if (row >= p.M) continue;
-        const int prow = p.map_rows ? ((row & 1) ? p.n_half + (row >> 1) : (row >> 1)) : row;
+        const int prow = vk_w1_row(p, row);
         const char *rp = (const char *)p.out + (((size_t)e * p.M + prow) * p.N + col_tile) * ESZ;
 #pragma unroll
         for (int l = lane % 4; l < LINES; l += 4)
@@ -302,7 +309,7 @@ static __device__ __forceinline__ void vk_epi_rows(const vk_args &p, int e, int 
     for (int i = 0; i < 4; i++) {
         const int row = row0 + 4 * i;
         row_ok[i] = row < p.M;
-        const int prow = p.map_rows ? ((row & 1) ? p.n_half + (row >> 1) : (row >> 1)) : row;
+        const int prow = vk_w1_row(p, row);
         rowoff[i] = ((size_t)e * p.M + (size_t)prow) * p.N;
     }
 }
@@ -480,7 +487,7 @@ static __device__ __forceinline__ void vk_store_tile_bf16_t(const vk_args &p, co
             const int jr = tw / 8 + 16 * i, ch = tw % 8;
             const uint4 v = ld_shared_v4(wbuf + jr * 128 + ((ch ^ (jr & 7)) << 4));
             const int col = n0 + 64 * c + jr;
-            const int prow = p.map_rows ? ((col & 1) ? p.n_half + (col >> 1) : (col >> 1)) : col;
+            const int prow = vk_w1_row(p, col);
             if (rows_ok)
                 *(uint4 *)((bf16 *)p.out + ((size_t)e * p.N + prow) * p.M + m0 + 8 * ch) = v;
         }
