@@ -478,6 +478,39 @@ static __device__ __forceinline__ void gg_stage_acc(const float (&acc)[MI][NI][4
         }
 }
 
+/* One 4-column group of dh's epilogue, in place on its H: gated, hv holds
+ * 4 (gate, up) pairs and becomes dH (s d f'(gate) up, s d f(gate)); plain,
+ * 4 values and s d f'(h). d: the group's fp32 dA'; s: the row's score;
+ * a = act(H) (gated: f(gate) up), for A' and the dS terms. */
+template <int ACT>
+static __device__ __forceinline__ void gg_dh_group(uint4 &hv, float s, const float d[4],
+                                                   float a[4])
+{
+    __nv_bfloat162 *hp = (__nv_bfloat162 *)&hv;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const float u = __high2float(hp[k]);
+        float f, df;
+        gg_act_fd<ACT>(__low2float(hp[k]), f, df);
+        a[k] = f * u;
+        hp[k] = __floats2bfloat162_rn(s * d[k] * df * u, s * d[k] * f);
+    }
+}
+
+template <int ACT>
+static __device__ __forceinline__ void gg_dh_group(uint2 &hv, float s, const float d[4],
+                                                   float a[4])
+{
+    __nv_bfloat162 *hp = (__nv_bfloat162 *)&hv;
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        float df0, df1;
+        gg_act_fd<ACT>(__low2float(hp[k]), a[2 * k], df0);
+        gg_act_fd<ACT>(__high2float(hp[k]), a[2 * k + 1], df1);
+        hp[k] = __floats2bfloat162_rn(s * d[2 * k] * df0, s * d[2 * k + 1] * df1);
+    }
+}
+
 /* dh's epilogue over staged rows [r0, r0 + nrows) of the tile (DHR): one
  * warp per row, BN/32 dA' columns per lane (4 or 8, in 4-column groups:
  * 16 bytes of fp32 dA', 16 bytes of gated H or 8 of plain H). dS of the
@@ -510,26 +543,11 @@ static __device__ void gg_epi_dh_rows(const gg_args &p, const float *stg, int sr
             float a[4];
             if (GATED) {
                 uint4 hv = *(const uint4 *)(hs + lr * pitch + cl * 4);
-                __nv_bfloat162 *hp = (__nv_bfloat162 *)&hv;
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    const float u = __high2float(hp[k]);
-                    float f, df;
-                    gg_act_fd<ACT>(__low2float(hp[k]), f, df);
-                    a[k] = f * u;
-                    hp[k] = __floats2bfloat162_rn(s * d[k] * df * u, s * d[k] * f);
-                }
+                gg_dh_group<ACT>(hv, s, d, a);
                 *(uint4 *)(hs + lr * pitch + cl * 4) = hv;
             } else {
                 uint2 hv = *(const uint2 *)(hs + lr * pitch + cl * 2);
-                __nv_bfloat162 *hp = (__nv_bfloat162 *)&hv;
-#pragma unroll
-                for (int k = 0; k < 2; k++) {
-                    float df0, df1;
-                    gg_act_fd<ACT>(__low2float(hp[k]), a[2 * k], df0);
-                    gg_act_fd<ACT>(__high2float(hp[k]), a[2 * k + 1], df1);
-                    hp[k] = __floats2bfloat162_rn(s * d[2 * k] * df0, s * d[2 * k + 1] * df1);
-                }
+                gg_dh_group<ACT>(hv, s, d, a);
                 *(uint2 *)(hs + lr * pitch + cl * 2) = hv;
             }
 #pragma unroll
@@ -583,26 +601,11 @@ static __device__ void gg_epi_dh_rowsx(const gg_args &p, const float *stg, int s
                 float a[4];
                 if (GATED) {
                     uint4 hv = *(const uint4 *)(hs + lr * pitch + cl * 4);
-                    __nv_bfloat162 *hp = (__nv_bfloat162 *)&hv;
-#pragma unroll
-                    for (int k = 0; k < 4; k++) {
-                        const float u_ = __high2float(hp[k]);
-                        float f, df;
-                        gg_act_fd<ACT>(__low2float(hp[k]), f, df);
-                        a[k] = f * u_;
-                        hp[k] = __floats2bfloat162_rn(s * d[k] * df * u_, s * d[k] * f);
-                    }
+                    gg_dh_group<ACT>(hv, s, d, a);
                     *(uint4 *)(p.out + r * p.ld_out + hc0 + 2 * cl) = hv;
                 } else {
                     uint2 hv = *(const uint2 *)(hs + lr * pitch + cl * 2);
-                    __nv_bfloat162 *hp = (__nv_bfloat162 *)&hv;
-#pragma unroll
-                    for (int k = 0; k < 2; k++) {
-                        float df0, df1;
-                        gg_act_fd<ACT>(__low2float(hp[k]), a[2 * k], df0);
-                        gg_act_fd<ACT>(__high2float(hp[k]), a[2 * k + 1], df1);
-                        hp[k] = __floats2bfloat162_rn(s * d[2 * k] * df0, s * d[2 * k + 1] * df1);
-                    }
+                    gg_dh_group<ACT>(hv, s, d, a);
                     *(uint2 *)(p.out + r * p.ld_out + hc0 + cl) = hv;
                 }
 #pragma unroll
