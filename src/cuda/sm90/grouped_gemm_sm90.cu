@@ -152,14 +152,14 @@ using namespace smoe_sm90;
  *                  entries (not 1025) and it has no WS slots.
  *                  The table takes it for down at 256 < n <= 1024 on
  *                  this tile (sm90_use_tma_st2); hook 262144 forces it for
- *                  down and dxt, 524288 turns it off. For up (hook 1048576, an
- *                  experiment: gated, interleaved W1, H wanted) each chunk's
- *                  H and A go to an 8 KiB and a 4 KiB buffer per warpgroup
- *                  (ep_up_chunks_tma), single-buffered. dh (gated, BN =
+ *                  down and dxt, 524288 turns it off. dh (gated, BN =
  *                  256, E <= 256: the table's choice; hook 2097152 turns
- *                  it off) stores dH and A' the same way, 32 units at a
+ *                  it off) stores dH and A' through an 8 KiB and a 4 KiB
+ *                  buffer per warpgroup, single-buffered, 32 units at a
  *                  time (ep_dh_tma): backward +1-3% on the 1.4B, 7B,
- *                  120B-n512 and 120B-n2048 rows, the others even.
+ *                  120B-n512 and 120B-n2048 rows, the others even. (up
+ *                  the same way, hook 1048576, measured -1% and was
+ *                  retired in session 6; the code is in c461f84.)
  *                  (dh's epilogue otherwise: ep_dh_direct.) */
 enum {
     SM90_FL_WS = 1,
@@ -705,12 +705,8 @@ __global__ void sm90_ds_finish(const float *dsp, int tiles, int64_t cap, const i
 
 /* Chunk c (64 columns from col0) of a warpgroup's 64 x BN block, bias
  * added and rounded, into the 64 x 64 box hb (128B swizzle: 16-byte chunk jj
- * of row r at jj ^ (r & 7); free of bank conflicts for these 4-byte writes).
- * WITH_A (up, gated, interleaved): also A = act(gate) * up of each rounded
- * pair into ab, 64 rows x 32 units (64B swizzle: 16-byte chunk k of row r at
- * k ^ ((r >> 1) & 3)); unit 4 jj + q is byte 8 jj + 2 q of A's row. */
-template <int ACT, bool WITH_A>
-__device__ __forceinline__ void ep_stage_chunk(const float *ac, uint8_t *hb, uint8_t *ab,
+ * of row r at jj ^ (r & 7); free of bank conflicts for these 4-byte writes). */
+__device__ __forceinline__ void ep_stage_chunk(const float *ac, uint8_t *hb,
                                                const sm90_gemm_params &p, int c, int col0,
                                                int64_t bo, int lr, int q)
 {
@@ -724,9 +720,6 @@ __device__ __forceinline__ void ep_stage_chunk(const float *ac, uint8_t *hb, uin
             const __nv_bfloat162 hv =
                 __floats2bfloat162_rn(ac[4 * j + 2 * h] + b0, ac[4 * j + 2 * h + 1] + b1);
             *(__nv_bfloat162 *)(hb + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * q) = hv;
-            if constexpr (WITH_A)
-                *(bf16 *)(ab + r * 64 + (((jj >> 1) ^ ((r >> 1) & 3)) << 4) + (jj & 1) * 8 + 2 * q) =
-                    __float2bfloat16_rn(sm90_act_ct<ACT>(__low2float(hv)) * __high2float(hv));
         }
     }
 }
@@ -752,7 +745,7 @@ __device__ __forceinline__ void ep_store_chunks_tma(const float *ac, uint8_t *wb
         uint8_t *box = wb + (it & 1u) * 8192;
         if (t == 0) bulk_wait_read<1>(); /* chunk it - 2's store has read this buffer */
         named_barrier_sync(1 + cw, 128);
-        ep_stage_chunk<SMOE_ACT_SWIGLU, false>(ac, box, nullptr, p, c, col0, bo, lr, q);
+        ep_stage_chunk(ac, box, p, c, col0, bo, lr, q);
         fence_proxy_async(); /* generic writes -> the TMA engine's reads */
         named_barrier_sync(1 + cw, 128);
         if (nvalid == 64) {
@@ -772,56 +765,6 @@ __device__ __forceinline__ void ep_store_chunks_tma(const float *ac, uint8_t *wb
         }
         it++;
     }
-}
-
-/* up with SM90_FL_TMA_ST2 (gated activation, interleaved W1, H wanted): per
- * 64-column chunk of the warpgroup's block, H (bias added, rounded) into hb
- * (a 64 x 64 box, 128B swizzle, as map_h reads it) and A = act(gate) * up of
- * the rounded pair into ab (64 rows x 32 units, 64B swizzle: 16-byte chunk
- * k of row r at k ^ ((r >> 1) & 3), as map_ao reads it), both out by TMA
- * store (whole 64-row blocks) or by the threads (rows < nvalid). A chunk
- * waits only until the previous chunk's stores have read the buffers, so
- * the last chunk's stores drain under the next main loop. The same values
- * as ep_flush_up_ct (A from the rounded H, the activation's fast form). */
-template <int ACT, int BN>
-__device__ __forceinline__ void ep_up_chunks_tma(const float *ac, uint8_t *hb, uint8_t *ab,
-                                                 const CUtensorMap *map_h,
-                                                 const CUtensorMap *map_ao,
-                                                 const sm90_gemm_params &p, int wrow0, int nvalid,
-                                                 int n0, int64_t bo, int lr, int q, int t, int cw)
-{
-#pragma unroll /* (not unrolled, the accumulators went to local memory) */
-    for (int c = 0; c < BN / 64; c++) {
-        const int hc0 = n0 + 64 * c;
-        if (hc0 >= p.N) break;
-        if (t == 0) bulk_wait_read<0>(); /* the previous chunk's stores have read hb, ab */
-        named_barrier_sync(1 + cw, 128);
-        ep_stage_chunk<ACT, true>(ac, hb, ab, p, c, hc0, bo, lr, q);
-        fence_proxy_async(); /* generic writes -> the TMA engine's reads */
-        named_barrier_sync(1 + cw, 128);
-        ep_pair_out(hb, ab, map_h, map_ao, p.out0, p.N, hc0, p.out1, p.n, hc0 / 2, wrow0, nvalid,
-                    t);
-    }
-}
-
-/* ep_up_chunks_tma with the (gated) activation dispatched once per tile. */
-template <int BN>
-__device__ __forceinline__ void ep_up_chunks_tma_any(const float *ac, uint8_t *hb, uint8_t *ab,
-                                                     const CUtensorMap *map_h,
-                                                     const CUtensorMap *map_ao,
-                                                     const sm90_gemm_params &p, int wrow0,
-                                                     int nvalid, int n0, int64_t bo, int lr,
-                                                     int q, int t, int cw)
-{
-    if (p.act == SMOE_ACT_GEGLU)
-        ep_up_chunks_tma<SMOE_ACT_GEGLU, BN>(ac, hb, ab, map_h, map_ao, p, wrow0, nvalid, n0, bo,
-                                             lr, q, t, cw);
-    else if (p.act == SMOE_ACT_REGLU)
-        ep_up_chunks_tma<SMOE_ACT_REGLU, BN>(ac, hb, ab, map_h, map_ao, p, wrow0, nvalid, n0, bo,
-                                             lr, q, t, cw);
-    else
-        ep_up_chunks_tma<SMOE_ACT_SWIGLU, BN>(ac, hb, ab, map_h, map_ao, p, wrow0, nvalid, n0,
-                                              bo, lr, q, t, cw);
 }
 
 /* One k-block of the main loop: MH m64 blocks x WN columns x 64 k, from
@@ -1150,11 +1093,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             } else if constexpr (MODE == SM90_MODE_DH) {
                 ep_dh_direct_any<BN>(ac, p, wrow0, nvalid, n0, lr, q, tl.n_tile);
             } else {
-            if constexpr (TMA_ST2 && MODE == SM90_MODE_UP) {
-                ep_up_chunks_tma_any<BN>(ac, ep_base + cw * 16384, ep_base + cw * 16384 + 8192,
-                                         &map_c, &map_a, p, wrow0, nvalid, n0, bo, lr, q,
-                                         tid & 127, cw);
-            } else if constexpr (TMA_ST2) {
+            if constexpr (TMA_ST2) {
                 ep_store_chunks_tma<BN>(ac, ep_base + cw * 16384, &map_c, p, wrow0, nvalid, n0,
                                         bo, lr, q, tid & 127, cw, ep_it);
             } else {
@@ -1387,7 +1326,7 @@ enum {
     SM90_VAR_COOP192 = 131072, /* down, dxt: cooperative 128 x 192 tiles (a diagnostic) */
     SM90_VAR_TMA_ST2 = 262144, /* down, dxt: SM90_FL_TMA_ST2 where E <= 256 */
     SM90_VAR_NO_TMA_ST2 = 524288, /* down: never SM90_FL_TMA_ST2 (the table before it) */
-    SM90_VAR_UP_TMA_ST2 = 1048576, /* up: SM90_FL_TMA_ST2 where it applies (experiment) */
+    /* 1048576: up's H and A stored by TMA, retired (measured -1%, rung 11) */
     SM90_VAR_NO_DH_TMA = 2097152,  /* dh: never SM90_FL_TMA_ST2 (ep_dh_direct everywhere) */
     /* 4194304: dw1 in its old orientation (varlen_k_sm90.cu, SM90_VAR_DW1_NT) */
     /* 8388608: up in the grouped order from 8 MiB W1 slices, measured
@@ -1509,15 +1448,6 @@ static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16
                                         (prm.concat || cl) ? bn / 2 : bn, "w1"));
     if (cl)
         return sm90_launch<256, 4, SM90_MODE_UP, SM90_FL_CLUSTER>(p, &mb, &mb, &mb, &prm, s, "up");
-    /* the double-buffered TMA-store epilogue (experiment, hook 1048576):
-     * gated, interleaved W1, H wanted, E <= 256 */
-    if (wide && (v & SM90_VAR_UP_TMA_ST2) && p->gated && !prm.concat && h && p->E <= 256) {
-        CUtensorMap mh, mao;
-        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mh, h, p->cap, p->h_cols, 64, "h"));
-        SMOE_FORWARD_IF_ERROR(sm90_make_map_box(&mao, a, p->cap, p->n, 32, 64,
-                                                CU_TENSOR_MAP_SWIZZLE_64B, "a"));
-        return sm90_launch<256, 4, SM90_MODE_UP, SM90_FL_TMA_ST2>(p, &mao, &mb, &mh, &prm, s, "up");
-    }
     if (pp) return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_PP>(p, &mb, &mb, &mb, &prm, s, "up");
     if (wide) return sm90_launch<256, 4, SM90_MODE_UP, 0>(p, &mb, &mb, &mb, &prm, s, "up");
     return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_WS>(p, &mb, &mb, &mb, &prm, s, "up");
