@@ -114,7 +114,7 @@ __global__ void k_route_token_choice(const float *__restrict__ logits, int T, in
  * order here too (one lane, or shuffles in pick order). */
 #define TCW_WARPS 4
 
-/* compare-exchange: v[i] ends ranked ahead of (or equal to) v[j] */
+/* compare-exchange: a ends ranked ahead of (or equal to) b */
 static __device__ __forceinline__ void tcw_cx(uint64_t &a, uint64_t &b)
 {
     const uint64_t hi = a > b ? a : b, lo = a > b ? b : a;
