@@ -30,7 +30,11 @@
  *    gather of X or dO, along M for varlen-M and along K for varlen-K), or
  *    smoe_w1_row (W1's physical layout). K-major rows are mapped once per
  *    tile; MN-major rows (k indices) are mapped a k-tile ahead, with the
- *    map a template constant.
+ *    map a template constant. The copies of a k-tile are issued from
+ *    per-thread state computed once per tile (row pointers and a row mask,
+ *    or a column pointer), 32-bit k arithmetic and the L2 hint chosen once
+ *    per call: a few instructions per 16-byte copy, since each one delays
+ *    the issuing warp's next MMAs.
  *  - Epilogue, chosen per use, through shared memory (the pipeline's
  *    stages, free after the main loop) so that rows leave with coalesced
  *    16-byte stores clipped at the expert's last row and at N:
@@ -69,7 +73,7 @@
  *  host reads); CTAs past the last tile exit. n-tiles vary fastest so the
  *  CTAs resident together share the gathered A rows and one expert's weight.
  *  varlen-K grids are E * tiles_m * tiles_n CTAs, each running over its
- *  expert's rows. Persistent grids (a variant; down's default): as many
+ *  expert's rows. Persistent grids (the default of down, dw2, dxt): as many
  *  CTAs as fit at once walk the same tile order with a stride of the grid;
  *  off[] and the m-tile prefix sums sit in shared memory, and after a
  *  tile's main loop the next tile's first k-tiles (and the tokens of the
@@ -113,16 +117,16 @@ static __device__ __forceinline__ void gg_cp_async16(uint32_t dst, const void *s
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
 
-/* The same with an L2 prefetch hint (l2: 1 = 128 bytes, 2 = 256 bytes around
- * the chunk come into L2; uniform across the block). */
-static __device__ __forceinline__ void gg_cp_async16_l2(uint32_t dst, const void *src, bool pred,
-                                                        int l2)
+/* The same with an L2 prefetch hint known at compile time (L2: 1 = 128
+ * bytes, 2 = 256 bytes around the chunk come into L2). */
+template <int L2>
+static __device__ __forceinline__ void gg_cp_async16_h(uint32_t dst, const void *src, bool pred)
 {
     int n = pred ? 16 : 0;
-    if (l2 == 2)
+    if (L2 == 2)
         asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                      "r"(n));
-    else if (l2 == 1)
+    else if (L2 == 1)
         asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                      "r"(n));
     else
@@ -263,7 +267,7 @@ typedef struct gg_args {
     int64_t cap;
     void *wout; /* (E, M, N) weight gradient (dw) */
     int out_f32, accumulate, out_map;
-    int l2pf; /* L2 prefetch hint of the operand copies (gg_cp_async16_l2) */
+    int l2pf; /* L2 prefetch hint of the operand copies (gg_cp_async16_h) */
     int hpf;  /* DHX: the H tile is prefetched into L2 this many K elements
                  before the main loop ends (0: not) */
 } gg_args;
@@ -300,54 +304,91 @@ static __device__ __forceinline__ uint32_t gg_swz(int r, int c)
  * elements, loaded by NT threads, each owning IPT chunks in one chunk column.
  * K-major tiles have rows = M or N indices (fixed per CTA: row pointers are
  * computed once) and columns = K; MN-major tiles have rows = K indices
- * (mapped anew per k-tile) and columns = M or N. */
+ * (consecutive memory rows, or mapped anew per k-tile: TOKN) and columns
+ * = M or N. The state is what each k-tile's copies need beyond a few
+ * 32-bit operations: the main loop issues them between MMAs, and every
+ * instruction there delays the warp's next MMAs (ncu, session 7 of
+ * notes/portable_log.md). */
 template <int ROWS, int COLS, int NT, bool KMAJ, int MAP>
 struct gg_loader {
     static constexpr int CPR = COLS / 8;
     static constexpr int RPP = NT / CPR; /* rows per pass */
     static constexpr int IPT = ROWS / RPP;
+    static constexpr bool TOKN = !KMAJ && MAP != GG_MAP_IDENT; /* rows looked up a k-tile ahead */
     static_assert(NT % CPR == 0 && ROWS % RPP == 0, "loader shape");
-    const bf16 *rp[IPT]; /* K-major: start of each owned row (NULL: outside) */
-    int32_t tokn[IPT];   /* MN-major: memory rows of the next k-tile */
-    int col;             /* owned chunk column */
-    int row0;            /* first owned tile row */
-    bool cval;           /* MN-major: owned column inside the matrix */
+    static_assert(IPT <= 32, "row mask");
+    const bf16 *rp[KMAJ ? IPT : 1]; /* K-major: the owned chunk of each owned row at k = 0
+                                       (the operand's start where the row is outside) */
+    uint32_t vm;                    /* K-major: bit i set: owned row i inside */
+    const bf16 *cb;                 /* MN-major: the owned chunk column in memory row 0
+                                       (the operand's start where the column is outside) */
+    int32_t tokn[TOKN ? IPT : 1];   /* TOKN: memory rows of the next k-tile (0 past its end) */
+    int col;                        /* owned chunk column */
+    int row0;                       /* first owned tile row */
+    bool cval;                      /* MN-major: owned column inside the matrix */
 };
 
-/* Issues the 16-byte copies of k-tile kt into the tile at shared address
- * `dst`. K-major: the owned rows are fixed, K advances along them.
- * MN-major: the owned rows are k indices of this k-tile, at columns
- * c0 + col*8; the next k-tile's memory rows are mapped here, a k-tile
- * ahead of their use, so the token loads overlap the MMAs. */
+/* Issues the 16-byte copies of k-tile kt (K range [k_begin, k_end)) into
+ * the tile at shared address `dst`, with L2 hint L2. K-major: the owned
+ * rows are fixed, K advances along them (a chunk past K: no row is read).
+ * MN-major: the owned rows are k indices of this k-tile, memory rows
+ * k itself (IDENT) or tokn, mapped here a k-tile ahead of their use so that
+ * the token loads overlap the MMAs. Copies that read nothing still name a
+ * valid address (the operand's start or a row inside). k indices fit in
+ * int (gg_check_problem), row byte offsets are 32x32 -> 64-bit products. */
+template <int L2, int ROWS, int COLS, int NT, bool KMAJ, int MAP>
+static __device__ __forceinline__ void gg_issue_h(const gg_args &p,
+                                                  gg_loader<ROWS, COLS, NT, KMAJ, MAP> &l,
+                                                  const gg_operand &op, const bf16 *base,
+                                                  uint32_t dst, int kt, int k_begin, int k_end)
+{
+    typedef gg_loader<ROWS, COLS, NT, KMAJ, MAP> L;
+    if (KMAJ) {
+        const int k0 = k_begin + kt * COLS;
+        if (k0 + l.col * 8 < k_end) {
+#pragma unroll
+            for (int i = 0; i < L::IPT; i++)
+                gg_cp_async16_h<L2>(dst + gg_swz<L::CPR>(l.row0 + i * L::RPP, l.col), l.rp[i] + k0,
+                                    (l.vm >> i) & 1u);
+        } else {
+#pragma unroll
+            for (int i = 0; i < L::IPT; i++)
+                gg_cp_async16_h<L2>(dst + gg_swz<L::CPR>(l.row0 + i * L::RPP, l.col), base, false);
+        }
+    } else {
+        const int k0 = k_begin + kt * ROWS;
+        const int rem = k_end - k0; /* tile rows r < rem are inside */
+        const int ldb = (int)op.ld * 2; /* bytes per memory row */
+#pragma unroll
+        for (int i = 0; i < L::IPT; i++) {
+            const int r = l.row0 + i * L::RPP;
+            const bool v = l.cval && r < rem;
+            const int row = L::TOKN ? l.tokn[i] : (v ? k0 + r : 0);
+            const bf16 *src = (const bf16 *)((const char *)l.cb + (int64_t)row * ldb);
+            gg_cp_async16_h<L2>(dst + gg_swz<L::CPR>(r, l.col), src, v);
+            if (L::TOKN) {
+                if (MAP == GG_MAP_TOKEN) {
+                    const int32_t *tp = p.tok + k0 + ROWS + l.row0; /* read below rem only */
+                    l.tokn[i] = ROWS + r < rem ? tp[i * L::RPP] : 0;
+                } else {
+                    l.tokn[i] = ROWS + r < rem ? (int32_t)gg_map_c<MAP>(p, k0 + ROWS + r) : 0;
+                }
+            }
+        }
+    }
+}
+
+/* gg_issue_h with the run-time hint p.l2pf (uniform: one branch per call,
+ * not one per copy). */
 template <int ROWS, int COLS, int NT, bool KMAJ, int MAP>
 static __device__ __forceinline__ void gg_issue(const gg_args &p,
                                                 gg_loader<ROWS, COLS, NT, KMAJ, MAP> &l,
                                                 const gg_operand &op, const bf16 *base,
-                                                uint32_t dst, int kt, int64_t k_begin,
-                                                int64_t k_end, int64_t c0)
+                                                uint32_t dst, int kt, int k_begin, int k_end)
 {
-    typedef gg_loader<ROWS, COLS, NT, KMAJ, MAP> L;
-    if (KMAJ) {
-        const int64_t k0 = k_begin + (int64_t)kt * COLS;
-        const bool kv = k0 + l.col * 8 < k_end;
-#pragma unroll
-        for (int i = 0; i < L::IPT; i++) {
-            const int r = l.row0 + i * L::RPP;
-            const bool v = kv && l.rp[i] != nullptr;
-            gg_cp_async16_l2(dst + gg_swz<L::CPR>(r, l.col), v ? l.rp[i] + k0 : base, v, p.l2pf);
-        }
-    } else {
-        const int64_t k0 = k_begin + (int64_t)kt * ROWS;
-#pragma unroll
-        for (int i = 0; i < L::IPT; i++) {
-            const int r = l.row0 + i * L::RPP;
-            const bool v = l.cval && k0 + r < k_end;
-            const bf16 *src = base + (int64_t)l.tokn[i] * op.ld + c0 + l.col * 8;
-            gg_cp_async16_l2(dst + gg_swz<L::CPR>(r, l.col), v ? src : base, v, p.l2pf);
-            const int64_t kn = k0 + ROWS + r;
-            l.tokn[i] = kn < k_end ? (int32_t)gg_map_c<MAP>(p, kn) : 0;
-        }
-    }
+    if (p.l2pf == 2) gg_issue_h<2>(p, l, op, base, dst, kt, k_begin, k_end);
+    else if (p.l2pf == 1) gg_issue_h<1>(p, l, op, base, dst, kt, k_begin, k_end);
+    else gg_issue_h<0>(p, l, op, base, dst, kt, k_begin, k_end);
 }
 
 /* Fragments of k16-step ks for a warp's WTM x WTN tile: A as MI m16k16
@@ -723,9 +764,10 @@ struct gg_kt {
     typedef gg_loader<B_ROWS, B_COLS, C::NT, (bool)B_KM, B_MAP> LB;
 };
 
-/* The loaders of tile tl: K-major operands' row pointers (M for A, N for B),
- * MN-major operands' memory rows of k-tile 0. tokp (persistent grids, A
- * gathered by token): the tile's tokens, prefetched into shared memory. */
+/* The loaders of tile tl: K-major operands' row pointers (M for A, N for B)
+ * and row mask, MN-major operands' column pointer and, mapped ones, memory
+ * rows of k-tile 0. tokp (persistent grids, A gathered by token): the
+ * tile's tokens, prefetched into shared memory. */
 template <GG_TPARAMS>
 static __device__ __forceinline__ void gg_setup(const gg_args &p, const gg_tile &tl,
                                                 typename gg_kt<GG_TARGS>::LA &la,
@@ -740,37 +782,48 @@ static __device__ __forceinline__ void gg_setup(const gg_args &p, const gg_tile 
     lb.col = tid % K::B_CPR;
     lb.row0 = tid / K::B_CPR;
     if (A_KM) {
+        la.vm = 0;
 #pragma unroll
         for (int i = 0; i < la.IPT; i++) {
             const int lr = la.row0 + i * la.RPP;
             const int64_t m = tl.m0 + lr;
-            la.rp[i] = m < tl.m_lim ? a_base + (tokp ? (int64_t)tokp[lr] : gg_map(p, p.a.map, m)) *
-                                                   p.a.ld + la.col * 8
-                                    : nullptr;
+            la.rp[i] = a_base;
+            if (m < tl.m_lim) {
+                la.rp[i] = a_base + (tokp ? (int64_t)tokp[lr] : gg_map(p, p.a.map, m)) * p.a.ld +
+                           la.col * 8;
+                la.vm |= 1u << i;
+            }
         }
     } else {
         la.cval = tl.m0 + la.col * 8 < tl.m_lim;
+        la.cb = la.cval ? a_base + tl.m0 + la.col * 8 : a_base;
     }
     if (B_KM) {
+        lb.vm = 0;
 #pragma unroll
         for (int i = 0; i < lb.IPT; i++) {
-            int64_t nn = n0 + lb.row0 + i * lb.RPP;
-            lb.rp[i] = nn < p.N ? b_base + gg_map(p, p.b.map, nn) * p.b.ld + lb.col * 8 : nullptr;
+            const int64_t nn = n0 + lb.row0 + i * lb.RPP;
+            lb.rp[i] = b_base;
+            if (nn < p.N) {
+                lb.rp[i] = b_base + gg_map(p, p.b.map, nn) * p.b.ld + lb.col * 8;
+                lb.vm |= 1u << i;
+            }
         }
     } else {
         lb.cval = n0 + lb.col * 8 < p.N;
+        lb.cb = lb.cval ? b_base + n0 + lb.col * 8 : b_base;
     }
-    if (!A_KM) {
+    if (K::LA::TOKN) {
 #pragma unroll
         for (int i = 0; i < la.IPT; i++) {
-            int64_t k = tl.k_begin + la.row0 + i * la.RPP;
+            const int64_t k = tl.k_begin + la.row0 + i * la.RPP;
             la.tokn[i] = k < tl.k_end ? (int32_t)gg_map_c<A_MAP>(p, k) : 0;
         }
     }
-    if (!B_KM) {
+    if (K::LB::TOKN) {
 #pragma unroll
         for (int i = 0; i < lb.IPT; i++) {
-            int64_t k = tl.k_begin + lb.row0 + i * lb.RPP;
+            const int64_t k = tl.k_begin + lb.row0 + i * lb.RPP;
             lb.tokn[i] = k < tl.k_end ? (int32_t)gg_map_c<B_MAP>(p, k) : 0;
         }
     }
@@ -797,14 +850,13 @@ static __device__ __forceinline__ void gg_prologue(const gg_args &p, const gg_ti
                                                    int64_t tok_lim)
 {
     typedef typename gg_kt<GG_TARGS>::C C;
-    const int64_t n0 = (int64_t)tl.n_tile * BN;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < KT) {
-            gg_issue(p, la, p.a, a_base, smem0 + s * C::STAGE_BYTES, s, tl.k_begin, tl.k_end,
-                     tl.m0);
+            gg_issue(p, la, p.a, a_base, smem0 + s * C::STAGE_BYTES, s, (int)tl.k_begin,
+                     (int)tl.k_end);
             gg_issue(p, lb, p.b, b_base, smem0 + s * C::STAGE_BYTES + C::A_ELEMS * 2, s,
-                     tl.k_begin, tl.k_end, n0);
+                     (int)tl.k_begin, (int)tl.k_end);
         }
         if (s == 0 && tok_dst) {
             for (int i = tid; i < BM; i += C::NT) {
@@ -851,7 +903,6 @@ static __device__ __forceinline__ void gg_mainloop(
     typedef gg_kt<GG_TARGS> K;
     typedef typename K::C C;
     constexpr int MI = C::MI, NI = C::NI, A_CPR = K::A_CPR, B_CPR = K::B_CPR;
-    const int64_t n0 = (int64_t)tl.n_tile * BN;
 #pragma unroll
     for (int i = 0; i < MI; i++)
 #pragma unroll
@@ -897,8 +948,9 @@ static __device__ __forceinline__ void gg_mainloop(
                 const int nk = kt + STAGES - 1;
                 if (nk < KT) {
                     const uint32_t st = smem0 + (nk % STAGES) * C::STAGE_BYTES;
-                    gg_issue(p, la, p.a, a_base, st, nk, tl.k_begin, tl.k_end, tl.m0);
-                    gg_issue(p, lb, p.b, b_base, st + C::A_ELEMS * 2, nk, tl.k_begin, tl.k_end, n0);
+                    gg_issue(p, la, p.a, a_base, st, nk, (int)tl.k_begin, (int)tl.k_end);
+                    gg_issue(p, lb, p.b, b_base, st + C::A_ELEMS * 2, nk, (int)tl.k_begin,
+                             (int)tl.k_end);
                 }
                 gg_cp_async_commit();
             }
@@ -1470,14 +1522,16 @@ __global__ void gg_ds_reduce(const float *dsp, int tiles, int64_t cap, const int
  * gg_dispatch for the numbering) and the fallback run where the default
  * needs more shared memory than the device lets a block have (A100: 163
  * KiB; the defaults need up to 216 KiB, sm_90's 227 KiB); configuration 1
- * (at most 71 KiB) where the fallback does not fit either. dh's DHX and
- * down's persistent grid were measured faster on an H100 (session 6 of
- * notes/portable_log.md); the persistent grids of dw1, dw2, dxt and up
- * were measured slower or even and stay variants. */
+ * (at most 71 KiB) where the fallback does not fit either. Measured on an
+ * H100 (notes/portable_log.md): dh's DHX and down's persistent grid
+ * (session 6); with the leaner copy issue of session 7, the persistent
+ * grids of dw2 (configuration 2) and dxt, and dw1 on 3 stages; the
+ * persistent grids of up and dw1 measured even or slower and stay
+ * variants. */
 enum { GG_UP = 0, GG_DOWN, GG_DH, GG_DW2, GG_DXT, GG_DW1, GG_NGEMM };
 static const char *const gg_gemm_names[GG_NGEMM] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
-static const int gg_default_variant[GG_NGEMM] = {2004, 12012, 2404, 2202, 2004, 2212};
-static const int gg_fallback_variant[GG_NGEMM] = {2004, 2004, 2, 2202, 2004, 2204};
+static const int gg_default_variant[GG_NGEMM] = {2004, 12012, 2404, 12202, 12004, 2204};
+static const int gg_fallback_variant[GG_NGEMM] = {2004, 2004, 2, 2202, 2004, 2202};
 
 /* Variant hook for tests and tuning: 0 = the default. Set directly (tests)
  * or from the environment variable SMOE_SM80_GEMM_VARIANT, read at the
@@ -1540,9 +1594,13 @@ static smoe_status gg_check_problem(const smoe_gemm_problem *p, const char *what
     SMOE_RETURN_ERROR_IF(p->h_cols != (p->gated ? 2 * p->n : p->n), SMOE_ERROR_INTERNAL,
                          "%s: h_cols=%lld inconsistent with n=%lld", what, (long long)p->h_cols,
                          (long long)p->n);
-    SMOE_RETURN_ERROR_IF(p->E > (int64_t)INT32_MAX / 2 || p->cap > (int64_t)INT32_MAX,
+    SMOE_RETURN_ERROR_IF(p->E > (int64_t)INT32_MAX / 2 || p->cap > (int64_t)INT32_MAX - 4096,
                          SMOE_ERROR_UNSUPPORTED, "%s: E=%lld or cap=%lld too large", what,
                          (long long)p->E, (long long)p->cap);
+    /* The loaders index k and form row byte offsets in int (gg_issue_h). */
+    SMOE_RETURN_ERROR_IF(p->d > ((int64_t)1 << 28) || p->h_cols > ((int64_t)1 << 28),
+                         SMOE_ERROR_UNSUPPORTED, "%s: d=%lld or n=%lld too large", what,
+                         (long long)p->d, (long long)p->n);
     return SMOE_SUCCESS;
 }
 

@@ -828,14 +828,16 @@ int main(int argc, char **argv)
     bool forced = false;
     for (int g = 0; g < 6; g++) forced = forced || smoe_sm80_gemm_variant[g] != 0;
     if (!forced && !small) {
-        static const char *const alt[5] = {
-            "up=2004,down=2004,dh=2,dw2=2202,dxt=2004,dw1=2204", "1",
+        static const char *const alt[6] = {
+            "up=2004,down=2004,dh=2,dw2=2202,dxt=2004,dw1=2202", "1",
             /* and the other variants still in the table: DHR, the
-             * persistent grids of up, dxt, dw1, dw2, DHX with the L2
-             * prefetch of H, DHX with two CTAs per SM */
-            "up=12012,down=2012,dh=2204,dw2=12202,dxt=12004,dw1=12212",
-            "up=12004,down=12004,dh=2604,dw2=12212,dxt=12012,dw1=12204", "dh=2401"};
-        for (int k = 0; k < 5; k++) {
+             * persistent grids of up, dw1, DHX with the L2 prefetch of H,
+             * DHX with two CTAs per SM, the one-CTA-per-tile grids of dw2
+             * and dxt on 64-deep k-tiles, dw1's default before session 7 */
+            "up=12012,down=2012,dh=2204,dw2=12212,dxt=12012,dw1=12212",
+            "up=12004,down=12004,dh=2604,dw2=12204,dxt=12002,dw1=12204", "dh=2401",
+            "dw2=2204,dxt=2012,dw1=2212"};
+        for (int k = 0; k < 6; k++) {
             smoe_sm80_gemm_variant_parse(alt[k]);
             printf("variant %s:\n", alt[k]);
             for (int i = 0; i < 6; i++) run_case(random_case(0), 2000 + 10 * k + i);
