@@ -190,7 +190,6 @@ typedef struct sm90_gemm_params {
     int64_t cap;
     int h_cols;
     int raster_gm; /* tile order within an expert: 0 row-major, else groups of gm m-tiles */
-    int unit_g;    /* down with a resident weight tile: m-tiles per unit */
 } sm90_gemm_params;
 
 /* Per consumer warpgroup: 64 rows x 64 bf16, rows padded to 144 bytes so the
@@ -779,31 +778,6 @@ __device__ __forceinline__ void ep_store_chunks_tma(const float *ac, uint8_t *wb
     }
 }
 
-/* down / dxt: the warpgroup's 64 x BN block (columns n0.., bias added,
- * rounded) out through the padded staging buffer eb, 64 columns at a time,
- * as 128-byte row pieces clipped at rows < nvalid and columns < N. */
-template <int BN>
-__device__ __forceinline__ void ep_store_staged(const float *ac, uint8_t *eb,
-                                                const sm90_gemm_params &p, int wrow0, int nvalid,
-                                                int n0, int64_t bo, int lr, int q, int t, int cw)
-{
-#pragma unroll
-    for (int c = 0; c < BN / 64; c++) {
-        const int col0 = n0 + 64 * c;
-        if (col0 >= p.N) break;
-#pragma unroll
-        for (int jj = 0; jj < 8; jj++) {
-            const int j = 8 * c + jj, col = col0 + 8 * jj + 2 * q;
-            float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-                ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q, ac[4 * j + 2 * h] + b0,
-                        ac[4 * j + 2 * h + 1] + b1);
-        }
-        ep_flush<128>(eb, p.out0 + (int64_t)wrow0 * p.N + col0, p.N, nvalid, t, cw);
-    }
-}
-
 /* One k-block of the main loop: MH m64 blocks x WN columns x 64 k, from
  * the stage's A (sa) and B (sb) tiles, committed as one wgmma group. The
  * accumulators of block mh start at acc + mh * (NREG / MH); a width below the
@@ -1206,218 +1180,6 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     if constexpr (CL > 1) cluster_sync();
 }
 
-
-/* ------------------------------------------------------------ down, weight tile resident */
-
-/* down with a short reduction (K = n <= 256, E <= 256), ping-pong 128 x 192
- * tiles as in the tile table, but the weight tile W2[e][j] (K x 192, at most
- * 96 KiB) is loaded into shared memory once per unit of work and stays
- * there while the CTA walks up to G m-tiles of expert e; only the A tiles
- * stream through the ring. The table's ping-pong kernel reloads both
- * operands for every tile: at K = 256, 160 KiB of L2 reads per 48 KiB of Y
- * written (7B-n256 and 30B-n256 both run at about 8.3 TB/s of L2 traffic,
- * notes/sm90_log.md rung 12). Units (e, m-chunk, j) are taken in that order
- * with n-tiles fastest, one per CTA in turn, so the CTAs working on an
- * expert at once read the same A tiles. Within the CTA the tiles of its
- * units form one sequence whose tiles alternate between the warpgroups as
- * in the ping-pong kernel (named barriers 4, 5; tile s uses ring positions
- * s KB .. s KB + KB - 1). The weight tile is free (bempty, one arrival per
- * warpgroup and unit) once each warpgroup has finished its last main loop
- * on it; a warpgroup with no tile in a unit (a unit of one m-tile) arrives
- * once the unit's weight tile has landed (so the previous unit's release is
- * complete and the arrival counts for this unit). */
-#define SM90_BS_STAGES 6
-#define SM90_BS_BN 192
-template <int KB>
-struct sm90_bs_cfg {
-    static constexpr int A_BYTES = SM90_BM * SM90_BK * 2;         /* 16 KiB */
-    static constexpr int B_PIECE = SM90_BS_BN * SM90_BK * 2;      /* 24 KiB per k-block */
-    static constexpr int SMEM_BYTES = 1024 + KB * B_PIECE + SM90_BS_STAGES * A_BYTES +
-                                      2 * SM90_EP_BYTES + (2 * SM90_BS_STAGES + 2) * 8 +
-                                      (256 + 1) * 4;
-    static_assert(B_PIECE % 1024 == 0, "pieces keep 1024-byte alignment");
-    static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget");
-};
-
-/* Unit v of the resident-weight down: expert, n-tile, its rows
- * [row0, row_stop) (a chunk of the expert's m-tiles: its mt m-tiles split
- * into ceil(mt / g) chunks of ceil(mt / chunks), the last one shorter and
- * its last m-tile possibly partial) and the expert's end. */
-typedef struct sm90_bs_unit {
-    int e, n_tile, row0, row_stop, row_end;
-} sm90_bs_unit;
-
-__device__ __forceinline__ sm90_bs_unit sm90_bs_decode(int v, const int *unit_start, int E, int nt,
-                                                       int g, const int32_t *off)
-{
-    int lo = 0, hi = E;
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (unit_start[mid] <= v) lo = mid; else hi = mid;
-    }
-    const int local = v - unit_start[lo];
-    sm90_bs_unit u;
-    u.e = lo;
-    u.n_tile = local % nt;
-    const int r0 = __ldg(off + lo), r1 = __ldg(off + lo + 1);
-    /* the expert's m-tiles in ceil(mt / g) chunks of (nearly) equal size */
-    const int mt = (r1 - r0 + SM90_BM - 1) / SM90_BM, nch = (mt + g - 1) / g;
-    const int cs = (mt + nch - 1) / nch;
-    u.row0 = r0 + (local / nt) * cs * SM90_BM;
-    u.row_stop = min(r1, u.row0 + cs * SM90_BM);
-    u.row_end = r1;
-    return u;
-}
-
-template <int KB>
-__global__ void __launch_bounds__(SM90_THREADS, 1)
-sm90_down_bs_kernel(const __grid_constant__ CUtensorMap map_a,
-                    const __grid_constant__ CUtensorMap map_b, const sm90_gemm_params p)
-{
-    typedef sm90_bs_cfg<KB> cfg;
-    constexpr int S = SM90_BS_STAGES, BN = SM90_BS_BN, NACC = BN / 2;
-    extern __shared__ uint8_t smem_raw[];
-    uint8_t *smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-    uint8_t *sb_base = smem;                          /* KB pieces of 192 x 64 */
-    uint8_t *sa_base = smem + KB * cfg::B_PIECE;      /* S stages of 128 x 64 */
-    uint8_t *ep_base = sa_base + S * cfg::A_BYTES;    /* one staging buffer per warpgroup */
-    uint64_t *full = (uint64_t *)(ep_base + 2 * SM90_EP_BYTES);
-    uint64_t *empty = full + S;
-    uint64_t *bfull = empty + S, *bempty = bfull + 1;
-    int *unit_start = (int *)(bempty + 1);
-
-    const int tid = threadIdx.x, wg = tid / 128;
-    const int nt = (p.N + BN - 1) / BN, g = p.unit_g;
-    if (tid == 0) {
-        tma_prefetch_map(&map_a);
-        tma_prefetch_map(&map_b);
-        for (int i = 0; i < S; i++) {
-            mbar_init(smem_addr(full + i), 1);
-            mbar_init(smem_addr(empty + i), 1);
-        }
-        mbar_init(smem_addr(bfull), 1);
-        mbar_init(smem_addr(bempty), 2);
-        mbar_fence_init();
-    }
-    if (tid < 32) { /* unit_start = exclusive prefix sum of ceil(m-tiles / g) * nt */
-        int carry = 0;
-        for (int e0 = 0; e0 < p.E; e0 += 32) {
-            const int e = e0 + tid;
-            int v = 0;
-            if (e < p.E) {
-                const int cnt = __ldg(p.expert_offset + e + 1) - __ldg(p.expert_offset + e);
-                v = ((cnt + SM90_BM - 1) / SM90_BM + g - 1) / g * nt;
-            }
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int u = __shfl_up_sync(0xffffffffu, v, o);
-                if (tid >= o) v += u;
-            }
-            if (e < p.E) unit_start[e + 1] = carry + v;
-            carry += __shfl_sync(0xffffffffu, v, 31);
-        }
-        if (tid == 0) unit_start[0] = 0;
-    }
-    __syncthreads();
-    const int total = unit_start[p.E];
-
-    if (wg == 0) {
-        setmaxnreg_dec<SM90_PRODUCER_REGS>();
-        if (tid != 0) return;
-        int stage = 0;
-        uint32_t phase = 0, ui = 0;
-        for (int v = blockIdx.x; v < total; v += gridDim.x, ui++) {
-            const sm90_bs_unit u = sm90_bs_decode(v, unit_start, p.E, nt, g, p.expert_offset);
-            /* the weight tile, once both warpgroups are done with the last one */
-            if (ui > 0) mbar_wait(smem_addr(bempty), (ui - 1) & 1);
-            mbar_arrive_expect_tx(smem_addr(bfull), KB * cfg::B_PIECE);
-#pragma unroll
-            for (int kb = 0; kb < KB; kb++)
-                tma_load_2d(smem_addr(sb_base + kb * cfg::B_PIECE), &map_b, smem_addr(bfull),
-                            kb * SM90_BK, u.e * p.N + u.n_tile * BN);
-            for (int row0 = u.row0; row0 < u.row_stop; row0 += SM90_BM) {
-#pragma unroll
-                for (int kb = 0; kb < KB; kb++) {
-                    const uint32_t fb = smem_addr(full + stage);
-                    mbar_wait(smem_addr(empty + stage), phase ^ 1);
-                    mbar_arrive_expect_tx(fb, cfg::A_BYTES);
-                    tma_load_2d(smem_addr(sa_base + stage * cfg::A_BYTES), &map_a, fb,
-                                kb * SM90_BK, row0);
-                    if (++stage == S) { stage = 0; phase ^= 1; }
-                }
-            }
-        }
-    } else {
-        setmaxnreg_inc<SM90_CONSUMER_REGS>();
-        const int cw = wg - 1, t = tid & 127;
-        const int lane = tid & 31, warp = (tid >> 5) & 3, q = lane & 3;
-        const int lr = warp * 16 + (lane >> 2);
-        uint8_t *eb = ep_base + cw * SM90_EP_BYTES;
-        float acc[2 * NACC];
-        uint32_t s = 0, ui = 0; /* the CTA's tiles so far, its units so far */
-        for (int v = blockIdx.x; v < total; v += gridDim.x, ui++) {
-            const sm90_bs_unit u = sm90_bs_decode(v, unit_start, p.E, nt, g, p.expert_offset);
-            const int nm = (u.row_stop - u.row0 + SM90_BM - 1) / SM90_BM;
-            const int i0 = (int)((s ^ (uint32_t)cw) & 1u); /* this warpgroup's first tile */
-            const bool more_units = v + (int)gridDim.x < total;
-            /* every warpgroup waits for every unit's weight tile, so its
-             * parity waits on bfull never run two phases ahead */
-            mbar_wait(smem_addr(bfull), ui & 1);
-            if (i0 >= nm) { /* none of this unit's tiles is ours: release at once
-                             * (the tile landed, so the last unit's release is
-                             * complete and this arrival counts for this one) */
-                if (t == 0) mbar_arrive(smem_addr(bempty));
-                s += nm;
-                continue;
-            }
-            const uint32_t sb = smem_addr(sb_base);
-            const int n0 = u.n_tile * BN, wn = min(BN, p.N - n0);
-            const int64_t bo = (int64_t)u.e * p.N;
-            for (int i = i0; i < nm; i += 2) {
-                const uint32_t ts = s + (uint32_t)i; /* the tile's place in the CTA's sequence */
-                const int row0 = u.row0 + i * SM90_BM;
-                if (ts > 0) named_barrier_sync(4 + (cw ^ 1), 256);
-                int prev = 0;
-#pragma unroll
-                for (int kb = 0; kb < KB; kb++) {
-                    const uint32_t pos = ts * KB + kb;
-                    const int stage = (int)(pos % S);
-                    mbar_wait(smem_addr(full + stage), (pos / S) & 1);
-                    const uint32_t sa = smem_addr(sa_base + stage * cfg::A_BYTES);
-                    const uint32_t sbk = sb + kb * cfg::B_PIECE;
-                    if (wn == 192)
-                        sm90_mma_kblock<192, false, 2, 2 * NACC>(acc, sa, sbk, kb);
-                    else if (wn == 128)
-                        sm90_mma_kblock<128, false, 2, 2 * NACC>(acc, sa, sbk, kb);
-                    else
-                        sm90_mma_kblock<64, false, 2, 2 * NACC>(acc, sa, sbk, kb);
-                    if (kb > 0) {
-                        wgmma_wait<1>();
-                        if (t == 0) mbar_arrive(smem_addr(empty + prev));
-                    }
-                    prev = stage;
-                }
-                /* the next tile of the CTA (the other warpgroup's) may start */
-                if (i + 1 < nm || more_units) named_barrier_arrive(4 + cw, 256);
-                wgmma_wait<0>();
-                wgmma_fence_regs<2 * NACC>(acc);
-                if (t == 0) {
-                    mbar_arrive(smem_addr(empty + prev));
-                    /* this warpgroup's last main loop on the weight tile */
-                    if (i + 2 >= nm) mbar_arrive(smem_addr(bempty));
-                }
-#pragma unroll
-                for (int mh = 0; mh < 2; mh++) {
-                    const int wrow0 = row0 + mh * 64;
-                    ep_store_staged<BN>(acc + mh * NACC, eb, p, wrow0,
-                                        min(64, u.row_end - wrow0), n0, bo, lr, q, t, cw);
-                }
-            }
-            s += nm;
-        }
-    }
-}
-
 /* ------------------------------------------------------------ host side */
 
 static PFN_cuTensorMapEncodeTiled_v12000 sm90_encode_fn(void)
@@ -1581,44 +1343,11 @@ enum {
     /* 8388608: up in the grouped order from 8 MiB W1 slices, measured
      * 0.98-0.99 on the forwards it changes (notes/sm90_log.md rung 11) */
     /* down at 256 < n <= 512: ping-pong 192 whatever d (the old table) */
-    SM90_VAR_DOWN_PP_ANYD = 16777216,
-    /* down at n <= 256, E <= 256: the weight tile resident (sm90_down_bs_kernel) */
-    SM90_VAR_DOWN_BS = 33554432
+    SM90_VAR_DOWN_PP_ANYD = 16777216
+    /* 33554432: down at n <= 256 with the weight tile resident in shared
+     * memory, measured 0.97-1.00 on the n = 256 forwards and retired
+     * (notes/sm90_log.md rung 12; the code is in commit 94709c7) */
 };
-
-/* down with the weight tile resident: K = n <= 256 in whole k-blocks. The
- * unit size G (m-tiles per unit) is the largest power of two up to 16 that
- * still gives about 6 units per SM for the average expert (cap / 128 / E
- * m-tiles): larger units load W2 less often, more units balance the CTAs. */
-template <int KB>
-static smoe_status sm90_launch_bs(const smoe_gemm_problem *p, const CUtensorMap *ma,
-                                  const CUtensorMap *mb, sm90_gemm_params *prm, cudaStream_t s)
-{
-    typedef sm90_bs_cfg<KB> cfg;
-    void (*kern)(const CUtensorMap, const CUtensorMap, const sm90_gemm_params) =
-        sm90_down_bs_kernel<KB>;
-    cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           cfg::SMEM_BYTES);
-    if (err != cudaSuccess)
-        return smoe_fail(SMOE_ERROR_BACKEND, "sm90 down: cudaFuncSetAttribute: %s",
-                         cudaGetErrorString(err));
-    int sms = p->num_sms;
-    if (sms <= 0) sms = sm90_grid(p, 1 << 20);
-    const int64_t nt = (p->d + SM90_BS_BN - 1) / SM90_BS_BN;
-    const int64_t mt_avg = (p->cap / SM90_BM + p->E - 1) / p->E + 1;
-    int g = 16;
-    while (g > 1 && p->E * ((mt_avg + g - 1) / g) * nt < 6 * (int64_t)sms) g >>= 1;
-    prm->unit_g = g;
-    const int64_t units_max = ((p->cap + SM90_BM - 1) / SM90_BM + p->E) * nt;
-    const int grid = (int)(units_max < sms ? units_max : sms);
-    if (grid <= 0) return SMOE_SUCCESS;
-    kern<<<grid, SM90_THREADS, cfg::SMEM_BYTES, s>>>(*ma, *mb, *prm);
-    err = cudaGetLastError();
-    if (err != cudaSuccess)
-        return smoe_fail(SMOE_ERROR_BACKEND, "sm90 down: launch failed: %s",
-                         cudaGetErrorString(err));
-    return SMOE_SUCCESS;
-}
 
 /* The double-buffered TMA-store epilogue (SM90_FL_TMA_ST2) for down (down
  * != 0, reduction K = n) or dxt on the cooperative 128 x 256 tile (E <= 256:
@@ -1775,17 +1504,6 @@ static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf
     sm90_gemm_params prm = sm90_params(p, p->n, p->d);
     prm.bias = b2;
     prm.out0 = y;
-    if ((smoe_sm90_gemm_variant & SM90_VAR_DOWN_BS) && p->n <= 256 && p->E <= 256) {
-        CUtensorMap ma, mb;
-        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&ma, a, p->cap, p->n, SM90_BM, "a"));
-        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w2, p->E * p->d, p->n, SM90_BS_BN, "w2"));
-        switch (p->n / SM90_BK) {
-        case 1: return sm90_launch_bs<1>(p, &ma, &mb, &prm, s);
-        case 2: return sm90_launch_bs<2>(p, &ma, &mb, &prm, s);
-        case 3: return sm90_launch_bs<3>(p, &ma, &mb, &prm, s);
-        default: return sm90_launch_bs<4>(p, &ma, &mb, &prm, s);
-        }
-    }
     const int bn = sm90_store_bn(p, p->n, 1);
     CUtensorMap ma, mb;
     const int cl = bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER);
