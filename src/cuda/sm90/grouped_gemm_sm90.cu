@@ -161,13 +161,30 @@ using namespace smoe_sm90;
  *                  the same way, hook 1048576, measured -1% and was
  *                  retired in session 6; the code is in c461f84.)
  *                  (dh's epilogue otherwise: ep_dh_direct.) */
+/*  SM90_FL_HTMA    dh with SM90_FL_TMA_ST2: H comes by TMA through a ring of
+ *                  three 8 KiB slots per warpgroup, laid out as dH's
+ *                  staging, so dH is written over H and stored from the
+ *                  slot (ep_dh_hring); 3 main-loop stages make room.
+ *                  Correct, but measured 0.95-1.00 on dh alone and
+ *                  0.99-1.00 on the layer's backward (notes/sm90_log.md
+ *                  rung 12 item 9): behind hook 134217728, tested. */
 enum {
     SM90_FL_WS = 1,
     SM90_FL_PP = 2,
     SM90_FL_CLUSTER = 4,
     SM90_FL_RASTER = 16,
-    SM90_FL_TMA_ST2 = 128
+    SM90_FL_TMA_ST2 = 128,
+    SM90_FL_HTMA = 256
 };
+
+/* 8 KiB epilogue buffers per consumer warpgroup: two with SM90_FL_TMA_ST2;
+ * four with SM90_FL_HTMA as well (dh: three H / dH slots and A''s buffer);
+ * none otherwise (the padded staging buffers). */
+__host__ __device__ constexpr int sm90_epb(int fl)
+{
+    return (fl & SM90_FL_TMA_ST2) ? ((fl & SM90_FL_HTMA) ? 4 : 2) : 0;
+}
+#define SM90_H_SLOTS 3
 
 enum { SM90_MODE_UP = 0, SM90_MODE_DOWN = 1, SM90_MODE_DXT = 2, SM90_MODE_DH = 3 };
 
@@ -197,17 +214,19 @@ typedef struct sm90_gemm_params {
 #define SM90_EP_STRIDE 144
 #define SM90_EP_BYTES (64 * SM90_EP_STRIDE)
 
-template <int BN, int STAGES, bool DB_EP = false>
+template <int BN, int STAGES, int EPB = 0>
 struct sm90_tile_cfg {
     static constexpr int A_BYTES = SM90_BM * SM90_BK * 2;
     static constexpr int B_BYTES = BN * SM90_BK * 2;
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
     /* epilogue buffers: two 64-column chunk buffers (one per consumer
-     * warpgroup), or (DB_EP) two 8 KiB buffers per warpgroup */
-    static constexpr int EP_TOTAL = DB_EP ? 2 * 2 * 8192 : 2 * SM90_EP_BYTES;
-    /* DB_EP: tile_start for E <= 256 and no WS token slots */
+     * warpgroup), or EPB 8 KiB buffers per warpgroup */
+    static constexpr int EP_TOTAL = EPB ? 2 * EPB * 8192 : 2 * SM90_EP_BYTES;
+    /* H slots' barriers (SM90_FL_HTMA) */
+    static constexpr int HBAR_BYTES = EPB == 4 ? 2 * SM90_H_SLOTS * 8 : 0;
+    /* EPB > 0: tile_start for E <= 256 and no WS token slots */
     static constexpr int SMEM_BYTES =
-        DB_EP ? 1024 + STAGES * STAGE_BYTES + EP_TOTAL + 2 * STAGES * 8 + (256 + 1) * 4
+        EPB ? 1024 + STAGES * STAGE_BYTES + EP_TOTAL + 2 * STAGES * 8 + HBAR_BYTES + (256 + 1) * 4
               : 1024 + STAGES * STAGE_BYTES + EP_TOTAL + 2 * STAGES * 8 +
                     (SM90_MAX_EXPERTS + 1) * 4 + 2 * 128 * 4;
     static_assert(STAGE_BYTES % 1024 == 0, "stages must keep 1024-byte alignment");
@@ -580,6 +599,30 @@ __device__ __forceinline__ void ep_pair_out(const uint8_t *hb, const uint8_t *ab
     }
 }
 
+/* dh's arithmetic for one thread's two units of one row (gated): from the H
+ * pair hv ((gate, up) x 2), dA' (da0, da1) and the row's score s, the two
+ * dH pairs (to *dh, as stored), A' = s A (to *as) and the row sum's terms
+ * (added to *ds where jv). */
+template <int ACT>
+__device__ __forceinline__ void ep_dh_unit2(uint2 hv, float da0, float da1, float s, uint2 *dh,
+                                            uint32_t *as, float *ds, bool jv)
+{
+    const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv;
+    float f0, df0, f1, df1;
+    const float g0 = __low2float(h2[0]), u0 = __high2float(h2[0]);
+    const float g1 = __low2float(h2[1]), u1 = __high2float(h2[1]);
+    sm90_act_fd_ct<ACT>(g0, f0, df0);
+    sm90_act_fd_ct<ACT>(g1, f1, df1);
+    const float a0 = f0 * u0, a1 = f1 * u1;
+    const float e0 = s * da0, e1 = s * da1;
+    __nv_bfloat162 o0 = __floats2bfloat162_rn(e0 * df0 * u0, e0 * f0);
+    __nv_bfloat162 o1 = __floats2bfloat162_rn(e1 * df1 * u1, e1 * f1);
+    *dh = make_uint2(*(uint32_t *)&o0, *(uint32_t *)&o1);
+    __nv_bfloat162 a = __floats2bfloat162_rn(s * a0, s * a1);
+    *as = *(uint32_t *)&a;
+    *ds = jv ? fmaf(da1, a1, fmaf(da0, a0, *ds)) : *ds;
+}
+
 /* dh's epilogue with SM90_FL_TMA_ST2 (gated; experiment): the same
  * arithmetic and H loads as ep_dh_direct, but dH and A' leave through
  * shared memory by TMA store, 32 units at a time: dH's 64 x 64 chunk (the
@@ -621,24 +664,12 @@ __device__ __forceinline__ void ep_dh_tma(const float *ac, uint8_t *hb, uint8_t 
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int r = lr + 8 * h;
-            const float da0 = ac[4 * jc + 2 * h], da1 = ac[4 * jc + 2 * h + 1];
-            const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv[jc][h];
-            float f0, df0, f1, df1;
-            const float g0 = __low2float(h2[0]), u0 = __high2float(h2[0]);
-            const float g1 = __low2float(h2[1]), u1 = __high2float(h2[1]);
-            sm90_act_fd_ct<ACT>(g0, f0, df0);
-            sm90_act_fd_ct<ACT>(g1, f1, df1);
-            const float a0 = f0 * u0, a1 = f1 * u1;
-            const float e0 = s[h] * da0, e1 = s[h] * da1;
-            __nv_bfloat162 o0 = __floats2bfloat162_rn(e0 * df0 * u0, e0 * f0);
-            __nv_bfloat162 o1 = __floats2bfloat162_rn(e1 * df1 * u1, e1 * f1);
             /* dH: units 8 g + 2 q, +1 of the chunk = bytes 32 g + 8 q of the
              * 128-byte row; A': bytes 16 g + 4 q of the 64-byte row */
-            *(uint2 *)(hb + r * 128 + (((2 * g + (q >> 1)) ^ (r & 7)) << 4) + 8 * (q & 1)) =
-                make_uint2(*(uint32_t *)&o0, *(uint32_t *)&o1);
-            __nv_bfloat162 a = __floats2bfloat162_rn(s[h] * a0, s[h] * a1);
-            *(uint32_t *)(ab + r * 64 + ((g ^ ((r >> 1) & 3)) << 4) + 4 * q) = *(uint32_t *)&a;
-            ds[h] = jv ? fmaf(da1, a1, fmaf(da0, a0, ds[h])) : ds[h];
+            ep_dh_unit2<ACT>(
+                hv[jc][h], ac[4 * jc + 2 * h], ac[4 * jc + 2 * h + 1], s[h],
+                (uint2 *)(hb + r * 128 + (((2 * g + (q >> 1)) ^ (r & 7)) << 4) + 8 * (q & 1)),
+                (uint32_t *)(ab + r * 64 + ((g ^ ((r >> 1) & 3)) << 4) + 4 * q), &ds[h], jv);
         }
         if (g == 3) { /* the chunk is complete: out */
             const int u0c = n0 + 8 * (jc - 3); /* its first unit */
@@ -673,6 +704,108 @@ __device__ __forceinline__ void ep_dh_tma_any(const float *ac, uint8_t *hb, uint
     else
         ep_dh_tma<SMOE_ACT_SWIGLU, BN>(ac, hb, ab, map_dh, map_as, p, wrow0, nvalid, n0, lr, q,
                                        n_tile, t, cw);
+}
+
+/* dh's epilogue with SM90_FL_HTMA (gated): as ep_dh_tma, but H comes by TMA.
+ * Per warpgroup a ring of SM90_H_SLOTS 8 KiB slots (wb, wb + 8 KiB, ...)
+ * each takes one 64 x 64 box of H (the 32 units of a chunk, 128B swizzle:
+ * the same layout as dH's staging), loaded SM90_H_SLOTS - 1 chunks ahead
+ * by the warpgroup's thread 0 on barrier hbar[slot]; each thread reads its
+ * (gate, up) pairs from the slot and writes its dH pairs over them at the
+ * same addresses, and the slot leaves as the dH TMA store (A' through the
+ * fourth buffer, wb + 24 KiB, as before). A slot (and A''s buffer) is
+ * refilled once the stores of its chunk have read it. The per-thread H
+ * loads of ep_dh_tma cost dh 10-21% (notes/sm90_log.md rung 12 item 8).
+ * hk counts the warpgroup's chunks over its whole run (slot and parity). */
+template <int ACT, int BN>
+__device__ __forceinline__ void ep_dh_hring(const float *ac, uint8_t *wb, uint64_t *hbar,
+                                            const CUtensorMap *map_h,
+                                            const CUtensorMap *map_dh,
+                                            const CUtensorMap *map_as,
+                                            const sm90_gemm_params &p, int wrow0, int nvalid,
+                                            int n0, int lr, int q, int n_tile, int t, int cw,
+                                            uint32_t &hk)
+{
+    static_assert(ACT <= SMOE_ACT_REGLU, "gated activations only");
+    constexpr int NC = BN / 32, NS = SM90_H_SLOTS; /* chunks of 32 units */
+    uint8_t *ab = wb + 3 * 8192;
+    const int jn = min(BN / 8, (p.N - n0) / 8);
+    bool rv[2];
+    int64_t row[2];
+    float s[2], ds[2] = {0.0f, 0.0f};
+    const bf16 *hp[2];
+    ep_dh_rows(p, wrow0, nvalid, n0, lr, q, 2, rv, row, s, hp);
+    if (t == 0) {
+        bulk_wait_read<0>(); /* the last block's stores have read every slot */
+#pragma unroll
+        for (int i = 0; i < NS - 1; i++) {
+            const uint32_t sl = (hk + i) % NS;
+            mbar_arrive_expect_tx(smem_addr(hbar + sl), 8192);
+            tma_load_2d(smem_addr(wb + sl * 8192), map_h, smem_addr(hbar + sl),
+                        2 * (n0 + 32 * i), wrow0);
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        const uint32_t k = hk + c, sl = k % NS;
+        uint8_t *hb = wb + sl * 8192;
+        /* chunk c - 1's stores have read A''s buffer and its slot: the slot
+         * takes chunk c + NS - 1's H */
+        if (t == 0) {
+            if (c > 0) bulk_wait_read<0>();
+            if (c + NS - 1 < NC) {
+                const uint32_t sn = (k + NS - 1) % NS;
+                mbar_arrive_expect_tx(smem_addr(hbar + sn), 8192);
+                tma_load_2d(smem_addr(wb + sn * 8192), map_h, smem_addr(hbar + sn),
+                            2 * (n0 + 32 * (c + NS - 1)), wrow0);
+            }
+        }
+        named_barrier_sync(1 + cw, 128);
+        mbar_wait(smem_addr(hbar + sl), (k / NS) & 1);
+#pragma unroll
+        for (int g = 0; g < 4; g++) {
+            const int jc = 4 * c + g;
+            const bool jv = jc < jn;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = lr + 8 * h;
+                uint2 *hd = (uint2 *)(hb + r * 128 + (((2 * g + (q >> 1)) ^ (r & 7)) << 4) +
+                                      8 * (q & 1));
+                ep_dh_unit2<ACT>(*hd, ac[4 * jc + 2 * h], ac[4 * jc + 2 * h + 1], s[h], hd,
+                                 (uint32_t *)(ab + r * 64 + ((g ^ ((r >> 1) & 3)) << 4) + 4 * q),
+                                 &ds[h], jv);
+            }
+        }
+        const int u0c = n0 + 32 * c;
+        fence_proxy_async();
+        named_barrier_sync(1 + cw, 128);
+        if (u0c < p.N)
+            ep_pair_out(hb, ab, map_dh, map_as, p.out0, p.h_cols, 2 * u0c, p.out1, p.n, u0c,
+                        wrow0, nvalid, t);
+    }
+    hk += NC;
+    ep_dh_ds_out(ds, rv, row, q, n_tile, p);
+}
+
+/* ep_dh_hring with the (gated) activation dispatched once per tile; a block
+ * wholly past the expert's end returns at once (as ep_dh_tma_any). */
+template <int BN>
+__device__ __forceinline__ void ep_dh_hring_any(const float *ac, uint8_t *wb, uint64_t *hbar,
+                                                const CUtensorMap *map_h,
+                                                const CUtensorMap *map_dh,
+                                                const CUtensorMap *map_as,
+                                                const sm90_gemm_params &p, int wrow0,
+                                                int nvalid, int n0, int lr, int q, int n_tile,
+                                                int t, int cw, uint32_t &hk)
+{
+    if (nvalid <= 0) return;
+#define SM90_DH_HRING(A)                                                                      \
+    ep_dh_hring<A, BN>(ac, wb, hbar, map_h, map_dh, map_as, p, wrow0, nvalid, n0, lr, q, n_tile, \
+                       t, cw, hk)
+    if (p.act == SMOE_ACT_GEGLU) SM90_DH_HRING(SMOE_ACT_GEGLU);
+    else if (p.act == SMOE_ACT_REGLU) SM90_DH_HRING(SMOE_ACT_REGLU);
+    else SM90_DH_HRING(SMOE_ACT_SWIGLU);
+#undef SM90_DH_HRING
 }
 
 /* ds[r] = the n-tile partials in tile order (+ <dO[tok[r]], b2[e]>). One
@@ -820,14 +953,17 @@ template <int BN, int STAGES, int MODE, int FL>
 __global__ void __launch_bounds__(SM90_THREADS, 1)
 sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                          const __grid_constant__ CUtensorMap map_b,
-                         const __grid_constant__ CUtensorMap map_c, const sm90_gemm_params p)
+                         const __grid_constant__ CUtensorMap map_c,
+                         const __grid_constant__ CUtensorMap map_d, const sm90_gemm_params p)
 {
     /* up / dh: map_a is A's / A''s output map there (they gather their
      * input), map_c H's / dH's */
     constexpr bool TMA_ST2 = (FL & SM90_FL_TMA_ST2) != 0;
     static_assert(!TMA_ST2 || (BN == 256 && (FL & (SM90_FL_PP | SM90_FL_CLUSTER | SM90_FL_WS)) == 0),
                   "the double-buffered TMA-store epilogue is for cooperative 128 x 256 tiles");
-    typedef sm90_tile_cfg<BN, STAGES, TMA_ST2> cfg;
+    constexpr bool HTMA = (FL & SM90_FL_HTMA) != 0;
+    static_assert(!HTMA || (TMA_ST2 && MODE == SM90_MODE_DH), "H by TMA: dh's TMA-store epilogue");
+    typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL)> cfg;
     constexpr bool GATHER = (MODE == SM90_MODE_UP || MODE == SM90_MODE_DH);
     /* B stored K x N, N contiguous: W1 for dxt, W2 for dh */
     constexpr bool TRANS_B = (MODE == SM90_MODE_DXT || MODE == SM90_MODE_DH);
@@ -856,7 +992,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     uint8_t *ep_base = smem + STAGES * cfg::STAGE_BYTES; /* cfg::EP_TOTAL bytes */
     uint64_t *full = (uint64_t *)(ep_base + cfg::EP_TOTAL);
     uint64_t *empty = full + STAGES;
-    int *tile_start = (int *)(empty + STAGES);
+    uint64_t *hbar = empty + STAGES; /* HTMA: SM90_H_SLOTS per consumer warpgroup */
+    int *tile_start = (int *)(hbar + (HTMA ? 2 * SM90_H_SLOTS : 0));
     int32_t *tok_slots = tile_start + SM90_MAX_EXPERTS + 1; /* WS: 2 x 128 tile tokens */
 
     const int tid = threadIdx.x;
@@ -873,6 +1010,10 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         for (int s = 0; s < STAGES; s++) {
             mbar_init(smem_addr(full + s), GATHER ? (WS ? 32 : 128) + 1 : 1);
             mbar_init(smem_addr(empty + s), PP ? 1 : 2 * CL);
+        }
+        if constexpr (HTMA) {
+            tma_prefetch_map(&map_d);
+            for (int i = 0; i < 2 * SM90_H_SLOTS; i++) mbar_init(smem_addr(hbar + i), 1);
         }
         mbar_fence_init();
     }
@@ -1032,6 +1173,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
          * kb_count stages per tile, tile after tile */
         uint32_t pos = PP ? (uint32_t)(cw * kb_count) : 0u;
         uint32_t ep_it = 0; /* TMA_ST2: this warpgroup's chunks so far */
+        uint32_t hk = 0;    /* HTMA: this warpgroup's H chunks so far */
         for (int t = cid + (PP ? cw * ncl : 0); t < total; t += (PP ? 2 : 1) * ncl) {
             sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
                                                 crank, gm);
@@ -1098,7 +1240,11 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             const float *ac = acc + mh * NACC;
             const int wrow0 = tl.row0 + (PP ? mh : cw) * 64; /* first row of the 64 */
             const int nvalid = min(64, tl.row_end - wrow0);
-            if constexpr (MODE == SM90_MODE_DH && TMA_ST2) {
+            if constexpr (MODE == SM90_MODE_DH && HTMA) {
+                ep_dh_hring_any<BN>(ac, ep_base + cw * 4 * 8192, hbar + cw * SM90_H_SLOTS, &map_d,
+                                    &map_c, &map_a, p, wrow0, nvalid, n0, lr, q, tl.n_tile,
+                                    tid & 127, cw, hk);
+            } else if constexpr (MODE == SM90_MODE_DH && TMA_ST2) {
                 ep_dh_tma_any<BN>(ac, ep_base + cw * 16384, ep_base + cw * 16384 + 8192, &map_c,
                                   &map_a, p, wrow0, nvalid, n0, lr, q, tl.n_tile, tid & 127, cw);
             } else if constexpr (MODE == SM90_MODE_DH) {
@@ -1263,15 +1409,18 @@ static int sm90_grid(const smoe_gemm_problem *p, int64_t n_tiles)
 template <int BN, int STAGES, int MODE, int FL>
 static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma,
                                const CUtensorMap *mb, const CUtensorMap *mc,
-                               const sm90_gemm_params *prm, cudaStream_t s, const char *op)
+                               const sm90_gemm_params *prm, cudaStream_t s, const char *op,
+                               const CUtensorMap *md = NULL)
 {
-    /* the grouped tile order: its own kernels (plain, or with TMA_ST2) */
-    if constexpr ((FL & ~SM90_FL_TMA_ST2) == 0 && BN == 256)
+    if (!md) md = mc; /* map_d: read by the HTMA kernels only */
+    /* the grouped tile order: its own kernels (plain, or with TMA_ST2 / HTMA) */
+    if constexpr ((FL & ~(SM90_FL_TMA_ST2 | SM90_FL_HTMA)) == 0 && BN == 256)
         if (prm->raster_gm > 1)
-            return sm90_launch<BN, STAGES, MODE, FL | SM90_FL_RASTER>(p, ma, mb, mc, prm, s, op);
-    typedef sm90_tile_cfg<BN, STAGES, (FL & SM90_FL_TMA_ST2) != 0> cfg;
-    void (*kern)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const sm90_gemm_params) =
-        sm90_grouped_gemm_kernel<BN, STAGES, MODE, FL>;
+            return sm90_launch<BN, STAGES, MODE, FL | SM90_FL_RASTER>(p, ma, mb, mc, prm, s, op,
+                                                                      md);
+    typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL)> cfg;
+    void (*kern)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
+                 const sm90_gemm_params) = sm90_grouped_gemm_kernel<BN, STAGES, MODE, FL>;
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            cfg::SMEM_BYTES);
     if (err != cudaSuccess)
@@ -1305,9 +1454,9 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
         grid = grid < 2 ? 2 : grid & ~1;
         if (grid > 2 * max_clusters) grid = 2 * max_clusters;
         lc.gridDim = dim3((unsigned)grid, 1, 1);
-        err = cudaLaunchKernelEx(&lc, kern, *ma, *mb, *mc, *prm);
+        err = cudaLaunchKernelEx(&lc, kern, *ma, *mb, *mc, *md, *prm);
     } else {
-        kern<<<grid, SM90_THREADS, cfg::SMEM_BYTES, s>>>(*ma, *mb, *mc, *prm);
+        kern<<<grid, SM90_THREADS, cfg::SMEM_BYTES, s>>>(*ma, *mb, *mc, *md, *prm);
         err = cudaGetLastError();
     }
     if (err != cudaSuccess)
@@ -1343,10 +1492,13 @@ enum {
     /* 8388608: up in the grouped order from 8 MiB W1 slices, measured
      * 0.98-0.99 on the forwards it changes (notes/sm90_log.md rung 11) */
     /* down at 256 < n <= 512: ping-pong 192 whatever d (the old table) */
-    SM90_VAR_DOWN_PP_ANYD = 16777216
+    SM90_VAR_DOWN_PP_ANYD = 16777216,
     /* 33554432: down at n <= 256 with the weight tile resident in shared
      * memory, measured 0.97-1.00 on the n = 256 forwards and retired
      * (notes/sm90_log.md rung 12; the code is in commit 94709c7) */
+    /* dh where it takes ep_dh_tma: H by TMA through a slot ring
+     * (SM90_FL_HTMA, 3 main-loop stages) */
+    SM90_VAR_DH_HTMA = 134217728
 };
 
 /* The double-buffered TMA-store epilogue (SM90_FL_TMA_ST2) for down (down
@@ -1575,7 +1727,15 @@ static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const b
         SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mdh, dh, p->cap, p->h_cols, 64, "dh"));
         SMOE_FORWARD_IF_ERROR(sm90_make_map_box(&mas, a_scaled, p->cap, p->n, 32, 64,
                                                 CU_TENSOR_MAP_SWIZZLE_64B, "a_scaled"));
-        st = sm90_launch<256, 4, SM90_MODE_DH, SM90_FL_TMA_ST2>(p, &mas, &mb, &mdh, &prm, s, "dh");
+        if (smoe_sm90_gemm_variant & SM90_VAR_DH_HTMA) {
+            CUtensorMap mh;
+            SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mh, h, p->cap, p->h_cols, 64, "h"));
+            st = sm90_launch<256, 3, SM90_MODE_DH, SM90_FL_TMA_ST2 | SM90_FL_HTMA>(
+                p, &mas, &mb, &mdh, &prm, s, "dh", &mh);
+        } else {
+            st = sm90_launch<256, 4, SM90_MODE_DH, SM90_FL_TMA_ST2>(p, &mas, &mb, &mdh, &prm, s,
+                                                                   "dh");
+        }
     } else if (bn == 256) {
         st = sm90_launch<256, 4, SM90_MODE_DH, 0>(p, &mb, &mb, &mb, &prm, s, "dh");
     } else if (smoe_sm90_gemm_variant & SM90_VAR_DH_PP) {
