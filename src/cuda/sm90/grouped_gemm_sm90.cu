@@ -177,14 +177,16 @@ enum {
     SM90_FL_HTMA = 256
 };
 
+/* dh with SM90_FL_HTMA: H / dH slots per consumer warpgroup */
+#define SM90_H_SLOTS 3
+
 /* 8 KiB epilogue buffers per consumer warpgroup: two with SM90_FL_TMA_ST2;
- * four with SM90_FL_HTMA as well (dh: three H / dH slots and A''s buffer);
- * none otherwise (the padded staging buffers). */
+ * with SM90_FL_HTMA as well, the H / dH slots and A''s buffer; none
+ * otherwise (the padded staging buffers). */
 __host__ __device__ constexpr int sm90_epb(int fl)
 {
-    return (fl & SM90_FL_TMA_ST2) ? ((fl & SM90_FL_HTMA) ? 4 : 2) : 0;
+    return (fl & SM90_FL_TMA_ST2) ? ((fl & SM90_FL_HTMA) ? SM90_H_SLOTS + 1 : 2) : 0;
 }
-#define SM90_H_SLOTS 3
 
 enum { SM90_MODE_UP = 0, SM90_MODE_DOWN = 1, SM90_MODE_DXT = 2, SM90_MODE_DH = 3 };
 
@@ -223,7 +225,7 @@ struct sm90_tile_cfg {
      * warpgroup), or EPB 8 KiB buffers per warpgroup */
     static constexpr int EP_TOTAL = EPB ? 2 * EPB * 8192 : 2 * SM90_EP_BYTES;
     /* H slots' barriers (SM90_FL_HTMA) */
-    static constexpr int HBAR_BYTES = EPB == 4 ? 2 * SM90_H_SLOTS * 8 : 0;
+    static constexpr int HBAR_BYTES = EPB == SM90_H_SLOTS + 1 ? 2 * SM90_H_SLOTS * 8 : 0;
     /* EPB > 0: tile_start for E <= 256 and no WS token slots */
     static constexpr int SMEM_BYTES =
         EPB ? 1024 + STAGES * STAGE_BYTES + EP_TOTAL + 2 * STAGES * 8 + HBAR_BYTES + (256 + 1) * 4
@@ -728,7 +730,7 @@ __device__ __forceinline__ void ep_dh_hring(const float *ac, uint8_t *wb, uint64
 {
     static_assert(ACT <= SMOE_ACT_REGLU, "gated activations only");
     constexpr int NC = BN / 32, NS = SM90_H_SLOTS; /* chunks of 32 units */
-    uint8_t *ab = wb + 3 * 8192;
+    uint8_t *ab = wb + NS * 8192; /* after the slots */
     const int jn = min(BN / 8, (p.N - n0) / 8);
     bool rv[2];
     int64_t row[2];
@@ -1241,9 +1243,9 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             const int wrow0 = tl.row0 + (PP ? mh : cw) * 64; /* first row of the 64 */
             const int nvalid = min(64, tl.row_end - wrow0);
             if constexpr (MODE == SM90_MODE_DH && HTMA) {
-                ep_dh_hring_any<BN>(ac, ep_base + cw * 4 * 8192, hbar + cw * SM90_H_SLOTS, &map_d,
-                                    &map_c, &map_a, p, wrow0, nvalid, n0, lr, q, tl.n_tile,
-                                    tid & 127, cw, hk);
+                ep_dh_hring_any<BN>(ac, ep_base + cw * sm90_epb(FL) * 8192,
+                                    hbar + cw * SM90_H_SLOTS, &map_d, &map_c, &map_a, p, wrow0,
+                                    nvalid, n0, lr, q, tl.n_tile, tid & 127, cw, hk);
             } else if constexpr (MODE == SM90_MODE_DH && TMA_ST2) {
                 ep_dh_tma_any<BN>(ac, ep_base + cw * 16384, ep_base + cw * 16384 + 8192, &map_c,
                                   &map_a, p, wrow0, nvalid, n0, lr, q, tl.n_tile, tid & 127, cw);
