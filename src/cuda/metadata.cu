@@ -27,8 +27,13 @@
 
 static size_t align_up(size_t x) { return (x + SMOE_ALIGN - 1) / SMOE_ALIGN * SMOE_ALIGN; }
 
+#define MD2_MAX_E 1024
+#define MD2_MIN_TILE 1024 /* MD2_THREADS * 2 */
+
 size_t smoe_cuda_metadata_scratch_bytes(int64_t E, int64_t cap)
 {
+    if (E >= 1 && E <= MD2_MAX_E) /* tile_hist: a row of E (rounded up to 4) per tile */
+        return align_up((size_t)(smoe_cdiv(cap > 0 ? cap : 1, MD2_MIN_TILE) * ((E + 3) / 4 * 4)) * 4);
     const int64_t nchunk = smoe_cdiv(cap > 0 ? cap : 1, MD_CHUNK);
     return align_up((size_t)(E * nchunk) * 4) + align_up((size_t)E * 4);
 }
@@ -160,11 +165,283 @@ k_md_place(smoe_assign_dev in, int64_t cap, int E, int nchunk,
     }
 }
 
+/* ------------------------------------------------------------ E <= 1024 */
+
+/* Two launches instead of three (E <= MD2_MAX_E): tiles of 512 * IPT
+ * assignments (IPT = 2, 4 or 8 so that there are about 128 tiles), one
+ * block of 512 threads per tile.
+ *   1. k_md2_hist: the tile's expert histogram (shared-memory integer
+ *      atomics: only counts survive), one row of tile_hist per tile.
+ *   2. k_md2_place (launched as a programmatic dependent of 1, where the
+ *      device has it): every block sums the histogram columns (int4 loads):
+ *      the tiles before its own (where its rows of expert e start among
+ *      expert e's rows) and all of them (the expert totals, then their
+ *      exclusive scan: the expert offsets). Each warp ranks its 32 * IPT
+ *      assignments in order, 32 at a time (__match_any_sync: equal experts
+ *      rank by lane; a per-warp running count per expert), the warps'
+ *      counts are scanned per expert, and every assignment gets its row:
+ *      expert offset + tiles before + warps before + rank in the warp. The
+ *      tile's rows are staged in shared memory in row order, so row_token
+ *      and row_score are written in runs.
+ * Same rows as the three-launch sort (stable: by expert, then assignment
+ * order); no atomics that decide an order. */
+#define MD2_THREADS 512
+#define MD2_WARPS (MD2_THREADS / 32)
+#define MD2_PART 2048 /* ints of one column-sum partial array (P * Ep) */
+
+static int md2_ipt(int64_t cap)
+{
+    return cap >= 128 * 8 * MD2_THREADS ? 8 : cap >= 128 * 4 * MD2_THREADS ? 4 : 2;
+}
+
+static int64_t md2_pad(int64_t E) { return (E + 3) / 4 * 4; }
+
+static __device__ __forceinline__ void md2_wait_primary(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+static __device__ __forceinline__ void md2_let_dependents_start(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+template <int IPT>
+__global__ void __launch_bounds__(MD2_THREADS)
+k_md2_hist(const int32_t *__restrict__ expert, const int32_t *__restrict__ count, int64_t cap,
+           int E, int Ep, int32_t *tile_hist)
+{
+    extern __shared__ int h[]; /* Ep */
+    md2_let_dependents_start(); /* they wait for this grid's end */
+    for (int e = threadIdx.x; e < Ep; e += MD2_THREADS) h[e] = 0;
+    __syncthreads();
+    const int64_t n = *count < cap ? *count : cap;
+    const int64_t base = (int64_t)blockIdx.x * (MD2_THREADS * IPT) + threadIdx.x;
+    int ex[IPT];
+#pragma unroll
+    for (int r = 0; r < IPT; ++r) {
+        const int64_t a = base + r * MD2_THREADS;
+        ex[r] = a < n ? expert[a] : -1;
+    }
+#pragma unroll
+    for (int r = 0; r < IPT; ++r)
+        if (ex[r] >= 0 && ex[r] < E) atomicAdd(&h[ex[r]], 1);
+    __syncthreads();
+    int32_t *row = tile_hist + (int64_t)blockIdx.x * Ep;
+    for (int e = threadIdx.x; e < Ep; e += MD2_THREADS) row[e] = h[e];
+}
+
+static size_t md2_smem_bytes(int64_t Ep, int ipt)
+{
+    return (size_t)(MD2_WARPS * Ep + 2 * Ep + 2 * MD2_PART + 3 * MD2_THREADS * ipt) * 4;
+}
+
+template <int IPT>
+__global__ void __launch_bounds__(MD2_THREADS, 1)
+k_md2_place(smoe_assign_dev in, int64_t cap, int E, int Ep, int ntiles,
+            const int32_t *__restrict__ tile_hist, int32_t *expert_offset, int32_t *assign_row,
+            int32_t *row_token, float *row_score, int32_t *expert_counts)
+{
+    constexpr int TILE = MD2_THREADS * IPT, S = TILE / MD2_WARPS;
+    extern __shared__ int sm[];
+    int *wcnt = sm;                   /* MD2_WARPS * Ep: per-warp counts, then their prefix */
+    int *gbase = wcnt + MD2_WARPS * Ep; /* Ep: the tile's first row of each expert */
+    int *toff = gbase + Ep;           /* Ep: the tile's count, then its local offset */
+    int *ppre = toff + Ep;            /* MD2_PART: column sums over the tiles before */
+    int *ptot = ppre + MD2_PART;      /* MD2_PART: column sums over all tiles */
+    int *srow = ptot + MD2_PART;      /* TILE staged rows, in row order */
+    int *stok = srow + TILE;
+    float *ssc = (float *)(stok + TILE);
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, b = blockIdx.x;
+    const unsigned full = 0xffffffffu, lt = (1u << lane) - 1u;
+
+    md2_wait_primary(); /* the histogram (and the assignments) are complete */
+
+    /* column sums: thread (p, c4) takes the tiles p, p + P, ... of columns
+     * 4 c4 .. 4 c4 + 3 */
+    const int C4 = Ep >> 2, P = MD2_THREADS / C4;
+    {
+        const int c4 = tid % C4, p = tid / C4;
+        if (p < P) {
+            int4 pre = make_int4(0, 0, 0, 0), tot = make_int4(0, 0, 0, 0);
+            const int4 *col = reinterpret_cast<const int4 *>(tile_hist) + c4;
+#pragma unroll 4
+            for (int t = p; t < ntiles; t += P) {
+                const int4 v = __ldg(col + (int64_t)t * C4);
+                tot.x += v.x;
+                tot.y += v.y;
+                tot.z += v.z;
+                tot.w += v.w;
+                if (t < b) {
+                    pre.x += v.x;
+                    pre.y += v.y;
+                    pre.z += v.z;
+                    pre.w += v.w;
+                }
+            }
+            reinterpret_cast<int4 *>(ppre + p * Ep)[c4] = pre;
+            reinterpret_cast<int4 *>(ptot + p * Ep)[c4] = tot;
+        }
+    }
+    __syncthreads();
+    /* expert totals -> offsets; thread tid owns experts 2 tid, 2 tid + 1 */
+    const int e0 = 2 * tid;
+    int tot2[2] = {0, 0}, pre2[2] = {0, 0};
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        const int e = e0 + q;
+        if (e < E)
+            for (int p = 0; p < P; ++p) {
+                tot2[q] += ptot[p * Ep + e];
+                pre2[q] += ppre[p * Ep + e];
+            }
+    }
+    int total;
+    const int off0 = md_block_scan(tot2[0] + tot2[1], &total);
+    const int off1 = off0 + tot2[0];
+    if (e0 < Ep) gbase[e0] = off0 + pre2[0];
+    if (e0 + 1 < Ep) gbase[e0 + 1] = off1 + pre2[1];
+    if (b == 0) {
+        if (e0 < E) expert_offset[e0] = off0;
+        if (e0 + 1 < E) expert_offset[e0 + 1] = off1;
+        if (tid == 0) expert_offset[E] = total;
+        if (expert_counts) {
+            if (e0 < E) expert_counts[e0] = tot2[0];
+            if (e0 + 1 < E) expert_counts[e0 + 1] = tot2[1];
+        }
+    }
+
+    /* rank within the warp's S assignments */
+    int *wc = wcnt + w * Ep;
+    for (int e = lane; e < Ep; e += 32) wc[e] = 0;
+    const int64_t n = *in.count < cap ? *in.count : cap;
+    const int64_t abase = (int64_t)b * TILE + w * S + lane;
+    int ex[IPT], rk[IPT], tk[IPT];
+    float sc[IPT];
+    unsigned inside = 0;
+#pragma unroll
+    for (int r = 0; r < IPT; ++r) {
+        const int64_t a = abase + r * 32;
+        ex[r] = -1;
+        tk[r] = 0;
+        sc[r] = 0.0f;
+        if (a < n) {
+            inside |= 1u << r;
+            const int e = in.expert[a];
+            ex[r] = e >= 0 && e < E ? e : -1;
+            tk[r] = in.token[a];
+            sc[r] = in.score[a];
+        }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < IPT; ++r) {
+        const int e = ex[r];
+        const unsigned peers = __match_any_sync(full, e);
+        const int before = e >= 0 ? wc[e] : 0;
+        rk[r] = before + __popc(peers & lt);
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(peers) - 1) wc[e] = before + __popc(peers);
+        __syncwarp();
+    }
+    __syncthreads();
+    /* per expert: exclusive scan of the warps' counts; the tile's count */
+    for (int e = tid; e < Ep; e += MD2_THREADS) {
+        int run = 0;
+#pragma unroll
+        for (int v = 0; v < MD2_WARPS; ++v) {
+            const int c = wcnt[v * Ep + e];
+            wcnt[v * Ep + e] = run;
+            run += c;
+        }
+        toff[e] = run;
+    }
+    __syncthreads();
+    const int c0 = e0 < Ep ? toff[e0] : 0, c1 = e0 + 1 < Ep ? toff[e0 + 1] : 0;
+    int nrows;
+    const int l0 = md_block_scan(c0 + c1, &nrows); /* has barriers: reads are done */
+    if (e0 < Ep) toff[e0] = l0;
+    if (e0 + 1 < Ep) toff[e0 + 1] = l0 + c0;
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < IPT; ++r) {
+        if (!(inside >> r & 1u)) continue;
+        const int64_t a = abase + r * 32;
+        const int e = ex[r];
+        if (e < 0) {
+            assign_row[a] = -1;
+            continue;
+        }
+        const int wp = wc[e] + rk[r];
+        const int row = gbase[e] + wp, pos = toff[e] + wp;
+        assign_row[a] = row;
+        srow[pos] = row;
+        stok[pos] = tk[r];
+        ssc[pos] = sc[r];
+    }
+    __syncthreads();
+    for (int j = tid; j < nrows; j += MD2_THREADS) {
+        const int row = srow[j];
+        row_token[row] = stok[j];
+        row_score[row] = ssc[j];
+    }
+}
+
+template <int IPT>
+static smoe_status md2_launch(int64_t E, int64_t cap, smoe_assign_dev in, int32_t *expert_offset,
+                              int32_t *assign_row, int32_t *row_token, float *row_score,
+                              int32_t *expert_counts, int32_t *tile_hist, cudaStream_t stream)
+{
+    const int64_t Ep = md2_pad(E);
+    const int ntiles = (int)smoe_cdiv(cap > 0 ? cap : 1, (int64_t)MD2_THREADS * IPT);
+    k_md2_hist<IPT><<<ntiles, MD2_THREADS, (size_t)Ep * 4, stream>>>(in.expert, in.count, cap,
+                                                                      (int)E, (int)Ep, tile_hist);
+    SMOE_CUDA_LAUNCH_CHECK("k_md2_hist");
+    const size_t smem = md2_smem_bytes(Ep, IPT);
+    SMOE_CUDA_CHECK(cudaFuncSetAttribute(k_md2_place<IPT>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    int dev = 0, major = 0;
+    SMOE_CUDA_CHECK(cudaGetDevice(&dev));
+    SMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDim = dim3((unsigned)ntiles);
+    cfg.blockDim = dim3(MD2_THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = major >= 9 ? 1 : 0;
+    SMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k_md2_place<IPT>, in, cap, (int)E, (int)Ep, ntiles,
+                                       (const int32_t *)tile_hist, expert_offset, assign_row,
+                                       row_token, row_score, expert_counts));
+    SMOE_CUDA_LAUNCH_CHECK("k_md2_place");
+    return SMOE_SUCCESS;
+}
+
 smoe_status smoe_cuda_metadata(int64_t E, int64_t cap, smoe_assign_dev in,
                                int32_t *expert_offset, int32_t *assign_row,
                                int32_t *row_token, float *row_score,
                                int32_t *expert_counts, void *scratch, cudaStream_t stream)
 {
+    if (E >= 1 && E <= MD2_MAX_E) {
+        const int ipt = md2_ipt(cap);
+        int32_t *tile_hist = (int32_t *)scratch;
+        if (ipt == 8)
+            return md2_launch<8>(E, cap, in, expert_offset, assign_row, row_token, row_score,
+                                 expert_counts, tile_hist, stream);
+        if (ipt == 4)
+            return md2_launch<4>(E, cap, in, expert_offset, assign_row, row_token, row_score,
+                                 expert_counts, tile_hist, stream);
+        return md2_launch<2>(E, cap, in, expert_offset, assign_row, row_token, row_score,
+                             expert_counts, tile_hist, stream);
+    }
     const int64_t nchunk = smoe_cdiv(cap > 0 ? cap : 1, MD_CHUNK);
     int32_t *chunk_count = (int32_t *)scratch;
     int32_t *expert_total =

@@ -227,6 +227,246 @@ static smoe_status launch_tc_warp(const float *logits, int T, int E, int K, int 
     return SMOE_SUCCESS;
 }
 
+/* The same routing, faster, for E <= 256 (EPL = 1, 2, 4, 8 logits per
+ * lane): lane l holds the logits e = EPL*l + j, j < EPL (one vector load
+ * where the row allows), so at equal keys the lower lane, then the lower j,
+ * is the lower expert. Selection without K serial picks:
+ *  1. tau = the K-th largest of the 32 lane maxima (a bitonic sort of the
+ *     maxima); at least K logits rank at or above tau, so the K best are
+ *     among the candidates, the logits with key >= tau (about K + K/4 of
+ *     them on random logits).
+ *  2. The candidates are compacted into 32 slots (ballots); each one's rank
+ *     is the number of candidates ranked ahead of it (larger key, or equal
+ *     key and lower expert), so rank k is pick k.
+ *  3. Over 32 candidates (many equal logits): K picks, each the warp's
+ *     largest key (the lowest lane holding it, then its lowest j).
+ * The picks equal the sequential ones. A warp routes G = 32 / KP tokens
+ * (KP: K rounded up to a power of two, G <= 8) one after the other, then
+ * scores them together, lane g*KP + k taking pick k of token g, so the fp64
+ * exp and division run once per lane instead of once per token. Scores:
+ * the same fp64 operations, in the same order, as k_route_token_choice_warp. */
+#define TCF_WARPS 4
+
+/* NaN ranks below every number but above the padding (key 0) */
+static __device__ __forceinline__ uint32_t tcf_key(float f)
+{
+    /* smoe_logit_key without branches: f + 0 turns -0 into +0 */
+    const uint32_t u = __float_as_uint(f + 0.0f);
+    const uint32_t k = u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
+    return f != f ? 1u : k;
+}
+
+template <int EPL>
+static __device__ __forceinline__ void tcf_load(const float *__restrict__ l, int E, int lane,
+                                                int vec, float (&f)[EPL], uint32_t (&kk)[EPL])
+{
+    const int e0 = EPL * lane;
+    if (EPL >= 4 && vec) {
+#pragma unroll
+        for (int q = 0; q < EPL / 4; ++q) {
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            const bool in = e0 + 4 * q < E; /* E % 4 == 0: all four or none */
+            if (in) v = __ldg(reinterpret_cast<const float4 *>(l + e0) + q);
+            f[4 * q + 0] = v.x;
+            f[4 * q + 1] = v.y;
+            f[4 * q + 2] = v.z;
+            f[4 * q + 3] = v.w;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) kk[4 * q + i] = in ? tcf_key(f[4 * q + i]) : 0u;
+        }
+    } else if (EPL == 2 && vec) {
+        float2 v = make_float2(0.f, 0.f);
+        const bool in = e0 < E; /* E % 2 == 0 */
+        if (in) v = __ldg(reinterpret_cast<const float2 *>(l + e0));
+        f[0] = v.x;
+        f[EPL - 1] = v.y;
+        kk[0] = in ? tcf_key(v.x) : 0u;
+        kk[EPL - 1] = in ? tcf_key(v.y) : 0u;
+    } else {
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) {
+            const bool in = e0 + j < E;
+            f[j] = in ? __ldg(l + e0 + j) : 0.0f;
+            kk[j] = in ? tcf_key(f[j]) : 0u;
+        }
+    }
+}
+
+/* The K picks of one token into pick[0..K) (warp-wide; pick is the warp's
+ * shared slot row; cs: 32 candidate slots (key, expert) and 32 dump slots). */
+template <int EPL>
+static __device__ __forceinline__ void tcf_select(uint32_t (&kk)[EPL], int E, int K, int lane,
+                                                  int *pick, uint2 *cs)
+{
+    const unsigned full = 0xffffffffu;
+    const int e0 = EPL * lane;
+    uint32_t v = kk[0];
+#pragma unroll
+    for (int j = 1; j < EPL; ++j) v = max(v, kk[j]);
+    /* bitonic sort of the lane maxima, descending over the lanes */
+#pragma unroll
+    for (int size = 2; size <= 32; size <<= 1) {
+#pragma unroll
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            const uint32_t p = __shfl_xor_sync(full, v, stride);
+            const bool keep_max = ((lane & stride) == 0) == ((lane & size) == 0);
+            v = keep_max ? max(v, p) : min(v, p);
+        }
+    }
+    uint32_t tau = __shfl_sync(full, v, K - 1);
+    tau = tau ? tau : 1u; /* padding (key 0) never a candidate */
+    const unsigned lt = (1u << lane) - 1u;
+    int total = 0;
+    __syncwarp(); /* the previous token's slots are read */
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+        const bool c = kk[j] >= tau;
+        const unsigned b = __ballot_sync(full, c);
+        const int slot = total + __popc(b & lt);
+        /* slots 32 + lane take what is not stored (no branch) */
+        cs[c && slot < 32 ? slot : 32 + lane] = make_uint2(kk[j], (uint32_t)(e0 + j));
+        total += __popc(b);
+    }
+    __syncwarp();
+    if (total <= 32) {
+        const bool mine = lane < total;
+        const uint2 me = cs[lane];
+        int rank = 0;
+#pragma unroll 4
+        for (int c = 0; c < total; ++c) {
+            const uint2 o = cs[c];
+            rank += (o.x > me.x) || (o.x == me.x && o.y < me.y);
+        }
+        if (mine && rank < K) pick[rank] = (int)me.y;
+        return;
+    }
+    /* many equal logits: K picks, each taking the best key left */
+    for (int k = 0; k < K; ++k) {
+        uint32_t m = kk[0];
+#pragma unroll
+        for (int j = 1; j < EPL; ++j) m = max(m, kk[j]);
+        const uint32_t bk = __reduce_max_sync(full, m);
+        const unsigned b = __ballot_sync(full, m == bk);
+        if (lane == __ffs(b) - 1) {
+            int jw = 0;
+#pragma unroll
+            for (int j = EPL - 1; j >= 0; --j)
+                if (kk[j] == bk) jw = j;
+#pragma unroll
+            for (int j = 0; j < EPL; ++j)
+                if (j == jw) kk[j] = 0u;
+            pick[k] = e0 + jw;
+        }
+    }
+}
+
+template <int EPL>
+__global__ void __launch_bounds__(TCF_WARPS * 32)
+k_route_tc_fast(const float *__restrict__ logits, int T, int E, int K, int kpl, int G, int mode,
+                int renormalize, int vec, smoe_assign_dev out)
+{
+    extern __shared__ double tcf_exp[]; /* SOFTMAX_TOPK: TCF_WARPS * E */
+    __shared__ int sh_pick[TCF_WARPS][32];
+    __shared__ uint2 sh_cs[TCF_WARPS][64];
+    __shared__ double sh_m[TCF_WARPS][8], sh_s[TCF_WARPS][8];
+    const unsigned full = 0xffffffffu;
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, KP = 1 << kpl;
+    const int64_t t0 = ((int64_t)blockIdx.x * TCF_WARPS + wib) * G;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        out.token_offset[T] = T * K;
+        *out.count = T * K;
+    }
+    if (t0 >= T) return;
+    const int ng = (int)(T - t0 < G ? T - t0 : G); /* tokens of this warp */
+    for (int g = 0; g < ng; ++g) {
+        const float *l = logits + (t0 + g) * E;
+        float f[EPL];
+        uint32_t kk[EPL];
+        tcf_load<EPL>(l, E, lane, vec, f, kk);
+        if (mode != SMOE_ROUTING_TOPK_SOFTMAX) {
+            /* the softmax normaliser over the row, as the warp kernel */
+            double *ex = tcf_exp + (size_t)wib * E;
+            double m = -CUDART_INF;
+#pragma unroll
+            for (int j = 0; j < EPL; ++j) {
+                if (EPL * lane + j < E) {
+                    const double v = (double)f[j];
+                    if (v > m) m = v;
+                }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const double v = __shfl_xor_sync(full, m, o);
+                if (v > m) m = v;
+            }
+            __syncwarp(); /* the previous token's sum is taken */
+#pragma unroll
+            for (int j = 0; j < EPL; ++j)
+                if (EPL * lane + j < E) ex[EPL * lane + j] = exp((double)f[j] - m);
+            __syncwarp();
+            if (lane == 0) {
+                double s = 0.0;
+                for (int e = 0; e < E; ++e) s += ex[e];
+                sh_m[wib][g] = m;
+                sh_s[wib][g] = s;
+            }
+        }
+        tcf_select<EPL>(kk, E, K, lane, &sh_pick[wib][g * KP], sh_cs[wib]);
+    }
+    __syncwarp();
+    const int g = lane >> kpl, k = lane & (KP - 1);
+    const int64_t t = t0 + g;
+    const bool act = g < ng && k < K;
+    const int e = act ? sh_pick[wib][lane] : 0;
+    const float lk = act ? __ldg(logits + t * E + e) : 0.0f;
+    const int gb = lane - k; /* the group's first lane */
+    double score;
+    if (mode == SMOE_ROUTING_TOPK_SOFTMAX) {
+        /* softmax over the K picked logits, taken in pick order */
+        const double m = __shfl_sync(full, (double)lk, gb);
+        const double ek = act ? exp((double)lk - m) : 0.0;
+        double sum = 0.0;
+        for (int i = 0; i < K; ++i) sum += __shfl_sync(full, ek, gb + i);
+        score = ek / sum;
+    } else {
+        const double m = g < ng ? sh_m[wib][g] : 0.0, s = g < ng ? sh_s[wib][g] : 1.0;
+        const double p = act ? exp((double)lk - m) / s : 0.0;
+        if (renormalize) {
+            double z = 0.0;
+            for (int i = 0; i < K; ++i) z += __shfl_sync(full, p, gb + i);
+            score = p / z;
+        } else {
+            score = p;
+        }
+    }
+    if (act) {
+        const int64_t a = t * K + k;
+        out.expert[a] = e;
+        out.token[a] = (int32_t)t;
+        out.score[a] = (float)score;
+        if (k == 0) out.token_offset[t] = (int32_t)(t * K);
+    }
+}
+
+template <int EPL>
+static smoe_status launch_tc_fast(const float *logits, int T, int E, int K, int mode,
+                                  int renormalize, smoe_assign_dev out, cudaStream_t stream)
+{
+    int kpl = 0;
+    while ((1 << kpl) < K) ++kpl;
+    const int G = (32 >> kpl) < 8 ? (32 >> kpl) : 8;
+    const uintptr_t p = (uintptr_t)logits;
+    int vec = 0;
+    if (EPL >= 4) vec = E % 4 == 0 && p % 16 == 0;
+    else if (EPL == 2) vec = E % 2 == 0 && p % 8 == 0;
+    const size_t smem = mode == SMOE_ROUTING_TOPK_SOFTMAX ? 0 : (size_t)TCF_WARPS * E * 8;
+    const int64_t warps = smoe_cdiv(T, G);
+    k_route_tc_fast<EPL><<<(unsigned)smoe_cdiv(warps, TCF_WARPS), TCF_WARPS * 32, smem, stream>>>(
+        logits, T, E, K, kpl, G, mode, renormalize, vec, out);
+    SMOE_CUDA_LAUNCH_CHECK("k_route_tc_fast");
+    return SMOE_SUCCESS;
+}
+
 /* ------------------------------------------------------------ token rounding */
 
 typedef struct tr_scratch {
@@ -508,11 +748,11 @@ smoe_status smoe_cuda_route(const smoe_layer_desc *desc, int64_t T, int rounding
     const int blocks = (int)smoe_cdiv(T, threads);
     if (!rounding || desc->rounding == SMOE_ROUND_OFF) {
         const int mode = (int)desc->routing, rn = desc->renormalize;
-        if (K <= 32) {
-            if (E <= 32) return launch_tc_warp<1>(logits, Ti, E, K, mode, rn, out, stream);
-            if (E <= 64) return launch_tc_warp<2>(logits, Ti, E, K, mode, rn, out, stream);
-            if (E <= 128) return launch_tc_warp<4>(logits, Ti, E, K, mode, rn, out, stream);
-            if (E <= 256) return launch_tc_warp<8>(logits, Ti, E, K, mode, rn, out, stream);
+        if (K >= 1 && K <= 32) {
+            if (E <= 32) return launch_tc_fast<1>(logits, Ti, E, K, mode, rn, out, stream);
+            if (E <= 64) return launch_tc_fast<2>(logits, Ti, E, K, mode, rn, out, stream);
+            if (E <= 128) return launch_tc_fast<4>(logits, Ti, E, K, mode, rn, out, stream);
+            if (E <= 256) return launch_tc_fast<8>(logits, Ti, E, K, mode, rn, out, stream);
             if (E <= 512) return launch_tc_warp<16>(logits, Ti, E, K, mode, rn, out, stream);
             if (E <= 1024) return launch_tc_warp<32>(logits, Ti, E, K, mode, rn, out, stream);
         }

@@ -399,6 +399,19 @@ int main(int argc, char **argv)
     run_case(300, 1100, 4, ST, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 0);   /* E > 1024 */
     run_case(300, 600, 8, TK, 0, SMOE_ROUND_OFF, 128, L_TIES, 0);
     run_case(2000, 300, 3, ST, 1, SMOE_ROUND_UP, 32, L_NORMAL, 0);
+    /* the E <= 256 token-choice kernel: vector and scalar loads (E % 4),
+     * 1..8 tokens per warp (K), T not a multiple of them, padding lanes,
+     * and its K-picks path (more than 32 candidates: many equal logits) */
+    run_case(1001, 64, 4, TK, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 0);
+    run_case(1001, 64, 4, ST, 1, SMOE_ROUND_OFF, 128, L_TIES, 0);
+    run_case(513, 45, 5, TK, 0, SMOE_ROUND_OFF, 128, L_TIES, 0);
+    run_case(333, 100, 1, TK, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 0);
+    run_case(333, 97, 32, ST, 1, SMOE_ROUND_OFF, 128, L_NORMAL, 0);
+    run_case(777, 250, 16, TK, 0, SMOE_ROUND_OFF, 128, L_TIES, 0);
+    run_case(777, 250, 16, ST, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 0);
+    run_case(300, 256, 16, TK, 0, SMOE_ROUND_OFF, 128, L_TIES, 0);
+    run_case(500, 200, 24, TK, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 0);
+    run_case(67, 20, 19, ST, 1, SMOE_ROUND_OFF, 128, L_NORMAL, 0);
     run_general(50, 6, 0.3);
     run_general(3, 4, 0.0);
     if (!small) {
