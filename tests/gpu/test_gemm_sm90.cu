@@ -989,13 +989,15 @@ int main(int argc, char **argv)
              * row-major and grouped), and dh without its TMA-store
              * epilogue (bit 2097152; the table takes it where gated, both
              * row-major and grouped), and dh's H by TMA through a slot
-             * ring (bit 134217728, both orders) on further random cases,
-             * so the
+             * ring (bit 134217728, both orders), and up's epilogue in its
+             * own warpgroup (bit 268435456, both orders) on further random
+             * cases, so the
              * variant code stays tested */
-            enum { NV = 13 };
+            enum { NV = 15 };
             static const int vars[NV] = {16 | 32, 128, 1024, 32768, 32768 | 1024, 65536, 131072,
                                          262144, 262144 | 1024, 2097152, 2097152 | 1024,
-                                         134217728, 134217728 | 1024};
+                                         134217728, 134217728 | 1024, 268435456,
+                                         268435456 | 1024};
             static const char *what[NV] = {"ping-pong up and dh", "2-CTA clusters, weight multicast",
                                            "tiles in groups of 16 m-tiles",
                                            "down and dxt in ping-pong 128 x 192 tiles",
@@ -1007,13 +1009,16 @@ int main(int argc, char **argv)
                                            "dh's dH and A' stored directly",
                                            "dh's direct stores, groups of 16 m-tiles",
                                            "dh's H by TMA through a slot ring",
-                                           "dh's H ring, groups of 16 m-tiles"};
+                                           "dh's H ring, groups of 16 m-tiles",
+                                           "up's epilogue warpgroup",
+                                           "up's epilogue warpgroup, groups of 16 m-tiles"};
             for (int k = 0; k < NV; k++) {
                 smoe_sm90_gemm_variant = vars[k];
                 printf("variant %d (%s):\n", vars[k], what[k]);
                 /* dh's direct path takes only some random cases (gated
                  * activations): more of them there */
-                const int nk = small ? 1 : (vars[k] & (2097152 | 134217728)) ? 24 : 8;
+                const int nk =
+                    small ? 1 : (vars[k] & (2097152 | 134217728 | 268435456)) ? 24 : 8;
                 for (int i = 0; i < nk; i++) {
                     const int r = run_case(cases + 32 * k + i, sms);
                     total += r >= 0;

@@ -26,8 +26,10 @@
  * duplicate -> smoe_layer_check_device reports it), F32 storage and
  * unaligned sizes rejected at create time.
  *
- * Usage: test_layer_gpu [seed] [--small]   (--small: small shapes only,
- * for compute-sanitizer). Exit code 0 when every check passed; a GPU-less
+ * Usage: test_layer_gpu [seed] [--small] [--sm80|--sm90] [--variant V]
+ * (--small: small shapes only, for compute-sanitizer; --variant: the Hopper
+ * GEMMs' variant hook, to run a kernel the tile table does not pick on
+ * these shapes through the whole layer). Exit code 0 when every check passed; a GPU-less
  * machine skips (exit 0, says so).
  */
 #include "smoe.h"
@@ -37,6 +39,10 @@
 #include <cuda_runtime_api.h>
 
 static smoe_backend g_backend = SMOE_BACKEND_AUTO;
+#ifdef SMOE_WITH_SM90
+extern int smoe_sm90_gemm_variant; /* the Hopper GEMMs' variant hook (--variant V) */
+#endif
+
 static int g_small = 0;
 static int g_skipped = 0, g_cases = 0;
 
@@ -809,6 +815,10 @@ int main(int argc, char **argv)
         if (!strcmp(argv[i], "--small")) g_small = 1;
         else if (!strcmp(argv[i], "--sm80")) g_backend = SMOE_BACKEND_CUDA;
         else if (!strcmp(argv[i], "--sm90")) g_backend = SMOE_BACKEND_SM90;
+#ifdef SMOE_WITH_SM90
+        else if (!strcmp(argv[i], "--variant") && i + 1 < argc)
+            smoe_sm90_gemm_variant = atoi(argv[++i]);
+#endif
         else seed = strtoull(argv[i], NULL, 0);
     }
     tu_seed = seed;

@@ -161,7 +161,18 @@ using namespace smoe_sm90;
  *                  the same way, hook 1048576, measured -1% and was
  *                  retired in session 6; the code is in c461f84.)
  *                  (dh's epilogue otherwise: ep_dh_direct.) */
-/*  SM90_FL_HTMA    dh with SM90_FL_TMA_ST2: H comes by TMA through a ring of
+/*  SM90_FL_EPIWG   up, cooperative 128 x 256, 3 stages: the consumers only
+ *                  round the tile (bias added) into a padded staging copy of
+ *                  the whole tile (8 units of 64 x 64) and go on to the next
+ *                  tile's main loop; warps 2-3 of the producer warpgroup
+ *                  (the epilogue warps; warps 0-1 gather, 16 rows each per
+ *                  stage) store H from it and compute and store A
+ *                  (ep_flush_up_ct), so up's epilogue runs under the next
+ *                  main loop. (A fourth warpgroup would cap every thread at
+ *                  128 registers, too few for the m64n256 wgmma.) Two
+ *                  mbarriers hand the staging over: full (256 consumer
+ *                  arrivals), empty (64 epilogue arrivals).
+ *  SM90_FL_HTMA    dh with SM90_FL_TMA_ST2: H comes by TMA through a ring of
  *                  three 8 KiB slots per warpgroup, laid out as dH's
  *                  staging, so dH is written over H and stored from the
  *                  slot (ep_dh_hring); 3 main-loop stages make room.
@@ -174,8 +185,13 @@ enum {
     SM90_FL_CLUSTER = 4,
     SM90_FL_RASTER = 16,
     SM90_FL_TMA_ST2 = 128,
-    SM90_FL_HTMA = 256
+    SM90_FL_HTMA = 256,
+    SM90_FL_EPIWG = 512
 };
+
+/* 64 x 64 staging units (SM90_EP_BYTES each) of the padded staging: one per
+ * consumer warpgroup, or with SM90_FL_EPIWG the whole 128 x 256 tile. */
+__host__ __device__ constexpr int sm90_epu(int fl) { return (fl & SM90_FL_EPIWG) ? 8 : 2; }
 
 /* dh with SM90_FL_HTMA: H / dH slots per consumer warpgroup */
 #define SM90_H_SLOTS 3
@@ -216,20 +232,21 @@ typedef struct sm90_gemm_params {
 #define SM90_EP_STRIDE 144
 #define SM90_EP_BYTES (64 * SM90_EP_STRIDE)
 
-template <int BN, int STAGES, int EPB = 0>
+template <int BN, int STAGES, int EPB = 0, int EPU = 2>
 struct sm90_tile_cfg {
     static constexpr int A_BYTES = SM90_BM * SM90_BK * 2;
     static constexpr int B_BYTES = BN * SM90_BK * 2;
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
     /* epilogue buffers: two 64-column chunk buffers (one per consumer
      * warpgroup), or EPB 8 KiB buffers per warpgroup */
-    static constexpr int EP_TOTAL = EPB ? 2 * EPB * 8192 : 2 * SM90_EP_BYTES;
-    /* H slots' barriers (SM90_FL_HTMA) */
-    static constexpr int HBAR_BYTES = EPB == SM90_H_SLOTS + 1 ? 2 * SM90_H_SLOTS * 8 : 0;
+    static constexpr int EP_TOTAL = EPB ? 2 * EPB * 8192 : EPU * SM90_EP_BYTES;
+    /* H slots' barriers (SM90_FL_HTMA), the staging's (SM90_FL_EPIWG) */
+    static constexpr int HBAR_BYTES =
+        (EPB == SM90_H_SLOTS + 1 ? 2 * SM90_H_SLOTS * 8 : 0) + (EPU > 2 ? 16 : 0);
     /* EPB > 0: tile_start for E <= 256 and no WS token slots */
     static constexpr int SMEM_BYTES =
         EPB ? 1024 + STAGES * STAGE_BYTES + EP_TOTAL + 2 * STAGES * 8 + HBAR_BYTES + (256 + 1) * 4
-              : 1024 + STAGES * STAGE_BYTES + EP_TOTAL + 2 * STAGES * 8 +
+              : 1024 + STAGES * STAGE_BYTES + EP_TOTAL + 2 * STAGES * 8 + HBAR_BYTES +
                     (SM90_MAX_EXPERTS + 1) * 4 + 2 * 128 * 4;
     static_assert(STAGE_BYTES % 1024 == 0, "stages must keep 1024-byte alignment");
     static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget");
@@ -358,19 +375,19 @@ __device__ __forceinline__ void ep_flush(const uint8_t *eb, bf16 *dst, int64_t l
  * per-element switch with an IEEE division measured 12-14% slower on up,
  * notes/sm90_log.md rung 8); the 4 rows are read before the second barrier,
  * so the buffer is refilled while the math and stores run. */
-template <int ACT>
+template <int ACT, bool SYNC = true>
 __device__ __noinline__ void ep_flush_up_ct(const uint8_t *eb, bf16 *out_h, bf16 *out_a, int ldh,
                                             int lda, int wrow0, int hc0, int nvalid, int t,
                                             int cw)
 {
     constexpr bool GATED = ACT <= SMOE_ACT_REGLU;
-    named_barrier_sync(1 + cw, 128);
+    if (SYNC) named_barrier_sync(1 + cw, 128);
     const int v = t & 7;
     uint4 hv[4];
 #pragma unroll
     for (int i = 0; i < 4; i++)
         hv[i] = *(const uint4 *)(eb + ((t >> 3) + 16 * i) * SM90_EP_STRIDE + v * 16);
-    named_barrier_sync(1 + cw, 128); /* the buffer may be refilled now */
+    if (SYNC) named_barrier_sync(1 + cw, 128); /* the buffer may be refilled now */
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const int r = (t >> 3) + 16 * i;
@@ -401,12 +418,15 @@ __device__ __noinline__ void ep_flush_up_ct(const uint8_t *eb, bf16 *out_h, bf16
     }
 }
 
-/* ep_flush_up_ct with the activation dispatched once per chunk. */
+/* ep_flush_up_ct with the activation dispatched once per chunk (SYNC false:
+ * the epilogue warpgroup, whose staging is handed over by mbarriers). */
+template <bool SYNC = true>
 __device__ __forceinline__ void ep_flush_up_any(const uint8_t *eb, bf16 *out_h, bf16 *out_a,
                                                 int ldh, int lda, int act, int wrow0, int hc0,
                                                 int nvalid, int t, int cw)
 {
-#define SM90_UP_FLUSH(A) ep_flush_up_ct<A>(eb, out_h, out_a, ldh, lda, wrow0, hc0, nvalid, t, cw)
+#define SM90_UP_FLUSH(A)                                                                         \
+    ep_flush_up_ct<A, SYNC>(eb, out_h, out_a, ldh, lda, wrow0, hc0, nvalid, t, cw)
     SMOE_ACT_SWITCH(act, SM90_UP_FLUSH);
 #undef SM90_UP_FLUSH
 }
@@ -965,7 +985,11 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                   "the double-buffered TMA-store epilogue is for cooperative 128 x 256 tiles");
     constexpr bool HTMA = (FL & SM90_FL_HTMA) != 0;
     static_assert(!HTMA || (TMA_ST2 && MODE == SM90_MODE_DH), "H by TMA: dh's TMA-store epilogue");
-    typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL)> cfg;
+    constexpr bool EPIWG = (FL & SM90_FL_EPIWG) != 0;
+    static_assert(!EPIWG || (MODE == SM90_MODE_UP && BN == 256 &&
+                             (FL & ~(SM90_FL_EPIWG | SM90_FL_RASTER)) == 0),
+                  "the epilogue warpgroup is for the cooperative 128 x 256 up");
+    typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL), sm90_epu(FL)> cfg;
     constexpr bool GATHER = (MODE == SM90_MODE_UP || MODE == SM90_MODE_DH);
     /* B stored K x N, N contiguous: W1 for dxt, W2 for dh */
     constexpr bool TRANS_B = (MODE == SM90_MODE_DXT || MODE == SM90_MODE_DH);
@@ -995,7 +1019,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     uint64_t *full = (uint64_t *)(ep_base + cfg::EP_TOTAL);
     uint64_t *empty = full + STAGES;
     uint64_t *hbar = empty + STAGES; /* HTMA: SM90_H_SLOTS per consumer warpgroup */
-    int *tile_start = (int *)(hbar + (HTMA ? 2 * SM90_H_SLOTS : 0));
+    uint64_t *stg = hbar + (HTMA ? 2 * SM90_H_SLOTS : 0); /* EPIWG: staging full, empty */
+    int *tile_start = (int *)(stg + (EPIWG ? 2 : 0));
     int32_t *tok_slots = tile_start + SM90_MAX_EXPERTS + 1; /* WS: 2 x 128 tile tokens */
 
     const int tid = threadIdx.x;
@@ -1010,12 +1035,16 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         tma_prefetch_map(&map_b);
         if (!GATHER) tma_prefetch_map(&map_a);
         for (int s = 0; s < STAGES; s++) {
-            mbar_init(smem_addr(full + s), GATHER ? (WS ? 32 : 128) + 1 : 1);
+            mbar_init(smem_addr(full + s), GATHER ? (WS ? 32 : EPIWG ? 64 : 128) + 1 : 1);
             mbar_init(smem_addr(empty + s), PP ? 1 : 2 * CL);
         }
         if constexpr (HTMA) {
             tma_prefetch_map(&map_d);
             for (int i = 0; i < 2 * SM90_H_SLOTS; i++) mbar_init(smem_addr(hbar + i), 1);
+        }
+        if constexpr (EPIWG) {
+            mbar_init(smem_addr(stg), 256);
+            mbar_init(smem_addr(stg + 1), 64);
         }
         mbar_fence_init();
     }
@@ -1043,8 +1072,47 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
 
     if (wg == 0) {
         /* ---------------- producer ---------------- */
-        setmaxnreg_dec<(CL > 1) ? SM90_CLUSTER_PRODUCER_REGS
-                                : TOKREG ? SM90_GATHER_PRODUCER_REGS : SM90_PRODUCER_REGS>();
+        if constexpr (EPIWG) /* 96 + 2 x 200 <= 3 x 168, the pool a CTA launches with */
+            setmaxnreg_dec<96>();
+        else
+            setmaxnreg_dec<(CL > 1) ? SM90_CLUSTER_PRODUCER_REGS
+                                    : TOKREG ? SM90_GATHER_PRODUCER_REGS : SM90_PRODUCER_REGS>();
+        if (EPIWG && tid >= 64) {
+        /* ---------------- epilogue warps (EPIWG) ----------------
+         * The CTA's tiles in the consumers' order: per tile, once the
+         * staging is full, H and A of its 8 units (2 row blocks x 4
+         * column chunks) leave as ep_flush_up_ct stores them (its 128
+         * thread slots taken by the 64 threads twice); then the staging
+         * is handed back. */
+        const int t64 = tid - 64;
+        uint32_t jt = 0;
+        for (int t = cid; t < total; t += ncl, jt++) {
+            sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
+                                                crank, gm);
+            const int n0 = tl.n_tile * BN;
+            mbar_wait(smem_addr(stg), jt & 1);
+            for (int h = 0; h < 2; h++) {
+                const int wrow0 = tl.row0 + 64 * h;
+                const int nvalid = min(64, tl.row_end - wrow0);
+                for (int c = 0; c < BN / 64; c++) {
+                    int hc0;
+                    if (p.gated && p.concat) {
+                        const int u0 = n0 / 2 + 32 * c;
+                        if (u0 >= p.n) break;
+                        hc0 = 2 * u0;
+                    } else {
+                        hc0 = n0 + 64 * c;
+                        if (hc0 >= p.N) break;
+                    }
+                    for (int hv = 0; hv < 2; hv++)
+                        ep_flush_up_any<false>(ep_base + (h * 4 + c) * SM90_EP_BYTES, p.out0,
+                                               p.out1, p.N, p.n, p.act, wrow0, hc0, nvalid,
+                                               t64 + 64 * hv, 0);
+                }
+            }
+            mbar_arrive(smem_addr(stg + 1));
+        }
+        } else {
         const uint32_t tx_bytes = GATHER ? cfg::B_BYTES : cfg::A_BYTES + cfg::B_BYTES;
         if constexpr (GATHER && WS) {
             /* Warp-per-stage gather: k-block `it` belongs to producer warp it % 4,
@@ -1094,18 +1162,21 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                 }
             }
         } else {
-        const int chunk = tid & 7, rsub = tid >> 3; /* rows rsub + 16 i, 16-byte chunk */
+        /* rows rsub + RS i (i < PRT), 16-byte chunk: 128 gathering threads
+         * take 8 rows each, EPIWG's 64 take 16 */
+        constexpr int PRT = EPIWG ? 16 : 8, RS = 128 / PRT;
+        const int chunk = tid & 7, rsub = tid >> 3;
         int stage = 0;
         uint32_t phase = 0;
         for (int t = cid; t < total; t += ncl) {
             sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
                                                 crank, gm);
-            /* this thread's 8 gather rows, for the whole tile */
-            int32_t tok[8];
+            /* this thread's gather rows, for the whole tile */
+            int32_t tok[PRT];
             if (GATHER) {
 #pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    int r = tl.row0 + rsub + 16 * i;
+                for (int i = 0; i < PRT; i++) {
+                    int r = tl.row0 + rsub + RS * i;
                     tok[i] = r < tl.row_end ? __ldg(p.row_token + r) : -1;
                 }
             }
@@ -1148,8 +1219,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                 if (GATHER) {
                     const bf16 *src0 = p.a_src + kb * SM90_BK + chunk * 8;
 #pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        int r = rsub + 16 * i;
+                    for (int i = 0; i < PRT; i++) {
+                        int r = rsub + RS * i;
                         uint32_t dst = sa + r * 128 + ((chunk ^ (r & 7)) << 4);
                         const int32_t ti = tok[i];
                         const bf16 *src = src0 + (int64_t)(ti < 0 ? 0 : ti) * p.K;
@@ -1161,10 +1232,14 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             }
         }
         }
+        }
     } else {
         /* ---------------- consumers ---------------- */
-        setmaxnreg_inc<(CL > 1) ? SM90_CLUSTER_CONSUMER_REGS
-                                : TOKREG ? SM90_GATHER_CONSUMER_REGS : SM90_CONSUMER_REGS>();
+        if constexpr (EPIWG)
+            setmaxnreg_inc<200>();
+        else
+            setmaxnreg_inc<(CL > 1) ? SM90_CLUSTER_CONSUMER_REGS
+                                    : TOKREG ? SM90_GATHER_CONSUMER_REGS : SM90_CONSUMER_REGS>();
         /* cooperative: rows 64 cw .. 64 cw + 63 of every tile; ping-pong: whole
          * tiles, the CTA's tiles j with j % 2 == cw */
         const int cw = wg - 1;
@@ -1176,6 +1251,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         uint32_t pos = PP ? (uint32_t)(cw * kb_count) : 0u;
         uint32_t ep_it = 0; /* TMA_ST2: this warpgroup's chunks so far */
         uint32_t hk = 0;    /* HTMA: this warpgroup's H chunks so far */
+        uint32_t jt = 0;    /* EPIWG: this CTA's tiles so far */
         for (int t = cid + (PP ? cw * ncl : 0); t < total; t += (PP ? 2 : 1) * ncl) {
             sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
                                                 crank, gm);
@@ -1234,6 +1310,9 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
              * 128-byte row segments (16 bytes per thread), clipped at the
              * expert's last row. */
             uint8_t *eb = ep_base + cw * SM90_EP_BYTES;
+            /* EPIWG: the staging is free once the epilogue warpgroup has read
+             * the previous tile out of it */
+            if constexpr (EPIWG) mbar_wait(smem_addr(stg + 1), (jt & 1) ^ 1);
             const int lr = warp * 16 + (lane >> 2); /* this thread's rows lr, lr + 8 in the 64 */
             const int n0 = tl.n_tile * BN;
             const int64_t bo = (int64_t)tl.e * p.N;
@@ -1281,6 +1360,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                      * Concatenated W1: chunk c holds units u0 .. u0 + 31, gates in
                      * accumulator chunks 4c..4c+3 and their ups BN/16 chunks further. */
                     int hc0;
+                    if constexpr (EPIWG) eb = ep_base + (cw * 4 + c) * SM90_EP_BYTES;
                     if (p.gated && p.concat) {
                         const int u0 = n0 / 2 + 32 * c;
                         if (u0 >= p.n) break;
@@ -1310,13 +1390,18 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                                         ac[4 * j + 2 * h + 1] + b1);
                         }
                     }
-                    ep_flush_up_any(eb, p.out0, p.out1, p.N, p.n, p.act, wrow0, hc0, nvalid,
-                                    tid & 127, cw);
+                    if constexpr (!EPIWG)
+                        ep_flush_up_any(eb, p.out0, p.out1, p.N, p.n, p.act, wrow0, hc0, nvalid,
+                                        tid & 127, cw);
                 }
             }
             } /* not TMA_ST2 */
             } /* not dh */
             } /* mh */
+            if constexpr (EPIWG) {
+                mbar_arrive(smem_addr(stg)); /* the staging holds this tile */
+                jt++;
+            }
         }
     }
     /* the TMA stores have read their shared-memory sources before the CTA's
@@ -1416,11 +1501,11 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
 {
     if (!md) md = mc; /* map_d: read by the HTMA kernels only */
     /* the grouped tile order: its own kernels (plain, or with TMA_ST2 / HTMA) */
-    if constexpr ((FL & ~(SM90_FL_TMA_ST2 | SM90_FL_HTMA)) == 0 && BN == 256)
+    if constexpr ((FL & ~(SM90_FL_TMA_ST2 | SM90_FL_HTMA | SM90_FL_EPIWG)) == 0 && BN == 256)
         if (prm->raster_gm > 1)
             return sm90_launch<BN, STAGES, MODE, FL | SM90_FL_RASTER>(p, ma, mb, mc, prm, s, op,
                                                                       md);
-    typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL)> cfg;
+    typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL), sm90_epu(FL)> cfg;
     void (*kern)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
                  const sm90_gemm_params) = sm90_grouped_gemm_kernel<BN, STAGES, MODE, FL>;
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1500,7 +1585,11 @@ enum {
      * (notes/sm90_log.md rung 12; the code is in commit 94709c7) */
     /* dh where it takes ep_dh_tma: H by TMA through a slot ring
      * (SM90_FL_HTMA, 3 main-loop stages) */
-    SM90_VAR_DH_HTMA = 134217728
+    SM90_VAR_DH_HTMA = 134217728,
+    /* up (cooperative 128 x 256): the epilogue warps (SM90_FL_EPIWG)
+     * wherever the tile is wide, or never */
+    SM90_VAR_UP_EPIWG = 268435456,
+    SM90_VAR_NO_UP_EPIWG = 536870912
 };
 
 /* The double-buffered TMA-store epilogue (SM90_FL_TMA_ST2) for down (down
@@ -1605,7 +1694,14 @@ static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16
     /* tile table: BN=256 with the 128-thread gather wherever H has 256+
      * columns (measured best on every grid shape, notes/sm90_log.md); BN=128,
      * 6 stages, one producer warp per stage below that. The variant hook
-     * forces one of them (1: BN=256, 2: BN=128). */
+     * forces one of them (1: BN=256, 2: BN=128). Where d >= 4096 and n >=
+     * 512, the BN=256 tile runs with its epilogue in the epilogue warps
+     * (SM90_FL_EPIWG, 3 stages): on an H100 up's epilogue was 12-16% of its
+     * time at the 30B rows, and the layer's forward read +1-2% at 30B-n512,
+     * 120B and +1-5% at 30B-n1024, but -2% at 30B-n256 and 7B (the gather
+     * misses its fourth stage where the X rows are reused by only two
+     * n-tiles) and -7-13% at d = 768 (the main loop too short to hide the
+     * epilogue of 64 threads): notes/sm90_log.md rung 13. */
     const int v = smoe_sm90_gemm_variant;
     const int pp = (v & SM90_VAR_UP_PP) != 0;
     const int wide = !pp && ((v & 3) == 1 || ((v & 3) == 0 && p->h_cols >= 256));
@@ -1617,6 +1713,10 @@ static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16
     if (cl)
         return sm90_launch<256, 4, SM90_MODE_UP, SM90_FL_CLUSTER>(p, &mb, &mb, &mb, &prm, s, "up");
     if (pp) return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_PP>(p, &mb, &mb, &mb, &prm, s, "up");
+    const int epiwg = wide && !(v & SM90_VAR_NO_UP_EPIWG) &&
+                      ((v & SM90_VAR_UP_EPIWG) || (p->d >= 4096 && p->n >= 512));
+    if (epiwg)
+        return sm90_launch<256, 3, SM90_MODE_UP, SM90_FL_EPIWG>(p, &mb, &mb, &mb, &prm, s, "up");
     if (wide) return sm90_launch<256, 4, SM90_MODE_UP, 0>(p, &mb, &mb, &mb, &prm, s, "up");
     return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_WS>(p, &mb, &mb, &mb, &prm, s, "up");
 }
