@@ -11,7 +11,9 @@
  *    pick (larger first, equal -> lower expert, NaN last; a warp arg-max
  *    over that total order). Scores in double, rounded to fp32, with the
  *    host routing's (src/routing.c) operations in its order, so the same
- *    logits give the same bits on both.
+ *    logits give the same bits on both. For E <= 256 (k_route_tc_fast):
+ *    the same picks from a candidate filter and ranks instead of K serial
+ *    warp arg-maxes, several tokens per warp.
  *  - Token rounding: (1) per token: softmax p over E, token-choice top-K,
  *    renormalised scores, and the ranking key of every (token, expert) pair
  *    (TC pairs: renormalised score; others: p - 1), stored expert-major as
@@ -228,24 +230,28 @@ static smoe_status launch_tc_warp(const float *logits, int T, int E, int K, int 
 }
 
 /* The same routing, faster, for E <= 256 (EPL = 1, 2, 4, 8 logits per
- * lane): lane l holds the logits e = EPL*l + j, j < EPL (one vector load
- * where the row allows), so at equal keys the lower lane, then the lower j,
- * is the lower expert. Selection without K serial picks:
+ * lane): lane l holds the logits e = EPL*l + j, j < EPL (vector loads where
+ * the row allows), so at equal keys the lower lane, then the lower j, is the
+ * lower expert. Selection without K serial picks:
  *  1. tau = the K-th largest of the 32 lane maxima (a bitonic sort of the
- *     maxima); at least K logits rank at or above tau, so the K best are
- *     among the candidates, the logits with key >= tau (about K + K/4 of
- *     them on random logits).
- *  2. The candidates are compacted into 32 slots (ballots); each one's rank
- *     is the number of candidates ranked ahead of it (larger key, or equal
- *     key and lower expert), so rank k is pick k.
+ *     maxima; for K <= 4 the least of KP groups' maxima, 5 shuffles);
+ *     at least K logits rank at or above tau, so the K best are among the
+ *     candidates, the logits with key >= tau (about K + K/4 of them on
+ *     random logits, 2K for K <= 4).
+ *  2. The candidates are compacted into 32 slots (a warp scan of the
+ *     lanes' counts) as 64-bit ranks (key << 32 | ~expert: larger = ranked
+ *     ahead); each one's rank is the number of larger ranks, so rank k is
+ *     pick k.
  *  3. Over 32 candidates (many equal logits): K picks, each the warp's
  *     largest key (the lowest lane holding it, then its lowest j).
- * The picks equal the sequential ones. A warp routes G = 32 / KP tokens
- * (KP: K rounded up to a power of two, G <= 8) one after the other, then
- * scores them together, lane g*KP + k taking pick k of token g, so the fp64
- * exp and division run once per lane instead of once per token. Scores:
- * the same fp64 operations, in the same order, as k_route_token_choice_warp. */
+ * The picks equal the sequential ones. A warp routes G = min(32 / KP, 4)
+ * tokens (KP: K rounded up to a power of two) one after the other, loading
+ * the next token's logits while it ranks the current one, then scores them
+ * together, lane g*KP + k taking pick k of token g, so the fp64 exp and
+ * division run once per lane instead of once per token. Scores: the same
+ * fp64 operations, sums in the same order, as k_route_token_choice_warp. */
 #define TCF_WARPS 4
+#define TCF_MAX_G 4
 
 /* NaN ranks below every number but above the padding (key 0) */
 static __device__ __forceinline__ uint32_t tcf_key(float f)
@@ -256,88 +262,111 @@ static __device__ __forceinline__ uint32_t tcf_key(float f)
     return f != f ? 1u : k;
 }
 
+/* The lane's EPL logits of row l (0 past E). */
 template <int EPL>
 static __device__ __forceinline__ void tcf_load(const float *__restrict__ l, int E, int lane,
-                                                int vec, float (&f)[EPL], uint32_t (&kk)[EPL])
+                                                int vec, float (&f)[EPL])
 {
     const int e0 = EPL * lane;
     if (EPL >= 4 && vec) {
 #pragma unroll
         for (int q = 0; q < EPL / 4; ++q) {
             float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            const bool in = e0 + 4 * q < E; /* E % 4 == 0: all four or none */
-            if (in) v = __ldg(reinterpret_cast<const float4 *>(l + e0) + q);
+            if (e0 + 4 * q < E) /* E % 4 == 0: all four or none */
+                v = __ldg(reinterpret_cast<const float4 *>(l + e0) + q);
             f[4 * q + 0] = v.x;
             f[4 * q + 1] = v.y;
             f[4 * q + 2] = v.z;
             f[4 * q + 3] = v.w;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) kk[4 * q + i] = in ? tcf_key(f[4 * q + i]) : 0u;
         }
     } else if (EPL == 2 && vec) {
         float2 v = make_float2(0.f, 0.f);
-        const bool in = e0 < E; /* E % 2 == 0 */
-        if (in) v = __ldg(reinterpret_cast<const float2 *>(l + e0));
+        if (e0 < E) v = __ldg(reinterpret_cast<const float2 *>(l + e0)); /* E % 2 == 0 */
         f[0] = v.x;
         f[EPL - 1] = v.y;
-        kk[0] = in ? tcf_key(v.x) : 0u;
-        kk[EPL - 1] = in ? tcf_key(v.y) : 0u;
     } else {
 #pragma unroll
-        for (int j = 0; j < EPL; ++j) {
-            const bool in = e0 + j < E;
-            f[j] = in ? __ldg(l + e0 + j) : 0.0f;
-            kk[j] = in ? tcf_key(f[j]) : 0u;
-        }
+        for (int j = 0; j < EPL; ++j) f[j] = e0 + j < E ? __ldg(l + e0 + j) : 0.0f;
     }
 }
 
-/* The K picks of one token into pick[0..K) (warp-wide; pick is the warp's
- * shared slot row; cs: 32 candidate slots (key, expert) and 32 dump slots). */
-template <int EPL>
-static __device__ __forceinline__ void tcf_select(uint32_t (&kk)[EPL], int E, int K, int lane,
-                                                  int *pick, uint2 *cs)
+/* The K picks of one token into pick[0..K) (warp-wide; pick: the token's
+ * slots; cs: 32 candidate slots). */
+template <int EPL, bool SMALLK>
+static __device__ __forceinline__ void tcf_select(const float (&f)[EPL], int E, int K, int kpl,
+                                                  int lane, int *pick, unsigned long long *cs)
 {
     const unsigned full = 0xffffffffu;
     const int e0 = EPL * lane;
+    uint32_t kk[EPL];
+    if (E >= 32 * EPL) { /* every lane full (uniform) */
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) kk[j] = tcf_key(f[j]);
+    } else {
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) kk[j] = e0 + j < E ? tcf_key(f[j]) : 0u;
+    }
     uint32_t v = kk[0];
 #pragma unroll
     for (int j = 1; j < EPL; ++j) v = max(v, kk[j]);
-    /* bitonic sort of the lane maxima, descending over the lanes */
+    uint32_t tau;
+    if (SMALLK) { /* K <= 4 */
+        /* KP groups of 32 / KP lanes: tau = the least of the groups' maxima
+         * (each group holds a logit at or above it: KP >= K of them) */
+        const int gl = 32 >> kpl;
 #pragma unroll
-    for (int size = 2; size <= 32; size <<= 1) {
-#pragma unroll
-        for (int stride = size >> 1; stride > 0; stride >>= 1) {
-            const uint32_t p = __shfl_xor_sync(full, v, stride);
-            const bool keep_max = ((lane & stride) == 0) == ((lane & size) == 0);
-            v = keep_max ? max(v, p) : min(v, p);
+        for (int o = 1; o < 32; o <<= 1) {
+            const uint32_t p = __shfl_xor_sync(full, v, o);
+            v = o < gl ? max(v, p) : min(v, p);
         }
-    }
-    uint32_t tau = __shfl_sync(full, v, K - 1);
-    tau = tau ? tau : 1u; /* padding (key 0) never a candidate */
-    const unsigned lt = (1u << lane) - 1u;
-    int total = 0;
-    __syncwarp(); /* the previous token's slots are read */
+        tau = v;
+    } else {
+        /* bitonic sort of the lane maxima, descending over the lanes */
 #pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-        const bool c = kk[j] >= tau;
-        const unsigned b = __ballot_sync(full, c);
-        const int slot = total + __popc(b & lt);
-        /* slots 32 + lane take what is not stored (no branch) */
-        cs[c && slot < 32 ? slot : 32 + lane] = make_uint2(kk[j], (uint32_t)(e0 + j));
-        total += __popc(b);
+        for (int size = 2; size <= 32; size <<= 1) {
+#pragma unroll
+            for (int stride = size >> 1; stride > 0; stride >>= 1) {
+                const uint32_t p = __shfl_xor_sync(full, v, stride);
+                const bool keep_max = ((lane & stride) == 0) == ((lane & size) == 0);
+                v = keep_max ? max(v, p) : min(v, p);
+            }
+        }
+        tau = __shfl_sync(full, v, K - 1);
     }
-    __syncwarp();
+    tau = tau ? tau : 1u; /* padding (key 0) never a candidate */
+    int cnt = 0;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) cnt += kk[j] >= tau;
+    int inc = cnt; /* inclusive warp scan of the counts */
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(full, inc, o);
+        if (lane >= o) inc += y;
+    }
+    const int total = __shfl_sync(full, inc, 31);
     if (total <= 32) {
-        const bool mine = lane < total;
-        const uint2 me = cs[lane];
+        __syncwarp(); /* the previous token's slots are read */
+        cs[lane] = 0ull; /* below every candidate */
+        __syncwarp();
+        int pos = inc - cnt;
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) {
+            if (kk[j] >= tau) {
+                cs[pos] = (unsigned long long)kk[j] << 32 | (uint32_t)~(uint32_t)(e0 + j);
+                ++pos;
+            }
+        }
+        __syncwarp();
+        const unsigned long long me = cs[lane];
+        const ulonglong2 *cs2 = reinterpret_cast<const ulonglong2 *>(cs);
         int rank = 0;
 #pragma unroll 4
-        for (int c = 0; c < total; ++c) {
-            const uint2 o = cs[c];
-            rank += (o.x > me.x) || (o.x == me.x && o.y < me.y);
+        for (int c = 0; c < total; c += 2) {
+            const ulonglong2 o = cs2[c >> 1];
+            rank += o.x > me;
+            rank += o.y > me;
         }
-        if (mine && rank < K) pick[rank] = (int)me.y;
+        if (lane < total && rank < K) pick[rank] = (int)~(uint32_t)me;
         return;
     }
     /* many equal logits: K picks, each taking the best key left */
@@ -360,15 +389,16 @@ static __device__ __forceinline__ void tcf_select(uint32_t (&kk)[EPL], int E, in
     }
 }
 
-template <int EPL>
+template <int EPL, bool SMALLK>
 __global__ void __launch_bounds__(TCF_WARPS * 32)
 k_route_tc_fast(const float *__restrict__ logits, int T, int E, int K, int kpl, int G, int mode,
                 int renormalize, int vec, smoe_assign_dev out)
 {
     extern __shared__ double tcf_exp[]; /* SOFTMAX_TOPK: TCF_WARPS * E */
     __shared__ int sh_pick[TCF_WARPS][32];
-    __shared__ uint2 sh_cs[TCF_WARPS][64];
-    __shared__ double sh_m[TCF_WARPS][8], sh_s[TCF_WARPS][8];
+    __shared__ __align__(16) unsigned long long sh_cs[TCF_WARPS][32];
+    __shared__ double sh_sum[TCF_WARPS][32];
+    __shared__ double sh_m[TCF_WARPS][TCF_MAX_G], sh_s[TCF_WARPS][TCF_MAX_G];
     const unsigned full = 0xffffffffu;
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, KP = 1 << kpl;
     const int64_t t0 = ((int64_t)blockIdx.x * TCF_WARPS + wib) * G;
@@ -378,11 +408,10 @@ k_route_tc_fast(const float *__restrict__ logits, int T, int E, int K, int kpl, 
     }
     if (t0 >= T) return;
     const int ng = (int)(T - t0 < G ? T - t0 : G); /* tokens of this warp */
+    float f[EPL], fn[EPL];
+    tcf_load<EPL>(logits + t0 * E, E, lane, vec, f);
     for (int g = 0; g < ng; ++g) {
-        const float *l = logits + (t0 + g) * E;
-        float f[EPL];
-        uint32_t kk[EPL];
-        tcf_load<EPL>(l, E, lane, vec, f, kk);
+        if (g + 1 < ng) tcf_load<EPL>(logits + (t0 + g + 1) * E, E, lane, vec, fn);
         if (mode != SMOE_ROUTING_TOPK_SOFTMAX) {
             /* the softmax normaliser over the row, as the warp kernel */
             double *ex = tcf_exp + (size_t)wib * E;
@@ -411,7 +440,9 @@ k_route_tc_fast(const float *__restrict__ logits, int T, int E, int K, int kpl, 
                 sh_s[wib][g] = s;
             }
         }
-        tcf_select<EPL>(kk, E, K, lane, &sh_pick[wib][g * KP], sh_cs[wib]);
+        tcf_select<EPL, SMALLK>(f, E, K, kpl, lane, &sh_pick[wib][g * KP], sh_cs[wib]);
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) f[j] = fn[j];
     }
     __syncwarp();
     const int g = lane >> kpl, k = lane & (KP - 1);
@@ -420,20 +451,25 @@ k_route_tc_fast(const float *__restrict__ logits, int T, int E, int K, int kpl, 
     const int e = act ? sh_pick[wib][lane] : 0;
     const float lk = act ? __ldg(logits + t * E + e) : 0.0f;
     const int gb = lane - k; /* the group's first lane */
+    const double *grp = &sh_sum[wib][gb];
     double score;
     if (mode == SMOE_ROUTING_TOPK_SOFTMAX) {
         /* softmax over the K picked logits, taken in pick order */
         const double m = __shfl_sync(full, (double)lk, gb);
         const double ek = act ? exp((double)lk - m) : 0.0;
+        sh_sum[wib][lane] = ek;
+        __syncwarp();
         double sum = 0.0;
-        for (int i = 0; i < K; ++i) sum += __shfl_sync(full, ek, gb + i);
+        for (int i = 0; i < K; ++i) sum += grp[i];
         score = ek / sum;
     } else {
         const double m = g < ng ? sh_m[wib][g] : 0.0, s = g < ng ? sh_s[wib][g] : 1.0;
         const double p = act ? exp((double)lk - m) / s : 0.0;
         if (renormalize) {
+            sh_sum[wib][lane] = p;
+            __syncwarp();
             double z = 0.0;
-            for (int i = 0; i < K; ++i) z += __shfl_sync(full, p, gb + i);
+            for (int i = 0; i < K; ++i) z += grp[i];
             score = p / z;
         } else {
             score = p;
@@ -454,15 +490,20 @@ static smoe_status launch_tc_fast(const float *logits, int T, int E, int K, int 
 {
     int kpl = 0;
     while ((1 << kpl) < K) ++kpl;
-    const int G = (32 >> kpl) < 8 ? (32 >> kpl) : 8;
+    const int G = (32 >> kpl) < TCF_MAX_G ? (32 >> kpl) : TCF_MAX_G;
     const uintptr_t p = (uintptr_t)logits;
     int vec = 0;
     if (EPL >= 4) vec = E % 4 == 0 && p % 16 == 0;
     else if (EPL == 2) vec = E % 2 == 0 && p % 8 == 0;
     const size_t smem = mode == SMOE_ROUTING_TOPK_SOFTMAX ? 0 : (size_t)TCF_WARPS * E * 8;
     const int64_t warps = smoe_cdiv(T, G);
-    k_route_tc_fast<EPL><<<(unsigned)smoe_cdiv(warps, TCF_WARPS), TCF_WARPS * 32, smem, stream>>>(
-        logits, T, E, K, kpl, G, mode, renormalize, vec, out);
+    const unsigned blocks = (unsigned)smoe_cdiv(warps, TCF_WARPS);
+    if (K <= 4)
+        k_route_tc_fast<EPL, true><<<blocks, TCF_WARPS * 32, smem, stream>>>(
+            logits, T, E, K, kpl, G, mode, renormalize, vec, out);
+    else
+        k_route_tc_fast<EPL, false><<<blocks, TCF_WARPS * 32, smem, stream>>>(
+            logits, T, E, K, kpl, G, mode, renormalize, vec, out);
     SMOE_CUDA_LAUNCH_CHECK("k_route_tc_fast");
     return SMOE_SUCCESS;
 }

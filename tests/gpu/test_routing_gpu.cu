@@ -412,6 +412,9 @@ int main(int argc, char **argv)
     run_case(300, 256, 16, TK, 0, SMOE_ROUND_OFF, 128, L_TIES, 0);
     run_case(500, 200, 24, TK, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 0);
     run_case(67, 20, 19, ST, 1, SMOE_ROUND_OFF, 128, L_NORMAL, 0);
+    run_case(4097, 256, 4, TK, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 0);   /* K <= 4: group maxima */
+    run_case(999, 128, 2, ST, 1, SMOE_ROUND_OFF, 128, L_TIES, 0);
+    run_case(999, 200, 3, TK, 0, SMOE_ROUND_OFF, 128, L_TIES, 0);
     run_general(50, 6, 0.3);
     run_general(3, 4, 0.0);
     if (!small) {
@@ -421,6 +424,8 @@ int main(int argc, char **argv)
         run_case(40960, 128, 8, TK, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 1);
         run_case(32768, 256, 16, TK, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 1);
         run_case(32768, 256, 16, ST, 1, SMOE_ROUND_OFF, 128, L_NORMAL, 1);
+        run_case(32768, 128, 8, TK, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 1);
+        run_case(32768, 64, 4, TK, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 1);
         run_case(24576, 64, 4, TK, 0, SMOE_ROUND_UP, 128, L_NORMAL, 1);
         run_case(32768, 128, 8, ST, 1, SMOE_ROUND_NEAREST, 128, L_NORMAL, 1);
         run_case(20000, 64, 4, ST, 0, SMOE_ROUND_DOWN, 128, L_NORMAL, 1);
