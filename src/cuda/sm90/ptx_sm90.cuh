@@ -46,11 +46,16 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
                  : "memory");
 }
 
+/* One bounded wait for the phase: the thread may be suspended until the phase
+ * completes or up to the hint (10 ms, as CUTLASS's barriers ask) passes.
+ * Without the hint every waiter spins, and under compute-sanitizer's
+ * racecheck such spinning stalled a 6-stage kernel for minutes
+ * (notes/sm90_log.md rung 13); on an H100 the hint is neutral for speed. */
 __device__ __forceinline__ int mbar_try_wait(uint32_t bar, uint32_t parity)
 {
     uint32_t ok;
     asm volatile("{\n.reg .pred p;\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, 10000000;\n"
                  "selp.u32 %0, 1, 0, p;\n}\n"
                  : "=r"(ok)
                  : "r"(bar), "r"(parity)
