@@ -1161,6 +1161,11 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                     cp_async_mbar_arrive_noinc(fb);
                 }
             }
+            /* producer tail (as CUTLASS's): no producer thread leaves while a
+             * stage it filled is still unreleased, i.e. with its copies
+             * possibly in flight */
+            for (int i = 0; i < STAGES; i++, it++)
+                mbar_wait(smem_addr(empty + it % STAGES), ((uint32_t)(it / STAGES) & 1) ^ 1);
         } else {
         /* rows rsub + RS i (i < PRT), 16-byte chunk: 128 gathering threads
          * take 8 rows each, EPIWG's 64 take 16 */
@@ -1230,6 +1235,14 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                 }
                 if (++stage == STAGES) { stage = 0; phase ^= 1; }
             }
+        }
+        /* producer tail (as CUTLASS's): no producer thread leaves while a
+         * stage it filled is still unreleased, i.e. with its TMA loads or
+         * copies possibly in flight (under racecheck an early exit stalled
+         * the consumers of a 6-stage down: notes/sm90_log.md rung 13) */
+        for (int i = 0; i < STAGES; i++) {
+            mbar_wait(smem_addr(empty + stage), phase ^ 1);
+            if (++stage == STAGES) { stage = 0; phase ^= 1; }
         }
         }
         }
