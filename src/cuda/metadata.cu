@@ -414,6 +414,24 @@ static __device__ __forceinline__ void md2_warp_scan(const md2_smem &s, int Ep)
     }
 }
 
+/* The tile's ranks: out-of-range experts dropped (-1), each warp's ranks
+ * (md2_rank), then the warps' counts scanned per expert (md2_warp_scan);
+ * returns the warp's count row. Ends behind a barrier. */
+template <int IPT>
+static __device__ __forceinline__ int *md2_rank_tile(int (&ex)[IPT], int (&rk)[IPT], int mbits,
+                                                     const md2_smem &s, int E, int Ep, int w,
+                                                     int lane)
+{
+#pragma unroll
+    for (int r = 0; r < IPT; ++r) ex[r] = ex[r] >= 0 && ex[r] < E ? ex[r] : -1;
+    int *wc = s.wcnt + w * Ep;
+    md2_rank<IPT>(ex, rk, mbits, wc, Ep, lane);
+    __syncthreads();
+    md2_warp_scan(s, Ep);
+    __syncthreads();
+    return wc;
+}
+
 /* toff: the tile's counts -> its local offsets; returns the tile's rows
  * (after a barrier behind md2_warp_scan). */
 static __device__ __forceinline__ int md2_tile_offsets(const md2_smem &s, int Ep)
@@ -481,13 +499,7 @@ k_md2_place(smoe_assign_dev in, int64_t cap, int E, int Ep, int mbits, int ntile
     float sc[IPT];
     const unsigned inside = md2_load<IPT>(in, n, abase, ex, tk, sc);
     md2_offsets<false>(tile_hist, ntiles, E, Ep, s, expert_offset, expert_counts);
-#pragma unroll
-    for (int r = 0; r < IPT; ++r) ex[r] = ex[r] >= 0 && ex[r] < E ? ex[r] : -1;
-    int *wc = s.wcnt + w * Ep;
-    md2_rank<IPT>(ex, rk, mbits, wc, Ep, lane);
-    __syncthreads();
-    md2_warp_scan(s, Ep);
-    __syncthreads();
+    int *wc = md2_rank_tile<IPT>(ex, rk, mbits, s, E, Ep, w, lane);
     const int nrows = md2_tile_offsets(s, Ep);
     __syncthreads();
     md2_place_rows<IPT>(s, nrows, inside, abase, ex, rk, tk, sc, wc, assign_row, row_token,
@@ -513,13 +525,7 @@ k_md2_coop(smoe_assign_dev in, int64_t cap, int E, int Ep, int mbits, int ntiles
     int ex[IPT], rk[IPT], tk[IPT];
     float sc[IPT];
     const unsigned inside = md2_load<IPT>(in, n, abase, ex, tk, sc);
-#pragma unroll
-    for (int r = 0; r < IPT; ++r) ex[r] = ex[r] >= 0 && ex[r] < E ? ex[r] : -1;
-    int *wc = s.wcnt + w * Ep;
-    md2_rank<IPT>(ex, rk, mbits, wc, Ep, lane);
-    __syncthreads();
-    md2_warp_scan(s, Ep);
-    __syncthreads();
+    int *wc = md2_rank_tile<IPT>(ex, rk, mbits, s, E, Ep, w, lane);
     int32_t *row = tile_hist + (int64_t)blockIdx.x * Ep;
     for (int e = threadIdx.x; e < Ep; e += MD2_THREADS) row[e] = s.toff[e];
     __threadfence();
