@@ -11,6 +11,9 @@
  *   - metadata: expert offsets, rows sorted by expert then token,
  *     assign_row a permutation, row_token / row_score matching, counts;
  *   - determinism: a second run gives the same bytes;
+ *   - the small and edge cases twice: with the metadata's cooperative
+ *     launch (as the layer runs it where the tiles fit) and through its
+ *     two-launch path (test hook smoe_md_force_two_launch);
  * and prints the time of routing + metadata for the large cases.
  * Usage: test_routing_gpu [seed] [--small]
  */
@@ -20,6 +23,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* metadata.cu's test hook: nonzero forces its two-launch path */
+extern "C" int smoe_md_force_two_launch;
 
 static int g_pass = 0, g_fail = 0;
 static char g_case[256];
@@ -370,21 +376,8 @@ static void run_general(int64_t T, int64_t E, double prob)
     free(pt); free(pe); free(ps);
 }
 
-int main(int argc, char **argv)
+static void run_edge_cases(smoe_routing TK, smoe_routing ST)
 {
-    uint64_t seed = 424242;
-    int small = 0;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--small")) small = 1;
-        else seed = strtoull(argv[i], NULL, 0);
-    }
-    g_rng = seed;
-    int ndev = 0;
-    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-        printf("test_routing_gpu: no CUDA device, skipped\n");
-        return 0;
-    }
-    const smoe_routing TK = SMOE_ROUTING_TOPK_SOFTMAX, ST = SMOE_ROUTING_SOFTMAX_TOPK;
     /* small and edge cases */
     run_case(1, 3, 3, TK, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 0);
     run_case(1, 5, 2, ST, 1, SMOE_ROUND_UP, 4, L_NORMAL, 0);
@@ -417,6 +410,31 @@ int main(int argc, char **argv)
     run_case(999, 200, 3, TK, 0, SMOE_ROUND_OFF, 128, L_TIES, 0);
     run_general(50, 6, 0.3);
     run_general(3, 4, 0.0);
+}
+
+int main(int argc, char **argv)
+{
+    uint64_t seed = 424242;
+    int small = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--small")) small = 1;
+        else seed = strtoull(argv[i], NULL, 0);
+    }
+    g_rng = seed;
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+        printf("test_routing_gpu: no CUDA device, skipped\n");
+        return 0;
+    }
+    const smoe_routing TK = SMOE_ROUTING_TOPK_SOFTMAX, ST = SMOE_ROUTING_SOFTMAX_TOPK;
+    /* twice: the metadata as the layer runs it (one cooperative launch
+     * where the tiles fit), then through its two-launch path */
+    for (int pass = 0; pass < 2; pass++) {
+        smoe_md_force_two_launch = pass;
+        if (pass) printf("metadata: the two-launch path\n");
+        run_edge_cases(TK, ST);
+    }
+    smoe_md_force_two_launch = 0;
     if (!small) {
         run_general(4000, 64, 0.1);
         run_case(5000, 32, 2, TK, 0, SMOE_ROUND_NEAREST, 64, L_TIES, 0);
