@@ -989,10 +989,10 @@ int main(int argc, char **argv)
              * row-major and grouped), and dh without its TMA-store
              * epilogue (bit 2097152; the table takes it where gated, both
              * row-major and grouped), and dh's H by TMA through a slot
-             * ring (bit 134217728, both orders), and up's epilogue in its
-             * own warpgroup (bit 268435456, both orders) on further random
-             * cases, so the
-             * variant code stays tested */
+             * ring (bit 134217728, both orders), and up's epilogue in the
+             * producer warpgroup's spare warps (bit 268435456, both
+             * orders) on further random cases, so the variant code stays
+             * tested */
             enum { NV = 15 };
             static const int vars[NV] = {16 | 32, 128, 1024, 32768, 32768 | 1024, 65536, 131072,
                                          262144, 262144 | 1024, 2097152, 2097152 | 1024,
@@ -1010,8 +1010,8 @@ int main(int argc, char **argv)
                                            "dh's direct stores, groups of 16 m-tiles",
                                            "dh's H by TMA through a slot ring",
                                            "dh's H ring, groups of 16 m-tiles",
-                                           "up's epilogue warpgroup",
-                                           "up's epilogue warpgroup, groups of 16 m-tiles"};
+                                           "up's epilogue warps",
+                                           "up's epilogue warps, groups of 16 m-tiles"};
             for (int k = 0; k < NV; k++) {
                 smoe_sm90_gemm_variant = vars[k];
                 printf("variant %d (%s):\n", vars[k], what[k]);

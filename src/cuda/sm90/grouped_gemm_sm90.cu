@@ -419,7 +419,7 @@ __device__ __noinline__ void ep_flush_up_ct(const uint8_t *eb, bf16 *out_h, bf16
 }
 
 /* ep_flush_up_ct with the activation dispatched once per chunk (SYNC false:
- * the epilogue warpgroup, whose staging is handed over by mbarriers). */
+ * the epilogue warps, whose staging is handed over by mbarriers). */
 template <bool SYNC = true>
 __device__ __forceinline__ void ep_flush_up_any(const uint8_t *eb, bf16 *out_h, bf16 *out_a,
                                                 int ldh, int lda, int act, int wrow0, int hc0,
@@ -988,7 +988,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     constexpr bool EPIWG = (FL & SM90_FL_EPIWG) != 0;
     static_assert(!EPIWG || (MODE == SM90_MODE_UP && BN == 256 &&
                              (FL & ~(SM90_FL_EPIWG | SM90_FL_RASTER)) == 0),
-                  "the epilogue warpgroup is for the cooperative 128 x 256 up");
+                  "the epilogue warps are for the cooperative 128 x 256 up");
     typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL), sm90_epu(FL)> cfg;
     constexpr bool GATHER = (MODE == SM90_MODE_UP || MODE == SM90_MODE_DH);
     /* B stored K x N, N contiguous: W1 for dxt, W2 for dh */
@@ -1323,7 +1323,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
              * 128-byte row segments (16 bytes per thread), clipped at the
              * expert's last row. */
             uint8_t *eb = ep_base + cw * SM90_EP_BYTES;
-            /* EPIWG: the staging is free once the epilogue warpgroup has read
+            /* EPIWG: the staging is free once the epilogue warps have read
              * the previous tile out of it */
             if constexpr (EPIWG) mbar_wait(smem_addr(stg + 1), (jt & 1) ^ 1);
             const int lr = warp * 16 + (lane >> 2); /* this thread's rows lr, lr + 8 in the 64 */
