@@ -189,12 +189,19 @@ enum {
     SM90_FL_EPIWG = 512
 };
 
+/* dh with SM90_FL_HTMA: H / dH slots per consumer warpgroup */
+#define SM90_H_SLOTS 3
+
 /* 64 x 64 staging units (SM90_EP_BYTES each) of the padded staging: one per
  * consumer warpgroup, or with SM90_FL_EPIWG the whole 128 x 256 tile. */
 __host__ __device__ constexpr int sm90_epu(int fl) { return (fl & SM90_FL_EPIWG) ? 8 : 2; }
 
-/* dh with SM90_FL_HTMA: H / dH slots per consumer warpgroup */
-#define SM90_H_SLOTS 3
+/* mbarriers besides the main loop's: one per H slot of each consumer
+ * warpgroup (SM90_FL_HTMA), the staging's full and empty (SM90_FL_EPIWG) */
+__host__ __device__ constexpr int sm90_xbar(int fl)
+{
+    return (fl & SM90_FL_HTMA) ? 2 * SM90_H_SLOTS : (fl & SM90_FL_EPIWG) ? 2 : 0;
+}
 
 /* 8 KiB epilogue buffers per consumer warpgroup: two with SM90_FL_TMA_ST2;
  * with SM90_FL_HTMA as well, the H / dH slots and A''s buffer; none
@@ -232,7 +239,7 @@ typedef struct sm90_gemm_params {
 #define SM90_EP_STRIDE 144
 #define SM90_EP_BYTES (64 * SM90_EP_STRIDE)
 
-template <int BN, int STAGES, int EPB = 0, int EPU = 2>
+template <int BN, int STAGES, int EPB = 0, int EPU = 2, int XBAR = 0>
 struct sm90_tile_cfg {
     static constexpr int A_BYTES = SM90_BM * SM90_BK * 2;
     static constexpr int B_BYTES = BN * SM90_BK * 2;
@@ -240,9 +247,7 @@ struct sm90_tile_cfg {
     /* epilogue buffers: two 64-column chunk buffers (one per consumer
      * warpgroup), or EPB 8 KiB buffers per warpgroup */
     static constexpr int EP_TOTAL = EPB ? 2 * EPB * 8192 : EPU * SM90_EP_BYTES;
-    /* H slots' barriers (SM90_FL_HTMA), the staging's (SM90_FL_EPIWG) */
-    static constexpr int HBAR_BYTES =
-        (EPB == SM90_H_SLOTS + 1 ? 2 * SM90_H_SLOTS * 8 : 0) + (EPU > 2 ? 16 : 0);
+    static constexpr int HBAR_BYTES = XBAR * 8; /* sm90_xbar's */
     /* EPB > 0: tile_start for E <= 256 and no WS token slots */
     static constexpr int SMEM_BYTES =
         EPB ? 1024 + STAGES * STAGE_BYTES + EP_TOTAL + 2 * STAGES * 8 + HBAR_BYTES + (256 + 1) * 4
@@ -989,7 +994,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     static_assert(!EPIWG || (MODE == SM90_MODE_UP && BN == 256 &&
                              (FL & ~(SM90_FL_EPIWG | SM90_FL_RASTER)) == 0),
                   "the epilogue warps are for the cooperative 128 x 256 up");
-    typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL), sm90_epu(FL)> cfg;
+    typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL), sm90_epu(FL), sm90_xbar(FL)> cfg;
     constexpr bool GATHER = (MODE == SM90_MODE_UP || MODE == SM90_MODE_DH);
     /* B stored K x N, N contiguous: W1 for dxt, W2 for dh */
     constexpr bool TRANS_B = (MODE == SM90_MODE_DXT || MODE == SM90_MODE_DH);
@@ -1018,9 +1023,9 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     uint8_t *ep_base = smem + STAGES * cfg::STAGE_BYTES; /* cfg::EP_TOTAL bytes */
     uint64_t *full = (uint64_t *)(ep_base + cfg::EP_TOTAL);
     uint64_t *empty = full + STAGES;
-    uint64_t *hbar = empty + STAGES; /* HTMA: SM90_H_SLOTS per consumer warpgroup */
-    uint64_t *stg = hbar + (HTMA ? 2 * SM90_H_SLOTS : 0); /* EPIWG: staging full, empty */
-    int *tile_start = (int *)(stg + (EPIWG ? 2 : 0));
+    uint64_t *hbar = empty + STAGES; /* sm90_xbar's: HTMA's H slots */
+    uint64_t *stg = hbar;            /* ... or EPIWG's staging full, empty */
+    int *tile_start = (int *)(hbar + sm90_xbar(FL));
     int32_t *tok_slots = tile_start + SM90_MAX_EXPERTS + 1; /* WS: 2 x 128 tile tokens */
 
     const int tid = threadIdx.x;
@@ -1518,7 +1523,7 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
         if (prm->raster_gm > 1)
             return sm90_launch<BN, STAGES, MODE, FL | SM90_FL_RASTER>(p, ma, mb, mc, prm, s, op,
                                                                       md);
-    typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL), sm90_epu(FL)> cfg;
+    typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL), sm90_epu(FL), sm90_xbar(FL)> cfg;
     void (*kern)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
                  const sm90_gemm_params) = sm90_grouped_gemm_kernel<BN, STAGES, MODE, FL>;
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
