@@ -272,11 +272,11 @@ static __device__ __forceinline__ uint32_t vk_tma_operand(uint32_t sdst, const C
     return bytes;
 }
 
-/* The stored row of logical dW1 row c: the concatenated W1 layout (map_rows)
- * keeps the gate rows first, then the up rows (smoe_w1_row). */
+/* The stored row of logical dW1 row c (gemm.h's smoe_w1_row; map_rows: the
+ * concatenated W1 layout, gate rows first, then the up rows). */
 static __device__ __forceinline__ int vk_w1_row(const vk_args &p, int c)
 {
-    return p.map_rows ? ((c & 1) ? p.n_half + (c >> 1) : (c >> 1)) : c;
+    return p.map_rows ? (int)smoe_w1_row(c, p.n_half, 1, SMOE_W1_CONCATENATED) : c;
 }
 
 /* Warms L2 with the old values of this thread's two output rows
