@@ -11,11 +11,12 @@
 # REPS rounds (default 3), each running every candidate once in turn; then a
 # table per row: the median forward / backward TFLOPS of each candidate, its
 # range, and its ratio to the first candidate's median. CSVs go to
-# ${OUT:-/tmp}/ab_*.csv.
+# ${OUT:-/tmp}/ab_*.csv. BENCH=PATH runs the variant numbers and args: with
+# another smoe_bench binary.
 set -uo pipefail
 rows=$1 cands=$2 reps=${3:-3}
 out=${OUT:-/tmp}
-bench=build/smoe_bench
+bench=${BENCH:-build/smoe_bench} # variant numbers and args: run this binary
 i=0
 for r in $(seq 1 "$reps"); do
   for c in $cands; do
