@@ -1429,6 +1429,11 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     /* no CTA leaves while its peer may still multicast into it or arrive on
      * its barriers */
     if constexpr (CL > 1) cluster_sync();
+    else __syncthreads();
+    /* no wait, arrival or copy touches a barrier any more (the producer's
+     * tail saw every stage released; the cluster's peer has synchronised) */
+    if (tid == 0)
+        for (int i = 0; i < 2 * STAGES + sm90_xbar(FL); i++) mbar_inval(smem_addr(full + i));
 }
 
 /* ------------------------------------------------------------ host side */

@@ -63,6 +63,17 @@ __device__ __forceinline__ int mbar_try_wait(uint32_t bar, uint32_t parity)
     return (int)ok;
 }
 
+/* Ends the barrier object's life: its 8 bytes may then hold anything else
+ * (PTX asks for this before a barrier's memory is reused). Every kernel
+ * invalidates its barriers before the CTA exits, once no thread or copy
+ * uses them. Speed-neutral; under compute-sanitizer's racecheck the whole
+ * Hopper GEMM test then finished for the first time (notes/sm90_log.md
+ * rung 14). */
+__device__ __forceinline__ void mbar_inval(uint32_t bar)
+{
+    asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
 /* Waits until the phase with the given parity has completed. A fresh barrier
  * counts as having completed the phase of parity 1. */
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)

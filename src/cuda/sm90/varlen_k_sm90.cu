@@ -655,7 +655,6 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
         /* ---------------- producer ---------------- */
         setmaxnreg_dec<VK_PRODUCER_REGS>();
         vk_producer<BN, GATHER_A, CFG>(p, &cmap, base, full_bar, empty_bar, tok_ring, t);
-        return;
     } else {
         /* ---------------- consumers ---------------- */
         setmaxnreg_inc<VK_CONSUMER_REGS>();
@@ -724,6 +723,11 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
             }
         }
     }
+    /* every stage the producer filled has been consumed: the barriers are
+     * quiet and are invalidated before the CTA exits (ptx_sm90.cuh) */
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int s = 0; s < 2 * STAGES; s++) mbar_inval(full_bar + 8 * s);
 }
 
 /* ------------------------------------------------------------ launchers */
