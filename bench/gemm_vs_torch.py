@@ -396,7 +396,7 @@ def bench_row(name, shape, args, lib, flush, num_sms):
 
 def tflops(r, key):
     ms = r.get(key + "_ms")
-    return None if ms is None else r["gflop"] / ms / 1e3
+    return None if ms is None else r["gflop"] / ms  # GFLOP per ms = TFLOP/s
 
 
 def fmt(v, w, p=1):
