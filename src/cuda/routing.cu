@@ -389,6 +389,18 @@ static __device__ __forceinline__ void tcf_select(const float (&f)[EPL], int E, 
     }
 }
 
+/* v / (the sum of v over the lanes gb .. gb + K - 1 of the warp: a token's
+ * K picks), summed in pick order through the warp's row of shared memory */
+static __device__ __forceinline__ double tcf_over_group_sum(double *row, int lane, int gb, int K,
+                                                            double v)
+{
+    row[lane] = v;
+    __syncwarp();
+    double sum = 0.0;
+    for (int i = 0; i < K; ++i) sum += row[gb + i];
+    return v / sum;
+}
+
 template <int EPL, bool SMALLK>
 __global__ void __launch_bounds__(TCF_WARPS * 32)
 k_route_tc_fast(const float *__restrict__ logits, int T, int E, int K, int kpl, int G, int mode,
@@ -451,29 +463,15 @@ k_route_tc_fast(const float *__restrict__ logits, int T, int E, int K, int kpl, 
     const int e = act ? sh_pick[wib][lane] : 0;
     const float lk = act ? __ldg(logits + t * E + e) : 0.0f;
     const int gb = lane - k; /* the group's first lane */
-    const double *grp = &sh_sum[wib][gb];
     double score;
     if (mode == SMOE_ROUTING_TOPK_SOFTMAX) {
-        /* softmax over the K picked logits, taken in pick order */
+        /* softmax over the K picked logits */
         const double m = __shfl_sync(full, (double)lk, gb);
-        const double ek = act ? exp((double)lk - m) : 0.0;
-        sh_sum[wib][lane] = ek;
-        __syncwarp();
-        double sum = 0.0;
-        for (int i = 0; i < K; ++i) sum += grp[i];
-        score = ek / sum;
+        score = tcf_over_group_sum(sh_sum[wib], lane, gb, K, act ? exp((double)lk - m) : 0.0);
     } else {
         const double m = g < ng ? sh_m[wib][g] : 0.0, s = g < ng ? sh_s[wib][g] : 1.0;
         const double p = act ? exp((double)lk - m) / s : 0.0;
-        if (renormalize) {
-            sh_sum[wib][lane] = p;
-            __syncwarp();
-            double z = 0.0;
-            for (int i = 0; i < K; ++i) z += grp[i];
-            score = p / z;
-        } else {
-            score = p;
-        }
+        score = renormalize ? tcf_over_group_sum(sh_sum[wib], lane, gb, K, p) : p;
     }
     if (act) {
         const int64_t a = t * K + k;
