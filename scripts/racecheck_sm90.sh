@@ -19,7 +19,8 @@ g=$b/tests/gpu/test_gemm_sm90
 cs="compute-sanitizer --tool racecheck --error-exitcode 9"
 log=${RACE_LOGS:-/tmp}
 fail=0
-run1() { # name, time limit, command...: up to three runs while one stalls
+run1() { # name, time limit, command...: up to three runs while one stalls;
+          # returns the last run's status (0, 9: hazard or failed check, 124)
   local n=$1 t=$2 k rc s=$(date +%s); shift 2
   for k in 1 2 3; do
     timeout "$t" $cs "$@" > "$log/race_$n.log" 2>&1
@@ -27,30 +28,20 @@ run1() { # name, time limit, command...: up to three runs while one stalls
     [ $rc = 124 ] || break
   done
   echo "$n: rc $rc after $k run(s), $(( $(date +%s) - s )) s, $(grep -o 'RACECHECK SUMMARY.*' "$log/race_$n.log")"
-  [ $rc = 0 ] || fail=1
+  return $rc
 }
-run1 varlen-k-small 200 $b/tests/gpu/test_varlen_k_sm90 --small
+run1 varlen-k-small 200 $b/tests/gpu/test_varlen_k_sm90 --small || fail=1
 
 cases=$($g --small | sed -n 's/^ok *case \([0-9]*\):.*/\1/p' | tr '\n' ' ')
 [ -n "$cases" ] || { echo "no cases from $g --small"; fail=1; }
-one_case() { # case: 0 passed, 9 hazard or failed check, 124 three stalls
-  local c=$1 k rc
-  for k in 1 2 3; do
-    timeout 60 $cs $g --small --only-case "$c" > "$log/race_c$c.log" 2>&1
-    rc=$?
-    [ $rc = 124 ] || break
-  done
-  echo "gemm case $c: rc $rc after $k run(s), $(grep -o '[0-9]* hazards' "$log/race_c$c.log")"
-  return $rc
-}
 pids=()
 for c in $cases; do # four at a time
-  one_case "$c" &
+  run1 "c$c" 60 $g --small --only-case "$c" &
   pids+=($!)
   if [ ${#pids[@]} -ge 4 ]; then wait "${pids[0]}" || fail=1; pids=("${pids[@]:1}"); fi
 done
 for p in "${pids[@]}"; do wait "$p" || fail=1; done
 
-run1 layer-sm90-small 120 $b/tests/gpu/test_layer_gpu --small --sm90
+run1 layer-sm90-small 120 $b/tests/gpu/test_layer_gpu --small --sm90 || fail=1
 [ $fail = 0 ] && echo "racecheck_sm90: PASS" || echo "racecheck_sm90: FAIL"
 exit $fail
