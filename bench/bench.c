@@ -255,14 +255,14 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
         if (!flush_and_delay(flush, it)) goto out;
         cudaEventRecord(e[0], NULL);
         const double h0 = host_us();
-        st = smoe_layer_forward(L, &fa, saved, ws, NULL);
+        st = smoe_layer_forward(L, &fa, saved, saved_b, ws, ws_b, NULL);
         const double h1 = host_us();
         cudaEventRecord(e[1], NULL);
         if (st != SMOE_SUCCESS) break;
         if (!flush_and_delay(flush, it + 1)) goto out;
         cudaEventRecord(e[2], NULL);
         const double h2 = host_us();
-        st = smoe_layer_backward(L, &ba, saved, ws, NULL);
+        st = smoe_layer_backward(L, &ba, saved, saved_b, ws, ws_b, NULL);
         const double h3 = host_us();
         cudaEventRecord(e[3], NULL);
         if (st != SMOE_SUCCESS) break;
@@ -311,10 +311,10 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
         fflush(stdout);
         for (int it = 0; it < 3 && st == SMOE_SUCCESS; it++) {
             cudaMemsetAsync(flush, it & 0xff, FLUSH_BYTES, NULL);
-            st = smoe_layer_forward(L2, &fa, saved, ws, NULL);
+            st = smoe_layer_forward(L2, &fa, saved, saved_b, ws, ws_b, NULL);
             if (st != SMOE_SUCCESS) break;
             cudaMemsetAsync(flush, (it + 1) & 0xff, FLUSH_BYTES, NULL);
-            st = smoe_layer_backward(L2, &ba, saved, ws, NULL);
+            st = smoe_layer_backward(L2, &ba, saved, saved_b, ws, ws_b, NULL);
         }
         if (st != SMOE_SUCCESS)
             fprintf(stderr, "smoe_bench: %s: stage timing: %s: %s\n", row->name,

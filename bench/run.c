@@ -293,16 +293,18 @@ static results run_layer(const smoe_layer_desc *desc, const inputs *in, int iter
     for (int it = 0; it <= iters; it++) { /* iteration 0 warms up */
         device_sync();
         double t0 = now_s();
-        SMOE_CHECK(smoe_layer_forward(layer, &fa, saved, ws, NULL));
+        SMOE_CHECK(smoe_layer_forward(layer, &fa, saved, res.saved_bytes, ws, res.workspace_bytes,
+                                      NULL));
         device_sync();
         double t1 = now_s();
-        SMOE_CHECK(smoe_layer_backward(layer, &ba, saved, ws, NULL));
+        SMOE_CHECK(smoe_layer_backward(layer, &ba, saved, res.saved_bytes, ws, res.workspace_bytes,
+                                       NULL));
         device_sync();
         double t2 = now_s();
         tf[it] = t1 - t0;
         tb[it] = t2 - t1;
     }
-    SMOE_CHECK(smoe_layer_check_device(layer, ws, NULL));
+    SMOE_CHECK(smoe_layer_device_status(layer, NULL, 1));
     int m = iters > 0 ? iters : 1;
     double *sf = iters > 0 ? tf + 1 : tf, *sb = iters > 0 ? tb + 1 : tb;
     qsort(sf, (size_t)m, sizeof(double), cmp_double);

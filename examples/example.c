@@ -108,7 +108,7 @@ int main(void)
     fa.router_logits = logits;
     fa.expert_counts = counts;
     fa.inference = 0; /* keep state for the backward in `saved` */
-    CHECK(smoe_layer_forward(layer, &fa, saved, workspace, NULL));
+    CHECK(smoe_layer_forward(layer, &fa, saved, saved_bytes, workspace, ws_bytes, NULL));
 
     int64_t rows = 0;
     for (int64_t e = 0; e < E; e++) rows += counts[e];
@@ -135,7 +135,7 @@ int main(void)
     ba.drouter_w = (smoe_grad){drouter_w, SMOE_DTYPE_F32, 0};
     ba.dw1 = (smoe_grad){dw1, SMOE_DTYPE_F32, 0};
     ba.dw2 = (smoe_grad){dw2, SMOE_DTYPE_F32, 0};
-    CHECK(smoe_layer_backward(layer, &ba, saved, workspace, NULL));
+    CHECK(smoe_layer_backward(layer, &ba, saved, saved_bytes, workspace, ws_bytes, NULL));
 
     double norm = 0.0;
     for (int64_t i = 0; i < T * d; i++) norm += (double)dx[i] * dx[i];
@@ -143,7 +143,7 @@ int main(void)
 
     /* 6. A bad call is refused with a message, and writes nothing. */
     fa.T = 0;
-    smoe_status st = smoe_layer_forward(layer, &fa, saved, workspace, NULL);
+    smoe_status st = smoe_layer_forward(layer, &fa, saved, saved_bytes, workspace, ws_bytes, NULL);
     printf("forward with T = 0: %s (%s)\n", smoe_status_string(st), smoe_last_error());
     if (st != SMOE_ERROR_INVALID_SIZE) return 1;
 

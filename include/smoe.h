@@ -17,15 +17,55 @@
  *   o_t = sum_k s_k y_k
  *
  * Memory: the caller owns all of it. smoe_layer_workspace_bytes() and
- * smoe_layer_saved_bytes() say how many bytes a call needs; forward and
- * backward never allocate and never synchronise the host with the device.
- * On the CUDA backends every pointer is a device pointer and `stream` is a
- * cudaStream_t (NULL: the legacy default stream). On the CPU backend every
- * pointer is a host pointer and `stream` is ignored.
+ * smoe_layer_saved_bytes() say how many bytes a call needs, and forward and
+ * backward take the sizes of the buffers they are given and refuse buffers
+ * that are too small. Forward and backward never allocate and never
+ * synchronise the host with the device. On the CUDA backends every pointer
+ * is a device pointer and `stream` is a cudaStream_t (NULL: the legacy
+ * default stream). On the CPU backend every pointer is a host pointer and
+ * `stream` is ignored.
+ *
+ * The rules every call checks, on every backend, before any work:
+ *  - Sizes: T, pairs and the buffer sizes as documented at each call.
+ *  - Alignment: every pointer is aligned to its element type (2 bytes for
+ *    bf16, 4 for fp32 and int32, 8 for fp64); saved and workspace to 16
+ *    bytes. The CUDA backends also need 16 bytes for every tensor of the
+ *    layer's dtype and every gradient (the kernels load 16-byte vectors);
+ *    only the int32 / fp32 vectors (pair_*, expert_counts, dpair_score) and
+ *    the fp32 matrices (router_logits, dlogits_extra) may sit at 4 bytes.
+ *    A misaligned pointer is SMOE_ERROR_INVALID_SIZE.
+ *  - Overlap: no output (out, router_logits, expert_counts, every gradient),
+ *    the saved block or the workspace may share a byte with another of
+ *    them or with an input. Inputs may overlap each other. There is no
+ *    in-place mode. An overlap is SMOE_ERROR_INVALID_VALUE. The extent of
+ *    saved and workspace is what the call uses (the *_bytes() size), not
+ *    the capacity given.
+ * Refusals name the argument, and give the sizes or addresses involved.
+ *
+ * Non-finite values follow PyTorch. A NaN or an infinity in x, a weight or
+ * dout propagates through the formulas below as IEEE arithmetic does; the
+ * router's top-K ranks NaN above every number (as torch.topk does; equal
+ * keys, NaN among them, go to the lower expert index), so a token with a
+ * NaN logit picks that expert, gets NaN scores, and its output and every
+ * gradient it touches are NaN. Each expert's weights touch only the rows
+ * routed to it. GENERAL scores must be finite (refused otherwise).
  *
  * Errors: every call returns a smoe_status. On error nothing is written to
  * any output, and smoe_last_error() (thread-local) says what was wrong, with
- * the offending value.
+ * the offending value. What the host cannot see (data in device memory: the
+ * GENERAL triples, the saved block's header) the CUDA backends check on the
+ * device: the first kernel of the call records the error in a status word
+ * of the call's workspace, and every later kernel of that call does nothing,
+ * so no output is written (except the saved block's header, which then
+ * records that its forward failed, so a backward refuses it). The call
+ * itself returns SMOE_SUCCESS; smoe_layer_device_status() reports the error.
+ *
+ * Threads and streams: a layer is immutable after smoe_layer_create, so
+ * several threads may call forward and backward on one layer at once, on
+ * one stream or several, as long as each call in flight has its own
+ * workspace, saved block and outputs. (SMOE_CUDA_TIMING, a debugging aid,
+ * is the exception: it times one call at a time.) smoe_layer_free must not
+ * run while a call is in flight.
  *
  * All matrices are row-major and contiguous.
  */
@@ -40,7 +80,7 @@ extern "C" {
 #endif
 
 #define SMOE_VERSION_MAJOR 0
-#define SMOE_VERSION_MINOR 1
+#define SMOE_VERSION_MINOR 2
 #define SMOE_VERSION_PATCH 0
 #define SMOE_VERSION_NUMBER \
     (SMOE_VERSION_MAJOR * 10000 + SMOE_VERSION_MINOR * 100 + SMOE_VERSION_PATCH)
@@ -56,8 +96,11 @@ extern "C" {
 typedef enum smoe_status {
     SMOE_SUCCESS = 0,
     SMOE_ERROR_NULL_POINTER,     /* a required pointer is NULL */
-    SMOE_ERROR_INVALID_SIZE,     /* a size is zero, negative, too large or misaligned */
-    SMOE_ERROR_INVALID_VALUE,    /* an enum, flag, index or score is out of range */
+    SMOE_ERROR_INVALID_SIZE,     /* a size is zero, negative or too large, a buffer is
+                                    too small, or a pointer is misaligned */
+    SMOE_ERROR_INVALID_VALUE,    /* an enum, flag, index or score is out of range, a
+                                    buffer overlaps another, or a saved block does not
+                                    belong to this call */
     SMOE_ERROR_UNSUPPORTED,      /* a valid combination this backend cannot run */
     SMOE_ERROR_NO_DEVICE,        /* the backend asked for has no device here */
     SMOE_ERROR_OUT_OF_MEMORY,    /* smoe_layer_create could not allocate the handle */
@@ -163,11 +206,15 @@ SMOE_API smoe_layer_desc smoe_layer_get_desc(const smoe_layer *layer);
  * Returns 0 (and sets smoe_last_error) on invalid sizes. */
 SMOE_API size_t smoe_layer_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t pairs);
 
-/* Bytes of state a training forward leaves for backward: H (R x 2n), the
- * sorted rows' scores and tokens, the routing metadata, and for
- * SOFTMAX_TOPK/token rounding the fp32 router logits. Exact for token choice
- * and GENERAL; a worst case (R <= T*K + E*(M-1), capped at T*E) for token
- * rounding. Inference needs none. */
+/* Bytes of state a training forward leaves for backward: a 256-byte header
+ * (which layer filled it, T, pairs, whether the forward succeeded), H
+ * (R x 2n), the sorted rows' scores and tokens, the routing metadata, and
+ * for SOFTMAX_TOPK/token rounding the fp32 router logits. Exact for token
+ * choice and GENERAL; a worst case (R <= T*K + E*(M-1), capped at T*E) for
+ * token rounding. Inference needs none.
+ * Both sizes are exact 64-bit counts (no product of sizes is taken in 32
+ * bits); a T whose rows or byte counts would not fit the library's int32
+ * row indices (R < 2^31) is refused. */
 SMOE_API size_t smoe_layer_saved_bytes(const smoe_layer *layer, int64_t T, int64_t pairs);
 
 /* ------------------------------------------------------------ forward */
@@ -181,7 +228,7 @@ typedef struct smoe_forward_args {
     int64_t pairs;
     const int32_t *pair_token;    /* (pairs) in [0, T) */
     const int32_t *pair_expert;   /* (pairs) in [0, E) */
-    const float *pair_score;      /* (pairs) */
+    const float *pair_score;      /* (pairs) finite */
     const void *w1;               /* (E, 2n, d) gated or (E, n, d)  dtype */
     const void *b1;               /* (E, 2n) or (E, n)  dtype; if has_bias */
     const void *w2;               /* (E, d, n)  dtype */
@@ -192,8 +239,12 @@ typedef struct smoe_forward_args {
     int inference;                /* 1: nothing saved, `saved` may be NULL */
 } smoe_forward_args;
 
+/* saved: at least smoe_layer_saved_bytes(T, pairs) bytes, given as
+ * saved_bytes (training; NULL and 0 for inference). workspace: at least
+ * smoe_layer_workspace_bytes(T, pairs) bytes, given as workspace_bytes. */
 SMOE_API smoe_status smoe_layer_forward(smoe_layer *layer, const smoe_forward_args *args,
-                                        void *saved, void *workspace, void *stream);
+                                        void *saved, size_t saved_bytes, void *workspace,
+                                        size_t workspace_bytes, void *stream);
 
 /* ------------------------------------------------------------ backward */
 
@@ -228,20 +279,33 @@ typedef struct smoe_backward_args {
     smoe_grad dpair_score;       /* (pairs) fp32 only; GENERAL */
 } smoe_backward_args;
 
-/* `saved` is the block the training forward filled; it is only read. */
+/* `saved` is the block a training forward of this layer with the same T
+ * (and pairs) filled; it is only read. Its header is checked: a block of
+ * another layer, of another T or pairs, never filled, or of a forward that
+ * failed a device-side check is refused (on the CPU at once, on the GPU
+ * through the device status word). saved_bytes and workspace_bytes as in
+ * forward. */
 SMOE_API smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *args,
-                                         const void *saved, void *workspace, void *stream);
+                                         const void *saved, size_t saved_bytes,
+                                         void *workspace, size_t workspace_bytes,
+                                         void *stream);
 
-/* CUDA backends: data that lives on the device and that the host cannot
- * read without waiting (the GENERAL triples) is checked by the kernels. A bad
- * triple (token or expert out of range, tokens not sorted) is skipped, never
- * read out of bounds, and recorded in the workspace; the results of that
- * call are then not to be used. This call waits for `stream` and returns the
- * status recorded by the last forward that used `workspace`, with its
- * message: the one smoe call that synchronises, for debugging and tests.
- * CPU backend: host data is checked before any work; returns SMOE_SUCCESS. */
-SMOE_API smoe_status smoe_layer_check_device(smoe_layer *layer, const void *workspace,
-                                             void *stream);
+/* The device status word. On the CUDA backends what lives in device memory
+ * is checked by the kernels: the GENERAL triples (token in [0, T), expert
+ * in [0, E), tokens sorted, no (token, expert) twice, finite scores) in
+ * forward, the saved block's header in backward. The first failure of a
+ * call makes the rest of that call do nothing (see "Errors" above) and is
+ * recorded in the layer, where it stays until read here.
+ * wait = 1: waits for `stream` (this call synchronises), then returns the
+ *   first error recorded since the last read, with its message (the bad
+ *   index and value), and clears it; SMOE_SUCCESS when there is none.
+ * wait = 0: does not wait; reports an error only if the kernel that found
+ *   it has finished (cheap enough to call before every forward, as the
+ *   Python package does).
+ * Errors of calls on other streams are seen once those calls finished.
+ * CPU backend: everything is checked on the host before any work; always
+ * SMOE_SUCCESS. */
+SMOE_API smoe_status smoe_layer_device_status(smoe_layer *layer, void *stream, int wait);
 
 /* ------------------------------------------------------------ lower level */
 

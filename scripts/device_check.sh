@@ -61,6 +61,9 @@ step() { # name, command...: run, keep the log, print one line
 if [ "$mode" = verify ]; then
   step test-gpu test_gpu
   step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/gpu/test_layer_gpu --small
+  # every refusal, the device-side ones (bad triples, foreign saved blocks)
+  # included, touches no memory it should not
+  step mem-bad compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/gpu/test_bad_input_gpu
   # the Hopper GEMMs alone, with their hook variants (the layer test's small
   # shapes never put a whole 64-row block past the buffer's end)
   step mem-sm90 compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/gpu/test_gemm_sm90 --small

@@ -5,7 +5,8 @@
  * GPU tests' reference (through smoe_route_cpu).
  *
  * Determinism: the selection reads only the fp32 logits. Top-K: the larger
- * logit first, equal logits by lower expert index. Token rounding ranks the
+ * logit first, NaN before every number (torch.topk's order), equal logits
+ * by lower expert index. Token rounding ranks the
  * tokens of an expert by a combined key computed in double from the fp32
  * logits (larger key first, equal keys by lower token index).
  */
@@ -17,12 +18,13 @@
 
 /* ------------------------------------------------------------ selection */
 
-/* Does logit a (index ia) rank before logit b (index ib)? NaN ranks last. */
+/* Does logit a (index ia) rank before logit b (index ib)? NaN ranks
+ * first, as torch.topk ranks it. */
 static int ranks_before(float a, int64_t ia, float b, int64_t ib)
 {
     int na = isnan(a), nb = isnan(b);
     if (na || nb) {
-        if (na != nb) return nb;
+        if (na != nb) return na;
         return ia < ib;
     }
     if (a != b) return a > b;
@@ -145,7 +147,7 @@ typedef struct cand {
     int32_t token;
 } cand;
 
-/* NaN keys (from NaN logits) were mapped to -inf, so this order is total. */
+/* NaN keys (from NaN logits) were mapped to +inf, so this order is total. */
 static int cand_cmp(const void *pa, const void *pb)
 {
     const cand *a = (const cand *)pa, *b = (const cand *)pb;
@@ -153,7 +155,9 @@ static int cand_cmp(const void *pa, const void *pb)
     return (a->token > b->token) - (a->token < b->token);
 }
 
-static double nan_low(double k) { return isnan(k) ? -INFINITY : k; }
+/* A NaN key (its token has a NaN logit) ranks first: the token is kept and
+ * its output is NaN, as it would be without rounding. */
+static double nan_high(double k) { return isnan(k) ? INFINITY : k; }
 
 static int64_t rounded_target(smoe_rounding r, int64_t f, int64_t M, int64_t T)
 {
@@ -213,7 +217,7 @@ static smoe_status route_rounding(const smoe_layer_desc *desc, int64_t T, const 
         if (target <= f[e]) {
             for (int64_t t = 0; t < T; t++)
                 if (tc[t * E + e]) {
-                    c[nc].key = nan_low(pkey[t * E + e] / zkey[t]);
+                    c[nc].key = nan_high(pkey[t * E + e] / zkey[t]);
                     c[nc].token = (int32_t)t;
                     nc++;
                 }
@@ -224,7 +228,7 @@ static smoe_status route_rounding(const smoe_layer_desc *desc, int64_t T, const 
                 if (tc[t * E + e]) {
                     keep[t * E + e] = 1;
                 } else {
-                    c[nc].key = nan_low(pkey[t * E + e] - 1.0);
+                    c[nc].key = nan_high(pkey[t * E + e] - 1.0);
                     c[nc].token = (int32_t)t;
                     nc++;
                 }

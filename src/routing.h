@@ -25,7 +25,7 @@ int64_t smoe_desc_row_capacity(const smoe_layer_desc *desc, int64_t T, int64_t p
                                int inference);
 
 /* The K largest of E logits, largest first; equal logits: lower index first;
- * NaN ranks below every number. */
+ * NaN ranks above every number (as torch.topk). */
 void smoe_topk_select(const float *logits, int64_t E, int64_t K, int32_t *idx);
 
 /* p = softmax(l) over E, in double: m = max, e_i = exp(l_i - m), the sum

@@ -8,6 +8,7 @@
 #include "routing.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -97,8 +98,12 @@ static int64_t add_i64(int64_t a, int64_t b)
     return r;
 }
 
-/* Sizes past this are refused: every byte count stays far from overflow. */
-#define SMOE_MAX_ELEMS ((int64_t)1 << 50)
+/* Sizes past these are refused. Tensors of at most 2^44 elements keep every
+ * byte count far from overflow and every GPU tile count in an int; tokens
+ * and routed rows below 2^31 - 2^16 keep the kernels' int row indices and
+ * their block-strided loops (i += blockDim) from wrapping. */
+#define SMOE_MAX_ELEMS ((int64_t)1 << 44)
+#define SMOE_MAX_ROWS ((int64_t)INT32_MAX - 65536)
 
 /* ------------------------------------------------------------ descriptor */
 
@@ -224,6 +229,8 @@ void smoe_saved_layout_make(const smoe_layer *layer, int64_t T, int64_t cap,
     memset(out, 0, sizeof *out);
     out->T = T;
     out->cap = cap;
+    out->header = off;
+    off = align_up(off + sizeof(smoe_saved_header));
     out->h = off;
     off = align_up(off + (size_t)cap * (size_t)layer->h_cols * smoe_dtype_size(d->dtype));
     out->row_score = off;
@@ -249,6 +256,7 @@ smoe_saved_view smoe_saved_view_make(const smoe_saved_layout *l, void *base)
 {
     smoe_saved_view v;
     char *b = (char *)base;
+    v.header = (smoe_saved_header *)(b + l->header);
     v.h = b + l->h;
     v.row_score = (float *)(b + l->row_score);
     v.row_token = (int32_t *)(b + l->row_token);
@@ -260,14 +268,66 @@ smoe_saved_view smoe_saved_view_make(const smoe_saved_layout *l, void *base)
     return v;
 }
 
+/* ------------------------------------------------------------ saved header */
+
+smoe_saved_header smoe_saved_header_make(const smoe_layer *layer, int64_t T, int64_t pairs)
+{
+    smoe_saved_header h;
+    memset(&h, 0, sizeof h);
+    h.magic = SMOE_SAVED_MAGIC;
+    h.layer_id = layer->id;
+    h.T = T;
+    h.pairs = layer->desc.routing == SMOE_ROUTING_GENERAL ? pairs : 0;
+    h.check = smoe_saved_header_hash(&h);
+    return h;
+}
+
+smoe_status smoe_saved_header_check(const smoe_layer *layer, const smoe_saved_header *h,
+                                    int64_t T, int64_t pairs)
+{
+    const char *fn = "smoe_layer_backward";
+    const smoe_saved_header want = smoe_saved_header_make(layer, T, pairs);
+    SMOE_RETURN_ERROR_IF(h->magic != SMOE_SAVED_MAGIC || h->check != smoe_saved_header_hash(h),
+                         SMOE_ERROR_INVALID_VALUE,
+                         "%s: the saved block was not filled by a training forward (its "
+                         "header is not valid)",
+                         fn);
+    SMOE_RETURN_ERROR_IF(h->layer_id != want.layer_id, SMOE_ERROR_INVALID_VALUE,
+                         "%s: the saved block was filled by another layer (id %016llx, this "
+                         "layer is %016llx)",
+                         fn, (unsigned long long)h->layer_id, (unsigned long long)want.layer_id);
+    SMOE_RETURN_ERROR_IF(h->T != want.T, SMOE_ERROR_INVALID_VALUE,
+                         "%s: the saved block was filled by a forward with T = %lld, this "
+                         "backward has T = %lld",
+                         fn, (long long)h->T, (long long)want.T);
+    SMOE_RETURN_ERROR_IF(h->pairs != want.pairs, SMOE_ERROR_INVALID_VALUE,
+                         "%s: the saved block was filled by a forward with pairs = %lld, this "
+                         "backward has pairs = %lld",
+                         fn, (long long)h->pairs, (long long)want.pairs);
+    SMOE_RETURN_ERROR_IF(h->status != 0, SMOE_ERROR_INVALID_VALUE,
+                         "%s: the forward that filled the saved block failed a device-side "
+                         "check (code %d; see smoe_layer_device_status)",
+                         fn, (int)h->status);
+    return SMOE_SUCCESS;
+}
+
+/* A process-wide counter, mixed with the address of this counter (ASLR
+ * makes it differ between processes), names each layer. */
+static uint64_t next_layer_id(void)
+{
+    static _Atomic uint64_t counter;
+    uint64_t c = atomic_fetch_add(&counter, 1);
+    return smoe_mix64(c ^ smoe_mix64((uint64_t)(uintptr_t)&counter));
+}
+
 /* Checks T and pairs against the layer and computes the training row
  * capacity; every later byte count is then free of overflow. */
 static smoe_status check_sizes(const smoe_layer *layer, int64_t T, int64_t pairs, int inference,
                                int64_t *cap_out)
 {
     const smoe_layer_desc *d = &layer->desc;
-    SMOE_RETURN_ERROR_IF(T < 1 || T >= INT32_MAX, SMOE_ERROR_INVALID_SIZE,
-                         "T = %lld, must be in [1, %d)", (long long)T, INT32_MAX);
+    SMOE_RETURN_ERROR_IF(T < 1 || T > SMOE_MAX_ROWS, SMOE_ERROR_INVALID_SIZE,
+                         "T = %lld, must be in [1, %lld]", (long long)T, (long long)SMOE_MAX_ROWS);
     int64_t te = mul_i64(T, d->E);
     int64_t td = mul_i64(T, d->d);
     SMOE_RETURN_ERROR_IF(te < 0 || te > SMOE_MAX_ELEMS || td < 0 || td > SMOE_MAX_ELEMS,
@@ -282,7 +342,7 @@ static smoe_status check_sizes(const smoe_layer *layer, int64_t T, int64_t pairs
     int64_t cap = smoe_row_capacity(layer, T, pairs, inference);
     int64_t hsz = mul_i64(cap, layer->h_cols);
     int64_t dsz = mul_i64(cap, d->d);
-    SMOE_RETURN_ERROR_IF(cap < 0 || cap > INT32_MAX || hsz < 0 || hsz > SMOE_MAX_ELEMS ||
+    SMOE_RETURN_ERROR_IF(cap < 0 || cap > SMOE_MAX_ROWS || hsz < 0 || hsz > SMOE_MAX_ELEMS ||
                              dsz < 0 || dsz > SMOE_MAX_ELEMS,
                          SMOE_ERROR_INVALID_SIZE,
                          "T = %lld gives %lld routed rows, more than the int32 row indices "
@@ -298,6 +358,7 @@ static smoe_status init_backend(smoe_layer *layer, smoe_backend which)
 {
     layer->ops = NULL;
     layer->state = NULL;
+    layer->vec_align = 1;
     layer->path_name[0] = '\0';
     switch (which) {
     case SMOE_BACKEND_CPU: return smoe_cpu_layer_init(layer);
@@ -333,6 +394,8 @@ smoe_status smoe_layer_create(const smoe_layer_desc *desc, smoe_layer **out)
     SMOE_RETURN_ERROR_IF(!layer, SMOE_ERROR_OUT_OF_MEMORY,
                          "smoe_layer_create: calloc(%zu) failed", sizeof *layer);
     layer->desc = *desc;
+    layer->id = next_layer_id();
+    layer->vec_align = 1;
     layer->gated = is_gated(desc->activation);
     layer->h_cols = layer->gated ? 2 * desc->n : desc->n;
 
@@ -433,14 +496,14 @@ size_t smoe_layer_saved_bytes(const smoe_layer *layer, int64_t T, int64_t pairs)
     return l.total;
 }
 
-smoe_status smoe_layer_check_device(smoe_layer *layer, const void *workspace, void *stream)
+smoe_status smoe_layer_device_status(smoe_layer *layer, void *stream, int wait)
 {
     SMOE_RETURN_ERROR_IF(!layer, SMOE_ERROR_NULL_POINTER,
-                         "smoe_layer_check_device: layer is NULL");
-    if (!layer->ops->check_device) return SMOE_SUCCESS;
-    SMOE_RETURN_ERROR_IF(!workspace, SMOE_ERROR_NULL_POINTER,
-                         "smoe_layer_check_device: workspace is NULL");
-    return layer->ops->check_device(layer, workspace, stream);
+                         "smoe_layer_device_status: layer is NULL");
+    SMOE_RETURN_ERROR_IF(wait != 0 && wait != 1, SMOE_ERROR_INVALID_VALUE,
+                         "smoe_layer_device_status: wait = %d, must be 0 or 1", wait);
+    if (!layer->ops->device_status) return SMOE_SUCCESS;
+    return layer->ops->device_status(layer, stream, wait);
 }
 
 /* ------------------------------------------------------------ validation */
@@ -448,19 +511,95 @@ smoe_status smoe_layer_check_device(smoe_layer *layer, const void *workspace, vo
 #define REQUIRE_PTR(p, what)                                                       \
     SMOE_RETURN_ERROR_IF(!(p), SMOE_ERROR_NULL_POINTER, "%s: %s is NULL", fn, what)
 
-static smoe_status check_align(const char *fn, const void *p, const char *what)
+/* The memory one call touches: each argument's extent in bytes and whether
+ * the call writes it, for smoe.h's alignment and overlap rules. */
+typedef struct span {
+    const char *name;
+    uintptr_t lo, hi; /* [lo, hi) */
+    int out;
+} span;
+
+typedef struct span_set {
+    span s[24];
+    int n;
+} span_set;
+
+/* Adds p (bytes long) unless it is NULL; refuses it unless it is aligned to
+ * `align` (elem: the element's size, for the message). */
+static smoe_status span_add(span_set *set, const char *fn, const char *name, const void *p,
+                            size_t bytes, size_t elem, size_t align, int out)
 {
-    SMOE_RETURN_ERROR_IF(((uintptr_t)p & 15u) != 0, SMOE_ERROR_INVALID_SIZE,
-                         "%s: %s = %p is not 16-byte aligned", fn, what, p);
+    if (!p) return SMOE_SUCCESS;
+    if (align < elem) align = elem;
+    SMOE_RETURN_ERROR_IF((uintptr_t)p % align != 0, SMOE_ERROR_INVALID_SIZE,
+                         "%s: %s = %p is not %zu-byte aligned%s", fn, name, p, align,
+                         align > elem ? " (the backend loads 16-byte vectors)" : "");
+    if (bytes == 0 || set->n == (int)(sizeof set->s / sizeof set->s[0])) return SMOE_SUCCESS;
+    span *sp = &set->s[set->n++];
+    sp->name = name;
+    sp->lo = (uintptr_t)p;
+    sp->hi = sp->lo + bytes < sp->lo ? UINTPTR_MAX : sp->lo + bytes;
+    sp->out = out;
     return SMOE_SUCCESS;
 }
 
+/* No output (or saved block, or workspace) shares a byte with anything else. */
+static smoe_status spans_disjoint(const char *fn, const span_set *set)
+{
+    for (int i = 0; i < set->n; i++)
+        for (int j = 0; j < i; j++) {
+            const span *a = &set->s[i], *b = &set->s[j];
+            if (!a->out && !b->out) continue;
+            SMOE_RETURN_ERROR_IF(a->lo < b->hi && b->lo < a->hi, SMOE_ERROR_INVALID_VALUE,
+                                 "%s: %s [%p, %zu bytes) overlaps %s [%p, %zu bytes); outputs, "
+                                 "the saved block and the workspace may not overlap each other "
+                                 "or an input",
+                                 fn, a->name, (void *)a->lo, (size_t)(a->hi - a->lo), b->name,
+                                 (void *)b->lo, (size_t)(b->hi - b->lo));
+        }
+    return SMOE_SUCCESS;
+}
+
+static smoe_status check_buffer(const char *fn, const char *name, size_t given, size_t need,
+                                int64_t T, int64_t pairs, const char *query)
+{
+    SMOE_RETURN_ERROR_IF(given < need, SMOE_ERROR_INVALID_SIZE,
+                         "%s: %s_bytes = %zu, but this call (T = %lld, pairs = %lld) needs %zu "
+                         "(%s)",
+                         fn, name, given, (long long)T, (long long)pairs, need, query);
+    return SMOE_SUCCESS;
+}
+
+/* The first repeated expert in pairs [p0, p1) of one token, or -1. Short
+ * runs compare pairs; longer ones mark experts in a bitmap on the stack,
+ * 2^16 experts per pass (nothing allocated, nothing of the caller's
+ * written, not even the workspace). */
+static int64_t first_duplicate(const int32_t *ex, int64_t p0, int64_t p1, int64_t E)
+{
+    enum { PASS = 1 << 16 };
+    if (p1 - p0 <= 32) {
+        for (int64_t i = p0 + 1; i < p1; i++)
+            for (int64_t j = p0; j < i; j++)
+                if (ex[j] == ex[i]) return i;
+        return -1;
+    }
+    uint64_t seen[PASS / 64];
+    for (int64_t base = 0; base < E; base += PASS) {
+        const int64_t span = E - base < PASS ? E - base : PASS;
+        memset(seen, 0, (size_t)((span + 63) / 64) * sizeof seen[0]);
+        for (int64_t i = p0; i < p1; i++) {
+            const int64_t e = (int64_t)ex[i] - base;
+            if (e < 0 || e >= span) continue;
+            if (seen[e >> 6] >> (e & 63) & 1) return i;
+            seen[e >> 6] |= (uint64_t)1 << (e & 63);
+        }
+    }
+    return -1;
+}
+
 /* GENERAL triples in host memory: token in [0, T), expert in [0, E),
- * tokens non-decreasing, each (token, expert) once, finite scores. `seen`
- * is E bytes of the caller's (CPU) workspace, used as a bitmap; the forward
- * overwrites the workspace anyway, and nothing is allocated. */
-static smoe_status check_triples(const smoe_layer *layer, const smoe_forward_args *a,
-                                 unsigned char *seen)
+ * tokens non-decreasing, each (token, expert) once, finite scores. */
+static smoe_status check_triples(const smoe_layer *layer, const smoe_forward_args *a)
 {
     const char *fn = "smoe_layer_forward";
     const int64_t E = layer->desc.E;
@@ -482,24 +621,21 @@ static smoe_status check_triples(const smoe_layer *layer, const smoe_forward_arg
                              fn, (long long)i, (int)t, (long long)(i - 1),
                              (int)a->pair_token[i - 1]);
     }
-    /* Duplicates: mark each token's experts, then clear them for the next. */
-    memset(seen, 0, (size_t)E);
-    int64_t run_start = 0;
-    for (int64_t i = 0; i < a->pairs; i++) {
-        if (a->pair_token[i] != a->pair_token[run_start]) {
-            for (int64_t p = run_start; p < i; p++) seen[a->pair_expert[p]] = 0;
-            run_start = i;
+    /* Duplicates, token by token (the tokens are sorted now). */
+    for (int64_t p0 = 0, p1; p0 < a->pairs; p0 = p1) {
+        for (p1 = p0 + 1; p1 < a->pairs && a->pair_token[p1] == a->pair_token[p0]; p1++) {
         }
-        SMOE_RETURN_ERROR_IF(seen[a->pair_expert[i]], SMOE_ERROR_INVALID_VALUE,
+        const int64_t i = first_duplicate(a->pair_expert, p0, p1, E);
+        SMOE_RETURN_ERROR_IF(i >= 0, SMOE_ERROR_INVALID_VALUE,
                              "%s: (token %d, expert %d) is given twice (again at pair %lld)", fn,
                              (int)a->pair_token[i], (int)a->pair_expert[i], (long long)i);
-        seen[a->pair_expert[i]] = 1;
     }
     return SMOE_SUCCESS;
 }
 
 smoe_status smoe_layer_forward(smoe_layer *layer, const smoe_forward_args *args, void *saved,
-                               void *workspace, void *stream)
+                               size_t saved_bytes, void *workspace, size_t workspace_bytes,
+                               void *stream)
 {
     const char *fn = "smoe_layer_forward";
     REQUIRE_PTR(layer, "layer");
@@ -509,9 +645,10 @@ smoe_status smoe_layer_forward(smoe_layer *layer, const smoe_forward_args *args,
 
     SMOE_RETURN_ERROR_IF(args->inference != 0 && args->inference != 1, SMOE_ERROR_INVALID_VALUE,
                          "%s: args.inference = %d, must be 0 or 1", fn, args->inference);
+    const int training = !args->inference;
+    const int64_t T = args->T, pairs = general ? args->pairs : 0;
     int64_t cap;
-    SMOE_FORWARD_IF_ERROR(check_sizes(layer, args->T, general ? args->pairs : 0,
-                                      args->inference, &cap));
+    SMOE_FORWARD_IF_ERROR(check_sizes(layer, T, pairs, args->inference, &cap));
     REQUIRE_PTR(args->x, "args.x");
     REQUIRE_PTR(args->w1, "args.w1");
     REQUIRE_PTR(args->w2, "args.w2");
@@ -525,7 +662,7 @@ smoe_status smoe_layer_forward(smoe_layer *layer, const smoe_forward_args *args,
                              fn, args->b1 ? 1 : 2);
     }
     if (general) {
-        if (args->pairs > 0) {
+        if (pairs > 0) {
             REQUIRE_PTR(args->pair_token, "args.pair_token (GENERAL routing)");
             REQUIRE_PTR(args->pair_expert, "args.pair_expert (GENERAL routing)");
             REQUIRE_PTR(args->pair_score, "args.pair_score (GENERAL routing)");
@@ -536,24 +673,49 @@ smoe_status smoe_layer_forward(smoe_layer *layer, const smoe_forward_args *args,
     } else {
         REQUIRE_PTR(args->router_w, "args.router_w");
     }
-    if (!args->inference) {
-        REQUIRE_PTR(saved, "saved (a training forward, args.inference = 0)");
-        SMOE_FORWARD_IF_ERROR(check_align(fn, saved, "saved"));
-    }
+    if (training) REQUIRE_PTR(saved, "saved (a training forward, args.inference = 0)");
     REQUIRE_PTR(workspace, "workspace");
-    SMOE_FORWARD_IF_ERROR(check_align(fn, workspace, "workspace"));
-    if (general && layer->backend == SMOE_BACKEND_CPU) {
-        /* The CPU workspace is always larger than E bytes (it holds the
-         * expert offsets among others). */
-        SMOE_RETURN_ERROR_IF(layer->ops->workspace_bytes(layer, args->T, cap) < (size_t)d->E,
-                             SMOE_ERROR_INTERNAL, "%s: CPU workspace smaller than E", fn);
-        SMOE_FORWARD_IF_ERROR(check_triples(layer, args, (unsigned char *)workspace));
-    }
 
     smoe_saved_layout l;
-    smoe_saved_layout_make(layer, args->T, cap, &l);
-    return layer->ops->forward(layer, args, &l, args->inference ? NULL : saved, workspace,
-                               stream);
+    smoe_saved_layout_make(layer, T, cap, &l);
+    const size_t ws_need = layer->ops->workspace_bytes(layer, T, cap);
+    if (training)
+        SMOE_FORWARD_IF_ERROR(check_buffer(fn, "saved", saved_bytes, l.total, T, pairs,
+                                           "smoe_layer_saved_bytes"));
+    SMOE_FORWARD_IF_ERROR(check_buffer(fn, "workspace", workspace_bytes, ws_need, T, pairs,
+                                       "smoe_layer_workspace_bytes"));
+
+    /* alignment and overlap */
+    const size_t es = smoe_dtype_size(d->dtype), va = layer->vec_align;
+    const size_t t = (size_t)T, dd = (size_t)d->d, n = (size_t)d->n, E = (size_t)d->E;
+    const size_t hc = (size_t)layer->h_cols, np = (size_t)pairs;
+    span_set sp;
+    sp.n = 0;
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.x", args->x, t * dd * es, es, va, 0));
+    if (!general)
+        SMOE_FORWARD_IF_ERROR(
+            span_add(&sp, fn, "args.router_w", args->router_w, E * dd * es, es, va, 0));
+    if (general) {
+        SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.pair_token", args->pair_token, np * 4, 4, 4, 0));
+        SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.pair_expert", args->pair_expert, np * 4, 4, 4, 0));
+        SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.pair_score", args->pair_score, np * 4, 4, 4, 0));
+    }
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.w1", args->w1, E * hc * dd * es, es, va, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.b1", args->b1, E * hc * es, es, va, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.w2", args->w2, E * dd * n * es, es, va, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.b2", args->b2, E * dd * es, es, va, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.out", args->out, t * dd * es, es, va, 1));
+    SMOE_FORWARD_IF_ERROR(
+        span_add(&sp, fn, "args.router_logits", args->router_logits, t * E * 4, 4, 4, 1));
+    SMOE_FORWARD_IF_ERROR(
+        span_add(&sp, fn, "args.expert_counts", args->expert_counts, E * 4, 4, 4, 1));
+    if (training) SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "saved", saved, l.total, 16, 16, 1));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "workspace", workspace, ws_need, 16, 16, 1));
+    SMOE_FORWARD_IF_ERROR(spans_disjoint(fn, &sp));
+
+    if (general && layer->backend == SMOE_BACKEND_CPU)
+        SMOE_FORWARD_IF_ERROR(check_triples(layer, args));
+    return layer->ops->forward(layer, args, &l, training ? saved : NULL, workspace, stream);
 }
 
 static smoe_status check_grad(const char *fn, const smoe_layer *layer, const smoe_grad *g,
@@ -577,8 +739,18 @@ static smoe_status check_grad(const char *fn, const smoe_layer *layer, const smo
     return SMOE_SUCCESS;
 }
 
+/* A gradient output's extent (elems of its dtype), aligned as the layer's
+ * tensors unless vec is 0. */
+static smoe_status grad_span(span_set *sp, const char *fn, const char *name, const smoe_grad *g,
+                             size_t elems, size_t vec_align)
+{
+    const size_t gs = smoe_dtype_size(g->dtype);
+    return span_add(sp, fn, name, g->ptr, elems * gs, gs, vec_align, 1);
+}
+
 smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *args,
-                                const void *saved, void *workspace, void *stream)
+                                const void *saved, size_t saved_bytes, void *workspace,
+                                size_t workspace_bytes, void *stream)
 {
     const char *fn = "smoe_layer_backward";
     REQUIRE_PTR(layer, "layer");
@@ -586,8 +758,9 @@ smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *arg
     const smoe_layer_desc *d = &layer->desc;
     const int general = d->routing == SMOE_ROUTING_GENERAL;
 
+    const int64_t T = args->T, pairs = general ? args->pairs : 0;
     int64_t cap;
-    SMOE_FORWARD_IF_ERROR(check_sizes(layer, args->T, general ? args->pairs : 0, 0, &cap));
+    SMOE_FORWARD_IF_ERROR(check_sizes(layer, T, pairs, 0, &cap));
     REQUIRE_PTR(args->x, "args.x");
     REQUIRE_PTR(args->w1, "args.w1");
     REQUIRE_PTR(args->w2, "args.w2");
@@ -614,12 +787,42 @@ smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *arg
     SMOE_FORWARD_IF_ERROR(check_grad(fn, layer, &args->dpair_score, "dpair_score", general,
                                      "only GENERAL routing has pair scores", 1));
     REQUIRE_PTR(saved, "saved");
-    SMOE_FORWARD_IF_ERROR(check_align(fn, saved, "saved"));
     REQUIRE_PTR(workspace, "workspace");
-    SMOE_FORWARD_IF_ERROR(check_align(fn, workspace, "workspace"));
 
     smoe_saved_layout l;
-    smoe_saved_layout_make(layer, args->T, cap, &l);
+    smoe_saved_layout_make(layer, T, cap, &l);
+    const size_t ws_need = layer->ops->workspace_bytes(layer, T, cap);
+    SMOE_FORWARD_IF_ERROR(check_buffer(fn, "saved", saved_bytes, l.total, T, pairs,
+                                       "smoe_layer_saved_bytes"));
+    SMOE_FORWARD_IF_ERROR(check_buffer(fn, "workspace", workspace_bytes, ws_need, T, pairs,
+                                       "smoe_layer_workspace_bytes"));
+
+    const size_t es = smoe_dtype_size(d->dtype), va = layer->vec_align;
+    const size_t t = (size_t)T, dd = (size_t)d->d, n = (size_t)d->n, E = (size_t)d->E;
+    const size_t hc = (size_t)layer->h_cols, np = (size_t)pairs;
+    span_set sp;
+    sp.n = 0;
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.x", args->x, t * dd * es, es, va, 0));
+    if (!general)
+        SMOE_FORWARD_IF_ERROR(
+            span_add(&sp, fn, "args.router_w", args->router_w, E * dd * es, es, va, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.w1", args->w1, E * hc * dd * es, es, va, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.w2", args->w2, E * dd * n * es, es, va, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.b2", args->b2, E * dd * es, es, va, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.dout", args->dout, t * dd * es, es, va, 0));
+    SMOE_FORWARD_IF_ERROR(
+        span_add(&sp, fn, "args.dlogits_extra", args->dlogits_extra, t * E * 4, 4, 4, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "saved", saved, l.total, 16, 16, 0));
+    SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.dx.ptr", &args->dx, t * dd, va));
+    SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.drouter_w.ptr", &args->drouter_w, E * dd, va));
+    SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.dw1.ptr", &args->dw1, E * hc * dd, va));
+    SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.db1.ptr", &args->db1, E * hc, va));
+    SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.dw2.ptr", &args->dw2, E * dd * n, va));
+    SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.db2.ptr", &args->db2, E * dd, va));
+    SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.dpair_score.ptr", &args->dpair_score, np, 4));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "workspace", workspace, ws_need, 16, 16, 1));
+    SMOE_FORWARD_IF_ERROR(spans_disjoint(fn, &sp));
+
     return layer->ops->backward(layer, args, &l, saved, workspace, stream);
 }
 
@@ -632,14 +835,15 @@ smoe_status smoe_route_cpu(const smoe_layer_desc *desc, int64_t T, const float *
     SMOE_FORWARD_IF_ERROR(smoe_desc_validate(desc));
     SMOE_RETURN_ERROR_IF(desc->routing == SMOE_ROUTING_GENERAL, SMOE_ERROR_INVALID_VALUE,
                          "%s: GENERAL routing has no router to run", fn);
-    SMOE_RETURN_ERROR_IF(T < 1 || T >= INT32_MAX, SMOE_ERROR_INVALID_SIZE,
-                         "%s: T = %lld, must be in [1, %d)", fn, (long long)T, INT32_MAX);
+    SMOE_RETURN_ERROR_IF(T < 1 || T > SMOE_MAX_ROWS, SMOE_ERROR_INVALID_SIZE,
+                         "%s: T = %lld, must be in [1, %lld]", fn, (long long)T,
+                         (long long)SMOE_MAX_ROWS);
     REQUIRE_PTR(logits, "logits");
     REQUIRE_PTR(res, "res");
     const int rounding = desc->rounding != SMOE_ROUND_OFF;
     int64_t cap = smoe_desc_row_capacity(desc, T, 0, 0);
     int64_t te = mul_i64(T, desc->E);
-    SMOE_RETURN_ERROR_IF(cap < 0 || cap > INT32_MAX || te < 0 || te > SMOE_MAX_ELEMS,
+    SMOE_RETURN_ERROR_IF(cap < 0 || cap > SMOE_MAX_ROWS || te < 0 || te > SMOE_MAX_ELEMS,
                          SMOE_ERROR_INVALID_SIZE, "%s: T = %lld is too large", fn, (long long)T);
     if (rounding) {
         REQUIRE_PTR(res->pair_token, "res.pair_token");

@@ -41,11 +41,14 @@ typedef struct smoe_backend_ops smoe_backend_ops;
 
 struct smoe_layer {
     smoe_layer_desc desc;
+    uint64_t id;          /* unique in the process: stamped into saved blocks */
     int gated;            /* activation has a gate half */
     int64_t h_cols;       /* columns of H (rows of W1 per expert): 2n or n */
     smoe_backend backend; /* resolved, never AUTO */
     const smoe_backend_ops *ops;
     void *state;          /* backend private (cuBLAS handle, device props...) */
+    size_t vec_align;     /* alignment the backend needs of every tensor of the
+                             layer's dtype and every gradient (1: the element's) */
     char path_name[96];
 };
 
@@ -64,6 +67,9 @@ int smoe_saves_logits(const smoe_layer *layer);
 
 /* The saved-for-backward block, identical on every backend. Each section
  * starts at a multiple of SMOE_ALIGN bytes from the block's start.
+ *
+ *   header       smoe_saved_header     written last by a training forward
+ *                                      (SMOE_ALIGN bytes)
  * "Assignments" are the routed (token, expert) pairs in token-major order
  * (token ascending, then the routing's order within a token): for token
  * choice assignment t*K + k is the token's k-th choice. "Rows" are the same
@@ -92,7 +98,7 @@ int smoe_saves_logits(const smoe_layer *layer);
 
 typedef struct smoe_saved_layout {
     int64_t T, cap;
-    size_t h, row_score, row_token, assign_row, assign_expert;
+    size_t header, h, row_score, row_token, assign_row, assign_expert;
     size_t token_offset, expert_offset, logits; /* logits: 0 if absent */
     size_t total;
 } smoe_saved_layout;
@@ -102,6 +108,7 @@ void smoe_saved_layout_make(const smoe_layer *layer, int64_t T, int64_t cap,
 
 /* Typed views of a saved block (host or device addresses alike). */
 typedef struct smoe_saved_view {
+    struct smoe_saved_header *header;
     void *h;
     float *row_score;
     int32_t *row_token, *assign_row, *assign_expert, *token_offset, *expert_offset;
@@ -109,6 +116,54 @@ typedef struct smoe_saved_view {
 } smoe_saved_view;
 
 smoe_saved_view smoe_saved_view_make(const smoe_saved_layout *l, void *base);
+
+/* The header a training forward writes at the start of its saved block and
+ * the backward checks (on the host for the CPU backend, in the first kernel
+ * of the call on the GPU). `check` is a hash of the other fields (status
+ * excluded), so a block that no forward filled fails the check. status is
+ * 0 for a forward that completed, else the SMOE_DEV_* code of the
+ * device-side check that failed. 48 bytes; the section is SMOE_ALIGN. */
+#define SMOE_SAVED_MAGIC 0x65766173656f6d73ull /* "smoesave" */
+
+typedef struct smoe_saved_header {
+    uint64_t magic;
+    uint64_t layer_id;
+    int64_t T;
+    int64_t pairs; /* GENERAL: the forward's pairs; 0 otherwise */
+    uint64_t check;
+    int32_t status;
+    int32_t reserved;
+} smoe_saved_header;
+
+#if defined(__CUDACC__)
+#define SMOE_HOST_DEVICE __host__ __device__
+#else
+#define SMOE_HOST_DEVICE
+#endif
+
+/* The check word of a header: splitmix64's finaliser over its fields. */
+static inline SMOE_HOST_DEVICE uint64_t smoe_mix64(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static inline SMOE_HOST_DEVICE uint64_t smoe_saved_header_hash(const smoe_saved_header *h)
+{
+    uint64_t z = smoe_mix64(h->magic);
+    z = smoe_mix64(z ^ h->layer_id);
+    z = smoe_mix64(z ^ (uint64_t)h->T);
+    return smoe_mix64(z ^ (uint64_t)h->pairs);
+}
+
+/* The header a forward of `layer` with T tokens (and `pairs`) writes. */
+smoe_saved_header smoe_saved_header_make(const smoe_layer *layer, int64_t T, int64_t pairs);
+
+/* Host check of a header (CPU backend): SMOE_SUCCESS or INVALID_VALUE with
+ * a message saying what does not match. */
+smoe_status smoe_saved_header_check(const smoe_layer *layer, const smoe_saved_header *h,
+                                    int64_t T, int64_t pairs);
 
 /* ------------------------------------------------------------ backends */
 
@@ -123,10 +178,9 @@ struct smoe_backend_ops {
                             const smoe_saved_layout *saved_layout, const void *saved,
                             void *workspace, void *stream);
     void (*destroy)(smoe_layer *layer); /* frees layer->state; may be NULL */
-    /* smoe_layer_check_device(): wait for `stream`, return the status the
-     * last forward recorded in `workspace` (with smoe_fail's message). NULL:
-     * the backend checks everything on the host and the call succeeds. */
-    smoe_status (*check_device)(smoe_layer *layer, const void *workspace, void *stream);
+    /* smoe_layer_device_status() (smoe.h). NULL: the backend checks
+     * everything on the host and the call succeeds. */
+    smoe_status (*device_status)(smoe_layer *layer, void *stream, int wait);
 };
 
 /* Each backend's constructor fills layer->ops, state and path_name. */

@@ -240,7 +240,7 @@ static void run_case(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K, smoe
     fa.out = out;
     fa.router_logits = logits;
     fa.expert_counts = counts;
-    st = smoe_layer_forward(layer, &fa, saved, ws, NULL);
+    st = smoe_layer_forward(layer, &fa, saved, svb, ws, wsb, NULL);
     check(st == SMOE_SUCCESS, "forward", name, st, 0);
     if (st != SMOE_SUCCESS) printf("  %s\n", smoe_last_error());
 
@@ -274,7 +274,7 @@ static void run_case(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K, smoe
     fa.out = out2;
     fa.router_logits = NULL;
     fa.expert_counts = NULL;
-    st = smoe_layer_forward(layer, &fa, NULL, ws, NULL);
+    st = smoe_layer_forward(layer, &fa, NULL, 0, ws, wsb, NULL);
     check(st == SMOE_SUCCESS && !memcmp(out, out2, (size_t)(T * d) * esize(dt)),
           "inference == training output", name, st, 0);
 

@@ -88,7 +88,8 @@ static void run_case(const fcase *c, smoe_dtype dt, tu_rng *rng) {
         }
         memset(B.out, 0xA5, (size_t)(T * d) * tu_dtype_size(dt));
         smoe_forward_args a = tu_fwd_args(&P, &B, inf);
-        smoe_status st = smoe_layer_forward(L, &a, inf ? NULL : B.saved, B.ws, NULL);
+        smoe_status st = smoe_layer_forward(L, &a, inf ? NULL : B.saved, inf ? 0 : B.saved_bytes, B.ws,
+                                            B.ws_bytes, NULL);
         if (!CHECK(st == SMOE_SUCCESS, "forward (inference=%d) -> %s (%s)", inf,
                    smoe_status_string(st), smoe_last_error()))
             continue;

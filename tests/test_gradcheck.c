@@ -59,7 +59,8 @@ typedef struct fd_ctx {
 
 static double loss(fd_ctx *c) {
     smoe_forward_args fa = tu_fwd_args(c->P, c->B, 0);
-    smoe_status st = smoe_layer_forward(c->L, &fa, c->B->saved, c->B->ws, NULL);
+    smoe_status st = smoe_layer_forward(c->L, &fa, c->B->saved, c->B->saved_bytes, c->B->ws,
+                                        c->B->ws_bytes, NULL);
     if (st != SMOE_SUCCESS) return NAN;
     const smoe_layer_desc *D = &c->P->desc;
     int64_t T = c->P->T, d = D->d, E = D->E;

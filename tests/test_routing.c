@@ -366,7 +366,7 @@ static void test_layer_counts(tu_rng *rng) {
         tu_bufs_make(&B, &P, L, 0);
         memset(B.counts, 0xA5, (size_t)D.E * sizeof(int32_t));
         smoe_forward_args a = tu_fwd_args(&P, &B, 0);
-        CHECK_OK(smoe_layer_forward(L, &a, B.saved, B.ws, NULL));
+        CHECK_OK(smoe_layer_forward(L, &a, B.saved, B.saved_bytes, B.ws, B.ws_bytes, NULL));
         int64_t want[16] = {0};
         for (int64_t i = 0; i < P.pairs; i++) want[P.pe[i]]++;
         int ok = 1, mult = 1;
@@ -384,7 +384,7 @@ static void test_layer_counts(tu_rng *rng) {
             int64_t w2[16] = {0};
             for (int64_t i = 0; i < P.pairs; i++) w2[P.pe[i]]++;
             a.inference = 1;
-            CHECK_OK(smoe_layer_forward(L, &a, NULL, B.ws, NULL));
+            CHECK_OK(smoe_layer_forward(L, &a, NULL, 0, B.ws, B.ws_bytes, NULL));
             ok = 1;
             for (int64_t e = 0; e < D.E; e++) ok &= B.counts[e] == w2[e];
             CHECK(ok, "inference expert_counts are not token choice");

@@ -58,14 +58,15 @@ static void test_saved_bytes(tu_rng *rng) {
             R = w < T * D.E ? w : T * D.E;
         }
         size_t fs = D.dtype == SMOE_DTYPE_F64 ? 8 : 4;
-        size_t need = (size_t)R * (size_t)F.P.hc * tu_dtype_size(D.dtype) + (size_t)R * (fs + 12) +
+        size_t need = ALIGN /* header */ + (size_t)R * (size_t)F.P.hc * tu_dtype_size(D.dtype) +
+                      (size_t)R * (fs + 12) +
                       (size_t)(T + 1) * 4 + (size_t)(D.E + 1) * 4;
         if (D.routing == SMOE_ROUTING_SOFTMAX_TOPK || tr) need += (size_t)(T * D.E) * fs;
         CHECK(S >= need && S <= need + 9 * ALIGN, "saved_bytes %zu, the header's account %zu", S, need);
         unsigned char *blk = (unsigned char *)malloc(S + GUARD);
         memset(blk, PAT, S + GUARD);
         smoe_forward_args a = tu_fwd_args(&F.P, &F.B, 0);
-        CHECK_OK(smoe_layer_forward(F.L, &a, blk, F.B.ws, NULL));
+        CHECK_OK(smoe_layer_forward(F.L, &a, blk, S, F.B.ws, F.B.ws_bytes, NULL));
         CHECK(all_pat(blk + S, GUARD), "the forward wrote past saved_bytes = %zu", S);
         if (!tr) {
             size_t last = S;
@@ -84,7 +85,7 @@ static void test_saved_bytes(tu_rng *rng) {
         b.w1 = F.B.w1; b.w2 = F.B.w2; b.b2 = F.B.b2; b.dout = dout;
         b.dx.ptr = dx; b.dx.dtype = D.dtype;
         b.dw1.ptr = dw1; b.dw1.dtype = SMOE_DTYPE_F32;
-        CHECK_OK(smoe_layer_backward(F.L, &b, blk, F.B.ws, NULL));
+        CHECK_OK(smoe_layer_backward(F.L, &b, blk, S, F.B.ws, F.B.ws_bytes, NULL));
         CHECK(memcmp(copy, blk, S + GUARD) == 0, "backward wrote into the saved block");
         free(copy); free(dx); free(dout); free(dw1); free(blk);
         tu_fixture_free(&F);
@@ -108,7 +109,7 @@ static void test_inference(tu_rng *rng) {
         if (!tu_fixture_make(&F, &D, T, rng, 0.5, 0.5)) continue;
         size_t ob = (size_t)(T * D.d) * tu_dtype_size(D.dtype);
         smoe_forward_args a = tu_fwd_args(&F.P, &F.B, 0);
-        CHECK_OK(smoe_layer_forward(F.L, &a, F.B.saved, F.B.ws, NULL));
+        CHECK_OK(smoe_layer_forward(F.L, &a, F.B.saved, F.B.saved_bytes, F.B.ws, F.B.ws_bytes, NULL));
         void *train_out = malloc(ob);
         memcpy(train_out, F.B.out, ob);
         /* inputs, to see that nothing is written to them */
@@ -121,13 +122,13 @@ static void test_inference(tu_rng *rng) {
         a.inference = 1;
         a.router_logits = NULL;
         a.expert_counts = NULL;
-        CHECK_OK(smoe_layer_forward(F.L, &a, NULL, F.B.ws, NULL));
+        CHECK_OK(smoe_layer_forward(F.L, &a, NULL, 0, F.B.ws, F.B.ws_bytes, NULL));
         CHECK(memcmp(F.B.out, train_out, ob) == 0, "inference out differs from the training out");
         CHECK(memcmp(F.B.x, x0, xb) == 0 && memcmp(F.B.w1, w10, w1b) == 0, "inference wrote an input");
         /* a saved pointer given anyway is left alone */
         memset(F.B.saved, PAT, F.B.saved_bytes);
         memset(F.B.out, PAT, ob);
-        CHECK_OK(smoe_layer_forward(F.L, &a, F.B.saved, F.B.ws, NULL));
+        CHECK_OK(smoe_layer_forward(F.L, &a, F.B.saved, F.B.saved_bytes, F.B.ws, F.B.ws_bytes, NULL));
         CHECK(all_pat(F.B.saved, F.B.saved_bytes), "inference wrote into the saved block");
         CHECK(memcmp(F.B.out, train_out, ob) == 0, "inference out (saved given) differs");
         free(train_out); free(x0); free(w10);

@@ -284,7 +284,7 @@ static TU_UNUSED double tu_gelu(double x) {
     const double c = 0.7978845608028654; /* sqrt(2/pi) */
     return 0.5 * x * (1.0 + tanh(c * (x + 0.044715 * x * x * x)));
 }
-static TU_UNUSED double tu_relu(double x) { return x > 0 ? x : 0; }
+static TU_UNUSED double tu_relu(double x) { return x <= 0 ? 0 : x; } /* NaN stays NaN */
 
 static TU_UNUSED double tu_act1(smoe_activation a, double x) {
     switch (a) {
@@ -348,7 +348,8 @@ static TU_UNUSED void tu_logits(const tu_problem *P, double *logits) {
         }
 }
 
-/* The K largest of row[0..E) in descending order, ties to the lower index. */
+/* The K largest of row[0..E) in descending order, ties to the lower index;
+ * NaN above every number (as torch.topk ranks it). */
 static TU_UNUSED void tu_topk(const double *row, int64_t E, int64_t K, int32_t *idx) {
     for (int64_t k = 0; k < K; k++) {
         int64_t best = -1;
@@ -356,7 +357,9 @@ static TU_UNUSED void tu_topk(const double *row, int64_t E, int64_t K, int32_t *
             int taken = 0;
             for (int64_t j = 0; j < k; j++) taken |= idx[j] == e;
             if (taken) continue;
-            if (best < 0 || row[e] > row[best]) best = e;
+            if (best < 0 || (isnan(row[e]) && !isnan(row[best])) ||
+                (!isnan(row[best]) && row[e] > row[best]))
+                best = e;
         }
         idx[k] = (int32_t)best;
     }
@@ -771,7 +774,7 @@ static TU_UNUSED double *tu_grad_d(const tu_grads *g, int i) { return tu_from_dt
 static TU_UNUSED int tu_run_backward(smoe_layer *L, const tu_problem *P, tu_bufs *B, const void *G,
                         const float *G2, tu_grads *g, int accumulate) {
     smoe_forward_args fa = tu_fwd_args(P, B, 0);
-    smoe_status st = smoe_layer_forward(L, &fa, B->saved, B->ws, NULL);
+    smoe_status st = smoe_layer_forward(L, &fa, B->saved, B->saved_bytes, B->ws, B->ws_bytes, NULL);
     if (!CHECK(st == SMOE_SUCCESS, "forward -> %s (%s)", smoe_status_string(st), smoe_last_error()))
         return 0;
     smoe_backward_args ba;
@@ -789,7 +792,7 @@ static TU_UNUSED int tu_run_backward(smoe_layer *L, const tu_problem *P, tu_bufs
         slot[i]->dtype = g->dt[i];
         slot[i]->accumulate = accumulate;
     }
-    st = smoe_layer_backward(L, &ba, B->saved, B->ws, NULL);
+    st = smoe_layer_backward(L, &ba, B->saved, B->saved_bytes, B->ws, B->ws_bytes, NULL);
     return CHECK(st == SMOE_SUCCESS, "backward -> %s (%s)", smoe_status_string(st), smoe_last_error());
 }
 

@@ -113,8 +113,8 @@ static inline double act_f(smoe_activation a, double x)
     case SMOE_ACT_GEGLU:
     case SMOE_ACT_GELU: return 0.5 * x * (1.0 + tanh(GELU_C * (x + 0.044715 * x * x * x)));
     case SMOE_ACT_REGLU:
-    case SMOE_ACT_RELU: return x > 0.0 ? x : 0.0;
-    case SMOE_ACT_RELU2: return x > 0.0 ? x * x : 0.0;
+    case SMOE_ACT_RELU: return x <= 0.0 ? 0.0 : x; /* NaN stays NaN, as in PyTorch */
+    case SMOE_ACT_RELU2: return x <= 0.0 ? 0.0 : x * x;
     }
     return 0.0;
 }
@@ -134,8 +134,8 @@ static inline double act_df(smoe_activation a, double x)
                0.5 * x * (1.0 - th * th) * GELU_C * (1.0 + 3.0 * 0.044715 * x * x);
     }
     case SMOE_ACT_REGLU:
-    case SMOE_ACT_RELU: return x > 0.0 ? 1.0 : 0.0;
-    case SMOE_ACT_RELU2: return x > 0.0 ? 2.0 * x : 0.0;
+    case SMOE_ACT_RELU: return x <= 0.0 ? 0.0 : 1.0; /* PyTorch's: NaN passes */
+    case SMOE_ACT_RELU2: return x <= 0.0 ? 0.0 : 2.0 * x;
     }
     return 0.0;
 }
@@ -184,11 +184,6 @@ static inline double dot_w(const void *w, smoe_dtype t, int64_t off, const doubl
 #undef LOAD_F64
     }
     return (s0 + s1) + (s2 + s3);
-}
-
-static inline double dot(const double *a, const double *x, int64_t len)
-{
-    return dot_w(a, SMOE_DTYPE_F64, 0, x, len);
 }
 
 /* y[i] += a * w[off + i] */
@@ -457,6 +452,7 @@ static smoe_status cpu_forward(smoe_layer *layer, const smoe_forward_args *args,
             saved_f_put(layer, v.logits, i,
                         dt == SMOE_DTYPE_F64 ? w.logits64[i] : (double)w.logits32[i]);
     }
+    if (saved) *v.header = smoe_saved_header_make(layer, T, args->pairs);
     return SMOE_SUCCESS;
 }
 
@@ -558,6 +554,8 @@ static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *arg
     cpu_ws w;
     ws_plan(layer, T, L->cap, 1, workspace, &w);
     smoe_saved_view v = smoe_saved_view_make(L, (void *)(uintptr_t)saved);
+    SMOE_FORWARD_IF_ERROR(
+        smoe_saved_header_check(layer, v.header, T, general ? args->pairs : 0));
     SMOE_FORWARD_IF_ERROR(check_saved(layer, &v, T, L->cap));
     const int32_t *off = v.expert_offset;
     const int32_t R = off[E];
@@ -723,9 +721,10 @@ static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *arg
                 const double *src = w.dxt + (int64_t)v.assign_row[a] * d;
                 for (int64_t i = 0; i < d; i++) o[i] += src[i];
             }
+            /* dense, as PyTorch's dlogits @ Wr: a zero dlogit still meets a
+             * NaN or infinite router weight (0 * inf = NaN) */
             if (!general)
-                for (int64_t e = 0; e < E; e++)
-                    if (w.dl[t * E + e] != 0.0) axpy_w(o, w.dl[t * E + e], args->router_w, dt, e * d, d);
+                for (int64_t e = 0; e < E; e++) axpy_w(o, w.dl[t * E + e], args->router_w, dt, e * d, d);
             for (int64_t i = 0; i < d; i++) grad_put(&args->dx, t * d + i, o[i]);
         }
     }
@@ -739,7 +738,7 @@ static const smoe_backend_ops cpu_ops = {
     .forward = cpu_forward,
     .backward = cpu_backward,
     .destroy = NULL,
-    .check_device = NULL,
+    .device_status = NULL,
 };
 
 smoe_status smoe_cpu_layer_init(smoe_layer *layer)

@@ -56,8 +56,9 @@ template <int VEC>
 __global__ void __launch_bounds__(AGG_THREADS)
 k_aggregate_forward(int64_t T, int64_t d, const int32_t *__restrict__ token_offset,
                     const int32_t *__restrict__ assign_row, const float *__restrict__ row_score,
-                    const bf16 *__restrict__ y, bf16 *__restrict__ out)
+                    const bf16 *__restrict__ y, bf16 *__restrict__ out, const int *abort)
 {
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
         const int a0 = token_offset[t], a1 = token_offset[t + 1];
         for (int64_t c = (int64_t)threadIdx.x * VEC; c < d; c += (int64_t)AGG_THREADS * VEC) {
@@ -103,8 +104,10 @@ k_aggregate_backward(int64_t T, int64_t d, const int32_t *__restrict__ token_off
                      const int32_t *__restrict__ assign_row, const bf16 *__restrict__ dxt,
                      const float *__restrict__ extra, const float *__restrict__ assign_dl,
                      const int32_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
-                     void *__restrict__ dx, int dx_f32, int accumulate)
+                     const float *__restrict__ col, void *__restrict__ dx, int dx_f32,
+                     int accumulate, const int *abort)
 {
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
         const int a0 = token_offset[t], a1 = token_offset[t + 1];
         for (int64_t c = (int64_t)threadIdx.x * VEC; c < d; c += (int64_t)AGG_THREADS * VEC) {
@@ -152,6 +155,10 @@ k_aggregate_backward(int64_t T, int64_t d, const int32_t *__restrict__ token_off
 #pragma unroll
                 for (int i = 0; i < VEC; ++i) acc[i] += extra[t * d + c + i];
             }
+            if (col) {
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[i] += col[c + i];
+            }
             if (dx_f32) {
                 float *o = (float *)dx + t * d + c;
 #pragma unroll
@@ -179,14 +186,15 @@ static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *token_offset,
                                         const int32_t *assign_row, const float *row_score,
-                                        const bf16 *y, bf16 *out, cudaStream_t stream)
+                                        const bf16 *y, bf16 *out, const int *abort,
+                                        cudaStream_t stream)
 {
     if (d % 8 == 0 && aligned16(y) && aligned16(out))
         k_aggregate_forward<8><<<agg_grid(T), AGG_THREADS, 0, stream>>>(
-            T, d, token_offset, assign_row, row_score, y, out);
+            T, d, token_offset, assign_row, row_score, y, out, abort);
     else
         k_aggregate_forward<1><<<agg_grid(T), AGG_THREADS, 0, stream>>>(
-            T, d, token_offset, assign_row, row_score, y, out);
+            T, d, token_offset, assign_row, row_score, y, out, abort);
     SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward");
     return SMOE_SUCCESS;
 }
@@ -194,19 +202,19 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
 smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *token_offset,
                                          const int32_t *assign_row, const bf16 *dxt,
                                          const float *extra, const float *assign_dl,
-                                         const int32_t *assign_expert, const bf16 *wr, void *dx,
-                                         smoe_dtype dx_dtype, int accumulate,
-                                         cudaStream_t stream)
+                                         const int32_t *assign_expert, const bf16 *wr,
+                                         const float *col, void *dx, smoe_dtype dx_dtype,
+                                         int accumulate, const int *abort, cudaStream_t stream)
 {
     const int f32 = dx_dtype == SMOE_DTYPE_F32;
     if (d % 8 == 0 && aligned16(dxt) && aligned16(dx) && (!wr || aligned16(wr)))
         k_aggregate_backward<8><<<agg_grid(T), AGG_THREADS, 0, stream>>>(
-            T, d, token_offset, assign_row, dxt, extra, assign_dl, assign_expert, wr, dx, f32,
-            accumulate);
+            T, d, token_offset, assign_row, dxt, extra, assign_dl, assign_expert, wr, col, dx,
+            f32, accumulate, abort);
     else
         k_aggregate_backward<1><<<agg_grid(T), AGG_THREADS, 0, stream>>>(
-            T, d, token_offset, assign_row, dxt, extra, assign_dl, assign_expert, wr, dx, f32,
-            accumulate);
+            T, d, token_offset, assign_row, dxt, extra, assign_dl, assign_expert, wr, col, dx,
+            f32, accumulate, abort);
     SMOE_CUDA_LAUNCH_CHECK("k_aggregate_backward");
     return SMOE_SUCCESS;
 }

@@ -6,8 +6,9 @@
  * aggregate.cu, router_backward.cu), called by cuda_layer.cu.
  *
  * Every launcher only enqueues work on `stream`: no host synchronisation, no
- * allocation. Sizes the host cannot know (rows R, GENERAL triples that are
- * skipped) are read on the device; grids are sized for the capacity `cap`.
+ * allocation. Sizes the host cannot know (rows R) are read on the device;
+ * grids are sized for the capacity `cap`. Launchers that run after a
+ * device-side check take `abort` (the call's status code; NULL: never).
  */
 #ifndef SMOE_CUDA_COMMON_H
 #define SMOE_CUDA_COMMON_H
@@ -51,37 +52,86 @@ static inline int64_t smoe_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; 
 
 /* ------------------------------------------------------------ device status */
 
-/* The first words of every workspace. A forward clears it; kernels that find
- * bad GENERAL triples record the lowest bad index (atomicMin, so the result
- * does not depend on the order threads run in); a later kernel fills in the
- * reason and the offending value of that triple. */
+/* The status word: the first bytes of every workspace, one per call. A
+ * forward clears it (k_status_reset) and the GENERAL checks fill it: the
+ * lowest bad triple's index (atomicMin, so the result does not depend on
+ * the order threads run in), then its reason and values. A backward's first
+ * kernel (k_saved_check) fills it from the saved block's header. Every
+ * kernel launched after a check reads `code` first and does nothing when it
+ * is set (SMOE_DEV_RETURN_IF_ABORTED), so a failed call writes no output;
+ * the kernel that sets it also reports it to the layer (smoe_dev_report),
+ * where smoe_layer_device_status() reads it. */
 enum {
     SMOE_DEV_OK = 0,
-    SMOE_DEV_BAD_TOKEN = 1,    /* pair_token out of [0, T) */
-    SMOE_DEV_BAD_EXPERT = 2,   /* pair_expert out of [0, E) */
-    SMOE_DEV_UNSORTED = 3,     /* pair_token[i] < pair_token[i-1] */
-    SMOE_DEV_DUPLICATE = 4     /* (token, expert) given twice */
+    SMOE_DEV_BAD_TOKEN = 1,     /* pair_token out of [0, T) */
+    SMOE_DEV_BAD_EXPERT = 2,    /* pair_expert out of [0, E) */
+    SMOE_DEV_UNSORTED = 3,      /* pair_token[i] < pair_token[i-1] */
+    SMOE_DEV_DUPLICATE = 4,     /* (token, expert) given twice */
+    SMOE_DEV_BAD_SCORE = 5,     /* pair_score not finite */
+    SMOE_DEV_SAVED_INVALID = 6, /* saved block: no valid header */
+    SMOE_DEV_SAVED_LAYER = 7,   /* saved block: of another layer */
+    SMOE_DEV_SAVED_T = 8,       /* saved block: of another T */
+    SMOE_DEV_SAVED_PAIRS = 9,   /* saved block: of another number of pairs */
+    SMOE_DEV_SAVED_FAILED = 10  /* saved block: its forward failed a check */
 };
 
 typedef struct smoe_dev_status {
-    int first_bad;  /* lowest bad triple index; INT_MAX when none */
-    int code;       /* SMOE_DEV_* of that triple */
-    int value;      /* its offending token or expert */
-    int value2;     /* the previous token (unsorted) or the expert (duplicate) */
+    int first_bad;    /* GENERAL: lowest bad triple index; INT_MAX when none */
+    int code;         /* SMOE_DEV_*; 0 while every check passed */
+    long long value;  /* the offending token, expert, score bits, T, pairs... */
+    long long value2; /* T (bad token), the previous token (unsorted), the
+                         expert (duplicate), the call's T or pairs (saved) */
 } smoe_dev_status;
 
 #define SMOE_DEV_STATUS_BYTES 256 /* keeps what follows SMOE_ALIGN-aligned */
+
+#define SMOE_DEV_RETURN_IF_ABORTED(abort) \
+    do { if ((abort) && *(abort)) return; } while (0)
+
+/* The layer's record of the first failure not yet read by
+ * smoe_layer_device_status: in page-locked host memory mapped into the
+ * device, so the host reads it without a copy and without waiting. */
+typedef struct smoe_dev_mapped {
+    volatile int code; /* written last */
+    int call;          /* 0 forward, 1 backward */
+    smoe_dev_status st;
+} smoe_dev_mapped;
+
+typedef struct smoe_dev_report {
+    int *claim;             /* device memory: 0 free, 1 taken until read */
+    smoe_dev_mapped *rec;   /* device alias of the mapped record */
+    int call;
+} smoe_dev_report;
+
+#ifdef __CUDACC__
+/* Called by the one thread that set st->code: the first failure since the
+ * last read claims the record (a device-memory atomic; the record itself is
+ * written with plain stores, the code last). */
+static __device__ __forceinline__ void smoe_dev_report_error(smoe_dev_report rep,
+                                                             const smoe_dev_status *st)
+{
+    if (st->code == SMOE_DEV_OK || !rep.claim) return;
+    if (atomicCAS(rep.claim, 0, 1) != 0) return;
+    rep.rec->call = rep.call;
+    rep.rec->st = *st;
+    __threadfence_system();
+    rep.rec->code = st->code;
+    __threadfence_system();
+}
+#endif
 
 /* ------------------------------------------------------------ routing.cu */
 
 /* What the routing kernels produce: routed pairs in token-major order
  * (DESIGN.md "assignments"), with their count on the device. */
 typedef struct smoe_assign_dev {
-    int32_t *expert;       /* (cap); -1: skipped (bad GENERAL triple) */
+    int32_t *expert;       /* (cap) */
     int32_t *token;        /* (cap) */
     float *score;          /* (cap) */
     int32_t *token_offset; /* (T+1) */
     int32_t *count;        /* (1) number of pairs, <= cap */
+    const int *abort;      /* the call's status code: GENERAL's copy and the
+                              metadata's writers do nothing when it is set */
 } smoe_assign_dev;
 
 /* Scratch (bytes) the routing of mode `rounding` needs beyond the outputs. */
@@ -94,15 +144,35 @@ smoe_status smoe_cuda_route(const smoe_layer_desc *desc, int64_t T, int rounding
                             const float *logits, smoe_assign_dev out, void *scratch,
                             cudaStream_t stream);
 
-/* GENERAL: copies `pairs` triples into `out`, checking each; a bad one is
- * skipped (expert -1) and recorded in *status. */
+/* GENERAL: checks the `pairs` triples (the first bad one goes into *status
+ * and the report), then copies them into `out` unless one was bad. */
 smoe_status smoe_cuda_route_general(int64_t T, int64_t E, int64_t pairs,
                                     const int32_t *pair_token, const int32_t *pair_expert,
                                     const float *pair_score, smoe_assign_dev out,
-                                    smoe_dev_status *status, cudaStream_t stream);
+                                    smoe_dev_status *status, smoe_dev_report report,
+                                    cudaStream_t stream);
 
 /* Clears the status word (first thing a forward does). */
 smoe_status smoe_cuda_status_reset(smoe_dev_status *status, cudaStream_t stream);
+
+/* ------------------------------------------------------------ status.cu */
+
+/* Backward's first kernel: the saved block's header against `want` (the
+ * header this call's forward would have written), into *status (the whole
+ * word) and the report; and, when wr (E, d) is given, wr_nf (d): NaN for
+ * each column of wr that holds a NaN or an infinity, 0 for the others.
+ * The sparse router backward adds wr_nf to dx, which gives what the dense
+ * product dlogits Wr gives (as PyTorch computes it): 0 * inf = NaN from the
+ * experts a token did not pick. */
+smoe_status smoe_cuda_backward_prologue(const smoe_saved_header *header, smoe_saved_header want,
+                                        smoe_dev_status *status, smoe_dev_report report,
+                                        const bf16 *wr, int64_t E, int64_t d, float *wr_nf,
+                                        cudaStream_t stream);
+
+/* Forward's last kernel: writes `h` into the saved block with status = the
+ * call's status code (0: the forward completed). */
+smoe_status smoe_cuda_saved_header_write(smoe_saved_header *header, smoe_saved_header h,
+                                         const smoe_dev_status *status, cudaStream_t stream);
 
 /* ------------------------------------------------------------ metadata.cu */
 
@@ -122,18 +192,20 @@ smoe_status smoe_cuda_metadata(int64_t E, int64_t cap, smoe_assign_dev in,
  * assignments (fp32 sums in assignment order), bf16 out. */
 smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *token_offset,
                                         const int32_t *assign_row, const float *row_score,
-                                        const bf16 *y, bf16 *out, cudaStream_t stream);
+                                        const bf16 *y, bf16 *out, const int *abort,
+                                        cudaStream_t stream);
 
-/* Backward: dx[t] (op)= sum_a (dxt[row_a] + dl_a * wr[e_a]) (+ extra[t]),
- * into dtype BF16 or F32, overwritten or accumulated. extra (T, d) fp32 may
- * be NULL; assign_dl (cap) fp32 with assign_expert and wr (E, d) may be
- * NULL (no per-pair router term). */
+/* Backward: dx[t] (op)= sum_a (dxt[row_a] + dl_a * wr[e_a]) (+ extra[t])
+ * (+ col), into dtype BF16 or F32, overwritten or accumulated. extra (T, d)
+ * fp32 may be NULL; assign_dl (cap) fp32 with assign_expert, wr (E, d) and
+ * col (d, fp32: wr_nf of smoe_cuda_backward_prologue) may be NULL (no
+ * per-pair router term). */
 smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *token_offset,
                                          const int32_t *assign_row, const bf16 *dxt,
                                          const float *extra, const float *assign_dl,
-                                         const int32_t *assign_expert, const bf16 *wr, void *dx,
-                                         smoe_dtype dx_dtype, int accumulate,
-                                         cudaStream_t stream);
+                                         const int32_t *assign_expert, const bf16 *wr,
+                                         const float *col, void *dx, smoe_dtype dx_dtype,
+                                         int accumulate, const int *abort, cudaStream_t stream);
 
 /* ------------------------------------------------------------ router_backward.cu */
 
@@ -147,7 +219,8 @@ smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int
                                      const int32_t *assign_expert, const int32_t *assign_row,
                                      const float *row_score, const float *ds,
                                      const float *dlogits_extra, bf16 *split,
-                                     int32_t *tc_scratch, float *assign_dl, cudaStream_t stream);
+                                     int32_t *tc_scratch, float *assign_dl, const int *abort,
+                                     cudaStream_t stream);
 
 /* Is dlogits sparse: nonzero only on each token's routed pairs
  * (TOPK_SOFTMAX, no rounding, K <= 32, no dlogits_extra)? Then
@@ -162,12 +235,13 @@ smoe_status smoe_cuda_stack_twice(const bf16 *wr, int64_t E, int64_t d, bf16 *wr
 
 /* dwr (E, d) (op)= dwr2[0:E] + dwr2[E:2E] (fp32 (2E, d)). */
 smoe_status smoe_cuda_combine_halves(const float *dwr2, int64_t E, int64_t d, void *dwr,
-                                     smoe_dtype dtype, int accumulate, cudaStream_t stream);
+                                     smoe_dtype dtype, int accumulate, const int *abort,
+                                     cudaStream_t stream);
 
 /* GENERAL: dpair_score[a] (op)= ds[assign_row[a]] (0 for skipped triples). */
 smoe_status smoe_cuda_pair_score_grad(int64_t pairs, const int32_t *assign_row,
                                       const float *ds, float *dscore, int accumulate,
-                                      cudaStream_t stream);
+                                      const int *abort, cudaStream_t stream);
 
 /* Per-expert column sums, deterministic (fixed partition of each expert's
  * rows over 8 row lanes, reduced in lane order), for the bias gradients:
@@ -180,6 +254,6 @@ smoe_status smoe_cuda_expert_colsum(int64_t E, int64_t cols, const int32_t *expe
                                     const bf16 *src, const int32_t *gather, const float *scale,
                                     int64_t n, int gated, smoe_w1_layout layout, int map_w1,
                                     void *dst, smoe_dtype dtype, int accumulate,
-                                    cudaStream_t stream);
+                                    const int *abort, cudaStream_t stream);
 
 #endif /* SMOE_CUDA_COMMON_H */

@@ -27,9 +27,19 @@
  * Nothing here synchronises with the host or allocates: every buffer is
  * carved from the caller's workspace (cuBLAS's too, so a graph capture has
  * nothing to allocate), grids are sized for the row capacity, and the row
- * count stays on the device. smoe_layer_check_device is the one exception:
- * it waits for the stream and reads the status word at the workspace start.
+ * count stays on the device. smoe_layer_device_status is the one exception
+ * (with wait = 1 it waits for the stream).
+ *
+ * Device-side checks (cuda_common.h, "device status"): a call's status word
+ * sits at the start of its workspace; every kernel after a check takes its
+ * code as `abort`. The layer's report record (a claim word in device memory,
+ * the record in mapped page-locked memory) is made at create time.
+ *
+ * Threads: the layer's state is read-only during calls except the cuBLAS
+ * handle, which is bound to the call's stream and workspace under a mutex
+ * for each dense GEMM, so one layer serves several threads and streams.
  */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,8 +55,12 @@ typedef struct cuda_state {
     int sm; /* major * 10 + minor */
     int num_sms;
     cublasHandle_t cublas;
+    pthread_mutex_t cublas_lock; /* held while the handle is bound and used */
     const smoe_gemm_ops *tab90; /* NULL: portable only */
-    int use90[OP_COUNT];        /* this op runs the Hopper kernel */
+    int use90[OP_COUNT];        /* this op runs the Hopper kernel (fixed at create) */
+    int *claim;                 /* device memory: the report's claim word */
+    smoe_dev_mapped *rec_host;  /* mapped page-locked record, host address */
+    smoe_dev_mapped *rec_dev;   /* ... its device address */
     struct stage_timer *timer;  /* SMOE_CUDA_TIMING=1 only */
 } cuda_state;
 
@@ -123,7 +137,7 @@ typedef struct ws_layout {
     size_t route_scratch, md_scratch, a, y, f_gemm;
     size_t fwd_end;
     /* backward (overlaps the forward region) */
-    size_t dh, a_scaled, ds, dxt, split, wr2, dwr2, dxr, tc, dla, b_gemm;
+    size_t dh, a_scaled, ds, dxt, split, wr2, dwr2, dxr, tc, dla, wr_nf, b_gemm;
     size_t bwd_end;
     size_t total;
 } ws_layout;
@@ -210,6 +224,7 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
     o += al(c * hc * 2);
     if (r > o) o = r;
     w->ds = o; o += al(c * 4);
+    w->wr_nf = o; o += al(dd * 4);
     w->a_scaled = o;
     w->dxt = o;
     o += al(c * (dd > n ? dd : n) * 2);
@@ -248,35 +263,38 @@ static void dev_leave(const dev_guard *g)
     if (g->changed) cudaSetDevice(g->prev);
 }
 
-static smoe_status check_ptr(const char *fn, const void *p, const char *what)
+/* The cuBLAS part of gemm_bf16_f32, with the handle bound to this call. */
+static smoe_status gemm_bf16_f32_locked(cuda_state *st, void *ws, const ws_layout *w,
+                                        cudaStream_t s, cublasOperation_t ta,
+                                        cublasOperation_t tb, int64_t m, int64_t n, int64_t k,
+                                        const bf16 *A, int64_t lda, const bf16 *B, int64_t ldb,
+                                        float *C, int64_t ldc)
 {
-    SMOE_RETURN_ERROR_IF(((uintptr_t)p & 15u) != 0, SMOE_ERROR_UNSUPPORTED,
-                         "%s: %s = %p is not 16-byte aligned (the CUDA kernels load 16-byte "
-                         "vectors)",
-                         fn, what, p);
-    return SMOE_SUCCESS;
-}
-
-static smoe_status cublas_bind(cuda_state *st, void *ws, const ws_layout *w, cudaStream_t s)
-{
+    const float one = 1.0f, zero = 0.0f;
     SMOE_CUBLAS_CHECK(cublasSetStream(st->cublas, s));
-    /* after SetStream (which resets it): cuBLAS's scratch from the workspace,
-     * so it never allocates (graph capture) */
+    /* after SetStream (which resets it): cuBLAS's scratch from the call's
+     * workspace, so it never allocates (graph capture) and two calls in
+     * flight never share it */
     SMOE_CUBLAS_CHECK(cublasSetWorkspace(st->cublas, (char *)ws + w->cublas, CUBLAS_WS_BYTES));
-    return SMOE_SUCCESS;
-}
-
-/* C (m x n, col-major, ldc) = alpha op(A) op(B) + beta C; bf16 A, B; fp32 C. */
-static smoe_status gemm_bf16_f32(cuda_state *st, cublasOperation_t ta, cublasOperation_t tb,
-                                 int64_t m, int64_t n, int64_t k, const bf16 *A, int64_t lda,
-                                 const bf16 *B, int64_t ldb, float beta, float *C, int64_t ldc)
-{
-    const float one = 1.0f;
     SMOE_CUBLAS_CHECK(cublasGemmEx(st->cublas, ta, tb, (int)m, (int)n, (int)k, &one, A,
-                                   CUDA_R_16BF, (int)lda, B, CUDA_R_16BF, (int)ldb, &beta, C,
+                                   CUDA_R_16BF, (int)lda, B, CUDA_R_16BF, (int)ldb, &zero, C,
                                    CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F,
                                    CUBLAS_GEMM_DEFAULT));
     return SMOE_SUCCESS;
+}
+
+/* C (m x n, col-major, ldc) = op(A) op(B); bf16 A, B; fp32 C; enqueued on s
+ * with the call's workspace. The layer's one cuBLAS handle is bound and
+ * used under its mutex, so calls from several threads do not race on it. */
+static smoe_status gemm_bf16_f32(cuda_state *st, void *ws, const ws_layout *w, cudaStream_t s,
+                                 cublasOperation_t ta, cublasOperation_t tb, int64_t m,
+                                 int64_t n, int64_t k, const bf16 *A, int64_t lda, const bf16 *B,
+                                 int64_t ldb, float *C, int64_t ldc)
+{
+    pthread_mutex_lock(&st->cublas_lock);
+    smoe_status r = gemm_bf16_f32_locked(st, ws, w, s, ta, tb, m, n, k, A, lda, B, ldb, C, ldc);
+    pthread_mutex_unlock(&st->cublas_lock);
+    return r;
 }
 
 /* ------------------------------------------------------------ kernel choice */
@@ -319,13 +337,14 @@ static void path_name_make(smoe_layer *layer)
              act_name(layer->desc.activation));
 }
 
-/* Which Hopper entries take this layer's shape. A launcher that cannot run
- * a shape says SMOE_ERROR_UNSUPPORTED before touching memory (gemm.h's
- * Hopper files do their shape checks first, and return at cap = 0 or on
- * NULL operands before launching), so each present entry is asked once
- * with cap = 0 and no buffers. A launcher that still declines a call later
- * (alignment of the caller's pointers) is switched to the portable kernel
- * for this layer and the path name updated (see gemm_fallback). */
+/* Which Hopper entries take this layer's shape, decided once here: a
+ * launcher that cannot run a shape says SMOE_ERROR_UNSUPPORTED before
+ * touching memory (gemm.h's Hopper files do their shape checks first, and
+ * return at cap = 0 or on NULL operands before launching), so each present
+ * entry is asked once with cap = 0 and no buffers. The only other reason a
+ * launcher declines, a pointer that is not 16-byte aligned, is refused by
+ * smoe.c before any call reaches the backend (layer->vec_align), so the
+ * choice never changes during a call. */
 static void probe_sm90(smoe_layer *layer)
 {
     cuda_state *st = (cuda_state *)layer->state;
@@ -344,36 +363,46 @@ static void probe_sm90(smoe_layer *layer)
     smoe_clear_error();
 }
 
-/* A Hopper launcher declined a call: run the portable kernel from now on. */
-static void gemm_fallback(smoe_layer *layer, int op)
+/* A Hopper launcher declined a call it accepted at create time: a bug, not
+ * a reason to switch kernels in the middle of a call. */
+static smoe_status gemm_declined(const char *op)
 {
-    cuda_state *st = (cuda_state *)layer->state;
-    st->use90[op] = 0;
-    smoe_clear_error();
-    path_name_make(layer);
+    char why[256];
+    snprintf(why, sizeof why, "%s", smoe_last_error());
+    return smoe_fail(SMOE_ERROR_INTERNAL,
+                     "the Hopper %s GEMM declined a call it accepted at create time: %s", op,
+                     why);
 }
 
+/* The op's kernel as chosen at create time. */
 #define GEMM_CALL(layer, op, field, ...)                                                   \
     do {                                                                                   \
         cuda_state *st_ = (cuda_state *)(layer)->state;                                    \
         if (st_->use90[op]) {                                                              \
             smoe_status r_ = st_->tab90->field(__VA_ARGS__);                               \
-            if (r_ != SMOE_ERROR_UNSUPPORTED) {                                            \
-                SMOE_FORWARD_IF_ERROR(r_);                                                 \
-                break;                                                                     \
-            }                                                                              \
-            gemm_fallback((layer), (op));                                                  \
+            if (r_ == SMOE_ERROR_UNSUPPORTED) return gemm_declined(#field);                \
+            SMOE_FORWARD_IF_ERROR(r_);                                                     \
+        } else {                                                                           \
+            SMOE_FORWARD_IF_ERROR(smoe_gemm_ops_sm80.field(__VA_ARGS__));                  \
         }                                                                                  \
-        SMOE_FORWARD_IF_ERROR(smoe_gemm_ops_sm80.field(__VA_ARGS__));                      \
     } while (0)
 
 /* ------------------------------------------------------------ forward */
+
+/* The layer's report record, for the kernels that set a status code. */
+static smoe_dev_report report_make(const cuda_state *st, int call)
+{
+    smoe_dev_report r;
+    r.claim = st->claim;
+    r.rec = st->rec_dev;
+    r.call = call;
+    return r;
+}
 
 static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args,
                                 const smoe_saved_layout *sl, void *saved, void *workspace,
                                 cudaStream_t s)
 {
-    const char *fn = "smoe_layer_forward (cuda)";
     cuda_state *st = (cuda_state *)layer->state;
     const smoe_layer_desc *d = &layer->desc;
     const int64_t T = args->T;
@@ -382,18 +411,11 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
     const int rounding = training && d->rounding != SMOE_ROUND_OFF;
     const int64_t cap = smoe_row_capacity(layer, T, general ? args->pairs : 0, args->inference);
 
-    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->x, "args.x"));
-    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->w1, "args.w1"));
-    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->w2, "args.w2"));
-    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->out, "args.out"));
-    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->b1, "args.b1"));
-    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->b2, "args.b2"));
-    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->router_w, "args.router_w"));
-
     ws_layout w;
     ws_make(layer, T, cap, &w);
     char *ws = (char *)workspace;
     smoe_dev_status *dst = (smoe_dev_status *)(ws + w.status);
+    const int *abort = &dst->code;
     SMOE_FORWARD_IF_ERROR(smoe_cuda_status_reset(dst, s));
 
     smoe_saved_view v;
@@ -414,21 +436,21 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
     as.score = (float *)(ws + w.assign_score);
     as.token_offset = v.token_offset;
     as.count = (int32_t *)(ws + w.assign_count);
+    as.abort = abort;
 
     if (general) {
         SMOE_FORWARD_IF_ERROR(smoe_cuda_route_general(T, d->E, args->pairs, args->pair_token,
                                                       args->pair_expert, args->pair_score, as,
-                                                      dst, s));
+                                                      dst, report_make(st, 0), s));
         timer_mark(st, 0, "general triples", s);
     } else {
         float *lg = (training && v.logits) ? v.logits
                     : args->router_logits  ? args->router_logits
                                            : (float *)(ws + w.logits);
-        SMOE_FORWARD_IF_ERROR(cublas_bind(st, workspace, &w, s));
         /* logits^T (E x T, col-major) = Wr (E x d) . X^T */
-        SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, CUBLAS_OP_T, CUBLAS_OP_N, d->E, T, d->d,
-                                            (const bf16 *)args->router_w, d->d,
-                                            (const bf16 *)args->x, d->d, 0.0f, lg, d->E));
+        SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, workspace, &w, s, CUBLAS_OP_T, CUBLAS_OP_N, d->E,
+                                            T, d->d, (const bf16 *)args->router_w, d->d,
+                                            (const bf16 *)args->x, d->d, lg, d->E));
         timer_mark(st, 0, "router gemm", s);
         if (args->router_logits && args->router_logits != lg)
             SMOE_CUDA_CHECK(cudaMemcpyAsync(args->router_logits, lg,
@@ -447,6 +469,7 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
     p.expert_offset = v.expert_offset;
     p.row_token = v.row_token;
     p.row_score = v.row_score;
+    p.abort = abort;
     bf16 *a = (bf16 *)(ws + w.a), *y = (bf16 *)(ws + w.y);
     void *gs = ws + w.f_gemm;
     if (cap > 0) {
@@ -458,8 +481,12 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
         timer_mark(st, 0, "down", s);
     }
     SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_forward(T, d->d, v.token_offset, v.assign_row,
-                                                      v.row_score, y, (bf16 *)args->out, s));
+                                                      v.row_score, y, (bf16 *)args->out, abort,
+                                                      s));
     timer_mark(st, 0, "aggregate", s);
+    if (training)
+        SMOE_FORWARD_IF_ERROR(smoe_cuda_saved_header_write(
+            v.header, smoe_saved_header_make(layer, T, args->pairs), dst, s));
     return SMOE_SUCCESS;
 }
 
@@ -483,30 +510,28 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
                                  const smoe_saved_layout *sl, const void *saved,
                                  void *workspace, cudaStream_t s)
 {
-    const char *fn = "smoe_layer_backward (cuda)";
     cuda_state *st = (cuda_state *)layer->state;
     const smoe_layer_desc *d = &layer->desc;
     const int64_t T = args->T, cap = sl->cap;
     const int general = d->routing == SMOE_ROUTING_GENERAL;
     const int rounding = d->rounding != SMOE_ROUND_OFF;
 
-    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->x, "args.x"));
-    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->w1, "args.w1"));
-    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->w2, "args.w2"));
-    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->b2, "args.b2"));
-    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->dout, "args.dout"));
-    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->router_w, "args.router_w"));
-    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->dx.ptr, "args.dx.ptr"));
-    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->dw1.ptr, "args.dw1.ptr"));
-    SMOE_FORWARD_IF_ERROR(check_ptr(fn, args->dw2.ptr, "args.dw2.ptr"));
-
     ws_layout w;
     ws_make(layer, T, cap, &w);
     char *ws = (char *)workspace;
     smoe_saved_view v = smoe_saved_view_make(sl, (void *)saved);
-
+    smoe_dev_status *dst = (smoe_dev_status *)(ws + w.status);
+    const int *abort = &dst->code;
     const int want_dx = args->dx.ptr != NULL;
     const int want_router = !general && (args->drouter_w.ptr || want_dx);
+    const int sparse = want_router && smoe_cuda_router_sparse(d, rounding, args->dlogits_extra);
+    float *wr_nf = sparse && want_dx ? (float *)(ws + w.wr_nf) : NULL;
+    /* first: is the saved block this call's? (every later kernel reads
+     * abort); and the router weight's non-finite columns */
+    SMOE_FORWARD_IF_ERROR(smoe_cuda_backward_prologue(
+        v.header, smoe_saved_header_make(layer, T, general ? args->pairs : 0), dst,
+        report_make(st, 1), wr_nf ? (const bf16 *)args->router_w : NULL, d->E, d->d, wr_nf, s));
+
     const int want_ds = want_router || (general && args->dpair_score.ptr);
     const int want_dh = want_dx || args->dw1.ptr || args->db1.ptr;
     const int run_dh = want_dh || want_ds || args->dw2.ptr;
@@ -515,6 +540,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     p.expert_offset = v.expert_offset;
     p.row_token = v.row_token;
     p.row_score = v.row_score;
+    p.abort = abort;
     bf16 *dh = (bf16 *)(ws + w.dh), *a_scaled = (bf16 *)(ws + w.a_scaled);
     bf16 *dxt = (bf16 *)(ws + w.dxt);
     float *ds = (float *)(ws + w.ds);
@@ -532,7 +558,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     if (args->db2.ptr)
         SMOE_FORWARD_IF_ERROR(smoe_cuda_expert_colsum(
             d->E, d->d, v.expert_offset, dout, v.row_token, v.row_score, d->n, layer->gated,
-            d->w1_layout, 0, args->db2.ptr, args->db2.dtype, args->db2.accumulate, s));
+            d->w1_layout, 0, args->db2.ptr, args->db2.dtype, args->db2.accumulate, abort, s));
     timer_mark(st, 1, "db2", s);
     if (want_dx && cap > 0)
         GEMM_CALL(layer, OP_DXT, dxt, &p, dh, (const bf16 *)args->w1, dxt, gs, s);
@@ -544,30 +570,27 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     if (args->db1.ptr)
         SMOE_FORWARD_IF_ERROR(smoe_cuda_expert_colsum(
             d->E, layer->h_cols, v.expert_offset, dh, NULL, NULL, d->n, layer->gated,
-            d->w1_layout, 1, args->db1.ptr, args->db1.dtype, args->db1.accumulate, s));
+            d->w1_layout, 1, args->db1.ptr, args->db1.dtype, args->db1.accumulate, abort, s));
     timer_mark(st, 1, "db1", s);
 
     float *dxr = NULL, *dla = NULL;
     if (want_router) {
         bf16 *split = (bf16 *)(ws + w.split);
-        const int sparse = smoe_cuda_router_sparse(d, rounding, args->dlogits_extra);
         if (sparse && want_dx) dla = (float *)(ws + w.dla);
         SMOE_FORWARD_IF_ERROR(smoe_cuda_router_dlogits(
             d, T, rounding, v.logits, v.token_offset, v.assign_expert, v.assign_row,
-            v.row_score, ds, args->dlogits_extra, split, (int32_t *)(ws + w.tc), dla, s));
+            v.row_score, ds, args->dlogits_extra, split, (int32_t *)(ws + w.tc), dla, abort, s));
         timer_mark(st, 1, "router dlogits", s);
-        SMOE_FORWARD_IF_ERROR(cublas_bind(st, workspace, &w, s));
         const int64_t E2 = 2 * d->E;
         if (args->drouter_w.ptr) {
             float *dwr2 = (float *)(ws + w.dwr2);
             /* dWr2 (2E x d row-major = d x 2E col-major) = X^T . split */
-            SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, CUBLAS_OP_N, CUBLAS_OP_T, d->d, E2, T,
-                                                (const bf16 *)args->x, d->d, split, E2, 0.0f,
-                                                dwr2, d->d));
-            SMOE_FORWARD_IF_ERROR(smoe_cuda_combine_halves(dwr2, d->E, d->d,
-                                                           args->drouter_w.ptr,
-                                                           args->drouter_w.dtype,
-                                                           args->drouter_w.accumulate, s));
+            SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, workspace, &w, s, CUBLAS_OP_N, CUBLAS_OP_T,
+                                                d->d, E2, T, (const bf16 *)args->x, d->d, split,
+                                                E2, dwr2, d->d));
+            SMOE_FORWARD_IF_ERROR(smoe_cuda_combine_halves(
+                dwr2, d->E, d->d, args->drouter_w.ptr, args->drouter_w.dtype,
+                args->drouter_w.accumulate, abort, s));
             timer_mark(st, 1, "dWr gemm", s);
         }
         if (want_dx && !sparse) {
@@ -576,21 +599,21 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
             SMOE_FORWARD_IF_ERROR(
                 smoe_cuda_stack_twice((const bf16 *)args->router_w, d->E, d->d, wr2, s));
             /* dXr (T x d row-major = d x T col-major) = wr2^T-view . split^T-view */
-            SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, CUBLAS_OP_N, CUBLAS_OP_N, d->d, T, E2, wr2,
-                                                d->d, split, E2, 0.0f, dxr, d->d));
+            SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, workspace, &w, s, CUBLAS_OP_N, CUBLAS_OP_N,
+                                                d->d, T, E2, wr2, d->d, split, E2, dxr, d->d));
             timer_mark(st, 1, "dXr gemm", s);
         }
     }
     if (want_dx)
         SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(
             T, d->d, v.token_offset, v.assign_row, dxt, dxr, dla, v.assign_expert,
-            dla ? (const bf16 *)args->router_w : NULL, args->dx.ptr, args->dx.dtype,
-            args->dx.accumulate, s));
+            dla ? (const bf16 *)args->router_w : NULL, wr_nf, args->dx.ptr, args->dx.dtype,
+            args->dx.accumulate, abort, s));
     timer_mark(st, 1, "aggregate dx", s);
     if (general && args->dpair_score.ptr)
         SMOE_FORWARD_IF_ERROR(smoe_cuda_pair_score_grad(args->pairs, v.assign_row, ds,
                                                         (float *)args->dpair_score.ptr,
-                                                        args->dpair_score.accumulate, s));
+                                                        args->dpair_score.accumulate, abort, s));
     return SMOE_SUCCESS;
 }
 
@@ -608,45 +631,104 @@ static smoe_status cuda_backward(smoe_layer *layer, const smoe_backward_args *ar
     return r;
 }
 
-/* ------------------------------------------------------------ check_device */
+/* ------------------------------------------------------------ device status */
 
-static smoe_status cuda_check_device(smoe_layer *layer, const void *workspace, void *stream)
+/* The message of a recorded failure, as the CPU backend words the same
+ * failure (smoe.c's check_triples and smoe_saved_header_check). */
+static smoe_status device_failure(const smoe_layer *layer, int call, const smoe_dev_status *h)
 {
-    cuda_state *st = (cuda_state *)layer->state;
-    dev_guard g;
-    SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
-    smoe_dev_status h;
-    cudaError_t e1 = cudaStreamSynchronize((cudaStream_t)stream);
-    cudaError_t e2 = e1 == cudaSuccess
-                         ? cudaMemcpy(&h, workspace, sizeof h, cudaMemcpyDeviceToHost)
-                         : e1;
-    dev_leave(&g);
-    SMOE_RETURN_ERROR_IF(e2 != cudaSuccess, SMOE_ERROR_BACKEND,
-                         "smoe_layer_check_device: %s", cudaGetErrorString(e2));
-    const char *fn = "smoe_layer_forward (GENERAL triples, checked on the device)";
-    switch (h.code) {
-    case SMOE_DEV_OK: return SMOE_SUCCESS;
+    const char *fwd = "smoe_layer_forward (GENERAL triples, checked on the device)";
+    const char *bwd = "smoe_layer_backward (saved block, checked on the device)";
+    const long long v = h->value, v2 = h->value2;
+    switch (h->code) {
     case SMOE_DEV_BAD_TOKEN:
         return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                         "%s: pair_token[%d] = %d, must be in [0, T = %d); triple skipped",
-                         fn, h.first_bad, h.value, h.value2);
+                         "%s: pair_token[%d] = %lld, must be in [0, T = %lld); nothing written",
+                         fwd, h->first_bad, v, v2);
     case SMOE_DEV_BAD_EXPERT:
         return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                         "%s: pair_expert[%d] = %d, must be in [0, E = %lld); triple skipped",
-                         fn, h.first_bad, h.value, (long long)layer->desc.E);
+                         "%s: pair_expert[%d] = %lld, must be in [0, E = %lld); nothing written",
+                         fwd, h->first_bad, v, (long long)layer->desc.E);
     case SMOE_DEV_UNSORTED:
         return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                         "%s: pair_token[%d] = %d < pair_token[%d] = %d: triples must be "
-                         "sorted by token; triple skipped",
-                         fn, h.first_bad, h.value, h.first_bad - 1, h.value2);
+                         "%s: pair_token[%d] = %lld < pair_token[%d] = %lld: triples must be "
+                         "sorted by token; nothing written",
+                         fwd, h->first_bad, v, h->first_bad - 1, v2);
     case SMOE_DEV_DUPLICATE:
         return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                         "%s: (token %d, expert %d) given twice (pair %d); triple skipped", fn,
-                         h.value, h.value2, h.first_bad);
-    default:
-        return smoe_fail(SMOE_ERROR_INTERNAL, "smoe_layer_check_device: status code %d",
-                         h.code);
+                         "%s: (token %lld, expert %lld) is given twice (again at pair %d); "
+                         "nothing written",
+                         fwd, v, v2, h->first_bad);
+    case SMOE_DEV_BAD_SCORE: {
+        uint32_t bits = (uint32_t)v;
+        float f;
+        memcpy(&f, &bits, 4);
+        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                         "%s: pair_score[%d] = %g is not finite; nothing written", fwd,
+                         h->first_bad, (double)f);
     }
+    case SMOE_DEV_SAVED_INVALID:
+        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                         "%s: the saved block was not filled by a training forward (its header "
+                         "is not valid); nothing written",
+                         bwd);
+    case SMOE_DEV_SAVED_LAYER:
+        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                         "%s: the saved block was filled by another layer (id %016llx, this "
+                         "layer is %016llx); nothing written",
+                         bwd, (unsigned long long)v, (unsigned long long)v2);
+    case SMOE_DEV_SAVED_T:
+        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                         "%s: the saved block was filled by a forward with T = %lld, this "
+                         "backward has T = %lld; nothing written",
+                         bwd, v, v2);
+    case SMOE_DEV_SAVED_PAIRS:
+        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                         "%s: the saved block was filled by a forward with pairs = %lld, this "
+                         "backward has pairs = %lld; nothing written",
+                         bwd, v, v2);
+    case SMOE_DEV_SAVED_FAILED:
+        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                         "%s: the forward that filled the saved block failed a device-side "
+                         "check (code %lld); nothing written",
+                         bwd, v);
+    default:
+        return smoe_fail(SMOE_ERROR_INTERNAL, "smoe_layer_device_status: %s recorded code %d",
+                         call ? "backward" : "forward", h->code);
+    }
+}
+
+static smoe_status cuda_device_status(smoe_layer *layer, void *stream, int wait)
+{
+    cuda_state *st = (cuda_state *)layer->state;
+    if (wait) {
+        dev_guard g;
+        SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
+        cudaError_t e = cudaStreamSynchronize((cudaStream_t)stream);
+        dev_leave(&g);
+        SMOE_RETURN_ERROR_IF(e != cudaSuccess, SMOE_ERROR_BACKEND,
+                             "smoe_layer_device_status: %s", cudaGetErrorString(e));
+    }
+    volatile smoe_dev_mapped *rec = st->rec_host;
+    const int code = rec->code;
+    if (code == SMOE_DEV_OK) return SMOE_SUCCESS;
+    __sync_synchronize(); /* the record's fields were written before its code */
+    smoe_dev_status h;
+    h.first_bad = rec->st.first_bad;
+    h.code = code;
+    h.value = rec->st.value;
+    h.value2 = rec->st.value2;
+    const int call = rec->call;
+    /* read: clear the record and free the claim for the next failure */
+    rec->code = SMOE_DEV_OK;
+    dev_guard g;
+    SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
+    cudaError_t e = cudaMemsetAsync(st->claim, 0, sizeof(int), (cudaStream_t)stream);
+    dev_leave(&g);
+    SMOE_RETURN_ERROR_IF(e != cudaSuccess, SMOE_ERROR_BACKEND,
+                         "smoe_layer_device_status: clearing the record: %s",
+                         cudaGetErrorString(e));
+    return device_failure(layer, call, &h);
 }
 
 /* ------------------------------------------------------------ init */
@@ -660,20 +742,38 @@ static void cuda_destroy(smoe_layer *layer)
         for (int i = 0; i <= MAX_STAGES; ++i) cudaEventDestroy(st->timer->ev[i]);
         free(st->timer);
     }
-    if (st->cublas) {
-        int prev = -1;
-        cudaGetDevice(&prev);
-        if (prev != st->device) cudaSetDevice(st->device);
-        cublasDestroy(st->cublas);
-        if (prev >= 0 && prev != st->device) cudaSetDevice(prev);
-    }
+    int prev = -1;
+    cudaGetDevice(&prev);
+    if (prev != st->device) cudaSetDevice(st->device);
+    if (st->cublas) cublasDestroy(st->cublas);
+    if (st->claim) cudaFree(st->claim);
+    if (st->rec_host) cudaFreeHost(st->rec_host);
+    if (prev >= 0 && prev != st->device) cudaSetDevice(prev);
+    pthread_mutex_destroy(&st->cublas_lock);
     free(st);
     layer->state = NULL;
 }
 
 static const smoe_backend_ops cuda_ops = {
-    cuda_workspace_bytes, cuda_forward, cuda_backward, cuda_destroy, cuda_check_device,
+    cuda_workspace_bytes, cuda_forward, cuda_backward, cuda_destroy, cuda_device_status,
 };
+
+/* The cuBLAS handle and the report record, on the layer's device (current). */
+static smoe_status state_make(cuda_state *st, const char *fn)
+{
+    cublasStatus_t cs = cublasCreate(&st->cublas);
+    if (cs == CUBLAS_STATUS_SUCCESS) cs = cublasSetMathMode(st->cublas, CUBLAS_DEFAULT_MATH);
+    SMOE_RETURN_ERROR_IF(cs != CUBLAS_STATUS_SUCCESS, SMOE_ERROR_BACKEND,
+                         "%s: cublasCreate: cuBLAS status %d (%s)", fn, (int)cs,
+                         cublasGetStatusString(cs));
+    SMOE_CUDA_CHECK(cudaMalloc((void **)&st->claim, sizeof(int)));
+    SMOE_CUDA_CHECK(cudaMemset(st->claim, 0, sizeof(int)));
+    SMOE_CUDA_CHECK(cudaHostAlloc((void **)&st->rec_host, sizeof(smoe_dev_mapped),
+                                  cudaHostAllocMapped | cudaHostAllocPortable));
+    memset((void *)st->rec_host, 0, sizeof(smoe_dev_mapped));
+    SMOE_CUDA_CHECK(cudaHostGetDevicePointer((void **)&st->rec_dev, st->rec_host, 0));
+    return SMOE_SUCCESS;
+}
 
 smoe_status smoe_cuda_layer_init(smoe_layer *layer, int want_sm90)
 {
@@ -688,6 +788,11 @@ smoe_status smoe_cuda_layer_init(smoe_layer *layer, int want_sm90)
                          (long long)d->d, (long long)d->n);
     SMOE_RETURN_ERROR_IF(d->E > 4096, SMOE_ERROR_UNSUPPORTED,
                          "%s: E = %lld, at most 4096 experts on the GPU", fn, (long long)d->E);
+    /* the portable GEMMs form row strides in int (grouped_gemm.cu) */
+    SMOE_RETURN_ERROR_IF(d->d > ((int64_t)1 << 28) || layer->h_cols > ((int64_t)1 << 28),
+                         SMOE_ERROR_UNSUPPORTED,
+                         "%s: d = %lld, h_cols = %lld: at most 2^28 on the GPU", fn,
+                         (long long)d->d, (long long)layer->h_cols);
 
     int count = 0;
     cudaError_t ce = cudaGetDeviceCount(&count);
@@ -719,25 +824,25 @@ smoe_status smoe_cuda_layer_init(smoe_layer *layer, int want_sm90)
     st->device = d->device;
     st->sm = sm;
     st->num_sms = prop.multiProcessorCount;
+    pthread_mutex_init(&st->cublas_lock, NULL);
 #ifdef SMOE_WITH_SM90
     st->tab90 = want_sm90 ? &smoe_gemm_ops_sm90 : NULL;
 #endif
+    layer->state = st;
     int prev = 0;
     cudaGetDevice(&prev);
     cudaError_t se = cudaSetDevice(d->device);
-    cublasStatus_t cs = se == cudaSuccess ? cublasCreate(&st->cublas) : CUBLAS_STATUS_NOT_INITIALIZED;
-    if (cs == CUBLAS_STATUS_SUCCESS)
-        cs = cublasSetMathMode(st->cublas, CUBLAS_DEFAULT_MATH);
+    smoe_status r = se == cudaSuccess
+                        ? state_make(st, fn)
+                        : smoe_fail(SMOE_ERROR_BACKEND, "%s: cudaSetDevice(%d): %s", fn,
+                                    d->device, cudaGetErrorString(se));
     if (prev != d->device) cudaSetDevice(prev);
-    if (se != cudaSuccess || cs != CUBLAS_STATUS_SUCCESS) {
-        if (st->cublas) cublasDestroy(st->cublas);
-        free(st);
-        return smoe_fail(SMOE_ERROR_BACKEND, "%s: %s", fn,
-                         se != cudaSuccess ? cudaGetErrorString(se)
-                                           : "cublasCreate failed");
+    if (r != SMOE_SUCCESS) {
+        cuda_destroy(layer);
+        return r;
     }
-    layer->state = st;
     layer->ops = &cuda_ops;
+    layer->vec_align = 16; /* the kernels load and store 16-byte vectors */
     const char *tenv = getenv("SMOE_CUDA_TIMING");
     if (tenv && tenv[0] == '1') {
         st->timer = (stage_timer *)calloc(1, sizeof *st->timer);

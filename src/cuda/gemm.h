@@ -26,6 +26,8 @@
  *    with cap = 0 (or NULL operands) a launcher must return without
  *    launching anything.
  *  - Deterministic: no atomics on floating-point values.
+ *  - Every kernel reads *p->abort first (when not NULL) and does nothing if
+ *    it is set (see smoe_gemm_problem.abort).
  */
 #ifndef SMOE_CUDA_GEMM_H
 #define SMOE_CUDA_GEMM_H
@@ -49,6 +51,10 @@ typedef struct smoe_gemm_problem {
     const int32_t *row_token;     /* (cap) token of each row */
     const float *row_score;       /* (cap) score of each row */
     int num_sms;              /* of the device, for persistent grids */
+    /* The call's device status code (cuda_common.h): every kernel of the
+     * launchers returns at once when it is not 0, so a call whose
+     * device-side check failed writes nothing. NULL: never. */
+    const int *abort;
 } smoe_gemm_problem;
 
 /* Physical W1 row of logical row c (interleaved order). */
@@ -107,6 +113,10 @@ typedef struct smoe_gemm_ops {
                        void *dw1, smoe_dtype out_dtype, int accumulate, void *scratch,
                        cudaStream_t s);
 } smoe_gemm_ops;
+
+/* relu as PyTorch computes it: NaN stays NaN (fmaxf(NaN, 0) would be 0),
+ * and its derivative, x <= 0 ? 0 : 1, passes a NaN's gradient through. */
+static inline __device__ float smoe_relu(float x) { return x <= 0.0f ? 0.0f : x; }
 
 /* For kernels whose epilogue takes the activation as a template constant:
  * CALL(A) with act as the compile-time constant A, dispatched once per tile

@@ -185,8 +185,8 @@ static __device__ __forceinline__ float gg_act(int act, float x)
     case SMOE_ACT_GEGLU:
     case SMOE_ACT_GELU: return 0.5f * x * (1.0f + tanhf(GG_GELU_C * (x + GG_GELU_A * x * x * x)));
     case SMOE_ACT_REGLU:
-    case SMOE_ACT_RELU: return fmaxf(x, 0.0f);
-    case SMOE_ACT_RELU2: { float r = fmaxf(x, 0.0f); return r * r; }
+    case SMOE_ACT_RELU: return smoe_relu(x);
+    case SMOE_ACT_RELU2: { float r = smoe_relu(x); return r * r; }
     default: return 0.0f;
     }
 }
@@ -207,10 +207,10 @@ static __device__ __forceinline__ void gg_act_fd(float x, float &f, float &df)
         df = 0.5f * (1.0f + th) +
              0.5f * x * (1.0f - th * th) * GG_GELU_C * (1.0f + 3.0f * GG_GELU_A * x * x);
     } else if (ACT == SMOE_ACT_REGLU || ACT == SMOE_ACT_RELU) {
-        f = fmaxf(x, 0.0f);
-        df = x > 0.0f ? 1.0f : 0.0f;
+        f = smoe_relu(x);
+        df = x <= 0.0f ? 0.0f : 1.0f;
     } else { /* RELU2 */
-        const float r = fmaxf(x, 0.0f);
+        const float r = smoe_relu(x);
         f = r * r;
         df = 2.0f * r;
     }
@@ -270,6 +270,7 @@ typedef struct gg_args {
     int l2pf; /* L2 prefetch hint of the operand copies (gg_cp_async16_h) */
     int hpf;  /* DHX: the H tile is prefetched into L2 this many K elements
                  before the main loop ends (0: not) */
+    const int *abort; /* smoe_gemm_problem.abort */
 } gg_args;
 
 static __device__ __forceinline__ int64_t gg_map(const gg_args &p, int map, int64_t i)
@@ -1311,6 +1312,7 @@ __global__ void __launch_bounds__(WM *WN * 32)
                   "persistent grids: epilogues that fit after the prologue's stages");
 
     extern __shared__ __align__(128) unsigned char gg_smem[];
+    if (p.abort && *p.abort) return;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp / WN, wn = warp % WN;
@@ -1464,8 +1466,9 @@ __global__ void __launch_bounds__(WM *WN * 32)
  * <dO[tok[r]], b2[e]> when b2 is given. One warp per row. */
 __global__ void gg_ds_reduce(const float *dsp, int tiles, int64_t cap, const int32_t *off, int E,
                              const int32_t *tok, const bf16 *dout, const bf16 *b2, int64_t d,
-                             float *ds)
+                             float *ds, const int *abort)
 {
+    if (abort && *abort) return;
     const int lane = threadIdx.x & 31;
     const int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
     if (r >= off[E]) return;
@@ -1624,6 +1627,7 @@ static gg_args gg_args_make(const smoe_gemm_problem *p)
     a.tok = p->row_token;
     a.score = p->row_score;
     a.cap = p->cap;
+    a.abort = p->abort;
     return a;
 }
 
@@ -1899,7 +1903,8 @@ static smoe_status gg_dh(const smoe_gemm_problem *p, const bf16 *dout, const bf1
     if (st != SMOE_SUCCESS) return st;
     const int rows_per_block = 8;
     gg_ds_reduce<<<(unsigned)gg_cdiv(p->cap, rows_per_block), rows_per_block * 32, 0, s>>>(
-        a.dsp, a.tiles_n, p->cap, p->expert_offset, (int)p->E, p->row_token, dout, b2, p->d, ds);
+        a.dsp, a.tiles_n, p->cap, p->expert_offset, (int)p->E, p->row_token, dout, b2, p->d, ds,
+        p->abort);
     cudaError_t err = cudaGetLastError();
     SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND, "%s: dS reduce launch: %s", what,
                          cudaGetErrorString(err));

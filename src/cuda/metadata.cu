@@ -122,6 +122,7 @@ k_md_place(smoe_assign_dev in, int64_t cap, int E, int nchunk,
            int32_t *expert_counts)
 {
     extern __shared__ int sh[]; /* offs[E + 1], then MD_WARPS * E running counts */
+    SMOE_DEV_RETURN_IF_ABORTED(in.abort);
     int *offs = sh;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int *run = sh + (E + 1) + warp * E;
@@ -491,6 +492,7 @@ k_md2_place(smoe_assign_dev in, int64_t cap, int E, int Ep, int mbits, int ntile
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
 
     md2_wait_primary(); /* the histogram (and the assignments) are complete */
+    SMOE_DEV_RETURN_IF_ABORTED(in.abort);
 
     /* the warp's assignments first: their latency overlaps the column sums */
     const int64_t n = *in.count < cap ? *in.count : cap;
@@ -518,6 +520,7 @@ k_md2_coop(smoe_assign_dev in, int64_t cap, int E, int Ep, int mbits, int ntiles
 {
     constexpr int TILE = MD2_THREADS * IPT, S = TILE / MD2_WARPS;
     extern __shared__ int sm[];
+    SMOE_DEV_RETURN_IF_ABORTED(in.abort); /* every block, before the grid barrier */
     const md2_smem s = md2_smem_make(sm, Ep, TILE);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int64_t n = *in.count < cap ? *in.count : cap;

@@ -52,8 +52,9 @@ __global__ void k_router_dlogits(int T, int E, int K, int mode, int renormalize,
                                  const int32_t *__restrict__ assign_row,
                                  const float *__restrict__ row_score, const float *__restrict__ ds,
                                  const float *__restrict__ extra, bf16 *__restrict__ split,
-                                 int32_t *__restrict__ tc_scratch)
+                                 int32_t *__restrict__ tc_scratch, const int *abort)
 {
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= T) return;
     const int a0 = token_offset[t], a1 = token_offset[t + 1];
@@ -155,8 +156,9 @@ k_router_dlogits_topk_warp(int T, int E, const int32_t *__restrict__ token_offse
                            const int32_t *__restrict__ assign_row,
                            const float *__restrict__ row_score, const float *__restrict__ ds,
                            const float *__restrict__ extra, bf16 *__restrict__ split,
-                           float *__restrict__ assign_dl)
+                           float *__restrict__ assign_dl, const int *abort)
 {
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
     extern __shared__ double dlw_row[]; /* DLW_WARPS * E */
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
     const int t = blockIdx.x * DLW_WARPS + wib;
@@ -209,8 +211,9 @@ __global__ void k_stack_twice(const bf16 *__restrict__ wr, int64_t n, bf16 *__re
 }
 
 __global__ void k_combine_halves(const float *__restrict__ dwr2, int64_t n, void *dwr, int f32,
-                                 int accumulate)
+                                 int accumulate, const int *abort)
 {
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
         float v = dwr2[i] + dwr2[i + n];
@@ -226,8 +229,10 @@ __global__ void k_combine_halves(const float *__restrict__ dwr2, int64_t n, void
 }
 
 __global__ void k_pair_score_grad(int64_t pairs, const int32_t *__restrict__ assign_row,
-                                  const float *__restrict__ ds, float *dscore, int accumulate)
+                                  const float *__restrict__ ds, float *dscore, int accumulate,
+                                  const int *abort)
 {
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= pairs) return;
     const int r = assign_row[i];
@@ -241,8 +246,9 @@ __global__ void __launch_bounds__(256)
 k_expert_colsum(int64_t cols, const int32_t *__restrict__ expert_offset,
                 const bf16 *__restrict__ src, const int32_t *__restrict__ gather,
                 const float *__restrict__ scale, int64_t n, int gated, smoe_w1_layout layout,
-                int map_w1, void *dst, int f32, int accumulate)
+                int map_w1, void *dst, int f32, int accumulate, const int *abort)
 {
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
     __shared__ float part[8][64];
     const int e = blockIdx.y;
     const int64_t c0 = (int64_t)blockIdx.x * 64 + 2 * threadIdx.x;
@@ -291,7 +297,8 @@ smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int
                                      const int32_t *assign_expert, const int32_t *assign_row,
                                      const float *row_score, const float *ds,
                                      const float *dlogits_extra, bf16 *split,
-                                     int32_t *tc_scratch, float *assign_dl, cudaStream_t stream)
+                                     int32_t *tc_scratch, float *assign_dl, const int *abort,
+                                     cudaStream_t stream)
 {
     const int tr = rounding && desc->rounding != SMOE_ROUND_OFF;
     if (smoe_cuda_router_sparse(desc, rounding, dlogits_extra)) {
@@ -303,7 +310,7 @@ smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int
         k_router_dlogits_topk_warp<<<(unsigned)smoe_cdiv(T, DLW_WARPS), DLW_WARPS * 32, smem,
                                      stream>>>((int)T, (int)desc->E, token_offset, assign_expert,
                                                assign_row, row_score, ds, dlogits_extra, split,
-                                               assign_dl);
+                                               assign_dl, abort);
         SMOE_CUDA_LAUNCH_CHECK("k_router_dlogits_topk_warp");
         return SMOE_SUCCESS;
     }
@@ -313,7 +320,8 @@ smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int
     const int threads = 64;
     k_router_dlogits<<<(unsigned)smoe_cdiv(T, threads), threads, 0, stream>>>(
         (int)T, (int)desc->E, (int)desc->K, (int)desc->routing, desc->renormalize, tr, logits,
-        token_offset, assign_expert, assign_row, row_score, ds, dlogits_extra, split, tc_scratch);
+        token_offset, assign_expert, assign_row, row_score, ds, dlogits_extra, split, tc_scratch,
+        abort);
     SMOE_CUDA_LAUNCH_CHECK("k_router_dlogits");
     return SMOE_SUCCESS;
 }
@@ -334,21 +342,22 @@ smoe_status smoe_cuda_stack_twice(const bf16 *wr, int64_t E, int64_t d, bf16 *wr
 }
 
 smoe_status smoe_cuda_combine_halves(const float *dwr2, int64_t E, int64_t d, void *dwr,
-                                     smoe_dtype dtype, int accumulate, cudaStream_t stream)
+                                     smoe_dtype dtype, int accumulate, const int *abort,
+                                     cudaStream_t stream)
 {
     k_combine_halves<<<grid_for(E * d, 256), 256, 0, stream>>>(
-        dwr2, E * d, dwr, dtype == SMOE_DTYPE_F32, accumulate);
+        dwr2, E * d, dwr, dtype == SMOE_DTYPE_F32, accumulate, abort);
     SMOE_CUDA_LAUNCH_CHECK("k_combine_halves");
     return SMOE_SUCCESS;
 }
 
 smoe_status smoe_cuda_pair_score_grad(int64_t pairs, const int32_t *assign_row,
                                       const float *ds, float *dscore, int accumulate,
-                                      cudaStream_t stream)
+                                      const int *abort, cudaStream_t stream)
 {
     if (pairs <= 0) return SMOE_SUCCESS;
     k_pair_score_grad<<<(unsigned)smoe_cdiv(pairs, 256), 256, 0, stream>>>(
-        pairs, assign_row, ds, dscore, accumulate);
+        pairs, assign_row, ds, dscore, accumulate, abort);
     SMOE_CUDA_LAUNCH_CHECK("k_pair_score_grad");
     return SMOE_SUCCESS;
 }
@@ -357,13 +366,13 @@ smoe_status smoe_cuda_expert_colsum(int64_t E, int64_t cols, const int32_t *expe
                                     const bf16 *src, const int32_t *gather, const float *scale,
                                     int64_t n, int gated, smoe_w1_layout layout, int map_w1,
                                     void *dst, smoe_dtype dtype, int accumulate,
-                                    cudaStream_t stream)
+                                    const int *abort, cudaStream_t stream)
 {
     dim3 grid((unsigned)smoe_cdiv(cols, 64), (unsigned)E);
     dim3 block(32, 8);
     k_expert_colsum<<<grid, block, 0, stream>>>(cols, expert_offset, src, gather, scale, n, gated,
                                                 layout, map_w1, dst, dtype == SMOE_DTYPE_F32,
-                                                accumulate);
+                                                accumulate, abort);
     SMOE_CUDA_LAUNCH_CHECK("k_expert_colsum");
     return SMOE_SUCCESS;
 }

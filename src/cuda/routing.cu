@@ -8,7 +8,7 @@
  * Algorithm:
  *  - Token choice: one warp per token (E <= 1024, K <= 32; else one thread
  *    per token): K picks, each the best logit ranked after the previous
- *    pick (larger first, equal -> lower expert, NaN last; a warp arg-max
+ *    pick (larger first, equal -> lower expert, NaN first; a warp arg-max
  *    over that total order). Scores in double, rounded to fp32, with the
  *    host routing's (src/routing.c) operations in its order, so the same
  *    logits give the same bits on both. For E <= 256 (k_route_tc_fast):
@@ -26,10 +26,11 @@
  *    write each token's kept pairs in expert order, scored with the
  *    renormalised score (TC pairs) or p (pairs added by rounding up).
  *  - GENERAL: each triple checked (token, expert in range, tokens sorted,
- *    no (token, expert) twice); a bad one is skipped (expert -1) and its
- *    index recorded with atomicMin (lowest index wins, whatever the thread
- *    order); token offsets by binary search over clamped tokens, so even
- *    unsorted input is never read out of bounds.
+ *    no (token, expert) twice, finite score) by a kernel that only reads;
+ *    the lowest bad index is recorded with atomicMin (whatever the thread
+ *    order), and its reason goes into the call's status word, after which
+ *    every later kernel of the call does nothing. Then the triples are
+ *    copied as assignments, token offsets by binary search.
  * Deterministic: no floating-point atomics; every sum has a fixed order.
  */
 #include <limits.h>
@@ -138,8 +139,8 @@ k_route_token_choice_warp(const float *__restrict__ logits, int T, int E, int K,
     }
     if (t >= T) return;
     const float *l = logits + (int64_t)t * E;
-    /* rank = key << 32 | ~e; padding (e >= E) ranks below every logit (a
-     * NaN's key is 0 too, but its lower index ranks it ahead); K <= E, so
+    /* rank = key << 32 | ~e; padding (e >= E, key 0) ranks below every
+     * logit (-inf's key is 0x007FFFFF, NaN's the largest); K <= E, so
      * padding and exhausted lanes (rank 0) are never picked */
     uint64_t v[EPL];
 #pragma unroll
@@ -253,13 +254,13 @@ static smoe_status launch_tc_warp(const float *logits, int T, int E, int K, int 
 #define TCF_WARPS 4
 #define TCF_MAX_G 4
 
-/* NaN ranks below every number but above the padding (key 0) */
+/* smoe_logit_key without branches (NaN above every number, padding 0) */
 static __device__ __forceinline__ uint32_t tcf_key(float f)
 {
-    /* smoe_logit_key without branches: f + 0 turns -0 into +0 */
+    /* f + 0 turns -0 into +0 */
     const uint32_t u = __float_as_uint(f + 0.0f);
     const uint32_t k = u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
-    return f != f ? 1u : k;
+    return f != f ? 0xFFFFFFFFu : k;
 }
 
 /* The lane's EPL logits of row l (0 past E). */
@@ -694,7 +695,8 @@ __global__ void k_tr_emit(const float *__restrict__ logits, int T, int E, int K,
 /* ------------------------------------------------------------ GENERAL */
 
 static __device__ int general_check(int64_t i, int T, int E, const int32_t *__restrict__ tok,
-                                    const int32_t *__restrict__ ex, int *value, int *value2)
+                                    const int32_t *__restrict__ ex, const float *__restrict__ sc,
+                                    long long *value, long long *value2)
 {
     const int t = tok[i], e = ex[i];
     *value = t;
@@ -717,46 +719,64 @@ static __device__ int general_check(int64_t i, int T, int E, const int32_t *__re
             return SMOE_DEV_DUPLICATE;
         }
     }
+    if (!isfinite(sc[i])) {
+        *value = (long long)__float_as_uint(sc[i]);
+        return SMOE_DEV_BAD_SCORE;
+    }
     return SMOE_DEV_OK;
 }
 
-__global__ void k_route_general(int64_t pairs, int T, int E, const int32_t *__restrict__ tok,
+/* Every triple checked; the lowest bad index recorded (atomicMin: the same
+ * whatever order the threads run in). Reads only. */
+__global__ void k_general_check(int64_t pairs, int T, int E, const int32_t *__restrict__ tok,
                                 const int32_t *__restrict__ ex, const float *__restrict__ sc,
-                                smoe_assign_dev out, smoe_dev_status *st)
+                                smoe_dev_status *st)
 {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= pairs) return;
+    long long v, v2;
+    if (general_check(i, T, E, tok, ex, sc, &v, &v2) != SMOE_DEV_OK)
+        atomicMin(&st->first_bad, (int)i);
+}
+
+/* The reason and values of the lowest bad triple into the status word (the
+ * later kernels of the call then do nothing), and into the layer's record. */
+__global__ void k_general_reason(int T, int E, const int32_t *__restrict__ tok,
+                                 const int32_t *__restrict__ ex, const float *__restrict__ sc,
+                                 smoe_dev_status *st, smoe_dev_report rep)
+{
+    const int i = st->first_bad;
+    if (i == INT_MAX) return;
+    long long v, v2;
+    const int code = general_check(i, T, E, tok, ex, sc, &v, &v2);
+    st->value = v;
+    st->value2 = v2;
+    st->code = code;
+    smoe_dev_report_error(rep, st);
+}
+
+/* The checked triples as assignments; token_offset[t] = the first pair
+ * whose token is >= t (a binary search). */
+__global__ void k_route_general(int64_t pairs, int T, const int32_t *__restrict__ tok,
+                                const int32_t *__restrict__ ex, const float *__restrict__ sc,
+                                smoe_assign_dev out)
+{
+    SMOE_DEV_RETURN_IF_ABORTED(out.abort);
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i == 0) *out.count = (int32_t)pairs;
     if (i < pairs) {
-        int v, v2;
-        const int code = general_check(i, T, E, tok, ex, &v, &v2);
-        const int t = tok[i];
-        out.token[i] = (t >= 0 && t < T) ? t : 0;
-        out.expert[i] = code == SMOE_DEV_OK ? ex[i] : -1;
+        out.token[i] = tok[i];
+        out.expert[i] = ex[i];
         out.score[i] = sc[i];
-        if (code != SMOE_DEV_OK) atomicMin(&st->first_bad, (int)i);
     }
-    /* token_offset[t] = first pair whose (clamped) token is >= t */
     if (i <= T) {
         int64_t lo = 0, hi = pairs;
         while (lo < hi) {
             const int64_t mid = (lo + hi) >> 1;
-            int tm = tok[mid];
-            tm = tm < 0 ? 0 : (tm > T ? T : tm);
-            if (tm < i) lo = mid + 1; else hi = mid;
+            if (tok[mid] < i) lo = mid + 1; else hi = mid;
         }
         out.token_offset[i] = (int32_t)lo;
     }
-}
-
-__global__ void k_general_reason(int T, int E, const int32_t *__restrict__ tok,
-                                 const int32_t *__restrict__ ex, smoe_dev_status *st)
-{
-    const int i = st->first_bad;
-    if (i == INT_MAX) return;
-    int v, v2;
-    st->code = general_check(i, T, E, tok, ex, &v, &v2);
-    st->value = v;
-    st->value2 = v2;
 }
 
 __global__ void k_status_reset(smoe_dev_status *st)
@@ -818,15 +838,22 @@ smoe_status smoe_cuda_route(const smoe_layer_desc *desc, int64_t T, int rounding
 smoe_status smoe_cuda_route_general(int64_t T, int64_t E, int64_t pairs,
                                     const int32_t *pair_token, const int32_t *pair_expert,
                                     const float *pair_score, smoe_assign_dev out,
-                                    smoe_dev_status *status, cudaStream_t stream)
+                                    smoe_dev_status *status, smoe_dev_report report,
+                                    cudaStream_t stream)
 {
     const int threads = 256;
+    if (pairs > 0) {
+        k_general_check<<<(unsigned)smoe_cdiv(pairs, threads), threads, 0, stream>>>(
+            pairs, (int)T, (int)E, pair_token, pair_expert, pair_score, status);
+        SMOE_CUDA_LAUNCH_CHECK("k_general_check");
+        k_general_reason<<<1, 1, 0, stream>>>((int)T, (int)E, pair_token, pair_expert,
+                                              pair_score, status, report);
+        SMOE_CUDA_LAUNCH_CHECK("k_general_reason");
+    }
     const int64_t n = (pairs > T + 1 ? pairs : T + 1);
     k_route_general<<<(unsigned)smoe_cdiv(n, threads), threads, 0, stream>>>(
-        pairs, (int)T, (int)E, pair_token, pair_expert, pair_score, out, status);
+        pairs, (int)T, pair_token, pair_expert, pair_score, out);
     SMOE_CUDA_LAUNCH_CHECK("k_route_general");
-    k_general_reason<<<1, 1, 0, stream>>>((int)T, (int)E, pair_token, pair_expert, status);
-    SMOE_CUDA_LAUNCH_CHECK("k_general_reason");
     return SMOE_SUCCESS;
 }
 

@@ -6,7 +6,8 @@
  * It mirrors the host routing (src/routing.c) operation for operation, so
  * the same fp32 logits give the same bits:
  *  - selection compares the fp32 logits: larger first, equal logits to the
- *    lower expert, NaN below every number (-0 and +0 are equal);
+ *    lower expert, NaN above every number as torch.topk ranks it (-0 and +0
+ *    are equal);
  *  - probabilities are computed in double: m = max, e_i = exp(l_i - m), the
  *    sum taken in index order, p_i = e_i / sum; scores are rounded to fp32
  *    last.
@@ -18,20 +19,21 @@
 #include <stdint.h>
 
 /* Order-preserving integer image of a logit: a > b as numbers iff
- * key(a) > key(b); equal numbers (+0, -0) give equal keys; NaN gives 0. */
+ * key(a) > key(b); equal numbers (+0, -0) give equal keys; NaN gives the
+ * largest key (+inf gives 0xFF800000). 0 is left for padding. */
 static __device__ __forceinline__ uint32_t smoe_logit_key(float f)
 {
-    if (f != f) return 0u;
+    if (f != f) return 0xFFFFFFFFu;
     if (f == 0.0f) f = 0.0f;
     uint32_t u = __float_as_uint(f);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u); /* never 0: -inf gives 0x007FFFFF */
 }
 
-/* Order-preserving image of a double: -0 == +0, NaN as -inf (the host's
- * ranking maps NaN keys to -inf too). */
+/* Order-preserving image of a double: -0 == +0, NaN as +inf (the host's
+ * ranking maps NaN keys to +inf too: a token with a NaN score is kept). */
 static __device__ __forceinline__ uint64_t smoe_double_key(double x)
 {
-    if (x != x) x = -CUDART_INF;
+    if (x != x) x = CUDART_INF;
     if (x == 0.0) x = 0.0;
     uint64_t u = (uint64_t)__double_as_longlong(x);
     return (u & 0x8000000000000000ull) ? ~u : (u | 0x8000000000000000ull);

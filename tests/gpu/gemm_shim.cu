@@ -19,6 +19,7 @@
  *   SMOE_SHIM_NO_ENTRY  the table leaves this kind NULL,
  *   SMOE_SHIM_BAD_ARG   unknown table or kind, or a NULL problem/ptrs.
  */
+#include <string.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -51,6 +52,7 @@ static const smoe_gemm_ops *shim_table(int table)
 static smoe_gemm_problem shim_problem(const smoe_shim_problem *q)
 {
     smoe_gemm_problem p;
+    memset(&p, 0, sizeof p); /* abort NULL: no device-side check here */
     p.d = q->d;
     p.n = q->n;
     p.h_cols = q->h_cols;

@@ -22,9 +22,9 @@
  *     stream, replayed, bit-identical to the eager run;
  *   - inference forward: nothing saved, same output as training (token
  *     choice modes).
- * Plus: device-checked GENERAL triples (bad token / expert / order /
- * duplicate -> smoe_layer_check_device reports it), F32 storage and
- * unaligned sizes rejected at create time.
+ * Plus: F32 storage and unaligned sizes rejected at create time. (The
+ * device-side checks, GENERAL triples and the saved block's header, are in
+ * test_bad_input_gpu.)
  *
  * Usage: test_layer_gpu [seed] [--small] [--sm80|--sm90] [--variant V]
  * (--small: small shapes only, for compute-sanitizer; --variant: the Hopper
@@ -294,8 +294,8 @@ static void run_layer(smoe_layer *L, const tu_problem *P, const double *dout, co
         cudaGraphExec_t exec;
         CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
         CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        st = smoe_layer_forward(L, &fa, saved, ws, s);
-        if (st == SMOE_SUCCESS) st = smoe_layer_backward(L, &ba, saved, ws, s);
+        st = smoe_layer_forward(L, &fa, saved, saved_b, ws, ws_b, s);
+        if (st == SMOE_SUCCESS) st = smoe_layer_backward(L, &ba, saved, saved_b, ws, ws_b, s);
         cudaError_t ce = cudaStreamEndCapture(s, &graph);
         if (st == SMOE_SUCCESS && ce == cudaSuccess) {
             CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
@@ -309,12 +309,13 @@ static void run_layer(smoe_layer *L, const tu_problem *P, const double *dout, co
         }
         CUDA_OK(cudaStreamDestroy(s));
     } else {
-        st = smoe_layer_forward(L, &fa, saved, ws, NULL);
-        if (st == SMOE_SUCCESS && !cfg->inference) st = smoe_layer_backward(L, &ba, saved, ws, NULL);
+        st = smoe_layer_forward(L, &fa, saved, saved_b, ws, ws_b, NULL);
+        if (st == SMOE_SUCCESS && !cfg->inference)
+            st = smoe_layer_backward(L, &ba, saved, saved_b, ws, ws_b, NULL);
         if (gpu) CUDA_OK(cudaDeviceSynchronize());
     }
-    if (st == SMOE_SUCCESS && gpu && !cfg->inference) {
-        smoe_status cs = smoe_layer_check_device(L, ws, NULL);
+    if (st == SMOE_SUCCESS) {
+        smoe_status cs = smoe_layer_device_status(L, NULL, 1);
         if (cs != SMOE_SUCCESS) st = cs;
     }
     R->st = st;
@@ -680,64 +681,7 @@ done:
     return kept;
 }
 
-/* ------------------------------------------------------------ device checks */
-
-static void test_device_triples(void)
-{
-    smoe_layer_desc D = smoe_layer_desc_default();
-    D.d = 16; D.n = 16; D.E = 4; D.K = 1;
-    D.routing = SMOE_ROUTING_GENERAL;
-    D.backend = g_backend;
-    smoe_layer *L = NULL;
-    CHECK_OK(smoe_layer_create(&D, &L));
-    if (!L) return;
-    const int64_t T = 4, np = 5;
-    struct {
-        const char *name;
-        int32_t tok[5], ex[5];
-        const char *needle;
-    } cases[] = {
-        {"valid", {0, 0, 1, 2, 3}, {0, 3, 1, 2, 0}, NULL},
-        {"bad token", {0, 0, 1, 7, 3}, {0, 3, 1, 2, 0}, "pair_token[3] = 7"},
-        {"bad expert", {0, 0, 1, 2, 3}, {0, 3, 9, 2, 0}, "pair_expert[2] = 9"},
-        {"unsorted", {0, 2, 1, 2, 3}, {0, 3, 1, 2, 0}, "sorted"},
-        {"duplicate", {0, 0, 1, 2, 2}, {1, 3, 1, 2, 2}, "given twice"},
-        {"negative token", {-1, 0, 1, 2, 3}, {0, 3, 1, 2, 0}, "pair_token[0] = -1"},
-    };
-    size_t es = 2;
-    void *x = dmalloc((size_t)(T * D.d) * es), *w1 = dmalloc((size_t)(D.E * 2 * D.n * D.d) * es);
-    void *w2 = dmalloc((size_t)(D.E * D.d * D.n) * es), *out = dmalloc((size_t)(T * D.d) * es);
-    CUDA_OK(cudaMemset(x, 0, (size_t)(T * D.d) * es));
-    CUDA_OK(cudaMemset(w1, 0, (size_t)(D.E * 2 * D.n * D.d) * es));
-    CUDA_OK(cudaMemset(w2, 0, (size_t)(D.E * D.d * D.n) * es));
-    float sc[5] = {0.5f, 0.5f, 1.0f, 1.0f, 1.0f};
-    int32_t *pt = (int32_t *)dmalloc(20), *pe = (int32_t *)dmalloc(20);
-    float *ps = (float *)to_dev(sc, 20);
-    size_t sb = smoe_layer_saved_bytes(L, T, np), wb = smoe_layer_workspace_bytes(L, T, np);
-    void *saved = dmalloc(sb), *ws = dmalloc(wb);
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        tu_case("device triples: %s", cases[i].name);
-        CUDA_OK(cudaMemcpy(pt, cases[i].tok, 20, cudaMemcpyHostToDevice));
-        CUDA_OK(cudaMemcpy(pe, cases[i].ex, 20, cudaMemcpyHostToDevice));
-        smoe_forward_args fa;
-        memset(&fa, 0, sizeof fa);
-        fa.T = T; fa.x = x; fa.pairs = np; fa.pair_token = pt; fa.pair_expert = pe;
-        fa.pair_score = ps; fa.w1 = w1; fa.w2 = w2; fa.out = out;
-        CHECK_OK(smoe_layer_forward(L, &fa, saved, ws, NULL));
-        smoe_status st = smoe_layer_check_device(L, ws, NULL);
-        if (!cases[i].needle) {
-            CHECK(st == SMOE_SUCCESS, "valid triples reported %s: %s", smoe_status_string(st),
-                  smoe_last_error());
-        } else {
-            CHECK(st == SMOE_ERROR_INVALID_VALUE && strstr(smoe_last_error(), cases[i].needle),
-                  "expected INVALID_VALUE with \"%s\", got %s: %s", cases[i].needle,
-                  smoe_status_string(st), smoe_last_error());
-        }
-    }
-    cudaFree(x); cudaFree(w1); cudaFree(w2); cudaFree(out); cudaFree(pt); cudaFree(pe);
-    cudaFree(ps); cudaFree(saved); cudaFree(ws);
-    smoe_layer_free(L);
-}
+/* ------------------------------------------------------------ create */
 
 static void test_create_rejects(void)
 {
@@ -841,7 +785,6 @@ int main(int argc, char **argv)
     }
 
     test_create_rejects();
-    test_device_triples();
 
     tu_rng r = tu_rng_make(seed);
     const int ncases = g_small ? 12 : 70;

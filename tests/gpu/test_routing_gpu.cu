@@ -104,6 +104,7 @@ static void dev_run_alloc(dev_run *r, const smoe_layer_desc *D, int64_t T, int64
     r->as.score = dalloc<float>((size_t)cap);
     r->as.token_offset = dalloc<int32_t>((size_t)T + 1);
     r->as.count = dalloc<int32_t>(1);
+    r->as.abort = NULL; /* no device-side check before these kernels */
     r->eoff = dalloc<int32_t>((size_t)D->E + 1);
     r->arow = dalloc<int32_t>((size_t)cap);
     r->rtok = dalloc<int32_t>((size_t)cap);
@@ -194,14 +195,22 @@ static void check_metadata(const host_run *h, int64_t T, int64_t E)
 
 /* ------------------------------------------------------------ cases */
 
-enum { L_NORMAL, L_TIES };
+enum { L_NORMAL, L_TIES, L_NONFINITE };
+
+/* Equal scores: the same bits, or both NaN (the host's and the device's
+ * NaNs may differ in sign and payload). */
+static int same_score(float a, float b)
+{
+    return !memcmp(&a, &b, 4) || (a != a && b != b);
+}
 
 static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int renorm,
                      smoe_rounding rounding, int64_t M, int logits_kind, int timed)
 {
     snprintf(g_case, sizeof g_case, "T=%lld E=%lld K=%lld routing=%d renorm=%d rounding=%d M=%lld %s",
              (long long)T, (long long)E, (long long)K, (int)routing, renorm, (int)rounding,
-             (long long)M, logits_kind == L_TIES ? "ties" : "normal");
+             (long long)M,
+             logits_kind == L_TIES ? "ties" : logits_kind == L_NONFINITE ? "nonfinite" : "normal");
     smoe_layer_desc D = smoe_layer_desc_default();
     D.d = 64; D.n = 64; D.E = E; D.K = K;
     D.routing = routing;
@@ -221,6 +230,11 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
             const int q = (int)(rnd() % 7);
             static const float vals[7] = {0.0f, -0.0f, 0.5f, 0.5f, -1.25f, 2.0f, -INFINITY};
             lg[i] = vals[q];
+        } else if (logits_kind == L_NONFINITE) {
+            /* mostly numbers; NaN and +-inf here and there (NaN ranks first) */
+            const int q = (int)(rnd() % 40);
+            lg[i] = q == 0 ? NAN : q == 1 ? INFINITY : q == 2 ? -INFINITY
+                                                   : (float)(2.0 * (unif() - 0.5));
         } else {
             lg[i] = (float)(3.0 * (unif() + unif() + unif() - 1.5));
         }
@@ -275,7 +289,7 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
         int ok = np == g->R;
         for (int64_t i = 0; i < np && ok; i++)
             if (res.pair_token[i] != g->tok[i] || res.pair_expert[i] != g->ex[i] ||
-                memcmp(&res.pair_score[i], &g->sc[i], 4)) {
+                !same_score(res.pair_score[i], g->sc[i])) {
                 ok = 0;
                 bad = i;
             }
@@ -298,7 +312,7 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
     } else {
         int ok = g->R == T * K;
         for (int64_t i = 0; i < T * K && ok; i++)
-            if (res.expert[i] != g->ex[i] || memcmp(&res.score[i], &g->sc[i], 4)) {
+            if (res.expert[i] != g->ex[i] || !same_score(res.score[i], g->sc[i])) {
                 ok = 0;
                 bad = i;
             }
@@ -356,7 +370,8 @@ static void run_general(int64_t T, int64_t E, double prob)
     dev_run_alloc(&r, &D, T, np, 0);
     smoe_dev_status *st = dalloc<smoe_dev_status>(1);
     SMOE_OK(smoe_cuda_status_reset(st, 0));
-    SMOE_OK(smoe_cuda_route_general(T, E, np, dpt, dpe, dps, r.as, st, 0));
+    smoe_dev_report no_report = {NULL, NULL, 0}; /* the status word alone */
+    SMOE_OK(smoe_cuda_route_general(T, E, np, dpt, dpe, dps, r.as, st, no_report, 0));
     SMOE_OK(smoe_cuda_metadata(E, np, r.as, r.eoff, r.arow, r.rtok, r.rsc, r.counts, r.mscratch,
                                0));
     CUDA_OK(cudaDeviceSynchronize());
@@ -387,6 +402,15 @@ static void run_edge_cases(smoe_routing TK, smoe_routing ST)
     run_case(777, 12, 3, ST, 1, SMOE_ROUND_NEAREST, 16, L_TIES, 0);
     run_case(777, 12, 3, TK, 0, SMOE_ROUND_DOWN, 16, L_TIES, 0);
     run_case(1000, 7, 7, TK, 0, SMOE_ROUND_UP, 8, L_NORMAL, 0);
+    /* NaN and infinite logits: NaN ranks first on both, scores NaN alike */
+    run_case(300, 16, 4, TK, 0, SMOE_ROUND_OFF, 128, L_NONFINITE, 0);
+    run_case(300, 16, 4, ST, 1, SMOE_ROUND_OFF, 128, L_NONFINITE, 0);
+    run_case(257, 64, 2, TK, 0, SMOE_ROUND_OFF, 128, L_NONFINITE, 0);
+    run_case(257, 200, 8, ST, 0, SMOE_ROUND_OFF, 128, L_NONFINITE, 0);
+    run_case(300, 600, 8, TK, 0, SMOE_ROUND_OFF, 128, L_NONFINITE, 0);
+    run_case(200, 64, 40, ST, 1, SMOE_ROUND_OFF, 128, L_NONFINITE, 0);
+    run_case(400, 12, 3, ST, 1, SMOE_ROUND_UP, 16, L_NONFINITE, 0);
+    run_case(400, 12, 3, TK, 0, SMOE_ROUND_DOWN, 16, L_NONFINITE, 0);
     run_case(500, 64, 40, TK, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 0);     /* K > 32: thread path */
     run_case(500, 64, 40, ST, 1, SMOE_ROUND_OFF, 128, L_TIES, 0);
     run_case(300, 1100, 4, ST, 0, SMOE_ROUND_OFF, 128, L_NORMAL, 0);   /* E > 1024 */

@@ -232,6 +232,7 @@ typedef struct sm90_gemm_params {
     int64_t cap;
     int h_cols;
     int raster_gm; /* tile order within an expert: 0 row-major, else groups of gm m-tiles */
+    const int *abort; /* smoe_gemm_problem.abort */
 } sm90_gemm_params;
 
 /* Per consumer warpgroup: 64 rows x 64 bf16, rows padded to 144 bytes so the
@@ -325,9 +326,9 @@ __device__ __forceinline__ float sm90_act_ct(float x)
         const float k0 = 0.7978845608028654f, k1 = 0.044715f;
         return __fdividef(x, 1.0f + __expf(-2.0f * k0 * (x + k1 * x * x * x)));
     } else if constexpr (ACT == SMOE_ACT_REGLU || ACT == SMOE_ACT_RELU) {
-        return fmaxf(x, 0.0f);
+        return smoe_relu(x);
     } else if constexpr (ACT == SMOE_ACT_RELU2) {
-        const float r = fmaxf(x, 0.0f);
+        const float r = smoe_relu(x);
         return r * r;
     } else { /* SWIGLU, SILU */
         return __fdividef(x, 1.0f + sm90_exp_neg(x));
@@ -448,10 +449,10 @@ __device__ __forceinline__ void sm90_act_fd_ct(float x, float &f, float &df)
         f = 0.5f * x * (1.0f + th);
         df = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * k0 * (1.0f + 3.0f * k1 * x * x);
     } else if constexpr (ACT == SMOE_ACT_REGLU || ACT == SMOE_ACT_RELU) {
-        f = fmaxf(x, 0.0f);
-        df = x > 0.0f ? 1.0f : 0.0f;
+        f = smoe_relu(x);
+        df = x <= 0.0f ? 0.0f : 1.0f;
     } else if constexpr (ACT == SMOE_ACT_RELU2) {
-        const float r = fmaxf(x, 0.0f);
+        const float r = smoe_relu(x);
         f = r * r;
         df = 2.0f * r;
     } else { /* SWIGLU, SILU */
@@ -839,8 +840,9 @@ __device__ __forceinline__ void ep_dh_hring_any(const float *ac, uint8_t *wb, ui
  * warp per row; rows past R untouched. */
 __global__ void sm90_ds_finish(const float *dsp, int tiles, int64_t cap, const int32_t *off, int E,
                                const int32_t *tok, const bf16 *dout, const bf16 *b2, int d,
-                               float *ds)
+                               float *ds, const int *abort)
 {
+    if (abort && *abort) return;
     const int lane = threadIdx.x & 31;
     const int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= cap || r >= __ldg(off + E)) return;
@@ -1014,6 +1016,9 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
      * SM90_FL_RASTER, so the other kernels carry no grouped-order code) */
     const int gm = (FL & SM90_FL_RASTER) ? p.raster_gm : 0;
     static_assert(CL == 1 || (!WS && !PP), "clusters with the cooperative kernel only");
+    /* a failed device-side check of the call: every CTA leaves at once (the
+     * same word for all, before any barrier or cluster sync) */
+    if (p.abort && *p.abort) return;
 
     extern __shared__ uint8_t smem_raw[];
     /* 1024-byte aligned base by an offset from smem_raw (not an integer round
@@ -1682,6 +1687,7 @@ static sm90_gemm_params sm90_params(const smoe_gemm_problem *p, int64_t K, int64
     prm.n = (int)p->n;
     prm.cap = p->cap;
     prm.h_cols = (int)p->h_cols;
+    prm.abort = p->abort;
     /* Tile order (sm90_tile_decode): in groups of 16 m-tiles where one
      * expert's weight slice (K x N) is 16 MiB or more, row-major below.
      * Measured on the H100 (notes/sm90_log.md, rung 9): up, dxt, down and dh
@@ -1872,7 +1878,7 @@ static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const b
     const int tiles = (int)((p->n + bn - 1) / bn);
     sm90_ds_finish<<<(unsigned)((p->cap + 7) / 8), 256, 0, s>>>(
         (const float *)scratch, tiles, p->cap, p->expert_offset, (int)p->E, p->row_token, dout, b2,
-        (int)p->d, ds);
+        (int)p->d, ds, p->abort);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess)
         return smoe_fail(SMOE_ERROR_BACKEND, "sm90 dh: dS reduction launch failed: %s",

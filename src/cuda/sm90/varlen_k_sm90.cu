@@ -145,6 +145,7 @@ typedef struct vk_args {
     int n_half;                    /* n, for that map */
     int trans_out;                 /* 1: out is (E, N, M), the tile stored transposed
                                     * (bf16 overwrite; map_rows then maps columns) */
+    const int *abort;              /* smoe_gemm_problem.abort */
 } vk_args;
 
 /* ------------------------------------------------------------ wgmma, both operands MN-major */
@@ -631,6 +632,7 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
     constexpr uint32_t STAGE_BYTES = A_BYTES + B_BYTES;
     static_assert(STAGE_BYTES % 1024 == 0, "stages stay 1024-byte aligned");
     static_assert(2 * 8 * STAGES <= 128, "barriers fit their 128 bytes");
+    if (p.abort && *p.abort) return; /* the call's device-side check failed */
 
     extern __shared__ uint8_t vk_smem[];
     const uint32_t base = (smem_addr(vk_smem) + 1023u) & ~1023u;
@@ -791,13 +793,8 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     SMOE_RETURN_ERROR_IF(p->E < 0 || M <= 0 || N <= 0, SMOE_ERROR_INVALID_SIZE,
                          "sm90 %s: bad sizes E=%lld M=%lld N=%lld", name, (long long)p->E,
                          (long long)M, (long long)N);
-    if (p->E == 0) return SMOE_SUCCESS;
-    SMOE_RETURN_ERROR_IF(!a || !b || !out || !p->expert_offset || !p->row_token,
-                         SMOE_ERROR_NULL_POINTER, "sm90 %s: NULL operand", name);
-    /* 16-byte cp.async of operand rows, 16-byte epilogue stores */
-    SMOE_RETURN_ERROR_IF(((uintptr_t)a | (uintptr_t)b | (uintptr_t)out) % 16 != 0,
-                         SMOE_ERROR_UNSUPPORTED,
-                         "sm90 %s: operands and output must be 16-byte aligned", name);
+    /* the shape checks before the operand checks, so the layer's probe at
+     * create time (no operands) sees them */
     const int64_t tiles_m = (M + VK_BM - 1) / VK_BM;
     const int bn = (N % 256 == 0) ? 256 : 128;
     const int64_t tiles_n = (N + bn - 1) / bn;
@@ -805,6 +802,13 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     SMOE_RETURN_ERROR_IF(M > INT32_MAX / 2 || N > INT32_MAX / 2 || total > INT32_MAX,
                          SMOE_ERROR_UNSUPPORTED, "sm90 %s: sizes too large (M=%lld, N=%lld, "
                          "%lld tiles)", name, (long long)M, (long long)N, (long long)total);
+    if (p->E == 0) return SMOE_SUCCESS;
+    SMOE_RETURN_ERROR_IF(!a || !b || !out || !p->expert_offset || !p->row_token,
+                         SMOE_ERROR_NULL_POINTER, "sm90 %s: NULL operand", name);
+    /* 16-byte cp.async of operand rows, 16-byte epilogue stores */
+    SMOE_RETURN_ERROR_IF(((uintptr_t)a | (uintptr_t)b | (uintptr_t)out) % 16 != 0,
+                         SMOE_ERROR_UNSUPPORTED,
+                         "sm90 %s: operands and output must be 16-byte aligned", name);
     int num_sms = p->num_sms;
     if (num_sms <= 0) {
         int dev = 0;
@@ -831,6 +835,7 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     args.map_rows = map_rows;
     args.n_half = (int)p->n;
     args.trans_out = trans_out;
+    args.abort = p->abort;
     const int v = smoe_sm90_vk_variant;
     const int cfg = (v >= 0 && (v & ~(VK_F_ALL | VK_V_DW1_NT)) == 0) ? (v & VK_F_ALL)
                                                                       : VK_DEFAULT_CFG;

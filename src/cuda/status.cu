@@ -1,0 +1,90 @@
+/*
+ * status.cu -- the saved block's header on the device: the forward's last
+ * kernel writes it, the backward's first kernel checks it (smoe_internal.h
+ * has the header, cuda_common.h the status word). The check is the host's
+ * smoe_saved_header_check, field by field in the same order, so both
+ * backends refuse the same blocks with the same reason.
+ *
+ * The backward's first kernel also finds the router weight's columns that
+ * hold a NaN or an infinity, for the sparse router backward (see
+ * smoe_cuda_backward_prologue).
+ */
+#include <limits.h>
+
+#include "cuda/cuda_common.h"
+
+static __device__ void saved_check(const smoe_saved_header *__restrict__ h,
+                                   const smoe_saved_header &want, smoe_dev_status *st,
+                                   smoe_dev_report rep)
+{
+    const smoe_saved_header got = *h;
+    smoe_dev_status s;
+    s.first_bad = INT_MAX;
+    s.code = SMOE_DEV_OK;
+    s.value = 0;
+    s.value2 = 0;
+    if (got.magic != SMOE_SAVED_MAGIC || got.check != smoe_saved_header_hash(&got)) {
+        s.code = SMOE_DEV_SAVED_INVALID;
+    } else if (got.layer_id != want.layer_id) {
+        s.code = SMOE_DEV_SAVED_LAYER;
+        s.value = (long long)got.layer_id;
+        s.value2 = (long long)want.layer_id;
+    } else if (got.T != want.T) {
+        s.code = SMOE_DEV_SAVED_T;
+        s.value = got.T;
+        s.value2 = want.T;
+    } else if (got.pairs != want.pairs) {
+        s.code = SMOE_DEV_SAVED_PAIRS;
+        s.value = got.pairs;
+        s.value2 = want.pairs;
+    } else if (got.status != 0) {
+        s.code = SMOE_DEV_SAVED_FAILED;
+        s.value = got.status;
+    }
+    *st = s;
+    smoe_dev_report_error(rep, st);
+}
+
+/* Thread (0, 0): the header. Thread i of the grid, i < d: column i of the
+ * router weight (E, d): wr_nf[i] = NaN if one of its E values is not
+ * finite, else 0. */
+__global__ void k_backward_prologue(const smoe_saved_header *__restrict__ h,
+                                    smoe_saved_header want, smoe_dev_status *st,
+                                    smoe_dev_report rep, const bf16 *__restrict__ wr, int E,
+                                    int64_t d, float *wr_nf)
+{
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i == 0) saved_check(h, want, st, rep);
+    if (!wr || i >= d) return;
+    bool finite = true;
+    for (int e = 0; e < E; ++e) finite &= isfinite(__bfloat162float(wr[(int64_t)e * d + i]));
+    wr_nf[i] = finite ? 0.0f : __int_as_float(0x7fc00000);
+}
+
+__global__ void k_saved_header_write(smoe_saved_header *h, smoe_saved_header v,
+                                     const smoe_dev_status *st)
+{
+    v.status = st->code;
+    *h = v;
+}
+
+smoe_status smoe_cuda_backward_prologue(const smoe_saved_header *header, smoe_saved_header want,
+                                        smoe_dev_status *status, smoe_dev_report report,
+                                        const bf16 *wr, int64_t E, int64_t d, float *wr_nf,
+                                        cudaStream_t stream)
+{
+    const int threads = 256;
+    const unsigned blocks = wr ? (unsigned)smoe_cdiv(d, threads) : 1;
+    k_backward_prologue<<<blocks, threads, 0, stream>>>(header, want, status, report, wr, (int)E,
+                                                        d, wr_nf);
+    SMOE_CUDA_LAUNCH_CHECK("k_backward_prologue");
+    return SMOE_SUCCESS;
+}
+
+smoe_status smoe_cuda_saved_header_write(smoe_saved_header *header, smoe_saved_header h,
+                                         const smoe_dev_status *status, cudaStream_t stream)
+{
+    k_saved_header_write<<<1, 1, 0, stream>>>(header, h, status);
+    SMOE_CUDA_LAUNCH_CHECK("k_saved_header_write");
+    return SMOE_SUCCESS;
+}
