@@ -10,10 +10,13 @@ VERSION := $(VERSION_MAJOR).$(VERSION_MINOR).$(VERSION_PATCH)
 CC      ?= cc
 BUILD   ?= build
 OPT     ?= -O2
+# OpenMP for the CPU backend's loops; empty for the ThreadSanitizer and fuzz
+# builds (the loops then run serially, the pragmas ignored).
+OPENMP  ?= -fopenmp
 CFLAGS  ?= $(OPT) -g
-CFLAGS  += -std=c11 -Wall -Wextra -Wno-unused-parameter -fPIC -fopenmp -fvisibility=hidden \
-           -Iinclude -Isrc -D_GNU_SOURCE $(SANFLAGS)
-LDLIBS  += $(SANFLAGS) -fopenmp -lm -lpthread
+CFLAGS  += -std=c11 -Wall -Wextra -Wno-unused-parameter -Wno-unknown-pragmas -fPIC $(OPENMP) \
+           -fvisibility=hidden -Iinclude -Isrc -D_GNU_SOURCE $(SANFLAGS)
+LDLIBS  += $(SANFLAGS) $(OPENMP) -lm -lpthread
 
 NVCC    ?= $(shell command -v nvcc 2>/dev/null)
 ifeq ($(NVCC),)
@@ -70,7 +73,7 @@ GPU_TEST_BIN += $(GPU_TEST_CU:tests/gpu/%.cu=$(BUILD)/tests/gpu/%)
 PROGS += $(if $(wildcard bench/bench.c),$(BUILD)/smoe_bench)
 endif
 
-.PHONY: all lib run test test-gpu sanitize bench clean print-version print-gpu-tests
+.PHONY: all lib run test test-gpu sanitize fuzz bench clean print-version print-gpu-tests
 all: lib $(PROGS) $(TEST_BIN) $(GPU_TEST_BIN)
 lib: $(LIB_A) $(LIB_SO)
 
@@ -109,11 +112,11 @@ $(BUILD)/smoe_bench: bench/bench.c bench/grid.h $(LIB_A)
 $(BUILD)/example: examples/example.c $(LIB_A)
 	$(CC) $(CFLAGS) $< -o $@ $(LIB_A) $(LDLIBS)
 
-$(BUILD)/tests/%: tests/%.c tests/testutil.h $(LIB_A)
+$(BUILD)/tests/%: tests/%.c $(wildcard tests/*.h) $(LIB_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests $< -o $@ $(LIB_A) $(LDLIBS)
 
-$(BUILD)/tests/gpu/%: tests/gpu/%.c tests/testutil.h $(LIB_A)
+$(BUILD)/tests/gpu/%: tests/gpu/%.c $(wildcard tests/*.h) $(LIB_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests $< -o $@ $(LIB_A) $(LDLIBS)
 
@@ -159,10 +162,44 @@ $(BUILD)/libsmoe_gemm_shim.so: $(BUILD)/tests/gpu/gemm_shim.o $(LIB_A)
 	$(CC) -shared -o $@ $< $(LIB_A) $(LDLIBS)
 endif
 
-# The CPU tests again under AddressSanitizer and UndefinedBehaviorSanitizer.
+# The CPU tests again under AddressSanitizer and UndefinedBehaviorSanitizer,
+# then the threads test under ThreadSanitizer (without OpenMP, whose runtime
+# ThreadSanitizer cannot see into).
 sanitize:
 	$(MAKE) BUILD=build-san SMOE_CUDA=0 OPT=-O1 \
 	  SANFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all" test
+	$(MAKE) BUILD=build-tsan SMOE_CUDA=0 OPT=-O1 OPENMP= SANFLAGS="-fsanitize=thread" \
+	  build-tsan/tests/test_threads build-tsan/tests/test_bad_input
+	TSAN_OPTIONS="halt_on_error=1 exitcode=66" build-tsan/tests/test_threads
+	TSAN_OPTIONS="halt_on_error=1 exitcode=66" build-tsan/tests/test_bad_input
+
+# libFuzzer targets (tests/fuzz), clang with AddressSanitizer and
+# UndefinedBehaviorSanitizer, over a CPU-only library built the same way.
+# Each runs FUZZ_SECONDS from its corpus in tests/fuzz/corpus (read only:
+# new inputs go to build-fuzz/corpus); a finding stops `make` with the
+# input saved as build-fuzz/crash-*.
+FUZZ_CC      ?= clang
+FUZZ_SECONDS ?= 60
+FUZZ_SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+FUZZ_TARGETS := $(patsubst tests/fuzz/%.c,%,$(wildcard tests/fuzz/fuzz_*.c))
+
+fuzz:
+	$(MAKE) BUILD=build-fuzz SMOE_CUDA=0 CC=$(FUZZ_CC) OPT=-O1 OPENMP= \
+	  SANFLAGS="$(FUZZ_SAN) -fsanitize=fuzzer-no-link" build-fuzz/libsmoe.a
+	@set -e; for t in $(FUZZ_TARGETS); do \
+	  $(FUZZ_CC) -g -O1 $(FUZZ_SAN) -fsanitize=fuzzer -std=c11 -D_GNU_SOURCE -Iinclude -Itests \
+	    tests/fuzz/$$t.c build-fuzz/libsmoe.a -lm -lpthread -o build-fuzz/$$t; \
+	done
+	@set -e; for t in $(FUZZ_TARGETS); do \
+	  mkdir -p build-fuzz/corpus/$$t tests/fuzz/corpus/$$t; \
+	  echo "== $$t ($(FUZZ_SECONDS) s)"; \
+	  rc=0; build-fuzz/$$t -max_total_time=$(FUZZ_SECONDS) -timeout=20 -rss_limit_mb=2048 \
+	    -print_final_stats=1 -artifact_prefix=build-fuzz/ \
+	    build-fuzz/corpus/$$t tests/fuzz/corpus/$$t > build-fuzz/$$t.log 2>&1 || rc=$$?; \
+	  grep -E '^(#[0-9]+.*DONE|stat::number_of_executed_units|stat::new_units_added)' \
+	    build-fuzz/$$t.log || true; \
+	  if [ $$rc -ne 0 ]; then tail -n 40 build-fuzz/$$t.log; echo "FUZZ FINDING: $$t"; exit 1; fi; \
+	done
 
 clean:
-	rm -rf build build-san
+	rm -rf build build-san build-tsan build-fuzz

@@ -1,0 +1,86 @@
+/*
+ * fuzz_desc.c -- layer descriptions and size queries. Every field comes from
+ * the input (any int for the enums, sizes from fz_size). Oracle: a
+ * description that breaks a rule smoe.h states is refused, with a message;
+ * create returns a layer exactly when it succeeds; the two size queries of
+ * a layer agree on which (T, pairs) are valid, and a valid query's bytes
+ * cover at least the H rows the routing can produce.
+ */
+#include "fuzz_util.h"
+
+static int enum_ok(int v, int last) { return v >= 0 && v <= last; }
+
+/* The rules of smoe.h's descriptor, written from the header. */
+static int breaks_a_rule(const smoe_layer_desc *D) {
+    if (D->d <= 0 || D->n <= 0 || D->E <= 0 || D->E > INT32_MAX) return 1;
+    if (D->routing == SMOE_ROUTING_GENERAL ? (D->K < 0 || D->K > D->E)
+                                           : (D->K < 1 || D->K > D->E))
+        return 1;
+    if (!enum_ok((int)D->activation, SMOE_ACT_GELU) ||
+        !enum_ok((int)D->w1_layout, SMOE_W1_CONCATENATED) ||
+        !enum_ok((int)D->routing, SMOE_ROUTING_GENERAL) ||
+        !enum_ok((int)D->rounding, SMOE_ROUND_NEAREST) || !enum_ok((int)D->dtype, SMOE_DTYPE_F64) ||
+        !enum_ok((int)D->backend, SMOE_BACKEND_SM90))
+        return 1;
+    if ((D->has_bias != 0 && D->has_bias != 1) || (D->renormalize != 0 && D->renormalize != 1))
+        return 1;
+    if (D->round_tile <= 0) return 1;
+    if (D->rounding != SMOE_ROUND_OFF && D->routing == SMOE_ROUTING_GENERAL) return 1;
+    if (D->device < 0) return 1;
+    return 0;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    fz r = {data, size};
+    smoe_layer_desc D = smoe_layer_desc_default();
+    D.d = fz_size(&r, 64);
+    D.n = fz_size(&r, 64);
+    D.E = fz_size(&r, 16);
+    D.K = fz_range(&r, -1, 17);
+    D.activation = (smoe_activation)(int)fz_range(&r, -1, 7);
+    D.w1_layout = (smoe_w1_layout)(int)fz_range(&r, -1, 2);
+    D.has_bias = (int)fz_range(&r, -1, 2);
+    D.routing = (smoe_routing)(int)fz_range(&r, -1, 3);
+    D.renormalize = (int)fz_range(&r, -1, 2);
+    D.rounding = (smoe_rounding)(int)fz_range(&r, -1, 4);
+    D.round_tile = fz_size(&r, 256);
+    D.dtype = (smoe_dtype)(int)fz_range(&r, -1, 3);
+    /* CPU or AUTO mostly (this build has no GPU backend: those say NO_DEVICE) */
+    D.backend = (smoe_backend)(int)fz_range(&r, -1, 4);
+    D.device = (int)fz_range(&r, -1, 1);
+
+    smoe_layer *L = NULL;
+    smoe_status st = smoe_layer_create(&D, &L);
+    FZ_CHECK((st == SMOE_SUCCESS) == (L != NULL), "status %d, layer %p", (int)st, (void *)L);
+    if (st != SMOE_SUCCESS) {
+        FZ_CHECK(smoe_last_error()[0], "refused (%s) without a message", smoe_status_string(st));
+        FZ_CHECK(st > SMOE_SUCCESS && st <= SMOE_ERROR_INTERNAL && st != SMOE_ERROR_INTERNAL,
+                 "status %d", (int)st);
+        return 0;
+    }
+    FZ_CHECK(!breaks_a_rule(&D), "accepted a description that breaks a rule of smoe.h");
+    FZ_CHECK(smoe_layer_backend(L) == SMOE_BACKEND_CPU, "backend %d", smoe_layer_backend(L));
+
+    for (int q = 0; q < 4; q++) {
+        int64_t T = fz_size(&r, 4096), pairs = fz_size(&r, 4096);
+        size_t ws = smoe_layer_workspace_bytes(L, T, pairs);
+        size_t sb = smoe_layer_saved_bytes(L, T, pairs);
+        FZ_CHECK((ws == 0) == (sb == 0), "T %lld pairs %lld: workspace %zu, saved %zu",
+                 (long long)T, (long long)pairs, ws, sb);
+        if (sb) {
+            FZ_CHECK(T >= 1, "T = %lld accepted", (long long)T);
+            /* H alone: rows x h_cols elements of the dtype */
+            const int gated = D.activation <= SMOE_ACT_REGLU;
+            const double rows = D.routing == SMOE_ROUTING_GENERAL ? (double)pairs
+                                                                  : (double)T * (double)D.K;
+            const double esz = D.dtype == SMOE_DTYPE_F64 ? 8 : D.dtype == SMOE_DTYPE_F32 ? 4 : 2;
+            const double h = rows * (double)D.n * (gated ? 2.0 : 1.0) * esz;
+            FZ_CHECK((double)sb >= h, "saved %zu < H's %.0f bytes (T %lld pairs %lld)", sb, h,
+                     (long long)T, (long long)pairs);
+        } else {
+            FZ_CHECK(smoe_last_error()[0], "size query refused without a message");
+        }
+    }
+    smoe_layer_free(L);
+    return 0;
+}
