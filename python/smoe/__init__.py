@@ -6,13 +6,17 @@ algorithm), over the C library libsmoe through ctypes.
     smoe.MoE(num_experts, num_experts_per_tok, hidden_size, intermediate_size,
              activation_function, add_bias, std)   an nn.Module: forward -> (out, aux_loss)
     smoe.SmoeError                                 raised on bad input, with smoe_last_error()
+    smoe.set_debug(True)                           CUDA: every call waits and raises its own
+                                                   device-side error at once ($SMOE_DEBUG=1)
+    smoe.check_device()                            CUDA: waits, raises an error the GPU found
 """
 from ._lib import SmoeError, library_path
 from ._lib import version as library_version
-from .functional import moe, moe_general, layer_info
+from .functional import moe, moe_general, layer_info, set_debug, check_device
 from .module import MoE, Experts, switch_load_balancing_loss, load_hf_moe_weights
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["moe", "moe_general", "MoE", "Experts", "SmoeError", "switch_load_balancing_loss",
-           "load_hf_moe_weights", "layer_info", "library_path", "library_version"]
+           "load_hf_moe_weights", "layer_info", "library_path", "library_version", "set_debug",
+           "check_device"]

@@ -248,16 +248,20 @@ _FUNCTIONS = {
     "smoe_layer_get_desc": (smoe_layer_desc, [c_void_p]),
     "smoe_layer_workspace_bytes": (c_size_t, [c_void_p, c_int64, c_int64]),
     "smoe_layer_saved_bytes": (c_size_t, [c_void_p, c_int64, c_int64]),
-    "smoe_layer_forward": (c_enum, [c_void_p, POINTER(smoe_forward_args), c_void_p, c_void_p, c_void_p]),
-    "smoe_layer_backward": (c_enum, [c_void_p, POINTER(smoe_backward_args), c_void_p, c_void_p, c_void_p]),
-    "smoe_layer_check_device": (c_enum, [c_void_p, c_void_p, c_void_p]),
+    # (layer, args, saved, saved_bytes, workspace, workspace_bytes, stream)
+    "smoe_layer_forward": (c_enum, [c_void_p, POINTER(smoe_forward_args), c_void_p, c_size_t,
+                                    c_void_p, c_size_t, c_void_p]),
+    "smoe_layer_backward": (c_enum, [c_void_p, POINTER(smoe_backward_args), c_void_p, c_size_t,
+                                     c_void_p, c_size_t, c_void_p]),
+    # (layer, stream, wait)
+    "smoe_layer_device_status": (c_enum, [c_void_p, c_void_p, c_int]),
     "smoe_route_cpu": (c_enum, [POINTER(smoe_layer_desc), c_int64, POINTER(c_float),
                                 POINTER(smoe_routing_result)]),
 }
 FUNCTION_NAMES = tuple(_FUNCTIONS)
 
 # The header's version macros this mirror was written for.
-VERSION = (0, 1, 0)
+VERSION = (0, 2, 0)
 
 # ------------------------------------------------------------------ loading
 
@@ -328,11 +332,12 @@ def lib():
         global forward_raw, backward_raw
         forward_raw = handle["smoe_layer_forward"]
         forward_raw.restype = c_enum
-        forward_raw.argtypes = [c_void_p, POINTER(forward_args_raw), c_void_p, c_void_p, c_void_p]
+        forward_raw.argtypes = [c_void_p, POINTER(forward_args_raw), c_void_p, c_size_t,
+                                c_void_p, c_size_t, c_void_p]
         backward_raw = handle["smoe_layer_backward"]
         backward_raw.restype = c_enum
-        backward_raw.argtypes = [c_void_p, POINTER(backward_args_raw), c_void_p, c_void_p,
-                                 c_void_p]
+        backward_raw.argtypes = [c_void_p, POINTER(backward_args_raw), c_void_p, c_size_t,
+                                 c_void_p, c_size_t, c_void_p]
         _lib = handle
         return _lib
 

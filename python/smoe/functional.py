@@ -7,9 +7,10 @@ torch.compile (the operators are opaque to the compiler) and inside CUDA
 graphs (no host synchronisation, all memory from PyTorch's allocator).
 
 Between forward and backward autograd keeps only the C library's saved block
-(one uint8 tensor of smoe_layer_saved_bytes(): H, the routing metadata and,
-for SOFTMAX_TOPK or token rounding, the router logits) plus references to
-the inputs, which the caller holds anyway.
+(one uint8 tensor of smoe_layer_saved_bytes(): a 256-byte header saying
+which layer and forward filled it, H, the routing metadata and, for
+SOFTMAX_TOPK or token rounding, the router logits) plus references to the
+inputs, which the caller holds anyway.
 
 CPU tensors run on the CPU backend (float32, bfloat16, float64); CUDA
 tensors on the GPU backends (bfloat16), on the current CUDA stream.
@@ -35,7 +36,7 @@ from . import _lib as L
 from ._lib import SmoeError
 
 __all__ = ["moe", "moe_general", "ROUTINGS", "ACTIVATIONS", "W1_LAYOUTS", "ROUNDINGS",
-           "saved_bytes", "layer_info"]
+           "saved_bytes", "layer_info", "set_debug", "check_device"]
 
 # ------------------------------------------------------------ names -> enums
 
@@ -258,6 +259,11 @@ def _align(x):
     return (x + 255) // 256 * 256
 
 
+# The saved block's first section: the library's header (which layer filled
+# it, T, pairs, whether its forward succeeded).
+_SAVED_HEADER = 256
+
+
 def saved_bytes(T, pairs, *, d, n, E, K, activation, routing, rounding, round_tile, dtype):
     """smoe_layer_saved_bytes() computed in Python (also for symbolic T under
     torch.compile). Enum arguments are the smoe_* integer codes. Kept equal
@@ -270,7 +276,8 @@ def saved_bytes(T, pairs, *, d, n, E, K, activation, routing, rounding, round_ti
     else:
         cap = T * K
     fsize = 8 if dtype == L.SMOE_DTYPE_F64 else 4
-    off = _align(cap * h_cols * _DTYPE_SIZE[dtype])   # h
+    off = _SAVED_HEADER                                # the header
+    off = _align(off + cap * h_cols * _DTYPE_SIZE[dtype])   # h
     off = _align(off + cap * fsize)                    # row_score
     off = _align(off + cap * 4)                        # row_token
     off = _align(off + cap * 4)                        # assign_row
@@ -292,8 +299,19 @@ def _grad_ptr(t):
     return t.data_ptr() if t is not None and t.numel() > 0 else None
 
 
-def _contig(t):
-    return t if t is None or t.is_contiguous() else t.contiguous()
+def _aligned(t, align):
+    """t as the library takes it: contiguous, and its data_ptr() a multiple of
+    `align` bytes (16 for the CUDA backends' tensors of the layer's dtype,
+    which their kernels load as 16-byte vectors). A view at a storage offset
+    (w[1:], x[3:]) can start anywhere: such a tensor goes as an aligned copy.
+    A fresh allocation (contiguous()) is always aligned."""
+    if t is None:
+        return None
+    if not t.is_contiguous():
+        return t.contiguous()
+    if t.data_ptr() % align:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 # On CUDA the call runs with the tensors' device current and on its current
@@ -304,44 +322,126 @@ _exchange_device = getattr(torch.cuda, "_exchange_device", None)
 _maybe_exchange_device = getattr(torch.cuda, "_maybe_exchange_device", None)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
+# Debug mode: every CUDA call waits for the device and raises its own
+# device-side error at once (set_debug(); $SMOE_DEBUG=1 at import).
+_DEBUG = os.environ.get("SMOE_DEBUG", "0").strip().lower() not in ("", "0", "false", "off", "no")
+
+
+def set_debug(enabled=True):
+    """Debug mode on or off (initially on when $SMOE_DEBUG=1 at import).
+
+    On CUDA the library checks what lives in device memory (the GENERAL
+    triples of moe_general; the saved block in backward) in its kernels, so
+    a bad value is normally raised by the layer's next call. In debug mode
+    every CUDA forward and backward waits for its stream right after it is
+    queued (smoe_layer_device_status with wait=1) and raises its own error
+    at once: slower, as each call synchronises the host with the device
+    (skipped while the stream is being captured into a CUDA graph). The
+    CPU backend checks everything before any work either way."""
+    global _DEBUG
+    _DEBUG = bool(enabled)
+
 
 def _call(fn, layer, args, saved, ws, dev):
-    """fn (L.forward_raw or L.backward_raw) on the layer; raises SmoeError."""
+    """fn (L.forward_raw or L.backward_raw) on the layer, with the saved
+    block (a uint8 tensor or None) and the workspace (a uint8 tensor), each
+    with its size in bytes; raises SmoeError."""
+    if saved is None:
+        sp, sn = None, 0
+    else:
+        sp, sn = saved.data_ptr(), saved.numel()
+    wp, wn = ws.data_ptr(), ws.numel()
     if dev.type != "cuda":
-        status = fn(layer.ptr, ctypes.byref(args), saved, ws, None)
+        status = fn(layer.ptr, ctypes.byref(args), sp, sn, wp, wn, None)
+        if status != L.SMOE_SUCCESS:
+            L.check(status)
     elif _exchange_device is None or _maybe_exchange_device is None or _raw_stream is None:
         with torch.cuda.device(dev):
-            status = fn(layer.ptr, ctypes.byref(args), saved, ws,
-                        torch.cuda.current_stream(dev).cuda_stream)
+            _cuda_call(fn, layer, args, sp, sn, wp, wn, torch.cuda.current_stream(dev).cuda_stream)
     else:
         prev = _exchange_device(dev.index)
         try:
-            status = fn(layer.ptr, ctypes.byref(args), saved, ws, _raw_stream(dev.index))
+            _cuda_call(fn, layer, args, sp, sn, wp, wn, _raw_stream(dev.index))
         finally:
             _maybe_exchange_device(prev)
+
+
+def _cuda_call(fn, layer, args, sp, sn, wp, wn, stream):
+    """_call on CUDA, with the layer's device current. Before the call: the
+    error an earlier call of this layer met on the device, if the kernel that
+    found it has finished (wait=0 reads page-locked memory: no
+    synchronisation), is raised, and this call is not run. After it, in debug
+    mode: waits for the stream and raises this call's own device error."""
+    lib = layer._lib
+    status = lib.smoe_layer_device_status(layer.ptr, stream, 0)
+    if status != L.SMOE_SUCCESS:
+        raise SmoeError(status, "%s (found on the device in an earlier call of this layer; "
+                        "this call was not run)" % L.last_error())
+    status = fn(layer.ptr, ctypes.byref(args), sp, sn, wp, wn, stream)
     if status != L.SMOE_SUCCESS:
         L.check(status)
+    if _DEBUG and not torch.cuda.is_current_stream_capturing():
+        status = lib.smoe_layer_device_status(layer.ptr, stream, 1)
+        if status != L.SMOE_SUCCESS:
+            raise SmoeError(status, L.last_error())
+
+
+def check_device():
+    """Raises SmoeError for the first error the GPU found in a call of any of
+    smoe's layers (bad GENERAL triples, a saved block that does not belong to
+    its backward) and not raised yet; returns None when there is none.
+
+    Synchronises: waits for every CUDA device that has a smoe layer
+    (torch.cuda.synchronize), then reads each layer's device status
+    (smoe_layer_device_status with wait=1 on the device's current stream),
+    which clears it. Other layers' errors found at the same time are
+    appended to the message. Nothing to do for CPU layers (the CPU backend
+    checks everything before any work and raises at once)."""
+    with _layers_lock:
+        layers = list(_layers.values())
+    errors = []
+    synced = set()
+    for layer in layers:
+        if layer.backend == L.SMOE_BACKEND_CPU:
+            continue
+        index = layer.desc.device
+        with torch.cuda.device(index):
+            if index not in synced:
+                torch.cuda.synchronize(index)
+                synced.add(index)
+            stream = torch.cuda.current_stream(index).cuda_stream
+            status = layer._lib.smoe_layer_device_status(layer.ptr, stream, 1)
+            if status != L.SMOE_SUCCESS:
+                errors.append((status, L.last_error()))
+    if errors:
+        status, message = errors[0]
+        if len(errors) > 1:
+            message += " (and %d more: %s)" % (len(errors) - 1,
+                                               "; ".join(m for _, m in errors[1:]))
+        raise SmoeError(status, message)
+    return None
 
 
 def _forward_core(layer, x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2,
                   inference, save):
     """smoe_layer_forward on real tensors: (out, expert_counts, router_logits
     ((0,) for GENERAL), saved block or None when nothing is kept)."""
-    if not x.is_contiguous():
-        x = x.contiguous()
-    router_w, w1, w2, b1, b2 = map(_contig, (router_w, w1, w2, b1, b2))
+    dev = x.device
+    # Every tensor contiguous and aligned as the backend needs (the CUDA
+    # backends: 16 bytes for the layer's dtype; element size on the CPU).
+    va = 16 if dev.type == "cuda" else x.element_size()
+    x, router_w, w1, w2, b1, b2 = (_aligned(t, va) for t in (x, router_w, w1, w2, b1, b2))
     general = layer.general
     T = x.shape[0]
     E = layer.E
-    dev = x.device
     out = torch.empty_like(x)
     counts = torch.empty(E, dtype=torch.int32, device=dev)
     logits = torch.empty((0,) if general else (T, E), dtype=torch.float32, device=dev)
     if general:
         pairs = pair_token.shape[0]
         if pairs > 0:
-            pair_token, pair_expert, pair_score = map(_contig, (pair_token, pair_expert,
-                                                                pair_score))
+            pair_token, pair_expert, pair_score = (_aligned(t, 4) for t in (
+                pair_token, pair_expert, pair_score))
             pt, pe, ps = pair_token.data_ptr(), pair_expert.data_ptr(), pair_score.data_ptr()
         else:
             pt = pe = ps = None
@@ -360,8 +460,7 @@ def _forward_core(layer, x, router_w, pair_token, pair_expert, pair_score, w1, w
                               w1.data_ptr(), _ptr(b1), w2.data_ptr(), _ptr(b2), out.data_ptr(),
                               None if general else logits.data_ptr(), counts.data_ptr(),
                               int(lib_inference))
-    _call(L.forward_raw, layer, args, None if saved is None else saved.data_ptr(),
-          ws.data_ptr(), dev)
+    _call(L.forward_raw, layer, args, saved, ws, dev)
     if not save or inference:
         saved = None
     return out, counts, logits, saved
@@ -375,21 +474,20 @@ def _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, p
     """smoe_layer_backward on real tensors: (dx, drouter_w, dw1, db1, dw2,
     db2, dpair_score), None for a gradient not asked for in `needs` or not
     part of the layer."""
-    x, router_w, w1, w2, b2 = map(_contig, (x, router_w, w1, w2, b2))
+    dev = x.device
     dtype = x.dtype
+    va = 16 if dev.type == "cuda" else x.element_size()
     if dout.dtype != dtype:
         dout = dout.to(dtype)
-    if not dout.is_contiguous():
-        dout = dout.contiguous()
+    x, router_w, w1, w2, b2, dout = (_aligned(t, va) for t in (x, router_w, w1, w2, b2, dout))
     if dlogits_extra is not None:
         if dlogits_extra.dtype != torch.float32:
             dlogits_extra = dlogits_extra.to(torch.float32)
-        if not dlogits_extra.is_contiguous():
-            dlogits_extra = dlogits_extra.contiguous()
+        dlogits_extra = _aligned(dlogits_extra, 4)
+    saved = _aligned(saved, 16)
     general = layer.general
     has_bias = layer.has_bias
     T, E = x.shape[0], layer.E
-    dev = x.device
 
     def empty(shape, dt=dtype):
         return torch.empty(shape, dtype=dt, device=dev)
@@ -410,7 +508,7 @@ def _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, p
                                _grad_ptr(dw1), ld, 0, _grad_ptr(db1), ld, 0,
                                _grad_ptr(dw2), ld, 0, _grad_ptr(db2), ld, 0,
                                _grad_ptr(dscore), f32, 0)
-    _call(L.backward_raw, layer, args, saved.data_ptr(), ws.data_ptr(), dev)
+    _call(L.backward_raw, layer, args, saved, ws, dev)
     return dx, drouter, dw1, db1, dw2, db2, dscore
 
 
@@ -660,26 +758,45 @@ def _check_tensor(t, name, dim, device, dtype=None):
                         % (name, t.dtype, dtype))
 
 
-def _check_shape(t, name, shape):
+def _check_shape(t, name, shape, why=None, *why_args):
+    """t.shape must be `shape`; the message says why (why % why_args: only
+    formatted on failure, as the sizes may be symbolic under torch.compile)."""
     if t.shape != shape:
-        raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "%s has shape %s, expected %s"
-                        % (name, tuple(t.shape), tuple(shape)))
+        raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "%s has shape %s, expected %s%s"
+                        % (name, tuple(t.shape), tuple(shape),
+                           " (%s)" % (why % why_args) if why else ""))
 
 
 def _check_experts(x, w1, w2, b1, b2, activation):
-    """Checks the expert tensors against x; returns (d, n, E, b1, b2) with a
-    missing bias (when only one is given) filled with zeros."""
+    """Checks the expert tensors, takes d, n and E from w1 and w2 (checked
+    against each other first), then checks x's hidden size against them.
+    Returns (d, n, E, b1, b2) with a missing bias (when only one is given)
+    filled with zeros."""
     if x.dtype not in _DTYPES:
         raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
                         "x has dtype %s: smoe takes float32, bfloat16 or float64" % x.dtype)
-    d = x.shape[-1]
     device, dtype = x.device, x.dtype
     _check_tensor(w1, "w1", 3, device, dtype)
     _check_tensor(w2, "w2", 3, device, dtype)
-    E, h, _ = w1.shape
-    n = w2.shape[2]
-    _check_shape(w1, "w1", (E, 2 * n if activation in GATED else n, d))
-    _check_shape(w2, "w2", (E, d, n))
+    E, h, d = w1.shape
+    E2, d2, n = w2.shape
+    gated = activation in GATED
+    if E2 != E or d2 != d or h != (2 * n if gated else n):
+        both = "w1 has shape %s but w2 has shape %s: " % (tuple(w1.shape), tuple(w2.shape))
+        if E2 != E:
+            why = "E = %d experts in w1 (its first dimension) but %d in w2" % (E, E2)
+        elif d2 != d:
+            why = "d = %d in w1 (its last dimension) but %d in w2 (its second)" % (d, d2)
+        else:
+            why = ("w2 has n = %d (its last dimension), so w1 must have %d rows per expert "
+                   "(%s), not %d" % (n, 2 * n if gated else n,
+                                     "2n: a gated activation" if gated else
+                                     "n: an activation that is not gated", h))
+        raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, both + why)
+    if x.shape[-1] != d:
+        raise SmoeError(L.SMOE_ERROR_INVALID_SIZE,
+                        "x has hidden size %d (shape %s), but w1 and w2 have d = %d"
+                        % (x.shape[-1], tuple(x.shape), d))
     if (b1 is None) != (b2 is None):
         if b1 is None:
             b1 = torch.zeros((E, h), dtype=dtype, device=device)
@@ -688,8 +805,8 @@ def _check_experts(x, w1, w2, b1, b2, activation):
     if b1 is not None:
         _check_tensor(b1, "b1", 2, device, dtype)
         _check_tensor(b2, "b2", 2, device, dtype)
-        _check_shape(b1, "b1", (E, h))
-        _check_shape(b2, "b2", (E, d))
+        _check_shape(b1, "b1", (E, h), "E = %d, %s = %d from w1", E, "2n" if gated else "n", h)
+        _check_shape(b2, "b2", (E, d), "E = %d, d = %d from w1 and w2", E, d)
     return d, n, E, b1, b2
 
 
@@ -793,7 +910,7 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
         raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "x must have a hidden dimension")
     d, n, E, b1, b2 = _check_experts(x, w1, w2, b1, b2, act)
     _check_tensor(router_w, "router_w", 2, x.device, x.dtype)
-    _check_shape(router_w, "router_w", (E, d))
+    _check_shape(router_w, "router_w", (E, d), "E = %d, d = %d from w1 and w2", E, d)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
         raise SmoeError(L.SMOE_ERROR_INVALID_SIZE,
                         "top_k = %r, must be an int in [1, E = %d]" % (top_k, E))
@@ -820,12 +937,17 @@ def moe_general(x, pair_token, pair_expert, pair_score, w1, w2, b1=None, b2=None
     Returns (out (T, d), expert_counts (E,) int32). Gradients reach x, w1,
     w2, b1, b2 and pair_score.
 
-    The CPU backend checks the triples before any work. The GPU backends
-    cannot without waiting for the device: they skip a bad triple and the
-    results are then not to be used. validate=True checks them here first
-    with a few torch operations that wait for the device (not inside CUDA
-    graphs); the default (None) is to do so on CPU only, where the library
-    does it anyway.
+    Triples are checked (token in [0, T), expert in [0, E), sorted by token,
+    no (token, expert) twice, finite scores). The CPU backend checks them
+    before any work and raises at once. The GPU backends check them on the
+    device without waiting for it: a call with a bad triple writes nothing
+    (its outputs are left as allocated, not to be used) and its error is
+    raised by the layer's next call (forward or backward), or at once in
+    debug mode (smoe.set_debug(True) or $SMOE_DEBUG=1), or by
+    smoe.check_device(), which waits for the device. validate=True checks
+    them here first with a few torch operations that wait for the device
+    (not inside CUDA graphs) and raises before the call; the default (None)
+    leaves the checks to the library.
     """
     if not isinstance(x, torch.Tensor):
         raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "x must be a torch.Tensor")

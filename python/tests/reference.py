@@ -32,16 +32,24 @@ def activation(h, name, layout, n):
     raise ValueError(name)
 
 
+def topk(v, K):
+    """torch.topk along the last dimension, with smoe.h's order of equal keys
+    (the lower expert first; NaN above every number, NaNs equal), which
+    torch.topk leaves open: a stable descending sort."""
+    idx = torch.sort(v, dim=-1, descending=True, stable=True).indices[..., :K]
+    return v.gather(-1, idx), idx
+
+
 def route(logits, K, routing, renormalize=True, rounding=None, M=128):
     """Dense (T, E) scores (zero where not routed) and the routed mask."""
     T, E = logits.shape
     if rounding is None:
         if routing == "topk_softmax":
-            vals, idx = logits.topk(K, dim=-1)
+            vals, idx = topk(logits, K)
             s = torch.softmax(vals, dim=-1)
         elif routing == "softmax_topk":
             p = torch.softmax(logits, dim=-1)
-            s, idx = p.topk(K, dim=-1)
+            s, idx = topk(p, K)
             if renormalize:
                 s = s / s.sum(-1, keepdim=True)
         else:
@@ -51,7 +59,7 @@ def route(logits, K, routing, renormalize=True, rounding=None, M=128):
         return S, mask
     # Token rounding (DESIGN.md section 2).
     p = torch.softmax(logits, dim=-1)
-    _, idx = p.topk(K, dim=-1)
+    _, idx = topk(p, K)
     tc = torch.zeros(T, E, dtype=torch.bool).scatter(1, idx, True)
     renorm = p / (p * tc).sum(-1, keepdim=True)
     key = torch.where(tc, renorm, p - 1).detach()
@@ -68,8 +76,9 @@ def route(logits, K, routing, renormalize=True, rounding=None, M=128):
         else:
             raise ValueError(rounding)
         target = min(target, T)
-        # Descending key, ties to the lower token: a stable sort of -key.
-        order = torch.sort(-key[:, e], stable=True).indices
+        # Descending key, ties to the lower token, NaN (a token with a NaN
+        # logit) first: a stable descending sort.
+        order = torch.sort(key[:, e], descending=True, stable=True).indices
         mask[order[:target], e] = True
     S = torch.where(mask, torch.where(tc, renorm, p), torch.zeros_like(p))
     return S, mask

@@ -75,6 +75,59 @@ def test_functions_match_header():
     assert parse_functions(header_text()) == set(L.FUNCTION_NAMES)
 
 
+def parse_signatures(text):
+    """{function name: (return type, [parameter types])}, each type as a C
+    spelling without const and names: 'pointer' for any pointer."""
+    def ctype(decl, named):
+        if "*" in decl:
+            return "pointer"
+        words = decl.replace("const", " ").split()
+        return " ".join(words[:-1] if named else words)
+
+    out = {}
+    for m in re.finditer(r"SMOE_API\s+([\w\s\*]*?)\b(smoe_\w+)\s*\(([^)]*)\)\s*;", text):
+        params = [p.strip() for p in m.group(3).split(",")]
+        if params == ["void"]:
+            params = []
+        out[m.group(2)] = (ctype(m.group(1), False), [ctype(p, True) for p in params])
+    return out
+
+
+def ctypes_kind(t):
+    """The C spelling a ctypes type stands for, as parse_signatures gives it
+    (an enum and a struct by their names)."""
+    if t is None:
+        return "void"
+    if t in (ctypes.c_void_p, ctypes.c_char_p) or issubclass(t, ctypes._Pointer):
+        return "pointer"
+    for name, cls in L.STRUCTS.items():
+        if t is cls:
+            return name
+    return {ctypes.c_size_t: "size_t", ctypes.c_int64: "int64_t", ctypes.c_int: "int"}[t]
+
+
+def c_kind(spelling):
+    """An enum's typedef name as the int it is passed as."""
+    return "int" if spelling in L.ENUMS else spelling
+
+
+def test_function_signatures_match_header():
+    # Every function's return type and parameter types (pointer, size_t,
+    # int64_t, int or enum) as the header declares them: a parameter added,
+    # removed or retyped in smoe.h fails here.
+    sigs = parse_signatures(header_text())
+    assert set(sigs) == set(L.FUNCTION_NAMES)
+    for name, (ret, params) in sigs.items():
+        restype, argtypes = L._FUNCTIONS[name]
+        assert c_kind(ctypes_kind(restype)) == c_kind(ret), name
+        assert [c_kind(ctypes_kind(t)) for t in argtypes] == [c_kind(p) for p in params], name
+    L.lib()
+    for name, raw in (("smoe_layer_forward", L.forward_raw),
+                      ("smoe_layer_backward", L.backward_raw)):
+        assert [c_kind(ctypes_kind(t)) for t in raw.argtypes] == \
+            [c_kind(p) for p in sigs[name][1]], name
+
+
 def test_version_matches_header():
     text = open(HEADER).read()
     v = tuple(int(re.search(r"#define SMOE_VERSION_%s (\d+)" % k, text).group(1))

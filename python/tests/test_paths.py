@@ -233,28 +233,86 @@ def test_sizes_asked_once_per_token_count(monkeypatch):
     assert layer._saved == {(9, 0): layer.saved_bytes(9, 0), (4, 0): layer.saved_bytes(4, 0)}
 
 
+class _Buffer:
+    """A stand-in for the saved block or workspace tensor."""
+
+    def __init__(self, ptr, nbytes):
+        self.ptr, self.nbytes = ptr, nbytes
+
+    def data_ptr(self):
+        return self.ptr
+
+    def numel(self):
+        return self.nbytes
+
+
 def test_cuda_call_glue(monkeypatch):
     # The CUDA branch of _call (run here without a GPU, on stand-ins): the
     # tensors' device is made current for the call and restored after, even
-    # when the call fails, and the library gets that device's current stream.
+    # when the call fails; the library gets that device's current stream and
+    # the buffers' sizes; the layer's device status is polled (wait=0) before
+    # the call, and read with wait=1 after it in debug mode.
     events = []
     monkeypatch.setattr(fn, "_exchange_device", lambda i: events.append(("set", i)) or 0)
     monkeypatch.setattr(fn, "_maybe_exchange_device", lambda i: events.append(("restore", i)))
     monkeypatch.setattr(fn, "_raw_stream", lambda i: 0x5000 + i)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(fn, "_DEBUG", False)
+    device_status = {0: fn.L.SMOE_SUCCESS, 1: fn.L.SMOE_SUCCESS}   # by wait
+
+    class Lib:
+        @staticmethod
+        def smoe_layer_device_status(ptr, stream, wait):
+            events.append(("status", ptr, stream, wait))
+            return device_status[wait]
 
     class Layer:
         ptr = 1234
+        _lib = Lib
 
     def library(status):
-        def call(ptr, args, saved, ws, stream):
-            events.append(("call", ptr, saved, ws, stream))
+        def call(ptr, args, saved, saved_bytes, ws, ws_bytes, stream):
+            events.append(("call", ptr, saved, saved_bytes, ws, ws_bytes, stream))
             return status
         return call
 
-    fn._call(library(0), Layer, fn.L.forward_args_raw(), 7, 8, torch.device("cuda", 3))
-    assert events == [("set", 3), ("call", 1234, 7, 8, 0x5003), ("restore", 0)]
+    args = fn.L.forward_args_raw()
+    saved, ws = _Buffer(7, 700), _Buffer(8, 800)
+    fn._call(library(0), Layer, args, saved, ws, torch.device("cuda", 3))
+    assert events == [("set", 3), ("status", 1234, 0x5003, 0),
+                      ("call", 1234, 7, 700, 8, 800, 0x5003), ("restore", 0)]
     events.clear()
     with pytest.raises(smoe.SmoeError):
-        fn._call(library(fn.L.SMOE_ERROR_BACKEND), Layer, fn.L.forward_args_raw(), None, 8,
+        fn._call(library(fn.L.SMOE_ERROR_BACKEND), Layer, args, None, ws,
                  torch.device("cuda", 1))
-    assert events == [("set", 1), ("call", 1234, None, 8, 0x5001), ("restore", 0)]
+    assert events == [("set", 1), ("status", 1234, 0x5001, 0),
+                      ("call", 1234, None, 0, 8, 800, 0x5001), ("restore", 0)]
+    # An earlier call's device error: raised before this call, which is not made.
+    events.clear()
+    device_status[0] = fn.L.SMOE_ERROR_INVALID_VALUE
+    with pytest.raises(smoe.SmoeError, match="earlier call of this layer") as e:
+        fn._call(library(0), Layer, args, saved, ws, torch.device("cuda", 2))
+    assert e.value.status == fn.L.SMOE_ERROR_INVALID_VALUE
+    assert events == [("set", 2), ("status", 1234, 0x5002, 0), ("restore", 0)]
+    # Debug mode: after the call, wait=1 on its stream, and its error raised.
+    device_status[0] = fn.L.SMOE_SUCCESS
+    smoe.set_debug(True)
+    events.clear()
+    fn._call(library(0), Layer, args, saved, ws, torch.device("cuda", 0))
+    assert events == [("set", 0), ("status", 1234, 0x5000, 0),
+                      ("call", 1234, 7, 700, 8, 800, 0x5000), ("status", 1234, 0x5000, 1),
+                      ("restore", 0)]
+    device_status[1] = fn.L.SMOE_ERROR_INVALID_VALUE
+    with pytest.raises(smoe.SmoeError) as e:
+        fn._call(library(0), Layer, args, saved, ws, torch.device("cuda", 0))
+    assert e.value.status == fn.L.SMOE_ERROR_INVALID_VALUE
+    # ... but not while the stream is being captured into a CUDA graph.
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    events.clear()
+    fn._call(library(0), Layer, args, saved, ws, torch.device("cuda", 0))
+    assert [ev[0] for ev in events] == ["set", "status", "call", "restore"]
+    smoe.set_debug(False)
+    # The CPU branch: no status calls, stream NULL.
+    events.clear()
+    fn._call(library(0), Layer, args, saved, ws, torch.device("cpu"))
+    assert events == [("call", 1234, 7, 700, 8, 800, None)]
