@@ -56,8 +56,13 @@ template <int VEC>
 __global__ void __launch_bounds__(AGG_THREADS)
 k_aggregate_forward(int64_t T, int64_t d, const int32_t *__restrict__ token_offset,
                     const int32_t *__restrict__ assign_row, const float *__restrict__ row_score,
-                    const bf16 *__restrict__ y, bf16 *__restrict__ out, const int *abort)
+                    const bf16 *__restrict__ y, bf16 *__restrict__ out,
+                    smoe_saved_header *header, smoe_saved_header h, const int *abort)
 {
+    if (header && blockIdx.x == 0 && threadIdx.x == 0) {
+        h.status = abort ? *abort : 0;
+        *header = h;
+    }
     SMOE_DEV_RETURN_IF_ABORTED(abort);
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
         const int a0 = token_offset[t], a1 = token_offset[t + 1];
@@ -186,15 +191,16 @@ static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *token_offset,
                                         const int32_t *assign_row, const float *row_score,
-                                        const bf16 *y, bf16 *out, const int *abort,
+                                        const bf16 *y, bf16 *out, smoe_saved_header *header,
+                                        smoe_saved_header h, const int *abort,
                                         cudaStream_t stream)
 {
     if (d % 8 == 0 && aligned16(y) && aligned16(out))
         k_aggregate_forward<8><<<agg_grid(T), AGG_THREADS, 0, stream>>>(
-            T, d, token_offset, assign_row, row_score, y, out, abort);
+            T, d, token_offset, assign_row, row_score, y, out, header, h, abort);
     else
         k_aggregate_forward<1><<<agg_grid(T), AGG_THREADS, 0, stream>>>(
-            T, d, token_offset, assign_row, row_score, y, out, abort);
+            T, d, token_offset, assign_row, row_score, y, out, header, h, abort);
     SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward");
     return SMOE_SUCCESS;
 }

@@ -169,10 +169,6 @@ smoe_status smoe_cuda_backward_prologue(const smoe_saved_header *header, smoe_sa
                                         const bf16 *wr, int64_t E, int64_t d, float *wr_nf,
                                         cudaStream_t stream);
 
-/* Forward's last kernel: writes `h` into the saved block with status = the
- * call's status code (0: the forward completed). */
-smoe_status smoe_cuda_saved_header_write(smoe_saved_header *header, smoe_saved_header h,
-                                         const smoe_dev_status *status, cudaStream_t stream);
 
 /* ------------------------------------------------------------ metadata.cu */
 
@@ -189,10 +185,14 @@ smoe_status smoe_cuda_metadata(int64_t E, int64_t cap, smoe_assign_dev in,
 /* ------------------------------------------------------------ aggregate.cu */
 
 /* Forward: out[t] = sum_a row_score[row_a] * y[row_a] over the token's
- * assignments (fp32 sums in assignment order), bf16 out. */
+ * assignments (fp32 sums in assignment order), bf16 out. The forward's last
+ * kernel, so it also writes the saved block's header (header not NULL, a
+ * training forward): `h` with status = the call's status code, also when
+ * a failed check (abort) leaves the rest of the kernel undone. */
 smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *token_offset,
                                         const int32_t *assign_row, const float *row_score,
-                                        const bf16 *y, bf16 *out, const int *abort,
+                                        const bf16 *y, bf16 *out, smoe_saved_header *header,
+                                        smoe_saved_header h, const int *abort,
                                         cudaStream_t stream);
 
 /* Backward: dx[t] (op)= sum_a (dxt[row_a] + dl_a * wr[e_a]) (+ extra[t])

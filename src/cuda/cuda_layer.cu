@@ -480,13 +480,10 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
                   gs, s);
         timer_mark(st, 0, "down", s);
     }
-    SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_forward(T, d->d, v.token_offset, v.assign_row,
-                                                      v.row_score, y, (bf16 *)args->out, abort,
-                                                      s));
+    SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_forward(
+        T, d->d, v.token_offset, v.assign_row, v.row_score, y, (bf16 *)args->out,
+        training ? v.header : NULL, smoe_saved_header_make(layer, T, args->pairs), abort, s));
     timer_mark(st, 0, "aggregate", s);
-    if (training)
-        SMOE_FORWARD_IF_ERROR(smoe_cuda_saved_header_write(
-            v.header, smoe_saved_header_make(layer, T, args->pairs), dst, s));
     return SMOE_SUCCESS;
 }
 

@@ -1,6 +1,7 @@
 /*
  * status.cu -- the saved block's header on the device: the forward's last
- * kernel writes it, the backward's first kernel checks it (smoe_internal.h
+ * kernel (the aggregation, aggregate.cu) writes it, the backward's first
+ * kernel (here) checks it (smoe_internal.h
  * has the header, cuda_common.h the status word). The check is the host's
  * smoe_saved_header_check, field by field in the same order, so both
  * backends refuse the same blocks with the same reason.
@@ -61,13 +62,6 @@ __global__ void k_backward_prologue(const smoe_saved_header *__restrict__ h,
     wr_nf[i] = finite ? 0.0f : __int_as_float(0x7fc00000);
 }
 
-__global__ void k_saved_header_write(smoe_saved_header *h, smoe_saved_header v,
-                                     const smoe_dev_status *st)
-{
-    v.status = st->code;
-    *h = v;
-}
-
 smoe_status smoe_cuda_backward_prologue(const smoe_saved_header *header, smoe_saved_header want,
                                         smoe_dev_status *status, smoe_dev_report report,
                                         const bf16 *wr, int64_t E, int64_t d, float *wr_nf,
@@ -81,10 +75,3 @@ smoe_status smoe_cuda_backward_prologue(const smoe_saved_header *header, smoe_sa
     return SMOE_SUCCESS;
 }
 
-smoe_status smoe_cuda_saved_header_write(smoe_saved_header *header, smoe_saved_header h,
-                                         const smoe_dev_status *status, cudaStream_t stream)
-{
-    k_saved_header_write<<<1, 1, 0, stream>>>(header, h, status);
-    SMOE_CUDA_LAUNCH_CHECK("k_saved_header_write");
-    return SMOE_SUCCESS;
-}
