@@ -633,26 +633,19 @@ static smoe_status check_triples(const smoe_layer *layer, const smoe_forward_arg
     return SMOE_SUCCESS;
 }
 
-smoe_status smoe_layer_forward(smoe_layer *layer, const smoe_forward_args *args, void *saved,
-                               size_t saved_bytes, void *workspace, size_t workspace_bytes,
-                               void *stream)
+smoe_status smoe_forward_validate(const smoe_layer *layer, const char *fn,
+                                  const smoe_forward_args *args, const smoe_call_shape *cs,
+                                  const void *saved, size_t saved_bytes, const void *workspace,
+                                  size_t workspace_bytes)
 {
-    const char *fn = "smoe_layer_forward";
-    REQUIRE_PTR(layer, "layer");
-    REQUIRE_PTR(args, "args");
     const smoe_layer_desc *d = &layer->desc;
     const int general = d->routing == SMOE_ROUTING_GENERAL;
-
-    SMOE_RETURN_ERROR_IF(args->inference != 0 && args->inference != 1, SMOE_ERROR_INVALID_VALUE,
-                         "%s: args.inference = %d, must be 0 or 1", fn, args->inference);
     const int training = !args->inference;
     const int64_t T = args->T, pairs = general ? args->pairs : 0;
-    int64_t cap;
-    SMOE_FORWARD_IF_ERROR(check_sizes(layer, T, pairs, args->inference, &cap));
-    REQUIRE_PTR(args->x, "args.x");
+    if (T > 0 || !cs->empty_ok) REQUIRE_PTR(args->x, "args.x");
     REQUIRE_PTR(args->w1, "args.w1");
     REQUIRE_PTR(args->w2, "args.w2");
-    REQUIRE_PTR(args->out, "args.out");
+    if (T > 0 || !cs->empty_ok) REQUIRE_PTR(args->out, "args.out");
     if (d->has_bias) {
         REQUIRE_PTR(args->b1, "args.b1 (the layer has biases)");
         REQUIRE_PTR(args->b2, "args.b2 (the layer has biases)");
@@ -675,20 +668,16 @@ smoe_status smoe_layer_forward(smoe_layer *layer, const smoe_forward_args *args,
     }
     if (training) REQUIRE_PTR(saved, "saved (a training forward, args.inference = 0)");
     REQUIRE_PTR(workspace, "workspace");
-
-    smoe_saved_layout l;
-    smoe_saved_layout_make(layer, T, cap, &l);
-    const size_t ws_need = layer->ops->workspace_bytes(layer, T, cap);
     if (training)
-        SMOE_FORWARD_IF_ERROR(check_buffer(fn, "saved", saved_bytes, l.total, T, pairs,
-                                           "smoe_layer_saved_bytes"));
-    SMOE_FORWARD_IF_ERROR(check_buffer(fn, "workspace", workspace_bytes, ws_need, T, pairs,
-                                       "smoe_layer_workspace_bytes"));
+        SMOE_FORWARD_IF_ERROR(check_buffer(fn, "saved", saved_bytes, cs->saved_need, T, pairs,
+                                           cs->saved_query));
+    SMOE_FORWARD_IF_ERROR(check_buffer(fn, "workspace", workspace_bytes, cs->ws_need, T, pairs,
+                                       cs->ws_query));
 
     /* alignment and overlap */
     const size_t es = smoe_dtype_size(d->dtype), va = layer->vec_align;
     const size_t t = (size_t)T, dd = (size_t)d->d, n = (size_t)d->n, E = (size_t)d->E;
-    const size_t hc = (size_t)layer->h_cols, np = (size_t)pairs;
+    const size_t Ex = (size_t)cs->E_experts, hc = (size_t)layer->h_cols, np = (size_t)pairs;
     span_set sp;
     sp.n = 0;
     SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.x", args->x, t * dd * es, es, va, 0));
@@ -700,22 +689,51 @@ smoe_status smoe_layer_forward(smoe_layer *layer, const smoe_forward_args *args,
         SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.pair_expert", args->pair_expert, np * 4, 4, 4, 0));
         SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.pair_score", args->pair_score, np * 4, 4, 4, 0));
     }
-    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.w1", args->w1, E * hc * dd * es, es, va, 0));
-    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.b1", args->b1, E * hc * es, es, va, 0));
-    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.w2", args->w2, E * dd * n * es, es, va, 0));
-    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.b2", args->b2, E * dd * es, es, va, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.w1", args->w1, Ex * hc * dd * es, es, va, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.b1", args->b1, Ex * hc * es, es, va, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.w2", args->w2, Ex * dd * n * es, es, va, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.b2", args->b2, Ex * dd * es, es, va, 0));
     SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.out", args->out, t * dd * es, es, va, 1));
     SMOE_FORWARD_IF_ERROR(
         span_add(&sp, fn, "args.router_logits", args->router_logits, t * E * 4, 4, 4, 1));
     SMOE_FORWARD_IF_ERROR(
         span_add(&sp, fn, "args.expert_counts", args->expert_counts, E * 4, 4, 4, 1));
-    if (training) SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "saved", saved, l.total, 16, 16, 1));
-    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "workspace", workspace, ws_need, 16, 16, 1));
+    if (training)
+        SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "saved", saved, cs->saved_need, 16, 16, 1));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "workspace", workspace, cs->ws_need, 16, 16, 1));
     SMOE_FORWARD_IF_ERROR(spans_disjoint(fn, &sp));
 
     if (general && layer->backend == SMOE_BACKEND_CPU)
         SMOE_FORWARD_IF_ERROR(check_triples(layer, args));
-    return layer->ops->forward(layer, args, &l, training ? saved : NULL, workspace, stream);
+    return SMOE_SUCCESS;
+}
+
+smoe_status smoe_layer_forward(smoe_layer *layer, const smoe_forward_args *args, void *saved,
+                               size_t saved_bytes, void *workspace, size_t workspace_bytes,
+                               void *stream)
+{
+    const char *fn = "smoe_layer_forward";
+    REQUIRE_PTR(layer, "layer");
+    REQUIRE_PTR(args, "args");
+    const int general = layer->desc.routing == SMOE_ROUTING_GENERAL;
+    SMOE_RETURN_ERROR_IF(args->inference != 0 && args->inference != 1, SMOE_ERROR_INVALID_VALUE,
+                         "%s: args.inference = %d, must be 0 or 1", fn, args->inference);
+    const int64_t T = args->T, pairs = general ? args->pairs : 0;
+    int64_t cap;
+    SMOE_FORWARD_IF_ERROR(check_sizes(layer, T, pairs, args->inference, &cap));
+    smoe_saved_layout l;
+    smoe_saved_layout_make(layer, T, cap, &l);
+    smoe_call_shape cs;
+    memset(&cs, 0, sizeof cs);
+    cs.E_experts = layer->desc.E;
+    cs.saved_need = l.total;
+    cs.ws_need = layer->ops->workspace_bytes(layer, T, cap);
+    cs.saved_query = "smoe_layer_saved_bytes";
+    cs.ws_query = "smoe_layer_workspace_bytes";
+    SMOE_FORWARD_IF_ERROR(smoe_forward_validate(layer, fn, args, &cs, saved, saved_bytes,
+                                                workspace, workspace_bytes));
+    return layer->ops->forward(layer, args, &l, args->inference ? NULL : saved, workspace,
+                               stream);
 }
 
 static smoe_status check_grad(const char *fn, const smoe_layer *layer, const smoe_grad *g,
@@ -748,23 +766,19 @@ static smoe_status grad_span(span_set *sp, const char *fn, const char *name, con
     return span_add(sp, fn, name, g->ptr, elems * gs, gs, vec_align, 1);
 }
 
-smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *args,
-                                const void *saved, size_t saved_bytes, void *workspace,
-                                size_t workspace_bytes, void *stream)
+smoe_status smoe_backward_validate(const smoe_layer *layer, const char *fn,
+                                   const smoe_backward_args *args, const smoe_call_shape *cs,
+                                   const void *saved, size_t saved_bytes, const void *workspace,
+                                   size_t workspace_bytes)
 {
-    const char *fn = "smoe_layer_backward";
-    REQUIRE_PTR(layer, "layer");
-    REQUIRE_PTR(args, "args");
     const smoe_layer_desc *d = &layer->desc;
     const int general = d->routing == SMOE_ROUTING_GENERAL;
-
     const int64_t T = args->T, pairs = general ? args->pairs : 0;
-    int64_t cap;
-    SMOE_FORWARD_IF_ERROR(check_sizes(layer, T, pairs, 0, &cap));
-    REQUIRE_PTR(args->x, "args.x");
+    const int some = T > 0 || !cs->empty_ok;
+    if (some) REQUIRE_PTR(args->x, "args.x");
     REQUIRE_PTR(args->w1, "args.w1");
     REQUIRE_PTR(args->w2, "args.w2");
-    REQUIRE_PTR(args->dout, "args.dout");
+    if (some) REQUIRE_PTR(args->dout, "args.dout");
     if (!general) REQUIRE_PTR(args->router_w, "args.router_w");
     if (d->has_bias) {
         REQUIRE_PTR(args->b2, "args.b2 (the layer has biases)");
@@ -788,41 +802,60 @@ smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *arg
                                      "only GENERAL routing has pair scores", 1));
     REQUIRE_PTR(saved, "saved");
     REQUIRE_PTR(workspace, "workspace");
-
-    smoe_saved_layout l;
-    smoe_saved_layout_make(layer, T, cap, &l);
-    const size_t ws_need = layer->ops->workspace_bytes(layer, T, cap);
-    SMOE_FORWARD_IF_ERROR(check_buffer(fn, "saved", saved_bytes, l.total, T, pairs,
-                                       "smoe_layer_saved_bytes"));
-    SMOE_FORWARD_IF_ERROR(check_buffer(fn, "workspace", workspace_bytes, ws_need, T, pairs,
-                                       "smoe_layer_workspace_bytes"));
+    SMOE_FORWARD_IF_ERROR(check_buffer(fn, "saved", saved_bytes, cs->saved_need, T, pairs,
+                                       cs->saved_query));
+    SMOE_FORWARD_IF_ERROR(check_buffer(fn, "workspace", workspace_bytes, cs->ws_need, T, pairs,
+                                       cs->ws_query));
 
     const size_t es = smoe_dtype_size(d->dtype), va = layer->vec_align;
     const size_t t = (size_t)T, dd = (size_t)d->d, n = (size_t)d->n, E = (size_t)d->E;
-    const size_t hc = (size_t)layer->h_cols, np = (size_t)pairs;
+    const size_t Ex = (size_t)cs->E_experts, hc = (size_t)layer->h_cols, np = (size_t)pairs;
     span_set sp;
     sp.n = 0;
     SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.x", args->x, t * dd * es, es, va, 0));
     if (!general)
         SMOE_FORWARD_IF_ERROR(
             span_add(&sp, fn, "args.router_w", args->router_w, E * dd * es, es, va, 0));
-    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.w1", args->w1, E * hc * dd * es, es, va, 0));
-    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.w2", args->w2, E * dd * n * es, es, va, 0));
-    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.b2", args->b2, E * dd * es, es, va, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.w1", args->w1, Ex * hc * dd * es, es, va, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.w2", args->w2, Ex * dd * n * es, es, va, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.b2", args->b2, Ex * dd * es, es, va, 0));
     SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.dout", args->dout, t * dd * es, es, va, 0));
     SMOE_FORWARD_IF_ERROR(
         span_add(&sp, fn, "args.dlogits_extra", args->dlogits_extra, t * E * 4, 4, 4, 0));
-    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "saved", saved, l.total, 16, 16, 0));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "saved", saved, cs->saved_need, 16, 16, 0));
     SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.dx.ptr", &args->dx, t * dd, va));
     SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.drouter_w.ptr", &args->drouter_w, E * dd, va));
-    SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.dw1.ptr", &args->dw1, E * hc * dd, va));
-    SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.db1.ptr", &args->db1, E * hc, va));
-    SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.dw2.ptr", &args->dw2, E * dd * n, va));
-    SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.db2.ptr", &args->db2, E * dd, va));
+    SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.dw1.ptr", &args->dw1, Ex * hc * dd, va));
+    SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.db1.ptr", &args->db1, Ex * hc, va));
+    SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.dw2.ptr", &args->dw2, Ex * dd * n, va));
+    SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.db2.ptr", &args->db2, Ex * dd, va));
     SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.dpair_score.ptr", &args->dpair_score, np, 4));
-    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "workspace", workspace, ws_need, 16, 16, 1));
-    SMOE_FORWARD_IF_ERROR(spans_disjoint(fn, &sp));
+    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "workspace", workspace, cs->ws_need, 16, 16, 1));
+    return spans_disjoint(fn, &sp);
+}
 
+smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *args,
+                                const void *saved, size_t saved_bytes, void *workspace,
+                                size_t workspace_bytes, void *stream)
+{
+    const char *fn = "smoe_layer_backward";
+    REQUIRE_PTR(layer, "layer");
+    REQUIRE_PTR(args, "args");
+    const int general = layer->desc.routing == SMOE_ROUTING_GENERAL;
+    const int64_t T = args->T, pairs = general ? args->pairs : 0;
+    int64_t cap;
+    SMOE_FORWARD_IF_ERROR(check_sizes(layer, T, pairs, 0, &cap));
+    smoe_saved_layout l;
+    smoe_saved_layout_make(layer, T, cap, &l);
+    smoe_call_shape cs;
+    memset(&cs, 0, sizeof cs);
+    cs.E_experts = layer->desc.E;
+    cs.saved_need = l.total;
+    cs.ws_need = layer->ops->workspace_bytes(layer, T, cap);
+    cs.saved_query = "smoe_layer_saved_bytes";
+    cs.ws_query = "smoe_layer_workspace_bytes";
+    SMOE_FORWARD_IF_ERROR(smoe_backward_validate(layer, fn, args, &cs, saved, saved_bytes,
+                                                 workspace, workspace_bytes));
     return layer->ops->backward(layer, args, &l, saved, workspace, stream);
 }
 

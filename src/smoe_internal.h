@@ -165,6 +165,31 @@ smoe_saved_header smoe_saved_header_make(const smoe_layer *layer, int64_t T, int
 smoe_status smoe_saved_header_check(const smoe_layer *layer, const smoe_saved_header *h,
                                     int64_t T, int64_t pairs);
 
+/* ------------------------------------------------------------ validation */
+
+/* What a call needs beyond the layer's description: the experts in the
+ * weight tensors (the layer's E, or E/P on an expert-parallel rank), whether
+ * T = 0 is allowed (an expert-parallel rank may have no tokens), and the
+ * saved block's and workspace's sizes with the query that gives them. */
+typedef struct smoe_call_shape {
+    int64_t E_experts;
+    int empty_ok;
+    size_t saved_need, ws_need;
+    const char *saved_query, *ws_query;
+} smoe_call_shape;
+
+/* Every check of smoe.h's rules on a forward's / backward's arguments (T
+ * and pairs already checked): pointers, flags, buffer sizes, alignment,
+ * overlap, host-visible GENERAL triples. */
+smoe_status smoe_forward_validate(const smoe_layer *layer, const char *fn,
+                                  const smoe_forward_args *args, const smoe_call_shape *cs,
+                                  const void *saved, size_t saved_bytes, const void *workspace,
+                                  size_t workspace_bytes);
+smoe_status smoe_backward_validate(const smoe_layer *layer, const char *fn,
+                                   const smoe_backward_args *args, const smoe_call_shape *cs,
+                                   const void *saved, size_t saved_bytes, const void *workspace,
+                                   size_t workspace_bytes);
+
 /* ------------------------------------------------------------ backends */
 
 struct smoe_backend_ops {

@@ -17,7 +17,7 @@
  * Memory: the saved block holds H and O(R) + O(T*E) metadata only; Y, A,
  * dX~ and the converted inputs live in the workspace.
  */
-#include "smoe_internal.h"
+#include "cpu/cpu_backend.h"
 #include "routing.h"
 
 #include <math.h>
@@ -361,13 +361,7 @@ static smoe_status cpu_forward(smoe_layer *layer, const smoe_forward_args *args,
 
     /* 1. router logits = X Wr^T, and the routing */
     if (!general) {
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t e = 0; e < E; e++) {
-                double l = dot_w(args->router_w, dt, e * d, w.xd + t * d, d);
-                w.logits64[t * E + e] = l;
-                w.logits32[t * E + e] = (float)l;
-            }
+        smoe_cpu_router_logits(layer, T, w.xd, args->router_w, w.logits32, w.logits64);
         smoe_assignments as;
         as.token_offset = v.token_offset;
         as.expert = v.assign_expert;
@@ -482,7 +476,7 @@ static smoe_status check_saved(const smoe_layer *layer, const smoe_saved_view *v
 /* Router backward for one token: dlogits (E) from the dS of its
  * assignments, through the routing mode's softmax. */
 static void router_grad_token(const smoe_layer *layer, int64_t t, const smoe_saved_view *v,
-                              const double *ds, const cpu_ws *w, double *dl)
+                              const double *ds, const smoe_cpu_router_scratch *w, double *dl)
 {
     const smoe_layer_desc *D = &layer->desc;
     const int64_t E = D->E, K = D->K;
@@ -538,6 +532,58 @@ static void router_grad_token(const smoe_layer *layer, int64_t t, const smoe_sav
     double pdp = 0.0;
     for (int64_t e = 0; e < E; e++) pdp += p[e] * dp[e];
     for (int64_t e = 0; e < E; e++) dl[e] = p[e] * (dp[e] - pdp);
+}
+
+void smoe_cpu_router_logits(const smoe_layer *layer, int64_t T, const double *xd,
+                            const void *router_w, float *l32, double *l64)
+{
+    const int64_t E = layer->desc.E, d = layer->desc.d;
+    const smoe_dtype dt = layer->desc.dtype;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t e = 0; e < E; e++) {
+            double l = dot_w(router_w, dt, e * d, xd + t * d, d);
+            if (l64) l64[t * E + e] = l;
+            if (l32) l32[t * E + e] = (float)l;
+        }
+}
+
+void smoe_cpu_router_backward(const smoe_layer *layer, int64_t T, const smoe_saved_view *v,
+                              const double *ds, const float *dlogits_extra, const double *xd,
+                              const smoe_grad *drouter_w, double *dl,
+                              const smoe_cpu_router_scratch *scratch)
+{
+    const int64_t E = layer->desc.E, d = layer->desc.d;
+    for (int64_t t = 0; t < T; t++) {
+        double *g = dl + t * E;
+        router_grad_token(layer, t, v, ds, scratch, g);
+        for (int64_t e = 0; e < E; e++) {
+            if (dlogits_extra) g[e] += (double)dlogits_extra[t * E + e];
+            g[e] = round_f32(layer, g[e]);
+        }
+    }
+    if (!drouter_w->ptr) return;
+#pragma omp parallel for schedule(static)
+    for (int64_t e = 0; e < E; e++) {
+        double acc[GRAD_BLOCK];
+        for (int64_t i0 = 0; i0 < d; i0 += GRAD_BLOCK) {
+            int64_t len = d - i0 < GRAD_BLOCK ? d - i0 : GRAD_BLOCK;
+            for (int64_t i = 0; i < len; i++) acc[i] = 0.0;
+            for (int64_t t = 0; t < T; t++) {
+                double g = dl[t * E + e];
+                const double *x = xd + t * d + i0;
+                for (int64_t i = 0; i < len; i++) acc[i] += g * x[i];
+            }
+            for (int64_t i = 0; i < len; i++) grad_put(drouter_w, e * d + i0 + i, acc[i]);
+        }
+    }
+}
+
+void smoe_cpu_router_dx(const smoe_layer *layer, const double *dl, const void *router_w,
+                        double *o)
+{
+    const int64_t E = layer->desc.E, d = layer->desc.d;
+    for (int64_t e = 0; e < E; e++) axpy_w(o, dl[e], router_w, layer->desc.dtype, e * d, d);
 }
 
 static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *args,
@@ -681,32 +727,11 @@ static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *arg
         }
     }
 
-    /* 5-6. router: dlogits through the routing mode (sequential, cheap) */
+    /* 5-6. router: dlogits through the routing mode, dWr */
     if (!general) {
-        for (int64_t t = 0; t < T; t++) {
-            double *dl = w.dl + t * E;
-            router_grad_token(layer, t, &v, w.ds, &w, dl);
-            for (int64_t e = 0; e < E; e++) {
-                if (args->dlogits_extra) dl[e] += (double)args->dlogits_extra[t * E + e];
-                dl[e] = round_f32(layer, dl[e]);
-            }
-        }
-        if (args->drouter_w.ptr) {
-#pragma omp parallel for schedule(static)
-            for (int64_t e = 0; e < E; e++) {
-                double acc[GRAD_BLOCK];
-                for (int64_t i0 = 0; i0 < d; i0 += GRAD_BLOCK) {
-                    int64_t len = d - i0 < GRAD_BLOCK ? d - i0 : GRAD_BLOCK;
-                    for (int64_t i = 0; i < len; i++) acc[i] = 0.0;
-                    for (int64_t t = 0; t < T; t++) {
-                        double g = w.dl[t * E + e];
-                        const double *x = w.xd + t * d + i0;
-                        for (int64_t i = 0; i < len; i++) acc[i] += g * x[i];
-                    }
-                    for (int64_t i = 0; i < len; i++) grad_put(&args->drouter_w, e * d + i0 + i, acc[i]);
-                }
-            }
-        }
+        smoe_cpu_router_scratch rs = {w.rp, w.ridx, w.rl32};
+        smoe_cpu_router_backward(layer, T, &v, w.ds, args->dlogits_extra, w.xd, &args->drouter_w,
+                                 w.dl, &rs);
     } else if (args->dpair_score.ptr) {
         for (int64_t a = 0; a < R; a++) grad_put(&args->dpair_score, a, w.ds[v.assign_row[a]]);
     }
@@ -721,10 +746,7 @@ static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *arg
                 const double *src = w.dxt + (int64_t)v.assign_row[a] * d;
                 for (int64_t i = 0; i < d; i++) o[i] += src[i];
             }
-            /* dense, as PyTorch's dlogits @ Wr: a zero dlogit still meets a
-             * NaN or infinite router weight (0 * inf = NaN) */
-            if (!general)
-                for (int64_t e = 0; e < E; e++) axpy_w(o, w.dl[t * E + e], args->router_w, dt, e * d, d);
+            if (!general) smoe_cpu_router_dx(layer, w.dl + t * E, args->router_w, o);
             for (int64_t i = 0; i < d; i++) grad_put(&args->dx, t * d + i, o[i]);
         }
     }
