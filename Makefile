@@ -163,15 +163,17 @@ $(BUILD)/libsmoe_gemm_shim.so: $(BUILD)/tests/gpu/gemm_shim.o $(LIB_A)
 endif
 
 # The CPU tests again under AddressSanitizer and UndefinedBehaviorSanitizer,
-# then the threads test under ThreadSanitizer (without OpenMP, whose runtime
-# ThreadSanitizer cannot see into).
+# then the tests that run threads (one layer from several threads, the
+# expert-parallel ranks as threads) under ThreadSanitizer, without OpenMP
+# (whose runtime ThreadSanitizer cannot see into).
 sanitize:
 	$(MAKE) BUILD=build-san SMOE_CUDA=0 OPT=-O1 \
 	  SANFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all" test
 	$(MAKE) BUILD=build-tsan SMOE_CUDA=0 OPT=-O1 OPENMP= SANFLAGS="-fsanitize=thread" \
-	  build-tsan/tests/test_threads build-tsan/tests/test_bad_input
+	  build-tsan/tests/test_threads build-tsan/tests/test_bad_input build-tsan/tests/test_ep
 	TSAN_OPTIONS="halt_on_error=1 exitcode=66" build-tsan/tests/test_threads
 	TSAN_OPTIONS="halt_on_error=1 exitcode=66" build-tsan/tests/test_bad_input
+	TSAN_OPTIONS="halt_on_error=1 exitcode=66" build-tsan/tests/test_ep
 
 # libFuzzer targets (tests/fuzz), clang with AddressSanitizer and
 # UndefinedBehaviorSanitizer, over a CPU-only library built the same way.

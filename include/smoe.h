@@ -328,6 +328,79 @@ typedef struct smoe_routing_result {
 SMOE_API smoe_status smoe_route_cpu(const smoe_layer_desc *desc, int64_t T,
                                     const float *logits, smoe_routing_result *res);
 
+/* ------------------------------------------------------------ expert parallelism */
+
+/* P ranks, each holding the contiguous experts [r E/P, (r+1) E/P) (E a
+ * multiple of P) and its own T_r tokens (any number, 0 included). Every
+ * (token, rank) pair whose token has at least one expert on that rank
+ * travels once to that rank (the token's rows there carry its pairs for
+ * that rank's experts), the rank computes them, sums each token's expert
+ * outputs (score-weighted) and sends one row back; the token's rank sums
+ * the returned rows in rank order (deterministic). notes/ep_design.md has
+ * the design.
+ *
+ * Calls are collective: every rank of the group calls create, forward,
+ * backward and free together, with the same description (checked at
+ * create where the transport allows); T may differ per rank.
+ *
+ * Transport. An in-process group (smoe_ep_group: P ranks as P threads of one
+ * process, on the CPU backend) for simulation and tests; NCCL for the CUDA
+ * backends (not yet: SMOE_ERROR_UNSUPPORTED). */
+typedef struct smoe_ep_group smoe_ep_group; /* opaque */
+SMOE_API smoe_status smoe_ep_group_create(int nranks, smoe_ep_group **out);
+SMOE_API void smoe_ep_group_free(smoe_ep_group *group); /* NULL is fine */
+
+typedef struct smoe_ep_desc {
+    smoe_layer_desc layer;  /* every expert (E); the routing, activation... */
+    int rank, nranks;       /* this rank of nranks = P */
+    smoe_ep_group *group;   /* the in-process transport (CPU backend) */
+    int64_t max_tokens;     /* the largest T any rank's call will pass (>= 0) */
+    int64_t capacity;       /* rows one rank may send one other per call:
+                               0 = max_tokens (the worst case: never exceeded) */
+    int64_t expert_rows;    /* (row, expert) pairs one rank may compute per
+                               call: 0 = the worst case, P * capacity * min(K,
+                               E/P); less keeps the saved block smaller */
+} smoe_ep_desc;
+
+/* Defaults: layer as smoe_layer_desc_default(), rank 0 of 1, no group,
+ * max_tokens 0 (the caller must set it), capacity and expert_rows 0. */
+SMOE_API smoe_ep_desc smoe_ep_desc_default(void);
+
+typedef struct smoe_ep_layer smoe_ep_layer; /* opaque */
+SMOE_API smoe_status smoe_ep_layer_create(const smoe_ep_desc *desc, smoe_ep_layer **out);
+SMOE_API void smoe_ep_layer_free(smoe_ep_layer *layer); /* NULL is fine */
+
+/* Bytes of a call with T tokens on this rank (T in [0, max_tokens]). The
+ * workspace holds the send and receive buffers: about 4 P capacity d
+ * elements of the dtype, plus the expert computation's own workspace. The
+ * saved block holds H of the rows this rank computes (expert_rows of them
+ * at most), the routing of its own tokens and O(P capacity K) indices. */
+SMOE_API size_t smoe_ep_layer_workspace_bytes(const smoe_ep_layer *layer, int64_t T);
+SMOE_API size_t smoe_ep_layer_saved_bytes(const smoe_ep_layer *layer, int64_t T);
+
+/* As smoe_layer_forward, with: T this rank's tokens (0 allowed, x then may
+ * be NULL); router_w (E, d) replicated; w1, b1, w2, b2 this rank's E/P
+ * experts ((E/P, 2n|n, d)...); GENERAL triples name global experts;
+ * expert_counts (E): the rows of this rank's tokens per expert (sum them
+ * over ranks, e.g. for a load-balancing loss). Token rounding is refused
+ * (SMOE_ERROR_UNSUPPORTED: it ranks every rank's tokens per expert). A
+ * rank whose tokens need more than `capacity` rows to one rank, or more
+ * than expert_rows on one rank, fails on every rank with
+ * SMOE_ERROR_INVALID_SIZE and a message naming the ranks and counts;
+ * nothing is written. */
+SMOE_API smoe_status smoe_ep_layer_forward(smoe_ep_layer *layer, const smoe_forward_args *args,
+                                           void *saved, size_t saved_bytes, void *workspace,
+                                           size_t workspace_bytes, void *stream);
+
+/* As smoe_layer_backward: dx of this rank's tokens; drouter_w this rank's
+ * share of the router gradient (all-reduce it over ranks like any
+ * replicated parameter's gradient); dw1, db1, dw2, db2 of this rank's
+ * experts, from every rank's tokens. */
+SMOE_API smoe_status smoe_ep_layer_backward(smoe_ep_layer *layer, const smoe_backward_args *args,
+                                            const void *saved, size_t saved_bytes,
+                                            void *workspace, size_t workspace_bytes,
+                                            void *stream);
+
 #ifdef __cplusplus
 }
 #endif
