@@ -191,6 +191,18 @@ class smoe_routing_result(Structure):
     ]
 
 
+class smoe_ep_desc(Structure):
+    _fields_ = [
+        ("layer", smoe_layer_desc),
+        ("rank", c_int),
+        ("nranks", c_int),
+        ("group", c_void_p),
+        ("max_tokens", c_int64),
+        ("capacity", c_int64),
+        ("expert_rows", c_int64),
+    ]
+
+
 # The same two argument structs with every pointer as a plain c_void_p (and
 # smoe_backward_args' smoe_grad members spelled out field by field), for the
 # calls smoe.functional makes on every forward and backward: such a struct
@@ -231,6 +243,7 @@ STRUCTS = {
     "smoe_grad": smoe_grad,
     "smoe_backward_args": smoe_backward_args,
     "smoe_routing_result": smoe_routing_result,
+    "smoe_ep_desc": smoe_ep_desc,
 }
 
 # -------------------------------------------------------------- functions
@@ -257,6 +270,19 @@ _FUNCTIONS = {
     "smoe_layer_device_status": (c_enum, [c_void_p, c_void_p, c_int]),
     "smoe_route_cpu": (c_enum, [POINTER(smoe_layer_desc), c_int64, POINTER(c_float),
                                 POINTER(smoe_routing_result)]),
+    # expert parallelism (the in-process group; the Python ep_group over
+    # NCCL is to come)
+    "smoe_ep_group_create": (c_enum, [c_int, POINTER(c_void_p)]),
+    "smoe_ep_group_free": (None, [c_void_p]),
+    "smoe_ep_desc_default": (smoe_ep_desc, []),
+    "smoe_ep_layer_create": (c_enum, [POINTER(smoe_ep_desc), POINTER(c_void_p)]),
+    "smoe_ep_layer_free": (None, [c_void_p]),
+    "smoe_ep_layer_workspace_bytes": (c_size_t, [c_void_p, c_int64]),
+    "smoe_ep_layer_saved_bytes": (c_size_t, [c_void_p, c_int64]),
+    "smoe_ep_layer_forward": (c_enum, [c_void_p, POINTER(smoe_forward_args), c_void_p, c_size_t,
+                                       c_void_p, c_size_t, c_void_p]),
+    "smoe_ep_layer_backward": (c_enum, [c_void_p, POINTER(smoe_backward_args), c_void_p,
+                                        c_size_t, c_void_p, c_size_t, c_void_p]),
 }
 FUNCTION_NAMES = tuple(_FUNCTIONS)
 
