@@ -79,7 +79,7 @@ k_aggregate_forward(int64_t T, int64_t d, const int32_t *__restrict__ token_offs
                 for (int j = 0; j < AGG_UNROLL; ++j) r[j] = assign_row[a + j];
 #pragma unroll
                 for (int j = 0; j < AGG_UNROLL; ++j) {
-                    sc[j] = r[j] >= 0 ? row_score[r[j]] : 0.0f;
+                    sc[j] = r[j] < 0 ? 0.0f : row_score ? row_score[r[j]] : 1.0f;
                     if (r[j] >= 0) vec_io<VEC>::load(y + (int64_t)r[j] * d + c, v[j]);
                 }
 #pragma unroll
@@ -92,7 +92,7 @@ k_aggregate_forward(int64_t T, int64_t d, const int32_t *__restrict__ token_offs
             for (; a < a1; ++a) {
                 const int r = assign_row[a];
                 if (r < 0) continue;
-                const float s = row_score[r];
+                const float s = row_score ? row_score[r] : 1.0f;
                 float v[VEC];
                 vec_io<VEC>::load(y + (int64_t)r * d + c, v);
 #pragma unroll
@@ -184,7 +184,7 @@ k_aggregate_backward(int64_t T, int64_t d, const int32_t *__restrict__ token_off
 
 static unsigned agg_grid(int64_t T)
 {
-    return (unsigned)(T < (1 << 20) ? T : (1 << 20));
+    return (unsigned)(T < 1 ? 1 : T < (1 << 20) ? T : (1 << 20)); /* 1 for T = 0: the header */
 }
 
 static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }

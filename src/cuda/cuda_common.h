@@ -72,7 +72,13 @@ enum {
     SMOE_DEV_SAVED_LAYER = 7,   /* saved block: of another layer */
     SMOE_DEV_SAVED_T = 8,       /* saved block: of another T */
     SMOE_DEV_SAVED_PAIRS = 9,   /* saved block: of another number of pairs */
-    SMOE_DEV_SAVED_FAILED = 10  /* saved block: its forward failed a check */
+    SMOE_DEV_SAVED_FAILED = 10, /* saved block: its forward failed a check */
+    SMOE_DEV_EP_OVERFLOW = 11,  /* expert parallelism: more rows for a rank than capacity
+                                   (first_bad: the destination, value: rows, value2:
+                                   capacity) */
+    SMOE_DEV_EP_ROWS = 12,      /* ... more (row, expert) pairs than expert_rows */
+    SMOE_DEV_EP_PEER = 13       /* ... another rank's call failed (value: its rank, value2:
+                                   its code) */
 };
 
 typedef struct smoe_dev_status {
@@ -145,15 +151,27 @@ smoe_status smoe_cuda_route(const smoe_layer_desc *desc, int64_t T, int rounding
                             cudaStream_t stream);
 
 /* GENERAL: checks the `pairs` triples (the first bad one goes into *status
- * and the report), then copies them into `out` unless one was bad. */
+ * and the report), then copies them into `out` unless one was bad.
+ * count_dev (may be NULL): their number on the device, at most `pairs`
+ * (the expert side of the expert-parallel layer, whose triples arrive by
+ * NCCL). */
 smoe_status smoe_cuda_route_general(int64_t T, int64_t E, int64_t pairs,
                                     const int32_t *pair_token, const int32_t *pair_expert,
-                                    const float *pair_score, smoe_assign_dev out,
-                                    smoe_dev_status *status, smoe_dev_report report,
-                                    cudaStream_t stream);
+                                    const float *pair_score, const int32_t *count_dev,
+                                    smoe_assign_dev out, smoe_dev_status *status,
+                                    smoe_dev_report report, cudaStream_t stream);
 
 /* Clears the status word (first thing a forward does). */
 smoe_status smoe_cuda_status_reset(smoe_dev_status *status, cudaStream_t stream);
+
+/* offsets (n+1) = exclusive scan of cnt (n), *total = the sum (one block;
+ * n < 2^31). */
+smoe_status smoe_cuda_exclusive_scan(const int32_t *cnt, int64_t n, int32_t *offsets,
+                                     int32_t *total, cudaStream_t stream);
+
+/* The report record of a CUDA layer (cuda_layer.cu), for kernels outside
+ * its own calls that set a status code (the expert-parallel layer's). */
+smoe_dev_report smoe_cuda_report(const smoe_layer *layer, int call);
 
 /* ------------------------------------------------------------ status.cu */
 
@@ -165,7 +183,7 @@ smoe_status smoe_cuda_status_reset(smoe_dev_status *status, cudaStream_t stream)
  * product dlogits Wr gives (as PyTorch computes it): 0 * inf = NaN from the
  * experts a token did not pick. */
 smoe_status smoe_cuda_backward_prologue(const smoe_saved_header *header, smoe_saved_header want,
-                                        smoe_dev_status *status, smoe_dev_report report,
+                                        const int *upstream, smoe_dev_status *status, smoe_dev_report report,
                                         const bf16 *wr, int64_t E, int64_t d, float *wr_nf,
                                         cudaStream_t stream);
 
@@ -185,7 +203,8 @@ smoe_status smoe_cuda_metadata(int64_t E, int64_t cap, smoe_assign_dev in,
 /* ------------------------------------------------------------ aggregate.cu */
 
 /* Forward: out[t] = sum_a row_score[row_a] * y[row_a] over the token's
- * assignments (fp32 sums in assignment order), bf16 out. The forward's last
+ * assignments (fp32 sums in assignment order; row_score NULL: 1; rows -1
+ * skipped), bf16 out. The forward's last
  * kernel, so it also writes the saved block's header (header not NULL, a
  * training forward): `h` with status = the call's status code, also when
  * a failed check (abort) leaves the rest of the kernel undone. */
@@ -238,10 +257,11 @@ smoe_status smoe_cuda_combine_halves(const float *dwr2, int64_t E, int64_t d, vo
                                      smoe_dtype dtype, int accumulate, const int *abort,
                                      cudaStream_t stream);
 
-/* GENERAL: dpair_score[a] (op)= ds[assign_row[a]] (0 for skipped triples). */
-smoe_status smoe_cuda_pair_score_grad(int64_t pairs, const int32_t *assign_row,
-                                      const float *ds, float *dscore, int accumulate,
-                                      const int *abort, cudaStream_t stream);
+/* GENERAL: dpair_score[a] (op)= ds[assign_row[a]] for a < *count (the
+ * assignments' number on the device, at most `pairs`). */
+smoe_status smoe_cuda_pair_score_grad(int64_t pairs, const int32_t *count,
+                                      const int32_t *assign_row, const float *ds, float *dscore,
+                                      int accumulate, const int *abort, cudaStream_t stream);
 
 /* Per-expert column sums, deterministic (fixed partition of each expert's
  * rows over 8 row lanes, reduced in lane order), for the bias gradients:

@@ -45,6 +45,7 @@
 #include <string.h>
 
 #include "cuda/cuda_common.h"
+#include "cuda/cuda_layer.h"
 
 #define CUBLAS_WS_BYTES ((size_t)8 << 20)
 
@@ -264,8 +265,8 @@ static void dev_leave(const dev_guard *g)
 }
 
 /* The cuBLAS part of gemm_bf16_f32, with the handle bound to this call. */
-static smoe_status gemm_bf16_f32_locked(cuda_state *st, void *ws, const ws_layout *w,
-                                        cudaStream_t s, cublasOperation_t ta,
+static smoe_status gemm_bf16_f32_locked(cuda_state *st, void *cublas_ws, cudaStream_t s,
+                                        cublasOperation_t ta,
                                         cublasOperation_t tb, int64_t m, int64_t n, int64_t k,
                                         const bf16 *A, int64_t lda, const bf16 *B, int64_t ldb,
                                         float *C, int64_t ldc)
@@ -275,7 +276,7 @@ static smoe_status gemm_bf16_f32_locked(cuda_state *st, void *ws, const ws_layou
     /* after SetStream (which resets it): cuBLAS's scratch from the call's
      * workspace, so it never allocates (graph capture) and two calls in
      * flight never share it */
-    SMOE_CUBLAS_CHECK(cublasSetWorkspace(st->cublas, (char *)ws + w->cublas, CUBLAS_WS_BYTES));
+    SMOE_CUBLAS_CHECK(cublasSetWorkspace(st->cublas, cublas_ws, CUBLAS_WS_BYTES));
     SMOE_CUBLAS_CHECK(cublasGemmEx(st->cublas, ta, tb, (int)m, (int)n, (int)k, &one, A,
                                    CUDA_R_16BF, (int)lda, B, CUDA_R_16BF, (int)ldb, &zero, C,
                                    CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F,
@@ -284,15 +285,16 @@ static smoe_status gemm_bf16_f32_locked(cuda_state *st, void *ws, const ws_layou
 }
 
 /* C (m x n, col-major, ldc) = op(A) op(B); bf16 A, B; fp32 C; enqueued on s
- * with the call's workspace. The layer's one cuBLAS handle is bound and
- * used under its mutex, so calls from several threads do not race on it. */
-static smoe_status gemm_bf16_f32(cuda_state *st, void *ws, const ws_layout *w, cudaStream_t s,
+ * with cuBLAS's scratch in the call's workspace (CUBLAS_WS_BYTES at
+ * cublas_ws). The layer's one cuBLAS handle is bound and used under its
+ * mutex, so calls from several threads do not race on it. */
+static smoe_status gemm_bf16_f32(cuda_state *st, void *cublas_ws, cudaStream_t s,
                                  cublasOperation_t ta, cublasOperation_t tb, int64_t m,
                                  int64_t n, int64_t k, const bf16 *A, int64_t lda, const bf16 *B,
                                  int64_t ldb, float *C, int64_t ldc)
 {
     pthread_mutex_lock(&st->cublas_lock);
-    smoe_status r = gemm_bf16_f32_locked(st, ws, w, s, ta, tb, m, n, k, A, lda, B, ldb, C, ldc);
+    smoe_status r = gemm_bf16_f32_locked(st, cublas_ws, s, ta, tb, m, n, k, A, lda, B, ldb, C, ldc);
     pthread_mutex_unlock(&st->cublas_lock);
     return r;
 }
@@ -399,9 +401,14 @@ static smoe_dev_report report_make(const cuda_state *st, int call)
     return r;
 }
 
+smoe_dev_report smoe_cuda_report(const smoe_layer *layer, int call)
+{
+    return report_make((const cuda_state *)layer->state, call);
+}
+
 static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args,
-                                const smoe_saved_layout *sl, void *saved, void *workspace,
-                                cudaStream_t s)
+                                const int32_t *pairs_dev, const smoe_saved_layout *sl,
+                                void *saved, void *workspace, cudaStream_t s)
 {
     cuda_state *st = (cuda_state *)layer->state;
     const smoe_layer_desc *d = &layer->desc;
@@ -439,16 +446,16 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
     as.abort = abort;
 
     if (general) {
-        SMOE_FORWARD_IF_ERROR(smoe_cuda_route_general(T, d->E, args->pairs, args->pair_token,
-                                                      args->pair_expert, args->pair_score, as,
-                                                      dst, report_make(st, 0), s));
+        SMOE_FORWARD_IF_ERROR(smoe_cuda_route_general(
+            T, d->E, args->pairs, args->pair_token, args->pair_expert, args->pair_score,
+            pairs_dev, as, dst, report_make(st, 0), s));
         timer_mark(st, 0, "general triples", s);
     } else {
         float *lg = (training && v.logits) ? v.logits
                     : args->router_logits  ? args->router_logits
                                            : (float *)(ws + w.logits);
         /* logits^T (E x T, col-major) = Wr (E x d) . X^T */
-        SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, workspace, &w, s, CUBLAS_OP_T, CUBLAS_OP_N, d->E,
+        SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_T, CUBLAS_OP_N, d->E,
                                             T, d->d, (const bf16 *)args->router_w, d->d,
                                             (const bf16 *)args->x, d->d, lg, d->E));
         timer_mark(st, 0, "router gemm", s);
@@ -495,8 +502,21 @@ static smoe_status cuda_forward(smoe_layer *layer, const smoe_forward_args *args
     dev_guard g;
     SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
     timer_begin(st, (cudaStream_t)stream);
-    smoe_status r = forward_impl(layer, args, sl, saved, workspace, (cudaStream_t)stream);
+    smoe_status r = forward_impl(layer, args, NULL, sl, saved, workspace, (cudaStream_t)stream);
     if (r == SMOE_SUCCESS) timer_end(st, 0);
+    dev_leave(&g);
+    return r;
+}
+
+smoe_status smoe_cuda_forward_dev_pairs(smoe_layer *layer, const smoe_forward_args *args,
+                                        const int32_t *pairs_dev, const smoe_saved_layout *sl,
+                                        void *saved, void *workspace, void *stream)
+{
+    cuda_state *st = (cuda_state *)layer->state;
+    dev_guard g;
+    SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
+    smoe_status r = forward_impl(layer, args, pairs_dev, sl, saved, workspace,
+                                 (cudaStream_t)stream);
     dev_leave(&g);
     return r;
 }
@@ -505,7 +525,7 @@ static smoe_status cuda_forward(smoe_layer *layer, const smoe_forward_args *args
 
 static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *args,
                                  const smoe_saved_layout *sl, const void *saved,
-                                 void *workspace, cudaStream_t s)
+                                 void *workspace, const int *upstream, cudaStream_t s)
 {
     cuda_state *st = (cuda_state *)layer->state;
     const smoe_layer_desc *d = &layer->desc;
@@ -526,7 +546,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     /* first: is the saved block this call's? (every later kernel reads
      * abort); and the router weight's non-finite columns */
     SMOE_FORWARD_IF_ERROR(smoe_cuda_backward_prologue(
-        v.header, smoe_saved_header_make(layer, T, general ? args->pairs : 0), dst,
+        v.header, smoe_saved_header_make(layer, T, general ? args->pairs : 0), upstream, dst,
         report_make(st, 1), wr_nf ? (const bf16 *)args->router_w : NULL, d->E, d->d, wr_nf, s));
 
     const int want_ds = want_router || (general && args->dpair_score.ptr);
@@ -582,7 +602,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
         if (args->drouter_w.ptr) {
             float *dwr2 = (float *)(ws + w.dwr2);
             /* dWr2 (2E x d row-major = d x 2E col-major) = X^T . split */
-            SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, workspace, &w, s, CUBLAS_OP_N, CUBLAS_OP_T,
+            SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_N, CUBLAS_OP_T,
                                                 d->d, E2, T, (const bf16 *)args->x, d->d, split,
                                                 E2, dwr2, d->d));
             SMOE_FORWARD_IF_ERROR(smoe_cuda_combine_halves(
@@ -596,7 +616,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
             SMOE_FORWARD_IF_ERROR(
                 smoe_cuda_stack_twice((const bf16 *)args->router_w, d->E, d->d, wr2, s));
             /* dXr (T x d row-major = d x T col-major) = wr2^T-view . split^T-view */
-            SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, workspace, &w, s, CUBLAS_OP_N, CUBLAS_OP_N,
+            SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_N, CUBLAS_OP_N,
                                                 d->d, T, E2, wr2, d->d, split, E2, dxr, d->d));
             timer_mark(st, 1, "dXr gemm", s);
         }
@@ -608,9 +628,9 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
             args->dx.accumulate, abort, s));
     timer_mark(st, 1, "aggregate dx", s);
     if (general && args->dpair_score.ptr)
-        SMOE_FORWARD_IF_ERROR(smoe_cuda_pair_score_grad(args->pairs, v.assign_row, ds,
-                                                        (float *)args->dpair_score.ptr,
-                                                        args->dpair_score.accumulate, abort, s));
+        SMOE_FORWARD_IF_ERROR(smoe_cuda_pair_score_grad(
+            args->pairs, v.token_offset + T, v.assign_row, ds, (float *)args->dpair_score.ptr,
+            args->dpair_score.accumulate, abort, s));
     return SMOE_SUCCESS;
 }
 
@@ -622,8 +642,117 @@ static smoe_status cuda_backward(smoe_layer *layer, const smoe_backward_args *ar
     dev_guard g;
     SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
     timer_begin(st, (cudaStream_t)stream);
-    smoe_status r = backward_impl(layer, args, sl, saved, workspace, (cudaStream_t)stream);
+    smoe_status r = backward_impl(layer, args, sl, saved, workspace, NULL, (cudaStream_t)stream);
     if (r == SMOE_SUCCESS) timer_end(st, 1);
+    dev_leave(&g);
+    return r;
+}
+
+smoe_status smoe_cuda_backward_upstream(smoe_layer *layer, const smoe_backward_args *args,
+                                        const smoe_saved_layout *sl, const void *saved,
+                                        void *workspace, const int *upstream, void *stream)
+{
+    cuda_state *st = (cuda_state *)layer->state;
+    dev_guard g;
+    SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
+    smoe_status r = backward_impl(layer, args, sl, saved, workspace, upstream,
+                                  (cudaStream_t)stream);
+    dev_leave(&g);
+    return r;
+}
+
+/* ------------------------------------------------------------ the router alone */
+
+/* The expert-parallel layer's source side (cuda_layer.h): the router of a
+ * whole-layer description (E experts) without its experts. Workspace: */
+typedef struct router_ws {
+    size_t cublas, route, split, wr2, dwr2, tc, total;
+} router_ws;
+
+static void router_ws_make(const smoe_layer *layer, int64_t T, router_ws *w)
+{
+    const smoe_layer_desc *d = &layer->desc;
+    const size_t t = (size_t)(T > 0 ? T : 1), E = (size_t)d->E, dd = (size_t)d->d;
+    size_t o = 0;
+    w->cublas = o; o += CUBLAS_WS_BYTES;
+    w->route = o; o += al(smoe_cuda_routing_scratch_bytes(d, T, 0));
+    w->split = o; o += al(t * 2 * E * 2);
+    w->wr2 = o; o += al(2 * E * dd * 2);
+    w->dwr2 = o; o += al(2 * E * dd * 4);
+    w->tc = o; o += al(t * (size_t)(d->K > 0 ? d->K : 1) * 4);
+    w->total = o;
+}
+
+size_t smoe_cuda_router_ws_bytes(const smoe_layer *layer, int64_t T)
+{
+    router_ws w;
+    router_ws_make(layer, T, &w);
+    return w.total;
+}
+
+smoe_status smoe_cuda_router_forward(smoe_layer *layer, int64_t T, const void *x,
+                                     const void *router_w, float *logits, smoe_assign_dev as,
+                                     void *workspace, void *stream)
+{
+    cuda_state *st = (cuda_state *)layer->state;
+    const smoe_layer_desc *d = &layer->desc;
+    cudaStream_t s = (cudaStream_t)stream;
+    router_ws w;
+    router_ws_make(layer, T, &w);
+    char *ws = (char *)workspace;
+    if (T == 0) return SMOE_SUCCESS;
+    dev_guard g;
+    SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
+    smoe_status r = gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_T, CUBLAS_OP_N, d->E, T, d->d,
+                                  (const bf16 *)router_w, d->d, (const bf16 *)x, d->d, logits,
+                                  d->E);
+    if (r == SMOE_SUCCESS) r = smoe_cuda_route(d, T, 0, logits, as, ws + w.route, s);
+    dev_leave(&g);
+    return r;
+}
+
+smoe_status smoe_cuda_router_backward(smoe_layer *layer, int64_t T, const smoe_saved_view *v,
+                                      const float *ds, const float *dlogits_extra,
+                                      const void *x, const void *router_w,
+                                      const smoe_grad *drouter_w, float *dxr, void *workspace,
+                                      const int *abort, void *stream)
+{
+    cuda_state *st = (cuda_state *)layer->state;
+    const smoe_layer_desc *d = &layer->desc;
+    cudaStream_t s = (cudaStream_t)stream;
+    router_ws w;
+    router_ws_make(layer, T, &w);
+    char *ws = (char *)workspace;
+    dev_guard g;
+    SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
+    const int64_t E2 = 2 * d->E;
+    bf16 *split = (bf16 *)(ws + w.split);
+    smoe_status r = SMOE_SUCCESS;
+    if (T > 0)
+        r = smoe_cuda_router_dlogits(d, T, 0, v->logits, v->token_offset, v->assign_expert,
+                                     v->assign_row, v->row_score, ds, dlogits_extra, split,
+                                     (int32_t *)(ws + w.tc), NULL, abort, s);
+    if (r == SMOE_SUCCESS && drouter_w->ptr) {
+        float *dwr2 = (float *)(ws + w.dwr2);
+        if (T > 0) {
+            r = gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_N, CUBLAS_OP_T, d->d, E2, T,
+                              (const bf16 *)x, d->d, split, E2, dwr2, d->d);
+        } else {
+            const cudaError_t e = cudaMemsetAsync(dwr2, 0, (size_t)E2 * (size_t)d->d * 4, s);
+            if (e != cudaSuccess)
+                r = smoe_fail(SMOE_ERROR_BACKEND, "router backward: %s", cudaGetErrorString(e));
+        }
+        if (r == SMOE_SUCCESS)
+            r = smoe_cuda_combine_halves(dwr2, d->E, d->d, drouter_w->ptr, drouter_w->dtype,
+                                         drouter_w->accumulate, abort, s);
+    }
+    if (r == SMOE_SUCCESS && dxr && T > 0) {
+        bf16 *wr2 = (bf16 *)(ws + w.wr2);
+        r = smoe_cuda_stack_twice((const bf16 *)router_w, d->E, d->d, wr2, s);
+        if (r == SMOE_SUCCESS)
+            r = gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_N, CUBLAS_OP_N, d->d, T, E2, wr2,
+                              d->d, split, E2, dxr, d->d);
+    }
     dev_leave(&g);
     return r;
 }
@@ -684,6 +813,26 @@ static smoe_status device_failure(const smoe_layer *layer, int call, const smoe_
                          "%s: the saved block was filled by a forward with pairs = %lld, this "
                          "backward has pairs = %lld; nothing written",
                          bwd, v, v2);
+    case SMOE_DEV_EP_OVERFLOW:
+        return smoe_fail(SMOE_ERROR_INVALID_SIZE,
+                         "smoe_ep_layer_forward (checked on the device): %lld rows for rank %d, "
+                         "more than capacity = %lld; nothing written",
+                         v, h->first_bad, v2);
+    case SMOE_DEV_EP_ROWS:
+        return smoe_fail(SMOE_ERROR_INVALID_SIZE,
+                         "smoe_ep_layer_forward (checked on the device): %lld (row, expert) "
+                         "pairs on this rank, more than expert_rows = %lld; nothing written",
+                         v, v2);
+    case SMOE_DEV_EP_PEER:
+        if (v < 0)
+            return smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                             "smoe_ep_layer (checked on the device): the expert-parallel call "
+                             "failed before its experts' part (code %lld); nothing written",
+                             v2);
+        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                         "smoe_ep_layer (checked on the device): rank %lld's call failed (its "
+                         "code %lld; read its device status); nothing written",
+                         v, v2);
     case SMOE_DEV_SAVED_FAILED:
         return smoe_fail(SMOE_ERROR_INVALID_VALUE,
                          "%s: the forward that filled the saved block failed a device-side "

@@ -228,13 +228,14 @@ __global__ void k_combine_halves(const float *__restrict__ dwr2, int64_t n, void
     }
 }
 
-__global__ void k_pair_score_grad(int64_t pairs, const int32_t *__restrict__ assign_row,
+__global__ void k_pair_score_grad(int64_t pairs, const int32_t *__restrict__ count,
+                                  const int32_t *__restrict__ assign_row,
                                   const float *__restrict__ ds, float *dscore, int accumulate,
                                   const int *abort)
 {
     SMOE_DEV_RETURN_IF_ABORTED(abort);
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= pairs) return;
+    if (i >= pairs || i >= *count) return;
     const int r = assign_row[i];
     const float g = r >= 0 ? ds[r] : 0.0f;
     dscore[i] = accumulate ? dscore[i] + g : g;
@@ -351,13 +352,13 @@ smoe_status smoe_cuda_combine_halves(const float *dwr2, int64_t E, int64_t d, vo
     return SMOE_SUCCESS;
 }
 
-smoe_status smoe_cuda_pair_score_grad(int64_t pairs, const int32_t *assign_row,
-                                      const float *ds, float *dscore, int accumulate,
-                                      const int *abort, cudaStream_t stream)
+smoe_status smoe_cuda_pair_score_grad(int64_t pairs, const int32_t *count,
+                                      const int32_t *assign_row, const float *ds, float *dscore,
+                                      int accumulate, const int *abort, cudaStream_t stream)
 {
     if (pairs <= 0) return SMOE_SUCCESS;
     k_pair_score_grad<<<(unsigned)smoe_cdiv(pairs, 256), 256, 0, stream>>>(
-        pairs, assign_row, ds, dscore, accumulate, abort);
+        pairs, count, assign_row, ds, dscore, accumulate, abort);
     SMOE_CUDA_LAUNCH_CHECK("k_pair_score_grad");
     return SMOE_SUCCESS;
 }
