@@ -344,8 +344,15 @@ SMOE_API smoe_status smoe_route_cpu(const smoe_layer_desc *desc, int64_t T,
  * create where the transport allows); T may differ per rank.
  *
  * Transport. An in-process group (smoe_ep_group: P ranks as P threads of one
- * process, on the CPU backend) for simulation and tests; NCCL for the CUDA
- * backends (not yet: SMOE_ERROR_UNSUPPORTED). */
+ * process, on the CPU backend) for simulation and tests; the caller's NCCL
+ * communicator for the CUDA backends (libnccl is loaded at run time, the
+ * one already in the process first, e.g. PyTorch's; P <= 64). On the CPU
+ * every call's refusal is agreed by all ranks; with NCCL a call refused by
+ * one rank's host checks returns on that rank only, and the other ranks'
+ * calls wait for it in their transfers, as with any collective one rank
+ * skips: check the status on every rank. What the device finds (a rank's
+ * rows over capacity, another rank's failure) stops every rank's call,
+ * reported by smoe_ep_layer_device_status. */
 typedef struct smoe_ep_group smoe_ep_group; /* opaque */
 SMOE_API smoe_status smoe_ep_group_create(int nranks, smoe_ep_group **out);
 SMOE_API void smoe_ep_group_free(smoe_ep_group *group); /* NULL is fine */
@@ -354,6 +361,7 @@ typedef struct smoe_ep_desc {
     smoe_layer_desc layer;  /* every expert (E); the routing, activation... */
     int rank, nranks;       /* this rank of nranks = P */
     smoe_ep_group *group;   /* the in-process transport (CPU backend) */
+    void *nccl_comm;        /* ncclComm_t over the P ranks (CUDA backends) */
     int64_t max_tokens;     /* the largest T any rank's call will pass (>= 0) */
     int64_t capacity;       /* rows one rank may send one other per call:
                                0 = max_tokens (the worst case: never exceeded) */
@@ -391,6 +399,13 @@ SMOE_API size_t smoe_ep_layer_saved_bytes(const smoe_ep_layer *layer, int64_t T)
 SMOE_API smoe_status smoe_ep_layer_forward(smoe_ep_layer *layer, const smoe_forward_args *args,
                                            void *saved, size_t saved_bytes, void *workspace,
                                            size_t workspace_bytes, void *stream);
+
+/* The kernel path of this rank's experts (smoe_layer_path_name). */
+SMOE_API const char *smoe_ep_layer_path_name(const smoe_ep_layer *layer);
+
+/* smoe_layer_device_status for the expert-parallel layer (its router's and
+ * its experts' checks). */
+SMOE_API smoe_status smoe_ep_layer_device_status(smoe_ep_layer *layer, void *stream, int wait);
 
 /* As smoe_layer_backward: dx of this rank's tokens; drouter_w this rank's
  * share of the router gradient (all-reduce it over ranks like any

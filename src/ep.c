@@ -28,10 +28,12 @@
  * validation results, so a call refused on one rank is refused on every
  * rank (none waits for a rank that left).
  *
- * This file holds the CPU path; the CUDA path over NCCL is to come
- * (notes/ep_design.md), and create refuses a GPU backend until then.
+ * This file holds the API, the checks and the CPU path; the CUDA backends'
+ * path, over the caller's NCCL communicator, is src/cuda/ep_cuda.cu (the
+ * same steps on the device, no host synchronisation; a host refusal there
+ * is this rank's alone, smoe.h).
  */
-#include "smoe_internal.h"
+#include "ep_internal.h"
 #include "cpu/cpu_backend.h"
 #include "routing.h"
 
@@ -113,17 +115,6 @@ static void group_allgather(smoe_ep_group *g, int r, const void *mine, void *all
 
 /* ------------------------------------------------------------ the layer */
 
-struct smoe_ep_layer {
-    smoe_ep_desc desc;
-    int P, r;
-    int64_t El;      /* experts per rank */
-    int64_t C;       /* capacity: rows per (source, destination) */
-    int64_t Kmax;    /* pairs per slot */
-    int64_t rows;    /* (row, expert) pairs per rank */
-    smoe_layer *full;    /* the whole layer's description: validation, router */
-    smoe_layer *experts; /* GENERAL over the E/P local experts: the compute */
-};
-
 smoe_ep_desc smoe_ep_desc_default(void)
 {
     smoe_ep_desc d;
@@ -160,18 +151,12 @@ static smoe_status agree(smoe_ep_group *g, int r, smoe_status mine, const char *
     return st;
 }
 
-smoe_status smoe_ep_layer_create(const smoe_ep_desc *desc, smoe_ep_layer **out)
+/* The checks of one rank's description (P ranks). */
+static smoe_status desc_checks(const smoe_ep_desc *desc, int P, const char *fn)
 {
-    const char *fn = "smoe_ep_layer_create";
-    REQUIRE_PTR(out, "out");
-    *out = NULL;
-    REQUIRE_PTR(desc, "desc");
-    REQUIRE_PTR(desc->group, "desc.group (the in-process transport; NCCL is not yet supported)");
-    smoe_ep_group *g = desc->group;
-    const int P = g->P, r = desc->rank;
-    /* the checks of this rank, then every rank's verdict */
-    smoe_status st = SMOE_SUCCESS;
     const smoe_layer_desc *L = &desc->layer;
+    const int r = desc->rank;
+    smoe_status st = SMOE_SUCCESS;
     if (desc->nranks != P)
         st = smoe_fail(SMOE_ERROR_INVALID_VALUE, "%s: desc.nranks = %d, but the group has %d ranks",
                        fn, desc->nranks, P);
@@ -187,11 +172,6 @@ smoe_status smoe_ep_layer_create(const smoe_ep_desc *desc, smoe_ep_layer **out)
                        "%s: token rounding ranks every rank's tokens per expert; not supported "
                        "with expert parallelism",
                        fn);
-    else if (L->backend != SMOE_BACKEND_CPU)
-        st = smoe_fail(SMOE_ERROR_UNSUPPORTED,
-                       "%s: expert parallelism runs on the CPU backend (with an in-process "
-                       "group); the CUDA backends over NCCL are not implemented yet",
-                       fn);
     else if (desc->max_tokens < 0 || desc->max_tokens > INT32_MAX / 2 || desc->capacity < 0 ||
              desc->capacity > INT32_MAX / 2 || desc->expert_rows < 0)
         st = smoe_fail(SMOE_ERROR_INVALID_SIZE,
@@ -199,6 +179,82 @@ smoe_status smoe_ep_layer_create(const smoe_ep_desc *desc, smoe_ep_layer **out)
                        "in [0, 2^30)",
                        fn, (long long)desc->max_tokens, (long long)desc->capacity,
                        (long long)desc->expert_rows);
+    return st;
+}
+
+/* The layer of a checked description: its sizes, the whole layer and the
+ * experts' GENERAL layer. */
+static smoe_status layer_make(const smoe_ep_desc *desc, int P, smoe_ep_layer **out)
+{
+    const char *fn = "smoe_ep_layer_create";
+    const smoe_layer_desc *L = &desc->layer;
+    smoe_ep_layer *ep = (smoe_ep_layer *)calloc(1, sizeof *ep);
+    SMOE_RETURN_ERROR_IF(!ep, SMOE_ERROR_OUT_OF_MEMORY, "%s: allocation failed", fn);
+    ep->desc = *desc;
+    ep->P = P;
+    ep->r = desc->rank;
+    ep->El = L->E / P;
+    ep->C = desc->capacity ? desc->capacity : desc->max_tokens;
+    const int64_t K = L->routing == SMOE_ROUTING_GENERAL ? L->E : L->K;
+    ep->Kmax = K < ep->El ? K : ep->El;
+    const int64_t worst = (int64_t)P * ep->C * ep->Kmax;
+    ep->rows = desc->expert_rows && desc->expert_rows < worst ? desc->expert_rows : worst;
+    smoe_layer_desc full = *L, ex = *L;
+    ex.E = ep->El;
+    ex.K = 0;
+    ex.routing = SMOE_ROUTING_GENERAL;
+    ex.renormalize = 0;
+    smoe_status st = smoe_layer_create(&full, &ep->full);
+    if (st == SMOE_SUCCESS) st = smoe_layer_create(&ex, &ep->experts);
+    if (st != SMOE_SUCCESS) {
+        smoe_ep_layer_free(ep);
+        return st;
+    }
+    *out = ep;
+    return SMOE_SUCCESS;
+}
+
+smoe_status smoe_ep_layer_create(const smoe_ep_desc *desc, smoe_ep_layer **out)
+{
+    const char *fn = "smoe_ep_layer_create";
+    REQUIRE_PTR(out, "out");
+    *out = NULL;
+    REQUIRE_PTR(desc, "desc");
+    if (desc->layer.backend != SMOE_BACKEND_CPU) {
+        /* NCCL: this rank's checks, then the descriptions compared over the
+         * communicator (ep_cuda.cu) */
+        SMOE_RETURN_ERROR_IF(desc->group, SMOE_ERROR_INVALID_VALUE,
+                             "%s: desc.group is the CPU backend's in-process transport; the CUDA "
+                             "backends take desc.nccl_comm",
+                             fn);
+        REQUIRE_PTR(desc->nccl_comm, "desc.nccl_comm (the CUDA backends' transport)");
+        SMOE_RETURN_ERROR_IF(desc->nranks < 1 || desc->nranks > 64, SMOE_ERROR_UNSUPPORTED,
+                             "%s: desc.nranks = %d, must be in [1, 64] on the CUDA backends", fn,
+                             desc->nranks);
+        SMOE_FORWARD_IF_ERROR(desc_checks(desc, desc->nranks, fn));
+#ifdef SMOE_WITH_CUDA
+        smoe_ep_layer *ep = NULL;
+        SMOE_FORWARD_IF_ERROR(layer_make(desc, desc->nranks, &ep));
+        smoe_status st = smoe_ep_cuda_init(ep);
+        if (st != SMOE_SUCCESS) {
+            smoe_ep_layer_free(ep);
+            return st;
+        }
+        *out = ep;
+        return SMOE_SUCCESS;
+#else
+        return smoe_fail(SMOE_ERROR_NO_DEVICE, "%s: this library was built without CUDA", fn);
+#endif
+    }
+    REQUIRE_PTR(desc->group, "desc.group (the CPU backend's in-process transport)");
+    SMOE_RETURN_ERROR_IF(desc->nccl_comm, SMOE_ERROR_INVALID_VALUE,
+                         "%s: desc.nccl_comm is the CUDA backends' transport; the CPU backend "
+                         "takes desc.group",
+                         fn);
+    smoe_ep_group *g = desc->group;
+    const int P = g->P, r = desc->rank;
+    /* the checks of this rank, then every rank's verdict */
+    smoe_status st = desc_checks(desc, P, fn);
     /* the same description on every rank (rank aside) */
     smoe_ep_desc mine = *desc, *all = NULL;
     if (st == SMOE_SUCCESS) {
@@ -223,28 +279,8 @@ smoe_status smoe_ep_layer_create(const smoe_ep_desc *desc, smoe_ep_layer **out)
                        "must match)",
                        fn, differ, r);
     SMOE_FORWARD_IF_ERROR(agree(g, r, st, fn));
-
-    smoe_ep_layer *ep = (smoe_ep_layer *)calloc(1, sizeof *ep);
-    if (!ep) st = smoe_fail(SMOE_ERROR_OUT_OF_MEMORY, "%s: allocation failed", fn);
-    if (st == SMOE_SUCCESS) {
-        ep->desc = *desc;
-        ep->P = P;
-        ep->r = r;
-        ep->El = L->E / P;
-        ep->C = desc->capacity ? desc->capacity : desc->max_tokens;
-        const int64_t K = L->routing == SMOE_ROUTING_GENERAL ? L->E : L->K;
-        ep->Kmax = K < ep->El ? K : ep->El;
-        const int64_t worst = (int64_t)P * ep->C * ep->Kmax;
-        ep->rows = desc->expert_rows && desc->expert_rows < worst ? desc->expert_rows : worst;
-        smoe_layer_desc full = *L, ex = *L;
-        ex.E = ep->El;
-        ex.K = 0;
-        ex.routing = SMOE_ROUTING_GENERAL;
-        ex.renormalize = 0;
-        st = smoe_layer_create(&full, &ep->full);
-        if (st == SMOE_SUCCESS) st = smoe_layer_create(&ex, &ep->experts);
-    }
-    st = agree(g, r, st, fn);
+    smoe_ep_layer *ep = NULL;
+    st = agree(g, r, layer_make(desc, P, &ep), fn);
     if (st != SMOE_SUCCESS) {
         smoe_ep_layer_free(ep);
         return st;
@@ -256,6 +292,9 @@ smoe_status smoe_ep_layer_create(const smoe_ep_desc *desc, smoe_ep_layer **out)
 void smoe_ep_layer_free(smoe_ep_layer *ep)
 {
     if (!ep) return;
+#ifdef SMOE_WITH_CUDA
+    if (ep->cuda) smoe_ep_cuda_free(ep);
+#endif
     smoe_layer_free(ep->full);
     smoe_layer_free(ep->experts);
     free(ep);
@@ -380,9 +419,14 @@ size_t smoe_ep_layer_workspace_bytes(const smoe_ep_layer *ep, int64_t T)
         return 0;
     }
     if (ep_sizes(ep, "smoe_ep_layer_workspace_bytes", T, 0) != SMOE_SUCCESS) return 0;
-    ep_ws w;
     /* GENERAL: the worst case of pairs (T*E) */
-    ws_make(ep, T, ep->desc.layer.routing == SMOE_ROUTING_GENERAL ? T * ep->desc.layer.E : 0, &w);
+    const int64_t pairs = ep->desc.layer.routing == SMOE_ROUTING_GENERAL ? T * ep->desc.layer.E : 0;
+#ifdef SMOE_WITH_CUDA
+    if (ep->desc.layer.backend != SMOE_BACKEND_CPU)
+        return smoe_ep_cuda_workspace_bytes(ep, T, pairs);
+#endif
+    ep_ws w;
+    ws_make(ep, T, pairs, &w);
     return w.total;
 }
 
@@ -393,9 +437,12 @@ size_t smoe_ep_layer_saved_bytes(const smoe_ep_layer *ep, int64_t T)
         return 0;
     }
     if (ep_sizes(ep, "smoe_ep_layer_saved_bytes", T, 0) != SMOE_SUCCESS) return 0;
+    const int64_t pairs = ep->desc.layer.routing == SMOE_ROUTING_GENERAL ? T * ep->desc.layer.E : 0;
+#ifdef SMOE_WITH_CUDA
+    if (ep->desc.layer.backend != SMOE_BACKEND_CPU) return smoe_ep_cuda_saved_bytes(ep, T, pairs);
+#endif
     ep_saved s;
-    saved_make(ep, T, ep->desc.layer.routing == SMOE_ROUTING_GENERAL ? T * ep->desc.layer.E : 0,
-               &s);
+    saved_make(ep, T, pairs, &s);
     return s.total;
 }
 
@@ -484,11 +531,23 @@ smoe_status smoe_ep_layer_forward(smoe_ep_layer *ep, const smoe_forward_args *ar
         cs.empty_ok = 1;
         cs.saved_need = S.total;
         cs.ws_need = W.total;
+#ifdef SMOE_WITH_CUDA
+        if (L->backend != SMOE_BACKEND_CPU) {
+            cs.saved_need = smoe_ep_cuda_saved_bytes(ep, args->T, pairs);
+            cs.ws_need = smoe_ep_cuda_workspace_bytes(ep, args->T, pairs);
+        }
+#endif
         cs.saved_query = "smoe_ep_layer_saved_bytes";
         cs.ws_query = "smoe_ep_layer_workspace_bytes";
         st = smoe_forward_validate(ep->full, fn, args, &cs, saved, saved_bytes, workspace,
                                    workspace_bytes);
     }
+#ifdef SMOE_WITH_CUDA
+    if (L->backend != SMOE_BACKEND_CPU) {
+        SMOE_FORWARD_IF_ERROR(st);
+        return smoe_ep_cuda_forward(ep, args, saved, workspace, stream);
+    }
+#endif
     SMOE_FORWARD_IF_ERROR(agree(g, r, st, fn));
     const int64_t T = args->T;
     const int training = !args->inference;
@@ -691,11 +750,24 @@ smoe_status smoe_ep_layer_backward(smoe_ep_layer *ep, const smoe_backward_args *
         cs.empty_ok = 1;
         cs.saved_need = S.total;
         cs.ws_need = W.total;
+#ifdef SMOE_WITH_CUDA
+        if (L->backend != SMOE_BACKEND_CPU) {
+            cs.saved_need = smoe_ep_cuda_saved_bytes(ep, args->T, pairs);
+            cs.ws_need = smoe_ep_cuda_workspace_bytes(ep, args->T, pairs);
+        }
+#endif
         cs.saved_query = "smoe_ep_layer_saved_bytes";
         cs.ws_query = "smoe_ep_layer_workspace_bytes";
         st = smoe_backward_validate(ep->full, fn, args, &cs, saved, saved_bytes, workspace,
                                     workspace_bytes);
     }
+#ifdef SMOE_WITH_CUDA
+    if (L->backend != SMOE_BACKEND_CPU) {
+        /* the saved block's header is checked on the device */
+        SMOE_FORWARD_IF_ERROR(st);
+        return smoe_ep_cuda_backward(ep, args, saved, workspace, stream);
+    }
+#endif
     if (st == SMOE_SUCCESS)
         st = smoe_saved_header_check(ep->full, (const smoe_saved_header *)((const char *)saved + S.header),
                                      args->T, general ? args->pairs : 0);
@@ -821,4 +893,24 @@ smoe_status smoe_ep_layer_backward(smoe_ep_layer *ep, const smoe_backward_args *
             st_val(args->dx.ptr, args->dx.dtype, i, o);
         }
     return SMOE_SUCCESS;
+}
+
+smoe_status smoe_ep_layer_device_status(smoe_ep_layer *ep, void *stream, int wait)
+{
+    SMOE_RETURN_ERROR_IF(!ep, SMOE_ERROR_NULL_POINTER, "smoe_ep_layer_device_status: layer is NULL");
+    /* the EP call's own checks report to the whole layer's record, the
+     * experts' GENERAL calls to theirs */
+    const smoe_status a = smoe_layer_device_status(ep->full, stream, wait);
+    if (a == SMOE_SUCCESS) return smoe_layer_device_status(ep->experts, stream, wait);
+    /* the experts' record, when set, is this failure's consequence: read
+     * (cleared) too, the first message kept */
+    char text[512];
+    snprintf(text, sizeof text, "%s", smoe_last_error());
+    (void)smoe_layer_device_status(ep->experts, stream, wait);
+    return smoe_fail(a, "%s", text);
+}
+
+const char *smoe_ep_layer_path_name(const smoe_ep_layer *ep)
+{
+    return ep ? smoe_layer_path_name(ep->experts) : "";
 }

@@ -197,6 +197,7 @@ class smoe_ep_desc(Structure):
         ("rank", c_int),
         ("nranks", c_int),
         ("group", c_void_p),
+        ("nccl_comm", c_void_p),
         ("max_tokens", c_int64),
         ("capacity", c_int64),
         ("expert_rows", c_int64),
@@ -283,6 +284,8 @@ _FUNCTIONS = {
                                        c_void_p, c_size_t, c_void_p]),
     "smoe_ep_layer_backward": (c_enum, [c_void_p, POINTER(smoe_backward_args), c_void_p,
                                         c_size_t, c_void_p, c_size_t, c_void_p]),
+    "smoe_ep_layer_path_name": (c_char_p, [c_void_p]),
+    "smoe_ep_layer_device_status": (c_enum, [c_void_p, c_void_p, c_int]),
 }
 FUNCTION_NAMES = tuple(_FUNCTIONS)
 

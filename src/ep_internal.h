@@ -1,0 +1,45 @@
+/*
+ * ep_internal.h -- the expert-parallel layer's object, shared by its core
+ * (src/ep.c: the API, checks, the CPU path) and its CUDA path
+ * (src/cuda/ep_cuda.cu).
+ */
+#ifndef SMOE_EP_INTERNAL_H
+#define SMOE_EP_INTERNAL_H
+
+#include "smoe_internal.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct smoe_ep_layer {
+    smoe_ep_desc desc;
+    int P, r;
+    int64_t El;          /* experts per rank */
+    int64_t C;           /* capacity: rows per (source, destination) */
+    int64_t Kmax;        /* pairs per row (slot) */
+    int64_t rows;        /* (row, expert) pairs per rank */
+    smoe_layer *full;    /* the whole layer's description: checks, router */
+    smoe_layer *experts; /* GENERAL over the E/P local experts: the compute */
+    void *cuda;          /* the CUDA path's state (ep_cuda.cu) */
+};
+
+#ifdef SMOE_WITH_CUDA
+/* ep_cuda.cu. Create: NCCL loaded, the communicator checked against rank
+ * and nranks, the descriptions compared over NCCL (a synchronisation, at
+ * create time). */
+smoe_status smoe_ep_cuda_init(smoe_ep_layer *ep);
+void smoe_ep_cuda_free(smoe_ep_layer *ep);
+size_t smoe_ep_cuda_workspace_bytes(const smoe_ep_layer *ep, int64_t T, int64_t pairs);
+size_t smoe_ep_cuda_saved_bytes(const smoe_ep_layer *ep, int64_t T, int64_t pairs);
+smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *args, void *saved,
+                                 void *workspace, void *stream);
+smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *args,
+                                  const void *saved, void *workspace, void *stream);
+#endif
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SMOE_EP_INTERNAL_H */

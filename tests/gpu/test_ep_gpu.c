@@ -1,0 +1,419 @@
+/*
+ * test_ep_gpu.c -- the expert-parallel layer on the CUDA backends over
+ * NCCL: P GPUs of this machine, one thread per rank (ncclCommInitAll),
+ * against the single CPU layer on the gathered batch (ep_ref.h: FA3's rule
+ * against the F64 layer, with the BF16 CPU layer's error as the bar):
+ *  - each rank's out and dx rows, the sum over ranks of drouter_w, each
+ *    rank's slice of dW1, db1, dW2, db2, GENERAL's pair-score gradient, the
+ *    expert counts summed over ranks (exact);
+ *  - P = 1, 2 and every GPU (up to 4); the three routing modes; the CUDA
+ *    and Hopper backends; uneven T with a rank of none; gradients
+ *    accumulated onto a known start; biases, activations, both W1 layouts;
+ *  - two runs bitwise equal;
+ *  - a capacity too small: the sending rank's device check (EP_OVERFLOW)
+ *    stops every rank (the others report its failure), out untouched.
+ * Needs libnccl (the loader's libnccl.so.2 or $SMOE_NCCL_LIBRARY); skips
+ * without 1 GPU or NCCL. SMOE_EP_QUICK=1: the largest P alone.
+ */
+#include "ep_ref.h"
+
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <pthread.h>
+
+#define CUDA_OK(call)                                                                      \
+    do {                                                                                   \
+        cudaError_t e_ = (call);                                                           \
+        if (e_ != cudaSuccess) {                                                           \
+            fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
+                    cudaGetErrorString(e_));                                               \
+            exit(3);                                                                       \
+        }                                                                                  \
+    } while (0)
+
+#define MAXP 4
+
+/* NCCL's C ABI for the communicators (the library itself needs no more) */
+typedef int (*comm_init_all_fn)(void **comms, int ndev, const int *devlist);
+typedef int (*comm_destroy_fn)(void *comm);
+static comm_init_all_fn nccl_init_all;
+static comm_destroy_fn nccl_destroy;
+
+static int nccl_open(void) {
+    const char *env = getenv("SMOE_NCCL_LIBRARY");
+    void *h = env && *env ? dlopen(env, RTLD_NOW | RTLD_GLOBAL) : NULL;
+    if (!h) h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_GLOBAL);
+    if (!h) return 0;
+    *(void **)&nccl_init_all = dlsym(h, "ncclCommInitAll");
+    *(void **)&nccl_destroy = dlsym(h, "ncclCommDestroy");
+    return nccl_init_all && nccl_destroy;
+}
+
+typedef struct gcase {
+    smoe_layer_desc D;
+    int P;
+    int64_t Tr[MAXP];
+    int64_t capacity;  /* 0: worst case */
+    int accumulate;    /* gradients accumulated onto 0.25 */
+    int overflow;      /* the capacity is too small: every rank's call fails */
+} gcase;
+
+typedef struct grank {
+    int r;
+    const gcase *c;
+    void *comm;
+    const tu_problem *Pb;
+    const double *dout;
+    int64_t t0, T, p0, np;
+    smoe_status st_create, st_fwd, st_bwd, st_dev;
+    char msg[512];
+    double *out, *g[7];
+    int32_t counts[64];
+    uint64_t hash[2];
+    int untouched; /* overflow: out still the poison */
+} grank;
+
+static void *up(const void *h, size_t bytes) {
+    void *d = NULL;
+    CUDA_OK(cudaMalloc(&d, bytes ? bytes : 16));
+    if (h && bytes) CUDA_OK(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
+    return d;
+}
+
+static void *up_bf16(const double *src, size_t n) {
+    void *h = tu_to_dtype(SMOE_DTYPE_BF16, src, n), *d = up(h, n * 2);
+    free(h);
+    return d;
+}
+
+static void *rank_main(void *arg) {
+    grank *R = (grank *)arg;
+    const gcase *c = R->c;
+    const tu_problem *P = R->Pb;
+    const smoe_layer_desc D = c->D;
+    const int r = R->r, NP = c->P;
+    const int64_t d = D.d, n = D.n, E = D.E, El = E / NP, hc = P->hc, T = R->T;
+    const int general = D.routing == SMOE_ROUTING_GENERAL;
+    CUDA_OK(cudaSetDevice(r));
+    cudaStream_t s;
+    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    smoe_ep_desc ed = smoe_ep_desc_default();
+    ed.layer = D;
+    ed.layer.device = r;
+    ed.rank = r;
+    ed.nranks = NP;
+    ed.nccl_comm = R->comm;
+    int64_t tmax = 0;
+    for (int q = 0; q < NP; q++) tmax = c->Tr[q] > tmax ? c->Tr[q] : tmax;
+    ed.max_tokens = tmax;
+    ed.capacity = c->capacity;
+    smoe_ep_layer *L = NULL;
+    R->st_create = smoe_ep_layer_create(&ed, &L);
+    if (R->st_create != SMOE_SUCCESS) {
+        snprintf(R->msg, sizeof R->msg, "create: %s", smoe_last_error());
+        return NULL;
+    }
+    void *x = up_bf16(P->x + R->t0 * d, (size_t)(T * d));
+    void *wr = up_bf16(P->wr, (size_t)(E * d));
+    void *w1 = up_bf16(P->w1 + (size_t)r * El * hc * d, (size_t)(El * hc * d));
+    void *w2 = up_bf16(P->w2 + (size_t)r * El * d * n, (size_t)(El * d * n));
+    void *b1 = P->b1 ? up_bf16(P->b1 + (size_t)r * El * hc, (size_t)(El * hc)) : NULL;
+    void *b2 = P->b2 ? up_bf16(P->b2 + (size_t)r * El * d, (size_t)(El * d)) : NULL;
+    void *G = up_bf16(R->dout + R->t0 * d, (size_t)(T * d));
+    const size_t out_b = (size_t)(T * d) * 2;
+    void *out = up(NULL, out_b);
+    int32_t *counts = (int32_t *)up(NULL, (size_t)E * 4);
+    void *pt = NULL, *pe = NULL, *ps = NULL;
+    if (general) {
+        int32_t *a = (int32_t *)malloc((size_t)R->np * 4 + 4);
+        int32_t *b = (int32_t *)malloc((size_t)R->np * 4 + 4);
+        float *f = (float *)malloc((size_t)R->np * 4 + 4);
+        for (int64_t i = 0; i < R->np; i++) {
+            a[i] = (int32_t)(P->pt[R->p0 + i] - R->t0);
+            b[i] = P->pe[R->p0 + i];
+            f[i] = (float)P->ps[R->p0 + i];
+        }
+        pt = up(a, (size_t)R->np * 4);
+        pe = up(b, (size_t)R->np * 4);
+        ps = up(f, (size_t)R->np * 4);
+        free(a); free(b); free(f);
+    }
+    const size_t sb = smoe_ep_layer_saved_bytes(L, T), wb = smoe_ep_layer_workspace_bytes(L, T);
+    void *saved = up(NULL, sb), *ws = up(NULL, wb);
+    const size_t gn[7] = {(size_t)(T * d), (size_t)(E * d), (size_t)(El * hc * d),
+                          (size_t)(El * hc), (size_t)(El * d * n), (size_t)(El * d),
+                          (size_t)R->np};
+    void *gd[7];
+    float *gh[7];
+    for (int i = 0; i < 7; i++) {
+        gd[i] = up(NULL, gn[i] * 4);
+        gh[i] = (float *)malloc(gn[i] * 4 + 4);
+    }
+    unsigned char *oh = (unsigned char *)malloc(out_b + 1);
+    for (int run = 0; run < 2; run++) {
+        CUDA_OK(cudaMemsetAsync(out, 0xC3, out_b, s));
+        for (int i = 0; i < 7; i++) {
+            for (size_t j = 0; j < gn[i]; j++) gh[i][j] = c->accumulate ? 0.25f : 0.0f;
+            CUDA_OK(cudaMemcpyAsync(gd[i], gh[i], gn[i] * 4, cudaMemcpyHostToDevice, s));
+        }
+        smoe_forward_args fa;
+        memset(&fa, 0, sizeof fa);
+        fa.T = T; fa.x = x; fa.router_w = general ? NULL : wr;
+        fa.pairs = general ? R->np : 0;
+        fa.pair_token = (const int32_t *)pt; fa.pair_expert = (const int32_t *)pe;
+        fa.pair_score = (const float *)ps;
+        fa.w1 = w1; fa.b1 = b1; fa.w2 = w2; fa.b2 = b2;
+        fa.out = out;
+        fa.expert_counts = counts;
+        R->st_fwd = smoe_ep_layer_forward(L, &fa, saved, sb, ws, wb, s);
+        if (R->st_fwd != SMOE_SUCCESS) {
+            snprintf(R->msg, sizeof R->msg, "forward: %s", smoe_last_error());
+            break;
+        }
+        if (c->overflow) {
+            /* every rank's call fails on the device; nothing else to run */
+            R->st_dev = smoe_ep_layer_device_status(L, s, 1);
+            snprintf(R->msg, sizeof R->msg, "%s", smoe_last_error());
+            CUDA_OK(cudaMemcpy(oh, out, out_b, cudaMemcpyDeviceToHost));
+            R->untouched = 1;
+            for (size_t i = 0; i < out_b; i++) R->untouched &= oh[i] == 0xC3;
+            break;
+        }
+        smoe_backward_args ba;
+        memset(&ba, 0, sizeof ba);
+        ba.T = T; ba.x = x; ba.router_w = general ? NULL : wr; ba.pairs = fa.pairs;
+        ba.w1 = w1; ba.w2 = w2; ba.b2 = b2; ba.dout = G;
+        const int acc = c->accumulate;
+        ba.dx = (smoe_grad){gd[0], SMOE_DTYPE_F32, acc};
+        ba.drouter_w = (smoe_grad){general ? NULL : gd[1], SMOE_DTYPE_F32, acc};
+        ba.dw1 = (smoe_grad){gd[2], SMOE_DTYPE_F32, acc};
+        ba.db1 = (smoe_grad){b1 ? gd[3] : NULL, SMOE_DTYPE_F32, acc};
+        ba.dw2 = (smoe_grad){gd[4], SMOE_DTYPE_F32, acc};
+        ba.db2 = (smoe_grad){b2 ? gd[5] : NULL, SMOE_DTYPE_F32, acc};
+        ba.dpair_score = (smoe_grad){general && R->np ? gd[6] : NULL, SMOE_DTYPE_F32, acc};
+        R->st_bwd = smoe_ep_layer_backward(L, &ba, saved, sb, ws, wb, s);
+        if (R->st_bwd != SMOE_SUCCESS) {
+            snprintf(R->msg, sizeof R->msg, "backward: %s", smoe_last_error());
+            break;
+        }
+        R->st_dev = smoe_ep_layer_device_status(L, s, 1);
+        if (R->st_dev != SMOE_SUCCESS) {
+            snprintf(R->msg, sizeof R->msg, "device: %s", smoe_last_error());
+            break;
+        }
+        CUDA_OK(cudaStreamSynchronize(s));
+        CUDA_OK(cudaMemcpy(oh, out, out_b, cudaMemcpyDeviceToHost));
+        uint64_t h = fnv(14695981039346656037ull, oh, out_b);
+        for (int i = 0; i < 7; i++) {
+            CUDA_OK(cudaMemcpy(gh[i], gd[i], gn[i] * 4, cudaMemcpyDeviceToHost));
+            h = fnv(h, gh[i], gn[i] * 4);
+        }
+        R->hash[run] = h;
+        if (run == 1) {
+            R->out = tu_from_dtype(SMOE_DTYPE_BF16, oh, (size_t)(T * d));
+            for (int i = 0; i < 7; i++) {
+                R->g[i] = tu_alloc_d(gn[i] + 1);
+                for (size_t j = 0; j < gn[i]; j++) R->g[i][j] = gh[i][j] - (acc ? 0.25 : 0.0);
+            }
+            CUDA_OK(cudaMemcpy(R->counts, counts, (size_t)E * 4, cudaMemcpyDeviceToHost));
+        }
+    }
+    cudaFree(x); cudaFree(wr); cudaFree(w1); cudaFree(w2); cudaFree(b1); cudaFree(b2);
+    cudaFree(G); cudaFree(out); cudaFree(counts); cudaFree(pt); cudaFree(pe); cudaFree(ps);
+    cudaFree(saved); cudaFree(ws);
+    for (int i = 0; i < 7; i++) {
+        cudaFree(gd[i]);
+        free(gh[i]);
+    }
+    free(oh);
+    cudaStreamDestroy(s);
+    smoe_ep_layer_free(L);
+    return NULL;
+}
+
+static void run_case(const char *name, const gcase *c, tu_rng *rng) {
+    const int NP = c->P;
+    smoe_layer_desc D = c->D;
+    int64_t T = 0;
+    for (int q = 0; q < NP; q++) T += c->Tr[q];
+    tu_problem P;
+    /* a routing whose selection no rounding can change (fp32 cuBLAS logits
+     * on the GPU, double on the CPU) */
+    for (int tries = 0;; tries++) {
+        tu_problem_init(&P, &D, T, rng, 1.0, 0.5);
+        if (D.routing == SMOE_ROUTING_GENERAL) tu_problem_general(&P, rng, 0.4);
+        if (tu_selection_margin(&P) > 1e-3 || tries == 50) break;
+        tu_problem_free(&P);
+    }
+    double *dout = tu_alloc_d((size_t)(T * D.d) + 1);
+    tu_fill_normal(rng, dout, (size_t)(T * D.d), 1.0);
+    tu_round_array(D.dtype, dout, (size_t)(T * D.d));
+    void *comms[MAXP] = {0};
+    int devs[MAXP];
+    for (int q = 0; q < NP; q++) devs[q] = q;
+    const int nr = nccl_init_all(comms, NP, devs);
+    tu_case("ep-gpu %s (P = %d, %s, backend %d)", name, NP, tu_mode_name(&D), (int)D.backend);
+    if (!CHECK(nr == 0, "ncclCommInitAll -> %d", nr)) {
+        free(dout);
+        tu_problem_free(&P);
+        return;
+    }
+    grank R[MAXP];
+    memset(R, 0, sizeof R);
+    int64_t t0 = 0, p = 0;
+    for (int q = 0; q < NP; q++) {
+        R[q].r = q; R[q].c = c; R[q].comm = comms[q]; R[q].Pb = &P; R[q].dout = dout;
+        R[q].t0 = t0; R[q].T = c->Tr[q];
+        R[q].p0 = p;
+        while (p < P.pairs && P.pt[p] < t0 + c->Tr[q]) p++;
+        R[q].np = p - R[q].p0;
+        t0 += c->Tr[q];
+    }
+    pthread_t th[MAXP];
+    for (int q = 0; q < NP; q++) pthread_create(&th[q], NULL, rank_main, &R[q]);
+    for (int q = 0; q < NP; q++) pthread_join(th[q], NULL);
+    for (int q = 0; q < NP; q++) nccl_destroy(comms[q]);
+
+    if (c->overflow) {
+        for (int q = 0; q < NP; q++) {
+            CHECK(R[q].st_create == SMOE_SUCCESS && R[q].st_fwd == SMOE_SUCCESS,
+                  "rank %d: the call itself should be accepted (%s)", q, R[q].msg);
+            CHECK(R[q].st_dev == SMOE_ERROR_INVALID_SIZE || R[q].st_dev == SMOE_ERROR_INVALID_VALUE,
+                  "rank %d: device status %s, want a failure (%s)", q,
+                  smoe_status_string(R[q].st_dev), R[q].msg);
+            CHECK(strstr(R[q].msg, "capacity") || strstr(R[q].msg, "call failed"),
+                  "rank %d: message \"%s\" names neither the capacity nor a peer", q, R[q].msg);
+            CHECK(R[q].untouched, "rank %d: out was written by a failed call", q);
+        }
+    } else {
+        int ok = 1;
+        for (int q = 0; q < NP; q++)
+            ok &= CHECK(R[q].st_create == SMOE_SUCCESS && R[q].st_fwd == SMOE_SUCCESS &&
+                            R[q].st_bwd == SMOE_SUCCESS && R[q].st_dev == SMOE_SUCCESS,
+                        "rank %d: %s", q, R[q].msg);
+        for (int q = 0; q < NP && ok; q++)
+            CHECK(R[q].hash[0] == R[q].hash[1], "rank %d: two runs differ", q);
+        if (ok) {
+            single_res s64, s16;
+            single_run(&P, dout, SMOE_DTYPE_F64, &s64);
+            single_run(&P, dout, SMOE_DTYPE_BF16, &s16);
+            const int64_t d = D.d, n = D.n, E = D.E, El = E / NP, hc = P.hc;
+            for (int q = 0; q < NP; q++) {
+                const grank *Rq = &R[q];
+                char what[64];
+                snprintf(what, sizeof what, "rank %d out", q);
+                close_enough(what, Rq->out, s64.out + Rq->t0 * d, s16.out + Rq->t0 * d,
+                             (size_t)(Rq->T * d), 1);
+                snprintf(what, sizeof what, "rank %d dx", q);
+                close_enough(what, Rq->g[TU_GX], s64.g[TU_GX] + Rq->t0 * d,
+                             s16.g[TU_GX] + Rq->t0 * d, (size_t)(Rq->T * d), 1);
+                snprintf(what, sizeof what, "rank %d dw1", q);
+                close_enough(what, Rq->g[TU_GW1], s64.g[TU_GW1] + (size_t)q * El * hc * d,
+                             s16.g[TU_GW1] + (size_t)q * El * hc * d, (size_t)(El * hc * d), 1);
+                snprintf(what, sizeof what, "rank %d dw2", q);
+                close_enough(what, Rq->g[TU_GW2], s64.g[TU_GW2] + (size_t)q * El * d * n,
+                             s16.g[TU_GW2] + (size_t)q * El * d * n, (size_t)(El * d * n), 1);
+                if (P.b1) {
+                    snprintf(what, sizeof what, "rank %d db1", q);
+                    close_enough(what, Rq->g[TU_GB1], s64.g[TU_GB1] + (size_t)q * El * hc,
+                                 s16.g[TU_GB1] + (size_t)q * El * hc, (size_t)(El * hc), 1);
+                    snprintf(what, sizeof what, "rank %d db2", q);
+                    close_enough(what, Rq->g[TU_GB2], s64.g[TU_GB2] + (size_t)q * El * d,
+                                 s16.g[TU_GB2] + (size_t)q * El * d, (size_t)(El * d), 1);
+                }
+                if (D.routing == SMOE_ROUTING_GENERAL && Rq->np) {
+                    snprintf(what, sizeof what, "rank %d dpair_score", q);
+                    close_enough(what, Rq->g[TU_GPS], s64.g[TU_GPS] + Rq->p0,
+                                 s16.g[TU_GPS] + Rq->p0, (size_t)Rq->np, 1);
+                }
+            }
+            int32_t cnt[64] = {0};
+            for (int q = 0; q < NP; q++)
+                for (int64_t e = 0; e < E; e++) cnt[e] += R[q].counts[e];
+            CHECK(!memcmp(cnt, s64.counts, (size_t)E * 4),
+                  "expert counts summed over ranks differ from the single layer's");
+            if (D.routing != SMOE_ROUTING_GENERAL) {
+                double *sum = tu_alloc_d((size_t)(E * d));
+                for (int q = 0; q < NP; q++)
+                    for (int64_t i = 0; i < E * d; i++) sum[i] += R[q].g[TU_GWR][i];
+                close_enough("drouter_w (summed over ranks)", sum, s64.g[TU_GWR], s16.g[TU_GWR],
+                             (size_t)(E * d), 1);
+                free(sum);
+            }
+            single_free(&s64);
+            single_free(&s16);
+        }
+    }
+    for (int q = 0; q < NP; q++) {
+        free(R[q].out);
+        for (int i = 0; i < 7; i++) free(R[q].g[i]);
+    }
+    free(dout);
+    tu_problem_free(&P);
+}
+
+static gcase base_case(int P, smoe_routing routing, smoe_backend be) {
+    gcase c;
+    memset(&c, 0, sizeof c);
+    c.D = smoe_layer_desc_default();
+    c.D.d = 64; c.D.n = 32; c.D.E = 8; c.D.K = 2;
+    c.D.routing = routing;
+    c.D.renormalize = 1;
+    c.D.dtype = SMOE_DTYPE_BF16;
+    c.D.backend = be;
+    if (routing == SMOE_ROUTING_GENERAL) c.D.K = 0;
+    c.P = P;
+    for (int q = 0; q < P; q++) c.Tr[q] = 40 + 13 * q;
+    return c;
+}
+
+int main(int argc, char **argv) {
+    tu_rng rng = tu_rng_make(tu_init(argc, argv, 17));
+    int ngpu = 0;
+    if (cudaGetDeviceCount(&ngpu) != cudaSuccess || ngpu < 1) {
+        printf("test_ep_gpu: SKIP (no GPU)\n");
+        return 0;
+    }
+    if (!nccl_open()) {
+        printf("test_ep_gpu: SKIP (no libnccl.so.2; set SMOE_NCCL_LIBRARY)\n");
+        return 0;
+    }
+    struct cudaDeviceProp prop;
+    CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+    const int hopper = prop.major == 9;
+    const int G = ngpu < MAXP ? ngpu : MAXP;
+    int plist[3] = {1, 2, G}, np = G >= 2 ? (G > 2 ? 3 : 2) : 1;
+    static const smoe_routing modes[3] = {SMOE_ROUTING_TOPK_SOFTMAX, SMOE_ROUTING_SOFTMAX_TOPK,
+                                          SMOE_ROUTING_GENERAL};
+    /* SMOE_EP_QUICK=1: the largest P only, for compute-sanitizer */
+    const char *quick = getenv("SMOE_EP_QUICK");
+    const int q0 = quick && *quick == '1' ? np - 1 : 0;
+    for (int pi = q0; pi < np; pi++) {
+        const int P = plist[pi];
+        if (8 % P) continue;
+        for (int b = 0; b < 1 + hopper; b++)
+            for (int m = 0; m < 3; m++) {
+                gcase c = base_case(P, modes[m], b ? SMOE_BACKEND_SM90 : SMOE_BACKEND_CUDA);
+                c.D.activation = (smoe_activation)((P + m + b) % 7);
+                c.D.w1_layout = (smoe_w1_layout)((m + b) % 2);
+                c.D.has_bias = (P + m) % 2;
+                c.accumulate = m == 1;
+                run_case("balanced", &c, &rng);
+            }
+        if (P < 2) continue;
+        gcase c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_CUDA);
+        c.Tr[1] = 0;
+        c.Tr[0] = 57;
+        run_case("uneven, rank 1 without tokens", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_SOFTMAX_TOPK, hopper ? SMOE_BACKEND_SM90 : SMOE_BACKEND_CUDA);
+        c.D.E = 16; c.D.K = 6; c.D.d = 128; c.D.n = 64;
+        for (int q = 0; q < P; q++) c.Tr[q] = 200 + 37 * q;
+        c.capacity = 0;
+        run_case("K = 6 of 16", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_CUDA);
+        c.capacity = 3; /* 40+ tokens, K = 2 of 8 over P ranks: overflow */
+        c.overflow = 1;
+        run_case("capacity too small", &c, &rng);
+    }
+    return tu_summary("test_ep_gpu");
+}
