@@ -70,7 +70,7 @@ GPU_TEST_BIN := $(GPU_TEST_SRC:tests/gpu/%.c=$(BUILD)/tests/gpu/%)
 # GPU tests written in CUDA (kernels of their own, e.g. reference kernels).
 GPU_TEST_CU  := $(wildcard tests/gpu/test_*.cu)
 GPU_TEST_BIN += $(GPU_TEST_CU:tests/gpu/%.cu=$(BUILD)/tests/gpu/%)
-PROGS += $(if $(wildcard bench/bench.c),$(BUILD)/smoe_bench)
+PROGS += $(if $(wildcard bench/bench.c),$(BUILD)/smoe_bench) $(BUILD)/smoe_ep_bench
 endif
 
 .PHONY: all lib run test test-gpu sanitize fuzz bench clean print-version print-gpu-tests
@@ -107,6 +107,9 @@ $(BUILD)/smoe_run: bench/run.c bench/grid.h $(LIB_A)
 	$(CC) $(CFLAGS) $< -o $@ $(LIB_A) $(LDLIBS)
 
 $(BUILD)/smoe_bench: bench/bench.c bench/grid.h $(LIB_A)
+	$(CC) $(CFLAGS) $< -o $@ $(LIB_A) $(LDLIBS)
+
+$(BUILD)/smoe_ep_bench: bench/ep_bench.c $(LIB_A)
 	$(CC) $(CFLAGS) $< -o $@ $(LIB_A) $(LDLIBS)
 
 $(BUILD)/example: examples/example.c $(LIB_A)

@@ -1,0 +1,290 @@
+/*
+ * ep_bench.c -- the expert-parallel layer's time on P GPUs of this machine
+ * (one thread per rank, ncclCommInitAll), against the single-GPU layer
+ * with every expert on one GPU and the same tokens per GPU: the time EP
+ * adds (dispatch, the exchanges, combine) at equal work per GPU.
+ *
+ *   smoe_ep_bench [-P ranks] [-T tokens per rank] [-d] [-n] [-E] [-K]
+ *                 [-c capacity] [-i iterations] [-b cuda|sm90]
+ *
+ * Each timed iteration starts on every rank at once (a host barrier, then
+ * the ranks' streams); a rank's time is cudaEvent time on its stream; the
+ * line reports the median over iterations of the slowest rank. Random bf16
+ * inputs, TOPK_SOFTMAX routing, SwiGLU. Needs libnccl (the loader's
+ * libnccl.so.2 or $SMOE_NCCL_LIBRARY).
+ */
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "smoe.h"
+
+#define MAXP 8
+#define MAXI 64
+
+#define CUDA_OK(call)                                                                      \
+    do {                                                                                   \
+        cudaError_t e_ = (call);                                                           \
+        if (e_ != cudaSuccess) {                                                           \
+            fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
+                    cudaGetErrorString(e_));                                               \
+            exit(3);                                                                       \
+        }                                                                                  \
+    } while (0)
+#define SMOE_OK(call)                                                                      \
+    do {                                                                                   \
+        smoe_status s_ = (call);                                                           \
+        if (s_ != SMOE_SUCCESS) {                                                          \
+            fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
+                    smoe_last_error());                                                    \
+            exit(3);                                                                       \
+        }                                                                                  \
+    } while (0)
+
+typedef struct cfg {
+    int P, iters;
+    int64_t T, d, n, E, K, capacity;
+    smoe_backend backend;
+} cfg;
+
+typedef struct rank_ctx {
+    int r;
+    const cfg *c;
+    void *comm;
+    int ep; /* 1: the EP layer; 0: the single layer (every expert) */
+    pthread_barrier_t *bar;
+    float fwd[MAXI], bwd[MAXI];
+    char path[96];
+} rank_ctx;
+
+static uint64_t rng_next(uint64_t *s) {
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return *s;
+}
+
+/* n bf16 values, uniform in [-scale, scale) */
+static void *rand_bf16(size_t n, float scale, uint64_t seed) {
+    uint16_t *h = (uint16_t *)malloc(n * 2 + 2);
+    uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+    for (size_t i = 0; i < n; i++) {
+        const float f = scale * (2.0f * (float)(rng_next(&s) >> 40) / (float)(1 << 24) - 1.0f);
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        h[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+    void *d = NULL;
+    CUDA_OK(cudaMalloc(&d, n * 2 + 16));
+    CUDA_OK(cudaMemcpy(d, h, n * 2, cudaMemcpyHostToDevice));
+    free(h);
+    return d;
+}
+
+static void *dalloc(size_t b) {
+    void *d = NULL;
+    CUDA_OK(cudaMalloc(&d, b ? b : 16));
+    return d;
+}
+
+static void *rank_main(void *arg) {
+    rank_ctx *R = (rank_ctx *)arg;
+    const cfg *c = R->c;
+    const int P = R->ep ? c->P : 1;
+    const int64_t T = c->T, d = c->d, n = c->n, E = c->E, El = E / P;
+    CUDA_OK(cudaSetDevice(R->r));
+    cudaStream_t s;
+    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    smoe_layer_desc D = smoe_layer_desc_default();
+    D.d = d; D.n = n; D.E = E; D.K = c->K;
+    D.routing = SMOE_ROUTING_TOPK_SOFTMAX;
+    D.activation = SMOE_ACT_SWIGLU;
+    D.dtype = SMOE_DTYPE_BF16;
+    D.backend = c->backend;
+    D.device = R->r;
+    smoe_ep_layer *EPL = NULL;
+    smoe_layer *L = NULL;
+    size_t sb, wb;
+    if (R->ep) {
+        smoe_ep_desc ed = smoe_ep_desc_default();
+        ed.layer = D;
+        ed.rank = R->r;
+        ed.nranks = P;
+        ed.nccl_comm = R->comm;
+        ed.max_tokens = T;
+        ed.capacity = c->capacity;
+        SMOE_OK(smoe_ep_layer_create(&ed, &EPL));
+        sb = smoe_ep_layer_saved_bytes(EPL, T);
+        wb = smoe_ep_layer_workspace_bytes(EPL, T);
+        snprintf(R->path, sizeof R->path, "%s", smoe_ep_layer_path_name(EPL));
+    } else {
+        SMOE_OK(smoe_layer_create(&D, &L));
+        sb = smoe_layer_saved_bytes(L, T, 0);
+        wb = smoe_layer_workspace_bytes(L, T, 0);
+        snprintf(R->path, sizeof R->path, "%s", smoe_layer_path_name(L));
+    }
+    const uint64_t seed = 1000u * (uint64_t)R->r + 7u;
+    void *x = rand_bf16((size_t)(T * d), 1.0f, seed + 1);
+    void *wr = rand_bf16((size_t)(E * d), 0.05f, 99); /* the same router on every rank */
+    void *w1 = rand_bf16((size_t)(El * 2 * n * d), 0.02f, seed + 2);
+    void *w2 = rand_bf16((size_t)(El * d * n), 0.02f, seed + 3);
+    void *dout = rand_bf16((size_t)(T * d), 1.0f, seed + 4);
+    void *out = dalloc((size_t)(T * d) * 2);
+    void *dx = dalloc((size_t)(T * d) * 2);
+    void *dwr = dalloc((size_t)(E * d) * 4);
+    void *dw1 = dalloc((size_t)(El * 2 * n * d) * 2);
+    void *dw2 = dalloc((size_t)(El * d * n) * 2);
+    void *saved = dalloc(sb), *ws = dalloc(wb);
+    smoe_forward_args fa;
+    memset(&fa, 0, sizeof fa);
+    fa.T = T; fa.x = x; fa.router_w = wr; fa.w1 = w1; fa.w2 = w2; fa.out = out;
+    smoe_backward_args ba;
+    memset(&ba, 0, sizeof ba);
+    ba.T = T; ba.x = x; ba.router_w = wr; ba.w1 = w1; ba.w2 = w2; ba.dout = dout;
+    ba.dx = (smoe_grad){dx, SMOE_DTYPE_BF16, 0};
+    ba.drouter_w = (smoe_grad){dwr, SMOE_DTYPE_F32, 0};
+    ba.dw1 = (smoe_grad){dw1, SMOE_DTYPE_BF16, 0};
+    ba.dw2 = (smoe_grad){dw2, SMOE_DTYPE_BF16, 0};
+    cudaEvent_t e0, e1, e2;
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    CUDA_OK(cudaEventCreate(&e2));
+    const int warm = 3;
+    for (int it = 0; it < warm + c->iters; it++) {
+        pthread_barrier_wait(R->bar);
+        CUDA_OK(cudaEventRecord(e0, s));
+        if (R->ep) {
+            SMOE_OK(smoe_ep_layer_forward(EPL, &fa, saved, sb, ws, wb, s));
+            CUDA_OK(cudaEventRecord(e1, s));
+            SMOE_OK(smoe_ep_layer_backward(EPL, &ba, saved, sb, ws, wb, s));
+        } else {
+            SMOE_OK(smoe_layer_forward(L, &fa, saved, sb, ws, wb, s));
+            CUDA_OK(cudaEventRecord(e1, s));
+            SMOE_OK(smoe_layer_backward(L, &ba, saved, sb, ws, wb, s));
+        }
+        CUDA_OK(cudaEventRecord(e2, s));
+        CUDA_OK(cudaEventSynchronize(e2));
+        if (it >= warm) {
+            CUDA_OK(cudaEventElapsedTime(&R->fwd[it - warm], e0, e1));
+            CUDA_OK(cudaEventElapsedTime(&R->bwd[it - warm], e1, e2));
+        }
+    }
+    SMOE_OK(R->ep ? smoe_ep_layer_device_status(EPL, s, 1) : smoe_layer_device_status(L, s, 1));
+    void *bufs[] = {x, wr, w1, w2, dout, out, dx, dwr, dw1, dw2, saved, ws};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaEventDestroy(e2);
+    cudaStreamDestroy(s);
+    smoe_ep_layer_free(EPL);
+    smoe_layer_free(L);
+    return NULL;
+}
+
+static int cmp_f(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* median over iterations of the slowest rank */
+static float med_max(const rank_ctx *R, int P, int iters, int bwd) {
+    float m[MAXI];
+    for (int i = 0; i < iters; i++) {
+        m[i] = 0.0f;
+        for (int q = 0; q < P; q++) {
+            const float v = bwd ? R[q].bwd[i] : R[q].fwd[i];
+            m[i] = v > m[i] ? v : m[i];
+        }
+    }
+    qsort(m, (size_t)iters, sizeof m[0], cmp_f);
+    return m[iters / 2];
+}
+
+static void run(const cfg *c, int ep, void **comms, float *f, float *b, char *path) {
+    const int P = ep ? c->P : 1;
+    rank_ctx R[MAXP];
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, (unsigned)P);
+    pthread_t th[MAXP];
+    for (int q = 0; q < P; q++) {
+        memset(&R[q], 0, sizeof R[q]);
+        R[q].r = q; R[q].c = c; R[q].comm = comms ? comms[q] : NULL; R[q].ep = ep; R[q].bar = &bar;
+        pthread_create(&th[q], NULL, rank_main, &R[q]);
+    }
+    for (int q = 0; q < P; q++) pthread_join(th[q], NULL);
+    pthread_barrier_destroy(&bar);
+    *f = med_max(R, P, c->iters, 0);
+    *b = med_max(R, P, c->iters, 1);
+    snprintf(path, 96, "%s", R[0].path);
+}
+
+int main(int argc, char **argv) {
+    cfg c = {2, 20, 8192, 1536, 256, 128, 8, 0, SMOE_BACKEND_AUTO};
+    for (int i = 1; i + 1 < argc; i += 2) {
+        const char *k = argv[i], *v = argv[i + 1];
+        if (!strcmp(k, "-P")) c.P = atoi(v);
+        else if (!strcmp(k, "-T")) c.T = atoll(v);
+        else if (!strcmp(k, "-d")) c.d = atoll(v);
+        else if (!strcmp(k, "-n")) c.n = atoll(v);
+        else if (!strcmp(k, "-E")) c.E = atoll(v);
+        else if (!strcmp(k, "-K")) c.K = atoll(v);
+        else if (!strcmp(k, "-c")) c.capacity = atoll(v);
+        else if (!strcmp(k, "-i")) c.iters = atoi(v);
+        else if (!strcmp(k, "-b")) c.backend = !strcmp(v, "cuda") ? SMOE_BACKEND_CUDA : SMOE_BACKEND_SM90;
+        else {
+            fprintf(stderr, "unknown option %s\n", k);
+            return 2;
+        }
+    }
+    if (c.iters > MAXI) c.iters = MAXI;
+    int ngpu = 0;
+    CUDA_OK(cudaGetDeviceCount(&ngpu));
+    if (c.P < 1 || c.P > ngpu || c.P > MAXP || c.E % c.P) {
+        fprintf(stderr, "P = %d: need 1 <= P <= %d GPUs, E %% P == 0\n", c.P, ngpu);
+        return 2;
+    }
+    const char *env = getenv("SMOE_NCCL_LIBRARY");
+    void *h = env && *env ? dlopen(env, RTLD_NOW | RTLD_GLOBAL) : NULL;
+    if (!h) h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_GLOBAL);
+    int (*init_all)(void **, int, const int *) = NULL;
+    int (*destroy)(void *) = NULL;
+    if (h) {
+        *(void **)&init_all = dlsym(h, "ncclCommInitAll");
+        *(void **)&destroy = dlsym(h, "ncclCommDestroy");
+    }
+    if (!init_all || !destroy) {
+        fprintf(stderr, "no libnccl.so.2 (set SMOE_NCCL_LIBRARY)\n");
+        return 2;
+    }
+    void *comms[MAXP] = {0};
+    int devs[MAXP];
+    for (int q = 0; q < c.P; q++) devs[q] = q;
+    if (init_all(comms, c.P, devs) != 0) {
+        fprintf(stderr, "ncclCommInitAll failed\n");
+        return 3;
+    }
+    float ef, eb, sf, sbw;
+    char epath[96], spath[96];
+    run(&c, 1, comms, &ef, &eb, epath);
+    run(&c, 0, NULL, &sf, &sbw, spath);
+    for (int q = 0; q < c.P; q++) destroy(comms[q]);
+    struct cudaDeviceProp prop;
+    CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+    printf("# %s x %d; T = %lld tokens per GPU, d = %lld, n = %lld, E = %lld, K = %lld, capacity "
+           "%lld; median of %d iterations (slowest rank)\n",
+           prop.name, c.P, (long long)c.T, (long long)c.d, (long long)c.n, (long long)c.E,
+           (long long)c.K, (long long)(c.capacity ? c.capacity : c.T), c.iters);
+    printf("%-50s %9s %9s %9s\n", "layer (kernel path)", "fwd ms", "bwd ms", "total");
+    char a[256], b[256];
+    snprintf(a, sizeof a, "EP P=%d, E/P=%lld (%s)", c.P, (long long)(c.E / c.P), epath);
+    snprintf(b, sizeof b, "single GPU, E=%lld (%s)", (long long)c.E, spath);
+    printf("%-50s %9.3f %9.3f %9.3f\n", a, ef, eb, ef + eb);
+    printf("%-50s %9.3f %9.3f %9.3f\n", b, sf, sbw, sf + sbw);
+    printf("EP / single: fwd %.2fx, bwd %.2fx, total %.2fx\n", ef / sf, eb / sbw,
+           (ef + eb) / (sf + sbw));
+    return 0;
+}
