@@ -52,7 +52,9 @@ struct vec_io<1> {
     static __device__ __forceinline__ void store(bf16 *p, const float *v) { *p = __float2bfloat16_rn(v[0]); }
 };
 
-template <int VEC>
+/* SCORED: rows scaled by row_score; else by 1 (the expert-parallel
+ * combine sums partials). A compile-time choice: nothing added to the loop. */
+template <int VEC, bool SCORED>
 __global__ void __launch_bounds__(AGG_THREADS)
 k_aggregate_forward(int64_t T, int64_t d, const int32_t *__restrict__ token_offset,
                     const int32_t *__restrict__ assign_row, const float *__restrict__ row_score,
@@ -79,7 +81,7 @@ k_aggregate_forward(int64_t T, int64_t d, const int32_t *__restrict__ token_offs
                 for (int j = 0; j < AGG_UNROLL; ++j) r[j] = assign_row[a + j];
 #pragma unroll
                 for (int j = 0; j < AGG_UNROLL; ++j) {
-                    sc[j] = r[j] < 0 ? 0.0f : row_score ? row_score[r[j]] : 1.0f;
+                    sc[j] = r[j] < 0 ? 0.0f : SCORED ? row_score[r[j]] : 1.0f;
                     if (r[j] >= 0) vec_io<VEC>::load(y + (int64_t)r[j] * d + c, v[j]);
                 }
 #pragma unroll
@@ -92,7 +94,7 @@ k_aggregate_forward(int64_t T, int64_t d, const int32_t *__restrict__ token_offs
             for (; a < a1; ++a) {
                 const int r = assign_row[a];
                 if (r < 0) continue;
-                const float s = row_score ? row_score[r] : 1.0f;
+                const float s = SCORED ? row_score[r] : 1.0f;
                 float v[VEC];
                 vec_io<VEC>::load(y + (int64_t)r * d + c, v);
 #pragma unroll
@@ -195,12 +197,18 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
                                         smoe_saved_header h, const int *abort,
                                         cudaStream_t stream)
 {
-    if (d % 8 == 0 && aligned16(y) && aligned16(out))
-        k_aggregate_forward<8><<<agg_grid(T), AGG_THREADS, 0, stream>>>(
-            T, d, token_offset, assign_row, row_score, y, out, header, h, abort);
-    else
-        k_aggregate_forward<1><<<agg_grid(T), AGG_THREADS, 0, stream>>>(
-            T, d, token_offset, assign_row, row_score, y, out, header, h, abort);
+    const bool v8 = d % 8 == 0 && aligned16(y) && aligned16(out);
+#define AGG_FWD(V, S)                                                                        \
+    k_aggregate_forward<V, S><<<agg_grid(T), AGG_THREADS, 0, stream>>>(                      \
+        T, d, token_offset, assign_row, row_score, y, out, header, h, abort)
+    if (row_score) {
+        if (v8) AGG_FWD(8, true);
+        else AGG_FWD(1, true);
+    } else {
+        if (v8) AGG_FWD(8, false);
+        else AGG_FWD(1, false);
+    }
+#undef AGG_FWD
     SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward");
     return SMOE_SUCCESS;
 }
