@@ -109,7 +109,7 @@ $(BUILD)/smoe_run: bench/run.c bench/grid.h $(LIB_A)
 $(BUILD)/smoe_bench: bench/bench.c bench/grid.h $(LIB_A)
 	$(CC) $(CFLAGS) $< -o $@ $(LIB_A) $(LDLIBS)
 
-$(BUILD)/smoe_ep_bench: bench/ep_bench.c $(LIB_A)
+$(BUILD)/smoe_ep_bench: bench/ep_bench.c bench/grid.h $(LIB_A)
 	$(CC) $(CFLAGS) $< -o $@ $(LIB_A) $(LDLIBS)
 
 $(BUILD)/example: examples/example.c $(LIB_A)

@@ -4,8 +4,16 @@
  * with every expert on one GPU and the same tokens per GPU: the time EP
  * adds (dispatch, the exchanges, combine) at equal work per GPU.
  *
- *   smoe_ep_bench [-P ranks] [-T tokens per rank] [-d] [-n] [-E] [-K]
- *                 [-c capacity] [-i iterations] [-b cuda|sm90]
+ *   smoe_ep_bench [-r grid row] [-P ranks] [-T tokens per rank] [-d] [-n] [-E]
+ *                 [-K] [-c capacity] [-x expert_rows] [-i iterations]
+ *                 [-b cuda|sm90]
+ *
+ * -r takes T, d, n, E, K from a row of bench/grid.h (T then per GPU). Per
+ * GPU TFLOPS count 6TKdn (forward) and 12TKdn (backward) of the rank's own
+ * tokens. Next to it, in the same run: an NCCL all-to-all of the bytes one
+ * EP exchange moves (capacity x d bf16 to each rank, self included), the
+ * floor of the EP layer's communication (forward: rows out and partials
+ * back, 2 of them; backward: x and dout out, dx back, 3).
  *
  * Each timed iteration starts on every rank at once (a host barrier, then
  * the ranks' streams); a rank's time is cudaEvent time on its stream; the
@@ -22,6 +30,7 @@
 #include <string.h>
 
 #include "smoe.h"
+#include "grid.h"
 
 #define MAXP 8
 #define MAXI 64
@@ -47,15 +56,22 @@
 
 typedef struct cfg {
     int P, iters;
-    int64_t T, d, n, E, K, capacity;
+    int64_t T, d, n, E, K, capacity, expert_rows;
     smoe_backend backend;
+    const char *row;
 } cfg;
+
+/* NCCL's C ABI (ncclComm_t a pointer, ncclResult_t an int, ncclUint8 1) */
+typedef int (*nccl_group_fn)(void);
+typedef int (*nccl_p2p_fn)(const void *, size_t, int, int, void *, cudaStream_t);
+static nccl_group_fn g_group_start, g_group_end;
+static nccl_p2p_fn g_send, g_recv;
 
 typedef struct rank_ctx {
     int r;
     const cfg *c;
     void *comm;
-    int ep; /* 1: the EP layer; 0: the single layer (every expert) */
+    int ep; /* 2: NCCL all-to-all alone; 1: the EP layer; 0: the single layer */
     pthread_barrier_t *bar;
     float fwd[MAXI], bwd[MAXI];
     char path[96];
@@ -99,6 +115,38 @@ static void *rank_main(void *arg) {
     CUDA_OK(cudaSetDevice(R->r));
     cudaStream_t s;
     CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    if (R->ep == 2) { /* the all-to-all of one EP exchange's bytes */
+        const size_t slice = (size_t)(c->capacity ? c->capacity : T) * (size_t)d * 2;
+        char *sendb = (char *)dalloc(slice * (size_t)c->P), *recvb = (char *)dalloc(slice * (size_t)c->P);
+        cudaEvent_t a, b;
+        CUDA_OK(cudaEventCreate(&a));
+        CUDA_OK(cudaEventCreate(&b));
+        for (int it = 0; it < 3 + c->iters; it++) {
+            pthread_barrier_wait(R->bar);
+            CUDA_OK(cudaEventRecord(a, s));
+            int e = g_group_start();
+            for (int q = 0; q < c->P && !e; q++) {
+                e |= g_send(sendb + (size_t)q * slice, slice, 1, q, R->comm, s);
+                e |= g_recv(recvb + (size_t)q * slice, slice, 1, q, R->comm, s);
+            }
+            e |= g_group_end();
+            if (e) {
+                fprintf(stderr, "FATAL: NCCL send/recv failed (%d)\n", e);
+                exit(3);
+            }
+            CUDA_OK(cudaEventRecord(b, s));
+            CUDA_OK(cudaEventSynchronize(b));
+            if (it >= 3) CUDA_OK(cudaEventElapsedTime(&R->fwd[it - 3], a, b));
+            if (it >= 3) R->bwd[it - 3] = R->fwd[it - 3];
+        }
+        cudaFree(sendb);
+        cudaFree(recvb);
+        cudaEventDestroy(a);
+        cudaEventDestroy(b);
+        cudaStreamDestroy(s);
+        snprintf(R->path, sizeof R->path, "nccl send/recv");
+        return NULL;
+    }
     smoe_layer_desc D = smoe_layer_desc_default();
     D.d = d; D.n = n; D.E = E; D.K = c->K;
     D.routing = SMOE_ROUTING_TOPK_SOFTMAX;
@@ -117,6 +165,7 @@ static void *rank_main(void *arg) {
         ed.nccl_comm = R->comm;
         ed.max_tokens = T;
         ed.capacity = c->capacity;
+        ed.expert_rows = c->expert_rows;
         SMOE_OK(smoe_ep_layer_create(&ed, &EPL));
         sb = smoe_ep_layer_saved_bytes(EPL, T);
         wb = smoe_ep_layer_workspace_bytes(EPL, T);
@@ -206,6 +255,7 @@ static float med_max(const rank_ctx *R, int P, int iters, int bwd) {
 
 static void run(const cfg *c, int ep, void **comms, float *f, float *b, char *path) {
     const int P = ep ? c->P : 1;
+    (void)P;
     rank_ctx R[MAXP];
     pthread_barrier_t bar;
     pthread_barrier_init(&bar, NULL, (unsigned)P);
@@ -223,10 +273,22 @@ static void run(const cfg *c, int ep, void **comms, float *f, float *b, char *pa
 }
 
 int main(int argc, char **argv) {
-    cfg c = {2, 20, 8192, 1536, 256, 128, 8, 0, SMOE_BACKEND_AUTO};
+    cfg c = {2, 20, 8192, 1536, 256, 128, 8, 0, 0, SMOE_BACKEND_AUTO, NULL};
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *k = argv[i], *v = argv[i + 1];
-        if (!strcmp(k, "-P")) c.P = atoi(v);
+        if (!strcmp(k, "-r")) {
+            c.row = v;
+            const size_t nrow = sizeof smoe_grid / sizeof smoe_grid[0];
+            size_t j = 0;
+            while (j < nrow && strcmp(smoe_grid[j].name, v)) j++;
+            if (j == nrow) {
+                fprintf(stderr, "no grid row %s\n", v);
+                return 2;
+            }
+            c.T = smoe_grid[j].T; c.d = smoe_grid[j].d; c.n = smoe_grid[j].n;
+            c.E = smoe_grid[j].E; c.K = smoe_grid[j].K;
+        } else if (!strcmp(k, "-P")) c.P = atoi(v);
+        else if (!strcmp(k, "-x")) c.expert_rows = atoll(v);
         else if (!strcmp(k, "-T")) c.T = atoll(v);
         else if (!strcmp(k, "-d")) c.d = atoll(v);
         else if (!strcmp(k, "-n")) c.n = atoll(v);
@@ -255,8 +317,12 @@ int main(int argc, char **argv) {
     if (h) {
         *(void **)&init_all = dlsym(h, "ncclCommInitAll");
         *(void **)&destroy = dlsym(h, "ncclCommDestroy");
+        *(void **)&g_group_start = dlsym(h, "ncclGroupStart");
+        *(void **)&g_group_end = dlsym(h, "ncclGroupEnd");
+        *(void **)&g_send = dlsym(h, "ncclSend");
+        *(void **)&g_recv = dlsym(h, "ncclRecv");
     }
-    if (!init_all || !destroy) {
+    if (!init_all || !destroy || !g_group_start || !g_group_end || !g_send || !g_recv) {
         fprintf(stderr, "no libnccl.so.2 (set SMOE_NCCL_LIBRARY)\n");
         return 2;
     }
@@ -267,24 +333,36 @@ int main(int argc, char **argv) {
         fprintf(stderr, "ncclCommInitAll failed\n");
         return 3;
     }
-    float ef, eb, sf, sbw;
-    char epath[96], spath[96];
+    float ef, eb, sf, sbw, af, ab;
+    char epath[96], spath[96], apath[96];
     run(&c, 1, comms, &ef, &eb, epath);
+    run(&c, 2, comms, &af, &ab, apath);
     run(&c, 0, NULL, &sf, &sbw, spath);
     for (int q = 0; q < c.P; q++) destroy(comms[q]);
     struct cudaDeviceProp prop;
     CUDA_OK(cudaGetDeviceProperties(&prop, 0));
-    printf("# %s x %d; T = %lld tokens per GPU, d = %lld, n = %lld, E = %lld, K = %lld, capacity "
-           "%lld; median of %d iterations (slowest rank)\n",
-           prop.name, c.P, (long long)c.T, (long long)c.d, (long long)c.n, (long long)c.E,
-           (long long)c.K, (long long)(c.capacity ? c.capacity : c.T), c.iters);
-    printf("%-50s %9s %9s %9s\n", "layer (kernel path)", "fwd ms", "bwd ms", "total");
+    const int64_t C = c.capacity ? c.capacity : c.T;
+    const double fl = 6.0 * (double)c.T * (double)c.K * (double)c.d * (double)c.n;
+    const double slice = (double)C * (double)c.d * 2.0;
+    printf("# %s x %d; %s T = %lld tokens per GPU, d = %lld, n = %lld, E = %lld, K = %lld; "
+           "capacity %lld, expert_rows %lld; median of %d iterations (slowest rank)\n",
+           prop.name, c.P, c.row ? c.row : "", (long long)c.T, (long long)c.d, (long long)c.n,
+           (long long)c.E, (long long)c.K, (long long)C, (long long)c.expert_rows, c.iters);
+    printf("%-52s %8s %8s %8s %8s %8s\n", "layer (kernel path)", "fwd ms", "bwd ms", "fwd TF",
+           "bwd TF", "total TF");
     char a[256], b[256];
     snprintf(a, sizeof a, "EP P=%d, E/P=%lld (%s)", c.P, (long long)(c.E / c.P), epath);
     snprintf(b, sizeof b, "single GPU, E=%lld (%s)", (long long)c.E, spath);
-    printf("%-50s %9.3f %9.3f %9.3f\n", a, ef, eb, ef + eb);
-    printf("%-50s %9.3f %9.3f %9.3f\n", b, sf, sbw, sf + sbw);
-    printf("EP / single: fwd %.2fx, bwd %.2fx, total %.2fx\n", ef / sf, eb / sbw,
-           (ef + eb) / (sf + sbw));
+    printf("%-52s %8.3f %8.3f %8.1f %8.1f %8.1f\n", a, ef, eb, fl / ef * 1e-9, 2 * fl / eb * 1e-9,
+           3 * fl / (ef + eb) * 1e-9);
+    printf("%-52s %8.3f %8.3f %8.1f %8.1f %8.1f\n", b, sf, sbw, fl / sf * 1e-9,
+           2 * fl / sbw * 1e-9, 3 * fl / (sf + sbw) * 1e-9);
+    printf("per-GPU EP / single: fwd %.1f%%, bwd %.1f%%, total %.1f%%\n", 100 * sf / ef,
+           100 * sbw / eb, 100 * (sf + sbw) / (ef + eb));
+    printf("nccl all-to-all of %d x %.1f MiB per rank: %.3f ms (%.0f GB/s per rank); EP comm "
+           "floor fwd %.3f ms, bwd %.3f ms; EP time beyond single + floor: fwd %.3f, bwd %.3f "
+           "ms\n",
+           c.P, slice / 1048576.0, af, c.P * slice / af * 1e-6, 2 * af, 3 * af,
+           ef - sf - 2 * af, eb - sbw - 3 * af);
     return 0;
 }

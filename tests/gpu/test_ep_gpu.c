@@ -9,9 +9,13 @@
  *  - P = 1, 2 and every GPU (up to 4); the three routing modes; the CUDA
  *    and Hopper backends; uneven T with a rank of none; gradients
  *    accumulated onto a known start; biases, activations, both W1 layouts;
- *  - two runs bitwise equal;
+ *  - two runs bitwise equal; forward + backward captured in a CUDA graph
+ *    (every rank's stream) replay bit for bit like the eager call (no host
+ *    synchronisation: a capture would fail on one);
  *  - a capacity too small: the sending rank's device check (EP_OVERFLOW)
- *    stops every rank (the others report its failure), out untouched.
+ *    stops every rank (the others report its failure), out untouched;
+ *  - refused at create on every rank: descriptions that differ (compared
+ *    over NCCL), E not a multiple of P (each rank's own check).
  * Needs libnccl (the loader's libnccl.so.2 or $SMOE_NCCL_LIBRARY); skips
  * without 1 GPU or NCCL. SMOE_EP_QUICK=1: the largest P alone.
  */
@@ -56,6 +60,10 @@ typedef struct gcase {
     int64_t capacity;  /* 0: worst case */
     int accumulate;    /* gradients accumulated onto 0.25 */
     int overflow;      /* the capacity is too small: every rank's call fails */
+    int one_rank;      /* GENERAL: every pair on rank 0's experts */
+    int mismatch;      /* rank 1's description has n + 8 */
+    const char *refused; /* create must fail on every rank with this text */
+    int graph;         /* forward + backward captured in a CUDA graph, replayed twice */
 } gcase;
 
 typedef struct grank {
@@ -69,7 +77,7 @@ typedef struct grank {
     char msg[512];
     double *out, *g[7];
     int32_t counts[64];
-    uint64_t hash[2];
+    uint64_t hash[3];
     int untouched; /* overflow: out still the poison */
 } grank;
 
@@ -100,6 +108,7 @@ static void *rank_main(void *arg) {
     smoe_ep_desc ed = smoe_ep_desc_default();
     ed.layer = D;
     ed.layer.device = r;
+    if (c->mismatch && r == 1) ed.layer.n += 8;
     ed.rank = r;
     ed.nranks = NP;
     ed.nccl_comm = R->comm;
@@ -150,7 +159,12 @@ static void *rank_main(void *arg) {
         gh[i] = (float *)malloc(gn[i] * 4 + 4);
     }
     unsigned char *oh = (unsigned char *)malloc(out_b + 1);
-    for (int run = 0; run < 2; run++) {
+    /* run 0 eager; then eager again, or (c->graph) forward + backward
+     * captured once into a CUDA graph and replayed twice */
+    const int runs = c->graph ? 3 : 2;
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    for (int run = 0; run < runs; run++) {
         CUDA_OK(cudaMemsetAsync(out, 0xC3, out_b, s));
         for (int i = 0; i < 7; i++) {
             for (size_t j = 0; j < gn[i]; j++) gh[i][j] = c->accumulate ? 0.25f : 0.0f;
@@ -165,20 +179,6 @@ static void *rank_main(void *arg) {
         fa.w1 = w1; fa.b1 = b1; fa.w2 = w2; fa.b2 = b2;
         fa.out = out;
         fa.expert_counts = counts;
-        R->st_fwd = smoe_ep_layer_forward(L, &fa, saved, sb, ws, wb, s);
-        if (R->st_fwd != SMOE_SUCCESS) {
-            snprintf(R->msg, sizeof R->msg, "forward: %s", smoe_last_error());
-            break;
-        }
-        if (c->overflow) {
-            /* every rank's call fails on the device; nothing else to run */
-            R->st_dev = smoe_ep_layer_device_status(L, s, 1);
-            snprintf(R->msg, sizeof R->msg, "%s", smoe_last_error());
-            CUDA_OK(cudaMemcpy(oh, out, out_b, cudaMemcpyDeviceToHost));
-            R->untouched = 1;
-            for (size_t i = 0; i < out_b; i++) R->untouched &= oh[i] == 0xC3;
-            break;
-        }
         smoe_backward_args ba;
         memset(&ba, 0, sizeof ba);
         ba.T = T; ba.x = x; ba.router_w = general ? NULL : wr; ba.pairs = fa.pairs;
@@ -191,11 +191,36 @@ static void *rank_main(void *arg) {
         ba.dw2 = (smoe_grad){gd[4], SMOE_DTYPE_F32, acc};
         ba.db2 = (smoe_grad){b2 ? gd[5] : NULL, SMOE_DTYPE_F32, acc};
         ba.dpair_score = (smoe_grad){general && R->np ? gd[6] : NULL, SMOE_DTYPE_F32, acc};
-        R->st_bwd = smoe_ep_layer_backward(L, &ba, saved, sb, ws, wb, s);
-        if (R->st_bwd != SMOE_SUCCESS) {
-            snprintf(R->msg, sizeof R->msg, "backward: %s", smoe_last_error());
-            break;
+        const int use_graph = c->graph && run > 0;
+        if (!use_graph || !exec) {
+            if (use_graph) CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+            R->st_fwd = smoe_ep_layer_forward(L, &fa, saved, sb, ws, wb, s);
+            if (R->st_fwd != SMOE_SUCCESS) {
+                snprintf(R->msg, sizeof R->msg, "forward: %s", smoe_last_error());
+                if (use_graph) cudaStreamEndCapture(s, &graph);
+                break;
+            }
+            if (c->overflow) {
+                /* every rank's call fails on the device; nothing else to run */
+                R->st_dev = smoe_ep_layer_device_status(L, s, 1);
+                snprintf(R->msg, sizeof R->msg, "%s", smoe_last_error());
+                CUDA_OK(cudaMemcpy(oh, out, out_b, cudaMemcpyDeviceToHost));
+                R->untouched = 1;
+                for (size_t i = 0; i < out_b; i++) R->untouched &= oh[i] == 0xC3;
+                break;
+            }
+            R->st_bwd = smoe_ep_layer_backward(L, &ba, saved, sb, ws, wb, s);
+            if (R->st_bwd != SMOE_SUCCESS) {
+                snprintf(R->msg, sizeof R->msg, "backward: %s", smoe_last_error());
+                if (use_graph) cudaStreamEndCapture(s, &graph);
+                break;
+            }
+            if (use_graph) {
+                CUDA_OK(cudaStreamEndCapture(s, &graph));
+                CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+            }
         }
+        if (use_graph) CUDA_OK(cudaGraphLaunch(exec, s));
         R->st_dev = smoe_ep_layer_device_status(L, s, 1);
         if (R->st_dev != SMOE_SUCCESS) {
             snprintf(R->msg, sizeof R->msg, "device: %s", smoe_last_error());
@@ -209,7 +234,7 @@ static void *rank_main(void *arg) {
             h = fnv(h, gh[i], gn[i] * 4);
         }
         R->hash[run] = h;
-        if (run == 1) {
+        if (run == runs - 1) {
             R->out = tu_from_dtype(SMOE_DTYPE_BF16, oh, (size_t)(T * d));
             for (int i = 0; i < 7; i++) {
                 R->g[i] = tu_alloc_d(gn[i] + 1);
@@ -226,6 +251,8 @@ static void *rank_main(void *arg) {
         free(gh[i]);
     }
     free(oh);
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
     cudaStreamDestroy(s);
     smoe_ep_layer_free(L);
     return NULL;
@@ -241,7 +268,17 @@ static void run_case(const char *name, const gcase *c, tu_rng *rng) {
      * on the GPU, double on the CPU) */
     for (int tries = 0;; tries++) {
         tu_problem_init(&P, &D, T, rng, 1.0, 0.5);
-        if (D.routing == SMOE_ROUTING_GENERAL) tu_problem_general(&P, rng, 0.4);
+        if (D.routing == SMOE_ROUTING_GENERAL) {
+            tu_problem_general(&P, rng, 0.4);
+            if (c->one_rank) { /* keep the pairs with e < E/P */
+                int64_t k = 0;
+                for (int64_t i = 0; i < P.pairs; i++)
+                    if (P.pe[i] < D.E / NP) {
+                        P.pt[k] = P.pt[i]; P.pe[k] = P.pe[i]; P.ps[k] = P.ps[i]; k++;
+                    }
+                P.pairs = k;
+            }
+        }
         if (tu_selection_margin(&P) > 1e-3 || tries == 50) break;
         tu_problem_free(&P);
     }
@@ -274,7 +311,12 @@ static void run_case(const char *name, const gcase *c, tu_rng *rng) {
     for (int q = 0; q < NP; q++) pthread_join(th[q], NULL);
     for (int q = 0; q < NP; q++) nccl_destroy(comms[q]);
 
-    if (c->overflow) {
+    if (c->refused) {
+        for (int q = 0; q < NP; q++)
+            CHECK(R[q].st_create != SMOE_SUCCESS && strstr(R[q].msg, c->refused),
+                  "rank %d: create gave %s (%s), want a refusal naming \"%s\"", q,
+                  smoe_status_string(R[q].st_create), R[q].msg, c->refused);
+    } else if (c->overflow) {
         for (int q = 0; q < NP; q++) {
             CHECK(R[q].st_create == SMOE_SUCCESS && R[q].st_fwd == SMOE_SUCCESS,
                   "rank %d: the call itself should be accepted (%s)", q, R[q].msg);
@@ -292,7 +334,9 @@ static void run_case(const char *name, const gcase *c, tu_rng *rng) {
                             R[q].st_bwd == SMOE_SUCCESS && R[q].st_dev == SMOE_SUCCESS,
                         "rank %d: %s", q, R[q].msg);
         for (int q = 0; q < NP && ok; q++)
-            CHECK(R[q].hash[0] == R[q].hash[1], "rank %d: two runs differ", q);
+            for (int k = 1; k < (c->graph ? 3 : 2); k++)
+                CHECK(R[q].hash[0] == R[q].hash[k], "rank %d: run %d differs from the first%s", q,
+                      k, c->graph ? " (a CUDA graph replay)" : "");
         if (ok) {
             single_res s64, s16;
             single_run(&P, dout, SMOE_DTYPE_F64, &s64);
@@ -405,11 +449,29 @@ int main(int argc, char **argv) {
         c.Tr[1] = 0;
         c.Tr[0] = 57;
         run_case("uneven, rank 1 without tokens", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_GENERAL, SMOE_BACKEND_CUDA);
+        c.one_rank = 1;
+        run_case("every pair on rank 0's experts", &c, &rng);
         c = base_case(P, SMOE_ROUTING_SOFTMAX_TOPK, hopper ? SMOE_BACKEND_SM90 : SMOE_BACKEND_CUDA);
         c.D.E = 16; c.D.K = 6; c.D.d = 128; c.D.n = 64;
         for (int q = 0; q < P; q++) c.Tr[q] = 200 + 37 * q;
         c.capacity = 0;
         run_case("K = 6 of 16", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_SOFTMAX_TOPK, hopper ? SMOE_BACKEND_SM90 : SMOE_BACKEND_CUDA);
+        c.graph = 1;
+        c.accumulate = 1;
+        run_case("CUDA graph replays", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_GENERAL, SMOE_BACKEND_CUDA);
+        c.graph = 1;
+        run_case("CUDA graph replays", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_CUDA);
+        c.mismatch = 1;
+        c.refused = "differs";
+        run_case("descriptions differ between ranks", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_CUDA);
+        c.D.E = 8 * P + 1;
+        c.refused = "split evenly";
+        run_case("E not a multiple of P", &c, &rng);
         c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_CUDA);
         c.capacity = 3; /* 40+ tokens, K = 2 of 8 over P ranks: overflow */
         c.overflow = 1;
