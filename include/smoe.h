@@ -340,13 +340,15 @@ SMOE_API smoe_status smoe_route_cpu(const smoe_layer_desc *desc, int64_t T,
  * the design.
  *
  * Calls are collective: every rank of the group calls create, forward,
- * backward and free together, with the same description (checked at
- * create where the transport allows); T may differ per rank.
+ * backward and free together, with the same description but for rank,
+ * nccl_comm and layer.device (each rank's GPU), compared at create; T may
+ * differ per rank.
  *
  * Transport. An in-process group (smoe_ep_group: P ranks as P threads of one
  * process, on the CPU backend) for simulation and tests; the caller's NCCL
- * communicator for the CUDA backends (libnccl is loaded at run time, the
- * one already in the process first, e.g. PyTorch's; P <= 64). On the CPU
+ * communicator for the CUDA backends (libnccl is loaded at run time: the
+ * one already in the process, e.g. PyTorch's, else $SMOE_NCCL_LIBRARY, else
+ * libnccl.so.2; P <= 64; layer.device is this rank's GPU). On the CPU
  * every call's refusal is agreed by all ranks; with NCCL a call refused by
  * one rank's host checks returns on that rank only, and the other ranks'
  * calls wait for it in their transfers, as with any collective one rank
