@@ -9,14 +9,17 @@ algorithm), over the C library libsmoe through ctypes.
     smoe.set_debug(True)                           CUDA: every call waits and raises its own
                                                    device-side error at once ($SMOE_DEBUG=1)
     smoe.check_device()                            CUDA: waits, raises an error the GPU found
+    smoe.EPGroup(group), smoe.EPMoE(..., ep_group, max_tokens)
+                                                   expert parallelism over torch.distributed
 """
 from ._lib import SmoeError, library_path
 from ._lib import version as library_version
 from .functional import moe, moe_general, layer_info, set_debug, check_device
 from .module import MoE, Experts, switch_load_balancing_loss, load_hf_moe_weights
+from .ep import EPGroup, EPMoE
 
 __version__ = "0.2.0"
 
 __all__ = ["moe", "moe_general", "MoE", "Experts", "SmoeError", "switch_load_balancing_loss",
            "load_hf_moe_weights", "layer_info", "library_path", "library_version", "set_debug",
-           "check_device"]
+           "check_device", "EPGroup", "EPMoE"]

@@ -1,0 +1,327 @@
+"""smoe.EPMoE: the expert-parallel layer over a torch.distributed group.
+
+Each of the group's P processes (one GPU each) holds E/P experts (rank r:
+experts [r E/P, (r+1) E/P)) and passes its own tokens; the library moves
+each token to the ranks of its experts and back over NCCL, on the current
+CUDA stream, with no host synchronisation (include/smoe.h, "expert
+parallelism"; notes/ep_design.md).
+
+The library's NCCL communicator is its own, made from a unique id that rank
+0 of the group creates and broadcasts over the group (as vLLM's ctypes NCCL
+wrapper does), with the libnccl this process already has (PyTorch's):
+
+    group = smoe.EPGroup(torch.distributed.group.WORLD)   # collective, once
+    layer = smoe.EPMoE(num_experts=64, num_experts_per_tok=8, hidden_size=1024,
+                       intermediate_size=512, ep_group=group, max_tokens=8192).cuda().bfloat16()
+    out, aux_loss = layer(x)          # x: this rank's tokens (..., 1024)
+
+Calls are collective: every rank runs forward and backward of the layer
+together (T may differ per rank, at most max_tokens). The router weight is
+replicated: its gradient here is this rank's share, to be summed over the
+group like any replicated parameter's (DDP does; or layer.reduce_router_grad()).
+The expert weights are this rank's own: do not average them over the group.
+CUDA tensors, bfloat16. Eager autograd (torch.compile: not yet).
+"""
+import ctypes
+import os
+
+import torch
+import torch.nn as nn
+
+from . import _lib as L
+from ._lib import SmoeError
+from .functional import ACTIVATIONS, GATED, ROUTINGS, W1_LAYOUTS, _aligned, _enum
+from .module import Experts, switch_load_balancing_loss
+
+__all__ = ["EPGroup", "EPMoE"]
+
+
+class _NcclUniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * 128)]
+
+
+_nccl = None
+
+
+def _nccl_lib():
+    """libnccl: the one this process has loaded (PyTorch's, found by its
+    soname), else $SMOE_NCCL_LIBRARY, else the nvidia-nccl wheel's. libsmoe
+    then finds the same library (it looks for a loaded libnccl.so.2 first)."""
+    global _nccl
+    if _nccl is not None:
+        return _nccl
+    names = ["libnccl.so.2"]
+    env = os.environ.get("SMOE_NCCL_LIBRARY")
+    if env:
+        names.insert(0, env)
+    try:
+        import nvidia.nccl
+        for p in nvidia.nccl.__path__:
+            names.append(os.path.join(p, "lib", "libnccl.so.2"))
+    except ImportError:
+        pass
+    errors = []
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            break
+        except OSError as e:
+            errors.append(str(e))
+    else:
+        raise SmoeError(L.SMOE_ERROR_NO_DEVICE, "smoe.EPGroup: no libnccl (%s); set "
+                        "SMOE_NCCL_LIBRARY" % "; ".join(errors))
+    lib.ncclGetUniqueId.restype = ctypes.c_int
+    lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(_NcclUniqueId)]
+    lib.ncclCommInitRank.restype = ctypes.c_int
+    lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                                     _NcclUniqueId, ctypes.c_int]
+    lib.ncclCommDestroy.restype = ctypes.c_int
+    lib.ncclCommDestroy.argtypes = [ctypes.c_void_p]
+    lib.ncclGetErrorString.restype = ctypes.c_char_p
+    lib.ncclGetErrorString.argtypes = [ctypes.c_int]
+    _nccl = lib
+    return lib
+
+
+def _nccl_check(r, what):
+    if r != 0:
+        raise SmoeError(L.SMOE_ERROR_BACKEND, "smoe.EPGroup: %s: %s"
+                        % (what, _nccl_lib().ncclGetErrorString(r).decode(errors="replace")))
+
+
+class EPGroup:
+    """The library's NCCL communicator over a torch.distributed process group
+    (default: the world), on this process's current CUDA device. Collective:
+    every rank of the group constructs it together."""
+
+    def __init__(self, group=None, device=None):
+        import torch.distributed as dist
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device(device)
+        nccl = _nccl_lib()
+        uid = _NcclUniqueId()
+        if self.rank == 0:
+            _nccl_check(nccl.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+        t = torch.tensor(list(bytes(uid)), dtype=torch.uint8, device=self.device)
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+        uid = _NcclUniqueId.from_buffer_copy(bytes(t.cpu().tolist()))
+        comm = ctypes.c_void_p()
+        with torch.cuda.device(self.device):
+            _nccl_check(nccl.ncclCommInitRank(ctypes.byref(comm), self.size, uid, self.rank),
+                        "ncclCommInitRank")
+        self.comm = comm
+
+    def __del__(self):
+        comm, self.comm = getattr(self, "comm", None), None
+        if comm is not None and comm.value:
+            try:
+                _nccl_lib().ncclCommDestroy(comm)
+            except Exception:  # interpreter shutdown
+                pass
+
+
+class _EPLayer:
+    """One smoe_ep_layer handle (freed with the object) and its sizes per T."""
+
+    def __init__(self, desc):
+        lib = L.lib()
+        ptr = ctypes.c_void_p()
+        L.check(lib.smoe_ep_layer_create(ctypes.byref(desc), ctypes.byref(ptr)))
+        self._lib = lib
+        self.ptr = ptr
+        self.desc = desc
+        self.path_name = lib.smoe_ep_layer_path_name(ptr).decode()
+        self._sizes = {}
+
+    def __del__(self):
+        ptr, self.ptr = getattr(self, "ptr", None), None
+        if ptr is not None and ptr.value:
+            try:
+                self._lib.smoe_ep_layer_free(ptr)
+            except Exception:
+                pass
+
+    def sizes(self, T):
+        s = self._sizes.get(T)
+        if s is None:
+            ws = self._lib.smoe_ep_layer_workspace_bytes(self.ptr, T)
+            sv = self._lib.smoe_ep_layer_saved_bytes(self.ptr, T)
+            if ws == 0 or sv == 0:
+                raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, L.last_error())
+            s = self._sizes[T] = (ws, sv)
+        return s
+
+    def call(self, fn, args, saved, ws, stream):
+        lib = self._lib
+        st = lib.smoe_ep_layer_device_status(self.ptr, stream, 0)
+        if st != L.SMOE_SUCCESS:
+            raise SmoeError(st, "%s (found on the device in an earlier call of this layer; "
+                            "this call was not run)" % L.last_error())
+        ptype = fn.argtypes[1]  # POINTER(smoe_forward_args) or (smoe_backward_args)
+        L.check(fn(self.ptr, ctypes.cast(ctypes.pointer(args), ptype), saved.data_ptr(),
+                   saved.numel(), ws.data_ptr(), ws.numel(), stream))
+
+
+def _p(t):
+    return t.data_ptr() if t is not None else None
+
+
+class _EPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, router_w, w1, w2, b1, b2, layer):
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        T, E = x.shape[0], layer.desc.layer.E
+        ws_n, saved_n = layer.sizes(T)
+        out = torch.empty_like(x)
+        counts = torch.empty(E, dtype=torch.int32, device=x.device)
+        logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+        saved = torch.empty(saved_n, dtype=torch.uint8, device=x.device)
+        ws = torch.empty(ws_n, dtype=torch.uint8, device=x.device)
+        args = L.forward_args_raw(T, x.data_ptr(), router_w.data_ptr(), 0, None, None, None,
+                                  w1.data_ptr(), _p(b1), w2.data_ptr(), _p(b2), out.data_ptr(),
+                                  logits.data_ptr(), counts.data_ptr(), 0)
+        layer.call(layer._lib.smoe_ep_layer_forward, args, saved, ws, stream)
+        ctx.layer = layer
+        ctx.has_bias = b1 is not None
+        ctx.save_for_backward(x, router_w, w1, w2, b2, saved)
+        ctx.mark_non_differentiable(counts)
+        return out, counts, logits
+
+    @staticmethod
+    def backward(ctx, dout, dcounts, dlogits):
+        x, router_w, w1, w2, b2, saved = ctx.saved_tensors
+        layer = ctx.layer
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        T = x.shape[0]
+        ws_n, _ = layer.sizes(T)
+        ws = torch.empty(ws_n, dtype=torch.uint8, device=x.device)
+        dout = _aligned(dout.to(x.dtype), 16)
+        if dlogits is not None:
+            dlogits = _aligned(dlogits.to(torch.float32), 4)
+        needs = ctx.needs_input_grad
+        dx = torch.empty_like(x) if needs[0] else None
+        dwr = torch.empty_like(router_w) if needs[1] else None
+        dw1 = torch.empty_like(w1) if needs[2] else None
+        dw2 = torch.empty_like(w2) if needs[3] else None
+        db1 = (torch.empty(w1.shape[:2], dtype=w1.dtype, device=w1.device)
+               if ctx.has_bias and needs[4] else None)
+        db2 = torch.empty_like(b2) if ctx.has_bias and needs[5] else None
+        dt = layer.desc.layer.dtype
+        args = L.backward_args_raw(T, x.data_ptr(), router_w.data_ptr(), 0, w1.data_ptr(),
+                                   w2.data_ptr(), _p(b2), dout.data_ptr(), _p(dlogits),
+                                   _p(dx), dt, 0, _p(dwr), dt, 0, _p(dw1), dt, 0, _p(db1), dt, 0,
+                                   _p(dw2), dt, 0, _p(db2), dt, 0, None, L.SMOE_DTYPE_F32, 0)
+        layer.call(layer._lib.smoe_ep_layer_backward, args, saved, ws, stream)
+        return dx, dwr, dw1, dw2, db1, db2, None
+
+
+class EPMoE(nn.Module):
+    """smoe.MoE's layer, expert-parallel over `ep_group` (an EPGroup, or a
+    torch.distributed group to make one from). Parameters on this rank:
+    router (E, d) replicated; c_fc (E/P, 2n|n, d) and c_proj (E/P, d, n)
+    this rank's experts, [rank E/P, (rank+1) E/P) of the whole layer.
+
+    max_tokens: the largest token count any rank's call passes (sizes the
+    exchange buffers); capacity (rows one rank sends another per call, 0 =
+    max_tokens) and expert_rows ((row, expert) pairs one rank computes, 0 =
+    the worst case) as in smoe_ep_desc: a call beyond them fails on every
+    rank, raised by the layer's next call or smoe.EPMoE.check_device().
+
+    forward(hidden_states (..., d)) -> (out (..., d), aux_loss): aux_loss is
+    the Switch load-balancing loss of this rank's tokens."""
+
+    def __init__(self, num_experts, num_experts_per_tok, hidden_size, intermediate_size,
+                 activation_function="swiglu", add_bias=False, std=0.02, *, ep_group=None,
+                 max_tokens, capacity=0, expert_rows=0, routing="topk_softmax",
+                 renormalize=True, w1_layout="interleaved"):
+        super().__init__()
+        self.group = ep_group if isinstance(ep_group, EPGroup) else EPGroup(ep_group)
+        P, r = self.group.size, self.group.rank
+        if num_experts % P:
+            raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "smoe.EPMoE: num_experts = %d cannot be "
+                            "split evenly over %d ranks" % (num_experts, P))
+        self.num_experts = num_experts
+        self.top_k = num_experts_per_tok
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.activation = _enum(ACTIVATIONS, activation_function, "activation_function")
+        self.routing = _enum(ROUTINGS, routing, "routing")
+        if self.routing == L.SMOE_ROUTING_GENERAL:
+            raise SmoeError(L.SMOE_ERROR_UNSUPPORTED, "smoe.EPMoE: routing 'general' is not "
+                            "offered here (use the C API)")
+        self.renormalize = bool(renormalize)
+        self.w1_layout = _enum(W1_LAYOUTS, w1_layout, "w1_layout")
+        self.max_tokens, self.capacity, self.expert_rows = max_tokens, capacity, expert_rows
+        self.local_experts = num_experts // P
+        self.expert_start = r * self.local_experts
+        gated = self.activation in GATED
+        self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        nn.init.normal_(self.router.weight, mean=0.0, std=std)
+        self.c_fc = Experts(self.local_experts, hidden_size,
+                            2 * intermediate_size if gated else intermediate_size, add_bias, std)
+        self.c_proj = Experts(self.local_experts, intermediate_size, hidden_size, add_bias, std)
+        self._layer = None
+
+    def _get_layer(self, device, dtype):
+        if self._layer is None:
+            if dtype != torch.bfloat16 or device.type != "cuda":
+                raise SmoeError(L.SMOE_ERROR_UNSUPPORTED, "smoe.EPMoE: CUDA bfloat16 tensors "
+                                "(got %s %s)" % (device, dtype))
+            lib = L.lib()
+            ed = lib.smoe_ep_desc_default()
+            D = ed.layer
+            D.d, D.n, D.E, D.K = (self.hidden_size, self.intermediate_size, self.num_experts,
+                                  self.top_k)
+            D.activation, D.w1_layout = self.activation, self.w1_layout
+            D.has_bias = int(self.c_fc.bias is not None)
+            D.routing, D.renormalize = self.routing, int(self.renormalize)
+            D.dtype = L.SMOE_DTYPE_BF16
+            D.backend = L.SMOE_BACKEND_AUTO
+            D.device = device.index if device.index is not None else torch.cuda.current_device()
+            ed.layer = D
+            ed.rank, ed.nranks = self.group.rank, self.group.size
+            ed.nccl_comm = self.group.comm
+            ed.max_tokens, ed.capacity, ed.expert_rows = (self.max_tokens, self.capacity,
+                                                          self.expert_rows)
+            self._layer = _EPLayer(ed)
+        return self._layer
+
+    @property
+    def path_name(self):
+        return self._layer.path_name if self._layer is not None else None
+
+    def forward(self, hidden_states):
+        shape = hidden_states.shape
+        x = _aligned(hidden_states.reshape(-1, shape[-1]), 16)
+        layer = self._get_layer(x.device, x.dtype)
+        if x.shape[0] > self.max_tokens:
+            raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "smoe.EPMoE: %d tokens, more than "
+                            "max_tokens = %d" % (x.shape[0], self.max_tokens))
+        w = [_aligned(t, 16) if t is not None else None for t in (
+            self.router.weight, self.c_fc.weight, self.c_proj.weight, self.c_fc.bias,
+            self.c_proj.bias)]
+        out, counts, logits = _EPFunction.apply(x, *w, layer)
+        aux = switch_load_balancing_loss(logits, counts)
+        return out.reshape(shape), aux
+
+    def reduce_router_grad(self):
+        """Sums the router weight's gradient over the group (the rank's
+        share of a replicated parameter's gradient; not needed under DDP,
+        which does it)."""
+        import torch.distributed as dist
+        if self.router.weight.grad is not None:
+            dist.all_reduce(self.router.weight.grad, group=self.group.group)
+
+    def check_device(self):
+        """Waits for the current stream and raises what the GPU found in this
+        layer's calls (an exchange over capacity, another rank's failure)."""
+        if self._layer is None:
+            return
+        stream = torch.cuda.current_stream().cuda_stream
+        st = self._layer._lib.smoe_ep_layer_device_status(self._layer.ptr, stream, 1)
+        if st != L.SMOE_SUCCESS:
+            raise SmoeError(st, L.last_error())
