@@ -228,54 +228,18 @@ static void run_case(const char *name, const ep_case *c, tu_rng *rng, int expect
             const int bf16 = D.dtype == SMOE_DTYPE_BF16;
             single_run(&P, dout, SMOE_DTYPE_F64, &s64);
             if (bf16) single_run(&P, dout, SMOE_DTYPE_BF16, &s16);
-            const int64_t d = D.d, n = D.n, E = D.E, El = E / NP, hc = P.hc;
+            double *dwr[MAXP];
+            const int32_t *cnts[MAXP];
             for (int q = 0; q < NP; q++) {
                 const rank_run *Rq = &R[q];
-                char what[64];
-                snprintf(what, sizeof what, "rank %d out", q);
-                close_enough(what, Rq->out, s64.out + Rq->t0 * d, bf16 ? s16.out + Rq->t0 * d : NULL,
-                             (size_t)(Rq->T * d), bf16);
-                snprintf(what, sizeof what, "rank %d dx", q);
-                close_enough(what, Rq->dx, s64.g[TU_GX] + Rq->t0 * d,
-                             bf16 ? s16.g[TU_GX] + Rq->t0 * d : NULL, (size_t)(Rq->T * d), bf16);
-                snprintf(what, sizeof what, "rank %d dw1 (its experts)", q);
-                close_enough(what, Rq->dw1, s64.g[TU_GW1] + (size_t)q * El * hc * d,
-                             bf16 ? s16.g[TU_GW1] + (size_t)q * El * hc * d : NULL,
-                             (size_t)(El * hc * d), bf16);
-                snprintf(what, sizeof what, "rank %d dw2 (its experts)", q);
-                close_enough(what, Rq->dw2, s64.g[TU_GW2] + (size_t)q * El * d * n,
-                             bf16 ? s16.g[TU_GW2] + (size_t)q * El * d * n : NULL,
-                             (size_t)(El * d * n), bf16);
-                if (P.b1) {
-                    snprintf(what, sizeof what, "rank %d db1", q);
-                    close_enough(what, Rq->db1, s64.g[TU_GB1] + (size_t)q * El * hc,
-                                 bf16 ? s16.g[TU_GB1] + (size_t)q * El * hc : NULL,
-                                 (size_t)(El * hc), bf16);
-                    snprintf(what, sizeof what, "rank %d db2", q);
-                    close_enough(what, Rq->db2, s64.g[TU_GB2] + (size_t)q * El * d,
-                                 bf16 ? s16.g[TU_GB2] + (size_t)q * El * d : NULL,
-                                 (size_t)(El * d), bf16);
-                }
-                if (D.routing == SMOE_ROUTING_GENERAL && Rq->np) {
-                    snprintf(what, sizeof what, "rank %d dpair_score", q);
-                    close_enough(what, Rq->dps, s64.g[TU_GPS] + Rq->p0,
-                                 bf16 ? s16.g[TU_GPS] + Rq->p0 : NULL, (size_t)Rq->np, bf16);
-                }
+                double *const g[TU_NGRAD] = {Rq->dx, Rq->dwr, Rq->dw1, Rq->db1,
+                                             Rq->dw2, Rq->db2, Rq->dps};
+                ep_check_rank(q, NP, &P, &s64, &s16, bf16, Rq->t0, Rq->T, Rq->p0, Rq->np,
+                              Rq->out, g);
+                dwr[q] = Rq->dwr;
+                cnts[q] = Rq->counts;
             }
-            if (D.routing != SMOE_ROUTING_GENERAL) {
-                /* drouter_w: the sum of the ranks' shares; counts likewise */
-                double *sum = tu_alloc_d((size_t)(E * d));
-                int32_t cnt[64] = {0};
-                for (int q = 0; q < NP; q++) {
-                    for (int64_t i = 0; i < E * d; i++) sum[i] += R[q].dwr[i];
-                    for (int64_t e = 0; e < E; e++) cnt[e] += R[q].counts[e];
-                }
-                close_enough("drouter_w (summed over ranks)", sum, s64.g[TU_GWR],
-                             bf16 ? s16.g[TU_GWR] : NULL, (size_t)(E * d), bf16);
-                CHECK(!memcmp(cnt, s64.counts, (size_t)E * 4),
-                      "expert counts summed over ranks differ from the single layer's");
-                free(sum);
-            }
+            ep_check_sums(NP, &P, &s64, &s16, bf16, dwr, cnts);
             single_free(&s64);
             if (bf16) single_free(&s16);
         }

@@ -341,49 +341,16 @@ static void run_case(const char *name, const gcase *c, tu_rng *rng) {
             single_res s64, s16;
             single_run(&P, dout, SMOE_DTYPE_F64, &s64);
             single_run(&P, dout, SMOE_DTYPE_BF16, &s16);
-            const int64_t d = D.d, n = D.n, E = D.E, El = E / NP, hc = P.hc;
+            double *dwr[MAXP];
+            const int32_t *cnts[MAXP];
             for (int q = 0; q < NP; q++) {
                 const grank *Rq = &R[q];
-                char what[64];
-                snprintf(what, sizeof what, "rank %d out", q);
-                close_enough(what, Rq->out, s64.out + Rq->t0 * d, s16.out + Rq->t0 * d,
-                             (size_t)(Rq->T * d), 1);
-                snprintf(what, sizeof what, "rank %d dx", q);
-                close_enough(what, Rq->g[TU_GX], s64.g[TU_GX] + Rq->t0 * d,
-                             s16.g[TU_GX] + Rq->t0 * d, (size_t)(Rq->T * d), 1);
-                snprintf(what, sizeof what, "rank %d dw1", q);
-                close_enough(what, Rq->g[TU_GW1], s64.g[TU_GW1] + (size_t)q * El * hc * d,
-                             s16.g[TU_GW1] + (size_t)q * El * hc * d, (size_t)(El * hc * d), 1);
-                snprintf(what, sizeof what, "rank %d dw2", q);
-                close_enough(what, Rq->g[TU_GW2], s64.g[TU_GW2] + (size_t)q * El * d * n,
-                             s16.g[TU_GW2] + (size_t)q * El * d * n, (size_t)(El * d * n), 1);
-                if (P.b1) {
-                    snprintf(what, sizeof what, "rank %d db1", q);
-                    close_enough(what, Rq->g[TU_GB1], s64.g[TU_GB1] + (size_t)q * El * hc,
-                                 s16.g[TU_GB1] + (size_t)q * El * hc, (size_t)(El * hc), 1);
-                    snprintf(what, sizeof what, "rank %d db2", q);
-                    close_enough(what, Rq->g[TU_GB2], s64.g[TU_GB2] + (size_t)q * El * d,
-                                 s16.g[TU_GB2] + (size_t)q * El * d, (size_t)(El * d), 1);
-                }
-                if (D.routing == SMOE_ROUTING_GENERAL && Rq->np) {
-                    snprintf(what, sizeof what, "rank %d dpair_score", q);
-                    close_enough(what, Rq->g[TU_GPS], s64.g[TU_GPS] + Rq->p0,
-                                 s16.g[TU_GPS] + Rq->p0, (size_t)Rq->np, 1);
-                }
+                ep_check_rank(q, NP, &P, &s64, &s16, 1, Rq->t0, Rq->T, Rq->p0, Rq->np, Rq->out,
+                              Rq->g);
+                dwr[q] = Rq->g[TU_GWR];
+                cnts[q] = Rq->counts;
             }
-            int32_t cnt[64] = {0};
-            for (int q = 0; q < NP; q++)
-                for (int64_t e = 0; e < E; e++) cnt[e] += R[q].counts[e];
-            CHECK(!memcmp(cnt, s64.counts, (size_t)E * 4),
-                  "expert counts summed over ranks differ from the single layer's");
-            if (D.routing != SMOE_ROUTING_GENERAL) {
-                double *sum = tu_alloc_d((size_t)(E * d));
-                for (int q = 0; q < NP; q++)
-                    for (int64_t i = 0; i < E * d; i++) sum[i] += R[q].g[TU_GWR][i];
-                close_enough("drouter_w (summed over ranks)", sum, s64.g[TU_GWR], s16.g[TU_GWR],
-                             (size_t)(E * d), 1);
-                free(sum);
-            }
+            ep_check_sums(NP, &P, &s64, &s16, 1, dwr, cnts);
             single_free(&s64);
             single_free(&s16);
         }
