@@ -12,7 +12,8 @@
  *  - P = 1..4, uneven token counts with a rank of none, every pair on one
  *    rank's experts, each routing mode EP takes, biases, activations, both
  *    W1 layouts, fp32 gradients accumulated;
- *  - two runs bitwise equal;
+ *  - two runs bitwise equal; an inference forward (no saved block) between
+ *    forward and backward gives the same out bit for bit;
  *  - refusals on every rank at once: E not a multiple of P, token
  *    rounding, a description that differs between ranks, a capacity too
  *    small (the sender's overflow), a bad argument on one rank only.
@@ -49,6 +50,7 @@ typedef struct rank_run {
     double *out, *dx, *dwr, *dw1, *db1, *dw2, *db2, *dps;
     int32_t counts[64];
     uint64_t hash;
+    int inf_same; /* an inference forward gave the training forward's out */
 } rank_run;
 
 static void *rank_main(void *arg) {
@@ -114,6 +116,17 @@ static void *rank_main(void *arg) {
     if (R->st_fwd != SMOE_SUCCESS) {
         snprintf(R->msg, sizeof R->msg, "%s", smoe_last_error());
     } else {
+        /* an inference forward (no saved block) between the training forward
+         * and its backward: the same out, and the saved block untouched */
+        smoe_forward_args fi = fa;
+        void *out2 = malloc((size_t)(T * d) * es + 16);
+        fi.out = out2;
+        fi.router_logits = NULL;
+        fi.expert_counts = NULL;
+        fi.inference = 1;
+        const smoe_status si = smoe_ep_layer_forward(L, &fi, NULL, 0, ws, wb, NULL);
+        R->inf_same = si == SMOE_SUCCESS && !memcmp(out, out2, (size_t)(T * d) * es);
+        free(out2);
         /* gradients: fp32, accumulated onto 0.25 where asked */
         const size_t gn[7] = {(size_t)(T * d), (size_t)(E * d), (size_t)(El * hc * d),
                               (size_t)(El * hc), (size_t)(El * d * n), (size_t)(El * d),
@@ -223,6 +236,9 @@ static void run_case(const char *name, const ep_case *c, tu_rng *rng, int expect
                         "rank %d: %s", q, R[q].msg);
         for (int q = 0; q < NP; q++)
             CHECK(hashes[0][q] == hashes[1][q], "rank %d: two runs differ", q);
+        for (int q = 0; q < NP; q++)
+            CHECK(R[q].inf_same, "rank %d: the inference forward's out differs from training's",
+                  q);
         if (ok) {
             single_res s64, s16;
             const int bf16 = D.dtype == SMOE_DTYPE_BF16;

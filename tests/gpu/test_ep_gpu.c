@@ -9,6 +9,8 @@
  *  - P = 1, 2 and every GPU (up to 4); the three routing modes; the CUDA
  *    and Hopper backends; uneven T with a rank of none; gradients
  *    accumulated onto a known start; biases, activations, both W1 layouts;
+ *  - an inference forward (no saved block) between forward and backward
+ *    gives the same out bit for bit;
  *  - two runs bitwise equal; forward + backward captured in a CUDA graph
  *    (every rank's stream) replay bit for bit like the eager call (no host
  *    synchronisation: a capture would fail on one);
@@ -79,6 +81,7 @@ typedef struct grank {
     int32_t counts[64];
     uint64_t hash[3];
     int untouched; /* overflow: out still the poison */
+    int inf_same;  /* an inference forward gave the training forward's out */
 } grank;
 
 static void *up(const void *h, size_t bytes) {
@@ -209,6 +212,23 @@ static void *rank_main(void *arg) {
                 for (size_t i = 0; i < out_b; i++) R->untouched &= oh[i] == 0xC3;
                 break;
             }
+            if (run == 0) {
+                /* an inference forward (no saved block) between the
+                 * training forward and its backward: the same out */
+                smoe_forward_args fi = fa;
+                void *out2 = up(NULL, out_b);
+                unsigned char *o2 = (unsigned char *)malloc(out_b + 1);
+                fi.out = out2;
+                fi.expert_counts = NULL;
+                fi.inference = 1;
+                const smoe_status si = smoe_ep_layer_forward(L, &fi, NULL, 0, ws, wb, s);
+                CUDA_OK(cudaStreamSynchronize(s));
+                CUDA_OK(cudaMemcpy(oh, out, out_b, cudaMemcpyDeviceToHost));
+                CUDA_OK(cudaMemcpy(o2, out2, out_b, cudaMemcpyDeviceToHost));
+                R->inf_same = si == SMOE_SUCCESS && !memcmp(oh, o2, out_b);
+                cudaFree(out2);
+                free(o2);
+            }
             R->st_bwd = smoe_ep_layer_backward(L, &ba, saved, sb, ws, wb, s);
             if (R->st_bwd != SMOE_SUCCESS) {
                 snprintf(R->msg, sizeof R->msg, "backward: %s", smoe_last_error());
@@ -333,6 +353,9 @@ static void run_case(const char *name, const gcase *c, tu_rng *rng) {
             ok &= CHECK(R[q].st_create == SMOE_SUCCESS && R[q].st_fwd == SMOE_SUCCESS &&
                             R[q].st_bwd == SMOE_SUCCESS && R[q].st_dev == SMOE_SUCCESS,
                         "rank %d: %s", q, R[q].msg);
+        for (int q = 0; q < NP && ok; q++)
+            CHECK(R[q].inf_same, "rank %d: the inference forward's out differs from training's",
+                  q);
         for (int q = 0; q < NP && ok; q++)
             for (int k = 1; k < (c->graph ? 3 : 2); k++)
                 CHECK(R[q].hash[0] == R[q].hash[k], "rank %d: run %d differs from the first%s", q,
