@@ -292,9 +292,6 @@ smoe_status smoe_ep_layer_create(const smoe_ep_desc *desc, smoe_ep_layer **out)
 void smoe_ep_layer_free(smoe_ep_layer *ep)
 {
     if (!ep) return;
-#ifdef SMOE_WITH_CUDA
-    if (ep->cuda) smoe_ep_cuda_free(ep);
-#endif
     smoe_layer_free(ep->full);
     smoe_layer_free(ep->experts);
     free(ep);

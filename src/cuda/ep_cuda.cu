@@ -564,10 +564,6 @@ static unsigned blocks_for(int64_t n, int threads)
 
 /* ------------------------------------------------------------ create */
 
-typedef struct ep_cuda {
-    int dummy;
-} ep_cuda;
-
 smoe_status smoe_ep_cuda_init(smoe_ep_layer *ep)
 {
     const char *fn = "smoe_ep_layer_create";
@@ -630,8 +626,6 @@ smoe_status smoe_ep_cuda_init(smoe_ep_layer *ep)
     cudaSetDevice(prev);
     return r;
 }
-
-void smoe_ep_cuda_free(smoe_ep_layer *ep) { (void)ep; }
 
 /* ------------------------------------------------------------ forward */
 
