@@ -71,6 +71,7 @@ GPU_TEST_BIN := $(GPU_TEST_SRC:tests/gpu/%.c=$(BUILD)/tests/gpu/%)
 GPU_TEST_CU  := $(wildcard tests/gpu/test_*.cu)
 GPU_TEST_BIN += $(GPU_TEST_CU:tests/gpu/%.cu=$(BUILD)/tests/gpu/%)
 PROGS += $(if $(wildcard bench/bench.c),$(BUILD)/smoe_bench) $(BUILD)/smoe_ep_bench
+PROGS += $(BUILD)/nccl_overlap_probe
 endif
 
 .PHONY: all lib run test test-gpu sanitize fuzz bench clean print-version print-gpu-tests
@@ -111,6 +112,10 @@ $(BUILD)/smoe_bench: bench/bench.c bench/grid.h $(LIB_A)
 
 $(BUILD)/smoe_ep_bench: bench/ep_bench.c bench/grid.h $(LIB_A)
 	$(CC) $(CFLAGS) $< -o $@ $(LIB_A) $(LDLIBS)
+
+# NCCL beside a kernel that holds most SMs (what the EP overlap needs)
+$(BUILD)/nccl_overlap_probe: bench/nccl_overlap_probe.cu
+	$(NVCC) -O2 $(CUDA_ARCH_PORTABLE) $< -o $@ -ldl -lpthread
 
 $(BUILD)/example: examples/example.c $(LIB_A)
 	$(CC) $(CFLAGS) $< -o $@ $(LIB_A) $(LDLIBS)

@@ -6,14 +6,19 @@
  *
  *   smoe_ep_bench [-r grid row] [-P ranks] [-T tokens per rank] [-d] [-n] [-E]
  *                 [-K] [-c capacity] [-x expert_rows] [-i iterations]
- *                 [-b cuda|sm90]
+ *                 [-b cuda|sm90] [-m comm_sms]
+ *
+ * The EP layer runs twice: with its default schedule (the exchanges beside
+ * the expert GEMMs where the kernels allow it; -m sets comm_sms) and with
+ * overlap = -1 (exchange, then compute): what the overlap buys.
  *
  * -r takes T, d, n, E, K from a row of bench/grid.h (T then per GPU). Per
  * GPU TFLOPS count 6TKdn (forward) and 12TKdn (backward) of the rank's own
  * tokens. Next to it, in the same run: an NCCL all-to-all of the bytes one
- * EP exchange moves (capacity x d bf16 to each rank, self included), the
- * floor of the EP layer's communication (forward: rows out and partials
- * back, 2 of them; backward: x and dout out, dx back, 3).
+ * EP exchange moves (capacity x d bf16 to each other rank; a rank's rows
+ * for itself do not travel), the floor of the EP layer's communication
+ * without overlap (forward: rows out and partials back, 2 of them;
+ * backward: x and dout out, dx back, 3).
  *
  * Each timed iteration starts on every rank at once (a host barrier, then
  * the ranks' streams); a rank's time is cudaEvent time on its stream; the
@@ -55,7 +60,7 @@
     } while (0)
 
 typedef struct cfg {
-    int P, iters;
+    int P, iters, comm_sms;
     int64_t T, d, n, E, K, capacity, expert_rows;
     smoe_backend backend;
     const char *row;
@@ -71,10 +76,11 @@ typedef struct rank_ctx {
     int r;
     const cfg *c;
     void *comm;
-    int ep; /* 2: NCCL all-to-all alone; 1: the EP layer; 0: the single layer */
+    int ep; /* 2: NCCL all-to-all alone; 1: the EP layer; 3: the EP layer, no
+               overlap; 0: the single layer */
     pthread_barrier_t *bar;
     float fwd[MAXI], bwd[MAXI];
-    char path[96];
+    char path[256];
 } rank_ctx;
 
 static uint64_t rng_next(uint64_t *s) {
@@ -115,7 +121,7 @@ static void *rank_main(void *arg) {
     CUDA_OK(cudaSetDevice(R->r));
     cudaStream_t s;
     CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    if (R->ep == 2) { /* the all-to-all of one EP exchange's bytes */
+    if (R->ep == 2) { /* the all-to-all of one EP exchange's bytes (peers only) */
         const size_t slice = (size_t)(c->capacity ? c->capacity : T) * (size_t)d * 2;
         char *sendb = (char *)dalloc(slice * (size_t)c->P), *recvb = (char *)dalloc(slice * (size_t)c->P);
         cudaEvent_t a, b;
@@ -126,6 +132,7 @@ static void *rank_main(void *arg) {
             CUDA_OK(cudaEventRecord(a, s));
             int e = g_group_start();
             for (int q = 0; q < c->P && !e; q++) {
+                if (q == R->r) continue;
                 e |= g_send(sendb + (size_t)q * slice, slice, 1, q, R->comm, s);
                 e |= g_recv(recvb + (size_t)q * slice, slice, 1, q, R->comm, s);
             }
@@ -166,6 +173,8 @@ static void *rank_main(void *arg) {
         ed.max_tokens = T;
         ed.capacity = c->capacity;
         ed.expert_rows = c->expert_rows;
+        ed.overlap = R->ep == 3 ? -1 : 0;
+        ed.comm_sms = c->comm_sms;
         SMOE_OK(smoe_ep_layer_create(&ed, &EPL));
         sb = smoe_ep_layer_saved_bytes(EPL, T);
         wb = smoe_ep_layer_workspace_bytes(EPL, T);
@@ -269,11 +278,11 @@ static void run(const cfg *c, int ep, void **comms, float *f, float *b, char *pa
     pthread_barrier_destroy(&bar);
     *f = med_max(R, P, c->iters, 0);
     *b = med_max(R, P, c->iters, 1);
-    snprintf(path, 96, "%s", R[0].path);
+    snprintf(path, 256, "%s", R[0].path);
 }
 
 int main(int argc, char **argv) {
-    cfg c = {2, 20, 8192, 1536, 256, 128, 8, 0, 0, SMOE_BACKEND_AUTO, NULL};
+    cfg c = {2, 20, 0, 8192, 1536, 256, 128, 8, 0, 0, SMOE_BACKEND_AUTO, NULL};
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *k = argv[i], *v = argv[i + 1];
         if (!strcmp(k, "-r")) {
@@ -296,6 +305,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(k, "-K")) c.K = atoll(v);
         else if (!strcmp(k, "-c")) c.capacity = atoll(v);
         else if (!strcmp(k, "-i")) c.iters = atoi(v);
+        else if (!strcmp(k, "-m")) c.comm_sms = atoi(v);
         else if (!strcmp(k, "-b")) c.backend = !strcmp(v, "cuda") ? SMOE_BACKEND_CUDA : SMOE_BACKEND_SM90;
         else {
             fprintf(stderr, "unknown option %s\n", k);
@@ -333,9 +343,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "ncclCommInitAll failed\n");
         return 3;
     }
-    float ef, eb, sf, sbw, af, ab;
-    char epath[96], spath[96], apath[96];
+    float ef, eb, nf, nb, sf, sbw, af, ab;
+    char epath[256], npath[256], spath[256], apath[256];
     run(&c, 1, comms, &ef, &eb, epath);
+    run(&c, 3, comms, &nf, &nb, npath);
     run(&c, 2, comms, &af, &ab, apath);
     run(&c, 0, NULL, &sf, &sbw, spath);
     for (int q = 0; q < c.P; q++) destroy(comms[q]);
@@ -350,19 +361,25 @@ int main(int argc, char **argv) {
            (long long)c.E, (long long)c.K, (long long)C, (long long)c.expert_rows, c.iters);
     printf("%-52s %8s %8s %8s %8s %8s\n", "layer (kernel path)", "fwd ms", "bwd ms", "fwd TF",
            "bwd TF", "total TF");
-    char a[256], b[256];
+    char a[400], a2[400], b[400];
     snprintf(a, sizeof a, "EP P=%d, E/P=%lld (%s)", c.P, (long long)(c.E / c.P), epath);
+    snprintf(a2, sizeof a2, "EP P=%d, E/P=%lld (%s)", c.P, (long long)(c.E / c.P), npath);
     snprintf(b, sizeof b, "single GPU, E=%lld (%s)", (long long)c.E, spath);
     printf("%-52s %8.3f %8.3f %8.1f %8.1f %8.1f\n", a, ef, eb, fl / ef * 1e-9, 2 * fl / eb * 1e-9,
            3 * fl / (ef + eb) * 1e-9);
+    printf("%-52s %8.3f %8.3f %8.1f %8.1f %8.1f\n", a2, nf, nb, fl / nf * 1e-9,
+           2 * fl / nb * 1e-9, 3 * fl / (nf + nb) * 1e-9);
     printf("%-52s %8.3f %8.3f %8.1f %8.1f %8.1f\n", b, sf, sbw, fl / sf * 1e-9,
            2 * fl / sbw * 1e-9, 3 * fl / (sf + sbw) * 1e-9);
-    printf("per-GPU EP / single: fwd %.1f%%, bwd %.1f%%, total %.1f%%\n", 100 * sf / ef,
-           100 * sbw / eb, 100 * (sf + sbw) / (ef + eb));
-    printf("nccl all-to-all of %d x %.1f MiB per rank: %.3f ms (%.0f GB/s per rank); EP comm "
-           "floor fwd %.3f ms, bwd %.3f ms; EP time beyond single + floor: fwd %.3f, bwd %.3f "
-           "ms\n",
-           c.P, slice / 1048576.0, af, c.P * slice / af * 1e-6, 2 * af, 3 * af,
-           ef - sf - 2 * af, eb - sbw - 3 * af);
+    printf("per-GPU EP / single: fwd %.1f%%, bwd %.1f%%, total %.1f%% (no overlap: %.1f%%, "
+           "%.1f%%, %.1f%%)\n",
+           100 * sf / ef, 100 * sbw / eb, 100 * (sf + sbw) / (ef + eb), 100 * sf / nf,
+           100 * sbw / nb, 100 * (sf + sbw) / (nf + nb));
+    const double peers = (double)(c.P - 1) * slice;
+    printf("nccl all-to-all of %d x %.1f MiB per rank (peers): %.3f ms (%.0f GB/s per rank); "
+           "no-overlap comm floor fwd %.3f ms, bwd %.3f ms; no-overlap EP beyond single + "
+           "floor: fwd %.3f, bwd %.3f ms; overlap hides fwd %.3f, bwd %.3f ms\n",
+           c.P - 1, slice / 1048576.0, af, peers > 0 ? peers / af * 1e-6 : 0.0, 2 * af, 3 * af,
+           nf - sf - 2 * af, nb - sbw - 3 * af, nf - ef, nb - eb);
     return 0;
 }

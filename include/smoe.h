@@ -370,10 +370,24 @@ typedef struct smoe_ep_desc {
     int64_t expert_rows;    /* (row, expert) pairs one rank may compute per
                                call: 0 = the worst case, P * capacity * min(K,
                                E/P); less keeps the saved block smaller */
+    int overlap;            /* CUDA: the exchanges run beside the expert GEMMs,
+                               which take the received rows in chunks (one per
+                               source rank, this rank's own in two), on a
+                               communicator the layer splits from nccl_comm at
+                               create: 1 = on (SMOE_ERROR_UNSUPPORTED without
+                               the Hopper GEMMs), -1 = off (exchange, then
+                               compute), 0 = on where the Hopper GEMMs run and
+                               capacity * d * 2 >= 128 MiB (where it measured
+                               faster; smoe_ep_layer_path_name says which) */
+    int comm_sms;           /* CUDA, overlap: SMs the GEMMs leave to NCCL while
+                               an exchange is in flight (and the most CTAs the
+                               layer's own NCCL communicator launches): 0 = 8,
+                               -1 = none */
 } smoe_ep_desc;
 
 /* Defaults: layer as smoe_layer_desc_default(), rank 0 of 1, no group,
- * max_tokens 0 (the caller must set it), capacity and expert_rows 0. */
+ * max_tokens 0 (the caller must set it), capacity, expert_rows, overlap
+ * and comm_sms 0. */
 SMOE_API smoe_ep_desc smoe_ep_desc_default(void);
 
 typedef struct smoe_ep_layer smoe_ep_layer; /* opaque */

@@ -179,6 +179,16 @@ static smoe_status desc_checks(const smoe_ep_desc *desc, int P, const char *fn)
                        "in [0, 2^30)",
                        fn, (long long)desc->max_tokens, (long long)desc->capacity,
                        (long long)desc->expert_rows);
+    else if (desc->overlap < -1 || desc->overlap > 1)
+        st = smoe_fail(SMOE_ERROR_INVALID_VALUE, "%s: overlap = %d, must be -1, 0 or 1", fn,
+                       desc->overlap);
+    else if (desc->comm_sms < -1 || desc->comm_sms > 1024)
+        st = smoe_fail(SMOE_ERROR_INVALID_VALUE, "%s: comm_sms = %d, must be in [-1, 1024]", fn,
+                       desc->comm_sms);
+    else if (desc->overlap == 1 && L->backend == SMOE_BACKEND_CPU)
+        st = smoe_fail(SMOE_ERROR_UNSUPPORTED,
+                       "%s: overlap = 1 (required): the CPU backend exchanges, then computes",
+                       fn);
     return st;
 }
 
@@ -293,6 +303,9 @@ void smoe_ep_layer_free(smoe_ep_layer *ep)
 {
     if (!ep) return;
     smoe_layer_free(ep->full);
+#ifdef SMOE_WITH_CUDA
+    smoe_ep_cuda_free(ep);
+#endif
     smoe_layer_free(ep->experts);
     free(ep);
 }
@@ -909,5 +922,6 @@ smoe_status smoe_ep_layer_device_status(smoe_ep_layer *ep, void *stream, int wai
 
 const char *smoe_ep_layer_path_name(const smoe_ep_layer *ep)
 {
-    return ep ? smoe_layer_path_name(ep->experts) : "";
+    if (!ep) return "";
+    return ep->path[0] ? ep->path : smoe_layer_path_name(ep->experts);
 }

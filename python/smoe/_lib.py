@@ -201,6 +201,8 @@ class smoe_ep_desc(Structure):
         ("max_tokens", c_int64),
         ("capacity", c_int64),
         ("expert_rows", c_int64),
+        ("overlap", c_int),
+        ("comm_sms", c_int),
     ]
 
 

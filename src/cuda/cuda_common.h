@@ -151,14 +151,11 @@ smoe_status smoe_cuda_route(const smoe_layer_desc *desc, int64_t T, int rounding
                             cudaStream_t stream);
 
 /* GENERAL: checks the `pairs` triples (the first bad one goes into *status
- * and the report), then copies them into `out` unless one was bad.
- * count_dev (may be NULL): their number on the device, at most `pairs`
- * (the expert side of the expert-parallel layer, whose triples arrive by
- * NCCL). */
+ * and the report), then copies them into `out` unless one was bad. */
 smoe_status smoe_cuda_route_general(int64_t T, int64_t E, int64_t pairs,
                                     const int32_t *pair_token, const int32_t *pair_expert,
-                                    const float *pair_score, const int32_t *count_dev,
-                                    smoe_assign_dev out, smoe_dev_status *status,
+                                    const float *pair_score, smoe_assign_dev out,
+                                    smoe_dev_status *status,
                                     smoe_dev_report report, cudaStream_t stream);
 
 /* Clears the status word (first thing a forward does). */
@@ -183,7 +180,7 @@ smoe_dev_report smoe_cuda_report(const smoe_layer *layer, int call);
  * product dlogits Wr gives (as PyTorch computes it): 0 * inf = NaN from the
  * experts a token did not pick. */
 smoe_status smoe_cuda_backward_prologue(const smoe_saved_header *header, smoe_saved_header want,
-                                        const int *upstream, smoe_dev_status *status, smoe_dev_report report,
+                                        smoe_dev_status *status, smoe_dev_report report,
                                         const bf16 *wr, int64_t E, int64_t d, float *wr_nf,
                                         cudaStream_t stream);
 
@@ -199,6 +196,15 @@ smoe_status smoe_cuda_metadata(int64_t E, int64_t cap, smoe_assign_dev in,
                                int32_t *expert_offset, int32_t *assign_row,
                                int32_t *row_token, float *row_score,
                                int32_t *expert_counts, void *scratch, cudaStream_t stream);
+
+/* The same, beside != 0 when another stream's kernel may hold SMs meanwhile
+ * (the expert-parallel layer's exchanges): then never the cooperative
+ * launch, which would wait for every SM. */
+smoe_status smoe_cuda_metadata_beside(int64_t E, int64_t cap, smoe_assign_dev in,
+                                      int32_t *expert_offset, int32_t *assign_row,
+                                      int32_t *row_token, float *row_score,
+                                      int32_t *expert_counts, void *scratch, int beside,
+                                      cudaStream_t stream);
 
 /* ------------------------------------------------------------ aggregate.cu */
 

@@ -407,7 +407,7 @@ smoe_dev_report smoe_cuda_report(const smoe_layer *layer, int call)
 }
 
 static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args,
-                                const int32_t *pairs_dev, const smoe_saved_layout *sl,
+                                const smoe_saved_layout *sl,
                                 void *saved, void *workspace, cudaStream_t s)
 {
     cuda_state *st = (cuda_state *)layer->state;
@@ -448,7 +448,7 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
     if (general) {
         SMOE_FORWARD_IF_ERROR(smoe_cuda_route_general(
             T, d->E, args->pairs, args->pair_token, args->pair_expert, args->pair_score,
-            pairs_dev, as, dst, report_make(st, 0), s));
+            as, dst, report_make(st, 0), s));
         timer_mark(st, 0, "general triples", s);
     } else {
         float *lg = (training && v.logits) ? v.logits
@@ -502,21 +502,8 @@ static smoe_status cuda_forward(smoe_layer *layer, const smoe_forward_args *args
     dev_guard g;
     SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
     timer_begin(st, (cudaStream_t)stream);
-    smoe_status r = forward_impl(layer, args, NULL, sl, saved, workspace, (cudaStream_t)stream);
+    smoe_status r = forward_impl(layer, args, sl, saved, workspace, (cudaStream_t)stream);
     if (r == SMOE_SUCCESS) timer_end(st, 0);
-    dev_leave(&g);
-    return r;
-}
-
-smoe_status smoe_cuda_forward_dev_pairs(smoe_layer *layer, const smoe_forward_args *args,
-                                        const int32_t *pairs_dev, const smoe_saved_layout *sl,
-                                        void *saved, void *workspace, void *stream)
-{
-    cuda_state *st = (cuda_state *)layer->state;
-    dev_guard g;
-    SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
-    smoe_status r = forward_impl(layer, args, pairs_dev, sl, saved, workspace,
-                                 (cudaStream_t)stream);
     dev_leave(&g);
     return r;
 }
@@ -525,7 +512,7 @@ smoe_status smoe_cuda_forward_dev_pairs(smoe_layer *layer, const smoe_forward_ar
 
 static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *args,
                                  const smoe_saved_layout *sl, const void *saved,
-                                 void *workspace, const int *upstream, cudaStream_t s)
+                                 void *workspace, cudaStream_t s)
 {
     cuda_state *st = (cuda_state *)layer->state;
     const smoe_layer_desc *d = &layer->desc;
@@ -546,7 +533,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     /* first: is the saved block this call's? (every later kernel reads
      * abort); and the router weight's non-finite columns */
     SMOE_FORWARD_IF_ERROR(smoe_cuda_backward_prologue(
-        v.header, smoe_saved_header_make(layer, T, general ? args->pairs : 0), upstream, dst,
+        v.header, smoe_saved_header_make(layer, T, general ? args->pairs : 0), dst,
         report_make(st, 1), wr_nf ? (const bf16 *)args->router_w : NULL, d->E, d->d, wr_nf, s));
 
     const int want_ds = want_router || (general && args->dpair_score.ptr);
@@ -642,23 +629,34 @@ static smoe_status cuda_backward(smoe_layer *layer, const smoe_backward_args *ar
     dev_guard g;
     SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
     timer_begin(st, (cudaStream_t)stream);
-    smoe_status r = backward_impl(layer, args, sl, saved, workspace, NULL, (cudaStream_t)stream);
+    smoe_status r = backward_impl(layer, args, sl, saved, workspace, (cudaStream_t)stream);
     if (r == SMOE_SUCCESS) timer_end(st, 1);
     dev_leave(&g);
     return r;
 }
 
-smoe_status smoe_cuda_backward_upstream(smoe_layer *layer, const smoe_backward_args *args,
-                                        const smoe_saved_layout *sl, const void *saved,
-                                        void *workspace, const int *upstream, void *stream)
+/* ------------------------------------------------------------ parts */
+
+/* The expert-parallel layer's chunked schedule (cuda_layer.h). */
+smoe_cuda_gemms smoe_cuda_layer_gemms(const smoe_layer *layer, int64_t cap)
 {
-    cuda_state *st = (cuda_state *)layer->state;
-    dev_guard g;
-    SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
-    smoe_status r = backward_impl(layer, args, sl, saved, workspace, upstream,
-                                  (cudaStream_t)stream);
-    dev_leave(&g);
-    return r;
+    const cuda_state *st = (const cuda_state *)layer->state;
+    const smoe_gemm_ops *h = st->tab90, *q = &smoe_gemm_ops_sm80;
+    smoe_cuda_gemms g;
+    memset(&g, 0, sizeof g);
+    g.ops = *q;
+    g.ops.name = NULL;
+    if (st->use90[OP_UP]) g.ops.up = h->up;
+    if (st->use90[OP_DOWN]) g.ops.down = h->down;
+    if (st->use90[OP_DH]) g.ops.dh = h->dh;
+    if (st->use90[OP_DW2]) g.ops.dw2 = h->dw2;
+    if (st->use90[OP_DXT]) g.ops.dxt = h->dxt;
+    if (st->use90[OP_DW1]) g.ops.dw1 = h->dw1;
+    g.views = st->use90[OP_UP] && st->use90[OP_DOWN] && st->use90[OP_DH] && st->use90[OP_DXT];
+    g.problem = problem_make(layer, cap);
+    g.scratch_bytes = gemm_scratch(layer, &g.problem);
+    g.num_sms = st->num_sms;
+    return g;
 }
 
 /* ------------------------------------------------------------ the router alone */
@@ -824,11 +822,6 @@ static smoe_status device_failure(const smoe_layer *layer, int call, const smoe_
                          "pairs on this rank, more than expert_rows = %lld; nothing written",
                          v, v2);
     case SMOE_DEV_EP_PEER:
-        if (v < 0)
-            return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                             "smoe_ep_layer (checked on the device): the expert-parallel call "
-                             "failed before its experts' part (code %lld); nothing written",
-                             v2);
         return smoe_fail(SMOE_ERROR_INVALID_VALUE,
                          "smoe_ep_layer (checked on the device): rank %lld's call failed (its "
                          "code %lld; read its device status); nothing written",

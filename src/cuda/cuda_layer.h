@@ -1,8 +1,8 @@
 /*
  * cuda_layer.h -- what the CUDA backend's layer (cuda_layer.cu) offers the
  * expert-parallel layer's CUDA path (ep_cuda.cu): the router of a whole
- * layer without its experts, and the GENERAL forward with its triples'
- * number on the device. For the CUDA files (after cuda_common.h).
+ * layer without its experts, and the GEMM launchers of a layer. For the
+ * CUDA files (after cuda_common.h).
  */
 #ifndef SMOE_CUDA_LAYER_H
 #define SMOE_CUDA_LAYER_H
@@ -13,19 +13,18 @@
 extern "C" {
 #endif
 
-/* The GENERAL layer's forward (the layer's own checks done) with the
- * number of triples on the device (*pairs_dev <= args->pairs, the
- * capacity the saved layout and the workspace were sized for). */
-smoe_status smoe_cuda_forward_dev_pairs(smoe_layer *layer, const smoe_forward_args *args,
-                                        const int32_t *pairs_dev, const smoe_saved_layout *sl,
-                                        void *saved, void *workspace, void *stream);
+/* The GEMM launchers `layer` runs (each op's Hopper entry where create
+ * chose it, else the portable one), for the expert-parallel layer's
+ * chunked schedule (ep_cuda.cu), which calls them itself. */
+typedef struct smoe_cuda_gemms {
+    smoe_gemm_ops ops;
+    int views;            /* up, down, dh and dxt take a view (off_stride) */
+    smoe_gemm_problem problem; /* the layer's sizes with cap; no buffers */
+    size_t scratch_bytes; /* the launchers' scratch for cap rows */
+    int num_sms;
+} smoe_cuda_gemms;
 
-/* The layer's backward (its own checks done) that computes nothing when
- * *upstream (a device status code) is not 0: the expert-parallel layer's
- * failure stops its experts' call. */
-smoe_status smoe_cuda_backward_upstream(smoe_layer *layer, const smoe_backward_args *args,
-                                        const smoe_saved_layout *sl, const void *saved,
-                                        void *workspace, const int *upstream, void *stream);
+smoe_cuda_gemms smoe_cuda_layer_gemms(const smoe_layer *layer, int64_t cap);
 
 /* The router of `layer` (not GENERAL; no token rounding) on T tokens:
  * workspace bytes of the two calls below. */

@@ -7,24 +7,37 @@
  *           entries: each token's distinct destination ranks, Kq =
  *           min(P, K) per token -> the metadata counting sort with E = P
  *           over them (slot of each (token, rank)) -> pack rows and pairs
- *           by entry -> NCCL: counts and status, rows, pairs (capacity C per
- *           peer) -> expert side: per received row its pairs, a scan, the
- *           triples -> a second status exchange -> the experts' GENERAL
- *           forward with the triple count on the device -> NCCL: partials
- *           back -> the aggregation over the entries (rank order) writes
- *           out and the saved block's header.
- * backward  header check -> x and dout packed by entry -> NCCL -> the
- *           experts' GENERAL backward (dx partials, dS per pair, this rank's
- *           weight gradients) -> dS by slot, NCCL back with the dx
- *           partials -> dS to the assignments -> the router's backward
- *           (dense) -> dx: the aggregation over the entries plus the
- *           router's term.
+ *           by entry (rows for this rank straight into its receive slice)
+ *           -> NCCL: counts, status and pairs (small, on the caller's
+ *           stream) -> NCCL on the layer's own stream: rows, one round per
+ *           peer (round k: to r + k, from r - k) -> expert side: per
+ *           received row its pairs, a scan, the triples, the experts'
+ *           metadata -> the expert GEMMs chunk by chunk (two chunks per
+ *           source rank; this rank's first chunk while the rows travel),
+ *           each chunk's partial sums back to its source as soon as it is
+ *           done, beside the next chunk's GEMMs -> the aggregation over the
+ *           entries (rank order) writes out and the saved block's header.
+ * backward  header check -> x and dout packed by entry -> NCCL (layer's
+ *           stream): dout with every rank's status, then x -> per chunk:
+ *           dH and dS, dX~, the chunk's dx partial sums and dS back to the
+ *           source -> dW2, dW1 and the biases over all rows (x must have
+ *           arrived; the last partials travel meanwhile) -> dS to the
+ *           assignments -> the router's backward (dense) -> dx: the
+ *           aggregation over the entries plus the router's term.
+ *
+ * The chunks are views of the experts' rows, which stay sorted by expert
+ * then by received row (so dW sums each expert's rows in the same order as
+ * without chunks): a chunk's rows of expert e are [off2[e nc + c],
+ * off2[e nc + c + 1]). Only the Hopper GEMMs take views; with the portable
+ * ones (or overlap = -1) there is one chunk: exchange, then compute. While
+ * an exchange is in flight the GEMMs' persistent grids leave comm_sms SMs
+ * to NCCL's kernels.
  *
  * The status word of the call (the EP workspace's first bytes) stops every
- * later kernel of this path; its counts exchange carries every rank's code
- * so that an overflow on one rank stops them all. The experts' own calls
- * have their own status words; when the EP call failed before them, they
- * get no rows (the triple count is 0) and write nothing that is used.
+ * later kernel of this path; the exchanges carry every rank's code (the
+ * first with the counts, the forward's second with the partial sums, the
+ * backward's with dout) so that a failure on one rank stops them all
+ * before anything is written.
  *
  * NCCL is loaded at run time (dlopen, the process's libnccl first).
  */
@@ -56,6 +69,8 @@ typedef struct nccl_api {
     nccl_result (*AllGather)(const void *, void *, size_t, int, nccl_comm, cudaStream_t);
     nccl_result (*CommCount)(const nccl_comm, int *);
     nccl_result (*CommUserRank)(const nccl_comm, int *);
+    nccl_result (*CommSplit)(nccl_comm, int, int, nccl_comm *, void *);
+    nccl_result (*CommDestroy)(nccl_comm);
     const char *(*GetErrorString)(nccl_result);
 } nccl_api;
 
@@ -95,6 +110,8 @@ static int nccl_load(void)
             NCCL_SYM(AllGather);
             NCCL_SYM(CommCount);
             NCCL_SYM(CommUserRank);
+            NCCL_SYM(CommSplit);
+            NCCL_SYM(CommDestroy);
             NCCL_SYM(GetErrorString);
 #undef NCCL_SYM
             if (g_nccl_state == 0) g_nccl_state = 1;
@@ -113,6 +130,21 @@ static int nccl_load(void)
                              g_nccl.GetErrorString(smoe_nr_));                            \
     } while (0)
 
+/* The communicator a layer's calls use (its own, or the caller's). */
+static nccl_comm comm_of(const smoe_ep_layer *ep);
+
+/* ncclConfig_t as NCCL 2.18 laid it out (NCCL reads a config by its size
+ * and version, so a newer library takes this one): what the layer's own
+ * communicator asks for. */
+typedef struct nccl_config {
+    size_t size;
+    unsigned int magic;   /* 0xcafebeef */
+    unsigned int version; /* NCCL_VERSION(2, 18, 0) */
+    int blocking, cgaClusterSize, minCTAs, maxCTAs;
+    const char *netName;
+    int splitShare;
+} nccl_config;
+
 /* One exchange of several buffers: for every buffer b and rank q, rank r's
  * send[b] + q * slice[b] goes to rank q's recv[b] + r * slice[b]. */
 typedef struct xchg {
@@ -123,7 +155,7 @@ typedef struct xchg {
 
 static smoe_status alltoall(const smoe_ep_layer *ep, const xchg *x, int n, cudaStream_t s)
 {
-    nccl_comm comm = (nccl_comm)ep->desc.nccl_comm;
+    nccl_comm comm = comm_of(ep);
     NCCL_CHECK(g_nccl.GroupStart());
     for (int b = 0; b < n; b++) {
         if (!x[b].slice) continue;
@@ -141,6 +173,67 @@ static smoe_status alltoall(const smoe_ep_layer *ep, const xchg *x, int n, cudaS
     }
     NCCL_CHECK(g_nccl.GroupEnd());
     return SMOE_SUCCESS;
+}
+
+/* One NCCL group of point-to-point pairs: op i sends `bytes` from send to
+ * rank `to` and receives as many into recv from rank `from`. */
+typedef struct p2p_op {
+    const void *send;
+    void *recv;
+    size_t bytes;
+    int to, from;
+} p2p_op;
+
+static smoe_status p2p_group(const smoe_ep_layer *ep, const p2p_op *op, int n, cudaStream_t s)
+{
+    nccl_comm comm = comm_of(ep);
+    NCCL_CHECK(g_nccl.GroupStart());
+    for (int i = 0; i < n; i++) {
+        if (!op[i].bytes) continue;
+        nccl_result r1 = g_nccl.Send(op[i].send, op[i].bytes, NCCL_UINT8, op[i].to, comm, s);
+        nccl_result r2 = g_nccl.Recv(op[i].recv, op[i].bytes, NCCL_UINT8, op[i].from, comm, s);
+        if (r1 != NCCL_OK || r2 != NCCL_OK) {
+            g_nccl.GroupEnd();
+            return smoe_fail(SMOE_ERROR_BACKEND, "expert parallelism: ncclSend/Recv: %s",
+                             g_nccl.GetErrorString(r1 != NCCL_OK ? r1 : r2));
+        }
+    }
+    NCCL_CHECK(g_nccl.GroupEnd());
+    return SMOE_SUCCESS;
+}
+
+/* ------------------------------------------------------------ per layer */
+
+/* The layer's CUDA state, made at create: the stream the overlapping
+ * exchanges run on, its events, the chunking and the experts' GEMMs. One
+ * call at a time per layer (as NCCL allows one per communicator). */
+enum { EV_FORK, EV_JOIN, EV_X, EV_IN }; /* then EV_IN + k (k < P), then EV_IN + P + c */
+
+/* Chunk c holds the received rows [b[c], b[c+1]). */
+#define EP_MAX_CHUNKS 65 /* one per source rank, this rank's own in two */
+typedef struct ep_bounds {
+    int64_t b[EP_MAX_CHUNKS + 1];
+} ep_bounds;
+
+typedef struct ep_cuda {
+    nccl_comm comm;  /* with overlap: the layer's own (split from the caller's
+                        at create: clusters of one CTA, at most comm_sms CTAs);
+                        else the caller's */
+    int own_comm;
+    cudaStream_t cs;
+    cudaEvent_t *ev;
+    int n_ev;
+    int nc;          /* chunks of the received rows: one per source rank and
+                        this rank's own in two, or 1 (exchange, then compute) */
+    ep_bounds bd;    /* chunk c: received rows [bd.b[c], bd.b[c+1]) */
+    int *order;      /* the chunks in the order they run */
+    int sms_overlap; /* the GEMMs' SMs while an exchange is in flight */
+    smoe_cuda_gemms g;
+} ep_cuda;
+
+static nccl_comm comm_of(const smoe_ep_layer *ep)
+{
+    return ep->cuda && ep->cuda->comm ? ep->cuda->comm : (nccl_comm)ep->desc.nccl_comm;
 }
 
 /* ------------------------------------------------------------ layouts */
@@ -166,9 +259,12 @@ typedef struct pair_msg { /* one pair of a row: local expert (-1: none), score *
     float s;
 } pair_msg;
 
+/* The saved block: this rank's routing and entries (source side), the
+ * triples' slots and the chunk offsets, then the experts' part (H and
+ * their metadata, smoe_saved_layout over P C received rows). */
 typedef struct gsaved {
     size_t header, token_offset, assign_expert, assign_row, row_score, logits, pidx, ent_off,
-        rows, tri_slot, experts;
+        tri_slot, off2, experts;
     smoe_saved_layout ex;
     size_t total;
 } gsaved;
@@ -187,19 +283,24 @@ static void gsaved_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gsave
     s->logits = o; o += al(L->routing == SMOE_ROUTING_SOFTMAX_TOPK ? t * (size_t)L->E * 4 : 0);
     s->pidx = o; o += al(t * Kq * 4);
     s->ent_off = o; o += al((t + 1) * 4);
-    s->rows = o; o += al(4);
     s->tri_slot = o; o += al((size_t)ep->rows * 4);
+    s->off2 = o; o += al(((size_t)ep->El * (size_t)ep->cuda->nc + 1) * 4);
     s->experts = o;
     smoe_saved_layout_make(ep->experts, (int64_t)ep->P * ep->C, ep->rows, &s->ex);
     o += al(s->ex.total);
     s->total = o;
 }
 
+/* The workspace. The experts' buffers: a, y (forward) and dh, a_scaled,
+ * dxt, ds (backward) share one region; m_*: the experts' metadata of an
+ * inference forward (a training forward's is in the saved block). */
 typedef struct gws {
     size_t status, router, logits, as_token, as_count, ent_dest, ent_token, ent_score,
-        ent_count, eoff, ent_row, rtok, rsc, md, msg_send, msg_recv, send_rows, recv_rows,
-        send_do, recv_do, send_pairs, recv_pairs, vt_cnt, vt_off, pt, pe, ps, part, part_recv,
-        dps, send_ds, recv_ds, ds_assign, dxr, experts;
+        ent_count, eoff, ent_row, rtok, rsc, md, msg_send, msg_recv, msg2_send, msg2_recv,
+        send_rows, recv_rows, send_do, recv_do, send_pairs, recv_pairs, vt_cnt, pt, ps, part,
+        part_recv, send_ds, recv_ds, ds_assign, dxr, m_row_score, m_row_token, m_assign_row,
+        m_assign_expert, m_token_offset, m_expert_offset, xmd, gemm, a, y, dh, a_scaled, dxt,
+        ds;
     size_t total;
 } gws;
 
@@ -209,6 +310,8 @@ static void gws_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gws *w)
     const size_t t = (size_t)T, d = (size_t)L->d, E = (size_t)L->E, P = (size_t)ep->P;
     const size_t C = (size_t)ep->C, Km = (size_t)ep->Kmax, Kq = (size_t)kq_of(ep);
     const size_t A = (size_t)assignments(ep, T, pairs), rows = (size_t)ep->rows;
+    const size_t n = (size_t)L->n, hc = (size_t)ep->cuda->g.problem.h_cols;
+    const size_t El = (size_t)ep->El;
     const size_t ent = t * Kq, Tv = P * C;
     size_t o = 0;
     memset(w, 0, sizeof *w);
@@ -228,6 +331,8 @@ static void gws_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gws *w)
     w->md = o; o += al(smoe_cuda_metadata_scratch_bytes((int64_t)P, (int64_t)ent));
     w->msg_send = o; o += al(P * 8);
     w->msg_recv = o; o += al(P * 8);
+    w->msg2_send = o; o += al(P * 8);
+    w->msg2_recv = o; o += al(P * 8);
     w->send_rows = o; o += al(Tv * d * 2);
     w->recv_rows = o; o += al(Tv * d * 2);
     w->send_do = o; o += al(Tv * d * 2);
@@ -235,19 +340,32 @@ static void gws_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gws *w)
     w->send_pairs = o; o += al(Tv * Km * sizeof(pair_msg));
     w->recv_pairs = o; o += al(Tv * Km * sizeof(pair_msg));
     w->vt_cnt = o; o += al(Tv * 4);
-    w->vt_off = o; o += al((Tv + 1) * 4);
     w->pt = o; o += al(rows * 4);
-    w->pe = o; o += al(rows * 4);
     w->ps = o; o += al(rows * 4);
     w->part = o; o += al(Tv * d * 2);
     w->part_recv = o; o += al(Tv * d * 2);
-    w->dps = o; o += al(rows * 4);
     w->send_ds = o; o += al(Tv * Km * 4);
     w->recv_ds = o; o += al(Tv * Km * 4);
     w->ds_assign = o; o += al(A * 4);
     w->dxr = o; o += al(t * d * 4);
-    w->experts = o;
-    o += al(smoe_layer_workspace_bytes(ep->experts, (int64_t)Tv, ep->rows));
+    w->m_row_score = o; o += al(rows * 4);
+    w->m_row_token = o; o += al(rows * 4);
+    w->m_assign_row = o; o += al(rows * 4);
+    w->m_assign_expert = o; o += al(rows * 4);
+    w->m_token_offset = o; o += al((Tv + 1) * 4);
+    w->m_expert_offset = o; o += al((El + 1) * 4);
+    w->xmd = o; o += al(smoe_cuda_metadata_scratch_bytes((int64_t)El, (int64_t)rows));
+    w->gemm = o; o += al(ep->cuda->g.scratch_bytes);
+    const size_t base = o;
+    w->a = o; o += al(rows * n * 2);
+    w->y = o; o += al(rows * d * 2);
+    const size_t fwd_end = o;
+    o = base;
+    w->dh = o; o += al(rows * hc * 2);
+    w->a_scaled = o; o += al(rows * n * 2);
+    w->dxt = o; o += al(rows * d * 2);
+    w->ds = o; o += al(rows * 4);
+    if (fwd_end > o) o = fwd_end;
     w->total = o;
 }
 
@@ -305,14 +423,15 @@ __global__ void k_ep_entries(int T, int P, int64_t El, int Kq, const int32_t *__
 }
 
 /* One warp per entry: its partial row pidx = q C + slot (-1: none, or the
- * slot past capacity), x's row to send[pidx], the token's pairs on q
- * (pick order) to pairs[pidx Km ...]. */
-__global__ void k_ep_pack(int64_t n_ent, int Kq, int64_t C, int Km, int64_t El, int64_t d,
+ * slot past capacity), x's row to send[pidx] (recv[pidx] for this rank's
+ * own experts: no exchange), the token's pairs on q (pick order) to
+ * pairs[pidx Km ...]. */
+__global__ void k_ep_pack(int64_t n_ent, int Kq, int64_t C, int Km, int64_t El, int64_t d, int self,
                           const bf16 *__restrict__ x, const int32_t *__restrict__ toff,
                           const int32_t *__restrict__ aexp, const float *__restrict__ ascore,
                           const int32_t *__restrict__ dest, const int32_t *__restrict__ ent_row,
                           const int32_t *__restrict__ eoff, int32_t *pidx, bf16 *send_rows,
-                          pair_msg *send_pairs, const int *abort)
+                          bf16 *recv_rows, pair_msg *send_pairs, const int *abort)
 {
     SMOE_DEV_RETURN_IF_ABORTED(abort);
     const int lane = threadIdx.x & 31;
@@ -328,7 +447,7 @@ __global__ void k_ep_pack(int64_t n_ent, int Kq, int64_t C, int Km, int64_t El, 
     if (lane == 0) pidx[e] = (int32_t)p;
     if (p < 0) return;
     const uint4 *src = reinterpret_cast<const uint4 *>(x + (int64_t)t * d);
-    uint4 *dst = reinterpret_cast<uint4 *>(send_rows + p * d);
+    uint4 *dst = reinterpret_cast<uint4 *>((q == self ? recv_rows : send_rows) + p * d);
     for (int64_t i = lane; i < d / 8; i += 32) dst[i] = src[i];
     if (lane == 0) {
         int k = 0;
@@ -372,13 +491,13 @@ __global__ void k_ep_msg(int P, int64_t C, const int32_t *__restrict__ eoff, int
 }
 
 /* After an exchange of [count, status] messages: another rank's failure
- * stops this one too (its own code first). */
-__global__ void k_ep_peers(int P, const int32_t *__restrict__ msg, smoe_dev_status *st,
+ * stops this one too (its own code first; its own message not read). */
+__global__ void k_ep_peers(int P, int self, const int32_t *__restrict__ msg, smoe_dev_status *st,
                            smoe_dev_report rep)
 {
     if (threadIdx.x != 0 || blockIdx.x != 0 || st->code != SMOE_DEV_OK) return;
     for (int s = 0; s < P; ++s)
-        if (msg[2 * s + 1] != SMOE_DEV_OK) {
+        if (s != self && msg[2 * s + 1] != SMOE_DEV_OK) {
             st->code = SMOE_DEV_EP_PEER;
             st->first_bad = s;
             st->value = s;
@@ -404,8 +523,8 @@ __global__ void k_ep_row_counts(int64_t Tv, int64_t C, int Km, const int32_t *__
     cnt[v] = c;
 }
 
-/* The triples in token-major order; more than `rows` sets the status and
- * the count to 0 (the experts' call then computes nothing). */
+/* The triples in token-major order (none when more than `rows`: the
+ * check after this sets the status). */
 __global__ void k_ep_triples(int64_t Tv, int Km, int64_t rows, const pair_msg *__restrict__ pairs,
                              const int32_t *__restrict__ off, int32_t *pt,
                              int32_t *pe, float *ps, int32_t *tri_slot, const smoe_dev_status *st)
@@ -424,8 +543,8 @@ __global__ void k_ep_triples(int64_t Tv, int Km, int64_t rows, const pair_msg *_
     }
 }
 
-/* One thread: the expert side's row check (after k_ep_triples read it), the
- * second message to every rank, and the count the experts' call reads. */
+/* One thread: the expert side's row check (after k_ep_triples read it) and
+ * the second message to every rank (it goes with the partial sums). */
 __global__ void k_ep_rows_check(int P, int64_t rows, const int32_t *total, int32_t *msg,
                                 smoe_dev_status *st, smoe_dev_report rep)
 {
@@ -453,12 +572,35 @@ __global__ void k_ep_status_msg(int P, int32_t *msg, const smoe_dev_status *st)
     }
 }
 
-/* After the second exchange: no rows for the experts when any rank failed. */
-__global__ void k_ep_rows_final(int32_t *total, int32_t *rows_saved, const smoe_dev_status *st)
+/* After the row check: no triples for the experts when this rank failed. */
+__global__ void k_ep_rows_final(int32_t *total, const smoe_dev_status *st)
 {
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    if (st->code != SMOE_DEV_OK) *total = 0;
-    *rows_saved = *total;
+    if (threadIdx.x == 0 && blockIdx.x == 0 && st->code != SMOE_DEV_OK) *total = 0;
+}
+
+/* Each chunk's rows of each expert: off2[e nc + c] = the first of expert
+ * e's rows [off[e], off[e+1]) whose received row is b[c] or later (its
+ * rows ascend by received row), off2[El nc] = off[El]. */
+__global__ void k_ep_chunk_off(int El, int nc, ep_bounds bd, const int32_t *__restrict__ off,
+                               const int32_t *__restrict__ row_token, int32_t *off2,
+                               const int *abort)
+{
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, n = (int64_t)El * nc;
+    if (i > n) return;
+    if (i == n) {
+        off2[n] = off[El];
+        return;
+    }
+    const int e = (int)(i / nc), c = (int)(i % nc);
+    int lo = off[e], hi = off[e + 1];
+    const int64_t want = bd.b[c];
+    while (lo < hi) {
+        const int mid = lo + (hi - lo) / 2;
+        if (row_token[mid] < want) lo = mid + 1;
+        else hi = mid;
+    }
+    off2[i] = lo;
 }
 
 __global__ void k_ep_iota(int64_t n, int32_t *v, const int *abort)
@@ -483,10 +625,12 @@ __global__ void k_ep_outputs(int T, int E, const int32_t *__restrict__ toff,
     }
 }
 
-/* Backward: x and dout rows to the entries' partial rows. */
-__global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, const bf16 *__restrict__ x,
-                           const bf16 *__restrict__ dout, const int32_t *__restrict__ pidx,
-                           bf16 *sx, bf16 *sdo, const int *abort)
+/* Backward: x and dout rows to the entries' partial rows (this rank's own
+ * straight into the receive buffers). */
+__global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, int64_t C, int self,
+                           const bf16 *__restrict__ x, const bf16 *__restrict__ dout,
+                           const int32_t *__restrict__ pidx, bf16 *sx, bf16 *sdo, bf16 *rx,
+                           bf16 *rdo, const int *abort)
 {
     SMOE_DEV_RETURN_IF_ABORTED(abort);
     const int lane = threadIdx.x & 31;
@@ -496,22 +640,28 @@ __global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, const bf16 *__restr
     if (p < 0) return;
     const uint4 *a = reinterpret_cast<const uint4 *>(x + t * d);
     const uint4 *b = reinterpret_cast<const uint4 *>(dout + t * d);
-    uint4 *da = reinterpret_cast<uint4 *>(sx + p * d);
-    uint4 *db = reinterpret_cast<uint4 *>(sdo + p * d);
+    const bool own = p / C == self;
+    uint4 *da = reinterpret_cast<uint4 *>((own ? rx : sx) + p * d);
+    uint4 *db = reinterpret_cast<uint4 *>((own ? rdo : sdo) + p * d);
     for (int64_t i = lane; i < d / 8; i += 32) {
         da[i] = a[i];
         db[i] = b[i];
     }
 }
 
-/* dS of each triple to its row's slot (the rest zeroed before). */
-__global__ void k_ep_ds_scatter(int64_t rows, const int32_t *__restrict__ total,
+/* dS of the triples of received rows [v0, v1) to their slots: this
+ * rank's own rows [own0, own1) into recv_ds, the others' into send_ds. */
+__global__ void k_ep_ds_scatter(int64_t v0, int64_t v1, int64_t own0, int64_t own1, int Km,
+                                const int32_t *__restrict__ toff,
                                 const int32_t *__restrict__ tri_slot,
-                                const float *__restrict__ dps, float *send_ds, const int *abort)
+                                const int32_t *__restrict__ arow, const float *__restrict__ ds,
+                                float *send_ds, float *recv_ds, const int *abort)
 {
     SMOE_DEV_RETURN_IF_ABORTED(abort);
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < rows && i < *total) send_ds[tri_slot[i]] = dps[i];
+    const int64_t a = toff[v0] + (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (a >= toff[v1]) return;
+    const int64_t slot = tri_slot[a], v = slot / Km;
+    (v >= own0 && v < own1 ? recv_ds : send_ds)[slot] = ds[arow[a]];
 }
 
 /* Each assignment's dS: the k-th of the token's pairs on rank q is pair k of
@@ -560,9 +710,124 @@ static unsigned blocks_for(int64_t n, int threads)
     return (unsigned)(b < 1 ? 1 : b);
 }
 
-#define LAUNCHED(what) SMOE_CUDA_LAUNCH_CHECK(what)
-
 /* ------------------------------------------------------------ create */
+
+void smoe_ep_cuda_free(smoe_ep_layer *ep)
+{
+    ep_cuda *X = ep ? ep->cuda : NULL;
+    if (!X) return;
+    int prev = 0;
+    const int have = cudaGetDevice(&prev) == cudaSuccess;
+    if (have) cudaSetDevice(ep->desc.layer.device);
+    for (int i = 0; i < X->n_ev; i++)
+        if (X->ev[i]) cudaEventDestroy(X->ev[i]);
+    if (X->cs) cudaStreamDestroy(X->cs);
+    if (X->own_comm && X->comm) g_nccl.CommDestroy(X->comm);
+    if (have) cudaSetDevice(prev);
+    free(X->ev);
+    free(X->order);
+    free(X);
+    ep->cuda = NULL;
+}
+
+/* The chunks, their order and the stream and events of the overlap: the
+ * first half of this rank's own rows while the peers' rows travel, then
+ * the peers' in the order they arrive, each one's partial sums sent back
+ * while the next computes, and the second half of this rank's own last
+ * (forward and backward alike; the backward's weight gradients follow,
+ * beside the last partial sums). */
+static smoe_status cuda_state_make(smoe_ep_layer *ep)
+{
+    const char *fn = "smoe_ep_layer_create";
+    ep_cuda *X = (ep_cuda *)calloc(1, sizeof *X);
+    SMOE_RETURN_ERROR_IF(!X, SMOE_ERROR_OUT_OF_MEMORY, "%s: allocation", fn);
+    ep->cuda = X;
+    const int P = ep->P, r = ep->r;
+    X->g = smoe_cuda_layer_gemms(ep->experts, ep->rows);
+    SMOE_RETURN_ERROR_IF(ep->desc.overlap == 1 && !X->g.views, SMOE_ERROR_UNSUPPORTED,
+                         "%s: overlap = 1, but this layer's expert GEMMs (%s) take no view of "
+                         "their rows (the Hopper GEMMs do)",
+                         fn, smoe_layer_path_name(ep->experts));
+    const int split = ep->C >= 2 ? 1 : 0; /* this rank's own rows in two */
+    /* overlap = 0: on where each exchange sends at least 128 MiB to a peer.
+     * Measured on 2 H100s (bench/RESULTS.md, "Expert parallelism"): with
+     * 256 MiB slices (30B-n512, 120B-n1024) the overlap gains 2.5-2.7 points
+     * of per-GPU throughput; with 64 MiB slices (Qwen3-30B-A3B-like,
+     * Mixtral-like) the chunks and the SMs left to NCCL cost more than the
+     * exchanges they hide (1.5-9 points lost). */
+    const double slice = (double)ep->C * (double)ep->desc.layer.d * 2.0;
+    const int want = ep->desc.overlap == 1 || (ep->desc.overlap == 0 && slice >= 128.0 * 1048576.0);
+    X->nc = want && X->g.views && P > 1 ? P + split : 1;
+    if (X->nc == 1) {
+        X->bd.b[0] = 0;
+        X->bd.b[1] = (int64_t)P * ep->C;
+    } else {
+        int c = 0;
+        for (int q = 0; q < P; q++) {
+            X->bd.b[c++] = (int64_t)q * ep->C;
+            if (q == r && split) X->bd.b[c++] = (int64_t)q * ep->C + ep->C / 2;
+        }
+        X->bd.b[c] = (int64_t)P * ep->C;
+    }
+    int R = ep->desc.comm_sms == 0 ? 8 : ep->desc.comm_sms < 0 ? 0 : ep->desc.comm_sms;
+    if (R > X->g.num_sms / 2) R = X->g.num_sms / 2;
+    X->sms_overlap = X->g.num_sms - R;
+    X->order = (int *)malloc(sizeof(int) * (size_t)X->nc);
+    X->n_ev = EV_IN + P + X->nc;
+    X->ev = (cudaEvent_t *)calloc((size_t)X->n_ev, sizeof(cudaEvent_t));
+    SMOE_RETURN_ERROR_IF(!X->order || !X->ev, SMOE_ERROR_OUT_OF_MEMORY,
+                         "%s: allocation", fn);
+    if (X->nc == 1) {
+        X->order[0] = 0;
+    } else {
+        /* chunk of source q: q, or q + 1 past this rank's split rows */
+        int i = 0;
+        X->order[i++] = r;
+        for (int k = 1; k < P; k++) {
+            const int q = (r - k + P) % P;
+            X->order[i++] = q < r || !split ? q : q + 1;
+        }
+        if (split) X->order[i++] = r + 1;
+    }
+    int lo = 0, hi = 0;
+    SMOE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    SMOE_CUDA_CHECK(cudaStreamCreateWithPriority(&X->cs, cudaStreamNonBlocking, hi));
+    for (int i = 0; i < X->n_ev; i++)
+        SMOE_CUDA_CHECK(cudaEventCreateWithFlags(&X->ev[i], cudaEventDisableTiming));
+    /* The overlap's exchanges run beside GEMMs that leave R SMs free: NCCL's
+     * kernels must fit there, so the layer splits a communicator of its own
+     * whose kernels launch one CTA per cluster (the default, clusters of
+     * four, finds no room among scattered free SMs and waits for the GEMM;
+     * bench/nccl_overlap_probe.cu measures it) and at most R of them. */
+    if (X->nc > 1 && P > 1) {
+        nccl_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.size = sizeof cfg;
+        cfg.magic = 0xcafebeef;
+        cfg.version = 21800;
+        cfg.blocking = 1;
+        cfg.cgaClusterSize = 1;
+        cfg.minCTAs = INT_MIN; /* NCCL's "unset" */
+        cfg.maxCTAs = R > 0 ? R : INT_MIN;
+        cfg.netName = NULL;
+        cfg.splitShare = 0;
+        nccl_comm mine = NULL;
+        nccl_result nr = g_nccl.CommSplit((nccl_comm)ep->desc.nccl_comm, 0, r, &mine, &cfg);
+        SMOE_RETURN_ERROR_IF(nr != NCCL_OK || !mine, SMOE_ERROR_BACKEND,
+                             "%s: ncclCommSplit (the overlap's communicator): %s", fn,
+                             g_nccl.GetErrorString(nr));
+        X->comm = mine;
+        X->own_comm = 1;
+    }
+    if (X->nc > 1)
+        snprintf(ep->path, sizeof ep->path,
+                 "%s; ep: overlap, %d chunks, %d SMs left to NCCL beside the GEMMs",
+                 smoe_layer_path_name(ep->experts), X->nc, X->g.num_sms - X->sms_overlap);
+    else
+        snprintf(ep->path, sizeof ep->path, "%s; ep: no overlap (exchange, then compute)",
+                 smoe_layer_path_name(ep->experts));
+    return SMOE_SUCCESS;
+}
 
 smoe_status smoe_ep_cuda_init(smoe_ep_layer *ep)
 {
@@ -623,8 +888,208 @@ smoe_status smoe_ep_cuda_init(smoe_ep_layer *ep)
     if (s) cudaStreamDestroy(s);
     if (dev) cudaFree(dev);
     free(all);
+    if (r == SMOE_SUCCESS) {
+        SMOE_CUDA_CHECK(cudaSetDevice(ep->desc.layer.device));
+        r = cuda_state_make(ep);
+    }
     cudaSetDevice(prev);
     return r;
+}
+
+
+/* ------------------------------------------------------------ the schedule */
+
+#define TRY(expr)                                                         \
+    do {                                                                  \
+        r = (expr);                                                       \
+        if (r != SMOE_SUCCESS) goto done;                                 \
+    } while (0)
+#define TRYL(what)                                                        \
+    do {                                                                  \
+        cudaError_t e_ = cudaGetLastError();                              \
+        if (e_ != cudaSuccess) {                                          \
+            r = smoe_fail(SMOE_ERROR_BACKEND, "%s: %s", what,             \
+                          cudaGetErrorString(e_));                        \
+            goto done;                                                    \
+        }                                                                 \
+    } while (0)
+#define TRYC(call)                                                        \
+    do {                                                                  \
+        cudaError_t e_ = (call);                                          \
+        if (e_ != cudaSuccess) {                                          \
+            r = smoe_fail(SMOE_ERROR_BACKEND, "%s: %s", #call,            \
+                          cudaGetErrorString(e_));                        \
+            goto done;                                                    \
+        }                                                                 \
+    } while (0)
+
+/* A GEMM launcher chose at create time: declining now is a bug. */
+static smoe_status gemm_ran(smoe_status st, const char *op)
+{
+    if (st != SMOE_ERROR_UNSUPPORTED) return st;
+    char why[256];
+    snprintf(why, sizeof why, "%s", smoe_last_error());
+    return smoe_fail(SMOE_ERROR_INTERNAL, "expert parallelism: the %s GEMM declined: %s", op,
+                     why);
+}
+
+/* The received rows [v0, v1) of chunk c that came from rank q: its piece
+ * (empty when the chunk holds none of q's rows). */
+static int piece(const smoe_ep_layer *ep, int c, int q, int64_t *v0, int64_t *v1)
+{
+    const int64_t a = ep->cuda->bd.b[c], b = ep->cuda->bd.b[c + 1];
+    const int64_t lo = (int64_t)q * ep->C, hi = lo + ep->C;
+    *v0 = a > lo ? a : lo;
+    *v1 = b < hi ? b : hi;
+    return *v1 > *v0;
+}
+
+/* Where the run stands: rounds of the first exchange not yet waited for,
+ * and whether partial sums are on their way (then the GEMMs leave SMs to
+ * NCCL). */
+typedef struct sched {
+    int waited[64];
+    int rounds_left;
+    int sending;
+} sched;
+
+/* Before chunk c: wait for the rows of every peer it holds. */
+static smoe_status chunk_wait(const smoe_ep_layer *ep, sched *z, int c, cudaStream_t s)
+{
+    const ep_cuda *X = ep->cuda;
+    int64_t v0, v1;
+    for (int q = 0; q < ep->P; q++) {
+        if (q == ep->r || z->waited[q] || !piece(ep, c, q, &v0, &v1)) continue;
+        const int k = (ep->r - q + ep->P) % ep->P;
+        SMOE_CUDA_CHECK(cudaStreamWaitEvent(s, X->ev[EV_IN + k], 0));
+        z->waited[q] = 1;
+        z->rounds_left--;
+    }
+    return SMOE_SUCCESS;
+}
+
+/* Every round of the first exchange waited for (its messages read next). */
+static smoe_status wait_all(const smoe_ep_layer *ep, sched *z, cudaStream_t s)
+{
+    for (int k = 1; k < ep->P; k++) {
+        const int q = (ep->r - k + ep->P) % ep->P;
+        if (z->waited[q]) continue;
+        SMOE_CUDA_CHECK(cudaStreamWaitEvent(s, ep->cuda->ev[EV_IN + k], 0));
+        z->waited[q] = 1;
+        z->rounds_left--;
+    }
+    return SMOE_SUCCESS;
+}
+
+static int sms_now(const smoe_ep_layer *ep, const sched *z)
+{
+    const ep_cuda *X = ep->cuda;
+    return z->rounds_left > 0 || z->sending ? X->sms_overlap : X->g.num_sms;
+}
+
+/* After chunk c: its pieces for peers go back to them on the layer's
+ * stream (bufs: n buffers of `row` bytes per received row, sent from
+ * send[b] and received into recv[b] at the partner's piece: the rank
+ * whose rows this rank's piece of q mirrors, r + (r - q)), and with the
+ * last piece of a peer's rows the 8-byte message msg2 when given. */
+typedef struct cbuf {
+    const char *send;
+    char *recv;
+    size_t row;
+} cbuf;
+
+static smoe_status chunk_send(const smoe_ep_layer *ep, sched *z, int c, const cbuf *b, int nb,
+                              const int32_t *msg2_send, int32_t *msg2_recv, cudaStream_t s)
+{
+    const ep_cuda *X = ep->cuda;
+    const int P = ep->P, r = ep->r;
+    p2p_op op[3 * 64];
+    int n = 0;
+    int64_t v0, v1;
+    for (int q = 0; q < P; q++) {
+        if (q == r || !piece(ep, c, q, &v0, &v1)) continue;
+        const int partner = (2 * r - q + 2 * P) % P;
+        const int64_t w0 = (int64_t)partner * ep->C + (v0 - (int64_t)q * ep->C);
+        for (int i = 0; i < nb; i++) {
+            op[n].send = b[i].send + (size_t)v0 * b[i].row;
+            op[n].recv = b[i].recv + (size_t)w0 * b[i].row;
+            op[n].bytes = (size_t)(v1 - v0) * b[i].row;
+            op[n].to = q;
+            op[n].from = partner;
+            n++;
+        }
+        if (msg2_send && v1 == (int64_t)(q + 1) * ep->C) {
+            op[n].send = msg2_send + 2 * q;
+            op[n].recv = msg2_recv + 2 * partner;
+            op[n].bytes = 8;
+            op[n].to = q;
+            op[n].from = partner;
+            n++;
+        }
+    }
+    if (!n) return SMOE_SUCCESS;
+    SMOE_CUDA_CHECK(cudaEventRecord(X->ev[EV_IN + P + c], s));
+    SMOE_CUDA_CHECK(cudaStreamWaitEvent(X->cs, X->ev[EV_IN + P + c], 0));
+    SMOE_FORWARD_IF_ERROR(p2p_group(ep, op, n, X->cs));
+    z->sending = 1;
+    return SMOE_SUCCESS;
+}
+
+/* The first exchange's rounds on the layer's stream, after the caller's
+ * stream has packed: round k sends to r + k and receives from r - k, n
+ * buffers of C rows each. */
+static smoe_status rounds(const smoe_ep_layer *ep, const cbuf *b, int nb, int ev_each)
+{
+    const ep_cuda *X = ep->cuda;
+    const int P = ep->P, r = ep->r;
+    for (int k = 1; k < P; k++) {
+        const int to = (r + k) % P, from = (r - k + P) % P;
+        p2p_op op[4];
+        for (int i = 0; i < nb; i++) {
+            op[i].send = b[i].send + (size_t)to * (size_t)ep->C * b[i].row;
+            op[i].recv = b[i].recv + (size_t)from * (size_t)ep->C * b[i].row;
+            op[i].bytes = (size_t)ep->C * b[i].row;
+            op[i].to = to;
+            op[i].from = from;
+        }
+        SMOE_FORWARD_IF_ERROR(p2p_group(ep, op, nb, X->cs));
+        if (ev_each >= 0) SMOE_CUDA_CHECK(cudaEventRecord(X->ev[ev_each + k], X->cs));
+    }
+    return SMOE_SUCCESS;
+}
+
+static smoe_status fork_streams(const smoe_ep_layer *ep, cudaStream_t s)
+{
+    SMOE_CUDA_CHECK(cudaEventRecord(ep->cuda->ev[EV_FORK], s));
+    SMOE_CUDA_CHECK(cudaStreamWaitEvent(ep->cuda->cs, ep->cuda->ev[EV_FORK], 0));
+    return SMOE_SUCCESS;
+}
+
+static smoe_status join_streams(const smoe_ep_layer *ep, cudaStream_t s)
+{
+    SMOE_CUDA_CHECK(cudaEventRecord(ep->cuda->ev[EV_JOIN], ep->cuda->cs));
+    SMOE_CUDA_CHECK(cudaStreamWaitEvent(s, ep->cuda->ev[EV_JOIN], 0));
+    return SMOE_SUCCESS;
+}
+
+/* The experts' problem for chunk c (-1: all rows, no view). */
+static smoe_gemm_problem chunk_problem(const smoe_ep_layer *ep, const smoe_saved_view *v,
+                                       const int32_t *off2, int c, int sms, const int *abort)
+{
+    const ep_cuda *X = ep->cuda;
+    smoe_gemm_problem p = X->g.problem;
+    if (c >= 0 && X->nc > 1) {
+        p.expert_offset = off2 + c;
+        p.off_stride = X->nc;
+    } else {
+        p.expert_offset = v->expert_offset;
+        p.off_stride = 1;
+    }
+    p.row_token = v->row_token;
+    p.row_score = v->row_score;
+    p.abort = abort;
+    p.num_sms = sms;
+    return p;
 }
 
 /* ------------------------------------------------------------ forward */
@@ -634,9 +1099,10 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
 {
     cudaStream_t s = (cudaStream_t)stream;
     const smoe_layer_desc *L = &ep->desc.layer;
+    const ep_cuda *X = ep->cuda;
     const int general = L->routing == SMOE_ROUTING_GENERAL;
     const int training = !args->inference;
-    const int P = ep->P;
+    const int P = ep->P, self = ep->r;
     const int64_t T = args->T, d = L->d, E = L->E, El = ep->El, C = ep->C, Km = ep->Kmax;
     const int64_t Kq = kq_of(ep), Tv = (int64_t)P * C, pairs = general ? args->pairs : 0;
     const int64_t A = assignments(ep, T, pairs), n_ent = T * Kq;
@@ -655,20 +1121,6 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
     SMOE_CUDA_CHECK(cudaGetDevice(&prev));
     if (prev != L->device) SMOE_CUDA_CHECK(cudaSetDevice(L->device));
     smoe_status r = SMOE_SUCCESS;
-#define TRY(expr)                                                         \
-    do {                                                                  \
-        r = (expr);                                                       \
-        if (r != SMOE_SUCCESS) goto done;                                 \
-    } while (0)
-#define TRYL(what)                                                        \
-    do {                                                                  \
-        cudaError_t e_ = cudaGetLastError();                              \
-        if (e_ != cudaSuccess) {                                          \
-            r = smoe_fail(SMOE_ERROR_BACKEND, "%s: %s", what,             \
-                          cudaGetErrorString(e_));                        \
-            goto done;                                                    \
-        }                                                                 \
-    } while (0)
     {
         TRY(smoe_cuda_status_reset(st, s));
         int32_t *toff = (int32_t *)(sb + S.token_offset);
@@ -687,7 +1139,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         /* 1. routing */
         if (general) {
             TRY(smoe_cuda_route_general(T, E, pairs, args->pair_token, args->pair_expert,
-                                        args->pair_score, NULL, as, st, rep, s));
+                                        args->pair_score, as, st, rep, s));
         } else if (T > 0) {
             TRY(smoe_cuda_router_forward(ep->full, T, args->x, args->router_w, lg, as,
                                          ws + W.router, s));
@@ -699,6 +1151,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         /* 2. entries, their slots, the pack */
         int32_t *dest = (int32_t *)(ws + W.ent_dest), *pidx = (int32_t *)(sb + S.pidx);
         int32_t *ent_off = (int32_t *)(sb + S.ent_off), *eoff = (int32_t *)(ws + W.eoff);
+        bf16 *recv_rows = (bf16 *)(ws + W.recv_rows);
         if (T > 0) {
             k_ep_entries<<<blocks_for(T, 128), 128, 0, s>>>(
                 (int)T, P, El, (int)Kq, toff, aexp, dest, (int32_t *)(ws + W.ent_token),
@@ -717,74 +1170,124 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
                                    (int32_t *)(ws + W.rtok), (float *)(ws + W.rsc), NULL,
                                    ws + W.md, s));
             k_ep_pack<<<blocks_for(n_ent * 32, 256), 256, 0, s>>>(
-                n_ent, (int)Kq, C, (int)Km, El, d, (const bf16 *)args->x, toff, aexp, ascore,
-                dest, (int32_t *)(ws + W.ent_row), eoff, pidx, (bf16 *)(ws + W.send_rows),
-                (pair_msg *)(ws + W.send_pairs), abort);
+                n_ent, (int)Kq, C, (int)Km, El, d, self, (const bf16 *)args->x, toff, aexp,
+                ascore, dest, (int32_t *)(ws + W.ent_row), eoff, pidx,
+                (bf16 *)(ws + W.send_rows), recv_rows, (pair_msg *)(ws + W.send_pairs), abort);
             TRYL("k_ep_pack");
         } else {
-            SMOE_CUDA_CHECK(cudaMemsetAsync(eoff, 0, (size_t)(P + 1) * 4, s));
-            SMOE_CUDA_CHECK(cudaMemsetAsync(ent_off, 0, 4, s));
+            TRYC(cudaMemsetAsync(eoff, 0, (size_t)(P + 1) * 4, s));
+            TRYC(cudaMemsetAsync(ent_off, 0, 4, s));
         }
         int32_t *msg_send = (int32_t *)(ws + W.msg_send), *msg_recv = (int32_t *)(ws + W.msg_recv);
+        int32_t *msg2_send = (int32_t *)(ws + W.msg2_send);
+        int32_t *msg2_recv = (int32_t *)(ws + W.msg2_recv);
+        /* the second message is read from every peer (none comes when C = 0) */
+        TRYC(cudaMemsetAsync(msg2_recv, 0, (size_t)P * 8, s));
         k_ep_msg<<<1, 32, 0, s>>>(P, C, eoff, msg_send, st, rep);
         TRYL("k_ep_msg");
-        /* 3. counts and status, rows, pairs */
-        const xchg x1[3] = {{msg_send, msg_recv, 8},
-                            {ws + W.send_rows, ws + W.recv_rows, (size_t)C * (size_t)d * 2},
+        /* 3. counts, status and pairs (small: on this stream), then the rows
+         * on the layer's stream */
+        const xchg x1[2] = {{msg_send, msg_recv, 8},
                             {ws + W.send_pairs, ws + W.recv_pairs,
                              (size_t)C * (size_t)Km * sizeof(pair_msg)}};
-        TRY(alltoall(ep, x1, 3, s));
-        k_ep_peers<<<1, 32, 0, s>>>(P, msg_recv, st, rep);
+        TRY(alltoall(ep, x1, 2, s));
+        k_ep_peers<<<1, 32, 0, s>>>(P, self, msg_recv, st, rep);
         TRYL("k_ep_peers");
-        /* 4. the expert side's triples */
-        int32_t *vt_cnt = (int32_t *)(ws + W.vt_cnt), *vt_off = (int32_t *)(ws + W.vt_off);
-        int32_t *total = (int32_t *)(ws + W.as_count);
+        sched z;
+        memset(&z, 0, sizeof z);
+        z.rounds_left = P - 1;
+        if (P > 1) {
+            TRY(fork_streams(ep, s));
+            const cbuf rb[1] = {{ws + W.send_rows, ws + W.recv_rows, (size_t)d * 2}};
+            TRY(rounds(ep, rb, 1, EV_IN));
+        }
+        /* 4. the expert side's triples and metadata */
+        smoe_saved_view v;
+        if (training) {
+            v = smoe_saved_view_make(&S.ex, sb + S.experts);
+        } else {
+            memset(&v, 0, sizeof v);
+            v.row_score = (float *)(ws + W.m_row_score);
+            v.row_token = (int32_t *)(ws + W.m_row_token);
+            v.assign_row = (int32_t *)(ws + W.m_assign_row);
+            v.assign_expert = (int32_t *)(ws + W.m_assign_expert);
+            v.token_offset = (int32_t *)(ws + W.m_token_offset);
+            v.expert_offset = (int32_t *)(ws + W.m_expert_offset);
+        }
+        int32_t *vt_cnt = (int32_t *)(ws + W.vt_cnt), *total = (int32_t *)(ws + W.as_count);
+        int32_t *off2 = (int32_t *)(sb + S.off2);
         k_ep_row_counts<<<blocks_for(Tv, 256), 256, 0, s>>>(
             Tv, C, (int)Km, msg_recv, (const pair_msg *)(ws + W.recv_pairs), vt_cnt, abort);
         TRYL("k_ep_row_counts");
-        TRY(smoe_cuda_exclusive_scan(vt_cnt, Tv, vt_off, total, s));
+        TRY(smoe_cuda_exclusive_scan(vt_cnt, Tv, v.token_offset, total, s));
         k_ep_triples<<<blocks_for(Tv, 256), 256, 0, s>>>(
-            Tv, (int)Km, ep->rows, (const pair_msg *)(ws + W.recv_pairs), vt_off,
-            (int32_t *)(ws + W.pt), (int32_t *)(ws + W.pe), (float *)(ws + W.ps),
+            Tv, (int)Km, ep->rows, (const pair_msg *)(ws + W.recv_pairs), v.token_offset,
+            (int32_t *)(ws + W.pt), v.assign_expert, (float *)(ws + W.ps),
             (int32_t *)(sb + S.tri_slot), st);
         TRYL("k_ep_triples");
-        k_ep_rows_check<<<1, 32, 0, s>>>(P, ep->rows, total, msg_send, st, rep);
+        k_ep_rows_check<<<1, 32, 0, s>>>(P, ep->rows, total, msg2_send, st, rep);
         TRYL("k_ep_rows_check");
-        const xchg x2[1] = {{msg_send, msg_recv, 8}};
-        TRY(alltoall(ep, x2, 1, s));
-        k_ep_peers<<<1, 32, 0, s>>>(P, msg_recv, st, rep);
-        TRYL("k_ep_peers");
-        k_ep_rows_final<<<1, 32, 0, s>>>(total, (int32_t *)(sb + S.rows), st);
+        k_ep_rows_final<<<1, 32, 0, s>>>(total, st);
         TRYL("k_ep_rows_final");
-        /* the experts */
-        smoe_forward_args ea;
-        memset(&ea, 0, sizeof ea);
-        ea.T = Tv;
-        ea.x = ws + W.recv_rows;
-        ea.pairs = ep->rows;
-        ea.pair_token = (int32_t *)(ws + W.pt);
-        ea.pair_expert = (int32_t *)(ws + W.pe);
-        ea.pair_score = (float *)(ws + W.ps);
-        ea.w1 = args->w1; ea.b1 = args->b1; ea.w2 = args->w2; ea.b2 = args->b2;
-        ea.out = ws + W.part;
-        ea.inference = args->inference;
-        TRY(smoe_cuda_forward_dev_pairs(ep->experts, &ea, total, &S.ex,
-                                        training ? sb + S.experts : NULL, ws + W.experts, s));
-        /* 5. partials back, summed over the entries in rank order */
-        const xchg x3[1] = {{ws + W.part, ws + W.part_recv, (size_t)C * (size_t)d * 2}};
-        TRY(alltoall(ep, x3, 1, s));
+        smoe_assign_dev tr;
+        tr.expert = v.assign_expert;
+        tr.token = (int32_t *)(ws + W.pt);
+        tr.score = (float *)(ws + W.ps);
+        tr.token_offset = v.token_offset;
+        tr.count = total;
+        tr.abort = abort;
+        /* beside the rows in flight: no cooperative launch (it would wait
+         * for NCCL's SMs) */
+        TRY(smoe_cuda_metadata_beside(El, ep->rows, tr, v.expert_offset, v.assign_row,
+                                      v.row_token, v.row_score, NULL, ws + W.xmd, 1, s));
+        if (X->nc > 1) {
+            k_ep_chunk_off<<<blocks_for(El * X->nc + 1, 256), 256, 0, s>>>(
+                (int)El, X->nc, X->bd, v.expert_offset, v.row_token, off2, abort);
+            TRYL("k_ep_chunk_off");
+        }
+        /* 5. the experts, chunk by chunk; each chunk's partial sums to their
+         * sources (this rank's own straight into part_recv) */
+        bf16 *a = (bf16 *)(ws + W.a), *y = (bf16 *)(ws + W.y);
+        char *part = ws + W.part, *part_recv = ws + W.part_recv;
+        const smoe_saved_header hdr = smoe_saved_header_make(ep->full, T, pairs);
+        for (int i = 0; i < X->nc; i++) {
+            const int c = X->order[i];
+            TRY(chunk_wait(ep, &z, c, s));
+            smoe_gemm_problem p = chunk_problem(ep, &v, off2, c, sms_now(ep, &z), abort);
+            TRY(gemm_ran(X->g.ops.up(&p, recv_rows, (const bf16 *)args->w1,
+                                     (const bf16 *)args->b1, training ? (bf16 *)v.h : NULL, a,
+                                     ws + W.gemm, s),
+                         "up"));
+            TRY(gemm_ran(X->g.ops.down(&p, a, (const bf16 *)args->w2, (const bf16 *)args->b2, y,
+                                       ws + W.gemm, s),
+                         "down"));
+            for (int q = 0; q < P; q++) {
+                int64_t v0, v1;
+                if (!piece(ep, c, q, &v0, &v1)) continue;
+                bf16 *out = (bf16 *)((q == self ? part_recv : part) + (size_t)v0 * (size_t)d * 2);
+                TRY(smoe_cuda_aggregate_forward(v1 - v0, d, v.token_offset + v0, v.assign_row,
+                                                v.row_score, y, out, NULL, hdr, abort, s));
+            }
+            if (P > 1) {
+                const cbuf pb[1] = {{part, part_recv, (size_t)d * 2}};
+                TRY(chunk_send(ep, &z, c, pb, 1, msg2_send, msg2_recv, s));
+            }
+        }
+        if (P > 1) {
+            TRY(join_streams(ep, s));
+            k_ep_peers<<<1, 32, 0, s>>>(P, self, msg2_recv, st, rep);
+            TRYL("k_ep_peers");
+        }
+        /* 6. partials summed over the entries in rank order */
         if (T > 0) {
             TRY(smoe_cuda_aggregate_forward(
-                T, d, ent_off, pidx, NULL, (const bf16 *)(ws + W.part_recv), (bf16 *)args->out,
-                training ? (smoe_saved_header *)(sb + S.header) : NULL,
-                smoe_saved_header_make(ep->full, T, pairs), abort, s));
+                T, d, ent_off, pidx, NULL, (const bf16 *)part_recv, (bf16 *)args->out,
+                training ? (smoe_saved_header *)(sb + S.header) : NULL, hdr, abort, s));
         } else if (training) {
             /* no token to aggregate: the header alone (status included) */
-            TRY(smoe_cuda_aggregate_forward(0, d, ent_off, pidx, NULL,
-                                            (const bf16 *)(ws + W.part_recv), NULL,
-                                            (smoe_saved_header *)(sb + S.header),
-                                            smoe_saved_header_make(ep->full, T, pairs), abort,
-                                            s));
+            TRY(smoe_cuda_aggregate_forward(0, d, ent_off, pidx, NULL, (const bf16 *)part_recv,
+                                            NULL, (smoe_saved_header *)(sb + S.header), hdr,
+                                            abort, s));
         }
         if (args->router_logits || args->expert_counts) {
             k_ep_outputs<<<blocks_for(T * E > E ? T * E : E, 256), 256, 0, s>>>(
@@ -805,8 +1308,9 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
 {
     cudaStream_t s = (cudaStream_t)stream;
     const smoe_layer_desc *L = &ep->desc.layer;
+    const ep_cuda *X = ep->cuda;
     const int general = L->routing == SMOE_ROUTING_GENERAL;
-    const int P = ep->P;
+    const int P = ep->P, self = ep->r;
     const int64_t T = args->T, d = L->d, El = ep->El, C = ep->C, Km = ep->Kmax;
     const int64_t Kq = kq_of(ep), Tv = (int64_t)P * C, pairs = general ? args->pairs : 0;
     const int64_t A = assignments(ep, T, pairs), n_ent = T * Kq;
@@ -818,6 +1322,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
     char *sb = (char *)(uintptr_t)saved;
     smoe_dev_status *st = (smoe_dev_status *)(ws + W.status);
     const int *abort = &st->code;
+    const smoe_dev_report rep = smoe_cuda_report(ep->full, 1);
     int prev = 0;
     SMOE_CUDA_CHECK(cudaGetDevice(&prev));
     if (prev != L->device) SMOE_CUDA_CHECK(cudaSetDevice(L->device));
@@ -825,86 +1330,154 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
     {
         /* the saved block's header: this layer's, this T and pairs */
         TRY(smoe_cuda_backward_prologue((const smoe_saved_header *)(sb + S.header),
-                                        smoe_saved_header_make(ep->full, T, pairs), NULL, st,
-                                        smoe_cuda_report(ep->full, 1), NULL, 0, d, NULL, s));
+                                        smoe_saved_header_make(ep->full, T, pairs), st,
+                                        rep, NULL, 0, d, NULL, s));
         const int32_t *pidx = (const int32_t *)(sb + S.pidx);
         const int32_t *ent_off = (const int32_t *)(sb + S.ent_off);
         const int32_t *toff = (const int32_t *)(sb + S.token_offset);
         const int32_t *aexp = (const int32_t *)(sb + S.assign_expert);
+        const int32_t *off2 = (const int32_t *)(sb + S.off2);
+        smoe_saved_view v = smoe_saved_view_make(&S.ex, sb + S.experts);
         bf16 *sx = (bf16 *)(ws + W.send_rows), *sdo = (bf16 *)(ws + W.send_do);
+        bf16 *rx = (bf16 *)(ws + W.recv_rows), *rdo = (bf16 *)(ws + W.recv_do);
         if (n_ent > 0) {
             k_ep_pack2<<<blocks_for(n_ent * 32, 256), 256, 0, s>>>(
-                n_ent, (int)Kq, d, (const bf16 *)args->x, (const bf16 *)args->dout, pidx, sx,
-                sdo, abort);
+                n_ent, (int)Kq, d, C, self, (const bf16 *)args->x, (const bf16 *)args->dout,
+                pidx, sx, sdo, rx, rdo, abort);
             TRYL("k_ep_pack2");
         }
-        /* every rank's status (its header check) goes with the rows */
+        /* every rank's status (its header check) goes with dout */
         int32_t *msg_send = (int32_t *)(ws + W.msg_send), *msg_recv = (int32_t *)(ws + W.msg_recv);
         k_ep_status_msg<<<1, 32, 0, s>>>(P, msg_send, st);
         TRYL("k_ep_status_msg");
-        const xchg x1[3] = {{msg_send, msg_recv, 8},
-                            {sx, ws + W.recv_rows, (size_t)C * (size_t)d * 2},
-                            {sdo, ws + W.recv_do, (size_t)C * (size_t)d * 2}};
-        TRY(alltoall(ep, x1, 3, s));
-        k_ep_peers<<<1, 32, 0, s>>>(P, msg_recv, st, smoe_cuda_report(ep->full, 1));
-        TRYL("k_ep_peers");
-        /* the experts: dx partials, dS per triple, this rank's weight grads */
-        smoe_backward_args eb;
-        memset(&eb, 0, sizeof eb);
-        eb.T = Tv;
-        eb.x = ws + W.recv_rows;
-        eb.pairs = ep->rows;
-        eb.w1 = args->w1; eb.w2 = args->w2; eb.b2 = args->b2;
-        eb.dout = ws + W.recv_do;
-        eb.dx = (smoe_grad){ws + W.part, SMOE_DTYPE_BF16, 0};
-        eb.dw1 = args->dw1; eb.db1 = args->db1; eb.dw2 = args->dw2; eb.db2 = args->db2;
-        eb.dpair_score = (smoe_grad){ws + W.dps, SMOE_DTYPE_F32, 0};
-        TRY(smoe_cuda_backward_upstream(ep->experts, &eb, &S.ex, sb + S.experts, ws + W.experts,
-                                        abort, s));
-        float *send_ds = (float *)(ws + W.send_ds);
-        SMOE_CUDA_CHECK(cudaMemsetAsync(send_ds, 0, (size_t)Tv * (size_t)Km * 4, s));
-        k_ep_ds_scatter<<<blocks_for(ep->rows, 256), 256, 0, s>>>(
-            ep->rows, (const int32_t *)(sb + S.rows), (const int32_t *)(sb + S.tri_slot),
-            (const float *)(ws + W.dps), send_ds, abort);
-        TRYL("k_ep_ds_scatter");
-        const xchg x2[2] = {{ws + W.part, ws + W.part_recv, (size_t)C * (size_t)d * 2},
-                            {send_ds, ws + W.recv_ds, (size_t)C * (size_t)Km * 4}};
-        TRY(alltoall(ep, x2, 2, s));
+        float *send_ds = (float *)(ws + W.send_ds), *recv_ds = (float *)(ws + W.recv_ds);
+        TRYC(cudaMemsetAsync(send_ds, 0, (size_t)Tv * (size_t)Km * 4, s));
+        TRYC(cudaMemsetAsync(recv_ds, 0, (size_t)Tv * (size_t)Km * 4, s));
+        sched z;
+        memset(&z, 0, sizeof z);
+        z.rounds_left = P - 1;
+        if (P > 1) {
+            TRY(fork_streams(ep, s));
+            /* dout with the status message, then x */
+            for (int k = 1; k < P; k++) {
+                const int to = (self + k) % P, from = (self - k + P) % P;
+                const p2p_op op[2] = {
+                    {(const char *)sdo + (size_t)to * (size_t)C * (size_t)d * 2,
+                     (char *)rdo + (size_t)from * (size_t)C * (size_t)d * 2,
+                     (size_t)C * (size_t)d * 2, to, from},
+                    {msg_send + 2 * to, msg_recv + 2 * from, 8, to, from}};
+                TRY(p2p_group(ep, op, 2, X->cs));
+                TRYC(cudaEventRecord(X->ev[EV_IN + k], X->cs));
+            }
+            const cbuf xb[1] = {{(const char *)sx, (char *)rx, (size_t)d * 2}};
+            TRY(rounds(ep, xb, 1, -1));
+            TRYC(cudaEventRecord(X->ev[EV_X], X->cs));
+        }
+        /* per chunk: dH, dS and dX~, the chunk's dx partials and dS back */
+        bf16 *dh = (bf16 *)(ws + W.dh), *a_scaled = (bf16 *)(ws + W.a_scaled);
+        bf16 *dxt = (bf16 *)(ws + W.dxt);
+        float *ds = (float *)(ws + W.ds);
+        char *part = ws + W.part, *part_recv = ws + W.part_recv;
+        for (int i = 0; i < X->nc; i++) {
+            const int c = X->order[i];
+            TRY(chunk_wait(ep, &z, c, s));
+            /* with chunks x travels until dW1; without, everything has
+             * arrived before the GEMMs */
+            if (X->nc == 1 && P > 1) TRYC(cudaStreamWaitEvent(s, X->ev[EV_X], 0));
+            const int sms = X->nc > 1 && P > 1 ? X->sms_overlap : X->g.num_sms;
+            smoe_gemm_problem p = chunk_problem(ep, &v, off2, c, sms, abort);
+            TRY(gemm_ran(X->g.ops.dh(&p, rdo, (const bf16 *)args->w2, (const bf16 *)args->b2,
+                                     (const bf16 *)v.h, dh, a_scaled, ds, ws + W.gemm, s),
+                         "dh"));
+            TRY(gemm_ran(X->g.ops.dxt(&p, dh, (const bf16 *)args->w1, dxt, ws + W.gemm, s),
+                         "dxt"));
+            for (int q = 0; q < P; q++) {
+                int64_t v0, v1;
+                if (!piece(ep, c, q, &v0, &v1)) continue;
+                char *out = (q == self ? part_recv : part) + (size_t)v0 * (size_t)d * 2;
+                TRY(smoe_cuda_aggregate_backward(v1 - v0, d, v.token_offset + v0, v.assign_row,
+                                                 dxt, NULL, NULL, NULL, NULL, NULL, out,
+                                                 SMOE_DTYPE_BF16, 0, abort, s));
+                k_ep_ds_scatter<<<blocks_for(ep->rows, 256), 256, 0, s>>>(
+                    v0, v1, (int64_t)self * C, (int64_t)(self + 1) * C, (int)Km, v.token_offset,
+                    (const int32_t *)(sb + S.tri_slot), v.assign_row, ds, send_ds, recv_ds,
+                    abort);
+                TRYL("k_ep_ds_scatter");
+            }
+            if (P > 1) {
+                const cbuf pb[2] = {{part, part_recv, (size_t)d * 2},
+                                    {(const char *)send_ds, (char *)recv_ds, (size_t)Km * 4}};
+                TRY(chunk_send(ep, &z, c, pb, 2, NULL, NULL, s));
+            }
+        }
+        /* Every exchange done (x arrived, the last partials gone: by now,
+         * with overlap, as the last chunk was this rank's own), then every
+         * peer's header check before any weight gradient is written; the
+         * weight gradients take every SM. */
+        if (P > 1) {
+            TRY(join_streams(ep, s));
+            z.sending = 0;
+            TRY(wait_all(ep, &z, s));
+            k_ep_peers<<<1, 32, 0, s>>>(P, self, msg_recv, st, rep);
+            TRYL("k_ep_peers");
+        }
+        /* the weight gradients over all rows (no view) */
+        {
+            smoe_gemm_problem p = chunk_problem(ep, &v, off2, -1, sms_now(ep, &z), abort);
+            const smoe_gemm_problem *g = &X->g.problem;
+            if (args->dw2.ptr)
+                TRY(gemm_ran(X->g.ops.dw2(&p, rdo, a_scaled, args->dw2.ptr, args->dw2.dtype,
+                                          args->dw2.accumulate, ws + W.gemm, s),
+                             "dw2"));
+            if (args->db2.ptr)
+                TRY(smoe_cuda_expert_colsum(El, d, v.expert_offset, rdo, v.row_token,
+                                            v.row_score, g->n, g->gated, g->w1_layout, 0,
+                                            args->db2.ptr, args->db2.dtype, args->db2.accumulate,
+                                            abort, s));
+            if (args->dw1.ptr)
+                TRY(gemm_ran(X->g.ops.dw1(&p, dh, rx, args->dw1.ptr, args->dw1.dtype,
+                                          args->dw1.accumulate, ws + W.gemm, s),
+                             "dw1"));
+            if (args->db1.ptr)
+                TRY(smoe_cuda_expert_colsum(El, g->h_cols, v.expert_offset, dh, NULL, NULL,
+                                            g->n, g->gated, g->w1_layout, 1, args->db1.ptr,
+                                            args->db1.dtype, args->db1.accumulate, abort, s));
+        }
         /* this rank's tokens: dS per assignment, the router, dx */
-        float *ds = (float *)(ws + W.ds_assign);
+        float *dsa = (float *)(ws + W.ds_assign);
         if (T > 0) {
-            k_ep_ds_gather<<<blocks_for(T, 128), 128, 0, s>>>(
-                (int)T, (int)Kq, (int)Km, El, toff, aexp, pidx, (const float *)(ws + W.recv_ds),
-                ds, abort);
+            k_ep_ds_gather<<<blocks_for(T, 128), 128, 0, s>>>((int)T, (int)Kq, (int)Km, El, toff,
+                                                              aexp, pidx, recv_ds, dsa, abort);
             TRYL("k_ep_ds_gather");
         }
         float *dxr = NULL;
         if (!general) {
-            smoe_saved_view v;
-            memset(&v, 0, sizeof v);
-            v.token_offset = (int32_t *)toff;
-            v.assign_expert = (int32_t *)aexp;
-            v.assign_row = (int32_t *)(sb + S.assign_row);
-            v.row_score = (float *)(sb + S.row_score);
-            v.logits = L->routing == SMOE_ROUTING_SOFTMAX_TOPK ? (float *)(sb + S.logits) : NULL;
+            smoe_saved_view u;
+            memset(&u, 0, sizeof u);
+            u.token_offset = (int32_t *)toff;
+            u.assign_expert = (int32_t *)aexp;
+            u.assign_row = (int32_t *)(sb + S.assign_row);
+            u.row_score = (float *)(sb + S.row_score);
+            u.logits = L->routing == SMOE_ROUTING_SOFTMAX_TOPK ? (float *)(sb + S.logits) : NULL;
             dxr = args->dx.ptr && T > 0 ? (float *)(ws + W.dxr) : NULL;
-            TRY(smoe_cuda_router_backward(ep->full, T, &v, ds, args->dlogits_extra, args->x,
+            TRY(smoe_cuda_router_backward(ep->full, T, &u, dsa, args->dlogits_extra, args->x,
                                           args->router_w, &args->drouter_w, dxr, ws + W.router,
                                           abort, s));
         } else if (args->dpair_score.ptr && A > 0) {
-            k_ep_dps_out<<<blocks_for(A, 256), 256, 0, s>>>(A, ds, (float *)args->dpair_score.ptr,
-                                                            args->dpair_score.accumulate, abort);
+            k_ep_dps_out<<<blocks_for(A, 256), 256, 0, s>>>(
+                A, dsa, (float *)args->dpair_score.ptr, args->dpair_score.accumulate, abort);
             TRYL("k_ep_dps_out");
         }
         if (args->dx.ptr && T > 0)
-            TRY(smoe_cuda_aggregate_backward(T, d, ent_off, pidx,
-                                             (const bf16 *)(ws + W.part_recv), dxr, NULL, NULL,
-                                             NULL, NULL, args->dx.ptr, args->dx.dtype,
-                                             args->dx.accumulate, abort, s));
+            TRY(smoe_cuda_aggregate_backward(T, d, ent_off, pidx, (const bf16 *)part_recv, dxr,
+                                             NULL, NULL, NULL, NULL, args->dx.ptr,
+                                             args->dx.dtype, args->dx.accumulate, abort, s));
     }
 done:
     if (prev != L->device) cudaSetDevice(prev);
     return r;
+}
+
 #undef TRY
 #undef TRYL
-}
+#undef TRYC

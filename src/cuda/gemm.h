@@ -47,7 +47,13 @@ typedef struct smoe_gemm_problem {
     int gated;
     smoe_activation act;
     smoe_w1_layout w1_layout;
-    const int32_t *expert_offset; /* (E+1) */
+    const int32_t *expert_offset; /* (E+1), or a view's (see off_stride) */
+    /* A view of the rows (the expert-parallel layer's chunks): 0 or 1 is the
+     * plain case; s > 1 makes expert e's rows [expert_offset[e s],
+     * expert_offset[e s + 1]), other rows neither read nor written. Only
+     * the Hopper table's up, down, dh and dxt take a view; every other
+     * launcher refuses one (SMOE_ERROR_UNSUPPORTED). */
+    int off_stride;
     const int32_t *row_token;     /* (cap) token of each row */
     const float *row_score;       /* (cap) score of each row */
     int num_sms;              /* of the device, for persistent grids */

@@ -1588,6 +1588,9 @@ static int64_t gg_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 static smoe_status gg_check_problem(const smoe_gemm_problem *p, const char *what)
 {
+    SMOE_RETURN_ERROR_IF(p->off_stride > 1, SMOE_ERROR_UNSUPPORTED,
+                         "%s: the mma.sync GEMMs take no view of the rows (off_stride %d)", what,
+                         p->off_stride);
     SMOE_RETURN_ERROR_IF(p->d <= 0 || p->n <= 0 || p->E <= 0 || p->cap < 0, SMOE_ERROR_INVALID_SIZE,
                          "%s: bad sizes d=%lld n=%lld E=%lld cap=%lld", what, (long long)p->d,
                          (long long)p->n, (long long)p->E, (long long)p->cap);

@@ -548,7 +548,8 @@ int smoe_md_force_two_launch = 0;
 template <int IPT>
 static smoe_status md2_launch(int64_t E, int64_t cap, smoe_assign_dev in, int32_t *expert_offset,
                               int32_t *assign_row, int32_t *row_token, float *row_score,
-                              int32_t *expert_counts, int32_t *tile_hist, cudaStream_t stream)
+                              int32_t *expert_counts, int32_t *tile_hist, int coop_ok,
+                              cudaStream_t stream)
 {
     int Ei = (int)E, Ep = (int)md2_pad(E), mbits = 1;
     while ((1 << mbits) - 1 < E) ++mbits;
@@ -565,7 +566,8 @@ static smoe_status md2_launch(int64_t E, int64_t cap, smoe_assign_dev in, int32_
             k_md2_coop<IPT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         SMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_md2_coop<IPT>,
                                                                       MD2_THREADS, smem));
-        if (coop && !smoe_md_force_two_launch && (int64_t)ntiles <= (int64_t)per_sm * sms) {
+        if (coop && coop_ok && !smoe_md_force_two_launch &&
+            (int64_t)ntiles <= (int64_t)per_sm * sms) {
             void *args[] = {&in,    &cap,           &Ei,        &Ep,
                             &mbits, &ntiles,        &tile_hist, &expert_offset,
                             &assign_row, &row_token, &row_score, &expert_counts};
@@ -604,17 +606,27 @@ smoe_status smoe_cuda_metadata(int64_t E, int64_t cap, smoe_assign_dev in,
                                int32_t *row_token, float *row_score,
                                int32_t *expert_counts, void *scratch, cudaStream_t stream)
 {
+    return smoe_cuda_metadata_beside(E, cap, in, expert_offset, assign_row, row_token, row_score,
+                                     expert_counts, scratch, 0, stream);
+}
+
+smoe_status smoe_cuda_metadata_beside(int64_t E, int64_t cap, smoe_assign_dev in,
+                                      int32_t *expert_offset, int32_t *assign_row,
+                                      int32_t *row_token, float *row_score,
+                                      int32_t *expert_counts, void *scratch, int beside,
+                                      cudaStream_t stream)
+{
     if (E >= 1 && E <= MD2_MAX_E) {
         const int ipt = md2_ipt(cap);
         int32_t *tile_hist = (int32_t *)scratch;
         if (ipt == 8)
             return md2_launch<8>(E, cap, in, expert_offset, assign_row, row_token, row_score,
-                                 expert_counts, tile_hist, stream);
+                                 expert_counts, tile_hist, !beside, stream);
         if (ipt == 4)
             return md2_launch<4>(E, cap, in, expert_offset, assign_row, row_token, row_score,
-                                 expert_counts, tile_hist, stream);
+                                 expert_counts, tile_hist, !beside, stream);
         return md2_launch<2>(E, cap, in, expert_offset, assign_row, row_token, row_score,
-                             expert_counts, tile_hist, stream);
+                             expert_counts, tile_hist, !beside, stream);
     }
     const int64_t nchunk = smoe_cdiv(cap > 0 ? cap : 1, MD_CHUNK);
     int32_t *chunk_count = (int32_t *)scratch;

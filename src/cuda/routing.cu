@@ -728,20 +728,12 @@ static __device__ int general_check(int64_t i, int T, int E, const int32_t *__re
 
 /* Every triple checked; the lowest bad index recorded (atomicMin: the same
  * whatever order the threads run in). Reads only. */
-/* The triples to read: `pairs`, or fewer when their number is on the device. */
-static __device__ __forceinline__ int64_t general_count(int64_t pairs, const int32_t *count_dev)
-{
-    if (!count_dev) return pairs;
-    const int64_t c = *count_dev;
-    return c < 0 ? 0 : c < pairs ? c : pairs;
-}
-
-__global__ void k_general_check(int64_t pairs, const int32_t *count_dev, int T, int E,
+__global__ void k_general_check(int64_t pairs, int T, int E,
                                 const int32_t *__restrict__ tok, const int32_t *__restrict__ ex,
                                 const float *__restrict__ sc, smoe_dev_status *st)
 {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= general_count(pairs, count_dev)) return;
+    if (i >= pairs) return;
     long long v, v2;
     if (general_check(i, T, E, tok, ex, sc, &v, &v2) != SMOE_DEV_OK)
         atomicMin(&st->first_bad, (int)i);
@@ -765,12 +757,11 @@ __global__ void k_general_reason(int T, int E, const int32_t *__restrict__ tok,
 
 /* The checked triples as assignments; token_offset[t] = the first pair
  * whose token is >= t (a binary search). */
-__global__ void k_route_general(int64_t cap, const int32_t *count_dev, int T,
+__global__ void k_route_general(int64_t pairs, int T,
                                 const int32_t *__restrict__ tok, const int32_t *__restrict__ ex,
                                 const float *__restrict__ sc, smoe_assign_dev out)
 {
     SMOE_DEV_RETURN_IF_ABORTED(out.abort);
-    const int64_t pairs = general_count(cap, count_dev);
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i == 0) *out.count = (int32_t)pairs;
     if (i < pairs) {
@@ -846,14 +837,14 @@ smoe_status smoe_cuda_route(const smoe_layer_desc *desc, int64_t T, int rounding
 
 smoe_status smoe_cuda_route_general(int64_t T, int64_t E, int64_t pairs,
                                     const int32_t *pair_token, const int32_t *pair_expert,
-                                    const float *pair_score, const int32_t *count_dev,
-                                    smoe_assign_dev out, smoe_dev_status *status,
+                                    const float *pair_score, smoe_assign_dev out,
+                                    smoe_dev_status *status,
                                     smoe_dev_report report, cudaStream_t stream)
 {
     const int threads = 256;
     if (pairs > 0) {
         k_general_check<<<(unsigned)smoe_cdiv(pairs, threads), threads, 0, stream>>>(
-            pairs, count_dev, (int)T, (int)E, pair_token, pair_expert, pair_score, status);
+            pairs, (int)T, (int)E, pair_token, pair_expert, pair_score, status);
         SMOE_CUDA_LAUNCH_CHECK("k_general_check");
         k_general_reason<<<1, 1, 0, stream>>>((int)T, (int)E, pair_token, pair_expert,
                                               pair_score, status, report);
@@ -861,7 +852,7 @@ smoe_status smoe_cuda_route_general(int64_t T, int64_t E, int64_t pairs,
     }
     const int64_t n = (pairs > T + 1 ? pairs : T + 1);
     k_route_general<<<(unsigned)smoe_cdiv(n, threads), threads, 0, stream>>>(
-        pairs, count_dev, (int)T, pair_token, pair_expert, pair_score, out);
+        pairs, (int)T, pair_token, pair_expert, pair_score, out);
     SMOE_CUDA_LAUNCH_CHECK("k_route_general");
     return SMOE_SUCCESS;
 }

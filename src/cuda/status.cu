@@ -15,8 +15,8 @@
 #include "cuda/cuda_common.h"
 
 static __device__ void saved_check(const smoe_saved_header *__restrict__ h,
-                                   const smoe_saved_header &want, const int *upstream,
-                                   smoe_dev_status *st, smoe_dev_report rep)
+                                   const smoe_saved_header &want, smoe_dev_status *st,
+                                   smoe_dev_report rep)
 {
     const smoe_saved_header got = *h;
     smoe_dev_status s;
@@ -24,12 +24,7 @@ static __device__ void saved_check(const smoe_saved_header *__restrict__ h,
     s.code = SMOE_DEV_OK;
     s.value = 0;
     s.value2 = 0;
-    if (upstream && *upstream != SMOE_DEV_OK) {
-        /* the calling expert-parallel layer failed: nothing to compute */
-        s.code = SMOE_DEV_EP_PEER;
-        s.value = -1;
-        s.value2 = *upstream;
-    } else if (got.magic != SMOE_SAVED_MAGIC || got.check != smoe_saved_header_hash(&got)) {
+    if (got.magic != SMOE_SAVED_MAGIC || got.check != smoe_saved_header_hash(&got)) {
         s.code = SMOE_DEV_SAVED_INVALID;
     } else if (got.layer_id != want.layer_id) {
         s.code = SMOE_DEV_SAVED_LAYER;
@@ -55,12 +50,12 @@ static __device__ void saved_check(const smoe_saved_header *__restrict__ h,
  * router weight (E, d): wr_nf[i] = NaN if one of its E values is not
  * finite, else 0. */
 __global__ void k_backward_prologue(const smoe_saved_header *__restrict__ h,
-                                    smoe_saved_header want, const int *upstream, smoe_dev_status *st,
+                                    smoe_saved_header want, smoe_dev_status *st,
                                     smoe_dev_report rep, const bf16 *__restrict__ wr, int E,
                                     int64_t d, float *wr_nf)
 {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i == 0) saved_check(h, want, upstream, st, rep);
+    if (i == 0) saved_check(h, want, st, rep);
     if (!wr || i >= d) return;
     bool finite = true;
     for (int e = 0; e < E; ++e) finite &= isfinite(__bfloat162float(wr[(int64_t)e * d + i]));
@@ -68,14 +63,14 @@ __global__ void k_backward_prologue(const smoe_saved_header *__restrict__ h,
 }
 
 smoe_status smoe_cuda_backward_prologue(const smoe_saved_header *header, smoe_saved_header want,
-                                        const int *upstream, smoe_dev_status *status, smoe_dev_report report,
+                                        smoe_dev_status *status, smoe_dev_report report,
                                         const bf16 *wr, int64_t E, int64_t d, float *wr_nf,
                                         cudaStream_t stream)
 {
     const int threads = 256;
     const unsigned blocks = wr ? (unsigned)smoe_cdiv(d, threads) : 1;
-    k_backward_prologue<<<blocks, threads, 0, stream>>>(header, want, upstream, status, report, wr, (int)E,
-                                                        d, wr_nf);
+    k_backward_prologue<<<blocks, threads, 0, stream>>>(header, want, status, report, wr, (int)E, d,
+                                                        wr_nf);
     SMOE_CUDA_LAUNCH_CHECK("k_backward_prologue");
     return SMOE_SUCCESS;
 }

@@ -16,6 +16,10 @@
  *    synchronisation: a capture would fail on one);
  *  - a capacity too small: the sending rank's device check (EP_OVERFLOW)
  *    stops every rank (the others report its failure), out untouched;
+ *  - the Hopper cases (d, n multiples of 64) run the overlapped schedule
+ *    (overlap = 1: chunks, two streams, the layer's own communicator), once
+ *    more with overlap = -1;
+ *    overlap = 1 on the portable GEMMs is refused on every rank;
  *  - refused at create on every rank: descriptions that differ (compared
  *    over NCCL), E not a multiple of P (each rank's own check).
  * Needs libnccl (the loader's libnccl.so.2 or $SMOE_NCCL_LIBRARY); skips
@@ -66,6 +70,7 @@ typedef struct gcase {
     int mismatch;      /* rank 1's description has n + 8 */
     const char *refused; /* create must fail on every rank with this text */
     int graph;         /* forward + backward captured in a CUDA graph, replayed twice */
+    int overlap;       /* smoe_ep_desc.overlap */
 } gcase;
 
 typedef struct grank {
@@ -119,6 +124,7 @@ static void *rank_main(void *arg) {
     for (int q = 0; q < NP; q++) tmax = c->Tr[q] > tmax ? c->Tr[q] : tmax;
     ed.max_tokens = tmax;
     ed.capacity = c->capacity;
+    ed.overlap = c->overlap;
     smoe_ep_layer *L = NULL;
     R->st_create = smoe_ep_layer_create(&ed, &L);
     if (R->st_create != SMOE_SUCCESS) {
@@ -432,8 +438,34 @@ int main(int argc, char **argv) {
                 c.D.w1_layout = (smoe_w1_layout)((m + b) % 2);
                 c.D.has_bias = (P + m) % 2;
                 c.accumulate = m == 1;
-                run_case("balanced", &c, &rng);
+                if (b) { /* the Hopper GEMMs' shapes: the overlapped schedule (views) */
+                    c.D.d = 128; c.D.n = 64;
+                    /* the Hopper dX~ GEMM (a view's too) needs W1 interleaved
+                     * when gated: with the other layout overlap = 1 is
+                     * refused, 0 takes the sequential schedule */
+                    c.overlap = c.D.w1_layout == SMOE_W1_INTERLEAVED;
+                    for (int q = 0; q < P; q++) c.Tr[q] = 40 + 14 * q;
+                }
+                run_case(b ? "balanced, Hopper, overlap" : "balanced", &c, &rng);
             }
+        {
+            gcase c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_CUDA);
+            c.overlap = 1;
+            c.refused = "no view";
+            run_case("overlap required on the portable GEMMs", &c, &rng);
+        }
+        if (hopper) {
+            gcase c = base_case(P, SMOE_ROUTING_SOFTMAX_TOPK, SMOE_BACKEND_SM90);
+            c.D.d = 128; c.D.n = 64; c.D.has_bias = 1;
+            c.overlap = -1;
+            run_case("Hopper, overlap off", &c, &rng);
+            c = base_case(P, SMOE_ROUTING_GENERAL, SMOE_BACKEND_SM90);
+            c.D.d = 128; c.D.n = 64;
+            c.overlap = 1;
+            c.graph = 1;
+            c.accumulate = 1;
+            run_case("Hopper, overlap, CUDA graph replays", &c, &rng);
+        }
         if (P < 2) continue;
         gcase c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_CUDA);
         c.Tr[1] = 0;
@@ -466,6 +498,24 @@ int main(int argc, char **argv) {
         c.capacity = 3; /* 40+ tokens, K = 2 of 8 over P ranks: overflow */
         c.overflow = 1;
         run_case("capacity too small", &c, &rng);
+        if (!hopper) continue;
+        c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 64;
+        c.Tr[1] = 0;
+        c.Tr[0] = 58;
+        c.overlap = 1;
+        run_case("Hopper, overlap, uneven, rank 1 without tokens", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_GENERAL, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 64;
+        c.one_rank = 1;
+        c.overlap = 1;
+        run_case("Hopper, overlap, every pair on rank 0's experts", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 64;
+        c.capacity = 4;
+        c.overflow = 1;
+        c.overlap = 1;
+        run_case("Hopper, overlap, capacity too small", &c, &rng);
     }
     return tu_summary("test_ep_gpu");
 }

@@ -371,7 +371,7 @@ static void run_general(int64_t T, int64_t E, double prob)
     smoe_dev_status *st = dalloc<smoe_dev_status>(1);
     SMOE_OK(smoe_cuda_status_reset(st, 0));
     smoe_dev_report no_report = {NULL, NULL, 0}; /* the status word alone */
-    SMOE_OK(smoe_cuda_route_general(T, E, np, dpt, dpe, dps, NULL, r.as, st, no_report, 0));
+    SMOE_OK(smoe_cuda_route_general(T, E, np, dpt, dpe, dps, r.as, st, no_report, 0));
     SMOE_OK(smoe_cuda_metadata(E, np, r.as, r.eoff, r.arow, r.rtok, r.rsc, r.counts, r.mscratch,
                                0));
     CUDA_OK(cudaDeviceSynchronize());

@@ -218,8 +218,9 @@ typedef struct sm90_gemm_params {
     const bf16 *bias;             /* up: b1 (E, h_cols); down: b2 (E, N); may be NULL */
     bf16 *out0;                   /* up: H (cap, N), may be NULL; down: Y (cap, N) */
     bf16 *out1;                   /* up: A (cap, n) */
-    const int32_t *expert_offset; /* (E+1) */
+    const int32_t *expert_offset; /* (E+1), or a view's: smoe_gemm_problem */
     const int32_t *row_token;     /* (cap) */
+    int off_stride;               /* >= 1: expert e's rows from expert_offset[e off_stride] */
     int E;
     int K;                        /* reduction length */
     int N;                        /* output columns: h_cols (up) or d (down) */
@@ -280,8 +281,8 @@ typedef struct sm90_tile {
  */
 template <int CL>
 __device__ __forceinline__ sm90_tile sm90_tile_decode(int t, const int *tile_start, int E, int nt,
-                                                      const int32_t *expert_offset, int rank,
-                                                      int gm)
+                                                      const int32_t *expert_offset, int os,
+                                                      int rank, int gm)
 {
     int lo = 0, hi = E; /* tile_start[lo] <= t < tile_start[hi] */
     while (hi - lo > 1) {
@@ -296,12 +297,12 @@ __device__ __forceinline__ sm90_tile sm90_tile_decode(int t, const int *tile_sta
         const int first = local / (gm * nt) * gm;
         const int rows = min(gm, mt - first), idx = local - first * nt;
         tl.n_tile = idx / rows;
-        tl.row0 = __ldg(expert_offset + lo) + ((first + idx % rows) * CL + rank) * SM90_BM;
+        tl.row0 = __ldg(expert_offset + lo * os) + ((first + idx % rows) * CL + rank) * SM90_BM;
     } else {
         tl.n_tile = local % nt;
-        tl.row0 = __ldg(expert_offset + lo) + ((local / nt) * CL + rank) * SM90_BM;
+        tl.row0 = __ldg(expert_offset + lo * os) + ((local / nt) * CL + rank) * SM90_BM;
     }
-    tl.row_end = __ldg(expert_offset + lo + 1);
+    tl.row_end = __ldg(expert_offset + lo * os + 1);
     return tl;
 }
 
@@ -837,22 +838,36 @@ __device__ __forceinline__ void ep_dh_hring_any(const float *ac, uint8_t *wb, ui
 }
 
 /* ds[r] = the n-tile partials in tile order (+ <dO[tok[r]], b2[e]>). One
- * warp per row; rows past R untouched. */
-__global__ void sm90_ds_finish(const float *dsp, int tiles, int64_t cap, const int32_t *off, int E,
-                               const int32_t *tok, const bf16 *dout, const bf16 *b2, int d,
+ * warp per row; rows past R, and in a view (os > 1) rows outside it,
+ * untouched. */
+__global__ void sm90_ds_finish(const float *dsp, int tiles, int64_t cap, const int32_t *off, int os,
+                               int E, const int32_t *tok, const bf16 *dout, const bf16 *b2, int d,
                                float *ds, const int *abort)
 {
     if (abort && *abort) return;
     const int lane = threadIdx.x & 31;
     const int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= cap || r >= __ldg(off + E)) return;
+    /* a view's rows: each expert's [begin, end) into shared memory first */
+    __shared__ int vb[SM90_MAX_EXPERTS + 1], ve[SM90_MAX_EXPERTS + 1];
+    if (os > 1) {
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            vb[e] = __ldg(off + (int64_t)e * os);
+            ve[e] = __ldg(off + (int64_t)e * os + 1);
+        }
+        __syncthreads();
+    }
+    if (r >= cap || (os == 1 && r >= __ldg(off + E))) return;
     float dot = 0.0f;
-    if (b2) {
-        int lo = 0, hi = E;
+    int lo = 0;
+    if (b2 || os > 1) {
+        int hi = E; /* lo: the last e whose rows start at or before r */
         while (hi - lo > 1) {
             const int mid = (lo + hi) >> 1;
-            if (__ldg(off + mid) <= r) lo = mid; else hi = mid;
+            if ((os > 1 ? vb[mid] : __ldg(off + mid)) <= r) lo = mid; else hi = mid;
         }
+        if (os > 1 && (r < vb[lo] || r >= ve[lo])) return;
+    }
+    if (b2) {
         const bf16 *x = dout + (int64_t)__ldg(tok + r) * d;
         const bf16 *b = b2 + (int64_t)lo * d;
         for (int j = lane * 8; j < d; j += 256) {
@@ -1063,7 +1078,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         for (int e0 = 0; e0 < p.E; e0 += 32) {
             int e = e0 + tid, v = 0;
             if (e < p.E) {
-                int cnt = __ldg(p.expert_offset + e + 1) - __ldg(p.expert_offset + e);
+                const int32_t *o = p.expert_offset + e * p.off_stride;
+                int cnt = __ldg(o + 1) - __ldg(o);
                 v = (((cnt + SM90_BM - 1) / SM90_BM + CL - 1) / CL) * nt;
             }
 #pragma unroll
@@ -1098,7 +1114,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         uint32_t jt = 0;
         for (int t = cid; t < total; t += ncl, jt++) {
             sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
-                                                crank, gm);
+                                                p.off_stride, crank, gm);
             const int n0 = tl.n_tile * BN;
             mbar_wait(smem_addr(stg), jt & 1);
             for (int h = 0; h < 2; h++) {
@@ -1135,7 +1151,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             int it = 0, nth = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x, nth++) {
                 sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
-                                                    crank, gm);
+                                                    p.off_stride, crank, gm);
                 int32_t *tokb = tok_slots + 128 * (nth & 1);
                 {
                     int r = tl.row0 + tid;
@@ -1185,7 +1201,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         uint32_t phase = 0;
         for (int t = cid; t < total; t += ncl) {
             sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
-                                                crank, gm);
+                                                p.off_stride, crank, gm);
             /* this thread's gather rows, for the whole tile */
             int32_t tok[PRT];
             if (GATHER) {
@@ -1277,7 +1293,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         uint32_t jt = 0;    /* EPIWG: this CTA's tiles so far */
         for (int t = cid + (PP ? cw * ncl : 0); t < total; t += (PP ? 2 : 1) * ncl) {
             sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
-                                                crank, gm);
+                                                p.off_stride, crank, gm);
             int prev = 0;
             /* Ping-pong order: a warpgroup starts its main loop only after the
              * other one has waited for the previous tile's last stage. Besides
@@ -1680,6 +1696,7 @@ static sm90_gemm_params sm90_params(const smoe_gemm_problem *p, int64_t K, int64
     sm90_gemm_params prm;
     memset(&prm, 0, sizeof(prm));
     prm.expert_offset = p->expert_offset;
+    prm.off_stride = p->off_stride > 1 ? p->off_stride : 1;
     prm.row_token = p->row_token;
     prm.E = (int)p->E;
     prm.K = (int)K;
@@ -1877,7 +1894,8 @@ static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const b
     SMOE_FORWARD_IF_ERROR(st);
     const int tiles = (int)((p->n + bn - 1) / bn);
     sm90_ds_finish<<<(unsigned)((p->cap + 7) / 8), 256, 0, s>>>(
-        (const float *)scratch, tiles, p->cap, p->expert_offset, (int)p->E, p->row_token, dout, b2,
+        (const float *)scratch, tiles, p->cap, p->expert_offset, p->off_stride > 1 ? p->off_stride : 1,
+        (int)p->E, p->row_token, dout, b2,
         (int)p->d, ds, p->abort);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess)

@@ -795,6 +795,9 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
                          (long long)M, (long long)N);
     /* the shape checks before the operand checks, so the layer's probe at
      * create time (no operands) sees them */
+    SMOE_RETURN_ERROR_IF(p->off_stride > 1, SMOE_ERROR_UNSUPPORTED,
+                         "sm90 %s: varlen-K takes no view of the rows (off_stride %d)", name,
+                         p->off_stride);
     const int64_t tiles_m = (M + VK_BM - 1) / VK_BM;
     const int bn = (N % 256 == 0) ? 256 : 128;
     const int64_t tiles_n = (N + bn - 1) / bn;
