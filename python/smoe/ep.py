@@ -230,6 +230,8 @@ class EPMoE(nn.Module):
     max_tokens) and expert_rows ((row, expert) pairs one rank computes, 0 =
     the worst case) as in smoe_ep_desc: a call beyond them fails on every
     rank, raised by the layer's next call or smoe.EPMoE.check_device().
+    overlap (0 = the library decides, 1 = on, -1 = off) and comm_sms (SMs
+    left to NCCL beside the GEMMs, 0 = 8) as in smoe_ep_desc.
 
     forward(hidden_states (..., d)) -> (out (..., d), aux_loss): aux_loss is
     the Switch load-balancing loss of this rank's tokens."""
@@ -237,7 +239,7 @@ class EPMoE(nn.Module):
     def __init__(self, num_experts, num_experts_per_tok, hidden_size, intermediate_size,
                  activation_function="swiglu", add_bias=False, std=0.02, *, ep_group=None,
                  max_tokens, capacity=0, expert_rows=0, routing="topk_softmax",
-                 renormalize=True, w1_layout="interleaved"):
+                 renormalize=True, w1_layout="interleaved", overlap=0, comm_sms=0):
         super().__init__()
         self.group = ep_group if isinstance(ep_group, EPGroup) else EPGroup(ep_group)
         P, r = self.group.size, self.group.rank
@@ -256,6 +258,10 @@ class EPMoE(nn.Module):
         self.renormalize = bool(renormalize)
         self.w1_layout = _enum(W1_LAYOUTS, w1_layout, "w1_layout")
         self.max_tokens, self.capacity, self.expert_rows = max_tokens, capacity, expert_rows
+        if overlap not in (-1, 0, 1):
+            raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "smoe.EPMoE: overlap = %r, must be -1, "
+                            "0 or 1" % (overlap,))
+        self.overlap, self.comm_sms = int(overlap), int(comm_sms)
         self.local_experts = num_experts // P
         self.expert_start = r * self.local_experts
         gated = self.activation in GATED
@@ -287,6 +293,7 @@ class EPMoE(nn.Module):
             ed.nccl_comm = self.group.comm
             ed.max_tokens, ed.capacity, ed.expert_rows = (self.max_tokens, self.capacity,
                                                           self.expert_rows)
+            ed.overlap, ed.comm_sms = self.overlap, self.comm_sms
             self._layer = _EPLayer(ed)
         return self._layer
 
