@@ -153,28 +153,6 @@ typedef struct xchg {
     size_t slice; /* bytes */
 } xchg;
 
-static smoe_status alltoall(const smoe_ep_layer *ep, const xchg *x, int n, cudaStream_t s)
-{
-    nccl_comm comm = comm_of(ep);
-    NCCL_CHECK(g_nccl.GroupStart());
-    for (int b = 0; b < n; b++) {
-        if (!x[b].slice) continue;
-        for (int q = 0; q < ep->P; q++) {
-            nccl_result r1 = g_nccl.Send((const char *)x[b].send + (size_t)q * x[b].slice,
-                                          x[b].slice, NCCL_UINT8, q, comm, s);
-            nccl_result r2 = g_nccl.Recv((char *)x[b].recv + (size_t)q * x[b].slice,
-                                          x[b].slice, NCCL_UINT8, q, comm, s);
-            if (r1 != NCCL_OK || r2 != NCCL_OK) {
-                g_nccl.GroupEnd();
-                return smoe_fail(SMOE_ERROR_BACKEND, "expert parallelism: ncclSend/Recv: %s",
-                                 g_nccl.GetErrorString(r1 != NCCL_OK ? r1 : r2));
-            }
-        }
-    }
-    NCCL_CHECK(g_nccl.GroupEnd());
-    return SMOE_SUCCESS;
-}
-
 /* One NCCL group of point-to-point pairs: op i sends `bytes` from send to
  * rank `to` and receives as many into recv from rank `from`. */
 typedef struct p2p_op {
@@ -200,6 +178,22 @@ static smoe_status p2p_group(const smoe_ep_layer *ep, const p2p_op *op, int n, c
     }
     NCCL_CHECK(g_nccl.GroupEnd());
     return SMOE_SUCCESS;
+}
+
+/* The exchange of several buffers with every rank, itself included (n <= 2). */
+static smoe_status alltoall(const smoe_ep_layer *ep, const xchg *x, int n, cudaStream_t s)
+{
+    p2p_op op[2 * 64];
+    int k = 0;
+    for (int b = 0; b < n && b < 2; b++)
+        for (int q = 0; q < ep->P; q++) {
+            op[k].send = (const char *)x[b].send + (size_t)q * x[b].slice;
+            op[k].recv = (char *)x[b].recv + (size_t)q * x[b].slice;
+            op[k].bytes = x[b].slice;
+            op[k].to = op[k].from = q;
+            k++;
+        }
+    return p2p_group(ep, op, k, s);
 }
 
 /* ------------------------------------------------------------ per layer */
