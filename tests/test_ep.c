@@ -14,6 +14,7 @@
  *    W1 layouts, fp32 gradients accumulated;
  *  - two runs bitwise equal; an inference forward (no saved block) between
  *    forward and backward gives the same out bit for bit;
+ *  - overlap = 1 (CUDA only), overlap or comm_sms out of range refused;
  *  - refusals on every rank at once: E not a multiple of P, token
  *    rounding, a description that differs between ranks, a capacity too
  *    small (the sender's overflow), a bad argument on one rank only.
@@ -34,6 +35,7 @@ typedef struct ep_case {
     int one_rank;      /* GENERAL: every pair on rank 0's experts */
     int accumulate;    /* gradients accumulated onto a known start */
     int mismatch_rank; /* this rank's description differs (d + 8); -1: none */
+    int overlap, comm_sms; /* smoe_ep_desc's */
     int bad_rank;      /* this rank passes out = NULL; -1: none */
 } ep_case;
 
@@ -71,6 +73,8 @@ static void *rank_main(void *arg) {
     for (int q = 0; q < NP; q++) tmax = c->Tr[q] > tmax ? c->Tr[q] : tmax;
     ed.max_tokens = tmax;
     ed.capacity = c->capacity;
+    ed.overlap = c->overlap;
+    ed.comm_sms = c->comm_sms;
     smoe_ep_layer *L = NULL;
     R->st_create = smoe_ep_layer_create(&ed, &L);
     if (R->st_create != SMOE_SUCCESS) {
@@ -338,6 +342,16 @@ int main(int argc, char **argv) {
         c.D.E = 9;
         c.bad_rank = 2;
         run_case("a bad argument on rank 2 only", &c, &rng, 0, SMOE_ERROR_NULL_POINTER, "out");
+        c = base_case(2, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_DTYPE_F64);
+        c.overlap = 1; /* the CPU backend exchanges, then computes */
+        run_case("overlap required on the CPU", &c, &rng, 0, SMOE_ERROR_UNSUPPORTED, "overlap");
+        c.overlap = 2;
+        run_case("overlap out of range", &c, &rng, 0, SMOE_ERROR_INVALID_VALUE, "overlap");
+        c.overlap = -1;
+        c.comm_sms = -2;
+        run_case("comm_sms out of range", &c, &rng, 0, SMOE_ERROR_INVALID_VALUE, "comm_sms");
+        c.comm_sms = 8; /* CUDA-only settings, no effect on the CPU */
+        run_case("overlap off, comm_sms set", &c, &rng, 1, SMOE_SUCCESS, NULL);
     }
     return tu_summary("test_ep");
 }
