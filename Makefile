@@ -74,12 +74,47 @@ PROGS += $(if $(wildcard bench/bench.c),$(BUILD)/smoe_bench) $(BUILD)/smoe_ep_be
 PROGS += $(BUILD)/nccl_overlap_probe
 endif
 
-.PHONY: all lib run test test-gpu sanitize fuzz bench clean print-version print-gpu-tests
+.PHONY: all lib run test test-gpu sanitize fuzz bench clean print-version print-gpu-tests \
+	install uninstall install-check
 all: lib $(PROGS) $(TEST_BIN) $(GPU_TEST_BIN)
 lib: $(LIB_A) $(LIB_SO)
 
 print-version:
 	@echo $(VERSION)
+
+# make install [PREFIX=/usr/local] [DESTDIR=...]: the header, both
+# libraries and a pkg-config file (`pkg-config --cflags --libs smoe`; the
+# shared library carries its CUDA dependencies, a static link needs
+# `pkg-config --static`).
+PREFIX     ?= /usr/local
+LIBDIR     ?= $(PREFIX)/lib
+INCLUDEDIR ?= $(PREFIX)/include
+install: lib
+	install -d $(DESTDIR)$(LIBDIR)/pkgconfig $(DESTDIR)$(INCLUDEDIR)
+	install -m 644 include/smoe.h $(DESTDIR)$(INCLUDEDIR)/smoe.h
+	install -m 644 $(LIB_A) $(DESTDIR)$(LIBDIR)/libsmoe.a
+	install -m 755 $(LIB_SO) $(DESTDIR)$(LIBDIR)/libsmoe.so
+	printf '%s\n' 'prefix=$(PREFIX)' 'libdir=$(LIBDIR)' 'includedir=$(INCLUDEDIR)' '' \
+	  'Name: smoe' 'Description: Mixture-of-Experts layer, forward and backward (CPU, CUDA)' \
+	  'Version: $(VERSION)' 'Cflags: -I$${includedir}' 'Libs: -L$${libdir} -lsmoe' \
+	  'Libs.private: $(strip $(LDLIBS))' > $(DESTDIR)$(LIBDIR)/pkgconfig/smoe.pc
+
+uninstall:
+	rm -f $(DESTDIR)$(INCLUDEDIR)/smoe.h $(DESTDIR)$(LIBDIR)/libsmoe.a \
+	  $(DESTDIR)$(LIBDIR)/libsmoe.so $(DESTDIR)$(LIBDIR)/pkgconfig/smoe.pc
+
+# What CI runs: install into a scratch prefix, build examples/example.c
+# against it with pkg-config alone (shared and static), run both.
+install-check: lib
+	@d=$$(mktemp -d) && $(MAKE) -s install PREFIX=$$d && \
+	export PKG_CONFIG_PATH=$$d/lib/pkgconfig && \
+	$(CC) -std=c11 examples/example.c -o $$d/ex_shared $$(pkg-config --cflags --libs smoe) \
+	  -lm -Wl,-rpath,$$d/lib && \
+	$(CC) -std=c11 examples/example.c -o $$d/ex_static $$(pkg-config --cflags smoe) \
+	  $$d/lib/libsmoe.a $$(pkg-config --static --libs smoe | sed 's/ -lsmoe / /') -lm && \
+	$$d/ex_shared > $$d/out1 && $$d/ex_static > $$d/out2 && cmp $$d/out1 $$d/out2 && \
+	echo "install-check: smoe $$(pkg-config --modversion smoe) installed, example built (shared, static) and run: same output" && \
+	rm -rf $$d
 
 # The GPU test programs (scripts/prebuild.sh stages them for the device).
 print-gpu-tests:
