@@ -145,13 +145,13 @@ typedef struct nccl_config {
     int splitShare;
 } nccl_config;
 
-/* One exchange of several buffers: for every buffer b and rank q, rank r's
- * send[b] + q * slice[b] goes to rank q's recv[b] + r * slice[b]. */
-typedef struct xchg {
-    const void *send;
-    void *recv;
-    size_t slice; /* bytes */
-} xchg;
+/* A buffer that travels in slices: `row` bytes per unit (a received row,
+ * or one rank's whole slice), sent from send and received into recv. */
+typedef struct cbuf {
+    const char *send;
+    char *recv;
+    size_t row;
+} cbuf;
 
 /* One NCCL group of point-to-point pairs: op i sends `bytes` from send to
  * rank `to` and receives as many into recv from rank `from`. */
@@ -180,16 +180,17 @@ static smoe_status p2p_group(const smoe_ep_layer *ep, const p2p_op *op, int n, c
     return SMOE_SUCCESS;
 }
 
-/* The exchange of several buffers with every rank, itself included (n <= 2). */
-static smoe_status alltoall(const smoe_ep_layer *ep, const xchg *x, int n, cudaStream_t s)
+/* The exchange of several buffers with every rank, itself included (n <= 2):
+ * rank r's slice q (x[b].row bytes) goes to rank q's slice r. */
+static smoe_status alltoall(const smoe_ep_layer *ep, const cbuf *x, int n, cudaStream_t s)
 {
     p2p_op op[2 * 64];
     int k = 0;
     for (int b = 0; b < n && b < 2; b++)
         for (int q = 0; q < ep->P; q++) {
-            op[k].send = (const char *)x[b].send + (size_t)q * x[b].slice;
-            op[k].recv = (char *)x[b].recv + (size_t)q * x[b].slice;
-            op[k].bytes = x[b].slice;
+            op[k].send = x[b].send + (size_t)q * x[b].row;
+            op[k].recv = x[b].recv + (size_t)q * x[b].row;
+            op[k].bytes = x[b].row;
             op[k].to = op[k].from = q;
             k++;
         }
@@ -986,12 +987,6 @@ static int sms_now(const smoe_ep_layer *ep, const sched *z)
  * send[b] and received into recv[b] at the partner's piece: the rank
  * whose rows this rank's piece of q mirrors, r + (r - q)), and with the
  * last piece of a peer's rows the 8-byte message msg2 when given. */
-typedef struct cbuf {
-    const char *send;
-    char *recv;
-    size_t row;
-} cbuf;
-
 static smoe_status chunk_send(const smoe_ep_layer *ep, sched *z, int c, const cbuf *b, int nb,
                               const int32_t *msg2_send, int32_t *msg2_recv, cudaStream_t s)
 {
@@ -1030,23 +1025,34 @@ static smoe_status chunk_send(const smoe_ep_layer *ep, sched *z, int c, const cb
 }
 
 /* The first exchange's rounds on the layer's stream, after the caller's
- * stream has packed: round k sends to r + k and receives from r - k, n
- * buffers of C rows each. */
-static smoe_status rounds(const smoe_ep_layer *ep, const cbuf *b, int nb, int ev_each)
+ * stream has packed: round k sends to r + k and receives from r - k, nb
+ * buffers of C rows each (and the 8-byte message msg when given); event
+ * ev_each + k after round k (ev_each < 0: none). */
+static smoe_status rounds(const smoe_ep_layer *ep, const cbuf *b, int nb, const int32_t *msg_send,
+                          int32_t *msg_recv, int ev_each)
 {
     const ep_cuda *X = ep->cuda;
     const int P = ep->P, r = ep->r;
     for (int k = 1; k < P; k++) {
         const int to = (r + k) % P, from = (r - k + P) % P;
         p2p_op op[4];
-        for (int i = 0; i < nb; i++) {
-            op[i].send = b[i].send + (size_t)to * (size_t)ep->C * b[i].row;
-            op[i].recv = b[i].recv + (size_t)from * (size_t)ep->C * b[i].row;
-            op[i].bytes = (size_t)ep->C * b[i].row;
-            op[i].to = to;
-            op[i].from = from;
+        int n = 0;
+        for (int i = 0; i < nb && i < 3; i++, n++) {
+            op[n].send = b[i].send + (size_t)to * (size_t)ep->C * b[i].row;
+            op[n].recv = b[i].recv + (size_t)from * (size_t)ep->C * b[i].row;
+            op[n].bytes = (size_t)ep->C * b[i].row;
+            op[n].to = to;
+            op[n].from = from;
         }
-        SMOE_FORWARD_IF_ERROR(p2p_group(ep, op, nb, X->cs));
+        if (msg_send) { /* [count, status] for `to`, from `from` */
+            op[n].send = msg_send + 2 * to;
+            op[n].recv = msg_recv + 2 * from;
+            op[n].bytes = 8;
+            op[n].to = to;
+            op[n].from = from;
+            n++;
+        }
+        SMOE_FORWARD_IF_ERROR(p2p_group(ep, op, n, X->cs));
         if (ev_each >= 0) SMOE_CUDA_CHECK(cudaEventRecord(X->ev[ev_each + k], X->cs));
     }
     return SMOE_SUCCESS;
@@ -1181,7 +1187,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         TRYL("k_ep_msg");
         /* 3. counts, status and pairs (small: on this stream), then the rows
          * on the layer's stream */
-        const xchg x1[2] = {{msg_send, msg_recv, 8},
+        const cbuf x1[2] = {{(const char *)msg_send, (char *)msg_recv, 8},
                             {ws + W.send_pairs, ws + W.recv_pairs,
                              (size_t)C * (size_t)Km * sizeof(pair_msg)}};
         TRY(alltoall(ep, x1, 2, s));
@@ -1193,7 +1199,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         if (P > 1) {
             TRY(fork_streams(ep, s));
             const cbuf rb[1] = {{ws + W.send_rows, ws + W.recv_rows, (size_t)d * 2}};
-            TRY(rounds(ep, rb, 1, EV_IN));
+            TRY(rounds(ep, rb, 1, NULL, NULL, EV_IN));
         }
         /* 4. the expert side's triples and metadata */
         smoe_saved_view v;
@@ -1353,18 +1359,10 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         if (P > 1) {
             TRY(fork_streams(ep, s));
             /* dout with the status message, then x */
-            for (int k = 1; k < P; k++) {
-                const int to = (self + k) % P, from = (self - k + P) % P;
-                const p2p_op op[2] = {
-                    {(const char *)sdo + (size_t)to * (size_t)C * (size_t)d * 2,
-                     (char *)rdo + (size_t)from * (size_t)C * (size_t)d * 2,
-                     (size_t)C * (size_t)d * 2, to, from},
-                    {msg_send + 2 * to, msg_recv + 2 * from, 8, to, from}};
-                TRY(p2p_group(ep, op, 2, X->cs));
-                TRYC(cudaEventRecord(X->ev[EV_IN + k], X->cs));
-            }
+            const cbuf db[1] = {{(const char *)sdo, (char *)rdo, (size_t)d * 2}};
+            TRY(rounds(ep, db, 1, msg_send, msg_recv, EV_IN));
             const cbuf xb[1] = {{(const char *)sx, (char *)rx, (size_t)d * 2}};
-            TRY(rounds(ep, xb, 1, -1));
+            TRY(rounds(ep, xb, 1, NULL, NULL, -1));
             TRYC(cudaEventRecord(X->ev[EV_X], X->cs));
         }
         /* per chunk: dH, dS and dX~, the chunk's dx partials and dS back */
