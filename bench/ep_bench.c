@@ -6,11 +6,12 @@
  *
  *   smoe_ep_bench [-r grid row] [-P ranks] [-T tokens per rank] [-d] [-n] [-E]
  *                 [-K] [-c capacity] [-x expert_rows] [-i iterations]
- *                 [-b cuda|sm90] [-m comm_sms]
+ *                 [-b cuda|sm90] [-m comm_sms] [-o overlap]
  *
  * The EP layer runs twice: with its default schedule (the exchanges beside
  * the expert GEMMs where the kernels allow it; -m sets comm_sms) and with
- * overlap = -1 (exchange, then compute): what the overlap buys.
+ * overlap = -1 (exchange, then compute): what the overlap buys. -o 1 asks
+ * for the overlap where the default would not take it.
  *
  * -r takes T, d, n, E, K from a row of bench/grid.h (T then per GPU). Per
  * GPU TFLOPS count 6TKdn (forward) and 12TKdn (backward) of the rank's own
@@ -60,7 +61,7 @@
     } while (0)
 
 typedef struct cfg {
-    int P, iters, comm_sms;
+    int P, iters, comm_sms, overlap;
     int64_t T, d, n, E, K, capacity, expert_rows;
     smoe_backend backend;
     const char *row;
@@ -173,7 +174,7 @@ static void *rank_main(void *arg) {
         ed.max_tokens = T;
         ed.capacity = c->capacity;
         ed.expert_rows = c->expert_rows;
-        ed.overlap = R->ep == 3 ? -1 : 0;
+        ed.overlap = R->ep == 3 ? -1 : R->c->overlap;
         ed.comm_sms = c->comm_sms;
         SMOE_OK(smoe_ep_layer_create(&ed, &EPL));
         sb = smoe_ep_layer_saved_bytes(EPL, T);
@@ -282,7 +283,7 @@ static void run(const cfg *c, int ep, void **comms, float *f, float *b, char *pa
 }
 
 int main(int argc, char **argv) {
-    cfg c = {2, 20, 0, 8192, 1536, 256, 128, 8, 0, 0, SMOE_BACKEND_AUTO, NULL};
+    cfg c = {2, 20, 0, 0, 8192, 1536, 256, 128, 8, 0, 0, SMOE_BACKEND_AUTO, NULL};
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *k = argv[i], *v = argv[i + 1];
         if (!strcmp(k, "-r")) {
@@ -306,6 +307,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(k, "-c")) c.capacity = atoll(v);
         else if (!strcmp(k, "-i")) c.iters = atoi(v);
         else if (!strcmp(k, "-m")) c.comm_sms = atoi(v);
+        else if (!strcmp(k, "-o")) c.overlap = atoi(v);
         else if (!strcmp(k, "-b")) c.backend = !strcmp(v, "cuda") ? SMOE_BACKEND_CUDA : SMOE_BACKEND_SM90;
         else {
             fprintf(stderr, "unknown option %s\n", k);

@@ -231,7 +231,7 @@ class EPMoE(nn.Module):
     the worst case) as in smoe_ep_desc: a call beyond them fails on every
     rank, raised by the layer's next call or smoe.EPMoE.check_device().
     overlap (0 = the library decides, 1 = on, -1 = off) and comm_sms (SMs
-    left to NCCL beside the GEMMs, 0 = 8) as in smoe_ep_desc.
+    left to NCCL beside the GEMMs, 0 = 4 per rank within [8, 32]) as in smoe_ep_desc.
 
     forward(hidden_states (..., d)) -> (out (..., d), aux_loss): aux_loss is
     the Switch load-balancing loss of this rank's tokens."""

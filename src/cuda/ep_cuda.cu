@@ -764,7 +764,10 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep)
         }
         X->bd.b[c] = (int64_t)P * ep->C;
     }
-    int R = ep->desc.comm_sms == 0 ? 8 : ep->desc.comm_sms < 0 ? 0 : ep->desc.comm_sms;
+    /* 0: four SMs per rank, 8 to 32 (best measured: 8 at P = 2, 16 at P = 4;
+     * more peers want more of NCCL's channels at once) */
+    const int r_auto = 4 * P < 8 ? 8 : 4 * P > 32 ? 32 : 4 * P;
+    int R = ep->desc.comm_sms == 0 ? r_auto : ep->desc.comm_sms < 0 ? 0 : ep->desc.comm_sms;
     if (R > X->g.num_sms / 2) R = X->g.num_sms / 2;
     X->sms_overlap = X->g.num_sms - R;
     X->order = (int *)malloc(sizeof(int) * (size_t)X->nc);
