@@ -35,9 +35,31 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "cuda/activation.cuh"
 #include "smoe_internal.h"
 
 typedef __nv_bfloat16 bf16;
+
+/* The six GEMMs, as indices of a plan. */
+enum {
+    SMOE_GEMM_UP = 0,
+    SMOE_GEMM_DOWN,
+    SMOE_GEMM_DH,
+    SMOE_GEMM_DW2,
+    SMOE_GEMM_DXT,
+    SMOE_GEMM_DW1,
+    SMOE_GEMM_COUNT
+};
+
+/* Which kernel each GEMM runs: a row of its family's tile table, or -1
+ * where the family cannot run that GEMM at this shape. A plan is made once,
+ * when the layer is made (smoe_gemm_ops.plan, from the shape and the
+ * device), and every launch runs exactly its row: no launcher chooses a
+ * kernel during a call. Tests and the benchmark name rows
+ * (smoe_gemm_row_find) to run a particular kernel. */
+typedef struct smoe_gemm_plan {
+    int row[SMOE_GEMM_COUNT];
+} smoe_gemm_plan;
 
 typedef struct smoe_gemm_problem {
     int64_t d, n;             /* hidden, intermediate */
@@ -61,6 +83,9 @@ typedef struct smoe_gemm_problem {
      * launchers returns at once when it is not 0, so a call whose
      * device-side check failed writes nothing. NULL: never. */
     const int *abort;
+    /* The kernels to run (required; the launcher refuses a row that cannot
+     * run the problem's shape with SMOE_ERROR_UNSUPPORTED). */
+    const smoe_gemm_plan *plan;
 } smoe_gemm_problem;
 
 /* Physical W1 row of logical row c (interleaved order). */
@@ -118,31 +143,39 @@ typedef struct smoe_gemm_ops {
     smoe_status (*dw1)(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *x,
                        void *dw1, smoe_dtype out_dtype, int accumulate, void *scratch,
                        cudaStream_t s);
+
+    /* The tile table: each GEMM's row for the problem's shape on the
+     * current device (cap, pointers and plan ignored), -1 where this family
+     * cannot run the GEMM there. */
+    void (*plan)(const smoe_gemm_problem *p, smoe_gemm_plan *plan);
+
+    /* The name of row `row` of GEMM `gemm`'s table (e.g. "256x4 tma-store"),
+     * NULL past its last row. */
+    const char *(*row_name)(int gemm, int row);
 } smoe_gemm_ops;
 
-/* relu as PyTorch computes it: NaN stays NaN (fmaxf(NaN, 0) would be 0),
- * and its derivative, x <= 0 ? 0 : 1, passes a NaN's gradient through. */
-static inline __device__ float smoe_relu(float x) { return x <= 0.0f ? 0.0f : x; }
-
-/* For kernels whose epilogue takes the activation as a template constant:
- * CALL(A) with act as the compile-time constant A, dispatched once per tile
- * or chunk, not per element. Layers are made with a valid activation; any
- * other value runs SwiGLU's code. */
-#define SMOE_ACT_SWITCH(act, CALL)                                                               \
-    switch (act) {                                                                               \
-    case SMOE_ACT_GEGLU: CALL(SMOE_ACT_GEGLU); break;                                            \
-    case SMOE_ACT_REGLU: CALL(SMOE_ACT_REGLU); break;                                            \
-    case SMOE_ACT_RELU2: CALL(SMOE_ACT_RELU2); break;                                            \
-    case SMOE_ACT_RELU: CALL(SMOE_ACT_RELU); break;                                              \
-    case SMOE_ACT_SILU: CALL(SMOE_ACT_SILU); break;                                              \
-    case SMOE_ACT_GELU: CALL(SMOE_ACT_GELU); break;                                              \
-    default: CALL(SMOE_ACT_SWIGLU); break;                                                       \
+/* The row of GEMM `gemm` named `name` in ops' table, -1 if none. */
+static inline int smoe_gemm_row_find(const smoe_gemm_ops *ops, int gemm, const char *name)
+{
+    for (int i = 0;; i++) {
+        const char *r = ops->row_name(gemm, i);
+        if (!r) return -1;
+        int k = 0;
+        while (r[k] && r[k] == name[k]) k++;
+        if (r[k] == name[k]) return i;
     }
+}
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 extern const smoe_gemm_ops smoe_gemm_ops_sm80; /* grouped_gemm.cu */
+/* dh's last step, both families (ds_reduce.cu): ds[r] = dsp[t cap + r]
+ * summed over t < tiles in order, + <dO[row_token[r]], b2[e]> (b2 may be
+ * NULL), for the rows of p (a view's rows only); cap / 8 blocks of 8
+ * warps. */
+smoe_status smoe_ds_reduce(const smoe_gemm_problem *p, const float *dsp, int tiles,
+                           const bf16 *dout, const bf16 *b2, float *ds, cudaStream_t s);
 extern const smoe_gemm_ops smoe_gemm_ops_sm90; /* sm90/grouped_gemm_sm90.cu; NULL entries
                                                   run the portable kernel */
 #ifdef __cplusplus

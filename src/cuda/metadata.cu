@@ -25,6 +25,7 @@
 #include <cooperative_groups.h>
 
 #include "cuda/cuda_common.h"
+#include "cuda/ptx.cuh"
 
 #define MD_CHUNK 256
 #define MD_WARPS 4
@@ -204,27 +205,13 @@ static int md2_ipt(int64_t cap)
 
 static int64_t md2_pad(int64_t E) { return (E + 3) / 4 * 4; }
 
-static __device__ __forceinline__ void md2_wait_primary(void)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-static __device__ __forceinline__ void md2_let_dependents_start(void)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 template <int IPT>
 __global__ void __launch_bounds__(MD2_THREADS)
 k_md2_hist(const int32_t *__restrict__ expert, const int32_t *__restrict__ count, int64_t cap,
            int E, int Ep, int32_t *tile_hist)
 {
     extern __shared__ int h[]; /* Ep */
-    md2_let_dependents_start(); /* they wait for this grid's end */
+    smoe_griddep_launch_dependents(); /* they wait for this grid's end */
     for (int e = threadIdx.x; e < Ep; e += MD2_THREADS) h[e] = 0;
     __syncthreads();
     const int64_t n = *count < cap ? *count : cap;
@@ -491,7 +478,7 @@ k_md2_place(smoe_assign_dev in, int64_t cap, int E, int Ep, int mbits, int ntile
     const md2_smem s = md2_smem_make(sm, Ep, TILE);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
 
-    md2_wait_primary(); /* the histogram (and the assignments) are complete */
+    smoe_griddep_wait(); /* the histogram (and the assignments) are complete */
     SMOE_DEV_RETURN_IF_ABORTED(in.abort);
 
     /* the warp's assignments first: their latency overlaps the column sums */

@@ -306,36 +306,6 @@ __device__ __forceinline__ sm90_tile sm90_tile_decode(int t, const int *tile_sta
     return tl;
 }
 
-/* e^-x as __expf(-x) computes it (the hardware's 2^y at y = -x log2(e)),
- * but with results below 2^-126 flushed to zero: __expf keeps those, at
- * three more instructions (a compare and two predicated multiplies) per
- * call, and 1 + e^-x, its only use here, is the same fp32 value either way. */
-__device__ __forceinline__ float sm90_exp_neg(float x)
-{
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * -1.4426950408889634f));
-    return y;
-}
-
-/* f(x) with the activation known at compile time (gated: of the gate), the
- * sigmoid by the fast reciprocal (1-2 ulp in fp32 before the bf16
- * rounding). */
-template <int ACT>
-__device__ __forceinline__ float sm90_act_ct(float x)
-{
-    if constexpr (ACT == SMOE_ACT_GEGLU || ACT == SMOE_ACT_GELU) {
-        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-        return __fdividef(x, 1.0f + __expf(-2.0f * k0 * (x + k1 * x * x * x)));
-    } else if constexpr (ACT == SMOE_ACT_REGLU || ACT == SMOE_ACT_RELU) {
-        return smoe_relu(x);
-    } else if constexpr (ACT == SMOE_ACT_RELU2) {
-        const float r = smoe_relu(x);
-        return r * r;
-    } else { /* SWIGLU, SILU */
-        return __fdividef(x, 1.0f + sm90_exp_neg(x));
-    }
-}
-
 /* ------------------------------------------------------------ epilogue staging */
 
 
@@ -407,8 +377,8 @@ __device__ __noinline__ void ep_flush_up_ct(const uint8_t *eb, bf16 *out_h, bf16
 #pragma unroll
             for (int k = 0; k < 2; k++) {
                 __nv_bfloat162 a2 = __floats2bfloat162_rn(
-                    sm90_act_ct<ACT>(__low2float(h2[2 * k])) * __high2float(h2[2 * k]),
-                    sm90_act_ct<ACT>(__low2float(h2[2 * k + 1])) * __high2float(h2[2 * k + 1]));
+                    smoe_act_f<ACT>(__low2float(h2[2 * k])) * __high2float(h2[2 * k]),
+                    smoe_act_f<ACT>(__low2float(h2[2 * k + 1])) * __high2float(h2[2 * k + 1]));
                 o[k] = *(uint32_t *)&a2;
             }
             *(uint2 *)(out_a + row * lda + hc0 / 2 + 4 * v) = make_uint2(o[0], o[1]);
@@ -416,8 +386,8 @@ __device__ __noinline__ void ep_flush_up_ct(const uint8_t *eb, bf16 *out_h, bf16
             uint32_t o[4];
 #pragma unroll
             for (int k = 0; k < 4; k++) {
-                __nv_bfloat162 a2 = __floats2bfloat162_rn(sm90_act_ct<ACT>(__low2float(h2[k])),
-                                                          sm90_act_ct<ACT>(__high2float(h2[k])));
+                __nv_bfloat162 a2 = __floats2bfloat162_rn(smoe_act_f<ACT>(__low2float(h2[k])),
+                                                          smoe_act_f<ACT>(__high2float(h2[k])));
                 o[k] = *(uint32_t *)&a2;
             }
             *(uint4 *)(out_a + row * lda + hc0 + 8 * v) = make_uint4(o[0], o[1], o[2], o[3]);
@@ -436,31 +406,6 @@ __device__ __forceinline__ void ep_flush_up_any(const uint8_t *eb, bf16 *out_h, 
     ep_flush_up_ct<A, SYNC>(eb, out_h, out_a, ldh, lda, wrow0, hc0, nvalid, t, cw)
     SMOE_ACT_SWITCH(act, SM90_UP_FLUSH);
 #undef SM90_UP_FLUSH
-}
-
-/* f and f' with the activation known at compile time: no per-element
- * dispatch, and the sigmoid by the fast reciprocal (1-2 ulp in fp32 before
- * the bf16 rounding). */
-template <int ACT>
-__device__ __forceinline__ void sm90_act_fd_ct(float x, float &f, float &df)
-{
-    if constexpr (ACT == SMOE_ACT_GEGLU || ACT == SMOE_ACT_GELU) {
-        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-        const float th = tanhf(k0 * (x + k1 * x * x * x));
-        f = 0.5f * x * (1.0f + th);
-        df = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * k0 * (1.0f + 3.0f * k1 * x * x);
-    } else if constexpr (ACT == SMOE_ACT_REGLU || ACT == SMOE_ACT_RELU) {
-        f = smoe_relu(x);
-        df = x <= 0.0f ? 0.0f : 1.0f;
-    } else if constexpr (ACT == SMOE_ACT_RELU2) {
-        const float r = smoe_relu(x);
-        f = r * r;
-        df = 2.0f * r;
-    } else { /* SWIGLU, SILU */
-        const float sg = __fdividef(1.0f, 1.0f + sm90_exp_neg(x));
-        f = x * sg;
-        df = sg * (1.0f + x * (1.0f - sg));
-    }
 }
 
 /* dh: a thread's two rows (lr, lr + 8 of the warpgroup's 64): valid?, the
@@ -551,8 +496,8 @@ __device__ __forceinline__ void ep_dh_direct(const float *ac, const sm90_gemm_pa
                 float f0, df0, f1, df1;
                 const float g0 = __low2float(h2[0]), u0 = __high2float(h2[0]);
                 const float g1 = __low2float(h2[1]), u1 = __high2float(h2[1]);
-                sm90_act_fd_ct<ACT>(g0, f0, df0);
-                sm90_act_fd_ct<ACT>(g1, f1, df1);
+                smoe_act_fd<ACT>(g0, f0, df0);
+                smoe_act_fd<ACT>(g1, f1, df1);
                 a0 = f0 * u0;
                 a1 = f1 * u1;
                 const float e0 = s[h] * da0, e1 = s[h] * da1;
@@ -563,8 +508,8 @@ __device__ __forceinline__ void ep_dh_direct(const float *ac, const sm90_gemm_pa
                         make_uint2(*(uint32_t *)&o0, *(uint32_t *)&o1);
             } else {
                 float df0, df1;
-                sm90_act_fd_ct<ACT>(__low2float(h2[0]), a0, df0);
-                sm90_act_fd_ct<ACT>(__high2float(h2[0]), a1, df1);
+                smoe_act_fd<ACT>(__low2float(h2[0]), a0, df0);
+                smoe_act_fd<ACT>(__high2float(h2[0]), a1, df1);
                 __nv_bfloat162 o = __floats2bfloat162_rn(s[h] * da0 * df0, s[h] * da1 * df1);
                 if (st) *(uint32_t *)(p.out0 + row[h] * p.h_cols + u) = *(uint32_t *)&o;
             }
@@ -640,8 +585,8 @@ __device__ __forceinline__ void ep_dh_unit2(uint2 hv, float da0, float da1, floa
     float f0, df0, f1, df1;
     const float g0 = __low2float(h2[0]), u0 = __high2float(h2[0]);
     const float g1 = __low2float(h2[1]), u1 = __high2float(h2[1]);
-    sm90_act_fd_ct<ACT>(g0, f0, df0);
-    sm90_act_fd_ct<ACT>(g1, f1, df1);
+    smoe_act_fd<ACT>(g0, f0, df0);
+    smoe_act_fd<ACT>(g1, f1, df1);
     const float a0 = f0 * u0, a1 = f1 * u1;
     const float e0 = s * da0, e1 = s * da1;
     __nv_bfloat162 o0 = __floats2bfloat162_rn(e0 * df0 * u0, e0 * f0);
@@ -835,58 +780,6 @@ __device__ __forceinline__ void ep_dh_hring_any(const float *ac, uint8_t *wb, ui
     else if (p.act == SMOE_ACT_REGLU) SM90_DH_HRING(SMOE_ACT_REGLU);
     else SM90_DH_HRING(SMOE_ACT_SWIGLU);
 #undef SM90_DH_HRING
-}
-
-/* ds[r] = the n-tile partials in tile order (+ <dO[tok[r]], b2[e]>). One
- * warp per row; rows past R, and in a view (os > 1) rows outside it,
- * untouched. */
-__global__ void sm90_ds_finish(const float *dsp, int tiles, int64_t cap, const int32_t *off, int os,
-                               int E, const int32_t *tok, const bf16 *dout, const bf16 *b2, int d,
-                               float *ds, const int *abort)
-{
-    if (abort && *abort) return;
-    const int lane = threadIdx.x & 31;
-    const int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    /* a view's rows: each expert's [begin, end) into shared memory first */
-    __shared__ int vb[SM90_MAX_EXPERTS + 1], ve[SM90_MAX_EXPERTS + 1];
-    if (os > 1) {
-        for (int e = threadIdx.x; e < E; e += blockDim.x) {
-            vb[e] = __ldg(off + (int64_t)e * os);
-            ve[e] = __ldg(off + (int64_t)e * os + 1);
-        }
-        __syncthreads();
-    }
-    if (r >= cap || (os == 1 && r >= __ldg(off + E))) return;
-    float dot = 0.0f;
-    int lo = 0;
-    if (b2 || os > 1) {
-        int hi = E; /* lo: the last e whose rows start at or before r */
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) >> 1;
-            if ((os > 1 ? vb[mid] : __ldg(off + mid)) <= r) lo = mid; else hi = mid;
-        }
-        if (os > 1 && (r < vb[lo] || r >= ve[lo])) return;
-    }
-    if (b2) {
-        const bf16 *x = dout + (int64_t)__ldg(tok + r) * d;
-        const bf16 *b = b2 + (int64_t)lo * d;
-        for (int j = lane * 8; j < d; j += 256) {
-            const uint4 xv = *(const uint4 *)(x + j), bv = *(const uint4 *)(b + j);
-            const __nv_bfloat162 *xp = (const __nv_bfloat162 *)&xv;
-            const __nv_bfloat162 *bp = (const __nv_bfloat162 *)&bv;
-#pragma unroll
-            for (int k = 0; k < 4; k++)
-                dot += __low2float(xp[k]) * __low2float(bp[k]) +
-                       __high2float(xp[k]) * __high2float(bp[k]);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    }
-    if (lane == 0) {
-        float v = 0.0f;
-        for (int t = 0; t < tiles; t++) v += dsp[(int64_t)t * cap + r];
-        ds[r] = v + dot;
-    }
 }
 
 /* ------------------------------------------------------------ the kernel */
@@ -1892,16 +1785,8 @@ static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const b
         st = sm90_launch<128, 6, SM90_MODE_DH, 0>(p, &mb, &mb, &mb, &prm, s, "dh");
     }
     SMOE_FORWARD_IF_ERROR(st);
-    const int tiles = (int)((p->n + bn - 1) / bn);
-    sm90_ds_finish<<<(unsigned)((p->cap + 7) / 8), 256, 0, s>>>(
-        (const float *)scratch, tiles, p->cap, p->expert_offset, p->off_stride > 1 ? p->off_stride : 1,
-        (int)p->E, p->row_token, dout, b2,
-        (int)p->d, ds, p->abort);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess)
-        return smoe_fail(SMOE_ERROR_BACKEND, "sm90 dh: dS reduction launch failed: %s",
-                         cudaGetErrorString(err));
-    return SMOE_SUCCESS;
+    return smoe_ds_reduce(p, (const float *)scratch, (int)((p->n + bn - 1) / bn), dout, b2, ds,
+                          s);
 }
 
 extern "C" const smoe_gemm_ops smoe_gemm_ops_sm90 = {
