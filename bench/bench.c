@@ -10,8 +10,9 @@
  *   options: --backend auto|cuda|sm90  --reps N (10)  --warmup N (3)
  *            --csv FILE  --list  --stages (per-stage times, from the
  *            library's SMOE_CUDA_TIMING stage timer, on stderr)
- *            --sm90-variant V (experiments: the Hopper GEMMs' variant hook,
- *            src/cuda/sm90/grouped_gemm_sm90.cu; 0 = the tile table)
+ *            --gemm-row GEMM=NAME (repeatable: GEMM, one of up, down, dh,
+ *            dw2, dxt, dw1, runs row NAME of its tile table instead of the
+ *            plan's, e.g. "down=256x4"; the path name then says so)
  *            --timing queued|synced (queued)  --gpu-delay-ms X (0)
  *
  * Setting: bf16, SwiGLU, TOPK_SOFTMAX routing (the grid's), random inputs
@@ -41,9 +42,10 @@
 #include "smoe.h"
 
 #include <cuda_runtime_api.h>
-#ifdef SMOE_WITH_SM90
-extern int smoe_sm90_gemm_variant; /* benchmark hook of the Hopper GEMMs */
-#endif
+/* cuda_layer.h: one GEMM's row of its tile table, chosen by name */
+extern smoe_status smoe_cuda_layer_set_row(smoe_layer *layer, const char *gemm, const char *name);
+static const char *g_rows[6]; /* --gemm-row GEMM=NAME */
+static int g_nrows;
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -198,6 +200,21 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
         return;
     }
     snprintf(res->path, sizeof res->path, "%s", smoe_layer_path_name(L));
+    for (int i = 0; i < g_nrows; i++) {
+        char gemm[16];
+        const char *eq = strchr(g_rows[i], '=');
+        const size_t gl = eq ? (size_t)(eq - g_rows[i]) : 0;
+        snprintf(gemm, sizeof gemm, "%.*s", (int)(gl < 15 ? gl : 15), g_rows[i]);
+        st = eq ? smoe_cuda_layer_set_row(L, gemm, eq + 1) : SMOE_ERROR_INVALID_VALUE;
+        if (st != SMOE_SUCCESS) {
+            fprintf(stderr, "smoe_bench: %s: --gemm-row %s: %s\n", row->name, g_rows[i],
+                    smoe_last_error());
+            smoe_layer_free(L);
+            return;
+        }
+        const size_t used = strlen(res->path);
+        snprintf(res->path + used, sizeof res->path - used, " {%s}", g_rows[i]);
+    }
 
     const size_t saved_b = smoe_layer_saved_bytes(L, T, 0);
     const size_t ws_b = smoe_layer_workspace_bytes(L, T, 0);
@@ -439,7 +456,7 @@ static void usage(void)
 {
     printf("usage: smoe_bench [--rows NAME[,NAME...]|all] [--shape T,d,n,E,K]\n"
            "                  [--backend auto|cuda|sm90] [--reps N] [--warmup N] [--csv FILE] "
-           "[--list] [--stages] [--sm90-variant V] [--gpu-delay-ms X]\n"
+           "[--list] [--stages] [--gemm-row GEMM=NAME] [--gpu-delay-ms X]\n"
            "                  [--timing queued|synced]\n");
 }
 
@@ -462,9 +479,7 @@ int main(int argc, char **argv)
             g_queued = !strcmp(v, "queued");
             i++;
         }
-#ifdef SMOE_WITH_SM90
-        else if (!strcmp(a, "--sm90-variant") && v) { smoe_sm90_gemm_variant = atoi(v); i++; }
-#endif
+        else if (!strcmp(a, "--gemm-row") && v && g_nrows < 6) { g_rows[g_nrows++] = v; i++; }
         else if (!strcmp(a, "--backend") && v) {
             if (!strcmp(v, "cuda")) backend = SMOE_BACKEND_CUDA;
             else if (!strcmp(v, "sm90")) backend = SMOE_BACKEND_SM90;

@@ -2,29 +2,27 @@
 # Interleaved A/B runs of the layer benchmark, for differences smaller than
 # the run-to-run spread (5-10% on one shape between runs of one binary):
 #   scripts/ab_grid.sh ROWS "A B ..." [REPS]
-# Each of A, B, ... is an --sm90-variant number (run with build/smoe_bench),
-# a path to another smoe_bench binary (run with its defaults), or
-# args:OPTIONS with ':' for spaces (build/smoe_bench with those options,
-# e.g. args:--gpu-delay-ms:0), e.g.
-#   scripts/ab_grid.sh 30B-n256,120B-n512 "0 65536" 3
+# Each of A, B, ... is a path to a smoe_bench binary (run with its
+# defaults), or args:OPTIONS with ':' for spaces and '+' for a space inside
+# an option's value (build/smoe_bench with those options), e.g.
 #   scripts/ab_grid.sh all "build/smoe_bench old/smoe_bench" 3
+#   scripts/ab_grid.sh 30B-n512 "build/smoe_bench args:--gemm-row:down=256x4" 3
 # REPS rounds (default 3), each running every candidate once in turn; then a
 # table per row: the median forward / backward TFLOPS of each candidate, its
 # range, and its ratio to the first candidate's median. CSVs go to
-# ${OUT:-/tmp}/ab_*.csv. BENCH=PATH runs the variant numbers and args: with
-# another smoe_bench binary.
+# ${OUT:-/tmp}/ab_*.csv. BENCH=PATH runs the args: candidates with another
+# smoe_bench binary.
 set -uo pipefail
 rows=$1 cands=$2 reps=${3:-3}
 out=${OUT:-/tmp}
-bench=${BENCH:-build/smoe_bench} # variant numbers and args: run this binary
+bench=${BENCH:-build/smoe_bench} # args: candidates run this binary
 i=0
 for r in $(seq 1 "$reps"); do
   for c in $cands; do
-    tag=$(echo "$c" | tr '/' '_')
-    if [[ $c =~ ^[0-9]+$ ]]; then
-      $bench --rows "$rows" --backend sm90 --sm90-variant "$c" --csv "$out/ab_${tag}_$r.csv" >/dev/null
-    elif [[ $c == args:* ]]; then
-      $bench --rows "$rows" --backend sm90 $(echo "${c#args:}" | tr : " ") --csv "$out/ab_${tag}_$r.csv" >/dev/null
+    tag=$(echo "$c" | tr '/ ' '__')
+    if [[ $c == args:* ]]; then
+      IFS=: read -ra opts <<< "${c#args:}"
+      $bench --rows "$rows" --backend sm90 "${opts[@]//+/ }" --csv "$out/ab_${tag}_$r.csv" >/dev/null
     else
       "$c" --rows "$rows" --backend sm90 --csv "$out/ab_${tag}_$r.csv" >/dev/null
     fi || { echo "FAILED: $c (round $r)"; exit 1; }
@@ -36,7 +34,7 @@ out, reps, cands = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 res = {}  # (cand, row) -> [(fwd, bwd)]
 order = []
 for c in cands:
-    tag = c.replace('/', '_')
+    tag = c.replace('/', '_').replace(' ', '_')
     for r in range(1, reps + 1):
         for row in csv.DictReader(open(f"{out}/ab_{tag}_{r}.csv")):
             if row['name'] not in order:

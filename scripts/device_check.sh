@@ -10,11 +10,9 @@
 #                                    C GPU tests, racecheck of the Hopper
 #                                    GEMMs, their --bench, the grid on the
 #                                    Hopper path and its stage times; with
-#                                    VARIANTS="v ..." also, per variant of
-#                                    the Hopper GEMMs' hook: correctness,
-#                                    memcheck, racecheck, --bench, and the
-#                                    grid in interleaved rounds against the
-#                                    default (scripts/ab_grid.sh)
+#                                    AB="candidates" also the grid in
+#                                    interleaved rounds (scripts/ab_grid.sh:
+#                                    smoe_bench binaries or args:--gemm-row:..)
 # SKIP="name ..." leaves those steps out (a short call).
 # Logs and CSVs are written to /tmp/smoe_out and, when $OUT is set (the
 # device tool), packed into one file there ($OUT keeps at most 8 files); a
@@ -64,7 +62,7 @@ if [ "$mode" = verify ]; then
   # every refusal, the device-side ones (bad triples, foreign saved blocks)
   # included, touches no memory it should not
   step mem-bad compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/gpu/test_bad_input_gpu
-  # the Hopper GEMMs alone, with their hook variants (the layer test's small
+  # the Hopper GEMMs alone, every row of their tables (the layer test's small
   # shapes never put a whole 64-row block past the buffer's end)
   step mem-sm90 compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/gpu/test_gemm_sm90 --small
   step mem-vk compute-sanitizer --tool memcheck --error-exitcode 9 build/tests/gpu/test_varlen_k_sm90 --small
@@ -80,29 +78,16 @@ if [ "$mode" = verify ]; then
   echo; tail -n 12 "$out/run-7B.log"
 elif [ "$mode" = sm90 ]; then
   g=build/tests/gpu/test_gemm_sm90
-  for v in ${VARIANTS:-}; do
-    step "gemm-v$v" timeout 90 $g --variant "$v" --cases 24
-    step "mem-v$v" timeout 90 compute-sanitizer --tool memcheck --error-exitcode 9 $g --small --variant "$v"
-    step "race-v$v" timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 $g --small --variant "$v"
-  done
   step test-gpu timeout 300 bash -c "$(declare -f test_gpu); gpu_tests='$gpu_tests'; test_gpu"
   # racecheck case by case (scripts/racecheck_sm90.sh says why)
   step race-sm90 env RACE_LOGS="$out" timeout 600 bash scripts/racecheck_sm90.sh
-  for v in 0 ${VARIANTS:-}; do
-    step "gemm-bench-v$v" timeout 90 $g --bench --variant "$v"
-  done
+  step gemm-bench timeout 90 $g --bench
   step bench-sm90 timeout 150 build/smoe_bench --rows all --backend sm90 --csv "$out/bench_sm90.csv"
-  ok_vars=""
-  for v in ${VARIANTS:-}; do # the variants whose every case passed
-    grep -qE '^([0-9]+)/\1 passed' "$out/gemm-v$v.log" && ok_vars="$ok_vars $v"
-  done
-  [ -n "$ok_vars" ] && step ab-grid env OUT="$out" timeout 420 bash scripts/ab_grid.sh all "0$ok_vars" 3
+  [ -n "${AB:-}" ] && step ab-grid env OUT="$out" timeout 420 bash scripts/ab_grid.sh all "$AB" 3
   step stages timeout 90 build/smoe_bench --rows 7B-n256,120B-n1024 --backend sm90 --stages
-  for v in 0 ${VARIANTS:-}; do
-    echo "== GEMMs, variant $v"; grep -E "up table|check" "$out/gemm-bench-v$v.log"
-  done
+  echo "== GEMMs"; grep -E "up table|check" "$out/gemm-bench.log"
   echo "== grid, default"; tail -n 14 "$out/bench-sm90.log"
-  [ -f "$out/ab-grid.log" ] && { echo "== grid, interleaved against the variants"; cat "$out/ab-grid.log"; }
+  [ -f "$out/ab-grid.log" ] && { echo "== grid, interleaved rounds"; cat "$out/ab-grid.log"; }
 else
   step ceilings python3 bench/ceilings.py
   step bench-sm90 build/smoe_bench --rows all --backend sm90 --csv "$out/bench_sm90.csv"

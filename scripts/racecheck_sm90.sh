@@ -2,7 +2,7 @@
 # compute-sanitizer racecheck of the Hopper kernels, on the GPU machine:
 #   scripts/racecheck_sm90.sh [BUILD_DIR]      (default build)
 # 1. test_varlen_k_sm90 --small whole, with the tool's defaults.
-# 2. Every case of test_gemm_sm90 --small alone (--only-case N, the variant
+# 2. Every case of test_gemm_sm90 --small alone (--only-case N, the row
 #    sweep's cases too), with the tool's defaults.
 # 3. The layer on the Hopper path whole (test_layer_gpu --small --sm90),
 #    with the tool's defaults: every kernel the layer runs.

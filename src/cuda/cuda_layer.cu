@@ -15,10 +15,10 @@
  *   The dense router GEMMs take dlogits as a bf16 hi/lo pair (16 significant
  *   bits) on the tensor cores (router_backward.cu).
  *
- * The grouped GEMMs come from the gemm.h tables: the Hopper table's entries
- * where it has them and where they take the layer's shape (SM90 backend on
- * an sm_90 device; asked once at create time with no rows), the portable
- * ones otherwise; path_name lists which run.
+ * The grouped GEMMs come from the gemm.h tables: each op's row of the
+ * Hopper tile table where it has one for the layer's shape (SM90 backend
+ * on an sm_90 device), the portable table's otherwise, chosen once at
+ * create (plans_make); path_name lists which family runs each op.
  *
  * Debugging: SMOE_CUDA_TIMING=1 in the environment at create time times
  * every stage with CUDA events (and waits at the end of each call) and
@@ -59,6 +59,7 @@ typedef struct cuda_state {
     pthread_mutex_t cublas_lock; /* held while the handle is bound and used */
     const smoe_gemm_ops *tab90; /* NULL: portable only */
     int use90[OP_COUNT];        /* this op runs the Hopper kernel (fixed at create) */
+    smoe_gemm_plan plan;        /* each op's tile row in its family's table (create) */
     int *claim;                 /* device memory: the report's claim word */
     smoe_dev_mapped *rec_host;  /* mapped page-locked record, host address */
     smoe_dev_mapped *rec_dev;   /* ... its device address */
@@ -170,6 +171,7 @@ static smoe_gemm_problem problem_make(const smoe_layer *layer, int64_t cap)
     p.act = layer->desc.activation;
     p.w1_layout = layer->desc.w1_layout;
     p.num_sms = st->num_sms;
+    p.plan = &st->plan;
     return p;
 }
 
@@ -339,30 +341,53 @@ static void path_name_make(smoe_layer *layer)
              act_name(layer->desc.activation));
 }
 
-/* Which Hopper entries take this layer's shape, decided once here: a
- * launcher that cannot run a shape says SMOE_ERROR_UNSUPPORTED before
- * touching memory (gemm.h's Hopper files do their shape checks first, and
- * return at cap = 0 or on NULL operands before launching), so each present
- * entry is asked once with cap = 0 and no buffers. The only other reason a
- * launcher declines, a pointer that is not 16-byte aligned, is refused by
- * smoe.c before any call reaches the backend (layer->vec_align), so the
- * choice never changes during a call. */
-static void probe_sm90(smoe_layer *layer)
+/* Each op's kernel, decided once here: the Hopper table's row where it has
+ * one for this shape (SM90 backend on an sm_90 device), else the portable
+ * table's; every call then runs exactly these rows (the launchers never
+ * choose). A shape neither table runs is refused here. */
+static smoe_status plans_make(smoe_layer *layer, const char *fn)
 {
     cuda_state *st = (cuda_state *)layer->state;
-    const smoe_gemm_ops *h = st->tab90;
-    if (!h) return;
     smoe_gemm_problem p = problem_make(layer, 0);
-    smoe_status r[OP_COUNT];
-    for (int i = 0; i < OP_COUNT; ++i) r[i] = SMOE_ERROR_UNSUPPORTED;
-    if (h->up) r[OP_UP] = h->up(&p, NULL, NULL, NULL, NULL, NULL, NULL, 0);
-    if (h->down) r[OP_DOWN] = h->down(&p, NULL, NULL, NULL, NULL, NULL, 0);
-    if (h->dh) r[OP_DH] = h->dh(&p, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0);
-    if (h->dw2) r[OP_DW2] = h->dw2(&p, NULL, NULL, NULL, SMOE_DTYPE_BF16, 1, NULL, 0);
-    if (h->dxt) r[OP_DXT] = h->dxt(&p, NULL, NULL, NULL, NULL, 0);
-    if (h->dw1) r[OP_DW1] = h->dw1(&p, NULL, NULL, NULL, SMOE_DTYPE_BF16, 1, NULL, 0);
-    for (int i = 0; i < OP_COUNT; ++i) st->use90[i] = r[i] != SMOE_ERROR_UNSUPPORTED;
-    smoe_clear_error();
+    p.plan = NULL;
+    smoe_gemm_plan p80, p90;
+    if (smoe_gemm_ops_sm80.plan) {
+        smoe_gemm_ops_sm80.plan(&p, &p80);
+    } else { /* transitional: until the portable table fills plan */
+        for (int i = 0; i < OP_COUNT; ++i) p80.row[i] = 0;
+    }
+    for (int i = 0; i < OP_COUNT; ++i) p90.row[i] = -1;
+    if (st->tab90) st->tab90->plan(&p, &p90);
+    static const char *names[OP_COUNT] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
+    for (int i = 0; i < OP_COUNT; ++i) {
+        st->use90[i] = p90.row[i] >= 0;
+        st->plan.row[i] = st->use90[i] ? p90.row[i] : p80.row[i];
+        SMOE_RETURN_ERROR_IF(st->plan.row[i] < 0, SMOE_ERROR_UNSUPPORTED,
+                             "%s: no %s GEMM kernel fits this device at d = %lld, n = %lld", fn,
+                             names[i], (long long)layer->desc.d, (long long)layer->desc.n);
+    }
+    return SMOE_SUCCESS;
+}
+
+/* cuda_layer.h: a test's or the benchmark's choice of one GEMM's row. */
+smoe_status smoe_cuda_layer_set_row(smoe_layer *layer, const char *gemm, const char *name)
+{
+    static const char *names[OP_COUNT] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
+    cuda_state *st = (cuda_state *)layer->state;
+    int g = -1;
+    for (int i = 0; i < OP_COUNT; ++i)
+        if (!strcmp(gemm, names[i])) g = i;
+    SMOE_RETURN_ERROR_IF(g < 0, SMOE_ERROR_INVALID_VALUE, "set_row: no GEMM named %s", gemm);
+    const smoe_gemm_ops *ops = st->use90[g] ? st->tab90 : &smoe_gemm_ops_sm80;
+    SMOE_RETURN_ERROR_IF(!ops->row_name, SMOE_ERROR_UNSUPPORTED,
+                         "set_row: the %s table has no named rows", ops->name);
+    const int row = smoe_gemm_row_find(ops, g, name);
+    SMOE_RETURN_ERROR_IF(row < 0, SMOE_ERROR_INVALID_VALUE, "set_row: %s has no row \"%s\" (%s)",
+                         gemm, name, ops->name);
+    smoe_gemm_problem p = problem_make(layer, 0);
+    if (ops->row_fits && !ops->row_fits(&p, g, row)) return SMOE_ERROR_UNSUPPORTED;
+    st->plan.row[g] = row;
+    return SMOE_SUCCESS;
 }
 
 /* A Hopper launcher declined a call it accepted at create time: a bug, not
@@ -976,6 +1001,7 @@ smoe_status smoe_cuda_layer_init(smoe_layer *layer, int want_sm90)
                         : smoe_fail(SMOE_ERROR_BACKEND, "%s: cudaSetDevice(%d): %s", fn,
                                     d->device, cudaGetErrorString(se));
     if (prev != d->device) cudaSetDevice(prev);
+    if (r == SMOE_SUCCESS) r = plans_make(layer, fn);
     if (r != SMOE_SUCCESS) {
         cuda_destroy(layer);
         return r;
@@ -992,7 +1018,6 @@ smoe_status smoe_cuda_layer_init(smoe_layer *layer, int want_sm90)
             if (prev != d->device) cudaSetDevice(prev);
         }
     }
-    probe_sm90(layer);
     path_name_make(layer);
     return SMOE_SUCCESS;
 }

@@ -26,6 +26,12 @@ typedef struct smoe_cuda_gemms {
 
 smoe_cuda_gemms smoe_cuda_layer_gemms(const smoe_layer *layer, int64_t cap);
 
+/* For tests and the benchmark, before the layer's first call: GEMM `gemm`
+ * ("up", "down", "dh", "dw2", "dxt", "dw1") runs the row named `name` of
+ * its family's tile table instead of the plan's; refused (and the plan
+ * kept) if there is no such row or it cannot run the layer's shape. */
+smoe_status smoe_cuda_layer_set_row(smoe_layer *layer, const char *gemm, const char *name);
+
 /* The router of `layer` (not GENERAL; no token rounding) on T tokens:
  * workspace bytes of the two calls below. */
 size_t smoe_cuda_router_ws_bytes(const smoe_layer *layer, int64_t T);

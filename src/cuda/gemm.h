@@ -3,9 +3,11 @@
  * section 6), as a table of launchers. Two implementations fill the table:
  * the portable one (grouped_gemm.cu, mma.sync + cp.async, sm_80 and later)
  * and the Hopper one (sm90/grouped_gemm_sm90.cu, TMA + wgmma, sm_90a).
- * The layer (cuda_layer.cu) calls through the table; an entry the Hopper
- * table leaves NULL runs the portable kernel, and the layer's path name says
- * which kernels ran (no silent fallback).
+ * The layer (cuda_layer.cu) calls through the tables. Each family has a
+ * tile table per GEMM (rows: a kernel configuration with a name); the
+ * family's plan() picks each GEMM's row for a shape once, when the layer is
+ * made, and the layer runs the Hopper row where there is one, the portable
+ * row otherwise (its path name says which family runs each GEMM).
  *
  * Conventions, for every launcher:
  *  - bf16 storage, fp32 accumulation. All pointers are device pointers.
@@ -19,12 +21,10 @@
  *    row (w1_row() below).
  *  - Rows past R are neither read nor written.
  *  - Launch errors are returned as SMOE_ERROR_BACKEND with a message.
- *  - A launcher that cannot run a shape or an alignment returns
- *    SMOE_ERROR_UNSUPPORTED before touching memory; the layer then runs the
- *    portable entry instead and says so in its path name. The layer asks
- *    each Hopper entry once at create time with cap = 0 and NULL buffers:
- *    with cap = 0 (or NULL operands) a launcher must return without
- *    launching anything.
+ *  - A launcher runs the row p->plan names for its GEMM, or returns
+ *    SMOE_ERROR_UNSUPPORTED (a row that cannot run the shape, a misaligned
+ *    pointer) before touching memory; it never picks another kernel. With
+ *    cap = 0 it launches nothing.
  *  - Deterministic: no atomics on floating-point values.
  *  - Every kernel reads *p->abort first (when not NULL) and does nothing if
  *    it is set (see smoe_gemm_problem.abort).
@@ -152,6 +152,10 @@ typedef struct smoe_gemm_ops {
     /* The name of row `row` of GEMM `gemm`'s table (e.g. "256x4 tma-store"),
      * NULL past its last row. */
     const char *(*row_name)(int gemm, int row);
+
+    /* Whether row `row` of GEMM `gemm` can run p's shape (1), or 0 with the
+     * reason as smoe_last_error(): for tests that run every row. */
+    int (*row_fits)(const smoe_gemm_problem *p, int gemm, int row);
 } smoe_gemm_ops;
 
 /* The row of GEMM `gemm` named `name` in ops' table, -1 if none. */

@@ -527,11 +527,6 @@ k_md2_coop(smoe_assign_dev in, int64_t cap, int E, int Ep, int mbits, int ntiles
                         row_score);
 }
 
-/* Test hook (tests/gpu/test_routing_gpu.cu): nonzero takes the two-launch
- * path even where the cooperative launch fits, so that path stays tested. */
-extern "C" int smoe_md_force_two_launch;
-int smoe_md_force_two_launch = 0;
-
 template <int IPT>
 static smoe_status md2_launch(int64_t E, int64_t cap, smoe_assign_dev in, int32_t *expert_offset,
                               int32_t *assign_row, int32_t *row_token, float *row_score,
@@ -553,7 +548,7 @@ static smoe_status md2_launch(int64_t E, int64_t cap, smoe_assign_dev in, int32_
             k_md2_coop<IPT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         SMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_md2_coop<IPT>,
                                                                       MD2_THREADS, smem));
-        if (coop && coop_ok && !smoe_md_force_two_launch &&
+        if (coop && coop_ok &&
             (int64_t)ntiles <= (int64_t)per_sm * sms) {
             void *args[] = {&in,    &cap,           &Ei,        &Ep,
                             &mbits, &ntiles,        &tile_hist, &expert_offset,

@@ -15,12 +15,16 @@
  *                               FLOPs in the same process as the roofline;
  *                               --shapes N times the first N shapes only,
  *                               --only NAME the shape NAME (e.g. 7B) only.
- *   --variant V                 smoe_sm90_gemm_variant for every case and
- *                               shape: bits 0-1 force an `up` configuration
- *                               (1: BN=256, 2: BN=128 warp-per-stage), the
- *                               higher bits switch kernel experiments on
- *                               (grouped_gemm_sm90.cu, SM90_VAR_*);
+ *   --row GEMM=NAME             every case and shape with that row of
+ *                               GEMM's tile table (up, down, dxt, dh; the
+ *                               names of grouped_gemm_sm90.cu's table, e.g.
+ *                               --row "down=256x4 tma-store"), the table's
+ *                               plan for the others; cases whose shape
+ *                               the row cannot run are skipped;
  *                               --seed, --cases.
+ *   Without --row, after the plan's cases: every row of every table on
+ *   further random cases (at least 6 that the row can run), so each kernel
+ *   the table holds stays tested.
  *   test_gemm_sm90 --small      one small case (for compute-sanitizer).
  *   --trace                     each op synchronised and named as it ends.
  *   --only-case N               run only case N (as numbered in the output,
@@ -42,8 +46,10 @@
 
 #include "cuda/gemm.h"
 
-/* grouped_gemm_sm90.cu's benchmark hook: alternative `up` configurations */
-extern "C" int smoe_sm90_gemm_variant;
+/* The plan every case runs: the table's (smoe_gemm_ops_sm90.plan), with
+ * g_force_row as GEMM g_force_gemm's row when g_force_gemm >= 0. */
+static smoe_gemm_plan g_plan;
+static int g_force_gemm = -1, g_force_row = -1;
 
 /* The library's error recorder, for linking the GEMM object alone; the
  * library's own definition wins when it is linked in. */
@@ -381,7 +387,16 @@ static smoe_gemm_problem make_problem(const problem_host *P, const problem_dev *
     g.row_token = D->row_token;
     g.row_score = D->score;
     g.num_sms = sms;
+    smoe_gemm_ops_sm90.plan(&g, &g_plan);
+    if (g_force_gemm >= 0) g_plan.row[g_force_gemm] = g_force_row;
+    g.plan = &g_plan;
     return g;
+}
+
+/* Whether the forced row (if any) can run g's shape. */
+static int forced_row_fits(const smoe_gemm_problem *g)
+{
+    return g_force_gemm < 0 || smoe_gemm_ops_sm90.row_fits(g, g_force_gemm, g_force_row);
 }
 
 /* Checks rows `rows` (host list, nr of them) of H/A (up) and Y (down). Returns 1 if good. */
@@ -660,6 +675,11 @@ static int run_case(int idx, int sms)
         return -1;
     }
     smoe_gemm_problem g = make_problem(&P, &D, sms);
+    if (!forced_row_fits(&g)) { /* a shape the forced row cannot run */
+        dev_free(&D);
+        free(P.offset); free(P.row_token); free(P.row_expert);
+        return -1;
+    }
     int64_t hc = g.h_cols;
     int ok = 1;
     bf16 *h2, *a2, *y2, *x2;
@@ -818,13 +838,17 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
         if (it >= 0) t_down[it] = ms;
     }
     CK(cudaGetLastError());
-    /* alternatives of `up` (variant hook), and the same FLOPs through the
-     * down kernel with swapped sizes: TMA-loaded contiguous A, plain store */
+    /* rows of up's table (the plan's, 128 x 256 with 4 stages, 128 x 128
+     * with the warp-per-stage gather), and the same FLOPs through the down
+     * kernel with swapped sizes: TMA-loaded contiguous A, plain store */
     float t_var[3] = {0, 0, 0}, t_tma = 0;
-    const int forced = smoe_sm90_gemm_variant; /* --variant: kept for the next shapes */
+    const smoe_gemm_plan plan0 = g_plan;
     for (int v = 0; v < 3; v++) {
         float tv[BENCH_REPS];
-        smoe_sm90_gemm_variant = (forced & ~3) | v; /* experiment bits kept */
+        g_plan = plan0;
+        if (v) g_plan.row[SMOE_GEMM_UP] =
+                   smoe_gemm_row_find(&smoe_gemm_ops_sm90, SMOE_GEMM_UP,
+                                      v == 1 ? "256x4" : "128x6 warp-gather");
         for (int it = -2; it < BENCH_REPS; it++) {
             float ms;
             CK(cudaEventRecord(e0));
@@ -836,7 +860,7 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
         }
         t_var[v] = median_ms(tv, BENCH_REPS);
     }
-    smoe_sm90_gemm_variant = forced;
+    g_plan = plan0;
     {
         smoe_gemm_problem g2 = g;
         g2.n = P.d;
@@ -955,7 +979,20 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 0);
         else if (!strcmp(argv[i], "--cases") && i + 1 < argc) cases = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
-        else if (!strcmp(argv[i], "--variant") && i + 1 < argc) smoe_sm90_gemm_variant = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--row") && i + 1 < argc) {
+            const char *spec = argv[++i], *eq = strchr(spec, '=');
+            static const char *gn[] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
+            for (int k = 0; eq && k < SMOE_GEMM_COUNT; k++)
+                if ((size_t)(eq - spec) == strlen(gn[k]) && !strncmp(spec, gn[k], eq - spec))
+                    g_force_gemm = k;
+            g_force_row = g_force_gemm >= 0
+                              ? smoe_gemm_row_find(&smoe_gemm_ops_sm90, g_force_gemm, eq + 1)
+                              : -1;
+            if (g_force_row < 0) {
+                printf("--row %s: no such GEMM or row\n", spec);
+                return 2;
+            }
+        }
         else if (!strcmp(argv[i], "--only-case") && i + 1 < argc) g_only_case = atoi(argv[++i]);
     }
     g_rng = seed ? seed : 1;
@@ -977,55 +1014,38 @@ int main(int argc, char **argv)
             total += r >= 0;
             failed += r == 0;
         }
-        if (smoe_sm90_gemm_variant == 0) {
-            /* the ping-pong kernels (up and dh, variant bits 16 and 32), the
-             * cluster kernels (bit 128), the grouped tile order (bit 1024:
-             * the table picks it only for weight slices of 16 MiB and more),
-             * down and dxt in ping-pong 128 x 192 tiles everywhere (bit
-             * 32768; the table takes them where the reduction is short),
-             * also in the grouped order, or nowhere (bit 65536), in
-             * cooperative 128 x 192 tiles (bit 131072), and with the
-             * double-buffered TMA-store epilogue everywhere (bit 262144,
-             * row-major and grouped), and dh without its TMA-store
-             * epilogue (bit 2097152; the table takes it where gated, both
-             * row-major and grouped), and dh's H by TMA through a slot
-             * ring (bit 134217728, both orders), and up's epilogue in the
-             * producer warpgroup's spare warps (bit 268435456, both
-             * orders) on further random cases, so the variant code stays
-             * tested */
-            enum { NV = 15 };
-            static const int vars[NV] = {16 | 32, 128, 1024, 32768, 32768 | 1024, 65536, 131072,
-                                         262144, 262144 | 1024, 2097152, 2097152 | 1024,
-                                         134217728, 134217728 | 1024, 268435456,
-                                         268435456 | 1024};
-            static const char *what[NV] = {"ping-pong up and dh", "2-CTA clusters, weight multicast",
-                                           "tiles in groups of 16 m-tiles",
-                                           "down and dxt in ping-pong 128 x 192 tiles",
-                                           "ping-pong 128 x 192, tiles in groups of 16 m-tiles",
-                                           "down and dxt in cooperative 128 x 256 tiles",
-                                           "down and dxt in cooperative 128 x 192 tiles",
-                                           "down and dxt chunks stored by TMA, double-buffered",
-                                           "double-buffered TMA stores, groups of 16 m-tiles",
-                                           "dh's dH and A' stored directly",
-                                           "dh's direct stores, groups of 16 m-tiles",
-                                           "dh's H by TMA through a slot ring",
-                                           "dh's H ring, groups of 16 m-tiles",
-                                           "up's epilogue warps",
-                                           "up's epilogue warps, groups of 16 m-tiles"};
-            for (int k = 0; k < NV; k++) {
-                smoe_sm90_gemm_variant = vars[k];
-                printf("variant %d (%s):\n", vars[k], what[k]);
-                /* dh's direct path takes only some random cases (gated
-                 * activations): more of them there */
-                const int nk =
-                    small ? 1 : (vars[k] & (2097152 | 134217728 | 268435456)) ? 24 : 8;
-                for (int i = 0; i < nk; i++) {
-                    const int r = run_case(cases + 32 * k + i, sms);
-                    total += r >= 0;
-                    failed += r == 0;
+        if (g_force_gemm < 0) {
+            /* every row of every varlen-M table, on further random cases
+             * until 6 of them fit the row (dh's TMA-store rows need a gated
+             * activation and n >= 256, the wide rows of down and dxt d >=
+             * 256: more draws there) */
+            static const int gemms[4] = {SMOE_GEMM_UP, SMOE_GEMM_DOWN, SMOE_GEMM_DXT,
+                                         SMOE_GEMM_DH};
+            static const char *gname[SMOE_GEMM_COUNT] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
+            int next = cases;
+            for (int gi = 0; gi < 4; gi++) {
+                for (int row = 0;; row++) {
+                    const char *rn = smoe_gemm_ops_sm90.row_name(gemms[gi], row);
+                    if (!rn) break;
+                    g_force_gemm = gemms[gi];
+                    g_force_row = row;
+                    int ran = 0, tries = 0;
+                    const int want = small ? 1 : 6;
+                    for (; ran < want && tries < 80; tries++) {
+                        const int r = run_case(next++, sms);
+                        ran += r >= 0;
+                        total += r >= 0;
+                        failed += r == 0;
+                    }
+                    printf("row %s \"%s\": %d cases\n", gname[gemms[gi]], rn, ran);
+                    if (ran == 0 && !small && g_only_case < 0) {
+                        printf("  FAIL: no random case fits row %s \"%s\"\n", gname[gemms[gi]],
+                               rn);
+                        failed++;
+                    }
                 }
             }
-            smoe_sm90_gemm_variant = 0;
+            g_force_gemm = g_force_row = -1;
         }
     } else {
         static const shape shapes[] = {

@@ -26,11 +26,10 @@
  * device-side checks, GENERAL triples and the saved block's header, are in
  * test_bad_input_gpu.)
  *
- * Usage: test_layer_gpu [seed] [--small] [--sm80|--sm90] [--variant V]
- * (--small: small shapes only, for compute-sanitizer; --variant: the Hopper
- * GEMMs' variant hook, to run a kernel the tile table does not pick on
- * these shapes through the whole layer). Exit code 0 when every check passed; a GPU-less
- * machine skips (exit 0, says so).
+ * Usage: test_layer_gpu [seed] [--small] [--sm80|--sm90]
+ * (--small: small shapes only, for compute-sanitizer; every row of the
+ * Hopper tile tables is tested on its own in test_gemm_sm90). Exit code 0
+ * when every check passed; a GPU-less machine skips (exit 0, says so).
  */
 #include "smoe.h"
 #include "smoe_internal.h"
@@ -39,9 +38,6 @@
 #include <cuda_runtime_api.h>
 
 static smoe_backend g_backend = SMOE_BACKEND_AUTO;
-#ifdef SMOE_WITH_SM90
-extern int smoe_sm90_gemm_variant; /* the Hopper GEMMs' variant hook (--variant V) */
-#endif
 
 static int g_small = 0;
 static int g_skipped = 0, g_cases = 0;
@@ -759,10 +755,6 @@ int main(int argc, char **argv)
         if (!strcmp(argv[i], "--small")) g_small = 1;
         else if (!strcmp(argv[i], "--sm80")) g_backend = SMOE_BACKEND_CUDA;
         else if (!strcmp(argv[i], "--sm90")) g_backend = SMOE_BACKEND_SM90;
-#ifdef SMOE_WITH_SM90
-        else if (!strcmp(argv[i], "--variant") && i + 1 < argc)
-            smoe_sm90_gemm_variant = atoi(argv[++i]);
-#endif
         else seed = strtoull(argv[i], NULL, 0);
     }
     tu_seed = seed;

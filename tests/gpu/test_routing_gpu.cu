@@ -13,7 +13,8 @@
  *   - determinism: a second run gives the same bytes;
  *   - the small and edge cases twice: with the metadata's cooperative
  *     launch (as the layer runs it where the tiles fit) and through its
- *     two-launch path (test hook smoe_md_force_two_launch);
+ *     two-launch path (smoe_cuda_metadata_beside, as the expert-parallel
+ *     layer runs it beside an exchange);
  * and prints the time of routing + metadata for the large cases.
  * Usage: test_routing_gpu [seed] [--small]
  */
@@ -24,8 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* metadata.cu's test hook: nonzero forces its two-launch path */
-extern "C" int smoe_md_force_two_launch;
+/* 1: the metadata through its two-launch path (smoe_cuda_metadata_beside) */
+static int g_two_launch = 0;
 
 static int g_pass = 0, g_fail = 0;
 static char g_case[256];
@@ -256,8 +257,8 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
         CUDA_OK(cudaEventRecord(e0, 0));
         SMOE_OK(smoe_cuda_route(&D, T, tr, dlg, r.as, r.rscratch, 0));
         CUDA_OK(cudaEventRecord(em, 0));
-        SMOE_OK(smoe_cuda_metadata(E, cap, r.as, r.eoff, r.arow, r.rtok, r.rsc, r.counts,
-                                   r.mscratch, 0));
+        SMOE_OK(smoe_cuda_metadata_beside(E, cap, r.as, r.eoff, r.arow, r.rtok, r.rsc, r.counts,
+                                          r.mscratch, g_two_launch, 0));
         CUDA_OK(cudaEventRecord(e1, 0));
         CUDA_OK(cudaEventSynchronize(e1));
         if (rep == 1) {
@@ -372,8 +373,8 @@ static void run_general(int64_t T, int64_t E, double prob)
     SMOE_OK(smoe_cuda_status_reset(st, 0));
     smoe_dev_report no_report = {NULL, NULL, 0}; /* the status word alone */
     SMOE_OK(smoe_cuda_route_general(T, E, np, dpt, dpe, dps, r.as, st, no_report, 0));
-    SMOE_OK(smoe_cuda_metadata(E, np, r.as, r.eoff, r.arow, r.rtok, r.rsc, r.counts, r.mscratch,
-                               0));
+    SMOE_OK(smoe_cuda_metadata_beside(E, np, r.as, r.eoff, r.arow, r.rtok, r.rsc, r.counts,
+                                      r.mscratch, g_two_launch, 0));
     CUDA_OK(cudaDeviceSynchronize());
     smoe_dev_status *hs = fetch(st, 1);
     CHECK(hs->code == SMOE_DEV_OK, "valid triples flagged: code %d at %d", hs->code, hs->first_bad);
@@ -454,11 +455,11 @@ int main(int argc, char **argv)
     /* twice: the metadata as the layer runs it (one cooperative launch
      * where the tiles fit), then through its two-launch path */
     for (int pass = 0; pass < 2; pass++) {
-        smoe_md_force_two_launch = pass;
+        g_two_launch = pass;
         if (pass) printf("metadata: the two-launch path\n");
         run_edge_cases(TK, ST);
     }
-    smoe_md_force_two_launch = 0;
+    g_two_launch = 0;
     if (!small) {
         run_general(4000, 64, 0.1);
         run_case(5000, 32, 2, TK, 0, SMOE_ROUND_NEAREST, 64, L_TIES, 0);

@@ -23,12 +23,14 @@
  * For reference, cuBLAS's strided-batched GEMM of the same per-expert shapes
  * (equal counts, contiguous, no gather) and a dense 8192^3 product.
  *
- * Usage: test_varlen_k_sm90 [--small | --profile] [--variants a,b,..] [seed]
+ * Usage: test_varlen_k_sm90 [--small | --profile] [seed]
  * (--small: correctness only, small shapes, for compute-sanitizer;
  * --profile: one call of each op, f32 overwrite then accumulate, on the 7B
- * shape, for ncu; --variants: run every check and timing for each listed
- * kernel variant, VK_F_* bits of varlen_k_sm90.cu (4: dw1 in the old
- * orientation), -1 = the default, and print a summary table; default -1,7). Exit code 0 only if every check passed.
+ * shape, for ncu). Every check runs each row of the weight gradients'
+ * tile table (one row today; the summary table has a line per row). The
+ * fp32 and accumulating outputs run dw1 as dH^T X, bf16 overwrite as
+ * X^T dH stored transposed: both orientations are checked. Exit code 0
+ * only if every check passed.
  *
  * Build (sm_90a; links the kernel source directly):
  *   nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc
@@ -59,9 +61,9 @@ extern "C" smoe_status smoe_sm90_dw1(const smoe_gemm_problem *p, const bf16 *dh,
                                      void *dw1, smoe_dtype out_dtype, int accumulate,
                                      void *scratch, cudaStream_t s);
 
-/* Benchmark hook of varlen_k_sm90.cu: a kernel variant (a combination of its
- * VK_F_* bits), -1 for the launcher's default. */
-extern "C" int smoe_sm90_vk_variant;
+/* The row of the weight gradients' tile table under test (the problems'
+ * plan names it). */
+static int g_vk_row = 0;
 
 /* The kernels' only library dependency; the test links the .cu alone. */
 static char g_last_error[512];
@@ -86,19 +88,16 @@ extern "C" smoe_status smoe_fail(smoe_status status, const char *fmt, ...)
 static int g_pass = 0, g_fail = 0;
 static uint64_t g_seed = 12345;
 
-/* Variants under test (--variants a,b,c; default: the default one and 7,
- * which is the default kernel with dw1 in its old orientation, VK_V_DW1_NT:
- * bf16-overwrite dw1 otherwise runs transposed); every correctness check
- * runs for each, and failures are counted per variant for the summary
- * table. */
-static std::vector<int> g_variants{-1, 7};
+/* Rows under test (the table has one); every correctness check runs for
+ * each, and failures are counted per row for the summary table. */
+static std::vector<int> g_variants{0};
 static int g_cur_vi = 0;                 /* index into g_variants of the running one */
 static std::vector<int> g_var_fail(1, 0);
 
 static void set_variant(int vi)
 {
     g_cur_vi = vi;
-    smoe_sm90_vk_variant = g_variants[vi];
+    g_vk_row = g_variants[vi];
 }
 
 static void check(int ok, const char *fmt, ...)
@@ -404,6 +403,10 @@ static smoe_gemm_problem gemm_problem(const problem *P, int num_sms)
     g.row_token = P->d_tok;
     g.row_score = NULL;
     g.num_sms = num_sms;
+    static smoe_gemm_plan plan;
+    for (int i = 0; i < SMOE_GEMM_COUNT; i++) plan.row[i] = -1;
+    plan.row[SMOE_GEMM_DW2] = plan.row[SMOE_GEMM_DW1] = g_vk_row;
+    g.plan = &plan;
     return g;
 }
 
@@ -503,7 +506,7 @@ static int run_and_compare(const char *tag, const problem *P, int op, const refb
     cudaError_t ce = cudaDeviceSynchronize();
     int ok = st == SMOE_SUCCESS && ce == cudaSuccess;
     if (!ok) {
-        check(0, "%s v%d %s out=%s acc=%d: status %d (%s), cuda %s", tag, smoe_sm90_vk_variant,
+        check(0, "%s v%d %s out=%s acc=%d: status %d (%s), cuda %s", tag, g_vk_row,
               op ? "dw1" : "dw2", dt == SMOE_DTYPE_F32 ? "f32" : "bf16", acc, (int)st,
               g_last_error, cudaGetErrorString(ce));
         exit(1); /* a device fault leaves the context unusable */
@@ -520,7 +523,7 @@ static int run_and_compare(const char *tag, const problem *P, int op, const refb
     double rel_lim = dt == SMOE_DTYPE_F32 ? 1e-5 : 4e-3;
     int pass = h_res.bad == 0 && h_res.nonfinite == 0 && h_res.checked == elems && rel <= rel_lim;
     check(pass, "%-28s v%-2d %s out=%-4s acc=%d  M=%d N=%d: rel_fro %.2e, worst/tol %.3f, "
-          "bad %llu, nonfinite %llu", tag, smoe_sm90_vk_variant, op ? "dw1" : "dw2",
+          "bad %llu, nonfinite %llu", tag, g_vk_row, op ? "dw1" : "dw2",
           dt == SMOE_DTYPE_F32 ? "f32" : "bf16", acc, s.M, s.N, rel, h_res.worst, h_res.bad,
           h_res.nonfinite);
     cudaFree(d_res);
@@ -584,7 +587,7 @@ static void determinism_case(problem *P, int num_sms)
         CK(cudaMemcpy(h1.data(), o1, bytes, cudaMemcpyDeviceToHost));
         CK(cudaMemcpy(h2.data(), o2, bytes, cudaMemcpyDeviceToHost));
         check(a == SMOE_SUCCESS && b == SMOE_SUCCESS && memcmp(h1.data(), h2.data(), bytes) == 0,
-              "determinism v%d %s: two runs bitwise equal", smoe_sm90_vk_variant,
+              "determinism v%d %s: two runs bitwise equal", g_vk_row,
               op ? "dw1" : "dw2");
         cudaFree(o1);
         cudaFree(o2);
@@ -777,7 +780,7 @@ static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64
                 const double tf = flop / (ms * 1e-3) / 1e12;
                 g_tflops[vi].back()[i] = tf;
                 printf("BENCH %-5s %s v%-2d %-15s M=%-5d N=%-5d : %8.3f ms  %6.1f TFLOPS\n", name,
-                       nm, smoe_sm90_vk_variant, v[i].what, os.M, os.N, ms, tf);
+                       nm, g_vk_row, v[i].what, os.M, os.N, ms, tf);
             }
         }
         set_variant(0);
@@ -815,12 +818,6 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--small")) small = 1;
         else if (!strcmp(argv[i], "--profile")) profile = 1;
-        else if (!strcmp(argv[i], "--variants") && i + 1 < argc) {
-            g_variants.clear();
-            for (char *tok = strtok(argv[++i], ","); tok; tok = strtok(NULL, ","))
-                g_variants.push_back(atoi(tok));
-            if (g_variants.empty()) g_variants.push_back(-1);
-        }
         else g_seed = strtoull(argv[i], NULL, 10);
     }
     int dev = 0;

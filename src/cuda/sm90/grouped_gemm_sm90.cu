@@ -110,58 +110,31 @@ using namespace smoe_sm90;
 #define SM90_CONSUMER_REGS 232
 #define SM90_GATHER_PRODUCER_REGS 56
 #define SM90_GATHER_CONSUMER_REGS 224
-#define SM90_CLUSTER_PRODUCER_REGS 72 /* the multicast producer needs a few more */
-#define SM90_CLUSTER_CONSUMER_REGS 216
-
-/* Kernel variant flags (template parameter FL):
- *  SM90_FL_WS      gather one stage per producer warp (BN=128 up)
- *  SM90_FL_PP      ping-pong consumers: each warpgroup owns whole 128 x BN
- *                  tiles (alternate tiles of the CTA), so one warpgroup's
- *                  epilogue runs under the other's main loop; BN = 128, or
- *                  192 for down / dxt (5 stages of 40 KiB; 192 accumulators
- *                  per thread; SonicMoE's H100 down-projection tile for
- *                  256 <= n < 1024). BN = 128 measured slower than the
- *                  cooperative 128 x 256 tile for up and dh on an H100
- *                  (notes/sm90_log.md, rung 6); kept behind the variant
- *                  hook and tested.
- *  SM90_FL_CLUSTER clusters of 2 CTAs along M: the pair takes m-tiles 2m and
- *                  2m + 1 of one (expert, n-tile), each CTA loads half of the
- *                  weight tile by TMA multicast into both, and a stage is
- *                  free only when the consumers of both CTAs released it
- *                  (empty barrier count 4, two arrivals remote). Measured
- *                  20-35% slower than one CTA per tile on an H100
- *                  (notes/sm90_log.md, rung 7); behind the hook, tested.
- *  SM90_FL_RASTER  the cooperative BN = 256 kernels with the grouped tile
- *                  order (sm90_tile_decode, p.raster_gm); sm90_launch picks
- *                  it when the host asked for groups, so the row-major
- *                  kernels keep exactly the code they had before it (with
- *                  the order as a runtime branch in every kernel, some
- *                  forwards read 1-2% lower: inside the noise, not ruled
- *                  out). The ping-pong and cluster kernels stay row-major.
- *  Retired experiments (measured slower on an H100; the code is in the
- *  history at commit 4efa11a, notes/sm90_log.md rungs 9-10): the whole tile
- *  staged and stored by TMA with 3 stages (hook 512), evict-first stores
- *  of Y / dX~ (8192), storer warps of the producer warpgroup storing a
- *  staged tile (16384).
- *  SM90_FL_TMA_ST2 down / dxt, BN = 256, 4 stages, E <= 256: each 64-column
- *                  chunk of a warpgroup's block goes to one of two 8 KiB
- *                  buffers and leaves by TMA store; a buffer is refilled
- *                  once its store two chunks back has read it, so the last
- *                  chunks drain under the next main loop. Fits beside four
- *                  main-loop stages because its tile_start table holds 257
- *                  entries (not 1025) and it has no WS slots.
- *                  The table takes it for down at 256 < n <= 1024 on
- *                  this tile (sm90_use_tma_st2); hook 262144 forces it for
- *                  down and dxt, 524288 turns it off. dh (gated, BN =
- *                  256, E <= 256: the table's choice; hook 2097152 turns
- *                  it off) stores dH and A' through an 8 KiB and a 4 KiB
- *                  buffer per warpgroup, single-buffered, 32 units at a
- *                  time (ep_dh_tma): backward +1-3% on the 1.4B, 7B,
- *                  120B-n512 and 120B-n2048 rows, the others even. (up
- *                  the same way, hook 1048576, measured -1% and was
- *                  retired in session 6; the code is in c461f84.)
- *                  (dh's epilogue otherwise: ep_dh_direct.) */
-/*  SM90_FL_EPIWG   up, cooperative 128 x 256, 3 stages: the consumers only
+/* Kernel shapes (template parameter FL), combined by the rows of the tile
+ * table (host side, below):
+ *  SM90_FL_WS      up, BN = 128: one producer warp gathers a whole stage
+ *                  (four stages in flight on four warps).
+ *  SM90_FL_PP      down / dxt, 128 x 192 ping-pong: each consumer
+ *                  warpgroup owns whole tiles (alternate tiles of the CTA),
+ *                  so one warpgroup's epilogue runs under the other's main
+ *                  loop; 5 stages of 40 KiB, 192 accumulators per thread
+ *                  (SonicMoE's H100 down-projection tile).
+ *  SM90_FL_RASTER  the tiles of an expert in groups of p.raster_gm m-tiles
+ *                  (sm90_tile_decode), so the tiles in flight share fewer
+ *                  weight columns; a flag of its own so that the row-major
+ *                  kernels carry no grouped-order code (as a runtime branch
+ *                  in every kernel some forwards read 1-2% lower).
+ *  SM90_FL_TMA_ST2 down (and dh), BN = 256, 4 stages, E <= 256: each
+ *                  64-column chunk of a warpgroup's block goes to one of
+ *                  two 8 KiB buffers and leaves by TMA store; a buffer is
+ *                  refilled once its store two chunks back has read it, so
+ *                  the last chunks drain under the next main loop. Fits
+ *                  beside four stages because its tile_start table holds
+ *                  257 entries (not 1025) and it has no WS slots. dh stores
+ *                  dH and A' through an 8 KiB and a 4 KiB buffer per
+ *                  warpgroup, single-buffered, 32 units at a time
+ *                  (ep_dh_tma); otherwise dh's epilogue is ep_dh_direct.
+ *  SM90_FL_EPIWG   up, cooperative 128 x 256, 3 stages: the consumers only
  *                  round the tile (bias added) into a padded staging copy of
  *                  the whole tile (8 units of 64 x 64) and go on to the next
  *                  tile's main loop; warps 2-3 of the producer warpgroup
@@ -172,44 +145,34 @@ using namespace smoe_sm90;
  *                  128 registers, too few for the m64n256 wgmma.) Two
  *                  mbarriers hand the staging over: full (256 consumer
  *                  arrivals), empty (64 epilogue arrivals).
- *  SM90_FL_HTMA    dh with SM90_FL_TMA_ST2: H comes by TMA through a ring of
- *                  three 8 KiB slots per warpgroup, laid out as dH's
- *                  staging, so dH is written over H and stored from the
- *                  slot (ep_dh_hring); 3 main-loop stages make room.
- *                  Correct, but measured 0.95-1.00 on dh alone and
- *                  0.99-1.00 on the layer's backward (notes/sm90_log.md
- *                  rung 12 item 9): behind hook 134217728, tested. */
+ * Measured and retired (the numbers in notes/sm90_log.md; the code in git):
+ * ping-pong 128 x 128 up and dh (rung 6), 2-CTA clusters with weight
+ * multicast (rung 7), cooperative 128 x 192 down / dxt, the TMA-store
+ * epilogue for dxt, ping-pong 192 in the grouped order, dh's H by TMA
+ * through a slot ring (rung 12 item 9), dw1 gathered along N (rung 11):
+ * all in the history up to commit 3a13394, behind the variant hook this
+ * table replaced; the whole tile staged and stored by TMA, evict-first
+ * stores and storer warps (rungs 9-10, commit 4efa11a); up's H and A by
+ * TMA (c461f84); down with the weight tile resident (94709c7). */
 enum {
     SM90_FL_WS = 1,
     SM90_FL_PP = 2,
-    SM90_FL_CLUSTER = 4,
     SM90_FL_RASTER = 16,
     SM90_FL_TMA_ST2 = 128,
-    SM90_FL_HTMA = 256,
     SM90_FL_EPIWG = 512
 };
-
-/* dh with SM90_FL_HTMA: H / dH slots per consumer warpgroup */
-#define SM90_H_SLOTS 3
 
 /* 64 x 64 staging units (SM90_EP_BYTES each) of the padded staging: one per
  * consumer warpgroup, or with SM90_FL_EPIWG the whole 128 x 256 tile. */
 __host__ __device__ constexpr int sm90_epu(int fl) { return (fl & SM90_FL_EPIWG) ? 8 : 2; }
 
-/* mbarriers besides the main loop's: one per H slot of each consumer
- * warpgroup (SM90_FL_HTMA), the staging's full and empty (SM90_FL_EPIWG) */
-__host__ __device__ constexpr int sm90_xbar(int fl)
-{
-    return (fl & SM90_FL_HTMA) ? 2 * SM90_H_SLOTS : (fl & SM90_FL_EPIWG) ? 2 : 0;
-}
+/* mbarriers besides the main loop's: the staging's full and empty
+ * (SM90_FL_EPIWG) */
+__host__ __device__ constexpr int sm90_xbar(int fl) { return (fl & SM90_FL_EPIWG) ? 2 : 0; }
 
-/* 8 KiB epilogue buffers per consumer warpgroup: two with SM90_FL_TMA_ST2;
- * with SM90_FL_HTMA as well, the H / dH slots and A''s buffer; none
- * otherwise (the padded staging buffers). */
-__host__ __device__ constexpr int sm90_epb(int fl)
-{
-    return (fl & SM90_FL_TMA_ST2) ? ((fl & SM90_FL_HTMA) ? SM90_H_SLOTS + 1 : 2) : 0;
-}
+/* 8 KiB epilogue buffers per consumer warpgroup: two with SM90_FL_TMA_ST2,
+ * none otherwise (the padded staging buffers). */
+__host__ __device__ constexpr int sm90_epb(int fl) { return (fl & SM90_FL_TMA_ST2) ? 2 : 0; }
 
 enum { SM90_MODE_UP = 0, SM90_MODE_DOWN = 1, SM90_MODE_DXT = 2, SM90_MODE_DH = 3 };
 
@@ -273,16 +236,13 @@ typedef struct sm90_tile {
     int row0, row_end; /* first row of the tile, end of the expert's rows */
 } sm90_tile;
 
-/* Tile (or, in a cluster of CL CTAs, tile group) t: expert, n-tile and this
- * CTA's m-tile (CTA `rank` of the group takes m-tile CL * m + rank). Within
+/* Tile t: expert, n-tile and m-tile. Within
  * an expert the tiles run row-major (gm == 0: every n-tile of one m-tile,
  * then the next m-tile) or in groups of gm m-tiles, column-major inside a
  * group, so that the tiles in flight at once share fewer weight columns.
  */
-template <int CL>
 __device__ __forceinline__ sm90_tile sm90_tile_decode(int t, const int *tile_start, int E, int nt,
-                                                      const int32_t *expert_offset, int os,
-                                                      int rank, int gm)
+                                                      const int32_t *expert_offset, int os, int gm)
 {
     int lo = 0, hi = E; /* tile_start[lo] <= t < tile_start[hi] */
     while (hi - lo > 1) {
@@ -297,10 +257,10 @@ __device__ __forceinline__ sm90_tile sm90_tile_decode(int t, const int *tile_sta
         const int first = local / (gm * nt) * gm;
         const int rows = min(gm, mt - first), idx = local - first * nt;
         tl.n_tile = idx / rows;
-        tl.row0 = __ldg(expert_offset + lo * os) + ((first + idx % rows) * CL + rank) * SM90_BM;
+        tl.row0 = __ldg(expert_offset + lo * os) + (first + idx % rows) * SM90_BM;
     } else {
         tl.n_tile = local % nt;
-        tl.row0 = __ldg(expert_offset + lo * os) + ((local / nt) * CL + rank) * SM90_BM;
+        tl.row0 = __ldg(expert_offset + lo * os) + (local / nt) * SM90_BM;
     }
     tl.row_end = __ldg(expert_offset + lo * os + 1);
     return tl;
@@ -680,108 +640,6 @@ __device__ __forceinline__ void ep_dh_tma_any(const float *ac, uint8_t *hb, uint
                                        n_tile, t, cw);
 }
 
-/* dh's epilogue with SM90_FL_HTMA (gated): as ep_dh_tma, but H comes by TMA.
- * Per warpgroup a ring of SM90_H_SLOTS 8 KiB slots (wb, wb + 8 KiB, ...)
- * each takes one 64 x 64 box of H (the 32 units of a chunk, 128B swizzle:
- * the same layout as dH's staging), loaded SM90_H_SLOTS - 1 chunks ahead
- * by the warpgroup's thread 0 on barrier hbar[slot]; each thread reads its
- * (gate, up) pairs from the slot and writes its dH pairs over them at the
- * same addresses, and the slot leaves as the dH TMA store (A' through the
- * fourth buffer, wb + 24 KiB, as before). A slot (and A''s buffer) is
- * refilled once the stores of its chunk have read it. The per-thread H
- * loads of ep_dh_tma cost dh 10-21% (notes/sm90_log.md rung 12 item 8).
- * hk counts the warpgroup's chunks over its whole run (slot and parity). */
-template <int ACT, int BN>
-__device__ __forceinline__ void ep_dh_hring(const float *ac, uint8_t *wb, uint64_t *hbar,
-                                            const CUtensorMap *map_h,
-                                            const CUtensorMap *map_dh,
-                                            const CUtensorMap *map_as,
-                                            const sm90_gemm_params &p, int wrow0, int nvalid,
-                                            int n0, int lr, int q, int n_tile, int t, int cw,
-                                            uint32_t &hk)
-{
-    static_assert(ACT <= SMOE_ACT_REGLU, "gated activations only");
-    constexpr int NC = BN / 32, NS = SM90_H_SLOTS; /* chunks of 32 units */
-    uint8_t *ab = wb + NS * 8192; /* after the slots */
-    const int jn = min(BN / 8, (p.N - n0) / 8);
-    bool rv[2];
-    int64_t row[2];
-    float s[2], ds[2] = {0.0f, 0.0f};
-    const bf16 *hp[2];
-    ep_dh_rows(p, wrow0, nvalid, n0, lr, q, 2, rv, row, s, hp);
-    if (t == 0) {
-        bulk_wait_read<0>(); /* the last block's stores have read every slot */
-#pragma unroll
-        for (int i = 0; i < NS - 1; i++) {
-            const uint32_t sl = (hk + i) % NS;
-            mbar_arrive_expect_tx(smem_addr(hbar + sl), 8192);
-            tma_load_2d(smem_addr(wb + sl * 8192), map_h, smem_addr(hbar + sl),
-                        2 * (n0 + 32 * i), wrow0);
-        }
-    }
-#pragma unroll
-    for (int c = 0; c < NC; c++) {
-        const uint32_t k = hk + c, sl = k % NS;
-        uint8_t *hb = wb + sl * 8192;
-        /* chunk c - 1's stores have read A''s buffer and its slot: the slot
-         * takes chunk c + NS - 1's H */
-        if (t == 0) {
-            if (c > 0) bulk_wait_read<0>();
-            if (c + NS - 1 < NC) {
-                const uint32_t sn = (k + NS - 1) % NS;
-                mbar_arrive_expect_tx(smem_addr(hbar + sn), 8192);
-                tma_load_2d(smem_addr(wb + sn * 8192), map_h, smem_addr(hbar + sn),
-                            2 * (n0 + 32 * (c + NS - 1)), wrow0);
-            }
-        }
-        named_barrier_sync(1 + cw, 128);
-        mbar_wait(smem_addr(hbar + sl), (k / NS) & 1);
-#pragma unroll
-        for (int g = 0; g < 4; g++) {
-            const int jc = 4 * c + g;
-            const bool jv = jc < jn;
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = lr + 8 * h;
-                uint2 *hd = (uint2 *)(hb + r * 128 + (((2 * g + (q >> 1)) ^ (r & 7)) << 4) +
-                                      8 * (q & 1));
-                ep_dh_unit2<ACT>(*hd, ac[4 * jc + 2 * h], ac[4 * jc + 2 * h + 1], s[h], hd,
-                                 (uint32_t *)(ab + r * 64 + ((g ^ ((r >> 1) & 3)) << 4) + 4 * q),
-                                 &ds[h], jv);
-            }
-        }
-        const int u0c = n0 + 32 * c;
-        fence_proxy_async();
-        named_barrier_sync(1 + cw, 128);
-        if (u0c < p.N)
-            ep_pair_out(hb, ab, map_dh, map_as, p.out0, p.h_cols, 2 * u0c, p.out1, p.n, u0c,
-                        wrow0, nvalid, t);
-    }
-    hk += NC;
-    ep_dh_ds_out(ds, rv, row, q, n_tile, p);
-}
-
-/* ep_dh_hring with the (gated) activation dispatched once per tile; a block
- * wholly past the expert's end returns at once (as ep_dh_tma_any). */
-template <int BN>
-__device__ __forceinline__ void ep_dh_hring_any(const float *ac, uint8_t *wb, uint64_t *hbar,
-                                                const CUtensorMap *map_h,
-                                                const CUtensorMap *map_dh,
-                                                const CUtensorMap *map_as,
-                                                const sm90_gemm_params &p, int wrow0,
-                                                int nvalid, int n0, int lr, int q, int n_tile,
-                                                int t, int cw, uint32_t &hk)
-{
-    if (nvalid <= 0) return;
-#define SM90_DH_HRING(A)                                                                      \
-    ep_dh_hring<A, BN>(ac, wb, hbar, map_h, map_dh, map_as, p, wrow0, nvalid, n0, lr, q, n_tile, \
-                       t, cw, hk)
-    if (p.act == SMOE_ACT_GEGLU) SM90_DH_HRING(SMOE_ACT_GEGLU);
-    else if (p.act == SMOE_ACT_REGLU) SM90_DH_HRING(SMOE_ACT_REGLU);
-    else SM90_DH_HRING(SMOE_ACT_SWIGLU);
-#undef SM90_DH_HRING
-}
-
 /* ------------------------------------------------------------ the kernel */
 
 /* Chunk c (64 columns from col0) of a warpgroup's 64 x BN block, bias
@@ -877,29 +735,17 @@ __device__ __forceinline__ void sm90_mma_kblock(float *acc, uint32_t sa, uint32_
     wgmma_fence_regs<NREG>(acc);
 }
 
-/* A consumer warpgroup frees a stage: in a cluster, in both CTAs (the peer
- * multicasts its half of the next weight tile into this CTA's stage). */
-template <int CL>
-__device__ __forceinline__ void sm90_release(uint32_t empty_bar, int rank)
-{
-    mbar_arrive(empty_bar);
-    if constexpr (CL > 1) mbar_arrive_cluster(empty_bar, (uint32_t)(rank ^ 1));
-}
-
 template <int BN, int STAGES, int MODE, int FL>
 __global__ void __launch_bounds__(SM90_THREADS, 1)
 sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                          const __grid_constant__ CUtensorMap map_b,
-                         const __grid_constant__ CUtensorMap map_c,
-                         const __grid_constant__ CUtensorMap map_d, const sm90_gemm_params p)
+                         const __grid_constant__ CUtensorMap map_c, const sm90_gemm_params p)
 {
     /* up / dh: map_a is A's / A''s output map there (they gather their
      * input), map_c H's / dH's */
     constexpr bool TMA_ST2 = (FL & SM90_FL_TMA_ST2) != 0;
-    static_assert(!TMA_ST2 || (BN == 256 && (FL & (SM90_FL_PP | SM90_FL_CLUSTER | SM90_FL_WS)) == 0),
+    static_assert(!TMA_ST2 || (BN == 256 && (FL & (SM90_FL_PP | SM90_FL_WS)) == 0),
                   "the double-buffered TMA-store epilogue is for cooperative 128 x 256 tiles");
-    constexpr bool HTMA = (FL & SM90_FL_HTMA) != 0;
-    static_assert(!HTMA || (TMA_ST2 && MODE == SM90_MODE_DH), "H by TMA: dh's TMA-store epilogue");
     constexpr bool EPIWG = (FL & SM90_FL_EPIWG) != 0;
     static_assert(!EPIWG || (MODE == SM90_MODE_UP && BN == 256 &&
                              (FL & ~(SM90_FL_EPIWG | SM90_FL_RASTER)) == 0),
@@ -916,16 +762,13 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     constexpr bool TOKREG = GATHER && !WS;
     constexpr bool PP = (FL & SM90_FL_PP) != 0;
     constexpr int MH = PP ? 2 : 1;            /* m64 blocks per consumer warpgroup */
-    static_assert(!PP || BN == 128 || (BN == 192 && !GATHER),
-                  "ping-pong tiles are 128 x 128, or 128 x 192 for down / dxt");
+    static_assert(!PP || (BN == 192 && !GATHER), "ping-pong tiles are 128 x 192, down / dxt");
     static_assert(!(WS && PP), "the warp-per-stage gather stands alone");
-    constexpr int CL = (FL & SM90_FL_CLUSTER) ? 2 : 1; /* CTAs per cluster */
     /* m-tiles per group of the tile order, 0: row-major (constant 0 unless
      * SM90_FL_RASTER, so the other kernels carry no grouped-order code) */
     const int gm = (FL & SM90_FL_RASTER) ? p.raster_gm : 0;
-    static_assert(CL == 1 || (!WS && !PP), "clusters with the cooperative kernel only");
     /* a failed device-side check of the call: every CTA leaves at once (the
-     * same word for all, before any barrier or cluster sync) */
+     * same word for all, before any barrier) */
     if (p.abort && *p.abort) return;
 
     extern __shared__ uint8_t smem_raw[];
@@ -936,29 +779,22 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     uint8_t *ep_base = smem + STAGES * cfg::STAGE_BYTES; /* cfg::EP_TOTAL bytes */
     uint64_t *full = (uint64_t *)(ep_base + cfg::EP_TOTAL);
     uint64_t *empty = full + STAGES;
-    uint64_t *hbar = empty + STAGES; /* sm90_xbar's: HTMA's H slots */
-    uint64_t *stg = hbar;            /* ... or EPIWG's staging full, empty */
-    int *tile_start = (int *)(hbar + sm90_xbar(FL));
+    uint64_t *stg = empty + STAGES; /* sm90_xbar's: EPIWG's staging full, empty */
+    int *tile_start = (int *)(stg + sm90_xbar(FL));
     int32_t *tok_slots = tile_start + SM90_MAX_EXPERTS + 1; /* WS: 2 x 128 tile tokens */
 
     const int tid = threadIdx.x;
     const int wg = tid / 128;
     const int nt = (p.N + BN - 1) / BN;
     const int kb_count = p.K / SM90_BK;
-    /* CTA crank of cluster cid; tile groups cid, cid + ncl, ... */
-    const int crank = CL > 1 ? (int)cluster_ctarank() : 0;
-    const int cid = blockIdx.x / CL, ncl = gridDim.x / CL;
+    const int cid = blockIdx.x, ncl = gridDim.x; /* tiles cid, cid + ncl, ... */
 
     if (tid == 0) {
         tma_prefetch_map(&map_b);
         if (!GATHER) tma_prefetch_map(&map_a);
         for (int s = 0; s < STAGES; s++) {
             mbar_init(smem_addr(full + s), GATHER ? (WS ? 32 : EPIWG ? 64 : 128) + 1 : 1);
-            mbar_init(smem_addr(empty + s), PP ? 1 : 2 * CL);
-        }
-        if constexpr (HTMA) {
-            tma_prefetch_map(&map_d);
-            for (int i = 0; i < 2 * SM90_H_SLOTS; i++) mbar_init(smem_addr(hbar + i), 1);
+            mbar_init(smem_addr(empty + s), PP ? 1 : 2);
         }
         if constexpr (EPIWG) {
             mbar_init(smem_addr(stg), 256);
@@ -973,7 +809,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             if (e < p.E) {
                 const int32_t *o = p.expert_offset + e * p.off_stride;
                 int cnt = __ldg(o + 1) - __ldg(o);
-                v = (((cnt + SM90_BM - 1) / SM90_BM + CL - 1) / CL) * nt;
+                v = (cnt + SM90_BM - 1) / SM90_BM * nt;
             }
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
@@ -986,7 +822,6 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         if (tid == 0) tile_start[0] = 0;
     }
     __syncthreads();
-    if constexpr (CL > 1) cluster_sync(); /* the peer's barriers are initialised */
     const int total = tile_start[p.E];
 
     if (wg == 0) {
@@ -994,8 +829,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         if constexpr (EPIWG) /* 96 + 2 x 200 <= 3 x 168, the pool a CTA launches with */
             setmaxnreg_dec<96>();
         else
-            setmaxnreg_dec<(CL > 1) ? SM90_CLUSTER_PRODUCER_REGS
-                                    : TOKREG ? SM90_GATHER_PRODUCER_REGS : SM90_PRODUCER_REGS>();
+            setmaxnreg_dec<TOKREG ? SM90_GATHER_PRODUCER_REGS : SM90_PRODUCER_REGS>();
         if (EPIWG && tid >= 64) {
         /* ---------------- epilogue warps (EPIWG) ----------------
          * The CTA's tiles in the consumers' order: per tile, once the
@@ -1006,8 +840,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         const int t64 = tid - 64;
         uint32_t jt = 0;
         for (int t = cid; t < total; t += ncl, jt++) {
-            sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
-                                                p.off_stride, crank, gm);
+            sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
+                                                p.off_stride, gm);
             const int n0 = tl.n_tile * BN;
             mbar_wait(smem_addr(stg), jt & 1);
             for (int h = 0; h < 2; h++) {
@@ -1043,8 +877,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             const int pw = tid >> 5, lane = tid & 31, chunk = lane & 7;
             int it = 0, nth = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x, nth++) {
-                sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
-                                                    p.off_stride, crank, gm);
+                sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
+                                                    p.off_stride, gm);
                 int32_t *tokb = tok_slots + 128 * (nth & 1);
                 {
                     int r = tl.row0 + tid;
@@ -1093,8 +927,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         int stage = 0;
         uint32_t phase = 0;
         for (int t = cid; t < total; t += ncl) {
-            sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
-                                                p.off_stride, crank, gm);
+            sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
+                                                p.off_stride, gm);
             /* this thread's gather rows, for the whole tile */
             int32_t tok[PRT];
             if (GATHER) {
@@ -1111,21 +945,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                 mbar_wait(smem_addr(empty + stage), phase ^ 1);
                 if (tid == 0) {
                     mbar_arrive_expect_tx(fb, tx_bytes);
-                    if constexpr (CL > 1) {
-                        /* this CTA's half of the weight tile, into both CTAs */
-                        if constexpr (TRANS_B) {
-#pragma unroll
-                            for (int j = crank * BN / 128; j < (crank + 1) * BN / 128; j++)
-                                tma_load_2d_mc(sb + j * 8192, &map_b, fb, tl.n_tile * BN + 64 * j,
-                                               tl.e * p.K + kb * SM90_BK, 3);
-                        } else {
-                            int g = tl.e * p.N + tl.n_tile * BN + crank * (BN / 2);
-                            if (MODE == SM90_MODE_UP && p.concat)
-                                g = tl.e * p.N + tl.n_tile * (BN / 2) + crank * p.n;
-                            tma_load_2d_mc(sb + crank * (cfg::B_BYTES / 2), &map_b, fb,
-                                           kb * SM90_BK, g, 3);
-                        }
-                    } else if constexpr (TRANS_B) {
+                    if constexpr (TRANS_B) {
                         /* BN/64 boxes of 64 k-rows x 64 n-columns, 8 KiB apart */
 #pragma unroll
                         for (int j = 0; j < BN / 64; j++)
@@ -1170,8 +990,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
         if constexpr (EPIWG)
             setmaxnreg_inc<200>();
         else
-            setmaxnreg_inc<(CL > 1) ? SM90_CLUSTER_CONSUMER_REGS
-                                    : TOKREG ? SM90_GATHER_CONSUMER_REGS : SM90_CONSUMER_REGS>();
+            setmaxnreg_inc<TOKREG ? SM90_GATHER_CONSUMER_REGS : SM90_CONSUMER_REGS>();
         /* cooperative: rows 64 cw .. 64 cw + 63 of every tile; ping-pong: whole
          * tiles, the CTA's tiles j with j % 2 == cw */
         const int cw = wg - 1;
@@ -1182,11 +1001,10 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
          * kb_count stages per tile, tile after tile */
         uint32_t pos = PP ? (uint32_t)(cw * kb_count) : 0u;
         uint32_t ep_it = 0; /* TMA_ST2: this warpgroup's chunks so far */
-        uint32_t hk = 0;    /* HTMA: this warpgroup's H chunks so far */
         uint32_t jt = 0;    /* EPIWG: this CTA's tiles so far */
         for (int t = cid + (PP ? cw * ncl : 0); t < total; t += (PP ? 2 : 1) * ncl) {
-            sm90_tile tl = sm90_tile_decode<CL>(t, tile_start, p.E, nt, p.expert_offset,
-                                                p.off_stride, crank, gm);
+            sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
+                                                p.off_stride, gm);
             int prev = 0;
             /* Ping-pong order: a warpgroup starts its main loop only after the
              * other one has waited for the previous tile's last stage. Besides
@@ -1223,7 +1041,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                 }
                 if (kb > 0) { /* the previous stage's wgmma has retired: release it */
                     wgmma_wait<1>();
-                    if ((tid & 127) == 0) sm90_release<CL>(smem_addr(empty + prev), crank);
+                    if ((tid & 127) == 0) mbar_arrive(smem_addr(empty + prev));
                 }
                 prev = stage;
             }
@@ -1233,7 +1051,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             }
             wgmma_wait<0>();
             wgmma_fence_regs<MH * NACC>(acc);
-            if ((tid & 127) == 0) sm90_release<CL>(smem_addr(empty + prev), crank);
+            if ((tid & 127) == 0) mbar_arrive(smem_addr(empty + prev));
 
             /* ---------------- epilogue ----------------
              * Through a per-warpgroup shared buffer, 64 columns at a time: the
@@ -1253,11 +1071,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             const float *ac = acc + mh * NACC;
             const int wrow0 = tl.row0 + (PP ? mh : cw) * 64; /* first row of the 64 */
             const int nvalid = min(64, tl.row_end - wrow0);
-            if constexpr (MODE == SM90_MODE_DH && HTMA) {
-                ep_dh_hring_any<BN>(ac, ep_base + cw * sm90_epb(FL) * 8192,
-                                    hbar + cw * SM90_H_SLOTS, &map_d, &map_c, &map_a, p, wrow0,
-                                    nvalid, n0, lr, q, tl.n_tile, tid & 127, cw, hk);
-            } else if constexpr (MODE == SM90_MODE_DH && TMA_ST2) {
+            if constexpr (MODE == SM90_MODE_DH && TMA_ST2) {
                 ep_dh_tma_any<BN>(ac, ep_base + cw * 16384, ep_base + cw * 16384 + 8192, &map_c,
                                   &map_a, p, wrow0, nvalid, n0, lr, q, tl.n_tile, tid & 127, cw);
             } else if constexpr (MODE == SM90_MODE_DH) {
@@ -1340,12 +1154,9 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
      * shared memory goes away */
     if constexpr (TMA_ST2)
         if (wg > 0 && (tid & 127) == 0) bulk_wait<0>();
-    /* no CTA leaves while its peer may still multicast into it or arrive on
-     * its barriers */
-    if constexpr (CL > 1) cluster_sync();
-    else __syncthreads();
+    __syncthreads();
     /* no wait, arrival or copy touches a barrier any more (the producer's
-     * tail saw every stage released; the cluster's peer has synchronised) */
+     * tail saw every stage released) */
     if (tid == 0)
         for (int i = 0; i < 2 * STAGES + sm90_xbar(FL); i++) mbar_inval(smem_addr(full + i));
 }
@@ -1398,6 +1209,14 @@ extern "C" smoe_status smoe_sm90_make_map(CUtensorMap *map, const void *base, in
                              what);
 }
 
+/* What every varlen-M row needs (sm90_check_common says why not). */
+static int sm90_shape_ok(const smoe_gemm_problem *p)
+{
+    return p->d % 64 == 0 && p->n % 64 == 0 && p->E <= SM90_MAX_EXPERTS &&
+           p->E * p->h_cols <= INT32_MAX && p->E * p->d <= INT32_MAX && p->cap <= INT32_MAX &&
+           p->d <= INT32_MAX / 2 && p->h_cols <= INT32_MAX / 2;
+}
+
 static smoe_status sm90_check_common(const smoe_gemm_problem *p, const char *op)
 {
     if (p->d % 64 != 0 || p->n % 64 != 0)
@@ -1430,161 +1249,236 @@ static int sm90_grid(const smoe_gemm_problem *p, int64_t n_tiles)
     return (int)(upper < sms ? upper : sms);
 }
 
+/* The kernel <BN, STAGES, MODE, FL> over prm: a persistent grid, at most
+ * one CTA per SM. */
 template <int BN, int STAGES, int MODE, int FL>
 static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma,
                                const CUtensorMap *mb, const CUtensorMap *mc,
-                               const sm90_gemm_params *prm, cudaStream_t s, const char *op,
-                               const CUtensorMap *md = NULL)
+                               const sm90_gemm_params *prm, cudaStream_t s, const char *op)
 {
-    if (!md) md = mc; /* map_d: read by the HTMA kernels only */
-    /* the grouped tile order: its own kernels (plain, or with TMA_ST2 / HTMA) */
-    if constexpr ((FL & ~(SM90_FL_TMA_ST2 | SM90_FL_HTMA | SM90_FL_EPIWG)) == 0 && BN == 256)
-        if (prm->raster_gm > 1)
-            return sm90_launch<BN, STAGES, MODE, FL | SM90_FL_RASTER>(p, ma, mb, mc, prm, s, op,
-                                                                      md);
     typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL), sm90_epu(FL), sm90_xbar(FL)> cfg;
-    void (*kern)(const CUtensorMap, const CUtensorMap, const CUtensorMap, const CUtensorMap,
+    void (*kern)(const CUtensorMap, const CUtensorMap, const CUtensorMap,
                  const sm90_gemm_params) = sm90_grouped_gemm_kernel<BN, STAGES, MODE, FL>;
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            cfg::SMEM_BYTES);
     if (err != cudaSuccess)
         return smoe_fail(SMOE_ERROR_BACKEND, "sm90 %s: cudaFuncSetAttribute: %s", op,
                          cudaGetErrorString(err));
-    int grid = sm90_grid(p, (prm->N + BN - 1) / BN);
+    const int grid = sm90_grid(p, (prm->N + BN - 1) / BN);
     if (grid <= 0) return SMOE_SUCCESS;
-    if constexpr ((FL & SM90_FL_CLUSTER) != 0) {
-        /* pairs of CTAs, no more than can be resident at once (the
-         * schedule is static: a pair started late would run its tiles last) */
-        cudaLaunchConfig_t lc;
-        memset(&lc, 0, sizeof(lc));
-        cudaLaunchAttribute at[1];
-        at[0].id = cudaLaunchAttributeClusterDimension;
-        at[0].val.clusterDim.x = 2;
-        at[0].val.clusterDim.y = 1;
-        at[0].val.clusterDim.z = 1;
-        lc.blockDim = dim3(SM90_THREADS, 1, 1);
-        lc.dynamicSmemBytes = cfg::SMEM_BYTES;
-        lc.stream = s;
-        lc.attrs = at;
-        lc.numAttrs = 1;
-        static int max_clusters = 0; /* per instantiation, from the occupancy API */
-        if (max_clusters == 0) {
-            lc.gridDim = dim3((unsigned)(grid & ~1) > 0 ? (unsigned)(grid & ~1) : 2u, 1, 1);
-            err = cudaOccupancyMaxActiveClusters(&max_clusters, kern, &lc);
-            if (err != cudaSuccess || max_clusters <= 0)
-                return smoe_fail(SMOE_ERROR_BACKEND, "sm90 %s: no 2-CTA cluster fits (%s)", op,
-                                 cudaGetErrorString(err));
-        }
-        grid = grid < 2 ? 2 : grid & ~1;
-        if (grid > 2 * max_clusters) grid = 2 * max_clusters;
-        lc.gridDim = dim3((unsigned)grid, 1, 1);
-        err = cudaLaunchKernelEx(&lc, kern, *ma, *mb, *mc, *md, *prm);
-    } else {
-        kern<<<grid, SM90_THREADS, cfg::SMEM_BYTES, s>>>(*ma, *mb, *mc, *md, *prm);
-        err = cudaGetLastError();
-    }
+    kern<<<grid, SM90_THREADS, cfg::SMEM_BYTES, s>>>(*ma, *mb, *mc, *prm);
+    err = cudaGetLastError();
     if (err != cudaSuccess)
         return smoe_fail(SMOE_ERROR_BACKEND, "sm90 %s: launch failed: %s", op,
                          cudaGetErrorString(err));
     return SMOE_SUCCESS;
 }
 
-/* Benchmark hook for tests/gpu/test_gemm_sm90.cu and smoe_bench
- * --sm90-variant: 0 runs the tile table. Bits 0-1: 1 forces up's wide
- * configuration, 2 its narrow one; the SM90_VAR_* bits below switch on
- * kernels that are not in the tile table (notes/sm90_log.md). */
-extern "C" int smoe_sm90_gemm_variant;
-int smoe_sm90_gemm_variant = 0;
+/* ------------------------------------------------------------ the tile table */
+
+/* What a row needs of the shape. */
 enum {
-    SM90_VAR_UP_PP = 16,
-    SM90_VAR_DH_PP = 32,
-    SM90_VAR_CLUSTER = 128, /* 2-CTA clusters with weight multicast, BN = 256 kernels */
-    SM90_VAR_DH_BN128 = 256, /* dh in 128 x 128 cooperative tiles, 6 stages */
-    /* 512, 8192, 16384: retired experiments (see the flags above) */
-    /* the tile order of the cooperative BN = 256 kernels (SM90_FL_RASTER) */
-    SM90_VAR_RASTER16 = 1024, /* groups of 16 m-tiles on every shape */
-    SM90_VAR_RASTER8 = 2048,  /* ... of 8 */
-    SM90_VAR_ROWMAJOR = 4096, /* row-major on every shape */
-    SM90_VAR_PP192 = 32768,   /* down, dxt: ping-pong 128 x 192 tiles everywhere */
-    SM90_VAR_NO_PP192 = 65536, /* down, dxt: never (the cooperative 128 x 256 tiles) */
-    SM90_VAR_COOP192 = 131072, /* down, dxt: cooperative 128 x 192 tiles (a diagnostic) */
-    SM90_VAR_TMA_ST2 = 262144, /* down, dxt: SM90_FL_TMA_ST2 where E <= 256 */
-    SM90_VAR_NO_TMA_ST2 = 524288, /* down: never SM90_FL_TMA_ST2 (the table before it) */
-    /* 1048576: up's H and A stored by TMA, retired (measured -1%, rung 11) */
-    SM90_VAR_NO_DH_TMA = 2097152,  /* dh: never SM90_FL_TMA_ST2 (ep_dh_direct everywhere) */
-    /* 4194304: dw1 in its old orientation (varlen_k_sm90.cu, SM90_VAR_DW1_NT) */
-    /* 8388608: up in the grouped order from 8 MiB W1 slices, measured
-     * 0.98-0.99 on the forwards it changes (notes/sm90_log.md rung 11) */
-    /* down at 256 < n <= 512: ping-pong 192 whatever d (the old table) */
-    SM90_VAR_DOWN_PP_ANYD = 16777216,
-    /* 33554432: down at n <= 256 with the weight tile resident in shared
-     * memory, measured 0.97-1.00 on the n = 256 forwards and retired
-     * (notes/sm90_log.md rung 12; the code is in commit 94709c7) */
-    /* dh where it takes ep_dh_tma: H by TMA through a slot ring
-     * (SM90_FL_HTMA, 3 main-loop stages) */
-    SM90_VAR_DH_HTMA = 134217728,
-    /* up (cooperative 128 x 256): the epilogue warps (SM90_FL_EPIWG)
-     * wherever the tile is wide, or never */
-    SM90_VAR_UP_EPIWG = 268435456,
-    SM90_VAR_NO_UP_EPIWG = 536870912
+    SM90_NEED_D256 = 1, /* d >= 256 (the 192- and 256-wide tiles of down and dxt) */
+    SM90_NEED_N256 = 2, /* n >= 256 (dh's 256-wide tiles) */
+    SM90_NEED_H256 = 4, /* h_cols >= 256 (up's epilogue warps) */
+    SM90_NEED_E256 = 8, /* E <= 256 (SM90_FL_TMA_ST2's smaller tile_start table) */
+    SM90_NEED_GATED = 16 /* a gated activation (dh's TMA-store epilogue) */
 };
 
-/* The double-buffered TMA-store epilogue (SM90_FL_TMA_ST2) for down (down
- * != 0, reduction K = n) or dxt on the cooperative 128 x 256 tile (E <= 256:
- * its smaller tile_start table): the table takes it for down at
- * 256 < K <= 1024 wherever the tile is 128 x 256 (sm90_store_bn), never
- * for dxt. On an H100 (notes/sm90_log.md rungs 10, 11): down +3% at
- * 120B-n1024's shape and +7% at K = 512 alone; the layer's 30B-n1024
- * forward +2-5%, 120B-n512 +1% (K = 512); 120B-n2048 with K = 2048 -2%.
- * Hook 262144 forces it (down and dxt), 524288 turns it off. */
-static int sm90_use_tma_st2(const smoe_gemm_problem *p, int64_t K, int bn, int down)
+/* The rows of each varlen-M GEMM: X(index, name, BN, stages, flags, needs).
+ * Why each row is there (H100, notes/sm90_log.md; the choice is
+ * sm90_plan's):
+ *  up    the 128 x 256 tile with the 128-thread gather wherever H has 256+
+ *        columns (best on every grid shape); with its epilogue in the
+ *        epilogue warps where d >= 4096 and n >= 512 (up's epilogue was
+ *        12-16% of its time at the 30B rows; layer forward +1-2% at
+ *        30B-n512 and 120B, +1-5% at 30B-n1024, but -2% at 30B-n256 and 7B
+ *        and -7-13% at d = 768: rung 13); below 256 columns 128 x 128 with
+ *        6 stages and a producer warp per stage.
+ *  down  ping-pong 128 x 192 where the reduction n is short (n <= 256 with
+ *        E <= 256, n <= 512 otherwise, or n <= 1024 where d % 192 == 0: d =
+ *        4096 leaves a 64-column last n-tile); else 128 x 256, with the
+ *        TMA-store epilogue at 256 < n <= 1024 and E <= 256 (+3% at
+ *        120B-n1024's shape, +7% at n = 512 alone; layer forward +2-5% at
+ *        30B-n1024, +1% at 120B-n512; -2% at n = 2048: rungs 10-11).
+ *  dxt   as down's rule without the E <= 256 case (reduction h_cols), the
+ *        plain 128 x 256 tile otherwise.
+ *  dh    128 x 256 where n >= 256, its dH and A' stored by TMA where gated
+ *        and E <= 256 (backward +1-3% on the 1.4B, 7B, 120B-n512 and
+ *        120B-n2048 rows, the others even), ep_dh_direct otherwise.
+ *  every 128 x 256 (and 192) row has a "grouped" twin, taken where one
+ *        expert's weight slice is 16 MiB or more: up, dxt, down and dh
+ *        +3-12% at 120B-n2048 (W1 32 MiB, W2 16 MiB), up and dxt +3-7% at
+ *        120B (W1 16 MiB), down -5% there (W2 8 MiB): rung 9.
+ *  d < 256: 128 x 128, 6 stages. */
+#define SM90_UP_ROWS(X)                                                                          \
+    X(0, "256x3 epilogue-warps", 256, 3, SM90_FL_EPIWG, SM90_NEED_H256)                          \
+    X(1, "256x3 epilogue-warps grouped", 256, 3, SM90_FL_EPIWG | SM90_FL_RASTER, SM90_NEED_H256) \
+    X(2, "256x4", 256, 4, 0, 0)                                                                  \
+    X(3, "256x4 grouped", 256, 4, SM90_FL_RASTER, 0)                                             \
+    X(4, "128x6 warp-gather", 128, 6, SM90_FL_WS, 0)
+#define SM90_DOWN_ROWS(X)                                                                        \
+    X(0, "192x5 ping-pong", 192, 5, SM90_FL_PP, SM90_NEED_D256)                                  \
+    X(1, "192x5 ping-pong grouped", 192, 5, SM90_FL_PP | SM90_FL_RASTER, SM90_NEED_D256)         \
+    X(2, "256x4 tma-store", 256, 4, SM90_FL_TMA_ST2, SM90_NEED_D256 | SM90_NEED_E256)            \
+    X(3, "256x4 tma-store grouped", 256, 4, SM90_FL_TMA_ST2 | SM90_FL_RASTER,                    \
+      SM90_NEED_D256 | SM90_NEED_E256)                                                           \
+    X(4, "256x4", 256, 4, 0, SM90_NEED_D256)                                                     \
+    X(5, "256x4 grouped", 256, 4, SM90_FL_RASTER, SM90_NEED_D256)                                \
+    X(6, "128x6", 128, 6, 0, 0)
+#define SM90_DXT_ROWS(X)                                                                         \
+    X(0, "192x5 ping-pong", 192, 5, SM90_FL_PP, SM90_NEED_D256)                                  \
+    X(1, "192x5 ping-pong grouped", 192, 5, SM90_FL_PP | SM90_FL_RASTER, SM90_NEED_D256)         \
+    X(2, "256x4", 256, 4, 0, SM90_NEED_D256)                                                     \
+    X(3, "256x4 grouped", 256, 4, SM90_FL_RASTER, SM90_NEED_D256)                                \
+    X(4, "128x6", 128, 6, 0, 0)
+#define SM90_DH_ROWS(X)                                                                          \
+    X(0, "256x4 tma-store", 256, 4, SM90_FL_TMA_ST2,                                             \
+      SM90_NEED_N256 | SM90_NEED_E256 | SM90_NEED_GATED)                                         \
+    X(1, "256x4 tma-store grouped", 256, 4, SM90_FL_TMA_ST2 | SM90_FL_RASTER,                    \
+      SM90_NEED_N256 | SM90_NEED_E256 | SM90_NEED_GATED)                                         \
+    X(2, "256x4", 256, 4, 0, SM90_NEED_N256)                                                     \
+    X(3, "256x4 grouped", 256, 4, SM90_FL_RASTER, SM90_NEED_N256)                                \
+    X(4, "128x6", 128, 6, 0, 0)
+
+typedef struct sm90_row {
+    const char *name;
+    int bn, stages, fl, need;
+} sm90_row;
+
+#define SM90_ROW(i, name, bn, st, fl, need) {name, bn, st, fl, need},
+static const sm90_row sm90_up_rows[] = {SM90_UP_ROWS(SM90_ROW)};
+static const sm90_row sm90_down_rows[] = {SM90_DOWN_ROWS(SM90_ROW)};
+static const sm90_row sm90_dxt_rows[] = {SM90_DXT_ROWS(SM90_ROW)};
+static const sm90_row sm90_dh_rows[] = {SM90_DH_ROWS(SM90_ROW)};
+#undef SM90_ROW
+/* the weight gradients (varlen_k_sm90.cu): one row each */
+static const sm90_row sm90_vk_row = {"128x256 tma (128x128 where N % 256 != 0)", 0, 4, 0, 0};
+
+/* GEMM g's table (NULL for dw1, dw2) and its length. */
+static const sm90_row *sm90_rows(int g, int *count)
 {
-    const int v = smoe_sm90_gemm_variant;
-    if (bn != 256 || p->E > 256) return 0;
-    if (v & SM90_VAR_TMA_ST2) return 1;
-    if (v & (SM90_VAR_NO_TMA_ST2 | SM90_VAR_NO_PP192 | SM90_VAR_CLUSTER | SM90_VAR_PP192 |
-             SM90_VAR_COOP192))
+#define SM90_N(t) (int)(sizeof(t) / sizeof(t[0]))
+    switch (g) {
+    case SMOE_GEMM_UP: *count = SM90_N(sm90_up_rows); return sm90_up_rows;
+    case SMOE_GEMM_DOWN: *count = SM90_N(sm90_down_rows); return sm90_down_rows;
+    case SMOE_GEMM_DXT: *count = SM90_N(sm90_dxt_rows); return sm90_dxt_rows;
+    case SMOE_GEMM_DH: *count = SM90_N(sm90_dh_rows); return sm90_dh_rows;
+    default: *count = 1; return NULL;
+    }
+#undef SM90_N
+}
+
+static const char *sm90_row_name(int g, int row)
+{
+    int count = 0;
+    const sm90_row *t = sm90_rows(g, &count);
+    if (g < 0 || g >= SMOE_GEMM_COUNT || row < 0 || row >= count) return NULL;
+    return t ? t[row].name : sm90_vk_row.name;
+}
+
+/* Whether row `row` of GEMM g can run the shape of p (0 with the reason
+ * recorded otherwise). */
+static int sm90_row_fits_op(const smoe_gemm_problem *p, int g, int row, const char *op)
+{
+    int count = 0;
+    const sm90_row *t = sm90_rows(g, &count);
+    if (row < 0 || row >= count) {
+        smoe_fail(SMOE_ERROR_UNSUPPORTED, "sm90 %s: no row %d in its tile table", op, row);
         return 0;
-    return down && K > 256 && K <= 1024;
+    }
+    if (!t) return 1;
+    const int need = t[row].need;
+    const char *why = (need & SM90_NEED_D256) && p->d < 256    ? "d >= 256"
+                      : (need & SM90_NEED_N256) && p->n < 256  ? "n >= 256"
+                      : (need & SM90_NEED_H256) && p->h_cols < 256 ? "h_cols >= 256"
+                      : (need & SM90_NEED_E256) && p->E > 256  ? "E <= 256"
+                      : (need & SM90_NEED_GATED) && !p->gated  ? "a gated activation"
+                                                               : NULL;
+    if (why)
+        smoe_fail(SMOE_ERROR_UNSUPPORTED, "sm90 %s: tile row \"%s\" needs %s", op, t[row].name,
+                  why);
+    return why == NULL;
 }
 
-/* Tile width of down (down != 0) and dxt: ping-pong 128 x 192 where the
- * reduction is short (K <= 512), or K <= 1024 with d % 192 == 0 (d = 4096
- * leaves a 64-column last n-tile); 128 x 256 otherwise. down with E <= 256
- * at 256 < K <= 512 takes 192 only where d % 192 == 0, since its 128 x 256
- * tile then has the TMA-store epilogue: on an H100, two calls, layer
- * forward +1% / +1% at 120B-n512 (d = 4096, K = 512), 30B-n512 +1% / 0%;
- * at K = 256 (30B-n256) 0% / -2%, so ping-pong stays there; at d = 768 and
- * 1536 ping-pong measured 1-2% faster (notes/sm90_log.md rung 11). Hook
- * 16777216 restores ping-pong at 256 < K <= 512 for any d. */
-static int sm90_store_bn(const smoe_gemm_problem *p, int64_t K, int down)
+static int sm90_row_fits(const smoe_gemm_problem *p, int g, int row)
 {
-    const int v = smoe_sm90_gemm_variant;
-    if (p->d < 256) return 128;
-    if (v & (SM90_VAR_PP192 | SM90_VAR_COOP192)) return 192;
-    if (v & (SM90_VAR_NO_PP192 | SM90_VAR_CLUSTER | SM90_VAR_TMA_ST2))
-        return 256;
-    if (down && p->E <= 256 && !(v & SM90_VAR_DOWN_PP_ANYD))
-        return (K <= 256 || (K <= 1024 && p->d % 192 == 0)) ? 192 : 256;
-    return (K <= 512 || (K <= 1024 && p->d % 192 == 0)) ? 192 : 256;
+    static const char *names[SMOE_GEMM_COUNT] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
+    if (g < 0 || g >= SMOE_GEMM_COUNT) return 0;
+    if (!sm90_shape_ok(p)) return sm90_check_common(p, names[g]) == SMOE_SUCCESS;
+    if (g == SMOE_GEMM_DXT && p->gated && p->w1_layout == SMOE_W1_CONCATENATED) {
+        smoe_fail(SMOE_ERROR_UNSUPPORTED, "sm90 dxt: not with the concatenated W1 layout");
+        return 0;
+    }
+    return sm90_row_fits_op(p, g, row, names[g]);
 }
 
-static int sm90_dh_bn(const smoe_gemm_problem *p)
+/* Where one expert's weight slice (K x N bf16) is 16 MiB or more: the
+ * grouped tile order (see the rows above). */
+static int sm90_grouped(int64_t K, int64_t N) { return K * N * 2 >= ((int64_t)16 << 20); }
+
+/* The tile table's choice for each GEMM at p's shape (the rows above say
+ * why); -1 where these kernels cannot run it. */
+static void sm90_plan(const smoe_gemm_problem *p, smoe_gemm_plan *plan)
 {
-    return (p->n >= 256 && !(smoe_sm90_gemm_variant & (SM90_VAR_DH_PP | SM90_VAR_DH_BN128)))
-               ? 256
-               : 128;
+    for (int g = 0; g < SMOE_GEMM_COUNT; g++) plan->row[g] = -1;
+    if (!sm90_shape_ok(p)) return;
+    const int64_t d = p->d, n = p->n, hc = p->h_cols, E = p->E;
+    /* up (K = d, N = h_cols) */
+    if (hc >= 256) {
+        const int epiwg = d >= 4096 && n >= 512, gr = sm90_grouped(d, hc);
+        plan->row[SMOE_GEMM_UP] = epiwg ? gr : 2 + gr;
+    } else {
+        plan->row[SMOE_GEMM_UP] = 4;
+    }
+    /* down (K = n, N = d) */
+    if (d < 256) {
+        plan->row[SMOE_GEMM_DOWN] = 6;
+    } else {
+        const int gr = sm90_grouped(n, d);
+        const int short_k = E <= 256 ? n <= 256 : n <= 512;
+        if (short_k || (n <= 1024 && d % 192 == 0)) plan->row[SMOE_GEMM_DOWN] = gr;
+        else if (E <= 256 && n > 256 && n <= 1024) plan->row[SMOE_GEMM_DOWN] = 2 + gr;
+        else plan->row[SMOE_GEMM_DOWN] = 4 + gr;
+    }
+    /* dxt (K = h_cols, N = d): W1's rows in dH's column order only */
+    if (!(p->gated && p->w1_layout == SMOE_W1_CONCATENATED)) {
+        const int gr = sm90_grouped(hc, d);
+        plan->row[SMOE_GEMM_DXT] = d < 256 ? 4
+                                   : (hc <= 512 || (hc <= 1024 && d % 192 == 0)) ? gr
+                                                                                 : 2 + gr;
+    }
+    /* dh (K = d, N = n) */
+    {
+        const int gr = sm90_grouped(d, n);
+        plan->row[SMOE_GEMM_DH] = n < 256 ? 4 : (p->gated && E <= 256) ? gr : 2 + gr;
+    }
+    plan->row[SMOE_GEMM_DW2] = 0;
+    plan->row[SMOE_GEMM_DW1] = 0;
+}
+
+/* The plan's row for GEMM g, checked against p's shape. */
+static smoe_status sm90_row_of(const smoe_gemm_problem *p, int g, const char *op, int *row)
+{
+    if (!p->plan)
+        return smoe_fail(SMOE_ERROR_INTERNAL, "sm90 %s: no plan (smoe_gemm_problem.plan)", op);
+    *row = p->plan->row[g];
+    if (*row < 0)
+        return smoe_fail(SMOE_ERROR_UNSUPPORTED, "sm90 %s: the plan has no Hopper kernel for it",
+                         op);
+    return sm90_row_fits_op(p, g, *row, op) ? SMOE_SUCCESS : SMOE_ERROR_UNSUPPORTED;
 }
 
 /* dh's partial dS sums: (ceil(n / BN), cap) fp32, sized for BN = 128 so that
- * every dh configuration fits. */
+ * every dh row fits. */
 static size_t sm90_scratch_bytes(const smoe_gemm_problem *p)
 {
     return (size_t)((p->n + 127) / 128) * (size_t)p->cap * sizeof(float);
 }
 
 /* The parameters every mode shares; the launchers fill in the rest. */
-static sm90_gemm_params sm90_params(const smoe_gemm_problem *p, int64_t K, int64_t N)
+static sm90_gemm_params sm90_params(const smoe_gemm_problem *p, int64_t K, int64_t N,
+                                   const sm90_row *row)
 {
     sm90_gemm_params prm;
     memset(&prm, 0, sizeof(prm));
@@ -1598,31 +1492,42 @@ static sm90_gemm_params sm90_params(const smoe_gemm_problem *p, int64_t K, int64
     prm.cap = p->cap;
     prm.h_cols = (int)p->h_cols;
     prm.abort = p->abort;
-    /* Tile order (sm90_tile_decode): in groups of 16 m-tiles where one
-     * expert's weight slice (K x N) is 16 MiB or more, row-major below.
-     * Measured on the H100 (notes/sm90_log.md, rung 9): up, dxt, down and dh
-     * +3-12% at 120B-n2048 (W1 32 MiB, W2 16 MiB), up and dxt +3-7% at
-     * 120B (W1 16 MiB), but down -5% there (W2 8 MiB); 7B and 30B neutral.
-     * The layer's 120B-n1024 forward (W1 16 MiB) did not confirm the gain
-     * at 16 MiB (inside the noise, maybe lower): the threshold is open. */
-    const int v = smoe_sm90_gemm_variant;
-    const int grouped = K * N * 2 >= ((int64_t)16 << 20);
-    prm.raster_gm = (v & SM90_VAR_ROWMAJOR) ? 0
-                    : (v & SM90_VAR_RASTER16) ? 16
-                    : (v & SM90_VAR_RASTER8)  ? 8
-                    : grouped                 ? 16
-                                              : 0;
+    prm.raster_gm = (row->fl & SM90_FL_RASTER) ? 16 : 0;
     return prm;
+}
+
+/* Row `row` of MODE's table, launched. */
+template <int MODE>
+static smoe_status sm90_run_row(int row, const smoe_gemm_problem *p, const CUtensorMap *ma,
+                                const CUtensorMap *mb, const CUtensorMap *mc,
+                                const sm90_gemm_params *prm, cudaStream_t s, const char *op)
+{
+#define SM90_CASE(i, name, bn, st, fl, need)                                                     \
+    case i: return sm90_launch<bn, st, MODE, fl>(p, ma, mb, mc, prm, s, op);
+    if constexpr (MODE == SM90_MODE_UP) {
+        switch (row) { SM90_UP_ROWS(SM90_CASE) }
+    } else if constexpr (MODE == SM90_MODE_DOWN) {
+        switch (row) { SM90_DOWN_ROWS(SM90_CASE) }
+    } else if constexpr (MODE == SM90_MODE_DXT) {
+        switch (row) { SM90_DXT_ROWS(SM90_CASE) }
+    } else {
+        switch (row) { SM90_DH_ROWS(SM90_CASE) }
+    }
+#undef SM90_CASE
+    return smoe_fail(SMOE_ERROR_INTERNAL, "sm90 %s: row %d", op, row);
 }
 
 static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16 *w1,
                            const bf16 *b1, bf16 *h, bf16 *a, void *scratch, cudaStream_t s)
 {
     SMOE_FORWARD_IF_ERROR(sm90_check_common(p, "up"));
+    int row = -1;
+    SMOE_FORWARD_IF_ERROR(sm90_row_of(p, SMOE_GEMM_UP, "up", &row));
     if (sm90_misaligned(x) || sm90_misaligned(w1) || sm90_misaligned(h) || sm90_misaligned(a))
         return smoe_fail(SMOE_ERROR_UNSUPPORTED, "sm90 up: x, w1, h, a must be 16-byte aligned");
     if (p->cap == 0 || p->E == 0) return SMOE_SUCCESS;
-    sm90_gemm_params prm = sm90_params(p, p->d, p->h_cols);
+    const sm90_row *R = &sm90_up_rows[row];
+    sm90_gemm_params prm = sm90_params(p, p->d, p->h_cols, R);
     prm.a_src = x;
     prm.bias = b1;
     prm.out0 = h;
@@ -1630,79 +1535,32 @@ static smoe_status sm90_up(const smoe_gemm_problem *p, const bf16 *x, const bf16
     prm.gated = p->gated;
     prm.act = (int)p->act;
     prm.concat = p->gated && p->w1_layout == SMOE_W1_CONCATENATED;
-    /* tile table: BN=256 with the 128-thread gather wherever H has 256+
-     * columns (measured best on every grid shape, notes/sm90_log.md); BN=128,
-     * 6 stages, one producer warp per stage below that. The variant hook
-     * forces one of them (1: BN=256, 2: BN=128). Where d >= 4096 and n >=
-     * 512, the BN=256 tile runs with its epilogue in the epilogue warps
-     * (SM90_FL_EPIWG, 3 stages): on an H100 up's epilogue was 12-16% of its
-     * time at the 30B rows, and the layer's forward read +1-2% at 30B-n512,
-     * 120B and +1-5% at 30B-n1024, but -2% at 30B-n256 and 7B (the gather
-     * misses its fourth stage where the X rows are reused by only two
-     * n-tiles) and -7-13% at d = 768 (the main loop too short to hide the
-     * epilogue of 64 threads): notes/sm90_log.md rung 13. */
-    const int v = smoe_sm90_gemm_variant;
-    const int pp = (v & SM90_VAR_UP_PP) != 0;
-    const int wide = !pp && ((v & 3) == 1 || ((v & 3) == 0 && p->h_cols >= 256));
-    const int bn = wide ? 256 : 128;
-    const int cl = wide && (v & SM90_VAR_CLUSTER);
     CUtensorMap mb;
-    SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w1, p->E * p->h_cols, p->d,
-                                        (prm.concat || cl) ? bn / 2 : bn, "w1"));
-    if (cl)
-        return sm90_launch<256, 4, SM90_MODE_UP, SM90_FL_CLUSTER>(p, &mb, &mb, &mb, &prm, s, "up");
-    if (pp) return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_PP>(p, &mb, &mb, &mb, &prm, s, "up");
-    const int epiwg = wide && !(v & SM90_VAR_NO_UP_EPIWG) &&
-                      ((v & SM90_VAR_UP_EPIWG) || (p->d >= 4096 && p->n >= 512));
-    if (epiwg)
-        return sm90_launch<256, 3, SM90_MODE_UP, SM90_FL_EPIWG>(p, &mb, &mb, &mb, &prm, s, "up");
-    if (wide) return sm90_launch<256, 4, SM90_MODE_UP, 0>(p, &mb, &mb, &mb, &prm, s, "up");
-    return sm90_launch<128, 6, SM90_MODE_UP, SM90_FL_WS>(p, &mb, &mb, &mb, &prm, s, "up");
-}
-
-/* down and dxt (contiguous A, stored output prm->out0: cap x d) once their
- * maps are made, with bn from sm90_store_bn: ping-pong 128 x 192 (or the
- * hook's cooperative 192 and grouped-order ping-pong), the double-buffered
- * TMA-store epilogue (sm90_use_tma_st2), cooperative 128 x 256
- * with thread stores, 128 x 128 below d = 256; the hook's clusters (cl). */
-template <int MODE>
-static smoe_status sm90_launch_store(const smoe_gemm_problem *p, const CUtensorMap *ma,
-                                     const CUtensorMap *mb, const sm90_gemm_params *prm, int bn,
-                                     int cl, cudaStream_t s, const char *op)
-{
-    if (cl) return sm90_launch<256, 4, MODE, SM90_FL_CLUSTER>(p, ma, mb, mb, prm, s, op);
-    if (bn == 192) {
-        if (smoe_sm90_gemm_variant & SM90_VAR_COOP192)
-            return sm90_launch<192, 5, MODE, 0>(p, ma, mb, mb, prm, s, op);
-        if (prm->raster_gm > 1) /* only with the hook's grouped order (experiment) */
-            return sm90_launch<192, 5, MODE, SM90_FL_PP | SM90_FL_RASTER>(p, ma, mb, mb, prm, s, op);
-        return sm90_launch<192, 5, MODE, SM90_FL_PP>(p, ma, mb, mb, prm, s, op);
-    }
-    if (sm90_use_tma_st2(p, prm->K, bn, MODE == SM90_MODE_DOWN)) {
-        CUtensorMap mc;
-        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, prm->out0, p->cap, p->d, 64, op));
-        return sm90_launch<256, 4, MODE, SM90_FL_TMA_ST2>(p, ma, mb, &mc, prm, s, op);
-    }
-    if (bn == 256) return sm90_launch<256, 4, MODE, 0>(p, ma, mb, mb, prm, s, op);
-    return sm90_launch<128, 6, MODE, 0>(p, ma, mb, mb, prm, s, op);
+    SMOE_FORWARD_IF_ERROR(
+        smoe_sm90_make_map(&mb, w1, p->E * p->h_cols, p->d, prm.concat ? R->bn / 2 : R->bn, "w1"));
+    return sm90_run_row<SM90_MODE_UP>(row, p, &mb, &mb, &mb, &prm, s, "up");
 }
 
 static smoe_status sm90_down(const smoe_gemm_problem *p, const bf16 *a, const bf16 *w2,
                              const bf16 *b2, bf16 *y, void *scratch, cudaStream_t s)
 {
     SMOE_FORWARD_IF_ERROR(sm90_check_common(p, "down"));
+    int row = -1;
+    SMOE_FORWARD_IF_ERROR(sm90_row_of(p, SMOE_GEMM_DOWN, "down", &row));
     if (sm90_misaligned(a) || sm90_misaligned(w2) || sm90_misaligned(y))
         return smoe_fail(SMOE_ERROR_UNSUPPORTED, "sm90 down: a, w2, y must be 16-byte aligned");
     if (p->cap == 0 || p->E == 0) return SMOE_SUCCESS;
-    sm90_gemm_params prm = sm90_params(p, p->n, p->d);
+    const sm90_row *R = &sm90_down_rows[row];
+    sm90_gemm_params prm = sm90_params(p, p->n, p->d, R);
     prm.bias = b2;
     prm.out0 = y;
-    const int bn = sm90_store_bn(p, p->n, 1);
-    CUtensorMap ma, mb;
-    const int cl = bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER);
+    CUtensorMap ma, mb, mc;
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&ma, a, p->cap, p->n, SM90_BM, "a"));
-    SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w2, p->E * p->d, p->n, cl ? bn / 2 : bn, "w2"));
-    return sm90_launch_store<SM90_MODE_DOWN>(p, &ma, &mb, &prm, bn, cl, s, "down");
+    SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w2, p->E * p->d, p->n, R->bn, "w2"));
+    mc = mb;
+    if (R->fl & SM90_FL_TMA_ST2) /* Y's map for the TMA stores */
+        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, y, p->cap, p->d, 64, "y"));
+    return sm90_run_row<SM90_MODE_DOWN>(row, p, &ma, &mb, &mc, &prm, s, "down");
 }
 
 static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *w1, bf16 *dxt,
@@ -1713,40 +1571,36 @@ static smoe_status sm90_dxt(const smoe_gemm_problem *p, const bf16 *dh, const bf
         return smoe_fail(SMOE_ERROR_UNSUPPORTED,
                          "sm90 dxt: the concatenated W1 layout is not supported (its rows are not "
                          "in dH's column order)");
+    int row = -1;
+    SMOE_FORWARD_IF_ERROR(sm90_row_of(p, SMOE_GEMM_DXT, "dxt", &row));
     if (sm90_misaligned(dh) || sm90_misaligned(w1) || sm90_misaligned(dxt))
         return smoe_fail(SMOE_ERROR_UNSUPPORTED, "sm90 dxt: dh, w1, dxt must be 16-byte aligned");
     if (p->cap == 0 || p->E == 0) return SMOE_SUCCESS;
-    sm90_gemm_params prm = sm90_params(p, p->h_cols, p->d);
+    const sm90_row *R = &sm90_dxt_rows[row];
+    sm90_gemm_params prm = sm90_params(p, p->h_cols, p->d, R);
     prm.out0 = dxt;
-    const int bn = sm90_store_bn(p, p->h_cols, 0);
     CUtensorMap ma, mb;
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&ma, dh, p->cap, p->h_cols, SM90_BM, "dh"));
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w1, p->E * p->h_cols, p->d, 64, "w1"));
-    const int cl = bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER);
-    return sm90_launch_store<SM90_MODE_DXT>(p, &ma, &mb, &prm, bn, cl, s, "dxt");
+    return sm90_run_row<SM90_MODE_DXT>(row, p, &ma, &mb, &mb, &prm, s, "dxt");
 }
-
-/* The weight-gradient GEMMs (varlen-K) are in varlen_k_sm90.cu. */
-extern "C" smoe_status smoe_sm90_dw2(const smoe_gemm_problem *p, const bf16 *dout,
-                                     const bf16 *a_scaled, void *dw2, smoe_dtype out_dtype,
-                                     int accumulate, void *scratch, cudaStream_t s);
-extern "C" smoe_status smoe_sm90_dw1(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *x,
-                                     void *dw1, smoe_dtype out_dtype, int accumulate,
-                                     void *scratch, cudaStream_t s);
 
 static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const bf16 *w2,
                            const bf16 *b2, const bf16 *h, bf16 *dh, bf16 *a_scaled, float *ds,
                            void *scratch, cudaStream_t s)
 {
     SMOE_FORWARD_IF_ERROR(sm90_check_common(p, "dh"));
+    int row = -1;
+    SMOE_FORWARD_IF_ERROR(sm90_row_of(p, SMOE_GEMM_DH, "dh", &row));
     if (sm90_misaligned(dout) || sm90_misaligned(w2) || sm90_misaligned(h) ||
         sm90_misaligned(dh) || sm90_misaligned(a_scaled) || sm90_misaligned(b2))
         return smoe_fail(SMOE_ERROR_UNSUPPORTED,
                          "sm90 dh: dout, w2, b2, h, dh, a_scaled must be 16-byte aligned");
+    if (p->cap == 0 || p->E == 0) return SMOE_SUCCESS;
     if (!scratch || !p->row_score)
         return smoe_fail(SMOE_ERROR_INTERNAL, "sm90 dh: scratch and row_score are required");
-    if (p->cap == 0 || p->E == 0) return SMOE_SUCCESS;
-    sm90_gemm_params prm = sm90_params(p, p->d, p->n);
+    const sm90_row *R = &sm90_dh_rows[row];
+    sm90_gemm_params prm = sm90_params(p, p->d, p->n, R);
     prm.a_src = dout;
     prm.out0 = dh;
     prm.out1 = a_scaled;
@@ -1755,39 +1609,28 @@ static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const b
     prm.h_in = h;
     prm.score = p->row_score;
     prm.dsp = (float *)scratch;
-    const int bn = sm90_dh_bn(p);
-    CUtensorMap mb;
+    /* map_a: A''s output map (TMA stores), map_b W2, map_c dH's */
+    CUtensorMap ma, mb, mc;
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w2, p->E * p->d, p->n, 64, "w2"));
-    smoe_status st;
-    if (bn == 256 && (smoe_sm90_gemm_variant & SM90_VAR_CLUSTER)) {
-        st = sm90_launch<256, 4, SM90_MODE_DH, SM90_FL_CLUSTER>(p, &mb, &mb, &mb, &prm, s, "dh");
-    } else if (bn == 256 && !(smoe_sm90_gemm_variant & SM90_VAR_NO_DH_TMA) && p->gated &&
-               p->E <= 256) {
-        /* dH and A' stored by TMA (ep_dh_tma; hook 2097152 turns it off) */
-        CUtensorMap mdh, mas;
-        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mdh, dh, p->cap, p->h_cols, 64, "dh"));
-        SMOE_FORWARD_IF_ERROR(sm90_make_map_box(&mas, a_scaled, p->cap, p->n, 32, 64,
+    ma = mc = mb;
+    if (R->fl & SM90_FL_TMA_ST2) {
+        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, dh, p->cap, p->h_cols, 64, "dh"));
+        SMOE_FORWARD_IF_ERROR(sm90_make_map_box(&ma, a_scaled, p->cap, p->n, 32, 64,
                                                 CU_TENSOR_MAP_SWIZZLE_64B, "a_scaled"));
-        if (smoe_sm90_gemm_variant & SM90_VAR_DH_HTMA) {
-            CUtensorMap mh;
-            SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mh, h, p->cap, p->h_cols, 64, "h"));
-            st = sm90_launch<256, 3, SM90_MODE_DH, SM90_FL_TMA_ST2 | SM90_FL_HTMA>(
-                p, &mas, &mb, &mdh, &prm, s, "dh", &mh);
-        } else {
-            st = sm90_launch<256, 4, SM90_MODE_DH, SM90_FL_TMA_ST2>(p, &mas, &mb, &mdh, &prm, s,
-                                                                   "dh");
-        }
-    } else if (bn == 256) {
-        st = sm90_launch<256, 4, SM90_MODE_DH, 0>(p, &mb, &mb, &mb, &prm, s, "dh");
-    } else if (smoe_sm90_gemm_variant & SM90_VAR_DH_PP) {
-        st = sm90_launch<128, 6, SM90_MODE_DH, SM90_FL_PP>(p, &mb, &mb, &mb, &prm, s, "dh");
-    } else {
-        st = sm90_launch<128, 6, SM90_MODE_DH, 0>(p, &mb, &mb, &mb, &prm, s, "dh");
     }
-    SMOE_FORWARD_IF_ERROR(st);
-    return smoe_ds_reduce(p, (const float *)scratch, (int)((p->n + bn - 1) / bn), dout, b2, ds,
-                          s);
+    SMOE_FORWARD_IF_ERROR(sm90_run_row<SM90_MODE_DH>(row, p, &ma, &mb, &mc, &prm, s, "dh"));
+    return smoe_ds_reduce(p, (const float *)scratch, (int)((p->n + R->bn - 1) / R->bn), dout, b2,
+                          ds, s);
 }
+
+/* The weight-gradient GEMMs (varlen-K) are in varlen_k_sm90.cu; their one
+ * row needs nothing of the plan. */
+extern "C" smoe_status smoe_sm90_dw2(const smoe_gemm_problem *p, const bf16 *dout,
+                                     const bf16 *a_scaled, void *dw2, smoe_dtype out_dtype,
+                                     int accumulate, void *scratch, cudaStream_t s);
+extern "C" smoe_status smoe_sm90_dw1(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *x,
+                                     void *dw1, smoe_dtype out_dtype, int accumulate,
+                                     void *scratch, cudaStream_t s);
 
 extern "C" const smoe_gemm_ops smoe_gemm_ops_sm90 = {
     /* name          */ "tma+wgmma",
@@ -1798,4 +1641,7 @@ extern "C" const smoe_gemm_ops smoe_gemm_ops_sm90 = {
     /* dw2           */ smoe_sm90_dw2,
     /* dxt           */ sm90_dxt,
     /* dw1           */ smoe_sm90_dw1,
+    /* plan          */ sm90_plan,
+    /* row_name      */ sm90_row_name,
+    /* row_fits      */ sm90_row_fits,
 };

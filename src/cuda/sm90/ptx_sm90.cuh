@@ -2,7 +2,8 @@
  * ptx_sm90.cuh -- thin named wrappers for the Hopper (sm_90a) instructions the
  * grouped GEMMs use: TMA tensor loads, mbarriers, cp.async with mbarrier
  * completion, wgmma (descriptors, fences, m64nNk16 bf16), setmaxnreg, proxy
- * fences and stmatrix. Each wrapper is one instruction (or one wait loop) so
+ * fences and stmatrix; it includes ../ptx.cuh (the instructions every device
+ * runs). No other file under src/cuda/sm90 holds inline assembly. Each wrapper is one instruction (or one wait loop) so
  * kernel bodies read as algorithms. Build with
  * -gencode=arch=compute_90a,code=sm_90a.
  */
@@ -11,6 +12,8 @@
 
 #include <cuda.h> /* CUtensorMap (type only: no libcuda link) */
 #include <stdint.h>
+
+#include "cuda/ptx.cuh"
 
 namespace smoe_sm90 {
 
@@ -100,17 +103,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map
                  : "memory");
 }
 
-/* The same load multicast to the CTAs of the cluster in cta_mask: the box
- * lands at offset dst of each one's shared memory and completes on the
- * barrier at offset bar in each. */
-__device__ __forceinline__ void tma_load_2d_mc(uint32_t dst, const CUtensorMap *map, uint32_t bar,
-                                               int32_t c0, int32_t c1, uint16_t cta_mask)
-{
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(dst),
-                 "l"((uint64_t)map), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
-                 : "memory");
-}
 
 /* 2-D tile store from shared memory (the map's box and swizzle), in this
  * thread's bulk group; rows or columns past the tensor's extent are not
@@ -140,36 +132,6 @@ __device__ __forceinline__ void bulk_wait()
     asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
 }
 
-/* ------------------------------------------------------------ clusters */
-
-__device__ __forceinline__ uint32_t cluster_ctarank()
-{
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-
-/* All threads of all CTAs of the cluster (release / acquire). */
-__device__ __forceinline__ void cluster_sync()
-{
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-/* Arrives on the barrier at shared offset `bar` of CTA `rank` of the cluster,
- * with the default (.release, CTA-scope) semantics, as CUTLASS's cluster
- * barrier does: `.release.cluster` made every stage release a cluster-scope
- * memory barrier (ERRBAR + CGAERRBAR in the SASS, 8-10% of the cluster
- * kernel's warp stalls under ncu, notes/sm90_log.md rung 8). */
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
-{
-    asm volatile("{\n.reg .b32 ra;\n"
-                 "mapa.shared::cluster.u32 ra, %0, %1;\n"
-                 "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}" ::"r"(bar),
-                 "r"(rank)
-                 : "memory");
-}
-
 /* ------------------------------------------------------------ cp.async */
 
 /* 16-byte copy; src_bytes 0 writes zeros (src must still be a valid address). */
@@ -178,6 +140,18 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, uint3
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
                  "r"(src_bytes)
                  : "memory");
+}
+
+/* 16-byte copy, every byte read (no zero-fill operand). */
+__device__ __forceinline__ void cp_async_16_full(uint32_t dst, const void *src)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+/* Waits for every cp.async of this thread. */
+__device__ __forceinline__ void cp_async_wait_all()
+{
+    asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
 /* 4-byte cp.async through L1 (small index loads, e.g. row tokens). */
@@ -196,6 +170,16 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait()
 {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void st_shared_v2_f32(uint32_t addr, float v0, float v1)
+{
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(v0), "f"(v1) : "memory");
+}
+
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v)
+{
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr)

@@ -86,9 +86,9 @@ using namespace smoe_sm90;
 #define VK_PRODUCER_REGS 56
 #define VK_CONSUMER_REGS 224
 
-/* Kernel variants (bits of the CFG template parameter; the benchmark hook
- * smoe_sm90_vk_variant picks one, VK_DEFAULT_CFG otherwise). Measured in
- * notes/sm90_varlenk_log.md; the default is both (3).
+/* Kernel shape (bits of the CFG template parameter; one value ships,
+ * VK_DEFAULT_CFG: the variants without these bits measured slower in
+ * notes/sm90_varlenk_log.md and are in the history up to commit 3a13394).
  *   VK_F_TMA:     the contiguous operand by TMA on the expert's whole k-tiles
  *                 (cp.async only for its last, partial one);
  *   VK_F_NOFENCE: no fence.proxy.async after the consumers' full-barrier
@@ -101,13 +101,6 @@ using namespace smoe_sm90;
 #define VK_F_NOFENCE 2
 #define VK_F_ALL (VK_F_TMA | VK_F_NOFENCE)
 #define VK_DEFAULT_CFG (VK_F_TMA | VK_F_NOFENCE)
-/* Not a kernel bit: with the hook, dw1 in the old orientation (dH^T X, X
- * gathered along N); otherwise bf16-overwrite dw1 runs transposed (X^T dH,
- * X gathered along M, tiles stored transposed: vk_store_tile_bf16_t). The
- * Hopper GEMMs' hook has the same switch for the layer benchmark. */
-#define VK_V_DW1_NT 4
-#define SM90_VAR_DW1_NT 4194304
-extern "C" int smoe_sm90_gemm_variant;
 
 template <int CFG>
 struct vk_cfg {
@@ -372,8 +365,7 @@ static __device__ __forceinline__ void vk_store_tile(const vk_args &p, const flo
                 const uint32_t a = buf + r * 128 + ((((cc >> 2) ^ (r & 7)) << 4) | ((cc & 3) << 2));
                 float v0 = zero ? 0.f : acc[4 * j + 2 * h];
                 float v1 = zero ? 0.f : acc[4 * j + 2 * h + 1];
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a), "f"(v0), "f"(v1)
-                             : "memory");
+                st_shared_v2_f32(a, v0, v1);
             }
         }
         __syncwarp();
@@ -430,7 +422,7 @@ static __device__ __forceinline__ void vk_store_tile_bf16(const vk_args &p, cons
                 const uint32_t a = buf + r * 128 + (((jj ^ (r & 7)) << 4) | ((lane % 4) << 2));
                 __nv_bfloat162 v = __floats2bfloat162_rn(zero ? 0.f : acc[4 * j + 2 * h],
                                                          zero ? 0.f : acc[4 * j + 2 * h + 1]);
-                asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(*(uint32_t *)&v) : "memory");
+                st_shared_b32(a, *(uint32_t *)&v);
             }
         }
         __syncwarp();
@@ -494,12 +486,6 @@ static __device__ __forceinline__ void vk_store_tile_bf16_t(const vk_args &p, co
         }
         named_barrier_sync(1 + cw, 128); /* the buffer is free for the next piece */
     }
-}
-
-/* 16-byte cp.async without zero fill (every byte is read). */
-static __device__ __forceinline__ void vk_cp_async_16_full(uint32_t dst, const void *src)
-{
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 
 /* The producer: the tile/k-tile iterations (vk_cursor), the row tokens
@@ -591,7 +577,7 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
                     const char *gp = gbase + (size_t)(uint32_t)src_row[i] * gpitch;
 #pragma unroll
                     for (int sl = 0; sl < WG / 64; sl++)
-                        vk_cp_async_16_full(sa + G_OFF + dst_off[i] + sl * BK * 128, gp + 128 * sl);
+                        cp_async_16_full(sa + G_OFF + dst_off[i] + sl * BK * 128, gp + 128 * sl);
                 }
                 if (C::TMA) {
                     if (t == 0) vk_tma_operand<WC, BK>(sa + C_OFF, cmap, fb, ccol0, ccols, row0);
@@ -601,7 +587,7 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
                         const char *cp = crow + i * cpitch;
 #pragma unroll
                         for (int sl = 0; sl < WC / 64; sl++)
-                            vk_cp_async_16_full(sa + C_OFF + dst_off[i] + sl * BK * 128,
+                            cp_async_16_full(sa + C_OFF + dst_off[i] + sl * BK * 128,
                                                 cp + 128 * sl);
                     }
                 }
@@ -618,7 +604,7 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
             cp_async_mbar_arrive_noinc(fb);
         }
     }
-    asm volatile("cp.async.wait_all;" ::: "memory");
+    cp_async_wait_all();
 }
 
 template <int BN, bool GATHER_A, int CFG>
@@ -734,12 +720,6 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
 
 /* ------------------------------------------------------------ launchers */
 
-/* Benchmark hook for tests/gpu/test_varlen_k_sm90.cu: a combination of
- * VK_F_* bits forces that kernel variant; -1 (or any other value) runs the
- * default. */
-extern "C" int smoe_sm90_vk_variant;
-int smoe_sm90_vk_variant = -1;
-
 /* The contiguous operand (rows x cols bf16, row-major) is loaded through a
  * tensor map (tensor_map_sm90.h) in boxes of 64 columns x box_rows rows,
  * 128-byte swizzle: the layout the cp.async path writes. Rows = the caller's
@@ -762,18 +742,6 @@ static smoe_status vk_launch(const vk_args *a, const CUtensorMap *map, int num_s
     SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND,
                          "sm90 varlen-K GEMM: launch failed: %s", cudaGetErrorString(err));
     return SMOE_SUCCESS;
-}
-
-template <int BN, bool GATHER_A>
-static smoe_status vk_launch_cfg(int cfg, const vk_args *a, const CUtensorMap *map, int num_sms,
-                                 cudaStream_t stream)
-{
-    switch (cfg) {
-    case 0: return vk_launch<BN, GATHER_A, 0>(a, map, num_sms, stream);
-    case 1: return vk_launch<BN, GATHER_A, 1>(a, map, num_sms, stream);
-    case 2: return vk_launch<BN, GATHER_A, 2>(a, map, num_sms, stream);
-    default: return vk_launch<BN, GATHER_A, 3>(a, map, num_sms, stream);
-    }
 }
 
 /* Shared checks and launch: C_e (M x N) = A_e^T B_e, A gathered if gather_a. */
@@ -839,9 +807,7 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     args.n_half = (int)p->n;
     args.trans_out = trans_out;
     args.abort = p->abort;
-    const int v = smoe_sm90_vk_variant;
-    const int cfg = (v >= 0 && (v & ~(VK_F_ALL | VK_V_DW1_NT)) == 0) ? (v & VK_F_ALL)
-                                                                      : VK_DEFAULT_CFG;
+    const int cfg = VK_DEFAULT_CFG;
     /* the contiguous operand: B (a_scaled) when A is gathered, else A (dH) */
     CUtensorMap map;
     memset(&map, 0, sizeof map);
@@ -851,10 +817,19 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
                                        : smoe_sm90_make_map(&map, a, p->cap, M, box_rows, name));
     }
     if (bn == 256)
-        return gather_a ? vk_launch_cfg<256, true>(cfg, &args, &map, num_sms, stream)
-                        : vk_launch_cfg<256, false>(cfg, &args, &map, num_sms, stream);
-    return gather_a ? vk_launch_cfg<128, true>(cfg, &args, &map, num_sms, stream)
-                    : vk_launch_cfg<128, false>(cfg, &args, &map, num_sms, stream);
+        return gather_a ? vk_launch<256, true, VK_DEFAULT_CFG>(&args, &map, num_sms, stream)
+                        : vk_launch<256, false, VK_DEFAULT_CFG>(&args, &map, num_sms, stream);
+    return gather_a ? vk_launch<128, true, VK_DEFAULT_CFG>(&args, &map, num_sms, stream)
+                    : vk_launch<128, false, VK_DEFAULT_CFG>(&args, &map, num_sms, stream);
+}
+
+/* The plan's row for a weight-gradient GEMM: the one row (0) of its table. */
+static smoe_status vk_row_check(const smoe_gemm_problem *p, int g, const char *op)
+{
+    SMOE_RETURN_ERROR_IF(!p->plan, SMOE_ERROR_INTERNAL, "sm90 %s: no plan", op);
+    SMOE_RETURN_ERROR_IF(p->plan->row[g] != 0, SMOE_ERROR_UNSUPPORTED,
+                         "sm90 %s: tile row %d (the table has row 0 only)", op, p->plan->row[g]);
+    return SMOE_SUCCESS;
 }
 
 extern "C" smoe_status smoe_sm90_dw2(const smoe_gemm_problem *p, const bf16 *dout,
@@ -863,6 +838,7 @@ extern "C" smoe_status smoe_sm90_dw2(const smoe_gemm_problem *p, const bf16 *dou
 {
     (void)scratch;
     SMOE_RETURN_ERROR_IF(!p, SMOE_ERROR_NULL_POINTER, "sm90 dw2: NULL problem");
+    SMOE_FORWARD_IF_ERROR(vk_row_check(p, SMOE_GEMM_DW2, "dw2"));
     /* M = d (dO columns, gathered by token), N = n (a_scaled columns) */
     return vk_run("dw2", p, dout, a_scaled, p->d, p->n, 1, dw2, out_dtype, accumulate, 0, 0, s);
 }
@@ -873,14 +849,15 @@ extern "C" smoe_status smoe_sm90_dw1(const smoe_gemm_problem *p, const bf16 *dh,
 {
     (void)scratch;
     SMOE_RETURN_ERROR_IF(!p, SMOE_ERROR_NULL_POINTER, "sm90 dw1: NULL problem");
+    SMOE_FORWARD_IF_ERROR(vk_row_check(p, SMOE_GEMM_DW1, "dw1"));
     const int map_rows = p->gated && p->w1_layout == SMOE_W1_CONCATENATED;
     /* bf16 overwrite (the layer's weight gradients): dW1^T = X^T dH, M = d
      * (X columns, gathered), N = h_cols, each tile stored transposed; the
-     * gathered operand is then the 128-wide side, as in dw2 (the hooks
-     * VK_V_DW1_NT / SM90_VAR_DW1_NT keep the other orientation) */
-    const int v = smoe_sm90_vk_variant;
-    const int nt = (v >= 0 && (v & VK_V_DW1_NT)) || (smoe_sm90_gemm_variant & SM90_VAR_DW1_NT);
-    if (out_dtype == SMOE_DTYPE_BF16 && !accumulate && !nt)
+     * gathered operand is then the 128-wide side, as in dw2 (gathering the
+     * 256-wide side cost 10-15%: notes/sm90_log.md rung 11); fp32 or
+     * accumulated outputs keep dH^T X (their epilogue reads and writes
+     * the output in its own orientation) */
+    if (out_dtype == SMOE_DTYPE_BF16 && !accumulate)
         return vk_run("dw1", p, x, dh, p->d, p->h_cols, 1, dw1, out_dtype, accumulate, map_rows, 1,
                       s);
     /* M = h_cols (dH columns, logical interleaved order), N = d (X columns, gathered) */
