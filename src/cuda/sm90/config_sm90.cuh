@@ -1,0 +1,145 @@
+/*
+ * config_sm90.cuh -- the Hopper varlen-M GEMMs' constants, kernel
+ * shapes (the FL flags the tile table combines), parameters and shared-
+ * memory budget (grouped_gemm_sm90.cu composes the kernel from these and
+ * scheduler_sm90.cuh, mainloop_sm90.cuh, epilogue_sm90.cuh).
+ */
+#ifndef SMOE_CONFIG_SM90_CUH
+#define SMOE_CONFIG_SM90_CUH
+
+#include "cuda/gemm.h"
+#include "cuda/sm90/ptx_sm90.cuh"
+
+using namespace smoe_sm90;
+
+#define SM90_BM 128
+#define SM90_BK 64
+#define SM90_THREADS 384
+#define SM90_MAX_EXPERTS 1024
+/* setmaxnreg budgets: the gathering producer keeps its 8 row tokens (and
+ * their row offsets) in registers for the whole tile, which needs 56; the
+ * TMA-only producer and the warp-per-stage gather fit in 40. */
+#define SM90_PRODUCER_REGS 40
+#define SM90_CONSUMER_REGS 232
+#define SM90_GATHER_PRODUCER_REGS 56
+#define SM90_GATHER_CONSUMER_REGS 224
+/* Kernel shapes (template parameter FL), combined by the rows of the tile
+ * table (host side, below):
+ *  SM90_FL_WS      up, BN = 128: one producer warp gathers a whole stage
+ *                  (four stages in flight on four warps).
+ *  SM90_FL_PP      down / dxt, 128 x 192 ping-pong: each consumer
+ *                  warpgroup owns whole tiles (alternate tiles of the CTA),
+ *                  so one warpgroup's epilogue runs under the other's main
+ *                  loop; 5 stages of 40 KiB, 192 accumulators per thread
+ *                  (SonicMoE's H100 down-projection tile).
+ *  SM90_FL_RASTER  the tiles of an expert in groups of p.raster_gm m-tiles
+ *                  (sm90_tile_decode), so the tiles in flight share fewer
+ *                  weight columns; a flag of its own so that the row-major
+ *                  kernels carry no grouped-order code (as a runtime branch
+ *                  in every kernel some forwards read 1-2% lower).
+ *  SM90_FL_TMA_ST2 down (and dh), BN = 256, 4 stages, E <= 256: each
+ *                  64-column chunk of a warpgroup's block goes to one of
+ *                  two 8 KiB buffers and leaves by TMA store; a buffer is
+ *                  refilled once its store two chunks back has read it, so
+ *                  the last chunks drain under the next main loop. Fits
+ *                  beside four stages because its tile_start table holds
+ *                  257 entries (not 1025) and it has no WS slots. dh stores
+ *                  dH and A' through an 8 KiB and a 4 KiB buffer per
+ *                  warpgroup, single-buffered, 32 units at a time
+ *                  (ep_dh_tma); otherwise dh's epilogue is ep_dh_direct.
+ *  SM90_FL_EPIWG   up, cooperative 128 x 256, 3 stages: the consumers only
+ *                  round the tile (bias added) into a padded staging copy of
+ *                  the whole tile (8 units of 64 x 64) and go on to the next
+ *                  tile's main loop; warps 2-3 of the producer warpgroup
+ *                  (the epilogue warps; warps 0-1 gather, 16 rows each per
+ *                  stage) store H from it and compute and store A
+ *                  (ep_flush_up_ct), so up's epilogue runs under the next
+ *                  main loop. (A fourth warpgroup would cap every thread at
+ *                  128 registers, too few for the m64n256 wgmma.) Two
+ *                  mbarriers hand the staging over: full (256 consumer
+ *                  arrivals), empty (64 epilogue arrivals).
+ * Measured and retired (the numbers in notes/sm90_log.md; the code in git):
+ * ping-pong 128 x 128 up and dh (rung 6), 2-CTA clusters with weight
+ * multicast (rung 7), cooperative 128 x 192 down / dxt, the TMA-store
+ * epilogue for dxt, ping-pong 192 in the grouped order, dh's H by TMA
+ * through a slot ring (rung 12 item 9), dw1 gathered along N (rung 11):
+ * all in the history up to commit 3a13394, behind the variant hook this
+ * table replaced; the whole tile staged and stored by TMA, evict-first
+ * stores and storer warps (rungs 9-10, commit 4efa11a); up's H and A by
+ * TMA (c461f84); down with the weight tile resident (94709c7). */
+enum {
+    SM90_FL_WS = 1,
+    SM90_FL_PP = 2,
+    SM90_FL_RASTER = 16,
+    SM90_FL_TMA_ST2 = 128,
+    SM90_FL_EPIWG = 512
+};
+
+/* 64 x 64 staging units (SM90_EP_BYTES each) of the padded staging: one per
+ * consumer warpgroup, or with SM90_FL_EPIWG the whole 128 x 256 tile. */
+__host__ __device__ constexpr int sm90_epu(int fl) { return (fl & SM90_FL_EPIWG) ? 8 : 2; }
+
+/* mbarriers besides the main loop's: the staging's full and empty
+ * (SM90_FL_EPIWG) */
+__host__ __device__ constexpr int sm90_xbar(int fl) { return (fl & SM90_FL_EPIWG) ? 2 : 0; }
+
+/* 8 KiB epilogue buffers per consumer warpgroup: two with SM90_FL_TMA_ST2,
+ * none otherwise (the padded staging buffers). */
+__host__ __device__ constexpr int sm90_epb(int fl) { return (fl & SM90_FL_TMA_ST2) ? 2 : 0; }
+
+enum { SM90_MODE_UP = 0, SM90_MODE_DOWN = 1, SM90_MODE_DXT = 2, SM90_MODE_DH = 3 };
+
+typedef struct sm90_gemm_params {
+    const bf16 *a_src;            /* up: X (T, K) gathered by row_token */
+    const bf16 *bias;             /* up: b1 (E, h_cols); down: b2 (E, N); may be NULL */
+    bf16 *out0;                   /* up: H (cap, N), may be NULL; down: Y (cap, N) */
+    bf16 *out1;                   /* up: A (cap, n) */
+    const int32_t *expert_offset; /* (E+1), or a view's: smoe_gemm_problem */
+    const int32_t *row_token;     /* (cap) */
+    int off_stride;               /* >= 1: expert e's rows from expert_offset[e off_stride] */
+    int E;
+    int K;                        /* reduction length */
+    int N;                        /* output columns: h_cols (up) or d (down) */
+    int n;                        /* intermediate size (up) */
+    int gated, act, concat;
+    /* dh only */
+    const bf16 *h_in;             /* H (cap, h_cols) */
+    const float *score;           /* (cap) */
+    float *dsp;                   /* (tiles_n, cap) partial dS sums */
+    int64_t cap;
+    int h_cols;
+    int raster_gm; /* tile order within an expert: 0 row-major, else groups of gm m-tiles */
+    const int *abort; /* smoe_gemm_problem.abort */
+} sm90_gemm_params;
+
+/* Per consumer warpgroup: 64 rows x 64 bf16, rows padded to 144 bytes so the
+ * accumulator-layout writes and the row-segment reads avoid bank conflicts. */
+#define SM90_EP_STRIDE 144
+#define SM90_EP_BYTES (64 * SM90_EP_STRIDE)
+
+template <int BN, int STAGES, int EPB = 0, int EPU = 2, int XBAR = 0>
+struct sm90_tile_cfg {
+    static constexpr int A_BYTES = SM90_BM * SM90_BK * 2;
+    static constexpr int B_BYTES = BN * SM90_BK * 2;
+    static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+    /* epilogue buffers: two 64-column chunk buffers (one per consumer
+     * warpgroup), or EPB 8 KiB buffers per warpgroup */
+    static constexpr int EP_TOTAL = EPB ? 2 * EPB * 8192 : EPU * SM90_EP_BYTES;
+    static constexpr int HBAR_BYTES = XBAR * 8; /* sm90_xbar's */
+    /* EPB > 0: tile_start for E <= 256 and no WS token slots */
+    static constexpr int SMEM_BYTES =
+        EPB ? 1024 + STAGES * STAGE_BYTES + EP_TOTAL + 2 * STAGES * 8 + HBAR_BYTES + (256 + 1) * 4
+              : 1024 + STAGES * STAGE_BYTES + EP_TOTAL + 2 * STAGES * 8 + HBAR_BYTES +
+                    (SM90_MAX_EXPERTS + 1) * 4 + 2 * 128 * 4;
+    static_assert(STAGE_BYTES % 1024 == 0, "stages must keep 1024-byte alignment");
+    static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget");
+};
+
+/* ------------------------------------------------------------ bias */
+
+__device__ __forceinline__ float load_bias(const bf16 *b, int64_t i)
+{
+    return b ? __bfloat162float(b[i]) : 0.0f;
+}
+
+#endif /* SMOE_CONFIG_SM90_CUH */

@@ -1,0 +1,453 @@
+/*
+ * epilogue_sm90.cuh -- the varlen-M GEMMs' epilogues, from a consumer
+ * warpgroup's accumulators: the padded staging and its row-segment
+ * stores (down, dxt), up's H and A = act(H) (ep_flush_up_ct), dh's dH, A'
+ * and dS partials straight from registers (ep_dh_direct) or through TMA
+ * stores (ep_dh_tma), and the double-buffered TMA-store chunks
+ * (ep_store_chunks_tma).
+ */
+#ifndef SMOE_EPILOGUE_SM90_CUH
+#define SMOE_EPILOGUE_SM90_CUH
+
+#include "cuda/sm90/config_sm90.cuh"
+
+/* ------------------------------------------------------------ epilogue staging */
+
+
+__device__ __forceinline__ void ep_put2(uint8_t *eb, int r, int c, float v0, float v1)
+{
+    *(__nv_bfloat162 *)(eb + r * SM90_EP_STRIDE + c * 2) = __floats2bfloat162_rn(v0, v1);
+}
+
+__device__ __forceinline__ void ep_put4(uint8_t *eb, int r, int c, float v0, float v1, float v2,
+                                        float v3)
+{
+    __nv_bfloat162 a = __floats2bfloat162_rn(v0, v1), b = __floats2bfloat162_rn(v2, v3);
+    uint2 pk;
+    pk.x = *(uint32_t *)&a;
+    pk.y = *(uint32_t *)&b;
+    *(uint2 *)(eb + r * SM90_EP_STRIDE + c * 2) = pk;
+}
+
+/* Stores the warpgroup's staged 64 rows (WBYTES bytes each) to dst (row
+ * stride ld elements), rows < nvalid only.
+ * Named barriers around it: the whole warpgroup's writes land before the
+ * reads, and the reads finish before the buffer is written again. */
+template <int WBYTES>
+__device__ __forceinline__ void ep_flush(const uint8_t *eb, bf16 *dst, int64_t ld, int nvalid,
+                                         int t, int cw)
+{
+    constexpr int VPR = WBYTES / 16, RPI = 128 / VPR;
+    named_barrier_sync(1 + cw, 128);
+    const int v = t % VPR;
+#pragma unroll
+    for (int r = t / VPR; r < 64; r += RPI) {
+        if (r >= nvalid) continue;
+        uint8_t *gp = (uint8_t *)(dst + (int64_t)r * ld) + v * 16;
+        const uint4 val = *(const uint4 *)(eb + r * SM90_EP_STRIDE + v * 16);
+        *(uint4 *)gp = val;
+    }
+    named_barrier_sync(1 + cw, 128);
+}
+
+/* up's flush: stores the staged H chunk (64 columns from hc0, when H is
+ * wanted) and A = act(H) from the same bf16 values: 8 columns per thread,
+ * i.e. 4 (gate, up) pairs or 8 plain values, for 4 rows. The activation is
+ * a template parameter (ep_flush_up_any dispatches once per chunk; a
+ * per-element switch with an IEEE division measured 12-14% slower on up,
+ * notes/sm90_log.md rung 8); the 4 rows are read before the second barrier,
+ * so the buffer is refilled while the math and stores run. */
+template <int ACT, bool SYNC = true>
+__device__ __noinline__ void ep_flush_up_ct(const uint8_t *eb, bf16 *out_h, bf16 *out_a, int ldh,
+                                            int lda, int wrow0, int hc0, int nvalid, int t,
+                                            int cw)
+{
+    constexpr bool GATED = ACT <= SMOE_ACT_REGLU;
+    if (SYNC) named_barrier_sync(1 + cw, 128);
+    const int v = t & 7;
+    uint4 hv[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        hv[i] = *(const uint4 *)(eb + ((t >> 3) + 16 * i) * SM90_EP_STRIDE + v * 16);
+    if (SYNC) named_barrier_sync(1 + cw, 128); /* the buffer may be refilled now */
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int r = (t >> 3) + 16 * i;
+        if (r >= nvalid) break;
+        const int64_t row = wrow0 + r;
+        if (out_h) *(uint4 *)(out_h + row * ldh + hc0 + 8 * v) = hv[i];
+        const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv[i];
+        if (GATED) {
+            uint32_t o[2];
+#pragma unroll
+            for (int k = 0; k < 2; k++) {
+                __nv_bfloat162 a2 = __floats2bfloat162_rn(
+                    smoe_act_f<ACT>(__low2float(h2[2 * k])) * __high2float(h2[2 * k]),
+                    smoe_act_f<ACT>(__low2float(h2[2 * k + 1])) * __high2float(h2[2 * k + 1]));
+                o[k] = *(uint32_t *)&a2;
+            }
+            *(uint2 *)(out_a + row * lda + hc0 / 2 + 4 * v) = make_uint2(o[0], o[1]);
+        } else {
+            uint32_t o[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                __nv_bfloat162 a2 = __floats2bfloat162_rn(smoe_act_f<ACT>(__low2float(h2[k])),
+                                                          smoe_act_f<ACT>(__high2float(h2[k])));
+                o[k] = *(uint32_t *)&a2;
+            }
+            *(uint4 *)(out_a + row * lda + hc0 + 8 * v) = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+    }
+}
+
+/* ep_flush_up_ct with the activation dispatched once per chunk (SYNC false:
+ * the epilogue warps, whose staging is handed over by mbarriers). */
+template <bool SYNC = true>
+__device__ __forceinline__ void ep_flush_up_any(const uint8_t *eb, bf16 *out_h, bf16 *out_a,
+                                                int ldh, int lda, int act, int wrow0, int hc0,
+                                                int nvalid, int t, int cw)
+{
+#define SM90_UP_FLUSH(A)                                                                         \
+    ep_flush_up_ct<A, SYNC>(eb, out_h, out_a, ldh, lda, wrow0, hc0, nvalid, t, cw)
+    SMOE_ACT_SWITCH(act, SM90_UP_FLUSH);
+#undef SM90_UP_FLUSH
+}
+
+/* dh: a thread's two rows (lr, lr + 8 of the warpgroup's 64): valid?, the
+ * row loaded (row 0 of the block stands in for rows past nvalid), its score
+ * and its first H element (hw H columns per unit). */
+__device__ __forceinline__ void ep_dh_rows(const sm90_gemm_params &p, int wrow0, int nvalid,
+                                           int n0, int lr, int q, int hw, bool *rv, int64_t *row,
+                                           float *s, const bf16 **hp)
+{
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        rv[h] = lr + 8 * h < nvalid;
+        row[h] = wrow0 + (rv[h] ? lr + 8 * h : 0);
+        s[h] = __ldg(p.score + row[h]);
+        hp[h] = p.h_in + row[h] * p.h_cols + hw * (n0 + 2 * q);
+    }
+}
+
+/* dh: a thread's two row sums of dS partials, reduced over the row's 4 lanes
+ * (same lane / 4: its 4 column phases) and written for this n-tile. */
+__device__ __forceinline__ void ep_dh_ds_out(float *ds, const bool *rv, const int64_t *row, int q,
+                                             int n_tile, const sm90_gemm_params &p)
+{
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        ds[h] += __shfl_xor_sync(0xffffffffu, ds[h], 1);
+        ds[h] += __shfl_xor_sync(0xffffffffu, ds[h], 2);
+        if (q == 0 && rv[h]) p.dsp[(int64_t)n_tile * p.cap + row[h]] = ds[h];
+    }
+}
+
+/* dh's epilogue, straight from the accumulators. The thread
+ * holds dA' for rows lr and lr + 8 of the warpgroup's 64 and, in 8-column
+ * group j, units n0 + 8j + 2q and + 1 (the m64nBN accumulator layout:
+ * acc[4j + 2h + {0,1}]). Per group it loads the H pairs of those units
+ * (gated: (gate, up) x 2 = 8 bytes; plain: 4 bytes per row; a warp reads
+ * whole 32-byte sectors), computes dH and A' = s A and stores them from
+ * registers, and adds <dA', A> to its two row sums. The loads run DIST
+ * groups ahead of the math, so only the first group's latency is exposed
+ * (staged through shared memory, each 32-unit chunk waited a full memory
+ * latency: ncu, notes/sm90_log.md rung 8). The row sums are reduced over
+ * the row's 4 lanes once per tile. */
+template <int ACT, int BN>
+__device__ __forceinline__ void ep_dh_direct(const float *ac, const sm90_gemm_params &p,
+                                             int wrow0, int nvalid, int n0, int lr, int q,
+                                             int n_tile)
+{
+    constexpr bool GATED = ACT <= SMOE_ACT_REGLU;
+    constexpr int J = BN / 8, DIST = 8, HW = GATED ? 2 : 1; /* H columns per unit */
+    const int jn = min(J, (p.N - n0) / 8); /* n % 64 == 0: whole groups */
+    /* No branches in the body, so the compiler can keep the loads in flight:
+     * rows past the expert's end and groups past n load row 0 / group 0 of
+     * the tile (always valid) and store nothing. */
+    bool rv[2];
+    int64_t row[2];
+    float s[2], ds[2] = {0.0f, 0.0f};
+    const bf16 *hp[2];
+    ep_dh_rows(p, wrow0, nvalid, n0, lr, q, HW, rv, row, s, hp);
+    uint2 hv[J][2];
+#pragma unroll
+    for (int j = 0; j < J + DIST; j++) {
+        if (j < J) { /* loads DIST groups ahead of their use */
+            const int jl = j < jn ? j : 0;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                /* plain (coherent) loads: the compiler may not move them
+                 * past the stores below (they might alias), so they stay
+                 * DIST groups ahead; __ldg ones were sunk to their use */
+                if (GATED) {
+                    hv[j][h] = *(const uint2 *)(hp[h] + 16 * jl);
+                } else {
+                    hv[j][h].x = *(const unsigned int *)(hp[h] + 8 * jl);
+                    hv[j][h].y = 0u;
+                }
+            }
+        }
+        const int jc = j - DIST;
+        if (jc < 0) continue;
+        const bool jv = jc < jn;
+        const int u = n0 + 8 * jc + 2 * q;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const float da0 = ac[4 * jc + 2 * h], da1 = ac[4 * jc + 2 * h + 1];
+            const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv[jc][h];
+            const bool st = rv[h] && jv;
+            float a0, a1;
+            if (GATED) {
+                float f0, df0, f1, df1;
+                const float g0 = __low2float(h2[0]), u0 = __high2float(h2[0]);
+                const float g1 = __low2float(h2[1]), u1 = __high2float(h2[1]);
+                smoe_act_fd<ACT>(g0, f0, df0);
+                smoe_act_fd<ACT>(g1, f1, df1);
+                a0 = f0 * u0;
+                a1 = f1 * u1;
+                const float e0 = s[h] * da0, e1 = s[h] * da1;
+                __nv_bfloat162 o0 = __floats2bfloat162_rn(e0 * df0 * u0, e0 * f0);
+                __nv_bfloat162 o1 = __floats2bfloat162_rn(e1 * df1 * u1, e1 * f1);
+                if (st)
+                    *(uint2 *)(p.out0 + row[h] * p.h_cols + 2 * u) =
+                        make_uint2(*(uint32_t *)&o0, *(uint32_t *)&o1);
+            } else {
+                float df0, df1;
+                smoe_act_fd<ACT>(__low2float(h2[0]), a0, df0);
+                smoe_act_fd<ACT>(__high2float(h2[0]), a1, df1);
+                __nv_bfloat162 o = __floats2bfloat162_rn(s[h] * da0 * df0, s[h] * da1 * df1);
+                if (st) *(uint32_t *)(p.out0 + row[h] * p.h_cols + u) = *(uint32_t *)&o;
+            }
+            __nv_bfloat162 a = __floats2bfloat162_rn(s[h] * a0, s[h] * a1);
+            if (st) *(uint32_t *)(p.out1 + row[h] * p.n + u) = *(uint32_t *)&a;
+            ds[h] = jv ? fmaf(da1, a1, fmaf(da0, a0, ds[h])) : ds[h];
+        }
+    }
+    ep_dh_ds_out(ds, rv, row, q, n_tile, p);
+}
+
+/* ep_dh_direct with the activation dispatched once per tile. */
+template <int BN>
+__device__ __forceinline__ void ep_dh_direct_any(const float *ac, const sm90_gemm_params &p,
+                                                 int wrow0, int nvalid, int n0, int lr, int q,
+                                                 int n_tile)
+{
+    /* a block wholly past the expert's end stores nothing, and its "row 0"
+     * (the stand-in row of ep_dh_direct's loads) may lie past the buffer's
+     * last row: found by compute-sanitizer memcheck on the GEMM test */
+    if (nvalid <= 0) return;
+#define SM90_DH_DIRECT(A) ep_dh_direct<A, BN>(ac, p, wrow0, nvalid, n0, lr, q, n_tile)
+    SMOE_ACT_SWITCH(p.act, SM90_DH_DIRECT);
+#undef SM90_DH_DIRECT
+}
+
+/* A warpgroup's staged pair of chunks out (up's H and A, dh's dH and A'):
+ * hb (64 rows x 64 bf16, 128B swizzle) to columns c0.. of out0 (row stride
+ * ld0, map0) and ab (64 rows x 32 bf16, 64B swizzle) to columns c1.. of out1
+ * (ld1, map1); by TMA store (one bulk group) for a whole 64-row block, by
+ * the threads for an expert's last rows (r < nvalid only, so no row of the
+ * next expert is written). The caller has fenced and synchronised the
+ * warpgroup after writing the buffers. */
+__device__ __forceinline__ void ep_pair_out(const uint8_t *hb, const uint8_t *ab,
+                                            const CUtensorMap *map0, const CUtensorMap *map1,
+                                            bf16 *out0, int64_t ld0, int c0, bf16 *out1,
+                                            int64_t ld1, int c1, int wrow0, int nvalid, int t)
+{
+    if (nvalid == 64) {
+        if (t == 0) {
+            tma_store_2d(map0, smem_addr(hb), c0, wrow0);
+            tma_store_2d(map1, smem_addr(ab), c1, wrow0);
+            bulk_commit();
+        }
+        return;
+    }
+    /* 64 rows x 8 pieces of 16 bytes, then 64 rows x 4 */
+#pragma unroll
+    for (int i = t; i < 64 * 8; i += 128) {
+        const int r = i >> 3, g = i & 7;
+        if (r < nvalid)
+            *(uint4 *)(out0 + (int64_t)(wrow0 + r) * ld0 + c0 + 8 * g) =
+                *(const uint4 *)(hb + r * 128 + ((g ^ (r & 7)) << 4));
+    }
+#pragma unroll
+    for (int i = t; i < 64 * 4; i += 128) {
+        const int r = i >> 2, g = i & 3;
+        if (r < nvalid)
+            *(uint4 *)(out1 + (int64_t)(wrow0 + r) * ld1 + c1 + 8 * g) =
+                *(const uint4 *)(ab + r * 64 + ((g ^ ((r >> 1) & 3)) << 4));
+    }
+}
+
+/* dh's arithmetic for one thread's two units of one row (gated): from the H
+ * pair hv ((gate, up) x 2), dA' (da0, da1) and the row's score s, the two
+ * dH pairs (to *dh, as stored), A' = s A (to *as) and the row sum's terms
+ * (added to *ds where jv). */
+template <int ACT>
+__device__ __forceinline__ void ep_dh_unit2(uint2 hv, float da0, float da1, float s, uint2 *dh,
+                                            uint32_t *as, float *ds, bool jv)
+{
+    const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv;
+    float f0, df0, f1, df1;
+    const float g0 = __low2float(h2[0]), u0 = __high2float(h2[0]);
+    const float g1 = __low2float(h2[1]), u1 = __high2float(h2[1]);
+    smoe_act_fd<ACT>(g0, f0, df0);
+    smoe_act_fd<ACT>(g1, f1, df1);
+    const float a0 = f0 * u0, a1 = f1 * u1;
+    const float e0 = s * da0, e1 = s * da1;
+    __nv_bfloat162 o0 = __floats2bfloat162_rn(e0 * df0 * u0, e0 * f0);
+    __nv_bfloat162 o1 = __floats2bfloat162_rn(e1 * df1 * u1, e1 * f1);
+    *dh = make_uint2(*(uint32_t *)&o0, *(uint32_t *)&o1);
+    __nv_bfloat162 a = __floats2bfloat162_rn(s * a0, s * a1);
+    *as = *(uint32_t *)&a;
+    *ds = jv ? fmaf(da1, a1, fmaf(da0, a0, *ds)) : *ds;
+}
+
+/* dh's epilogue with SM90_FL_TMA_ST2 (gated; experiment): the same
+ * arithmetic and H loads as ep_dh_direct, but dH and A' leave through
+ * shared memory by TMA store, 32 units at a time: dH's 64 x 64 chunk (the
+ * units' (gate, up) pairs) into hb (128B swizzle, as map_dh reads it) and
+ * A''s 64 x 32 chunk into ab (64B swizzle, as map_as reads it), instead of
+ * 8- and 4-byte stores scattered over 8 rows per warp instruction. A chunk
+ * waits until the previous chunk's stores have read the buffers; whole
+ * 64-row blocks leave by TMA, an expert's last rows by the threads. */
+template <int ACT, int BN>
+__device__ __forceinline__ void ep_dh_tma(const float *ac, uint8_t *hb, uint8_t *ab,
+                                          const CUtensorMap *map_dh, const CUtensorMap *map_as,
+                                          const sm90_gemm_params &p, int wrow0, int nvalid,
+                                          int n0, int lr, int q, int n_tile, int t, int cw)
+{
+    static_assert(ACT <= SMOE_ACT_REGLU, "gated activations only");
+    constexpr int J = BN / 8, DIST = 8;
+    const int jn = min(J, (p.N - n0) / 8);
+    bool rv[2];
+    int64_t row[2];
+    float s[2], ds[2] = {0.0f, 0.0f};
+    const bf16 *hp[2];
+    ep_dh_rows(p, wrow0, nvalid, n0, lr, q, 2, rv, row, s, hp);
+    uint2 hv[J][2];
+#pragma unroll
+    for (int j = 0; j < J + DIST; j++) {
+        if (j < J) { /* loads DIST groups ahead of their use (see ep_dh_direct) */
+            const int jl = j < jn ? j : 0;
+#pragma unroll
+            for (int h = 0; h < 2; h++) hv[j][h] = *(const uint2 *)(hp[h] + 16 * jl);
+        }
+        const int jc = j - DIST;
+        if (jc < 0) continue;
+        const int g = jc & 3; /* group within the 32-unit chunk */
+        if (g == 0) {         /* a new chunk: the previous one's stores have read the buffers */
+            if (t == 0) bulk_wait_read<0>();
+            named_barrier_sync(1 + cw, 128);
+        }
+        const bool jv = jc < jn;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = lr + 8 * h;
+            /* dH: units 8 g + 2 q, +1 of the chunk = bytes 32 g + 8 q of the
+             * 128-byte row; A': bytes 16 g + 4 q of the 64-byte row */
+            ep_dh_unit2<ACT>(
+                hv[jc][h], ac[4 * jc + 2 * h], ac[4 * jc + 2 * h + 1], s[h],
+                (uint2 *)(hb + r * 128 + (((2 * g + (q >> 1)) ^ (r & 7)) << 4) + 8 * (q & 1)),
+                (uint32_t *)(ab + r * 64 + ((g ^ ((r >> 1) & 3)) << 4) + 4 * q), &ds[h], jv);
+        }
+        if (g == 3) { /* the chunk is complete: out */
+            const int u0c = n0 + 8 * (jc - 3); /* its first unit */
+            fence_proxy_async();
+            named_barrier_sync(1 + cw, 128);
+            if (u0c < p.N)
+                ep_pair_out(hb, ab, map_dh, map_as, p.out0, p.h_cols, 2 * u0c, p.out1, p.n, u0c,
+                            wrow0, nvalid, t);
+        }
+    }
+    ep_dh_ds_out(ds, rv, row, q, n_tile, p);
+}
+
+/* ep_dh_tma with the (gated) activation dispatched once per tile. A block
+ * wholly past the expert's end returns at once, as in ep_dh_direct_any (its
+ * stand-in row may lie past the buffer); nvalid is the same for the whole
+ * warpgroup, so its named barriers stay matched. */
+template <int BN>
+__device__ __forceinline__ void ep_dh_tma_any(const float *ac, uint8_t *hb, uint8_t *ab,
+                                              const CUtensorMap *map_dh,
+                                              const CUtensorMap *map_as,
+                                              const sm90_gemm_params &p, int wrow0, int nvalid,
+                                              int n0, int lr, int q, int n_tile, int t, int cw)
+{
+    if (nvalid <= 0) return;
+    if (p.act == SMOE_ACT_GEGLU)
+        ep_dh_tma<SMOE_ACT_GEGLU, BN>(ac, hb, ab, map_dh, map_as, p, wrow0, nvalid, n0, lr, q,
+                                      n_tile, t, cw);
+    else if (p.act == SMOE_ACT_REGLU)
+        ep_dh_tma<SMOE_ACT_REGLU, BN>(ac, hb, ab, map_dh, map_as, p, wrow0, nvalid, n0, lr, q,
+                                      n_tile, t, cw);
+    else
+        ep_dh_tma<SMOE_ACT_SWIGLU, BN>(ac, hb, ab, map_dh, map_as, p, wrow0, nvalid, n0, lr, q,
+                                       n_tile, t, cw);
+}
+
+
+/* Chunk c (64 columns from col0) of a warpgroup's 64 x BN block, bias
+ * added and rounded, into the 64 x 64 box hb (128B swizzle: 16-byte chunk jj
+ * of row r at jj ^ (r & 7); free of bank conflicts for these 4-byte writes). */
+__device__ __forceinline__ void ep_stage_chunk(const float *ac, uint8_t *hb,
+                                               const sm90_gemm_params &p, int c, int col0,
+                                               int64_t bo, int lr, int q)
+{
+#pragma unroll
+    for (int jj = 0; jj < 8; jj++) {
+        const int j = 8 * c + jj, col = col0 + 8 * jj + 2 * q;
+        const float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = lr + 8 * h;
+            const __nv_bfloat162 hv =
+                __floats2bfloat162_rn(ac[4 * j + 2 * h] + b0, ac[4 * j + 2 * h + 1] + b1);
+            *(__nv_bfloat162 *)(hb + r * 128 + ((jj ^ (r & 7)) << 4) + 4 * q) = hv;
+        }
+    }
+}
+
+/* down / dxt with SM90_FL_TMA_ST2: the warpgroup's 64 x BN block in 64-column
+ * chunks through two 8 KiB buffers (wb, wb + 8192; 128B-swizzled 64 x 64
+ * boxes, as map_c reads them). Chunk i (counted over the warpgroup's whole
+ * run in `it`) takes buffer i & 1 once the TMA store of chunk i - 2 has read
+ * it (at most one bulk group left pending), and leaves by TMA store (whole
+ * 64-row blocks) or by the threads (rows < nvalid only: no row of the next
+ * expert is written). */
+template <int BN>
+__device__ __forceinline__ void ep_store_chunks_tma(const float *ac, uint8_t *wb,
+                                                    const CUtensorMap *map_c,
+                                                    const sm90_gemm_params &p, int wrow0,
+                                                    int nvalid, int n0, int64_t bo, int lr, int q,
+                                                    int t, int cw, uint32_t &it)
+{
+#pragma unroll
+    for (int c = 0; c < BN / 64; c++) {
+        const int col0 = n0 + 64 * c;
+        if (col0 >= p.N) break;
+        uint8_t *box = wb + (it & 1u) * 8192;
+        if (t == 0) bulk_wait_read<1>(); /* chunk it - 2's store has read this buffer */
+        named_barrier_sync(1 + cw, 128);
+        ep_stage_chunk(ac, box, p, c, col0, bo, lr, q);
+        fence_proxy_async(); /* generic writes -> the TMA engine's reads */
+        named_barrier_sync(1 + cw, 128);
+        if (nvalid == 64) {
+            if (t == 0) {
+                tma_store_2d(map_c, smem_addr(box), col0, wrow0);
+                bulk_commit();
+            }
+        } else {
+            /* 16 bytes per (row, 8-column group): 64 x 8 pieces, 4 per thread */
+#pragma unroll
+            for (int i = t; i < 64 * 8; i += 128) {
+                const int r = i >> 3, g = i & 7;
+                if (r < nvalid)
+                    *(uint4 *)(p.out0 + (int64_t)(wrow0 + r) * p.N + col0 + 8 * g) =
+                        *(const uint4 *)(box + r * 128 + ((g ^ (r & 7)) << 4));
+            }
+        }
+        it++;
+    }
+}
+
+#endif /* SMOE_EPILOGUE_SM90_CUH */
