@@ -135,6 +135,45 @@ struct sm90_tile_cfg {
     static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget");
 };
 
+/* What a kernel <BN, STAGES, MODE, FL> is, at compile time. */
+template <int BN, int STAGES, int MODE, int FL>
+struct sm90_traits {
+    typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL), sm90_epu(FL), sm90_xbar(FL)> cfg;
+    static constexpr bool GATHER = MODE == SM90_MODE_UP || MODE == SM90_MODE_DH;
+    /* B stored K x N, N contiguous: W1 for dxt, W2 for dh */
+    static constexpr bool TRANS_B = MODE == SM90_MODE_DXT || MODE == SM90_MODE_DH;
+    static constexpr int NACC = BN / 2; /* accumulators of one m64 x BN block */
+    static constexpr bool WS = (FL & SM90_FL_WS) != 0;
+    /* gather tokens in registers, loaded once per tile (not reloaded from
+     * shared memory per k-block: that dependent chain stalled the
+     * producer; notes/sm90_log.md, rung 6) */
+    static constexpr bool TOKREG = GATHER && !WS;
+    static constexpr bool PP = (FL & SM90_FL_PP) != 0;
+    static constexpr int MH = PP ? 2 : 1; /* m64 blocks per consumer warpgroup */
+    static constexpr bool TMA_ST2 = (FL & SM90_FL_TMA_ST2) != 0;
+    static constexpr bool EPIWG = (FL & SM90_FL_EPIWG) != 0;
+    static_assert(!TMA_ST2 || (BN == 256 && (FL & (SM90_FL_PP | SM90_FL_WS)) == 0),
+                  "the double-buffered TMA-store epilogue is for cooperative 128 x 256 tiles");
+    static_assert(!EPIWG || (MODE == SM90_MODE_UP && BN == 256 &&
+                             (FL & ~(SM90_FL_EPIWG | SM90_FL_RASTER)) == 0),
+                  "the epilogue warps are for the cooperative 128 x 256 up");
+    static_assert(!PP || (BN == 192 && !GATHER), "ping-pong tiles are 128 x 192, down / dxt");
+    static_assert(!(WS && PP), "the warp-per-stage gather stands alone");
+};
+
+/* A CTA's shared memory and schedule, as the kernel lays them out. */
+typedef struct sm90_ctx {
+    uint8_t *smem;           /* STAGES stages of A and B tiles, 1024-byte aligned */
+    uint8_t *ep_base;        /* the epilogue's buffers (cfg::EP_TOTAL bytes) */
+    uint64_t *full, *empty;  /* the stages' mbarriers */
+    uint64_t *stg;           /* EPIWG's staging full / empty */
+    const int *tile_start;   /* (E + 1) per-expert tile prefix sum */
+    int32_t *tok_slots;      /* WS: 2 x 128 tile tokens */
+    int nt, kb_count, total; /* n-tiles, k-blocks per tile, tiles */
+    int gm;                  /* the tile order's group (0: row-major) */
+    int cid, ncl;            /* this CTA takes tiles cid, cid + ncl, ... */
+} sm90_ctx;
+
 /* ------------------------------------------------------------ bias */
 
 __device__ __forceinline__ float load_bias(const bf16 *b, int64_t i)

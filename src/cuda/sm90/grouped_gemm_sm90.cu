@@ -108,30 +108,10 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
 {
     /* up / dh: map_a is A's / A''s output map there (they gather their
      * input), map_c H's / dH's */
-    constexpr bool TMA_ST2 = (FL & SM90_FL_TMA_ST2) != 0;
-    static_assert(!TMA_ST2 || (BN == 256 && (FL & (SM90_FL_PP | SM90_FL_WS)) == 0),
-                  "the double-buffered TMA-store epilogue is for cooperative 128 x 256 tiles");
-    constexpr bool EPIWG = (FL & SM90_FL_EPIWG) != 0;
-    static_assert(!EPIWG || (MODE == SM90_MODE_UP && BN == 256 &&
-                             (FL & ~(SM90_FL_EPIWG | SM90_FL_RASTER)) == 0),
-                  "the epilogue warps are for the cooperative 128 x 256 up");
-    typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL), sm90_epu(FL), sm90_xbar(FL)> cfg;
-    constexpr bool GATHER = (MODE == SM90_MODE_UP || MODE == SM90_MODE_DH);
-    /* B stored K x N, N contiguous: W1 for dxt, W2 for dh */
-    constexpr bool TRANS_B = (MODE == SM90_MODE_DXT || MODE == SM90_MODE_DH);
-    constexpr int NACC = BN / 2;              /* accumulators of one m64 x BN block */
-    constexpr bool WS = (FL & SM90_FL_WS) != 0;
-    /* gather tokens in registers, loaded once per tile (not reloaded from
-     * shared memory per k-block: that dependent chain stalled the producer;
-     * notes/sm90_log.md, rung 6) */
-    constexpr bool TOKREG = GATHER && !WS;
-    constexpr bool PP = (FL & SM90_FL_PP) != 0;
-    constexpr int MH = PP ? 2 : 1;            /* m64 blocks per consumer warpgroup */
-    static_assert(!PP || (BN == 192 && !GATHER), "ping-pong tiles are 128 x 192, down / dxt");
-    static_assert(!(WS && PP), "the warp-per-stage gather stands alone");
-    /* m-tiles per group of the tile order, 0: row-major (constant 0 unless
-     * SM90_FL_RASTER, so the other kernels carry no grouped-order code) */
-    const int gm = (FL & SM90_FL_RASTER) ? p.raster_gm : 0;
+    typedef sm90_traits<BN, STAGES, MODE, FL> K;
+    typedef typename K::cfg cfg;
+    constexpr bool GATHER = K::GATHER, WS = K::WS, TOKREG = K::TOKREG, PP = K::PP;
+    constexpr bool EPIWG = K::EPIWG;
     /* a failed device-side check of the call: every CTA leaves at once (the
      * same word for all, before any barrier) */
     if (p.abort && *p.abort) return;
@@ -140,54 +120,41 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     /* 1024-byte aligned base by an offset from smem_raw (not an integer round
      * trip, which loses the shared address space and turns every access
      * through it into a generic LD/ST: notes/sm90_log.md, rung 5) */
-    uint8_t *smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-    uint8_t *ep_base = smem + STAGES * cfg::STAGE_BYTES; /* cfg::EP_TOTAL bytes */
-    uint64_t *full = (uint64_t *)(ep_base + cfg::EP_TOTAL);
-    uint64_t *empty = full + STAGES;
-    uint64_t *stg = empty + STAGES; /* sm90_xbar's: EPIWG's staging full, empty */
-    int *tile_start = (int *)(stg + sm90_xbar(FL));
-    int32_t *tok_slots = tile_start + SM90_MAX_EXPERTS + 1; /* WS: 2 x 128 tile tokens */
+    sm90_ctx c;
+    c.smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+    c.ep_base = c.smem + STAGES * cfg::STAGE_BYTES; /* cfg::EP_TOTAL bytes */
+    c.full = (uint64_t *)(c.ep_base + cfg::EP_TOTAL);
+    c.empty = c.full + STAGES;
+    c.stg = c.empty + STAGES; /* sm90_xbar's: EPIWG's staging full, empty */
+    int *tile_start = (int *)(c.stg + sm90_xbar(FL));
+    c.tile_start = tile_start;
+    c.tok_slots = tile_start + SM90_MAX_EXPERTS + 1; /* WS: 2 x 128 tile tokens */
+    c.nt = (p.N + BN - 1) / BN;
+    c.kb_count = p.K / SM90_BK;
+    c.cid = blockIdx.x; /* tiles cid, cid + ncl, ... */
+    c.ncl = gridDim.x;
+    /* m-tiles per group of the tile order, 0: row-major (constant 0 unless
+     * SM90_FL_RASTER, so the other kernels carry no grouped-order code) */
+    c.gm = (FL & SM90_FL_RASTER) ? p.raster_gm : 0;
 
     const int tid = threadIdx.x;
     const int wg = tid / 128;
-    const int nt = (p.N + BN - 1) / BN;
-    const int kb_count = p.K / SM90_BK;
-    const int cid = blockIdx.x, ncl = gridDim.x; /* tiles cid, cid + ncl, ... */
-
     if (tid == 0) {
         tma_prefetch_map(&map_b);
         if (!GATHER) tma_prefetch_map(&map_a);
         for (int s = 0; s < STAGES; s++) {
-            mbar_init(smem_addr(full + s), GATHER ? (WS ? 32 : EPIWG ? 64 : 128) + 1 : 1);
-            mbar_init(smem_addr(empty + s), PP ? 1 : 2);
+            mbar_init(smem_addr(c.full + s), GATHER ? (WS ? 32 : EPIWG ? 64 : 128) + 1 : 1);
+            mbar_init(smem_addr(c.empty + s), PP ? 1 : 2);
         }
         if constexpr (EPIWG) {
-            mbar_init(smem_addr(stg), 256);
-            mbar_init(smem_addr(stg + 1), 64);
+            mbar_init(smem_addr(c.stg), 256);
+            mbar_init(smem_addr(c.stg + 1), 64);
         }
         mbar_fence_init();
     }
-    if (tid < 32) { /* tile_start = exclusive prefix sum of the experts' tile counts */
-        int carry = 0;
-        for (int e0 = 0; e0 < p.E; e0 += 32) {
-            int e = e0 + tid, v = 0;
-            if (e < p.E) {
-                const int32_t *o = p.expert_offset + e * p.off_stride;
-                int cnt = __ldg(o + 1) - __ldg(o);
-                v = (cnt + SM90_BM - 1) / SM90_BM * nt;
-            }
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                int u = __shfl_up_sync(0xffffffffu, v, o);
-                if (tid >= o) v += u;
-            }
-            if (e < p.E) tile_start[e + 1] = carry + v;
-            carry += __shfl_sync(0xffffffffu, v, 31);
-        }
-        if (tid == 0) tile_start[0] = 0;
-    }
+    if (tid < 32) sm90_tile_starts(p, c.nt, tile_start, tid);
     __syncthreads();
-    const int total = tile_start[p.E];
+    c.total = tile_start[p.E];
 
     if (wg == 0) {
         /* ---------------- producer ---------------- */
@@ -195,335 +162,27 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
             setmaxnreg_dec<96>();
         else
             setmaxnreg_dec<TOKREG ? SM90_GATHER_PRODUCER_REGS : SM90_PRODUCER_REGS>();
-        if (EPIWG && tid >= 64) {
-        /* ---------------- epilogue warps (EPIWG) ----------------
-         * The CTA's tiles in the consumers' order: per tile, once the
-         * staging is full, H and A of its 8 units (2 row blocks x 4
-         * column chunks) leave as ep_flush_up_ct stores them (its 128
-         * thread slots taken by the 64 threads twice); then the staging
-         * is handed back. */
-        const int t64 = tid - 64;
-        uint32_t jt = 0;
-        for (int t = cid; t < total; t += ncl, jt++) {
-            sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
-                                                p.off_stride, gm);
-            const int n0 = tl.n_tile * BN;
-            mbar_wait(smem_addr(stg), jt & 1);
-            for (int h = 0; h < 2; h++) {
-                const int wrow0 = tl.row0 + 64 * h;
-                const int nvalid = min(64, tl.row_end - wrow0);
-                for (int c = 0; c < BN / 64; c++) {
-                    int hc0;
-                    if (p.gated && p.concat) {
-                        const int u0 = n0 / 2 + 32 * c;
-                        if (u0 >= p.n) break;
-                        hc0 = 2 * u0;
-                    } else {
-                        hc0 = n0 + 64 * c;
-                        if (hc0 >= p.N) break;
-                    }
-                    for (int hv = 0; hv < 2; hv++)
-                        ep_flush_up_any<false>(ep_base + (h * 4 + c) * SM90_EP_BYTES, p.out0,
-                                               p.out1, p.N, p.n, p.act, wrow0, hc0, nvalid,
-                                               t64 + 64 * hv, 0);
-                }
-            }
-            mbar_arrive(smem_addr(stg + 1));
-        }
-        } else {
-        const uint32_t tx_bytes = GATHER ? cfg::B_BYTES : cfg::A_BYTES + cfg::B_BYTES;
-        if constexpr (GATHER && WS) {
-            /* Warp-per-stage gather: k-block `it` belongs to producer warp it % 4,
-             * which loads the whole A tile of that stage (32 cp.async per lane)
-             * and the weight tile, so four stages are in flight on four warps.
-             * The tile's 128 gather tokens sit in a double-buffered shared array
-             * (one barrier per tile: a buffer is rewritten two tiles later, after
-             * every warp has passed the next tile's barrier). */
-            const int pw = tid >> 5, lane = tid & 31, chunk = lane & 7;
-            int it = 0, nth = 0;
-            for (int t = blockIdx.x; t < total; t += gridDim.x, nth++) {
-                sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
-                                                    p.off_stride, gm);
-                int32_t *tokb = tok_slots + 128 * (nth & 1);
-                {
-                    int r = tl.row0 + tid;
-                    tokb[tid] = r < tl.row_end ? __ldg(p.row_token + r) : -1;
-                }
-                named_barrier_sync(3, 128);
-                for (int kb = 0; kb < kb_count; kb++, it++) {
-                    if ((it & 3) != pw) continue;
-                    const int stage = it % STAGES;
-                    const uint32_t phase = (uint32_t)(it / STAGES) & 1;
-                    const uint32_t fb = smem_addr(full + stage);
-                    const uint32_t sa = smem_addr(smem + stage * cfg::STAGE_BYTES);
-                    const uint32_t sb = sa + cfg::A_BYTES;
-                    mbar_wait(smem_addr(empty + stage), phase ^ 1);
-                    if (lane == 0) {
-                        mbar_arrive_expect_tx(fb, tx_bytes);
-                        if (p.concat) {
-                            int g = tl.e * p.N + tl.n_tile * (BN / 2);
-                            tma_load_2d(sb, &map_b, fb, kb * SM90_BK, g);
-                            tma_load_2d(sb + cfg::B_BYTES / 2, &map_b, fb, kb * SM90_BK, g + p.n);
-                        } else {
-                            tma_load_2d(sb, &map_b, fb, kb * SM90_BK, tl.e * p.N + tl.n_tile * BN);
-                        }
-                    }
-                    const bf16 *src0 = p.a_src + kb * SM90_BK + chunk * 8;
-#pragma unroll 8
-                    for (int i = 0; i < 32; i++) {
-                        const int r = (lane >> 3) + 4 * i;
-                        const uint32_t dst = sa + r * 128 + ((chunk ^ (r & 7)) << 4);
-                        const int32_t ti = tokb[r];
-                        cp_async_16(dst, src0 + (int64_t)(ti < 0 ? 0 : ti) * p.K, ti < 0 ? 0u : 16u);
-                    }
-                    cp_async_mbar_arrive_noinc(fb);
-                }
-            }
-            /* producer tail (as CUTLASS's): no producer thread leaves while a
-             * stage it filled is still unreleased, i.e. with its copies
-             * possibly in flight */
-            for (int i = 0; i < STAGES; i++, it++)
-                mbar_wait(smem_addr(empty + it % STAGES), ((uint32_t)(it / STAGES) & 1) ^ 1);
-        } else {
-        /* rows rsub + RS i (i < PRT), 16-byte chunk: 128 gathering threads
-         * take 8 rows each, EPIWG's 64 take 16 */
-        constexpr int PRT = EPIWG ? 16 : 8, RS = 128 / PRT;
-        const int chunk = tid & 7, rsub = tid >> 3;
-        int stage = 0;
-        uint32_t phase = 0;
-        for (int t = cid; t < total; t += ncl) {
-            sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
-                                                p.off_stride, gm);
-            /* this thread's gather rows, for the whole tile */
-            int32_t tok[PRT];
-            if (GATHER) {
-#pragma unroll
-                for (int i = 0; i < PRT; i++) {
-                    int r = tl.row0 + rsub + RS * i;
-                    tok[i] = r < tl.row_end ? __ldg(p.row_token + r) : -1;
-                }
-            }
-            for (int kb = 0; kb < kb_count; kb++) {
-                const uint32_t fb = smem_addr(full + stage);
-                const uint32_t sa = smem_addr(smem + stage * cfg::STAGE_BYTES);
-                const uint32_t sb = sa + cfg::A_BYTES;
-                mbar_wait(smem_addr(empty + stage), phase ^ 1);
-                if (tid == 0) {
-                    mbar_arrive_expect_tx(fb, tx_bytes);
-                    if constexpr (TRANS_B) {
-                        /* BN/64 boxes of 64 k-rows x 64 n-columns, 8 KiB apart */
-#pragma unroll
-                        for (int j = 0; j < BN / 64; j++)
-                            tma_load_2d(sb + j * 8192, &map_b, fb, tl.n_tile * BN + 64 * j,
-                                        tl.e * p.K + kb * SM90_BK);
-                    } else if (MODE == SM90_MODE_UP && p.concat) {
-                        int g = tl.e * p.N + tl.n_tile * (BN / 2);
-                        tma_load_2d(sb, &map_b, fb, kb * SM90_BK, g);
-                        tma_load_2d(sb + cfg::B_BYTES / 2, &map_b, fb, kb * SM90_BK, g + p.n);
-                    } else {
-                        tma_load_2d(sb, &map_b, fb, kb * SM90_BK, tl.e * p.N + tl.n_tile * BN);
-                    }
-                    if (!GATHER) tma_load_2d(sa, &map_a, fb, kb * SM90_BK, tl.row0);
-                }
-                if (GATHER) {
-                    const bf16 *src0 = p.a_src + kb * SM90_BK + chunk * 8;
-#pragma unroll
-                    for (int i = 0; i < PRT; i++) {
-                        int r = rsub + RS * i;
-                        uint32_t dst = sa + r * 128 + ((chunk ^ (r & 7)) << 4);
-                        const int32_t ti = tok[i];
-                        const bf16 *src = src0 + (int64_t)(ti < 0 ? 0 : ti) * p.K;
-                        cp_async_16(dst, src, ti < 0 ? 0u : 16u);
-                    }
-                    cp_async_mbar_arrive_noinc(fb);
-                }
-                if (++stage == STAGES) { stage = 0; phase ^= 1; }
-            }
-        }
-        /* producer tail (as CUTLASS's): no producer thread leaves while a
-         * stage it filled is still unreleased, i.e. with its TMA loads or
-         * copies possibly in flight (under racecheck an early exit stalled
-         * the consumers of a 6-stage down: notes/sm90_log.md rung 13) */
-        for (int i = 0; i < STAGES; i++) {
-            mbar_wait(smem_addr(empty + stage), phase ^ 1);
-            if (++stage == STAGES) { stage = 0; phase ^= 1; }
-        }
-        }
-        }
+        if (EPIWG && tid >= 64)
+            sm90_epilogue_warps<BN, STAGES, MODE, FL>(p, c, tid);
+        else
+            sm90_produce<BN, STAGES, MODE, FL>(map_a, map_b, p, c, tid);
     } else {
         /* ---------------- consumers ---------------- */
         if constexpr (EPIWG)
             setmaxnreg_inc<200>();
         else
             setmaxnreg_inc<TOKREG ? SM90_GATHER_CONSUMER_REGS : SM90_CONSUMER_REGS>();
-        /* cooperative: rows 64 cw .. 64 cw + 63 of every tile; ping-pong: whole
-         * tiles, the CTA's tiles j with j % 2 == cw */
-        const int cw = wg - 1;
-        const int lane = tid & 31, warp = (tid >> 5) & 3;
-        const int q = lane & 3;
-        float acc[MH * NACC];
-        /* ring position of this warpgroup's next k-block: the producer fills
-         * kb_count stages per tile, tile after tile */
-        uint32_t pos = PP ? (uint32_t)(cw * kb_count) : 0u;
-        uint32_t ep_it = 0; /* TMA_ST2: this warpgroup's chunks so far */
-        uint32_t jt = 0;    /* EPIWG: this CTA's tiles so far */
-        for (int t = cid + (PP ? cw * ncl : 0); t < total; t += (PP ? 2 : 1) * ncl) {
-            sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
-                                                p.off_stride, gm);
-            int prev = 0;
-            /* Ping-pong order: a warpgroup starts its main loop only after the
-             * other one has waited for the previous tile's last stage. Besides
-             * taking turns on the tensor cores, this keeps its full-barrier
-             * waits at most one phase ahead of the producer (a parity wait two
-             * phases ahead would pass at once). Named barriers 4 (warpgroup 1
-             * may go) and 5 (warpgroup 0 may go); an arrival is made only when
-             * the other warpgroup has a next tile, so every one is matched. */
-            if (PP && t >= ncl) named_barrier_sync(4 + (cw ^ 1), 256);
-            /* columns of this tile the MMA computes (BN = 192 only; p.N % 64 == 0) */
-            const int wn = min(BN, p.N - tl.n_tile * BN);
-            for (int kb = 0; kb < kb_count; kb++, pos++) {
-                const int stage = (int)(pos % STAGES);
-                mbar_wait(smem_addr(full + stage), (pos / STAGES) & 1);
-                /* cp.async (generic proxy) writes -> wgmma (async proxy) reads
-                 * (dropping it measured no gain: rung 6) */
-                if (GATHER) fence_proxy_async();
-                const uint32_t sa =
-                    smem_addr(smem + stage * cfg::STAGE_BYTES) + (PP ? 0 : cw * 64 * 128);
-                const uint32_t sb = smem_addr(smem + stage * cfg::STAGE_BYTES) + cfg::A_BYTES;
-                if constexpr (BN == 192) {
-                    /* the last n-tile of d = 4096 has 64 valid columns: a
-                     * narrower wgmma there, no wasted MMA (each width its
-                     * own fence..commit block, so no wgmma sits in a
-                     * divergent path of another's) */
-                    if (wn == 192)
-                        sm90_mma_kblock<192, TRANS_B, MH, MH * NACC>(acc, sa, sb, kb);
-                    else if (wn == 128)
-                        sm90_mma_kblock<128, TRANS_B, MH, MH * NACC>(acc, sa, sb, kb);
-                    else
-                        sm90_mma_kblock<64, TRANS_B, MH, MH * NACC>(acc, sa, sb, kb);
-                } else {
-                    sm90_mma_kblock<BN, TRANS_B, MH, MH * NACC>(acc, sa, sb, kb);
-                }
-                if (kb > 0) { /* the previous stage's wgmma has retired: release it */
-                    wgmma_wait<1>();
-                    if ((tid & 127) == 0) mbar_arrive(smem_addr(empty + prev));
-                }
-                prev = stage;
-            }
-            if (PP) {
-                pos += kb_count; /* the other warpgroup's tile */
-                if (t + ncl < total) named_barrier_arrive(4 + cw, 256);
-            }
-            wgmma_wait<0>();
-            wgmma_fence_regs<MH * NACC>(acc);
-            if ((tid & 127) == 0) mbar_arrive(smem_addr(empty + prev));
-
-            /* ---------------- epilogue ----------------
-             * Through a per-warpgroup shared buffer, 64 columns at a time: the
-             * accumulator layout scatters a warp's stores over 8 rows, so each
-             * chunk is written to shared memory first and then stored as whole
-             * 128-byte row segments (16 bytes per thread), clipped at the
-             * expert's last row. */
-            uint8_t *eb = ep_base + cw * SM90_EP_BYTES;
-            /* EPIWG: the staging is free once the epilogue warps have read
-             * the previous tile out of it */
-            if constexpr (EPIWG) mbar_wait(smem_addr(stg + 1), (jt & 1) ^ 1);
-            const int lr = warp * 16 + (lane >> 2); /* this thread's rows lr, lr + 8 in the 64 */
-            const int n0 = tl.n_tile * BN;
-            const int64_t bo = (int64_t)tl.e * p.N;
-#pragma unroll
-            for (int mh = 0; mh < MH; mh++) { /* each m64 block of the warpgroup */
-            const float *ac = acc + mh * NACC;
-            const int wrow0 = tl.row0 + (PP ? mh : cw) * 64; /* first row of the 64 */
-            const int nvalid = min(64, tl.row_end - wrow0);
-            if constexpr (MODE == SM90_MODE_DH && TMA_ST2) {
-                ep_dh_tma_any<BN>(ac, ep_base + cw * 16384, ep_base + cw * 16384 + 8192, &map_c,
-                                  &map_a, p, wrow0, nvalid, n0, lr, q, tl.n_tile, tid & 127, cw);
-            } else if constexpr (MODE == SM90_MODE_DH) {
-                ep_dh_direct_any<BN>(ac, p, wrow0, nvalid, n0, lr, q, tl.n_tile);
-            } else {
-            if constexpr (TMA_ST2) {
-                ep_store_chunks_tma<BN>(ac, ep_base + cw * 16384, &map_c, p, wrow0, nvalid, n0,
-                                        bo, lr, q, tid & 127, cw, ep_it);
-            } else {
-#pragma unroll
-            for (int c = 0; c < BN / 64; c++) {
-                if constexpr (MODE != SM90_MODE_UP) {
-                    const int col0 = n0 + 64 * c;
-                    if (col0 >= p.N) break;
-#pragma unroll
-                    for (int jj = 0; jj < 8; jj++) {
-                        const int j = 8 * c + jj, col = col0 + 8 * jj + 2 * q;
-                        float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
-#pragma unroll
-                        for (int h = 0; h < 2; h++)
-                            ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q,
-                                    ac[4 * j + 2 * h] + b0, ac[4 * j + 2 * h + 1] + b1);
-                    }
-                    ep_flush<128>(
-                        eb, p.out0 + (int64_t)wrow0 * p.N + col0, p.N, nvalid, tid & 127, cw);
-                } else {
-                    /* The chunk's 64 H columns (bias added, rounded) go to shared
-                     * memory in interleaved order; the flush stores them and computes
-                     * A from the staged bf16 values in a compact loop. (Unrolling the
-                     * activation over all 128 accumulators made the kernel 450 KB of
-                     * code, and the epilogue's instruction fetches stalled every warp.)
-                     * Concatenated W1: chunk c holds units u0 .. u0 + 31, gates in
-                     * accumulator chunks 4c..4c+3 and their ups BN/16 chunks further. */
-                    int hc0;
-                    if constexpr (EPIWG) eb = ep_base + (cw * 4 + c) * SM90_EP_BYTES;
-                    if (p.gated && p.concat) {
-                        const int u0 = n0 / 2 + 32 * c;
-                        if (u0 >= p.n) break;
-                        hc0 = 2 * u0;
-#pragma unroll
-                        for (int jj = 0; jj < 4; jj++) {
-                            const int jg = 4 * c + jj, ju = jg + BN / 16, u = u0 + 8 * jj + 2 * q;
-                            float bg0 = load_bias(p.bias, bo + u), bg1 = load_bias(p.bias, bo + u + 1);
-                            float bu0 = load_bias(p.bias, bo + p.n + u);
-                            float bu1 = load_bias(p.bias, bo + p.n + u + 1);
-#pragma unroll
-                            for (int h = 0; h < 2; h++)
-                                ep_put4(eb, lr + 8 * h, 16 * jj + 4 * q, ac[4 * jg + 2 * h] + bg0,
-                                        ac[4 * ju + 2 * h] + bu0, ac[4 * jg + 2 * h + 1] + bg1,
-                                        ac[4 * ju + 2 * h + 1] + bu1);
-                        }
-                    } else {
-                        hc0 = n0 + 64 * c;
-                        if (hc0 >= p.N) break;
-#pragma unroll
-                        for (int jj = 0; jj < 8; jj++) {
-                            const int j = 8 * c + jj, col = hc0 + 8 * jj + 2 * q;
-                            float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
-#pragma unroll
-                            for (int h = 0; h < 2; h++)
-                                ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q, ac[4 * j + 2 * h] + b0,
-                                        ac[4 * j + 2 * h + 1] + b1);
-                        }
-                    }
-                    if constexpr (!EPIWG)
-                        ep_flush_up_any(eb, p.out0, p.out1, p.N, p.n, p.act, wrow0, hc0, nvalid,
-                                        tid & 127, cw);
-                }
-            }
-            } /* not TMA_ST2 */
-            } /* not dh */
-            } /* mh */
-            if constexpr (EPIWG) {
-                mbar_arrive(smem_addr(stg)); /* the staging holds this tile */
-                jt++;
-            }
-        }
+        sm90_consume<BN, STAGES, MODE, FL>(map_a, map_c, p, c, tid, wg);
     }
     /* the TMA stores have read their shared-memory sources before the CTA's
      * shared memory goes away */
-    if constexpr (TMA_ST2)
+    if constexpr (K::TMA_ST2)
         if (wg > 0 && (tid & 127) == 0) bulk_wait<0>();
     __syncthreads();
     /* no wait, arrival or copy touches a barrier any more (the producer's
      * tail saw every stage released) */
     if (tid == 0)
-        for (int i = 0; i < 2 * STAGES + sm90_xbar(FL); i++) mbar_inval(smem_addr(full + i));
+        for (int i = 0; i < 2 * STAGES + sm90_xbar(FL); i++) mbar_inval(smem_addr(c.full + i));
 }
 
 /* ------------------------------------------------------------ host side */

@@ -44,4 +44,28 @@ __device__ __forceinline__ sm90_tile sm90_tile_decode(int t, const int *tile_sta
     return tl;
 }
 
+/* tile_start = the exclusive prefix sum of the experts' tile counts
+ * (ceil(count_e / BM) x nt), by one warp (lane = its lane). */
+__device__ __forceinline__ void sm90_tile_starts(const sm90_gemm_params &p, int nt, int *tile_start,
+                                                 int lane)
+{
+    int carry = 0;
+    for (int e0 = 0; e0 < p.E; e0 += 32) {
+        int e = e0 + lane, v = 0;
+        if (e < p.E) {
+            const int32_t *o = p.expert_offset + e * p.off_stride;
+            int cnt = __ldg(o + 1) - __ldg(o);
+            v = (cnt + SM90_BM - 1) / SM90_BM * nt;
+        }
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            int u = __shfl_up_sync(0xffffffffu, v, o);
+            if (lane >= o) v += u;
+        }
+        if (e < p.E) tile_start[e + 1] = carry + v;
+        carry += __shfl_sync(0xffffffffu, v, 31);
+    }
+    if (lane == 0) tile_start[0] = 0;
+}
+
 #endif /* SMOE_SCHEDULER_SM90_CUH */
