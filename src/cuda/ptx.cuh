@@ -19,6 +19,81 @@ static __device__ __forceinline__ float smoe_ex2_approx_ftz(float x)
     return y;
 }
 
+/* Shared-memory address of a generic pointer into shared memory (what
+ * cp.async, ldmatrix and the other shared-memory operands take). */
+static __device__ __forceinline__ uint32_t smoe_smem_addr(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* cp.async (sm_80): global -> shared copies that bypass the registers,
+ * grouped by commit and waited for by group. pred false copies no bytes
+ * and zero-fills the destination, so a tile's ragged edges need no second
+ * code path (src must still be a valid address). */
+
+/* 16 bytes, through L2 only (.cg). */
+static __device__ __forceinline__ void smoe_cp_async16(uint32_t dst, const void *src, bool pred)
+{
+    const int n = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+
+/* The same, with the 256 bytes around the chunk fetched into L2 as well
+ * (an operand's next chunks, read by neighbouring CTAs or the next k-tile). */
+static __device__ __forceinline__ void smoe_cp_async16_l2_256(uint32_t dst, const void *src,
+                                                             bool pred)
+{
+    const int n = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(n));
+}
+
+/* 4 bytes, through L1 (.ca: 4-byte copies cannot take .cg). */
+static __device__ __forceinline__ void smoe_cp_async4(uint32_t dst, const void *src, bool pred)
+{
+    const int n = pred ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+
+static __device__ __forceinline__ void smoe_cp_async_commit(void)
+{
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+/* Wait until at most N of this thread's commit groups are in flight. */
+template <int N>
+static __device__ __forceinline__ void smoe_cp_async_wait(void)
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/* Four 8x8 b16 matrices from shared memory (lane i gives the row address
+ * of matrix i / 8), fragments in mma.sync's layout; _trans transposes each,
+ * for operands stored MN-major. */
+static __device__ __forceinline__ void smoe_ldmatrix_x4(uint32_t addr, uint32_t r[4])
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+static __device__ __forceinline__ void smoe_ldmatrix_x4_trans(uint32_t addr, uint32_t r[4])
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+/* c += a b, m16n8k16, bf16 inputs, fp32 accumulators (warp-wide). */
+static __device__ __forceinline__ void smoe_mma_m16n8k16_bf16(float c[4], const uint32_t a[4],
+                                                              uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 /* Programmatic dependent launch (sm_90 and later; nothing before): wait
  * for the previous kernel's results; let the next kernel start its
  * prologue. */

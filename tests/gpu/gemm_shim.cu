@@ -13,7 +13,9 @@
  *   4 dxt  : dh (cap,h_cols), w1, dxt (cap,d)
  *   5 dw1  : dh (cap,h_cols), x (T,d), dw1 (E,h_cols,d)
  * dw2/dw1 take out_dtype (SMOE_DTYPE_F32 / SMOE_DTYPE_BF16) and accumulate
- * from the problem struct.
+ * from the problem struct. Each call runs the table's default plan for the
+ * problem's shape on the current device (smoe_gemm_ops.plan), where the
+ * table has one.
  *
  * Returns the launcher's smoe_status (>= 0), or a negative shim code:
  *   SMOE_SHIM_NO_ENTRY  the table leaves this kind NULL,
@@ -96,6 +98,11 @@ SHIM_API int smoe_shim_gemm(int table, int kind, const smoe_shim_problem *q, voi
     const smoe_gemm_ops *t = shim_table(table);
     if (!t || !q || !ptrs) return SMOE_SHIM_BAD_ARG;
     smoe_gemm_problem p = shim_problem(q);
+    smoe_gemm_plan plan;
+    if (t->plan) {
+        t->plan(&p, &plan);
+        p.plan = &plan;
+    }
     cudaStream_t s = (cudaStream_t)stream;
     const smoe_dtype od = (smoe_dtype)q->out_dtype;
 #define B(i) ((bf16 *)ptrs[i])

@@ -5,21 +5,22 @@
  *   test_gemm            random cases (sizes not multiples of the tiles,
  *                        empty experts, every activation, both W1 layouts,
  *                        bias on/off, fp32/bf16 weight gradients,
- *                        overwrite/accumulate), determinism, bad input;
- *                        then a few cases on the fallback kernels (those
- *                        of devices with less shared memory than sm_90)
+ *                        overwrite/accumulate), determinism, bad input and
+ *                        plans, all on the default plan (smoe_gemm_ops.plan);
+ *                        then every other row of every GEMM's tile table on
+ *                        a few more cases each (a row the device cannot run
+ *                        is reported as skipped)
  *   test_gemm --small    a few small cases (for compute-sanitizer)
  *   test_gemm --bench    TFLOPS of each GEMM on three grid shapes (CUDA events,
  *                        median of 10 runs after 2 warm-ups; weight gradients
  *                        in bf16 as the layer asks, --wgrad-f32 for fp32);
  *                        --shape NAME, --gemm NAME (up down dh dw2 dxt dw1),
  *                        --reps N pick one shape, one GEMM, the number of
- *                        timed runs; --variants "SPEC SPEC ..." times each
- *                        variant spec in turn on the same buffers
- *   --variant SPEC       tile configurations of grouped_gemm.cu (its variant
- *                        hook): "V" for all six GEMMs or "dh=202,dw1=2004";
- *                        with --variants, a spec with '=' times only the
- *                        GEMMs it names
+ *                        timed runs; --all-rows times every row of each
+ *                        GEMM's tile table in turn on the same buffers
+ *   --row GEMM=NAME      run (or time) row NAME of GEMM's tile table instead
+ *                        of the plan's, e.g. --row "dh=256x128x32 s3 dh";
+ *                        repeatable; the other rows' cases are then skipped
  *   --seed N             the random seed (printed on failure)
  *
  * Tolerances: each GEMM's inputs are random bf16; the reference sums in
@@ -60,10 +61,11 @@
     } while (0)
 
 static const smoe_gemm_ops *G = &smoe_gemm_ops_sm80;
+static const char *const g_gemm_names[SMOE_GEMM_COUNT] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
 
-/* The variant hook of grouped_gemm.cu (tile configurations per GEMM). */
-extern "C" int smoe_sm80_gemm_variant[6];
-extern "C" int smoe_sm80_gemm_variant_parse(const char *spec);
+/* Rows run instead of the plan's (-1: the plan's): --row, or the row
+ * coverage after the default cases. */
+static int g_rows[SMOE_GEMM_COUNT] = {-1, -1, -1, -1, -1, -1};
 static int g_fail = 0;
 static uint64_t g_seed = 1;
 
@@ -244,6 +246,12 @@ static void run_case(const tcase &tc, int idx)
     /* Persistent grids size themselves by num_sms: every odd case claims 1
      * to 3 SMs, so that each CTA walks many tiles. */
     p.num_sms = (idx & 1) ? 1 + (idx >> 1) % 3 : 132;
+    /* The plan of this shape on this device, with g_rows' rows instead. */
+    smoe_gemm_plan plan;
+    G->plan(&p, &plan);
+    for (int g = 0; g < SMOE_GEMM_COUNT; g++)
+        if (g_rows[g] >= 0) plan.row[g] = g_rows[g];
+    p.plan = &plan;
     int32_t *d_off = dev_upload(off), *d_tok = dev_upload(tok);
     float *d_score = dev_upload(score);
     p.expert_offset = d_off;
@@ -601,19 +609,170 @@ static void test_rejects(void)
         fprintf(stderr, "FAIL: misaligned pointer gave status %d, want UNSUPPORTED\n", (int)st);
         g_fail++;
     }
-    /* An unknown tile configuration is refused before anything runs. */
-    int saved[6];
-    memcpy(saved, smoe_sm80_gemm_variant, sizeof saved);
-    smoe_sm80_gemm_variant[0] = 99;
-    p.d = 16;
-    p.cap = 0;
-    st = G->up(&p, NULL, NULL, NULL, NULL, NULL, NULL, 0);
-    memcpy(smoe_sm80_gemm_variant, saved, sizeof saved);
-    if (st != SMOE_ERROR_UNSUPPORTED) {
-        fprintf(stderr, "FAIL: tile configuration 99 gave status %d, want UNSUPPORTED\n", (int)st);
+    printf("ok   bad input rejected (%s)\n", smoe_last_error());
+}
+
+static void expect(smoe_status st, smoe_status want, const char *what)
+{
+    if (st != want) {
+        fprintf(stderr, "FAIL: %s gave status %d (%s), want %d\n", what, (int)st,
+                smoe_last_error(), (int)want);
         g_fail++;
     }
-    printf("ok   bad input rejected (%s)\n", smoe_last_error());
+}
+
+/* The tile table and plans: names, the plan's choices, and the launchers'
+ * refusals of rows they cannot run (all before anything is launched:
+ * cap = 0, no buffers). */
+static void test_plans(void)
+{
+    for (int g = 0; g < SMOE_GEMM_COUNT; g++) {
+        int count = 0;
+        while (G->row_name(g, count)) count++;
+        if (count == 0) {
+            fprintf(stderr, "FAIL: %s has no rows\n", g_gemm_names[g]);
+            g_fail++;
+        }
+        for (int r = 0; r < count; r++)
+            if (smoe_gemm_row_find(G, g, G->row_name(g, r)) != r) {
+                fprintf(stderr, "FAIL: %s row %d: name \"%s\" not unique\n", g_gemm_names[g], r,
+                        G->row_name(g, r));
+                g_fail++;
+            }
+        if (smoe_gemm_row_find(G, g, "no such row") != -1 || G->row_name(g, -1)) {
+            fprintf(stderr, "FAIL: %s: a row that does not exist was found\n", g_gemm_names[g]);
+            g_fail++;
+        }
+    }
+    if (G->row_name(-1, 0) || G->row_name(SMOE_GEMM_COUNT, 0)) {
+        fprintf(stderr, "FAIL: row_name of a GEMM that does not exist\n");
+        g_fail++;
+    }
+
+    smoe_gemm_problem p;
+    memset(&p, 0, sizeof p);
+    p.d = 16;
+    p.n = 16;
+    p.h_cols = 32;
+    p.E = 4;
+    p.cap = 0;
+    p.gated = 1;
+    smoe_gemm_plan plan;
+    G->plan(&p, &plan);
+    for (int g = 0; g < SMOE_GEMM_COUNT; g++)
+        if (!G->row_name(g, plan.row[g])) {
+            fprintf(stderr, "FAIL: the plan of d=n=16 E=4 has no row for %s\n", g_gemm_names[g]);
+            g_fail++;
+        }
+    p.plan = &plan;
+    expect(G->up(&p, NULL, NULL, NULL, NULL, NULL, NULL, 0), SMOE_SUCCESS, "up, cap 0");
+    /* A row past the table: the caller's bug. */
+    smoe_gemm_plan bad = plan;
+    bad.row[SMOE_GEMM_UP] = 99;
+    p.plan = &bad;
+    expect(G->up(&p, NULL, NULL, NULL, NULL, NULL, NULL, 0), SMOE_ERROR_INTERNAL, "up, row 99");
+    /* -1: the family cannot run the GEMM. */
+    bad = plan;
+    bad.row[SMOE_GEMM_DOWN] = -1;
+    p.plan = &bad;
+    expect(G->down(&p, NULL, NULL, NULL, NULL, NULL, 0), SMOE_ERROR_UNSUPPORTED, "down, row -1");
+    /* No plan: SMOE_ERROR_INTERNAL once the layer passes plans; until then
+     * the launchers run the default plan (transitional: until
+     * cuda_layer.cu passes plans). */
+    p.plan = NULL;
+    const smoe_status st = G->up(&p, NULL, NULL, NULL, NULL, NULL, NULL, 0);
+    if (st != SMOE_ERROR_INTERNAL && st != SMOE_SUCCESS) expect(st, SMOE_ERROR_INTERNAL, "no plan");
+
+    /* More experts than a persistent grid keeps in shared memory (256):
+     * the plan picks no persistent row, and a launcher asked for one
+     * refuses it, naming it. */
+    p.E = 300;
+    G->plan(&p, &plan);
+    for (int g = 0; g < SMOE_GEMM_COUNT; g++) {
+        const char *name = G->row_name(g, plan.row[g]);
+        if (!name || strstr(name, "pers")) {
+            fprintf(stderr, "FAIL: E=300: %s's plan row is %s\n", g_gemm_names[g],
+                    name ? name : "none");
+            g_fail++;
+        }
+        for (int r = 0; G->row_name(g, r); r++) {
+            if (!strstr(G->row_name(g, r), "pers")) continue;
+            bad = plan;
+            bad.row[g] = r;
+            p.plan = &bad;
+            smoe_status s2 = SMOE_SUCCESS;
+            switch (g) { /* only those with persistent rows need a call here */
+            case SMOE_GEMM_UP: s2 = G->up(&p, NULL, NULL, NULL, NULL, NULL, NULL, 0); break;
+            case SMOE_GEMM_DOWN: s2 = G->down(&p, NULL, NULL, NULL, NULL, NULL, 0); break;
+            case SMOE_GEMM_DH:
+                s2 = G->dh(&p, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0);
+                break;
+            case SMOE_GEMM_DW2: s2 = G->dw2(&p, NULL, NULL, NULL, SMOE_DTYPE_F32, 1, NULL, 0); break;
+            case SMOE_GEMM_DXT: s2 = G->dxt(&p, NULL, NULL, NULL, NULL, 0); break;
+            case SMOE_GEMM_DW1: s2 = G->dw1(&p, NULL, NULL, NULL, SMOE_DTYPE_F32, 1, NULL, 0); break;
+            }
+            char what[160];
+            snprintf(what, sizeof what, "E=300, %s row \"%s\"", g_gemm_names[g], G->row_name(g, r));
+            expect(s2, SMOE_ERROR_UNSUPPORTED, what);
+            if (s2 == SMOE_ERROR_UNSUPPORTED && !strstr(smoe_last_error(), G->row_name(g, r))) {
+                fprintf(stderr, "FAIL: %s: the message does not name the row: %s\n", what,
+                        smoe_last_error());
+                g_fail++;
+            }
+        }
+    }
+    /* A shape the family cannot run: no row for any GEMM. */
+    p.E = 4;
+    p.d = 12;
+    G->plan(&p, &plan);
+    for (int g = 0; g < SMOE_GEMM_COUNT; g++)
+        if (plan.row[g] != -1) {
+            fprintf(stderr, "FAIL: d=12: %s's plan row is %d, want -1\n", g_gemm_names[g],
+                    plan.row[g]);
+            g_fail++;
+        }
+    printf("ok   tile table and plans (%s)\n", smoe_last_error());
+}
+
+/* Whether row `row` of GEMM g runs on this device at a small shape (E = 1):
+ * the launcher with cap = 0 refuses a row that does not fit before
+ * launching anything; the weight gradients, which launch even at cap = 0,
+ * accumulate into a real buffer over an expert with no rows (untouched). */
+static bool row_runs(int g, int row)
+{
+    smoe_gemm_problem p;
+    memset(&p, 0, sizeof p);
+    p.d = 16;
+    p.n = 16;
+    p.h_cols = 32;
+    p.E = 1;
+    p.cap = 0;
+    p.gated = 1;
+    smoe_gemm_plan plan;
+    G->plan(&p, &plan);
+    plan.row[g] = row;
+    p.plan = &plan;
+    std::vector<int32_t> off(2, 0);
+    int32_t *d_off = dev_upload(off);
+    float *w;
+    CK(cudaMalloc(&w, 32 * 16 * 4));
+    p.expert_offset = d_off;
+    smoe_status st = SMOE_SUCCESS;
+    switch (g) {
+    case SMOE_GEMM_UP: st = G->up(&p, NULL, NULL, NULL, NULL, NULL, NULL, 0); break;
+    case SMOE_GEMM_DOWN: st = G->down(&p, NULL, NULL, NULL, NULL, NULL, 0); break;
+    case SMOE_GEMM_DH: st = G->dh(&p, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0); break;
+    case SMOE_GEMM_DW2: st = G->dw2(&p, NULL, NULL, w, SMOE_DTYPE_F32, 1, NULL, 0); break;
+    case SMOE_GEMM_DXT: st = G->dxt(&p, NULL, NULL, NULL, NULL, 0); break;
+    case SMOE_GEMM_DW1: st = G->dw1(&p, NULL, NULL, w, SMOE_DTYPE_F32, 1, NULL, 0); break;
+    }
+    CK(cudaDeviceSynchronize());
+    CK(cudaFree(d_off));
+    CK(cudaFree(w));
+    if (st != SMOE_SUCCESS && st != SMOE_ERROR_UNSUPPORTED) CKS(st);
+    if (st != SMOE_SUCCESS) printf("skip %s row \"%s\": %s\n", g_gemm_names[g],
+                                   G->row_name(g, row), smoe_last_error());
+    return st == SMOE_SUCCESS;
 }
 
 /* ------------------------------------------------------------ bench */
@@ -641,19 +800,8 @@ static bf16 *bench_alloc(size_t count, uint32_t seed, float scale)
 
 static const char *g_bench_gemm = NULL; /* --gemm NAME: time only this one */
 static int g_reps = 10;
-static const char *g_variants = NULL; /* --variants "SPEC SPEC ...": one timing each */
+static int g_all_rows = 0; /* --all-rows: time every row of each table */
 static smoe_dtype g_wgrad = SMOE_DTYPE_BF16; /* the layer's choice; --wgrad-f32 */
-
-/* A variant spec of the form "dh=202,dw1=4" names the GEMMs it sets; one
- * without '=' sets all six. */
-static bool spec_names(const char *spec, const char *name)
-{
-    if (!strchr(spec, '=')) return true;
-    const size_t len = strlen(name);
-    for (const char *q = spec; q && *q; q = strchr(q, ',') ? strchr(q, ',') + 1 : NULL)
-        if (!strncmp(q, name, len) && q[len] == '=') return true;
-    return false;
-}
 
 static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64_t E, int64_t K)
 {
@@ -695,27 +843,22 @@ static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64
     printf("%s (%s): T=%lld d=%lld n=%lld E=%lld K=%lld, weight gradients %s\n", name, prop.name,
            (long long)T, (long long)d, (long long)n, (long long)E, (long long)K,
            g_wgrad == SMOE_DTYPE_F32 ? "fp32" : "bf16");
-    /* One timing per variant spec (--variants), the current one if none. */
-    char vbuf[1024];
-    snprintf(vbuf, sizeof vbuf, "%s", g_variants ? g_variants : "");
-    int saved[6];
-    memcpy(saved, smoe_sm80_gemm_variant, sizeof saved);
-    char *save_ptr = NULL;
-    char *spec = g_variants ? strtok_r(vbuf, " ", &save_ptr) : NULL;
-    do {
-        if (spec) {
-            memset(smoe_sm80_gemm_variant, 0, sizeof saved);
-            if (smoe_sm80_gemm_variant_parse(spec) != 0) {
-                fprintf(stderr, "bad variant spec %s\n", spec);
-                exit(2);
-            }
-        }
-        double ms_med[6];
-        for (int g = 0; g < 6; g++) {
+    /* The plan (with --row's rows); with --all-rows, each GEMM once per
+     * row of its table. */
+    smoe_gemm_plan plan;
+    G->plan(&p, &plan);
+    for (int g = 0; g < SMOE_GEMM_COUNT; g++)
+        if (g_rows[g] >= 0) plan.row[g] = g_rows[g];
+    p.plan = &plan;
+    double ms_med[SMOE_GEMM_COUNT];
+    for (int g = 0; g < SMOE_GEMM_COUNT; g++) {
+        ms_med[g] = 0;
+        if (g_bench_gemm && strcmp(g_bench_gemm, names[g])) continue;
+        const int chosen = plan.row[g];
+        for (int r = g_all_rows ? 0 : chosen; g_all_rows ? G->row_name(g, r) != NULL : r == chosen;
+             r++) {
+            plan.row[g] = r;
             const int reps = g_reps;
-            ms_med[g] = 0;
-            if (g_bench_gemm && strcmp(g_bench_gemm, names[g])) continue;
-            if (spec && !spec_names(spec, names[g])) continue;
             std::vector<float> ms(reps);
             bool ok = true;
             for (int it = reps > 1 ? -2 : 0; it < reps && ok; it++) {
@@ -731,7 +874,7 @@ static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64
                 }
                 CK(cudaEventRecord(ev1));
                 CK(cudaEventSynchronize(ev1));
-                if (st != SMOE_SUCCESS) { /* e.g. a configuration too large for the device */
+                if (st != SMOE_SUCCESS) { /* e.g. a row too large for the device */
                     printf("  %-5s %s\n", names[g], smoe_last_error());
                     ok = false;
                 }
@@ -739,26 +882,45 @@ static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64
             }
             if (!ok) continue;
             std::sort(ms.begin(), ms.end());
-            ms_med[g] = ms[reps / 2];
+            const double med = ms[reps / 2];
+            if (r == chosen) ms_med[g] = med;
+            printf("  %-5s %9.3f ms %7.1f TFLOPS  [%s %s \"%s\"%s]\n", names[g], med,
+                   flops[g] / med * 1e-9, name, names[g], G->row_name(g, r),
+                   r == chosen ? " plan" : "");
         }
-        double fwd = ms_med[0] + ms_med[1], bwd = ms_med[2] + ms_med[3] + ms_med[4] + ms_med[5];
-        if (spec) printf(" variant %s\n", spec);
-        for (int g = 0; g < 6; g++)
-            if (ms_med[g] > 0)
-                printf("  %-5s %9.3f ms %7.1f TFLOPS  [%s %s %s]\n", names[g], ms_med[g],
-                       flops[g] / ms_med[g] * 1e-9, name, names[g], spec ? spec : "-");
-        if (!g_bench_gemm && fwd > 0 && bwd > 0)
-            printf("  fwd GEMMs %8.3f ms %7.1f TFLOPS   bwd GEMMs %8.3f ms %7.1f TFLOPS\n", fwd,
-                   3 * flop / fwd * 1e-9, bwd, 6 * flop / bwd * 1e-9);
-        fflush(stdout);
-    } while (spec && (spec = strtok_r(NULL, " ", &save_ptr)) != NULL);
-    memcpy(smoe_sm80_gemm_variant, saved, sizeof saved);
+        plan.row[g] = chosen;
+    }
+    double fwd = ms_med[0] + ms_med[1], bwd = ms_med[2] + ms_med[3] + ms_med[4] + ms_med[5];
+    if (!g_bench_gemm && ms_med[0] > 0 && ms_med[1] > 0 && ms_med[2] > 0 && ms_med[3] > 0 &&
+        ms_med[4] > 0 && ms_med[5] > 0)
+        printf("  fwd GEMMs %8.3f ms %7.1f TFLOPS   bwd GEMMs %8.3f ms %7.1f TFLOPS\n", fwd,
+               3 * flop / fwd * 1e-9, bwd, 6 * flop / bwd * 1e-9);
+    fflush(stdout);
     CK(cudaFree(d_off)); CK(cudaFree(d_tok)); CK(cudaFree(d_score));
     CK(cudaFree(x)); CK(cudaFree(w1)); CK(cudaFree(w2)); CK(cudaFree(dO)); CK(cudaFree(h));
     CK(cudaFree(a)); CK(cudaFree(y)); CK(cudaFree(dh)); CK(cudaFree(as)); CK(cudaFree(dxt));
     CK(cudaFree(ds)); CK(cudaFree(dw1)); CK(cudaFree(dw2)); CK(cudaFree(scratch));
     CK(cudaEventDestroy(ev0));
     CK(cudaEventDestroy(ev1));
+}
+
+/* --row GEMM=NAME: row NAME of GEMM's table instead of the plan's. */
+static int parse_row(const char *spec)
+{
+    const char *eq = strchr(spec, '=');
+    for (int g = 0; eq && g < SMOE_GEMM_COUNT; g++) {
+        if (strlen(g_gemm_names[g]) != (size_t)(eq - spec) ||
+            strncmp(spec, g_gemm_names[g], eq - spec))
+            continue;
+        g_rows[g] = smoe_gemm_row_find(G, g, eq + 1);
+        if (g_rows[g] >= 0) return 0;
+        fprintf(stderr, "--row %s: no such row; %s's rows:", spec, g_gemm_names[g]);
+        for (int r = 0; G->row_name(g, r); r++) fprintf(stderr, " \"%s\"", G->row_name(g, r));
+        fprintf(stderr, "\n");
+        return -1;
+    }
+    fprintf(stderr, "--row %s: want GEMM=NAME, GEMM one of up down dh dw2 dxt dw1\n", spec);
+    return -1;
 }
 
 int main(int argc, char **argv)
@@ -771,19 +933,16 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--shape") && i + 1 < argc) shape = argv[++i];
         else if (!strcmp(argv[i], "--gemm") && i + 1 < argc) g_bench_gemm = argv[++i];
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) g_reps = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--variants") && i + 1 < argc) g_variants = argv[++i];
+        else if (!strcmp(argv[i], "--all-rows")) g_all_rows = 1;
         else if (!strcmp(argv[i], "--wgrad-f32")) g_wgrad = SMOE_DTYPE_F32;
-        else if (!strcmp(argv[i], "--variant") && i + 1 < argc) {
-            if (smoe_sm80_gemm_variant_parse(argv[++i]) != 0) {
-                fprintf(stderr, "bad --variant %s\n", argv[i]);
-                return 2;
-            }
+        else if (!strcmp(argv[i], "--row") && i + 1 < argc) {
+            if (parse_row(argv[++i]) != 0) return 2;
         }
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc) g_seed = strtoull(argv[++i], NULL, 10);
         else {
             fprintf(stderr,
                     "usage: %s [--small | --bench [--shape 7B|30B|120B] [--gemm NAME] [--reps N]"
-                    " [--variants \"SPEC ...\"] [--wgrad-f32]] [--variant SPEC] [--seed N]\n",
+                    " [--all-rows] [--wgrad-f32]] [--row GEMM=NAME ...] [--seed N]\n",
                     argv[0]);
             return 2;
         }
@@ -801,6 +960,7 @@ int main(int argc, char **argv)
         return 0;
     }
     test_rejects();
+    test_plans();
     const int cases = small ? 4 : 40;
     for (int i = 0; i < cases; i++) run_case(random_case(small), i);
     /* Fixed corner cases: one expert with everything, all experts empty but one row. */
@@ -821,27 +981,40 @@ int main(int argc, char **argv)
         for (int e = 0; e < 300; e++) c.counts[e] = rnd_int(0, 3);
         run_case(c, 1003);
     }
-    /* The kernels a device with less shared memory runs instead of the
-     * defaults (grouped_gemm.cu's gg_fallback_variant, for an A100, then
-     * configuration 1), and the other variants, on a few more cases each,
-     * unless --variant chose. */
+    /* Every row of every GEMM's tile table: the cases above ran the
+     * plan's rows (row 0 where the device has the shared memory; the E =
+     * 300 case the rows without a persistent grid); set k runs row k of
+     * each GEMM whose plan row is not k, on a few more cases. A row the
+     * device cannot run is reported as skipped. Not with --row. */
     bool forced = false;
-    for (int g = 0; g < 6; g++) forced = forced || smoe_sm80_gemm_variant[g] != 0;
-    if (!forced && !small) {
-        static const char *const alt[6] = {
-            "up=2004,down=2004,dh=2,dw2=2202,dxt=2004,dw1=2202", "1",
-            /* and the other variants still in the table: DHR, the
-             * persistent grids of up, dw1, DHX with the L2 prefetch of H,
-             * DHX with two CTAs per SM, the one-CTA-per-tile grids of dw2
-             * and dxt on 64-deep k-tiles, dw1's default before session 7 */
-            "up=12012,down=2012,dh=2204,dw2=12212,dxt=12012,dw1=12212",
-            "up=12004,down=12004,dh=2604,dw2=12204,dxt=12002,dw1=12204", "dh=2401",
-            "dw2=2204,dxt=2012,dw1=2212"};
-        for (int k = 0; k < 6; k++) {
-            smoe_sm80_gemm_variant_parse(alt[k]);
-            printf("variant %s:\n", alt[k]);
-            for (int i = 0; i < 6; i++) run_case(random_case(0), 2000 + 10 * k + i);
-            memset(smoe_sm80_gemm_variant, 0, sizeof(int) * 6);
+    for (int g = 0; g < SMOE_GEMM_COUNT; g++) forced = forced || g_rows[g] >= 0;
+    if (!forced) {
+        smoe_gemm_problem p;
+        memset(&p, 0, sizeof p);
+        p.d = p.n = 16;
+        p.h_cols = 32;
+        p.E = 9; /* the random cases' largest */
+        p.gated = 1;
+        smoe_gemm_plan plan;
+        G->plan(&p, &plan);
+        for (int k = 0;; k++) {
+            char rows[512] = "";
+            bool any = false, more = false;
+            for (int g = 0; g < SMOE_GEMM_COUNT; g++) {
+                if (!G->row_name(g, k)) continue;
+                more = true;
+                if (k == plan.row[g] || !row_runs(g, k)) continue;
+                g_rows[g] = k;
+                any = true;
+                snprintf(rows + strlen(rows), sizeof rows - strlen(rows), "%s%s=\"%s\"",
+                         rows[0] ? " " : "", g_gemm_names[g], G->row_name(g, k));
+            }
+            if (!more) break;
+            if (!any) continue;
+            printf("rows %s:\n", rows);
+            for (int i = 0; i < (small ? 1 : 6); i++)
+                run_case(random_case(small), 2000 + 10 * k + i);
+            for (int g = 0; g < SMOE_GEMM_COUNT; g++) g_rows[g] = -1;
         }
     }
     if (g_fail) {
