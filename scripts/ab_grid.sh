@@ -10,7 +10,8 @@
 # REPS rounds (default 3), each running every candidate once in turn; then a
 # table per row: the median forward / backward TFLOPS of each candidate, its
 # range, and its ratio to the first candidate's median. CSVs go to
-# ${OUT:-/tmp}/ab_*.csv. BENCH=PATH runs the args: candidates with another
+# ${OUT:-/tmp}/ab_*.csv. BACKEND=cuda times the portable path (default sm90).
+# BENCH=PATH runs the args: candidates with another
 # smoe_bench binary.
 set -uo pipefail
 rows=$1 cands=$2 reps=${3:-3}
@@ -22,9 +23,9 @@ for r in $(seq 1 "$reps"); do
     tag=$(echo "$c" | tr '/ ' '__')
     if [[ $c == args:* ]]; then
       IFS=: read -ra opts <<< "${c#args:}"
-      $bench --rows "$rows" --backend sm90 "${opts[@]//+/ }" --csv "$out/ab_${tag}_$r.csv" >/dev/null
+      $bench --rows "$rows" --backend "${BACKEND:-sm90}" "${opts[@]//+/ }" --csv "$out/ab_${tag}_$r.csv" >/dev/null
     else
-      "$c" --rows "$rows" --backend sm90 --csv "$out/ab_${tag}_$r.csv" >/dev/null
+      "$c" --rows "$rows" --backend "${BACKEND:-sm90}" --csv "$out/ab_${tag}_$r.csv" >/dev/null
     fi || { echo "FAILED: $c (round $r)"; exit 1; }
   done
 done

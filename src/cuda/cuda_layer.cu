@@ -351,11 +351,7 @@ static smoe_status plans_make(smoe_layer *layer, const char *fn)
     smoe_gemm_problem p = problem_make(layer, 0);
     p.plan = NULL;
     smoe_gemm_plan p80, p90;
-    if (smoe_gemm_ops_sm80.plan) {
-        smoe_gemm_ops_sm80.plan(&p, &p80);
-    } else { /* transitional: until the portable table fills plan */
-        for (int i = 0; i < OP_COUNT; ++i) p80.row[i] = 0;
-    }
+    smoe_gemm_ops_sm80.plan(&p, &p80);
     for (int i = 0; i < OP_COUNT; ++i) p90.row[i] = -1;
     if (st->tab90) st->tab90->plan(&p, &p90);
     static const char *names[OP_COUNT] = {"up", "down", "dh", "dw2", "dxt", "dw1"};

@@ -357,6 +357,26 @@ static void gg_plan(const smoe_gemm_problem *p, smoe_gemm_plan *plan)
     }
 }
 
+/* smoe_gemm_ops.row_fits */
+static int gg_row_fits(const smoe_gemm_problem *p, int gemm, int row)
+{
+    if (gemm < 0 || gemm >= SMOE_GEMM_COUNT || row < 0 || row >= gg_table[gemm].count) {
+        smoe_fail(SMOE_ERROR_UNSUPPORTED, "mma.sync: no row %d for GEMM %d", row, gemm);
+        return 0;
+    }
+    if (!gg_shape_ok(p)) {
+        smoe_fail(SMOE_ERROR_UNSUPPORTED, "mma.sync %s: the shape is outside these kernels",
+                  gg_gemm_names[gemm]);
+        return 0;
+    }
+    const gg_row *r = &gg_table[gemm].rows[row];
+    const char *why = gg_row_refusal(r, p, gg_smem_optin());
+    if (why)
+        smoe_fail(SMOE_ERROR_UNSUPPORTED, "mma.sync %s: row \"%s\": %s", gg_gemm_names[gemm],
+                  r->name, why);
+    return why == NULL;
+}
+
 static const char *gg_row_name(int gemm, int row)
 {
     if (gemm < 0 || gemm >= SMOE_GEMM_COUNT || row < 0 || row >= gg_table[gemm].count)
@@ -370,9 +390,6 @@ static smoe_status gg_run(int gemm, gg_args *a, const smoe_gemm_problem *p, int 
                           cudaStream_t s, const char *what)
 {
     const smoe_gemm_plan *plan = p->plan;
-    smoe_gemm_plan dflt;         /* transitional: until cuda_layer.cu passes plans */
-    if (!plan) gg_plan(p, &dflt); /* transitional: until cuda_layer.cu passes plans */
-    if (!plan) plan = &dflt;      /* transitional: until cuda_layer.cu passes plans */
     SMOE_RETURN_ERROR_IF(!plan, SMOE_ERROR_INTERNAL, "%s: no plan", what);
     const int i = plan->row[gemm];
     SMOE_RETURN_ERROR_IF(i == -1, SMOE_ERROR_UNSUPPORTED,
@@ -548,5 +565,5 @@ static smoe_status gg_dw1(const smoe_gemm_problem *p, const bf16 *dh, const bf16
 
 extern "C" const smoe_gemm_ops smoe_gemm_ops_sm80 = {
     "mma.sync", gg_scratch_bytes, gg_up, gg_down, gg_dh, gg_dw2, gg_dxt, gg_dw1, gg_plan,
-    gg_row_name,
+    gg_row_name, gg_row_fits,
 };

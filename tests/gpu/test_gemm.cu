@@ -676,12 +676,9 @@ static void test_plans(void)
     bad.row[SMOE_GEMM_DOWN] = -1;
     p.plan = &bad;
     expect(G->down(&p, NULL, NULL, NULL, NULL, NULL, 0), SMOE_ERROR_UNSUPPORTED, "down, row -1");
-    /* No plan: SMOE_ERROR_INTERNAL once the layer passes plans; until then
-     * the launchers run the default plan (transitional: until
-     * cuda_layer.cu passes plans). */
+    /* No plan: a bug of the caller's */
     p.plan = NULL;
-    const smoe_status st = G->up(&p, NULL, NULL, NULL, NULL, NULL, NULL, 0);
-    if (st != SMOE_ERROR_INTERNAL && st != SMOE_SUCCESS) expect(st, SMOE_ERROR_INTERNAL, "no plan");
+    expect(G->up(&p, NULL, NULL, NULL, NULL, NULL, NULL, 0), SMOE_ERROR_INTERNAL, "no plan");
 
     /* More experts than a persistent grid keeps in shared memory (256):
      * the plan picks no persistent row, and a launcher asked for one
