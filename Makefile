@@ -191,17 +191,17 @@ test-gpu: $(GPU_TEST_BIN)
 bench: $(BUILD)/smoe_bench
 	$(BUILD)/smoe_bench $(ARGS)
 
-# C-ABI shim over the grouped-GEMM launcher tables (tests/gpu/gemm_shim.cu),
+# C-ABI shim over the grouped-GEMM launcher tables (bench/gemm_shim.cu),
 # a shared library with libsmoe.a linked in, for bench/gemm_vs_torch.py.
 ifeq ($(SMOE_CUDA),1)
 .PHONY: gemm-shim
 gemm-shim: $(BUILD)/libsmoe_gemm_shim.so
 
-$(BUILD)/tests/gpu/gemm_shim.o: tests/gpu/gemm_shim.cu src/cuda/gemm.h include/smoe.h src/smoe_internal.h
+$(BUILD)/bench/gemm_shim.o: bench/gemm_shim.cu src/cuda/gemm.h include/smoe.h src/smoe_internal.h
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) $(CUDA_ARCH_PORTABLE) -c $< -o $@
 
-$(BUILD)/libsmoe_gemm_shim.so: $(BUILD)/tests/gpu/gemm_shim.o $(LIB_A)
+$(BUILD)/libsmoe_gemm_shim.so: $(BUILD)/bench/gemm_shim.o $(LIB_A)
 	$(CC) -shared -o $@ $< $(LIB_A) $(LDLIBS)
 endif
 

@@ -3,7 +3,7 @@
 
 smoe's launchers (src/cuda/gemm.h, tables smoe_gemm_ops_sm90 and
 smoe_gemm_ops_sm80) are called through build/libsmoe_gemm_shim.so
-(tests/gpu/gemm_shim.cu, `make gemm-shim`). Torch does the same math on the
+(bench/gemm_shim.cu, `make gemm-shim`). Torch does the same math on the
 operand already gathered by token (Xg = X[row_token], dOg = dO[row_token]),
 so torch's time holds no gather while ours does its gather inside:
 
@@ -56,7 +56,7 @@ STATUS = ["SUCCESS", "NULL_POINTER", "INVALID_SIZE", "INVALID_VALUE", "UNSUPPORT
 # ------------------------------------------------------------------ the shim
 
 class ShimProblem(Structure):
-    """Mirror of smoe_shim_problem in tests/gpu/gemm_shim.cu."""
+    """Mirror of smoe_shim_problem in bench/gemm_shim.cu."""
     _fields_ = [
         ("d", c_int64), ("n", c_int64), ("h_cols", c_int64), ("E", c_int64), ("cap", c_int64),
         ("expert_offset", c_void_p), ("row_token", c_void_p), ("row_score", c_void_p),

@@ -11,7 +11,7 @@
  * what the consumers read: a quarter of every stage).
  *
  *   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc \
- *        tests/gpu/probe_racecheck_tma.cu -o build/probe_racecheck_tma
+ *        dev/probe_racecheck_tma.cu -o build/probe_racecheck_tma
  *   compute-sanitizer --tool racecheck build/probe_racecheck_tma [launches]
  *
  * Prints a line every 20 launches (line-buffered), so a stall shows where.
