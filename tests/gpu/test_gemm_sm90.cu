@@ -1031,7 +1031,10 @@ int main(int argc, char **argv)
                     g_force_row = row;
                     int ran = 0, tries = 0;
                     const int want = small ? 1 : 6;
-                    for (; ran < want && tries < 80; tries++) {
+                    /* --only-case N: draw no further than case N (each draw
+                     * allocates, which is slow under compute-sanitizer) */
+                    for (; ran < want && tries < 80 && (g_only_case < 0 || next <= g_only_case);
+                         tries++) {
                         const int r = run_case(next++, sms);
                         ran += r >= 0;
                         total += r >= 0;
