@@ -465,109 +465,106 @@ __device__ __forceinline__ void sm90_epilogue_tile(const float *acc, const sm90_
                                                    uint32_t &ep_it, uint32_t &jt)
 {
     typedef sm90_traits<BN, STAGES, MODE, FL> K;
-    typedef typename K::cfg cfg;
-    constexpr bool GATHER = K::GATHER, TRANS_B = K::TRANS_B, WS = K::WS, TOKREG = K::TOKREG;
     constexpr bool PP = K::PP, EPIWG = K::EPIWG, TMA_ST2 = K::TMA_ST2;
     constexpr int MH = K::MH, NACC = K::NACC;
-    (void)GATHER; (void)TRANS_B; (void)WS; (void)TOKREG; (void)PP; (void)EPIWG; (void)TMA_ST2;
-    (void)MH; (void)NACC;
     const int lane = tid & 31, warp = (tid >> 5) & 3;
     const int q = lane & 3;
-            /* ---------------- epilogue ----------------
-             * Through a per-warpgroup shared buffer, 64 columns at a time: the
-             * accumulator layout scatters a warp's stores over 8 rows, so each
-             * chunk is written to shared memory first and then stored as whole
-             * 128-byte row segments (16 bytes per thread), clipped at the
-             * expert's last row. */
-            uint8_t *eb = ep_base + cw * SM90_EP_BYTES;
-            /* EPIWG: the staging is free once the epilogue warps have read
-             * the previous tile out of it */
-            if constexpr (EPIWG) mbar_wait(smem_addr(stg + 1), (jt & 1) ^ 1);
-            const int lr = warp * 16 + (lane >> 2); /* this thread's rows lr, lr + 8 in the 64 */
-            const int n0 = tl.n_tile * BN;
-            const int64_t bo = (int64_t)tl.e * p.N;
+        /* ---------------- epilogue ----------------
+         * Through a per-warpgroup shared buffer, 64 columns at a time: the
+         * accumulator layout scatters a warp's stores over 8 rows, so each
+         * chunk is written to shared memory first and then stored as whole
+         * 128-byte row segments (16 bytes per thread), clipped at the
+         * expert's last row. */
+        uint8_t *eb = ep_base + cw * SM90_EP_BYTES;
+        /* EPIWG: the staging is free once the epilogue warps have read
+         * the previous tile out of it */
+        if constexpr (EPIWG) mbar_wait(smem_addr(stg + 1), (jt & 1) ^ 1);
+        const int lr = warp * 16 + (lane >> 2); /* this thread's rows lr, lr + 8 in the 64 */
+        const int n0 = tl.n_tile * BN;
+        const int64_t bo = (int64_t)tl.e * p.N;
 #pragma unroll
-            for (int mh = 0; mh < MH; mh++) { /* each m64 block of the warpgroup */
-            const float *ac = acc + mh * NACC;
-            const int wrow0 = tl.row0 + (PP ? mh : cw) * 64; /* first row of the 64 */
-            const int nvalid = min(64, tl.row_end - wrow0);
-            if constexpr (MODE == SM90_MODE_DH && TMA_ST2) {
-                ep_dh_tma_any<BN>(ac, ep_base + cw * 16384, ep_base + cw * 16384 + 8192, map_c,
-                                  map_a, p, wrow0, nvalid, n0, lr, q, tl.n_tile, tid & 127, cw);
-            } else if constexpr (MODE == SM90_MODE_DH) {
-                ep_dh_direct_any<BN>(ac, p, wrow0, nvalid, n0, lr, q, tl.n_tile);
+        for (int mh = 0; mh < MH; mh++) { /* each m64 block of the warpgroup */
+        const float *ac = acc + mh * NACC;
+        const int wrow0 = tl.row0 + (PP ? mh : cw) * 64; /* first row of the 64 */
+        const int nvalid = min(64, tl.row_end - wrow0);
+        if constexpr (MODE == SM90_MODE_DH && TMA_ST2) {
+            ep_dh_tma_any<BN>(ac, ep_base + cw * 16384, ep_base + cw * 16384 + 8192, map_c,
+                              map_a, p, wrow0, nvalid, n0, lr, q, tl.n_tile, tid & 127, cw);
+        } else if constexpr (MODE == SM90_MODE_DH) {
+            ep_dh_direct_any<BN>(ac, p, wrow0, nvalid, n0, lr, q, tl.n_tile);
+        } else {
+        if constexpr (TMA_ST2) {
+            ep_store_chunks_tma<BN>(ac, ep_base + cw * 16384, map_c, p, wrow0, nvalid, n0,
+                                    bo, lr, q, tid & 127, cw, ep_it);
+        } else {
+#pragma unroll
+        for (int c = 0; c < BN / 64; c++) {
+            if constexpr (MODE != SM90_MODE_UP) {
+                const int col0 = n0 + 64 * c;
+                if (col0 >= p.N) break;
+#pragma unroll
+                for (int jj = 0; jj < 8; jj++) {
+                    const int j = 8 * c + jj, col = col0 + 8 * jj + 2 * q;
+                    float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q,
+                                ac[4 * j + 2 * h] + b0, ac[4 * j + 2 * h + 1] + b1);
+                }
+                ep_flush<128>(
+                    eb, p.out0 + (int64_t)wrow0 * p.N + col0, p.N, nvalid, tid & 127, cw);
             } else {
-            if constexpr (TMA_ST2) {
-                ep_store_chunks_tma<BN>(ac, ep_base + cw * 16384, map_c, p, wrow0, nvalid, n0,
-                                        bo, lr, q, tid & 127, cw, ep_it);
-            } else {
+                /* The chunk's 64 H columns (bias added, rounded) go to shared
+                 * memory in interleaved order; the flush stores them and computes
+                 * A from the staged bf16 values in a compact loop. (Unrolling the
+                 * activation over all 128 accumulators made the kernel 450 KB of
+                 * code, and the epilogue's instruction fetches stalled every warp.)
+                 * Concatenated W1: chunk c holds units u0 .. u0 + 31, gates in
+                 * accumulator chunks 4c..4c+3 and their ups BN/16 chunks further. */
+                int hc0;
+                if constexpr (EPIWG) eb = ep_base + (cw * 4 + c) * SM90_EP_BYTES;
+                if (p.gated && p.concat) {
+                    const int u0 = n0 / 2 + 32 * c;
+                    if (u0 >= p.n) break;
+                    hc0 = 2 * u0;
 #pragma unroll
-            for (int c = 0; c < BN / 64; c++) {
-                if constexpr (MODE != SM90_MODE_UP) {
-                    const int col0 = n0 + 64 * c;
-                    if (col0 >= p.N) break;
-#pragma unroll
-                    for (int jj = 0; jj < 8; jj++) {
-                        const int j = 8 * c + jj, col = col0 + 8 * jj + 2 * q;
-                        float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
+                    for (int jj = 0; jj < 4; jj++) {
+                        const int jg = 4 * c + jj, ju = jg + BN / 16, u = u0 + 8 * jj + 2 * q;
+                        float bg0 = load_bias(p.bias, bo + u), bg1 = load_bias(p.bias, bo + u + 1);
+                        float bu0 = load_bias(p.bias, bo + p.n + u);
+                        float bu1 = load_bias(p.bias, bo + p.n + u + 1);
 #pragma unroll
                         for (int h = 0; h < 2; h++)
-                            ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q,
-                                    ac[4 * j + 2 * h] + b0, ac[4 * j + 2 * h + 1] + b1);
+                            ep_put4(eb, lr + 8 * h, 16 * jj + 4 * q, ac[4 * jg + 2 * h] + bg0,
+                                    ac[4 * ju + 2 * h] + bu0, ac[4 * jg + 2 * h + 1] + bg1,
+                                    ac[4 * ju + 2 * h + 1] + bu1);
                     }
-                    ep_flush<128>(
-                        eb, p.out0 + (int64_t)wrow0 * p.N + col0, p.N, nvalid, tid & 127, cw);
                 } else {
-                    /* The chunk's 64 H columns (bias added, rounded) go to shared
-                     * memory in interleaved order; the flush stores them and computes
-                     * A from the staged bf16 values in a compact loop. (Unrolling the
-                     * activation over all 128 accumulators made the kernel 450 KB of
-                     * code, and the epilogue's instruction fetches stalled every warp.)
-                     * Concatenated W1: chunk c holds units u0 .. u0 + 31, gates in
-                     * accumulator chunks 4c..4c+3 and their ups BN/16 chunks further. */
-                    int hc0;
-                    if constexpr (EPIWG) eb = ep_base + (cw * 4 + c) * SM90_EP_BYTES;
-                    if (p.gated && p.concat) {
-                        const int u0 = n0 / 2 + 32 * c;
-                        if (u0 >= p.n) break;
-                        hc0 = 2 * u0;
+                    hc0 = n0 + 64 * c;
+                    if (hc0 >= p.N) break;
 #pragma unroll
-                        for (int jj = 0; jj < 4; jj++) {
-                            const int jg = 4 * c + jj, ju = jg + BN / 16, u = u0 + 8 * jj + 2 * q;
-                            float bg0 = load_bias(p.bias, bo + u), bg1 = load_bias(p.bias, bo + u + 1);
-                            float bu0 = load_bias(p.bias, bo + p.n + u);
-                            float bu1 = load_bias(p.bias, bo + p.n + u + 1);
+                    for (int jj = 0; jj < 8; jj++) {
+                        const int j = 8 * c + jj, col = hc0 + 8 * jj + 2 * q;
+                        float b0 = load_bias(p.bias, bo + col);
+                        float b1 = load_bias(p.bias, bo + col + 1);
 #pragma unroll
-                            for (int h = 0; h < 2; h++)
-                                ep_put4(eb, lr + 8 * h, 16 * jj + 4 * q, ac[4 * jg + 2 * h] + bg0,
-                                        ac[4 * ju + 2 * h] + bu0, ac[4 * jg + 2 * h + 1] + bg1,
-                                        ac[4 * ju + 2 * h + 1] + bu1);
-                        }
-                    } else {
-                        hc0 = n0 + 64 * c;
-                        if (hc0 >= p.N) break;
-#pragma unroll
-                        for (int jj = 0; jj < 8; jj++) {
-                            const int j = 8 * c + jj, col = hc0 + 8 * jj + 2 * q;
-                            float b0 = load_bias(p.bias, bo + col), b1 = load_bias(p.bias, bo + col + 1);
-#pragma unroll
-                            for (int h = 0; h < 2; h++)
-                                ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q, ac[4 * j + 2 * h] + b0,
-                                        ac[4 * j + 2 * h + 1] + b1);
-                        }
+                        for (int h = 0; h < 2; h++)
+                            ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q, ac[4 * j + 2 * h] + b0,
+                                    ac[4 * j + 2 * h + 1] + b1);
                     }
-                    if constexpr (!EPIWG)
-                        ep_flush_up_any(eb, p.out0, p.out1, p.N, p.n, p.act, wrow0, hc0, nvalid,
-                                        tid & 127, cw);
                 }
+                if constexpr (!EPIWG)
+                    ep_flush_up_any(eb, p.out0, p.out1, p.N, p.n, p.act, wrow0, hc0, nvalid,
+                                    tid & 127, cw);
             }
-            } /* not TMA_ST2 */
-            } /* not dh */
-            } /* mh */
-            if constexpr (EPIWG) {
-                mbar_arrive(smem_addr(stg)); /* the staging holds this tile */
-                jt++;
-            }
+        }
+        } /* not TMA_ST2 */
+        } /* not dh */
+        } /* mh */
+        if constexpr (EPIWG) {
+            mbar_arrive(smem_addr(stg)); /* the staging holds this tile */
+            jt++;
+        }
 }
 
 
@@ -577,48 +574,44 @@ template <int BN, int STAGES, int MODE, int FL>
 __device__ __forceinline__ void sm90_epilogue_warps(const sm90_gemm_params &p,
                                                     const sm90_ctx &c, int tid)
 {
-    uint8_t *smem = c.smem, *ep_base = c.ep_base;
-    uint64_t *full = c.full, *empty = c.empty, *stg = c.stg;
+    uint8_t *ep_base = c.ep_base;
+    uint64_t *stg = c.stg;
     const int *tile_start = c.tile_start;
-    int32_t *tok_slots = c.tok_slots;
-    const int nt = c.nt, kb_count = c.kb_count, total = c.total, gm = c.gm, cid = c.cid,
-              ncl = c.ncl;
-    (void)smem; (void)ep_base; (void)full; (void)empty; (void)stg; (void)tok_slots;
-    (void)kb_count; (void)cid; (void)ncl;
-        /* ---------------- epilogue warps (EPIWG) ----------------
-         * The CTA's tiles in the consumers' order: per tile, once the
-         * staging is full, H and A of its 8 units (2 row blocks x 4
-         * column chunks) leave as ep_flush_up_ct stores them (its 128
-         * thread slots taken by the 64 threads twice); then the staging
-         * is handed back. */
-        const int t64 = tid - 64;
-        uint32_t jt = 0;
-        for (int t = cid; t < total; t += ncl, jt++) {
-            sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
-                                                p.off_stride, gm);
-            const int n0 = tl.n_tile * BN;
-            mbar_wait(smem_addr(stg), jt & 1);
-            for (int h = 0; h < 2; h++) {
-                const int wrow0 = tl.row0 + 64 * h;
-                const int nvalid = min(64, tl.row_end - wrow0);
-                for (int c = 0; c < BN / 64; c++) {
-                    int hc0;
-                    if (p.gated && p.concat) {
-                        const int u0 = n0 / 2 + 32 * c;
-                        if (u0 >= p.n) break;
-                        hc0 = 2 * u0;
-                    } else {
-                        hc0 = n0 + 64 * c;
-                        if (hc0 >= p.N) break;
-                    }
-                    for (int hv = 0; hv < 2; hv++)
-                        ep_flush_up_any<false>(ep_base + (h * 4 + c) * SM90_EP_BYTES, p.out0,
-                                               p.out1, p.N, p.n, p.act, wrow0, hc0, nvalid,
-                                               t64 + 64 * hv, 0);
+    const int nt = c.nt, total = c.total, gm = c.gm, cid = c.cid, ncl = c.ncl;
+    /* ---------------- epilogue warps (EPIWG) ----------------
+     * The CTA's tiles in the consumers' order: per tile, once the
+     * staging is full, H and A of its 8 units (2 row blocks x 4
+     * column chunks) leave as ep_flush_up_ct stores them (its 128
+     * thread slots taken by the 64 threads twice); then the staging
+     * is handed back. */
+    const int t64 = tid - 64;
+    uint32_t jt = 0;
+    for (int t = cid; t < total; t += ncl, jt++) {
+        sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
+                                            p.off_stride, gm);
+        const int n0 = tl.n_tile * BN;
+        mbar_wait(smem_addr(stg), jt & 1);
+        for (int h = 0; h < 2; h++) {
+            const int wrow0 = tl.row0 + 64 * h;
+            const int nvalid = min(64, tl.row_end - wrow0);
+            for (int c = 0; c < BN / 64; c++) {
+                int hc0;
+                if (p.gated && p.concat) {
+                    const int u0 = n0 / 2 + 32 * c;
+                    if (u0 >= p.n) break;
+                    hc0 = 2 * u0;
+                } else {
+                    hc0 = n0 + 64 * c;
+                    if (hc0 >= p.N) break;
                 }
+                for (int hv = 0; hv < 2; hv++)
+                    ep_flush_up_any<false>(ep_base + (h * 4 + c) * SM90_EP_BYTES, p.out0,
+                                           p.out1, p.N, p.n, p.act, wrow0, hc0, nvalid,
+                                           t64 + 64 * hv, 0);
             }
-            mbar_arrive(smem_addr(stg + 1));
         }
+        mbar_arrive(smem_addr(stg + 1));
+    }
 }
 
 #endif /* SMOE_EPILOGUE_SM90_CUH */

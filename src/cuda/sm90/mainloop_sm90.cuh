@@ -51,137 +51,131 @@ __device__ __forceinline__ void sm90_produce(const CUtensorMap &map_a, const CUt
 {
     typedef sm90_traits<BN, STAGES, MODE, FL> K;
     typedef typename K::cfg cfg;
-    constexpr bool GATHER = K::GATHER, TRANS_B = K::TRANS_B, WS = K::WS, TOKREG = K::TOKREG;
-    constexpr bool PP = K::PP, EPIWG = K::EPIWG, TMA_ST2 = K::TMA_ST2;
-    constexpr int MH = K::MH, NACC = K::NACC;
-    (void)GATHER; (void)TRANS_B; (void)WS; (void)TOKREG; (void)PP; (void)EPIWG; (void)TMA_ST2;
-    (void)MH; (void)NACC;
-    uint8_t *smem = c.smem, *ep_base = c.ep_base;
-    uint64_t *full = c.full, *empty = c.empty, *stg = c.stg;
+    constexpr bool GATHER = K::GATHER, TRANS_B = K::TRANS_B, WS = K::WS, EPIWG = K::EPIWG;
+    uint8_t *smem = c.smem;
+    uint64_t *full = c.full, *empty = c.empty;
     const int *tile_start = c.tile_start;
     int32_t *tok_slots = c.tok_slots;
     const int nt = c.nt, kb_count = c.kb_count, total = c.total, gm = c.gm, cid = c.cid,
               ncl = c.ncl;
-    (void)smem; (void)ep_base; (void)full; (void)empty; (void)stg; (void)tok_slots;
-    (void)kb_count; (void)cid; (void)ncl;
-        const uint32_t tx_bytes = GATHER ? cfg::B_BYTES : cfg::A_BYTES + cfg::B_BYTES;
-        if constexpr (GATHER && WS) {
-            /* Warp-per-stage gather: k-block `it` belongs to producer warp it % 4,
-             * which loads the whole A tile of that stage (32 cp.async per lane)
-             * and the weight tile, so four stages are in flight on four warps.
-             * The tile's 128 gather tokens sit in a double-buffered shared array
-             * (one barrier per tile: a buffer is rewritten two tiles later, after
-             * every warp has passed the next tile's barrier). */
-            const int pw = tid >> 5, lane = tid & 31, chunk = lane & 7;
-            int it = 0, nth = 0;
-            for (int t = blockIdx.x; t < total; t += gridDim.x, nth++) {
-                sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
-                                                    p.off_stride, gm);
-                int32_t *tokb = tok_slots + 128 * (nth & 1);
-                {
-                    int r = tl.row0 + tid;
-                    tokb[tid] = r < tl.row_end ? __ldg(p.row_token + r) : -1;
-                }
-                named_barrier_sync(3, 128);
-                for (int kb = 0; kb < kb_count; kb++, it++) {
-                    if ((it & 3) != pw) continue;
-                    const int stage = it % STAGES;
-                    const uint32_t phase = (uint32_t)(it / STAGES) & 1;
-                    const uint32_t fb = smem_addr(full + stage);
-                    const uint32_t sa = smem_addr(smem + stage * cfg::STAGE_BYTES);
-                    const uint32_t sb = sa + cfg::A_BYTES;
-                    mbar_wait(smem_addr(empty + stage), phase ^ 1);
-                    if (lane == 0) {
-                        mbar_arrive_expect_tx(fb, tx_bytes);
-                        if (p.concat) {
-                            int g = tl.e * p.N + tl.n_tile * (BN / 2);
-                            tma_load_2d(sb, &map_b, fb, kb * SM90_BK, g);
-                            tma_load_2d(sb + cfg::B_BYTES / 2, &map_b, fb, kb * SM90_BK, g + p.n);
-                        } else {
-                            tma_load_2d(sb, &map_b, fb, kb * SM90_BK, tl.e * p.N + tl.n_tile * BN);
-                        }
-                    }
-                    const bf16 *src0 = p.a_src + kb * SM90_BK + chunk * 8;
-#pragma unroll 8
-                    for (int i = 0; i < 32; i++) {
-                        const int r = (lane >> 3) + 4 * i;
-                        const uint32_t dst = sa + r * 128 + ((chunk ^ (r & 7)) << 4);
-                        const int32_t ti = tokb[r];
-                        cp_async_16(dst, src0 + (int64_t)(ti < 0 ? 0 : ti) * p.K, ti < 0 ? 0u : 16u);
-                    }
-                    cp_async_mbar_arrive_noinc(fb);
-                }
-            }
-            /* producer tail (as CUTLASS's): no producer thread leaves while a
-             * stage it filled is still unreleased, i.e. with its copies
-             * possibly in flight */
-            for (int i = 0; i < STAGES; i++, it++)
-                mbar_wait(smem_addr(empty + it % STAGES), ((uint32_t)(it / STAGES) & 1) ^ 1);
-        } else {
-        /* rows rsub + RS i (i < PRT), 16-byte chunk: 128 gathering threads
-         * take 8 rows each, EPIWG's 64 take 16 */
-        constexpr int PRT = EPIWG ? 16 : 8, RS = 128 / PRT;
-        const int chunk = tid & 7, rsub = tid >> 3;
-        int stage = 0;
-        uint32_t phase = 0;
-        for (int t = cid; t < total; t += ncl) {
+    const uint32_t tx_bytes = GATHER ? cfg::B_BYTES : cfg::A_BYTES + cfg::B_BYTES;
+    if constexpr (GATHER && WS) {
+        /* Warp-per-stage gather: k-block `it` belongs to producer warp it % 4,
+         * which loads the whole A tile of that stage (32 cp.async per lane)
+         * and the weight tile, so four stages are in flight on four warps.
+         * The tile's 128 gather tokens sit in a double-buffered shared array
+         * (one barrier per tile: a buffer is rewritten two tiles later, after
+         * every warp has passed the next tile's barrier). */
+        const int pw = tid >> 5, lane = tid & 31, chunk = lane & 7;
+        int it = 0, nth = 0;
+        for (int t = blockIdx.x; t < total; t += gridDim.x, nth++) {
             sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
                                                 p.off_stride, gm);
-            /* this thread's gather rows, for the whole tile */
-            int32_t tok[PRT];
-            if (GATHER) {
-#pragma unroll
-                for (int i = 0; i < PRT; i++) {
-                    int r = tl.row0 + rsub + RS * i;
-                    tok[i] = r < tl.row_end ? __ldg(p.row_token + r) : -1;
-                }
+            int32_t *tokb = tok_slots + 128 * (nth & 1);
+            {
+                int r = tl.row0 + tid;
+                tokb[tid] = r < tl.row_end ? __ldg(p.row_token + r) : -1;
             }
-            for (int kb = 0; kb < kb_count; kb++) {
+            named_barrier_sync(3, 128);
+            for (int kb = 0; kb < kb_count; kb++, it++) {
+                if ((it & 3) != pw) continue;
+                const int stage = it % STAGES;
+                const uint32_t phase = (uint32_t)(it / STAGES) & 1;
                 const uint32_t fb = smem_addr(full + stage);
                 const uint32_t sa = smem_addr(smem + stage * cfg::STAGE_BYTES);
                 const uint32_t sb = sa + cfg::A_BYTES;
                 mbar_wait(smem_addr(empty + stage), phase ^ 1);
-                if (tid == 0) {
+                if (lane == 0) {
                     mbar_arrive_expect_tx(fb, tx_bytes);
-                    if constexpr (TRANS_B) {
-                        /* BN/64 boxes of 64 k-rows x 64 n-columns, 8 KiB apart */
-#pragma unroll
-                        for (int j = 0; j < BN / 64; j++)
-                            tma_load_2d(sb + j * 8192, &map_b, fb, tl.n_tile * BN + 64 * j,
-                                        tl.e * p.K + kb * SM90_BK);
-                    } else if (MODE == SM90_MODE_UP && p.concat) {
+                    if (p.concat) {
                         int g = tl.e * p.N + tl.n_tile * (BN / 2);
                         tma_load_2d(sb, &map_b, fb, kb * SM90_BK, g);
                         tma_load_2d(sb + cfg::B_BYTES / 2, &map_b, fb, kb * SM90_BK, g + p.n);
                     } else {
                         tma_load_2d(sb, &map_b, fb, kb * SM90_BK, tl.e * p.N + tl.n_tile * BN);
                     }
-                    if (!GATHER) tma_load_2d(sa, &map_a, fb, kb * SM90_BK, tl.row0);
                 }
-                if (GATHER) {
-                    const bf16 *src0 = p.a_src + kb * SM90_BK + chunk * 8;
-#pragma unroll
-                    for (int i = 0; i < PRT; i++) {
-                        int r = rsub + RS * i;
-                        uint32_t dst = sa + r * 128 + ((chunk ^ (r & 7)) << 4);
-                        const int32_t ti = tok[i];
-                        const bf16 *src = src0 + (int64_t)(ti < 0 ? 0 : ti) * p.K;
-                        cp_async_16(dst, src, ti < 0 ? 0u : 16u);
-                    }
-                    cp_async_mbar_arrive_noinc(fb);
+                const bf16 *src0 = p.a_src + kb * SM90_BK + chunk * 8;
+#pragma unroll 8
+                for (int i = 0; i < 32; i++) {
+                    const int r = (lane >> 3) + 4 * i;
+                    const uint32_t dst = sa + r * 128 + ((chunk ^ (r & 7)) << 4);
+                    const int32_t ti = tokb[r];
+                    cp_async_16(dst, src0 + (int64_t)(ti < 0 ? 0 : ti) * p.K, ti < 0 ? 0u : 16u);
                 }
-                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+                cp_async_mbar_arrive_noinc(fb);
             }
         }
         /* producer tail (as CUTLASS's): no producer thread leaves while a
-         * stage it filled is still unreleased, i.e. with its TMA loads or
-         * copies possibly in flight (under racecheck an early exit stalled
-         * the consumers of a 6-stage down: notes/sm90_log.md rung 13) */
-        for (int i = 0; i < STAGES; i++) {
+         * stage it filled is still unreleased, i.e. with its copies
+         * possibly in flight */
+        for (int i = 0; i < STAGES; i++, it++)
+            mbar_wait(smem_addr(empty + it % STAGES), ((uint32_t)(it / STAGES) & 1) ^ 1);
+    } else {
+    /* rows rsub + RS i (i < PRT), 16-byte chunk: 128 gathering threads
+     * take 8 rows each, EPIWG's 64 take 16 */
+    constexpr int PRT = EPIWG ? 16 : 8, RS = 128 / PRT;
+    const int chunk = tid & 7, rsub = tid >> 3;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = cid; t < total; t += ncl) {
+        sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
+                                            p.off_stride, gm);
+        /* this thread's gather rows, for the whole tile */
+        int32_t tok[PRT];
+        if (GATHER) {
+#pragma unroll
+            for (int i = 0; i < PRT; i++) {
+                int r = tl.row0 + rsub + RS * i;
+                tok[i] = r < tl.row_end ? __ldg(p.row_token + r) : -1;
+            }
+        }
+        for (int kb = 0; kb < kb_count; kb++) {
+            const uint32_t fb = smem_addr(full + stage);
+            const uint32_t sa = smem_addr(smem + stage * cfg::STAGE_BYTES);
+            const uint32_t sb = sa + cfg::A_BYTES;
             mbar_wait(smem_addr(empty + stage), phase ^ 1);
+            if (tid == 0) {
+                mbar_arrive_expect_tx(fb, tx_bytes);
+                if constexpr (TRANS_B) {
+                    /* BN/64 boxes of 64 k-rows x 64 n-columns, 8 KiB apart */
+#pragma unroll
+                    for (int j = 0; j < BN / 64; j++)
+                        tma_load_2d(sb + j * 8192, &map_b, fb, tl.n_tile * BN + 64 * j,
+                                    tl.e * p.K + kb * SM90_BK);
+                } else if (MODE == SM90_MODE_UP && p.concat) {
+                    int g = tl.e * p.N + tl.n_tile * (BN / 2);
+                    tma_load_2d(sb, &map_b, fb, kb * SM90_BK, g);
+                    tma_load_2d(sb + cfg::B_BYTES / 2, &map_b, fb, kb * SM90_BK, g + p.n);
+                } else {
+                    tma_load_2d(sb, &map_b, fb, kb * SM90_BK, tl.e * p.N + tl.n_tile * BN);
+                }
+                if (!GATHER) tma_load_2d(sa, &map_a, fb, kb * SM90_BK, tl.row0);
+            }
+            if (GATHER) {
+                const bf16 *src0 = p.a_src + kb * SM90_BK + chunk * 8;
+#pragma unroll
+                for (int i = 0; i < PRT; i++) {
+                    int r = rsub + RS * i;
+                    uint32_t dst = sa + r * 128 + ((chunk ^ (r & 7)) << 4);
+                    const int32_t ti = tok[i];
+                    const bf16 *src = src0 + (int64_t)(ti < 0 ? 0 : ti) * p.K;
+                    cp_async_16(dst, src, ti < 0 ? 0u : 16u);
+                }
+                cp_async_mbar_arrive_noinc(fb);
+            }
             if (++stage == STAGES) { stage = 0; phase ^= 1; }
         }
-        }
+    }
+    /* producer tail (as CUTLASS's): no producer thread leaves while a
+     * stage it filled is still unreleased, i.e. with its TMA loads or
+     * copies possibly in flight (under racecheck an early exit stalled
+     * the consumers of a 6-stage down: notes/sm90_log.md rung 13) */
+    for (int i = 0; i < STAGES; i++) {
+        mbar_wait(smem_addr(empty + stage), phase ^ 1);
+        if (++stage == STAGES) { stage = 0; phase ^= 1; }
+    }
+    }
 }
 
 /* A consumer warpgroup (wg 1 or 2): per tile the main loop over the stages
@@ -194,81 +188,75 @@ __device__ __forceinline__ void sm90_consume(const CUtensorMap &map_a, const CUt
 {
     typedef sm90_traits<BN, STAGES, MODE, FL> K;
     typedef typename K::cfg cfg;
-    constexpr bool GATHER = K::GATHER, TRANS_B = K::TRANS_B, WS = K::WS, TOKREG = K::TOKREG;
-    constexpr bool PP = K::PP, EPIWG = K::EPIWG, TMA_ST2 = K::TMA_ST2;
+    constexpr bool GATHER = K::GATHER, TRANS_B = K::TRANS_B, PP = K::PP;
     constexpr int MH = K::MH, NACC = K::NACC;
-    (void)GATHER; (void)TRANS_B; (void)WS; (void)TOKREG; (void)PP; (void)EPIWG; (void)TMA_ST2;
-    (void)MH; (void)NACC;
     uint8_t *smem = c.smem, *ep_base = c.ep_base;
     uint64_t *full = c.full, *empty = c.empty, *stg = c.stg;
     const int *tile_start = c.tile_start;
-    int32_t *tok_slots = c.tok_slots;
     const int nt = c.nt, kb_count = c.kb_count, total = c.total, gm = c.gm, cid = c.cid,
               ncl = c.ncl;
-    (void)smem; (void)ep_base; (void)full; (void)empty; (void)stg; (void)tok_slots;
-    (void)kb_count; (void)cid; (void)ncl;
-        /* cooperative: rows 64 cw .. 64 cw + 63 of every tile; ping-pong: whole
-         * tiles, the CTA's tiles j with j % 2 == cw */
-        const int cw = wg - 1;
-        float acc[MH * NACC];
-        /* ring position of this warpgroup's next k-block: the producer fills
-         * kb_count stages per tile, tile after tile */
-        uint32_t pos = PP ? (uint32_t)(cw * kb_count) : 0u;
-        uint32_t ep_it = 0; /* TMA_ST2: this warpgroup's chunks so far */
-        uint32_t jt = 0;    /* EPIWG: this CTA's tiles so far */
-        for (int t = cid + (PP ? cw * ncl : 0); t < total; t += (PP ? 2 : 1) * ncl) {
-            sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
-                                                p.off_stride, gm);
-            int prev = 0;
-            /* Ping-pong order: a warpgroup starts its main loop only after the
-             * other one has waited for the previous tile's last stage. Besides
-             * taking turns on the tensor cores, this keeps its full-barrier
-             * waits at most one phase ahead of the producer (a parity wait two
-             * phases ahead would pass at once). Named barriers 4 (warpgroup 1
-             * may go) and 5 (warpgroup 0 may go); an arrival is made only when
-             * the other warpgroup has a next tile, so every one is matched. */
-            if (PP && t >= ncl) named_barrier_sync(4 + (cw ^ 1), 256);
-            /* columns of this tile the MMA computes (BN = 192 only; p.N % 64 == 0) */
-            const int wn = min(BN, p.N - tl.n_tile * BN);
-            for (int kb = 0; kb < kb_count; kb++, pos++) {
-                const int stage = (int)(pos % STAGES);
-                mbar_wait(smem_addr(full + stage), (pos / STAGES) & 1);
-                /* cp.async (generic proxy) writes -> wgmma (async proxy) reads
-                 * (dropping it measured no gain: rung 6) */
-                if (GATHER) fence_proxy_async();
-                const uint32_t sa =
-                    smem_addr(smem + stage * cfg::STAGE_BYTES) + (PP ? 0 : cw * 64 * 128);
-                const uint32_t sb = smem_addr(smem + stage * cfg::STAGE_BYTES) + cfg::A_BYTES;
-                if constexpr (BN == 192) {
-                    /* the last n-tile of d = 4096 has 64 valid columns: a
-                     * narrower wgmma there, no wasted MMA (each width its
-                     * own fence..commit block, so no wgmma sits in a
-                     * divergent path of another's) */
-                    if (wn == 192)
-                        sm90_mma_kblock<192, TRANS_B, MH, MH * NACC>(acc, sa, sb, kb);
-                    else if (wn == 128)
-                        sm90_mma_kblock<128, TRANS_B, MH, MH * NACC>(acc, sa, sb, kb);
-                    else
-                        sm90_mma_kblock<64, TRANS_B, MH, MH * NACC>(acc, sa, sb, kb);
-                } else {
-                    sm90_mma_kblock<BN, TRANS_B, MH, MH * NACC>(acc, sa, sb, kb);
-                }
-                if (kb > 0) { /* the previous stage's wgmma has retired: release it */
-                    wgmma_wait<1>();
-                    if ((tid & 127) == 0) mbar_arrive(smem_addr(empty + prev));
-                }
-                prev = stage;
+    /* cooperative: rows 64 cw .. 64 cw + 63 of every tile; ping-pong: whole
+     * tiles, the CTA's tiles j with j % 2 == cw */
+    const int cw = wg - 1;
+    float acc[MH * NACC];
+    /* ring position of this warpgroup's next k-block: the producer fills
+     * kb_count stages per tile, tile after tile */
+    uint32_t pos = PP ? (uint32_t)(cw * kb_count) : 0u;
+    uint32_t ep_it = 0; /* TMA_ST2: this warpgroup's chunks so far */
+    uint32_t jt = 0;    /* EPIWG: this CTA's tiles so far */
+    for (int t = cid + (PP ? cw * ncl : 0); t < total; t += (PP ? 2 : 1) * ncl) {
+        sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
+                                            p.off_stride, gm);
+        int prev = 0;
+        /* Ping-pong order: a warpgroup starts its main loop only after the
+         * other one has waited for the previous tile's last stage. Besides
+         * taking turns on the tensor cores, this keeps its full-barrier
+         * waits at most one phase ahead of the producer (a parity wait two
+         * phases ahead would pass at once). Named barriers 4 (warpgroup 1
+         * may go) and 5 (warpgroup 0 may go); an arrival is made only when
+         * the other warpgroup has a next tile, so every one is matched. */
+        if (PP && t >= ncl) named_barrier_sync(4 + (cw ^ 1), 256);
+        /* columns of this tile the MMA computes (BN = 192 only; p.N % 64 == 0) */
+        const int wn = min(BN, p.N - tl.n_tile * BN);
+        for (int kb = 0; kb < kb_count; kb++, pos++) {
+            const int stage = (int)(pos % STAGES);
+            mbar_wait(smem_addr(full + stage), (pos / STAGES) & 1);
+            /* cp.async (generic proxy) writes -> wgmma (async proxy) reads
+             * (dropping it measured no gain: rung 6) */
+            if (GATHER) fence_proxy_async();
+            const uint32_t sa =
+                smem_addr(smem + stage * cfg::STAGE_BYTES) + (PP ? 0 : cw * 64 * 128);
+            const uint32_t sb = smem_addr(smem + stage * cfg::STAGE_BYTES) + cfg::A_BYTES;
+            if constexpr (BN == 192) {
+                /* the last n-tile of d = 4096 has 64 valid columns: a
+                 * narrower wgmma there, no wasted MMA (each width its
+                 * own fence..commit block, so no wgmma sits in a
+                 * divergent path of another's) */
+                if (wn == 192)
+                    sm90_mma_kblock<192, TRANS_B, MH, MH * NACC>(acc, sa, sb, kb);
+                else if (wn == 128)
+                    sm90_mma_kblock<128, TRANS_B, MH, MH * NACC>(acc, sa, sb, kb);
+                else
+                    sm90_mma_kblock<64, TRANS_B, MH, MH * NACC>(acc, sa, sb, kb);
+            } else {
+                sm90_mma_kblock<BN, TRANS_B, MH, MH * NACC>(acc, sa, sb, kb);
             }
-            if (PP) {
-                pos += kb_count; /* the other warpgroup's tile */
-                if (t + ncl < total) named_barrier_arrive(4 + cw, 256);
+            if (kb > 0) { /* the previous stage's wgmma has retired: release it */
+                wgmma_wait<1>();
+                if ((tid & 127) == 0) mbar_arrive(smem_addr(empty + prev));
             }
-            wgmma_wait<0>();
-            wgmma_fence_regs<MH * NACC>(acc);
-            if ((tid & 127) == 0) mbar_arrive(smem_addr(empty + prev));
-
-            sm90_epilogue_tile<BN, STAGES, MODE, FL>(acc, tl, p, &map_a, &map_c, ep_base, stg, tid,
-                                                     cw, ep_it, jt);
+            prev = stage;
         }
+        if (PP) {
+            pos += kb_count; /* the other warpgroup's tile */
+            if (t + ncl < total) named_barrier_arrive(4 + cw, 256);
+        }
+        wgmma_wait<0>();
+        wgmma_fence_regs<MH * NACC>(acc);
+        if ((tid & 127) == 0) mbar_arrive(smem_addr(empty + prev));
+
+        sm90_epilogue_tile<BN, STAGES, MODE, FL>(acc, tl, p, &map_a, &map_c, ep_base, stg, tid,
+                                                 cw, ep_it, jt);
+    }
 }
 #endif /* SMOE_MAINLOOP_SM90_CUH */

@@ -2,10 +2,10 @@
  * ptx_sm90.cuh -- thin named wrappers for the Hopper (sm_90a) instructions the
  * grouped GEMMs use: TMA tensor loads, mbarriers, cp.async with mbarrier
  * completion, wgmma (descriptors, fences, m64nNk16 bf16), setmaxnreg, proxy
- * fences and stmatrix; it includes ../ptx.cuh (the instructions every device
- * runs). No other file under src/cuda/sm90 holds inline assembly. Each wrapper is one instruction (or one wait loop) so
- * kernel bodies read as algorithms. Build with
- * -gencode=arch=compute_90a,code=sm_90a.
+ * fences and stmatrix; it includes ../ptx.cuh (the instructions every
+ * device runs). No other file under src/cuda/sm90 holds inline assembly.
+ * Each wrapper is one instruction (or one wait loop) so kernel bodies read
+ * as algorithms. Build with -gencode=arch=compute_90a,code=sm_90a.
  */
 #ifndef SMOE_PTX_SM90_CUH
 #define SMOE_PTX_SM90_CUH
