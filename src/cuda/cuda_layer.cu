@@ -49,7 +49,16 @@
 
 #define CUBLAS_WS_BYTES ((size_t)8 << 20)
 
-enum { OP_UP, OP_DOWN, OP_DH, OP_DW2, OP_DXT, OP_DW1, OP_COUNT };
+/* the six GEMMs, gemm.h's indices */
+enum {
+    OP_UP = SMOE_GEMM_UP,
+    OP_DOWN = SMOE_GEMM_DOWN,
+    OP_DH = SMOE_GEMM_DH,
+    OP_DW2 = SMOE_GEMM_DW2,
+    OP_DXT = SMOE_GEMM_DXT,
+    OP_DW1 = SMOE_GEMM_DW1,
+    OP_COUNT = SMOE_GEMM_COUNT
+};
 
 typedef struct cuda_state {
     int device;
@@ -322,7 +331,6 @@ static void path_name_make(smoe_layer *layer)
 {
     cuda_state *st = (cuda_state *)layer->state;
     const smoe_gemm_ops *p = &smoe_gemm_ops_sm80, *h = st->tab90;
-    static const char *names[OP_COUNT] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
     char gemm[96];
     if (!h) {
         snprintf(gemm, sizeof gemm, "cuda: gemm %s (sm%d)", p->name, st->sm);
@@ -331,7 +339,7 @@ static void path_name_make(smoe_layer *layer)
         for (int i = 0; i < OP_COUNT; ++i) {
             char *dst = st->use90[i] ? a : b;
             if (dst[0]) strncat(dst, ",", 63 - strlen(dst));
-            strncat(dst, names[i], 63 - strlen(dst));
+            strncat(dst, smoe_gemm_name(i), 63 - strlen(dst));
         }
         if (!b[0]) snprintf(gemm, sizeof gemm, "sm90: all %s", h->name);
         else if (!a[0]) snprintf(gemm, sizeof gemm, "sm90: all %s", p->name);
@@ -354,13 +362,12 @@ static smoe_status plans_make(smoe_layer *layer, const char *fn)
     smoe_gemm_ops_sm80.plan(&p, &p80);
     for (int i = 0; i < OP_COUNT; ++i) p90.row[i] = -1;
     if (st->tab90) st->tab90->plan(&p, &p90);
-    static const char *names[OP_COUNT] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
     for (int i = 0; i < OP_COUNT; ++i) {
         st->use90[i] = p90.row[i] >= 0;
         st->plan.row[i] = st->use90[i] ? p90.row[i] : p80.row[i];
         SMOE_RETURN_ERROR_IF(st->plan.row[i] < 0, SMOE_ERROR_UNSUPPORTED,
                              "%s: no %s GEMM kernel fits this device at d = %lld, n = %lld", fn,
-                             names[i], (long long)layer->desc.d, (long long)layer->desc.n);
+                             smoe_gemm_name(i), (long long)layer->desc.d, (long long)layer->desc.n);
     }
     return SMOE_SUCCESS;
 }
@@ -368,11 +375,8 @@ static smoe_status plans_make(smoe_layer *layer, const char *fn)
 /* cuda_layer.h: a test's or the benchmark's choice of one GEMM's row. */
 smoe_status smoe_cuda_layer_set_row(smoe_layer *layer, const char *gemm, const char *name)
 {
-    static const char *names[OP_COUNT] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
     cuda_state *st = (cuda_state *)layer->state;
-    int g = -1;
-    for (int i = 0; i < OP_COUNT; ++i)
-        if (!strcmp(gemm, names[i])) g = i;
+    const int g = smoe_gemm_find(gemm, strlen(gemm));
     SMOE_RETURN_ERROR_IF(g < 0, SMOE_ERROR_INVALID_VALUE, "set_row: no GEMM named %s", gemm);
     const smoe_gemm_ops *ops = st->use90[g] ? st->tab90 : &smoe_gemm_ops_sm80;
     SMOE_RETURN_ERROR_IF(!ops->row_name, SMOE_ERROR_UNSUPPORTED,

@@ -14,9 +14,10 @@
 /* ds[r] = the n-tile partials in tile order (+ <dO[tok[r]], b2[e]>). One
  * warp per row; rows past R, and in a view (os > 1) rows outside it,
  * untouched. */
-static __global__ void ds_reduce_kernel(const float *dsp, int tiles, int64_t cap, const int32_t *off, int os,
-                               int E, const int32_t *tok, const bf16 *dout, const bf16 *b2, int d,
-                               float *ds, const int *abort)
+static __global__ void ds_reduce_kernel(const float *dsp, int tiles, int64_t cap,
+                                        const int32_t *off, int os, int E, const int32_t *tok,
+                                        const bf16 *dout, const bf16 *b2, int d, float *ds,
+                                        const int *abort)
 {
     if (abort && *abort) return;
     const int lane = threadIdx.x & 31;
@@ -68,8 +69,9 @@ extern "C" smoe_status smoe_ds_reduce(const smoe_gemm_problem *p, const float *d
 {
     const int os = p->off_stride > 1 ? p->off_stride : 1;
     if (os > 1 && p->E > DS_MAX_EXPERTS)
-        return smoe_fail(SMOE_ERROR_UNSUPPORTED, "dS reduction: a view of at most %d experts (E=%lld)",
-                         DS_MAX_EXPERTS, (long long)p->E);
+        return smoe_fail(SMOE_ERROR_UNSUPPORTED,
+                         "dS reduction: a view of at most %d experts (E=%lld)", DS_MAX_EXPERTS,
+                         (long long)p->E);
     if (p->cap == 0) return SMOE_SUCCESS;
     ds_reduce_kernel<<<(unsigned)((p->cap + 7) / 8), 256, 0, s>>>(
         dsp, tiles, p->cap, p->expert_offset, os, (int)p->E, p->row_token, dout, b2, (int)p->d,

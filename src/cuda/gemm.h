@@ -158,6 +158,25 @@ typedef struct smoe_gemm_ops {
     int (*row_fits)(const smoe_gemm_problem *p, int gemm, int row);
 } smoe_gemm_ops;
 
+/* GEMM g's name ("up", "down", "dh", "dw2", "dxt", "dw1"), and the index
+ * of a name (-1 if none). */
+static inline const char *smoe_gemm_name(int g)
+{
+    static const char *const names[SMOE_GEMM_COUNT] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
+    return g >= 0 && g < SMOE_GEMM_COUNT ? names[g] : "?";
+}
+
+static inline int smoe_gemm_find(const char *name, size_t len)
+{
+    for (int g = 0; g < SMOE_GEMM_COUNT; g++) {
+        const char *n = smoe_gemm_name(g);
+        size_t k = 0;
+        while (k < len && n[k] && n[k] == name[k]) k++;
+        if (k == len && !n[k]) return g;
+    }
+    return -1;
+}
+
 /* The row of GEMM `gemm` named `name` in ops' table, -1 if none. */
 static inline int smoe_gemm_row_find(const smoe_gemm_ops *ops, int gemm, const char *name)
 {

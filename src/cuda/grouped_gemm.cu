@@ -319,7 +319,6 @@ static const struct {
     {gg_rows_dxt, GG_NROWS(gg_rows_dxt)}, {gg_rows_dw1, GG_NROWS(gg_rows_dw1)},
 };
 
-static const char *const gg_gemm_names[SMOE_GEMM_COUNT] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
 
 /* Why row r cannot run problem p on a device giving `optin` bytes of
  * shared memory a block, or NULL if it can. */
@@ -366,13 +365,13 @@ static int gg_row_fits(const smoe_gemm_problem *p, int gemm, int row)
     }
     if (!gg_shape_ok(p)) {
         smoe_fail(SMOE_ERROR_UNSUPPORTED, "mma.sync %s: the shape is outside these kernels",
-                  gg_gemm_names[gemm]);
+                  smoe_gemm_name(gemm));
         return 0;
     }
     const gg_row *r = &gg_table[gemm].rows[row];
     const char *why = gg_row_refusal(r, p, gg_smem_optin());
     if (why)
-        smoe_fail(SMOE_ERROR_UNSUPPORTED, "mma.sync %s: row \"%s\": %s", gg_gemm_names[gemm],
+        smoe_fail(SMOE_ERROR_UNSUPPORTED, "mma.sync %s: row \"%s\": %s", smoe_gemm_name(gemm),
                   r->name, why);
     return why == NULL;
 }
@@ -396,7 +395,7 @@ static smoe_status gg_run(int gemm, gg_args *a, const smoe_gemm_problem *p, int 
                          "%s: the plan has no row of the tile table for this GEMM", what);
     SMOE_RETURN_ERROR_IF(i < 0 || i >= gg_table[gemm].count, SMOE_ERROR_INTERNAL,
                          "%s: the plan names row %d, the %s table has %d", what, i,
-                         gg_gemm_names[gemm], gg_table[gemm].count);
+                         smoe_gemm_name(gemm), gg_table[gemm].count);
     const gg_row *r = &gg_table[gemm].rows[i];
     const int optin = gg_smem_optin();
     const char *why = gg_row_refusal(r, p, optin);

@@ -61,7 +61,6 @@
     } while (0)
 
 static const smoe_gemm_ops *G = &smoe_gemm_ops_sm80;
-static const char *const g_gemm_names[SMOE_GEMM_COUNT] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
 
 /* Rows run instead of the plan's (-1: the plan's): --row, or the row
  * coverage after the default cases. */
@@ -630,17 +629,17 @@ static void test_plans(void)
         int count = 0;
         while (G->row_name(g, count)) count++;
         if (count == 0) {
-            fprintf(stderr, "FAIL: %s has no rows\n", g_gemm_names[g]);
+            fprintf(stderr, "FAIL: %s has no rows\n", smoe_gemm_name(g));
             g_fail++;
         }
         for (int r = 0; r < count; r++)
             if (smoe_gemm_row_find(G, g, G->row_name(g, r)) != r) {
-                fprintf(stderr, "FAIL: %s row %d: name \"%s\" not unique\n", g_gemm_names[g], r,
+                fprintf(stderr, "FAIL: %s row %d: name \"%s\" not unique\n", smoe_gemm_name(g), r,
                         G->row_name(g, r));
                 g_fail++;
             }
         if (smoe_gemm_row_find(G, g, "no such row") != -1 || G->row_name(g, -1)) {
-            fprintf(stderr, "FAIL: %s: a row that does not exist was found\n", g_gemm_names[g]);
+            fprintf(stderr, "FAIL: %s: a row that does not exist was found\n", smoe_gemm_name(g));
             g_fail++;
         }
     }
@@ -661,7 +660,7 @@ static void test_plans(void)
     G->plan(&p, &plan);
     for (int g = 0; g < SMOE_GEMM_COUNT; g++)
         if (!G->row_name(g, plan.row[g])) {
-            fprintf(stderr, "FAIL: the plan of d=n=16 E=4 has no row for %s\n", g_gemm_names[g]);
+            fprintf(stderr, "FAIL: the plan of d=n=16 E=4 has no row for %s\n", smoe_gemm_name(g));
             g_fail++;
         }
     p.plan = &plan;
@@ -688,7 +687,7 @@ static void test_plans(void)
     for (int g = 0; g < SMOE_GEMM_COUNT; g++) {
         const char *name = G->row_name(g, plan.row[g]);
         if (!name || strstr(name, "pers")) {
-            fprintf(stderr, "FAIL: E=300: %s's plan row is %s\n", g_gemm_names[g],
+            fprintf(stderr, "FAIL: E=300: %s's plan row is %s\n", smoe_gemm_name(g),
                     name ? name : "none");
             g_fail++;
         }
@@ -709,7 +708,7 @@ static void test_plans(void)
             case SMOE_GEMM_DW1: s2 = G->dw1(&p, NULL, NULL, NULL, SMOE_DTYPE_F32, 1, NULL, 0); break;
             }
             char what[160];
-            snprintf(what, sizeof what, "E=300, %s row \"%s\"", g_gemm_names[g], G->row_name(g, r));
+            snprintf(what, sizeof what, "E=300, %s row \"%s\"", smoe_gemm_name(g), G->row_name(g, r));
             expect(s2, SMOE_ERROR_UNSUPPORTED, what);
             if (s2 == SMOE_ERROR_UNSUPPORTED && !strstr(smoe_last_error(), G->row_name(g, r))) {
                 fprintf(stderr, "FAIL: %s: the message does not name the row: %s\n", what,
@@ -724,7 +723,7 @@ static void test_plans(void)
     G->plan(&p, &plan);
     for (int g = 0; g < SMOE_GEMM_COUNT; g++)
         if (plan.row[g] != -1) {
-            fprintf(stderr, "FAIL: d=12: %s's plan row is %d, want -1\n", g_gemm_names[g],
+            fprintf(stderr, "FAIL: d=12: %s's plan row is %d, want -1\n", smoe_gemm_name(g),
                     plan.row[g]);
             g_fail++;
         }
@@ -767,7 +766,7 @@ static bool row_runs(int g, int row)
     CK(cudaFree(d_off));
     CK(cudaFree(w));
     if (st != SMOE_SUCCESS && st != SMOE_ERROR_UNSUPPORTED) CKS(st);
-    if (st != SMOE_SUCCESS) printf("skip %s row \"%s\": %s\n", g_gemm_names[g],
+    if (st != SMOE_SUCCESS) printf("skip %s row \"%s\": %s\n", smoe_gemm_name(g),
                                    G->row_name(g, row), smoe_last_error());
     return st == SMOE_SUCCESS;
 }
@@ -830,7 +829,6 @@ static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64
     CK(cudaMalloc(&dw2, E * d * n * 4));
     CK(cudaMalloc(&scratch, G->scratch_bytes(&p)));
     const double flop = 2.0 * R * d * n;
-    const char *names[6] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
     const double flops[6] = {2 * flop, flop, flop, flop, 2 * flop, 2 * flop};
     cudaEvent_t ev0, ev1;
     CK(cudaEventCreate(&ev0));
@@ -850,7 +848,7 @@ static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64
     double ms_med[SMOE_GEMM_COUNT];
     for (int g = 0; g < SMOE_GEMM_COUNT; g++) {
         ms_med[g] = 0;
-        if (g_bench_gemm && strcmp(g_bench_gemm, names[g])) continue;
+        if (g_bench_gemm && strcmp(g_bench_gemm, smoe_gemm_name(g))) continue;
         const int chosen = plan.row[g];
         for (int r = g_all_rows ? 0 : chosen; g_all_rows ? G->row_name(g, r) != NULL : r == chosen;
              r++) {
@@ -872,7 +870,7 @@ static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64
                 CK(cudaEventRecord(ev1));
                 CK(cudaEventSynchronize(ev1));
                 if (st != SMOE_SUCCESS) { /* e.g. a row too large for the device */
-                    printf("  %-5s %s\n", names[g], smoe_last_error());
+                    printf("  %-5s %s\n", smoe_gemm_name(g), smoe_last_error());
                     ok = false;
                 }
                 if (it >= 0) CK(cudaEventElapsedTime(&ms[it], ev0, ev1));
@@ -881,8 +879,8 @@ static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64
             std::sort(ms.begin(), ms.end());
             const double med = ms[reps / 2];
             if (r == chosen) ms_med[g] = med;
-            printf("  %-5s %9.3f ms %7.1f TFLOPS  [%s %s \"%s\"%s]\n", names[g], med,
-                   flops[g] / med * 1e-9, name, names[g], G->row_name(g, r),
+            printf("  %-5s %9.3f ms %7.1f TFLOPS  [%s %s \"%s\"%s]\n", smoe_gemm_name(g), med,
+                   flops[g] / med * 1e-9, name, smoe_gemm_name(g), G->row_name(g, r),
                    r == chosen ? " plan" : "");
         }
         plan.row[g] = chosen;
@@ -905,13 +903,11 @@ static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64
 static int parse_row(const char *spec)
 {
     const char *eq = strchr(spec, '=');
-    for (int g = 0; eq && g < SMOE_GEMM_COUNT; g++) {
-        if (strlen(g_gemm_names[g]) != (size_t)(eq - spec) ||
-            strncmp(spec, g_gemm_names[g], eq - spec))
-            continue;
+    const int g = eq ? smoe_gemm_find(spec, (size_t)(eq - spec)) : -1;
+    if (g >= 0) {
         g_rows[g] = smoe_gemm_row_find(G, g, eq + 1);
         if (g_rows[g] >= 0) return 0;
-        fprintf(stderr, "--row %s: no such row; %s's rows:", spec, g_gemm_names[g]);
+        fprintf(stderr, "--row %s: no such row; %s's rows:", spec, smoe_gemm_name(g));
         for (int r = 0; G->row_name(g, r); r++) fprintf(stderr, " \"%s\"", G->row_name(g, r));
         fprintf(stderr, "\n");
         return -1;
@@ -1004,7 +1000,7 @@ int main(int argc, char **argv)
                 g_rows[g] = k;
                 any = true;
                 snprintf(rows + strlen(rows), sizeof rows - strlen(rows), "%s%s=\"%s\"",
-                         rows[0] ? " " : "", g_gemm_names[g], G->row_name(g, k));
+                         rows[0] ? " " : "", smoe_gemm_name(g), G->row_name(g, k));
             }
             if (!more) break;
             if (!any) continue;

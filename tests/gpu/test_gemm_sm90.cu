@@ -981,10 +981,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
         else if (!strcmp(argv[i], "--row") && i + 1 < argc) {
             const char *spec = argv[++i], *eq = strchr(spec, '=');
-            static const char *gn[] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
-            for (int k = 0; eq && k < SMOE_GEMM_COUNT; k++)
-                if ((size_t)(eq - spec) == strlen(gn[k]) && !strncmp(spec, gn[k], eq - spec))
-                    g_force_gemm = k;
+            g_force_gemm = eq ? smoe_gemm_find(spec, (size_t)(eq - spec)) : -1;
             g_force_row = g_force_gemm >= 0
                               ? smoe_gemm_row_find(&smoe_gemm_ops_sm90, g_force_gemm, eq + 1)
                               : -1;
@@ -1021,7 +1018,6 @@ int main(int argc, char **argv)
              * 256: more draws there) */
             static const int gemms[4] = {SMOE_GEMM_UP, SMOE_GEMM_DOWN, SMOE_GEMM_DXT,
                                          SMOE_GEMM_DH};
-            static const char *gname[SMOE_GEMM_COUNT] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
             int next = cases;
             for (int gi = 0; gi < 4; gi++) {
                 for (int row = 0;; row++) {
@@ -1040,10 +1036,10 @@ int main(int argc, char **argv)
                         total += r >= 0;
                         failed += r == 0;
                     }
-                    printf("row %s \"%s\": %d cases\n", gname[gemms[gi]], rn, ran);
+                    printf("row %s \"%s\": %d cases\n", smoe_gemm_name(gemms[gi]), rn, ran);
                     if (ran == 0 && !small && g_only_case < 0) {
-                        printf("  FAIL: no random case fits row %s \"%s\"\n", gname[gemms[gi]],
-                               rn);
+                        printf("  FAIL: no random case fits row %s \"%s\"\n",
+                               smoe_gemm_name(gemms[gi]), rn);
                         failed++;
                     }
                 }

@@ -427,14 +427,13 @@ static int sm90_row_fits_op(const smoe_gemm_problem *p, int g, int row, const ch
 
 static int sm90_row_fits(const smoe_gemm_problem *p, int g, int row)
 {
-    static const char *names[SMOE_GEMM_COUNT] = {"up", "down", "dh", "dw2", "dxt", "dw1"};
     if (g < 0 || g >= SMOE_GEMM_COUNT) return 0;
-    if (!sm90_shape_ok(p)) return sm90_check_common(p, names[g]) == SMOE_SUCCESS;
+    if (!sm90_shape_ok(p)) return sm90_check_common(p, smoe_gemm_name(g)) == SMOE_SUCCESS;
     if (g == SMOE_GEMM_DXT && p->gated && p->w1_layout == SMOE_W1_CONCATENATED) {
         smoe_fail(SMOE_ERROR_UNSUPPORTED, "sm90 dxt: not with the concatenated W1 layout");
         return 0;
     }
-    return sm90_row_fits_op(p, g, row, names[g]);
+    return sm90_row_fits_op(p, g, row, smoe_gemm_name(g));
 }
 
 /* Where one expert's weight slice (K x N bf16) is 16 MiB or more: the
