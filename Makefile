@@ -159,11 +159,11 @@ $(BUILD)/tests/%: tests/%.c $(wildcard tests/*.h) $(LIB_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests $< -o $@ $(LIB_A) $(LDLIBS)
 
-$(BUILD)/tests/gpu/%: tests/gpu/%.c $(wildcard tests/*.h) $(LIB_A)
+$(BUILD)/tests/gpu/%: tests/gpu/%.c $(wildcard tests/*.h tests/gpu/*.h) $(LIB_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests $< -o $@ $(LIB_A) $(LDLIBS)
 
-$(BUILD)/tests/gpu/%: tests/gpu/%.cu $(LIB_A)
+$(BUILD)/tests/gpu/%: tests/gpu/%.cu $(wildcard tests/*.h tests/gpu/*.h) $(LIB_A)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) $(CUDA_ARCH_PORTABLE) -Itests $< -o $@ $(LIB_A) -Xcompiler -fopenmp \
 	  -lcublas -lm -lpthread -ldl

@@ -7,12 +7,17 @@
  *   - CHECK(): records pass/fail; a failure prints the seed, the current
  *     case (tu_case()) and the message; tu_summary() prints
  *     "N passed, M failed" and returns the exit code;
+ *   - tu_tally: element checks |got - ref| <= tol of one output, counted,
+ *     the first few failures printed;
+ *   - the activations f and f' (tu_act1, tu_act1_d);
  *   - an independent naive reference of the layer (routing, token rounding,
  *     forward) in double precision, written from DESIGN.md and smoe.h, not
  *     from the library's code.
  *
- * Every test program takes an optional seed as argv[1] (default fixed), so a
- * failure can be replayed with the seed it prints.
+ * C11, and C++ for the CUDA tests (nvcc), which add tests/gpu/testutil_cuda.h
+ * (CUDA checks, device buffers, fills). Every test program takes an optional
+ * seed as argv[1] (default fixed), so a failure can be replayed with the seed
+ * it prints.
  */
 #ifndef SMOE_TESTUTIL_H
 #define SMOE_TESTUTIL_H
@@ -190,6 +195,59 @@ static TU_UNUSED size_t tu_argmax_diff(const double *a, const double *ref, size_
     return best;
 }
 
+/* ------------------------------------------------------------ tallies */
+
+/* Element checks of one output: |got - ref| <= tol (a NaN fails), the
+ * relative Frobenius error over the finite values, the worst err / tol; the
+ * first five failures are printed with their index. rtol and atol give
+ * tu_tally_rt's tolerance, rtol |ref| + atol. */
+typedef struct tu_tally {
+    const char *what;
+    double rtol, atol;
+    long long count, bad, nonfinite;
+    double err2, ref2, worst, max_excess;
+} tu_tally;
+
+static TU_UNUSED tu_tally tu_tally_make(const char *what, double rtol, double atol) {
+    tu_tally t;
+    memset(&t, 0, sizeof t);
+    t.what = what;
+    t.rtol = rtol;
+    t.atol = atol;
+    return t;
+}
+
+static TU_UNUSED int tu_tally_add(tu_tally *t, double got, double ref, double tol, long long idx) {
+    double err = fabs(got - ref);
+    int ok = err <= tol;
+    t->count++;
+    if (!ok) {
+        if (t->bad < 5)
+            fprintf(stderr, "  %s[%lld]: got %.6g ref %.6g tol %.3g\n", t->what, idx, got, ref,
+                    tol);
+        t->bad++;
+        if (err - tol > t->max_excess) t->max_excess = err - tol;
+    }
+    if (!isfinite(got)) {
+        t->nonfinite++;
+        return ok;
+    }
+    t->err2 += err * err;
+    t->ref2 += ref * ref;
+    if (tol > 0 && err / tol > t->worst) t->worst = err / tol;
+    return ok;
+}
+
+/* the tally's own tolerance, rtol |ref| + atol */
+static TU_UNUSED int tu_tally_rt(tu_tally *t, double got, double ref, long long idx) {
+    return tu_tally_add(t, got, ref, t->rtol * fabs(ref) + t->atol, idx);
+}
+
+/* sqrt(sum err^2 / sum ref^2) over the finite values */
+static TU_UNUSED double tu_tally_rel(const tu_tally *t) {
+    return t->ref2 > 0 ? sqrt(t->err2 / t->ref2) : sqrt(t->err2);
+}
+
 /* ------------------------------------------------------------ checks */
 
 static int tu_npass, tu_nfail;
@@ -292,6 +350,24 @@ static TU_UNUSED double tu_act1(smoe_activation a, double x) {
     case SMOE_ACT_GEGLU: case SMOE_ACT_GELU: return tu_gelu(x);
     case SMOE_ACT_REGLU: case SMOE_ACT_RELU: return tu_relu(x);
     case SMOE_ACT_RELU2: return tu_relu(x) * tu_relu(x);
+    }
+    return NAN;
+}
+
+/* f' of tu_act1 (the gate function's where gated) */
+static TU_UNUSED double tu_act1_d(smoe_activation a, double x) {
+    switch (a) {
+    case SMOE_ACT_SWIGLU: case SMOE_ACT_SILU: {
+        double s = 1.0 / (1.0 + exp(-x));
+        return s * (1.0 + x * (1.0 - s));
+    }
+    case SMOE_ACT_GEGLU: case SMOE_ACT_GELU: {
+        const double c = 0.7978845608028654;
+        double th = tanh(c * (x + 0.044715 * x * x * x));
+        return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * c * (1.0 + 3.0 * 0.044715 * x * x);
+    }
+    case SMOE_ACT_REGLU: case SMOE_ACT_RELU: return x > 0 ? 1.0 : 0.0;
+    case SMOE_ACT_RELU2: return 2.0 * tu_relu(x);
     }
     return NAN;
 }
