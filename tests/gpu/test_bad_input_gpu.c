@@ -9,23 +9,8 @@
  */
 #include "bad_input.h"
 
-#include <cuda_runtime_api.h>
+#include "testutil_cuda.h"
 
-#define CUDA_OK(call)                                                                      \
-    do {                                                                                   \
-        cudaError_t e_ = (call);                                                           \
-        if (e_ != cudaSuccess) {                                                           \
-            fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
-                    cudaGetErrorString(e_));                                               \
-            exit(3);                                                                       \
-        }                                                                                  \
-    } while (0)
-
-static void *d_alloc(size_t n) {
-    void *p = NULL;
-    CUDA_OK(cudaMalloc(&p, n ? n : 16));
-    return p;
-}
 static void d_release(void *p) { CUDA_OK(cudaFree(p)); }
 static void d_put(void *dst, const void *src, size_t n) {
     CUDA_OK(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice));
@@ -41,19 +26,15 @@ static void d_fill(void *p, int byte, size_t n) {
 
 int main(int argc, char **argv) {
     tu_rng rng = tu_rng_make(tu_init(argc, argv, 99));
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-        printf("test_bad_input_gpu: no CUDA device, skipped\n");
-        return 0;
-    }
-    struct cudaDeviceProp prop;
-    CUDA_OK(cudaGetDeviceProperties(&prop, 0));
-    static const bi_mem mem_cuda = {"cuda", d_alloc, d_release, d_put, d_get, d_fill};
-    static const bi_mem mem_sm90 = {"sm90", d_alloc, d_release, d_put, d_get, d_fill};
+    const int cc = tu_gpu_cc("test_bad_input_gpu");
+    if (!cc) return 0;
+    static const bi_mem mem_cuda = {"cuda", tu_dev_alloc, d_release, d_put, d_get, d_fill};
+    static const bi_mem mem_sm90 = {"sm90", tu_dev_alloc, d_release, d_put, d_get, d_fill};
     const smoe_backend backends[2] = {SMOE_BACKEND_CUDA, SMOE_BACKEND_SM90};
     for (int b = 0; b < 2; b++) {
-        if (backends[b] == SMOE_BACKEND_SM90 && prop.major * 10 + prop.minor != 90) {
-            printf("test_bad_input_gpu: %s is not sm_90, SM90 backend skipped\n", prop.name);
+        if (backends[b] == SMOE_BACKEND_SM90 && cc != 90) {
+            printf("test_bad_input_gpu: the device is sm_%d, not sm_90: SM90 backend skipped\n",
+                   cc);
             continue;
         }
         M = b ? &mem_sm90 : &mem_cuda;

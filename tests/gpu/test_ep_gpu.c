@@ -27,19 +27,10 @@
  */
 #include "ep_ref.h"
 
-#include <cuda_runtime_api.h>
+#include "testutil_cuda.h"
+
 #include <dlfcn.h>
 #include <pthread.h>
-
-#define CUDA_OK(call)                                                                      \
-    do {                                                                                   \
-        cudaError_t e_ = (call);                                                           \
-        if (e_ != cudaSuccess) {                                                           \
-            fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
-                    cudaGetErrorString(e_));                                               \
-            exit(3);                                                                       \
-        }                                                                                  \
-    } while (0)
 
 #define MAXP 4
 

@@ -22,19 +22,7 @@
  * Needs about 24 GB of device memory; skips (exit 0, says so) without a
  * GPU or with less memory free.
  */
-#include "testutil.h"
-
-#include <cuda_runtime_api.h>
-
-#define CUDA_OK(call)                                                                      \
-    do {                                                                                   \
-        cudaError_t e_ = (call);                                                           \
-        if (e_ != cudaSuccess) {                                                           \
-            fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
-                    cudaGetErrorString(e_));                                               \
-            exit(3);                                                                       \
-        }                                                                                  \
-    } while (0)
+#include "testutil_cuda.h"
 
 enum { D_ = 64, N_ = 4096, E_ = 128, K_ = 8, T_ = 66560, S_ = 48, GUARD = 4096 };
 
@@ -329,14 +317,9 @@ static void run(smoe_backend backend, int token_choice, tu_rng *rng) {
 
 int main(int argc, char **argv) {
     tu_rng rng = tu_rng_make(tu_init(argc, argv, 31));
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-        printf("test_large_gpu: no CUDA device, skipped\n");
-        return 0;
-    }
-    struct cudaDeviceProp prop;
-    CUDA_OK(cudaGetDeviceProperties(&prop, 0));
-    const int sm90 = prop.major * 10 + prop.minor == 90;
+    const int cc = tu_gpu_cc("test_large_gpu");
+    if (!cc) return 0;
+    const int sm90 = cc == 90;
     for (int tc = 0; tc < 2; tc++) {
         run(SMOE_BACKEND_CUDA, tc, &rng);
         if (sm90) run(SMOE_BACKEND_SM90, tc, &rng);

@@ -35,22 +35,12 @@
 #include "smoe_internal.h"
 #include "testutil.h"
 
-#include <cuda_runtime_api.h>
+#include "testutil_cuda.h"
 
 static smoe_backend g_backend = SMOE_BACKEND_AUTO;
 
 static int g_small = 0;
 static int g_skipped = 0, g_cases = 0;
-
-#define CUDA_OK(call)                                                                      \
-    do {                                                                                   \
-        cudaError_t e_ = (call);                                                           \
-        if (e_ != cudaSuccess) {                                                           \
-            fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
-                    cudaGetErrorString(e_));                                               \
-            exit(3);                                                                       \
-        }                                                                                  \
-    } while (0)
 
 static void *dmalloc(size_t n)
 {

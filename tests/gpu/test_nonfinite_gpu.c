@@ -10,19 +10,7 @@
  * tie (the GPU's and the CPU's fp32 logits may order it differently) are
  * redrawn. Skips without a GPU.
  */
-#include "testutil.h"
-
-#include <cuda_runtime_api.h>
-
-#define CUDA_OK(call)                                                                      \
-    do {                                                                                   \
-        cudaError_t e_ = (call);                                                           \
-        if (e_ != cudaSuccess) {                                                           \
-            fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
-                    cudaGetErrorString(e_));                                               \
-            exit(3);                                                                       \
-        }                                                                                  \
-    } while (0)
+#include "testutil_cuda.h"
 
 enum { INJ_X, INJ_WR, INJ_W1, INJ_W2, INJ_DOUT, INJ_N };
 static const char *inj_name[INJ_N] = {"x", "router_w", "w1", "w2", "dout"};
@@ -182,14 +170,9 @@ static void compare(const result *gpu, const result *cpu) {
 
 int main(int argc, char **argv) {
     tu_rng rng = tu_rng_make(tu_init(argc, argv, 23));
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-        printf("test_nonfinite_gpu: no CUDA device, skipped\n");
-        return 0;
-    }
-    struct cudaDeviceProp prop;
-    CUDA_OK(cudaGetDeviceProperties(&prop, 0));
-    const int sm90 = prop.major * 10 + prop.minor == 90;
+    const int cc = tu_gpu_cc("test_nonfinite_gpu");
+    if (!cc) return 0;
+    const int sm90 = cc == 90;
     int redrawn = 0;
     for (int b = 0; b < 2; b++) {
         if (b == 1 && !sm90) continue;

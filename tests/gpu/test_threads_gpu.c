@@ -8,20 +8,9 @@
  * SOFTMAX_TOPK (the dense cuBLAS router GEMMs, whose handle the threads
  * share), on the CUDA and SM90 backends. Skips without a GPU.
  */
-#include "testutil.h"
+#include "testutil_cuda.h"
 
-#include <cuda_runtime_api.h>
 #include <pthread.h>
-
-#define CUDA_OK(call)                                                                      \
-    do {                                                                                   \
-        cudaError_t e_ = (call);                                                           \
-        if (e_ != cudaSuccess) {                                                           \
-            fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
-                    cudaGetErrorString(e_));                                               \
-            exit(3);                                                                       \
-        }                                                                                  \
-    } while (0)
 
 #define NTHREADS 4
 #define ROUNDS 8
@@ -186,14 +175,9 @@ static void test_backend(smoe_backend backend, smoe_routing routing, tu_rng *rng
 
 int main(int argc, char **argv) {
     tu_rng rng = tu_rng_make(tu_init(argc, argv, 17));
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-        printf("test_threads_gpu: no CUDA device, skipped\n");
-        return 0;
-    }
-    struct cudaDeviceProp prop;
-    CUDA_OK(cudaGetDeviceProperties(&prop, 0));
-    const int sm90 = prop.major * 10 + prop.minor == 90;
+    const int cc = tu_gpu_cc("test_threads_gpu");
+    if (!cc) return 0;
+    const int sm90 = cc == 90;
     for (int r = 0; r < 2; r++) {
         const smoe_routing routing = r ? SMOE_ROUTING_SOFTMAX_TOPK : SMOE_ROUTING_TOPK_SOFTMAX;
         test_backend(SMOE_BACKEND_CUDA, routing, &rng);
