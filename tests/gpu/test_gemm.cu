@@ -11,17 +11,13 @@
  *                        a few more cases each (a row the device cannot run
  *                        is reported as skipped)
  *   test_gemm --small    a few small cases (for compute-sanitizer)
- *   test_gemm --bench    TFLOPS of each GEMM on three grid shapes (CUDA events,
- *                        median of 10 runs after 2 warm-ups; weight gradients
- *                        in bf16 as the layer asks, --wgrad-f32 for fp32);
- *                        --shape NAME, --gemm NAME (up down dh dw2 dxt dw1),
- *                        --reps N pick one shape, one GEMM, the number of
- *                        timed runs; --all-rows times every row of each
- *                        GEMM's tile table in turn on the same buffers
- *   --row GEMM=NAME      run (or time) row NAME of GEMM's tile table instead
- *                        of the plan's, e.g. --row "dh=256x128x32 s3 dh";
+ *   --row GEMM=NAME      run row NAME of GEMM's tile table instead of the
+ *                        plan's, e.g. --row "dh=256x128x32 s3 dh";
  *                        repeatable; the other rows' cases are then skipped
  *   --seed N             the random seed (printed on failure)
+ *
+ * The timings of these GEMMs (each row of the tile tables, on the grid's
+ * shapes) are bench/bench_gemm.cu's.
  *
  * Tolerances: each GEMM's inputs are random bf16; the reference sums in
  * double. A value that the kernel rounds to bf16 may differ by the bf16
@@ -31,34 +27,11 @@
  * that H. Every output row past R and every output element the call must not
  * touch is poisoned before and checked after.
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
 #include <algorithm>
 #include <vector>
 
 #include "cuda/gemm.h"
-
-#define CK(x)                                                                              \
-    do {                                                                                   \
-        cudaError_t e_ = (x);                                                              \
-        if (e_ != cudaSuccess) {                                                           \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(2);                                                                       \
-        }                                                                                  \
-    } while (0)
-
-#define CKS(x)                                                                             \
-    do {                                                                                   \
-        smoe_status s_ = (x);                                                              \
-        if (s_ != SMOE_SUCCESS) {                                                          \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, smoe_last_error()); \
-            exit(2);                                                                       \
-        }                                                                                  \
-    } while (0)
+#include "testutil_cuda.h"
 
 static const smoe_gemm_ops *G = &smoe_gemm_ops_sm80;
 
@@ -70,119 +43,37 @@ static uint64_t g_seed = 1;
 
 /* ------------------------------------------------------------ host helpers */
 
-static uint64_t rng_state;
-static uint32_t rnd_u32(void)
-{
-    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-    return (uint32_t)(rng_state >> 33);
-}
-static int rnd_int(int lo, int hi) { return lo + (int)(rnd_u32() % (uint32_t)(hi - lo + 1)); }
-static float rnd_unif(void) { return (rnd_u32() >> 8) * (1.0f / 16777216.0f) * 2.0f - 1.0f; }
-
-static uint16_t f2bf(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static double bf2d(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-#define POISON_BF16 0xffffu /* NaN */
+static tu_rng g_rng;
+static int rnd_int(int lo, int hi) { return (int)tu_int(&g_rng, lo, hi); }
+static float rnd_unif(void) { return (float)tu_range(&g_rng, -1.0, 1.0); }
 
 /* Random bf16 host array, values scale * U(-1, 1). */
 static std::vector<uint16_t> rnd_bf16(size_t count, float scale)
 {
     std::vector<uint16_t> v(count);
-    for (size_t i = 0; i < count; i++) v[i] = f2bf(scale * rnd_unif());
+    for (size_t i = 0; i < count; i++) v[i] = tu_f32_to_bf16(scale * rnd_unif());
     return v;
 }
 
 template <typename T>
 static T *dev_upload(const std::vector<T> &h)
 {
-    T *d = NULL;
-    CK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T)));
-    if (!h.empty()) CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
+    return (T *)tu_dev_put(h.data(), h.size() * sizeof(T));
 }
 template <typename T>
 static std::vector<T> dev_download(const T *d, size_t count)
 {
     std::vector<T> h(count);
-    if (count) CK(cudaMemcpy(h.data(), d, count * sizeof(T), cudaMemcpyDeviceToHost));
+    tu_dev_get(h.data(), d, count * sizeof(T));
     return h;
 }
 
-static double act_f(int act, double x)
+/* A tally that failed counts as one failure of the case. */
+static void tally_done(const tu_tally *t, const char *cs)
 {
-    const double c = 0.7978845608028654;
-    switch (act) {
-    case SMOE_ACT_SWIGLU:
-    case SMOE_ACT_SILU: return x / (1.0 + exp(-x));
-    case SMOE_ACT_GEGLU:
-    case SMOE_ACT_GELU: return 0.5 * x * (1.0 + tanh(c * (x + 0.044715 * x * x * x)));
-    case SMOE_ACT_REGLU:
-    case SMOE_ACT_RELU: return x > 0 ? x : 0.0;
-    default: return x > 0 ? x * x : 0.0; /* RELU2 */
-    }
-}
-static double act_df(int act, double x)
-{
-    const double c = 0.7978845608028654;
-    switch (act) {
-    case SMOE_ACT_SWIGLU:
-    case SMOE_ACT_SILU: { double s = 1.0 / (1.0 + exp(-x)); return s * (1.0 + x * (1.0 - s)); }
-    case SMOE_ACT_GEGLU:
-    case SMOE_ACT_GELU: {
-        double th = tanh(c * (x + 0.044715 * x * x * x));
-        return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * c * (1.0 + 3.0 * 0.044715 * x * x);
-    }
-    case SMOE_ACT_REGLU:
-    case SMOE_ACT_RELU: return x > 0 ? 1.0 : 0.0;
-    default: return x > 0 ? 2.0 * x : 0.0;
-    }
-}
-static int act_gated(int act)
-{
-    return act == SMOE_ACT_SWIGLU || act == SMOE_ACT_GEGLU || act == SMOE_ACT_REGLU;
-}
-static const char *act_name(int act)
-{
-    static const char *n[] = {"swiglu", "geglu", "reglu", "relu2", "relu", "silu", "gelu"};
-    return n[act];
-}
-
-/* Counts failures per check and prints the first few. */
-typedef struct checker {
-    const char *what;
-    long bad, total;
-    double worst; /* max err / tol */
-} checker;
-
-static void chk(checker *c, double got, double ref, double tol, long idx)
-{
-    c->total++;
-    double err = fabs(got - ref);
-    if (!(err <= tol)) {
-        if (c->bad < 5)
-            fprintf(stderr, "  %s[%ld]: got %.6g ref %.6g tol %.3g\n", c->what, idx, got, ref, tol);
-        c->bad++;
-    }
-    if (tol > 0 && err / tol > c->worst) c->worst = err / tol;
-}
-static void chk_done(checker *c, const char *cs)
-{
-    if (c->bad) {
-        fprintf(stderr, "FAIL %s: %s: %ld of %ld wrong (seed %llu)\n", cs, c->what, c->bad,
-                c->total, (unsigned long long)g_seed);
+    if (t->bad) {
+        fprintf(stderr, "FAIL %s: %s: %lld of %lld wrong (seed %llu)\n", cs, t->what, t->bad,
+                t->count, (unsigned long long)g_seed);
         g_fail++;
     }
 }
@@ -207,7 +98,8 @@ static void run_case(const tcase &tc, int idx)
 {
     const int fails_before = g_fail;
     const int64_t T = tc.T, d = tc.d, n = tc.n, E = tc.E;
-    const int gated = act_gated(tc.act);
+    const smoe_activation act = (smoe_activation)tc.act;
+    const int gated = tu_gated(act);
     const int64_t hc = gated ? 2 * n : n;
     std::vector<int32_t> off(E + 1, 0);
     for (int64_t e = 0; e < E; e++) off[e + 1] = off[e] + tc.counts[e];
@@ -215,7 +107,7 @@ static void run_case(const tcase &tc, int idx)
     char cs[256];
     snprintf(cs, sizeof cs, "case %d: T=%lld d=%lld n=%lld E=%lld R=%lld cap=%lld %s %s bias=%d",
              idx, (long long)T, (long long)d, (long long)n, (long long)E, (long long)R,
-             (long long)cap, act_name(tc.act), tc.layout ? "concat" : "interleaved", tc.bias);
+             (long long)cap, tu_act_name(act), tc.layout ? "concat" : "interleaved", tc.bias);
 
     std::vector<int32_t> tok(cap, 0);
     std::vector<float> score(cap, 0.0f);
@@ -262,34 +154,34 @@ static void run_case(const tcase &tc, int idx)
          *d_h_in = (bf16 *)dev_upload(h_in), *d_as_in = (bf16 *)dev_upload(as_in),
          *d_dh_in = (bf16 *)dev_upload(dh_in);
     void *scratch = NULL;
-    CK(cudaMalloc(&scratch, G->scratch_bytes(&p)));
+    CUDA_OK(cudaMalloc(&scratch, G->scratch_bytes(&p)));
     const bf16 *bias1 = tc.bias ? d_b1 : NULL, *bias2 = tc.bias ? d_b2 : NULL;
 
     /* Outputs, poisoned. */
     bf16 *d_h, *d_a, *d_a2, *d_y, *d_dh, *d_as, *d_dxt;
     float *d_ds;
-    CK(cudaMalloc(&d_h, std::max<int64_t>(cap * hc, 1) * 2));
-    CK(cudaMalloc(&d_a, std::max<int64_t>(cap * n, 1) * 2));
-    CK(cudaMalloc(&d_a2, std::max<int64_t>(cap * n, 1) * 2));
-    CK(cudaMalloc(&d_y, std::max<int64_t>(cap * d, 1) * 2));
-    CK(cudaMalloc(&d_dh, std::max<int64_t>(cap * hc, 1) * 2));
-    CK(cudaMalloc(&d_as, std::max<int64_t>(cap * n, 1) * 2));
-    CK(cudaMalloc(&d_dxt, std::max<int64_t>(cap * d, 1) * 2));
-    CK(cudaMalloc(&d_ds, std::max<int64_t>(cap, 1) * 4));
-    CK(cudaMemset(d_h, 0xff, cap * hc * 2));
-    CK(cudaMemset(d_a, 0xff, cap * n * 2));
-    CK(cudaMemset(d_a2, 0xff, cap * n * 2));
-    CK(cudaMemset(d_y, 0xff, cap * d * 2));
-    CK(cudaMemset(d_dh, 0xff, cap * hc * 2));
-    CK(cudaMemset(d_as, 0xff, cap * n * 2));
-    CK(cudaMemset(d_dxt, 0xff, cap * d * 2));
-    CK(cudaMemset(d_ds, 0xff, cap * 4));
+    CUDA_OK(cudaMalloc(&d_h, std::max<int64_t>(cap * hc, 1) * 2));
+    CUDA_OK(cudaMalloc(&d_a, std::max<int64_t>(cap * n, 1) * 2));
+    CUDA_OK(cudaMalloc(&d_a2, std::max<int64_t>(cap * n, 1) * 2));
+    CUDA_OK(cudaMalloc(&d_y, std::max<int64_t>(cap * d, 1) * 2));
+    CUDA_OK(cudaMalloc(&d_dh, std::max<int64_t>(cap * hc, 1) * 2));
+    CUDA_OK(cudaMalloc(&d_as, std::max<int64_t>(cap * n, 1) * 2));
+    CUDA_OK(cudaMalloc(&d_dxt, std::max<int64_t>(cap * d, 1) * 2));
+    CUDA_OK(cudaMalloc(&d_ds, std::max<int64_t>(cap, 1) * 4));
+    CUDA_OK(cudaMemset(d_h, 0xff, cap * hc * 2));
+    CUDA_OK(cudaMemset(d_a, 0xff, cap * n * 2));
+    CUDA_OK(cudaMemset(d_a2, 0xff, cap * n * 2));
+    CUDA_OK(cudaMemset(d_y, 0xff, cap * d * 2));
+    CUDA_OK(cudaMemset(d_dh, 0xff, cap * hc * 2));
+    CUDA_OK(cudaMemset(d_as, 0xff, cap * n * 2));
+    CUDA_OK(cudaMemset(d_dxt, 0xff, cap * d * 2));
+    CUDA_OK(cudaMemset(d_ds, 0xff, cap * 4));
 
-    CKS(G->up(&p, d_x, d_w1, bias1, d_h, d_a, scratch, 0));
-    CKS(G->up(&p, d_x, d_w1, bias1, NULL, d_a2, scratch, 0)); /* inference: no H */
-    CKS(G->down(&p, d_a_in, d_w2, bias2, d_y, scratch, 0));
-    CKS(G->dh(&p, d_dO, d_w2, bias2, d_h_in, d_dh, d_as, d_ds, scratch, 0));
-    CKS(G->dxt(&p, d_dh_in, d_w1, d_dxt, scratch, 0));
+    SMOE_OK_OR_EXIT(G->up(&p, d_x, d_w1, bias1, d_h, d_a, scratch, 0));
+    SMOE_OK_OR_EXIT(G->up(&p, d_x, d_w1, bias1, NULL, d_a2, scratch, 0)); /* inference: no H */
+    SMOE_OK_OR_EXIT(G->down(&p, d_a_in, d_w2, bias2, d_y, scratch, 0));
+    SMOE_OK_OR_EXIT(G->dh(&p, d_dO, d_w2, bias2, d_h_in, d_dh, d_as, d_ds, scratch, 0));
+    SMOE_OK_OR_EXIT(G->dxt(&p, d_dh_in, d_w1, d_dxt, scratch, 0));
 
     /* Weight gradients: (dtype, accumulate) = 4 combinations each. */
     std::vector<uint16_t> wprev_bf = rnd_bf16(E * hc * d, 1.0f);
@@ -300,20 +192,20 @@ static void run_case(const tcase &tc, int idx)
         const int f32 = v & 1, accum = v >> 1;
         const size_t n2 = E * d * n, n1 = E * hc * d;
         void *o2, *o1;
-        CK(cudaMalloc(&o2, n2 * 4));
-        CK(cudaMalloc(&o1, n1 * 4));
+        CUDA_OK(cudaMalloc(&o2, n2 * 4));
+        CUDA_OK(cudaMalloc(&o1, n1 * 4));
         if (accum) {
-            CK(cudaMemcpy(o2, f32 ? (void *)wprev_f.data() : (void *)wprev_bf.data(), n2 * (f32 ? 4 : 2),
-                          cudaMemcpyHostToDevice));
-            CK(cudaMemcpy(o1, f32 ? (void *)wprev_f.data() : (void *)wprev_bf.data(), n1 * (f32 ? 4 : 2),
-                          cudaMemcpyHostToDevice));
+            CUDA_OK(cudaMemcpy(o2, f32 ? (void *)wprev_f.data() : (void *)wprev_bf.data(),
+                               n2 * (f32 ? 4 : 2), cudaMemcpyHostToDevice));
+            CUDA_OK(cudaMemcpy(o1, f32 ? (void *)wprev_f.data() : (void *)wprev_bf.data(),
+                               n1 * (f32 ? 4 : 2), cudaMemcpyHostToDevice));
         } else {
-            CK(cudaMemset(o2, 0xff, n2 * 4));
-            CK(cudaMemset(o1, 0xff, n1 * 4));
+            CUDA_OK(cudaMemset(o2, 0xff, n2 * 4));
+            CUDA_OK(cudaMemset(o1, 0xff, n1 * 4));
         }
         smoe_dtype dt = f32 ? SMOE_DTYPE_F32 : SMOE_DTYPE_BF16;
-        CKS(G->dw2(&p, d_dO, d_as_in, o2, dt, accum, scratch, 0));
-        CKS(G->dw1(&p, d_dh_in, d_x, o1, dt, accum, scratch, 0));
+        SMOE_OK_OR_EXIT(G->dw2(&p, d_dO, d_as_in, o2, dt, accum, scratch, 0));
+        SMOE_OK_OR_EXIT(G->dw1(&p, d_dh_in, d_x, o1, dt, accum, scratch, 0));
         dw2_out[v].resize(n2);
         dw1_out[v].resize(n1);
         if (f32) {
@@ -323,13 +215,13 @@ static void run_case(const tcase &tc, int idx)
         } else {
             std::vector<uint16_t> t2 = dev_download((uint16_t *)o2, n2),
                                   t1 = dev_download((uint16_t *)o1, n1);
-            for (size_t i = 0; i < n2; i++) dw2_out[v][i] = (float)bf2d(t2[i]);
-            for (size_t i = 0; i < n1; i++) dw1_out[v][i] = (float)bf2d(t1[i]);
+            for (size_t i = 0; i < n2; i++) dw2_out[v][i] = (float)tu_bf16_to_f32(t2[i]);
+            for (size_t i = 0; i < n1; i++) dw1_out[v][i] = (float)tu_bf16_to_f32(t1[i]);
         }
-        CK(cudaFree(o2));
-        CK(cudaFree(o1));
+        CUDA_OK(cudaFree(o2));
+        CUDA_OK(cudaFree(o1));
     }
-    CK(cudaDeviceSynchronize());
+    CUDA_OK(cudaDeviceSynchronize());
 
     std::vector<uint16_t> h = dev_download((uint16_t *)d_h, cap * hc),
                           a = dev_download((uint16_t *)d_a, cap * n),
@@ -346,11 +238,14 @@ static void run_case(const tcase &tc, int idx)
 
     /* up: H, then A from the stored H; inference A identical. */
     {
-        checker ch = {"up H"}, ca = {"up A"}, cp = {"poison"}, ci = {"up A (no H)"};
+        tu_tally ch = tu_tally_make("up H", 0, 0), ca = tu_tally_make("up A", 0, 0),
+                 cp = tu_tally_make("poison", 0, 0), ci = tu_tally_make("up A (no H)", 0, 0);
         for (int64_t r = 0; r < cap; r++) {
             if (r >= R) {
-                for (int64_t c = 0; c < hc; c++) chk(&cp, h[r * hc + c] == POISON_BF16, 1, 0, r);
-                for (int64_t j = 0; j < n; j++) chk(&cp, a[r * n + j] == POISON_BF16, 1, 0, r);
+                for (int64_t c = 0; c < hc; c++)
+                    tu_tally_add(&cp, h[r * hc + c] == TU_POISON_BF16, 1, 0, r);
+                for (int64_t j = 0; j < n; j++)
+                    tu_tally_add(&cp, a[r * n + j] == TU_POISON_BF16, 1, 0, r);
                 continue;
             }
             const int e = row_e[r];
@@ -360,65 +255,74 @@ static void run_case(const tcase &tc, int idx)
                 const uint16_t *wr = &w1[(e * hc + pr) * d];
                 double s = 0, m = 0;
                 for (int64_t k = 0; k < d; k++) {
-                    double t = bf2d(xr[k]) * bf2d(wr[k]);
+                    double t = tu_bf16_to_f32(xr[k]) * tu_bf16_to_f32(wr[k]);
                     s += t;
                     m += fabs(t);
                 }
                 if (tc.bias) {
-                    s += bf2d(b1[e * hc + pr]);
-                    m += fabs(bf2d(b1[e * hc + pr]));
+                    s += tu_bf16_to_f32(b1[e * hc + pr]);
+                    m += fabs(tu_bf16_to_f32(b1[e * hc + pr]));
                 }
-                chk(&ch, bf2d(h[r * hc + c]), s, RTOL_BF16 * fabs(s) + ACC_TOL * m + 1e-30, r * hc + c);
+                tu_tally_add(&ch, tu_bf16_to_f32(h[r * hc + c]), s,
+                             RTOL_BF16 * fabs(s) + ACC_TOL * m + 1e-30, r * hc + c);
             }
             for (int64_t j = 0; j < n; j++) {
-                double ref = gated ? act_f(tc.act, bf2d(h[r * hc + 2 * j])) * bf2d(h[r * hc + 2 * j + 1])
-                                   : act_f(tc.act, bf2d(h[r * hc + j]));
-                chk(&ca, bf2d(a[r * n + j]), ref, RTOL_BF16 * fabs(ref) + 1e-6, r * n + j);
-                chk(&ci, a2[r * n + j], a[r * n + j], 0, r * n + j);
+                double ref = gated ? tu_act1(act, tu_bf16_to_f32(h[r * hc + 2 * j])) *
+                                         tu_bf16_to_f32(h[r * hc + 2 * j + 1])
+                                   : tu_act1(act, tu_bf16_to_f32(h[r * hc + j]));
+                tu_tally_add(&ca, tu_bf16_to_f32(a[r * n + j]), ref, RTOL_BF16 * fabs(ref) + 1e-6,
+                             r * n + j);
+                tu_tally_add(&ci, a2[r * n + j], a[r * n + j], 0, r * n + j);
             }
         }
-        chk_done(&ch, cs);
-        chk_done(&ca, cs);
-        chk_done(&ci, cs);
-        chk_done(&cp, cs);
+        tally_done(&ch, cs);
+        tally_done(&ca, cs);
+        tally_done(&ci, cs);
+        tally_done(&cp, cs);
     }
     /* down */
     {
-        checker cy = {"down Y"}, cp = {"down poison"};
+        tu_tally cy = tu_tally_make("down Y", 0, 0), cp = tu_tally_make("down poison", 0, 0);
         for (int64_t r = 0; r < cap; r++) {
             if (r >= R) {
-                for (int64_t i = 0; i < d; i++) chk(&cp, y[r * d + i] == POISON_BF16, 1, 0, r);
+                for (int64_t i = 0; i < d; i++)
+                    tu_tally_add(&cp, y[r * d + i] == TU_POISON_BF16, 1, 0, r);
                 continue;
             }
             const int e = row_e[r];
             for (int64_t i = 0; i < d; i++) {
                 double s = 0, m = 0;
                 for (int64_t j = 0; j < n; j++) {
-                    double t = bf2d(a_in[r * n + j]) * bf2d(w2[(e * d + i) * n + j]);
+                    double t =
+                        tu_bf16_to_f32(a_in[r * n + j]) * tu_bf16_to_f32(w2[(e * d + i) * n + j]);
                     s += t;
                     m += fabs(t);
                 }
                 if (tc.bias) {
-                    s += bf2d(b2[e * d + i]);
-                    m += fabs(bf2d(b2[e * d + i]));
+                    s += tu_bf16_to_f32(b2[e * d + i]);
+                    m += fabs(tu_bf16_to_f32(b2[e * d + i]));
                 }
-                chk(&cy, bf2d(y[r * d + i]), s, RTOL_BF16 * fabs(s) + ACC_TOL * m + 1e-30, r * d + i);
+                tu_tally_add(&cy, tu_bf16_to_f32(y[r * d + i]), s,
+                             RTOL_BF16 * fabs(s) + ACC_TOL * m + 1e-30, r * d + i);
             }
         }
-        chk_done(&cy, cs);
-        chk_done(&cp, cs);
+        tally_done(&cy, cs);
+        tally_done(&cp, cs);
     }
     /* dh: dA' = dO[tok] W2[e]; dS, A', dH from the input H. */
     {
-        checker cds = {"dh dS"}, cas = {"dh A'"}, cdh = {"dh dH"}, cp = {"dh poison"};
+        tu_tally cds = tu_tally_make("dh dS", 0, 0), cas = tu_tally_make("dh A'", 0, 0),
+                 cdh = tu_tally_make("dh dH", 0, 0), cp = tu_tally_make("dh poison", 0, 0);
         std::vector<double> dap(n), dapm(n);
         for (int64_t r = 0; r < cap; r++) {
             if (r >= R) {
-                for (int64_t c = 0; c < hc; c++) chk(&cp, dh[r * hc + c] == POISON_BF16, 1, 0, r);
-                for (int64_t j = 0; j < n; j++) chk(&cp, as[r * n + j] == POISON_BF16, 1, 0, r);
+                for (int64_t c = 0; c < hc; c++)
+                    tu_tally_add(&cp, dh[r * hc + c] == TU_POISON_BF16, 1, 0, r);
+                for (int64_t j = 0; j < n; j++)
+                    tu_tally_add(&cp, as[r * n + j] == TU_POISON_BF16, 1, 0, r);
                 uint32_t u;
                 memcpy(&u, &ds[r], 4);
-                chk(&cp, u == 0xffffffffu, 1, 0, r);
+                tu_tally_add(&cp, u == 0xffffffffu, 1, 0, r);
                 continue;
             }
             const int e = row_e[r];
@@ -426,7 +330,7 @@ static void run_case(const tcase &tc, int idx)
             for (int64_t j = 0; j < n; j++) {
                 double s = 0, m = 0;
                 for (int64_t i = 0; i < d; i++) {
-                    double t = bf2d(g[i]) * bf2d(w2[(e * d + i) * n + j]);
+                    double t = tu_bf16_to_f32(g[i]) * tu_bf16_to_f32(w2[(e * d + i) * n + j]);
                     s += t;
                     m += fabs(t);
                 }
@@ -438,84 +342,91 @@ static void run_case(const tcase &tc, int idx)
             for (int64_t j = 0; j < n; j++) {
                 double av, dg = 0, du = 0, mg = 0, mu = 0;
                 if (gated) {
-                    double hg = bf2d(h_in[r * hc + 2 * j]), hu = bf2d(h_in[r * hc + 2 * j + 1]);
-                    av = act_f(tc.act, hg) * hu;
-                    dg = sc * dap[j] * act_df(tc.act, hg) * hu;
-                    du = sc * dap[j] * act_f(tc.act, hg);
-                    mg = sc * dapm[j] * fabs(act_df(tc.act, hg) * hu);
-                    mu = sc * dapm[j] * fabs(act_f(tc.act, hg));
-                    chk(&cdh, bf2d(dh[r * hc + 2 * j]), dg, RTOL_BF16 * fabs(dg) + ACC_TOL * mg + 1e-6,
-                        r * hc + 2 * j);
-                    chk(&cdh, bf2d(dh[r * hc + 2 * j + 1]), du,
+                    double hg = tu_bf16_to_f32(h_in[r * hc + 2 * j]),
+                           hu = tu_bf16_to_f32(h_in[r * hc + 2 * j + 1]);
+                    av = tu_act1(act, hg) * hu;
+                    dg = sc * dap[j] * tu_act1_d(act, hg) * hu;
+                    du = sc * dap[j] * tu_act1(act, hg);
+                    mg = sc * dapm[j] * fabs(tu_act1_d(act, hg) * hu);
+                    mu = sc * dapm[j] * fabs(tu_act1(act, hg));
+                    tu_tally_add(&cdh, tu_bf16_to_f32(dh[r * hc + 2 * j]), dg,
+                                 RTOL_BF16 * fabs(dg) + ACC_TOL * mg + 1e-6, r * hc + 2 * j);
+                    tu_tally_add(&cdh, tu_bf16_to_f32(dh[r * hc + 2 * j + 1]), du,
                         RTOL_BF16 * fabs(du) + ACC_TOL * mu + 1e-6, r * hc + 2 * j + 1);
                 } else {
-                    double hv = bf2d(h_in[r * hc + j]);
-                    av = act_f(tc.act, hv);
-                    dg = sc * dap[j] * act_df(tc.act, hv);
-                    mg = sc * dapm[j] * fabs(act_df(tc.act, hv));
-                    chk(&cdh, bf2d(dh[r * hc + j]), dg, RTOL_BF16 * fabs(dg) + ACC_TOL * mg + 1e-6,
-                        r * hc + j);
+                    double hv = tu_bf16_to_f32(h_in[r * hc + j]);
+                    av = tu_act1(act, hv);
+                    dg = sc * dap[j] * tu_act1_d(act, hv);
+                    mg = sc * dapm[j] * fabs(tu_act1_d(act, hv));
+                    tu_tally_add(&cdh, tu_bf16_to_f32(dh[r * hc + j]), dg,
+                                 RTOL_BF16 * fabs(dg) + ACC_TOL * mg + 1e-6, r * hc + j);
                 }
-                chk(&cas, bf2d(as[r * n + j]), sc * av, RTOL_BF16 * fabs(sc * av) + 1e-6, r * n + j);
+                tu_tally_add(&cas, tu_bf16_to_f32(as[r * n + j]), sc * av,
+                             RTOL_BF16 * fabs(sc * av) + 1e-6, r * n + j);
                 dsr += dap[j] * av;
                 dsm += dapm[j] * fabs(av);
             }
             if (tc.bias)
                 for (int64_t i = 0; i < d; i++) {
-                    double t = bf2d(g[i]) * bf2d(b2[e * d + i]);
+                    double t = tu_bf16_to_f32(g[i]) * tu_bf16_to_f32(b2[e * d + i]);
                     dsr += t;
                     dsm += fabs(t);
                 }
-            chk(&cds, ds[r], dsr, ACC_TOL * dsm + 1e-6, r);
+            tu_tally_add(&cds, ds[r], dsr, ACC_TOL * dsm + 1e-6, r);
         }
-        chk_done(&cds, cs);
-        chk_done(&cas, cs);
-        chk_done(&cdh, cs);
-        chk_done(&cp, cs);
+        tally_done(&cds, cs);
+        tally_done(&cas, cs);
+        tally_done(&cdh, cs);
+        tally_done(&cp, cs);
     }
     /* dxt */
     {
-        checker cx = {"dxt"}, cp = {"dxt poison"};
+        tu_tally cx = tu_tally_make("dxt", 0, 0), cp = tu_tally_make("dxt poison", 0, 0);
         for (int64_t r = 0; r < cap; r++) {
             if (r >= R) {
-                for (int64_t i = 0; i < d; i++) chk(&cp, dxt[r * d + i] == POISON_BF16, 1, 0, r);
+                for (int64_t i = 0; i < d; i++)
+                    tu_tally_add(&cp, dxt[r * d + i] == TU_POISON_BF16, 1, 0, r);
                 continue;
             }
             const int e = row_e[r];
             for (int64_t i = 0; i < d; i++) {
                 double s = 0, m = 0;
                 for (int64_t c = 0; c < hc; c++) {
-                    double t = bf2d(dh_in[r * hc + c]) *
-                               bf2d(w1[(e * hc + w1_row(c, n, gated, tc.layout)) * d + i]);
+                    double t =
+                        tu_bf16_to_f32(dh_in[r * hc + c]) *
+                        tu_bf16_to_f32(w1[(e * hc + w1_row(c, n, gated, tc.layout)) * d + i]);
                     s += t;
                     m += fabs(t);
                 }
-                chk(&cx, bf2d(dxt[r * d + i]), s, RTOL_BF16 * fabs(s) + ACC_TOL * m + 1e-30, r * d + i);
+                tu_tally_add(&cx, tu_bf16_to_f32(dxt[r * d + i]), s,
+                             RTOL_BF16 * fabs(s) + ACC_TOL * m + 1e-30, r * d + i);
             }
         }
-        chk_done(&cx, cs);
-        chk_done(&cp, cs);
+        tally_done(&cx, cs);
+        tally_done(&cp, cs);
     }
     /* dw2, dw1: sums over each expert's rows. */
     {
-        checker c2 = {"dw2"}, c1 = {"dw1"};
+        tu_tally c2 = tu_tally_make("dw2", 0, 0), c1 = tu_tally_make("dw1", 0, 0);
         for (int64_t e = 0; e < E; e++) {
             for (int64_t i = 0; i < d; i++)
                 for (int64_t j = 0; j < n; j++) {
                     double s = 0, m = 0;
                     for (int64_t r = off[e]; r < off[e + 1]; r++) {
-                        double t = bf2d(dO[tok[r] * d + i]) * bf2d(as_in[r * n + j]);
+                        double t =
+                            tu_bf16_to_f32(dO[tok[r] * d + i]) * tu_bf16_to_f32(as_in[r * n + j]);
                         s += t;
                         m += fabs(t);
                     }
                     const size_t q = (e * d + i) * n + j;
                     for (int v = 0; v < 4; v++) {
                         const int f32 = v & 1, accum = v >> 1;
-                        double prev = accum ? (f32 ? wprev_f[q] : bf2d(wprev_bf[q])) : 0.0;
+                        double prev =
+                            accum ? (f32 ? wprev_f[q] : tu_bf16_to_f32(wprev_bf[q])) : 0.0;
                         double ref = s + prev;
                         double tol = ACC_TOL * (m + fabs(prev)) + (f32 ? 1e-6 * fabs(ref) : RTOL_BF16 * fabs(ref)) + 1e-30;
                         if (off[e] == off[e + 1]) tol = 0; /* exact: zeros or untouched */
-                        chk(&c2, dw2_out[v][q], ref, tol, (long)q);
+                        tu_tally_add(&c2, dw2_out[v][q], ref, tol, (long)q);
                     }
                 }
             for (int64_t c = 0; c < hc; c++) {
@@ -523,29 +434,31 @@ static void run_case(const tcase &tc, int idx)
                 for (int64_t i = 0; i < d; i++) {
                     double s = 0, m = 0;
                     for (int64_t r = off[e]; r < off[e + 1]; r++) {
-                        double t = bf2d(dh_in[r * hc + c]) * bf2d(x[tok[r] * d + i]);
+                        double t =
+                            tu_bf16_to_f32(dh_in[r * hc + c]) * tu_bf16_to_f32(x[tok[r] * d + i]);
                         s += t;
                         m += fabs(t);
                     }
                     const size_t q = (e * hc + pr) * d + i;
                     for (int v = 0; v < 4; v++) {
                         const int f32 = v & 1, accum = v >> 1;
-                        double prev = accum ? (f32 ? wprev_f[q] : bf2d(wprev_bf[q])) : 0.0;
+                        double prev =
+                            accum ? (f32 ? wprev_f[q] : tu_bf16_to_f32(wprev_bf[q])) : 0.0;
                         double ref = s + prev;
                         double tol = ACC_TOL * (m + fabs(prev)) + (f32 ? 1e-6 * fabs(ref) : RTOL_BF16 * fabs(ref)) + 1e-30;
                         if (off[e] == off[e + 1]) tol = 0;
-                        chk(&c1, dw1_out[v][q], ref, tol, (long)q);
+                        tu_tally_add(&c1, dw1_out[v][q], ref, tol, (long)q);
                     }
                 }
             }
         }
-        chk_done(&c2, cs);
-        chk_done(&c1, cs);
+        tally_done(&c2, cs);
+        tally_done(&c1, cs);
     }
 
     /* Determinism: dh and dw1 again, bit for bit. */
     {
-        CKS(G->dh(&p, d_dO, d_w2, bias2, d_h_in, d_dh, d_as, d_ds, scratch, 0));
+        SMOE_OK_OR_EXIT(G->dh(&p, d_dO, d_w2, bias2, d_h_in, d_dh, d_as, d_ds, scratch, 0));
         std::vector<float> ds2 = dev_download(d_ds, cap);
         std::vector<uint16_t> dh2 = dev_download((uint16_t *)d_dh, cap * hc);
         if (memcmp(ds2.data(), ds.data(), R * 4) || memcmp(dh2.data(), dh.data(), R * hc * 2)) {
@@ -554,12 +467,9 @@ static void run_case(const tcase &tc, int idx)
         }
     }
 
-    CK(cudaFree(d_off)); CK(cudaFree(d_tok)); CK(cudaFree(d_score));
-    CK(cudaFree(d_x)); CK(cudaFree(d_w1)); CK(cudaFree(d_b1)); CK(cudaFree(d_a_in));
-    CK(cudaFree(d_w2)); CK(cudaFree(d_b2)); CK(cudaFree(d_dO)); CK(cudaFree(d_h_in));
-    CK(cudaFree(d_as_in)); CK(cudaFree(d_dh_in)); CK(cudaFree(scratch));
-    CK(cudaFree(d_h)); CK(cudaFree(d_a)); CK(cudaFree(d_a2)); CK(cudaFree(d_y)); CK(cudaFree(d_dh));
-    CK(cudaFree(d_as)); CK(cudaFree(d_dxt)); CK(cudaFree(d_ds));
+    void *bufs[] = {d_off, d_tok, d_score, d_x, d_w1, d_b1, d_a_in, d_w2, d_b2, d_dO, d_h_in,
+                    d_as_in, d_dh_in, scratch, d_h, d_a, d_a2, d_y, d_dh, d_as, d_dxt, d_ds};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) CUDA_OK(cudaFree(bufs[i]));
     printf("%s %s\n", g_fail > fails_before ? "FAIL" : "ok  ", cs);
 }
 
@@ -751,7 +661,7 @@ static bool row_runs(int g, int row)
     std::vector<int32_t> off(2, 0);
     int32_t *d_off = dev_upload(off);
     float *w;
-    CK(cudaMalloc(&w, 32 * 16 * 4));
+    CUDA_OK(cudaMalloc(&w, 32 * 16 * 4));
     p.expert_offset = d_off;
     smoe_status st = SMOE_SUCCESS;
     switch (g) {
@@ -762,141 +672,13 @@ static bool row_runs(int g, int row)
     case SMOE_GEMM_DXT: st = G->dxt(&p, NULL, NULL, NULL, NULL, 0); break;
     case SMOE_GEMM_DW1: st = G->dw1(&p, NULL, NULL, w, SMOE_DTYPE_F32, 1, NULL, 0); break;
     }
-    CK(cudaDeviceSynchronize());
-    CK(cudaFree(d_off));
-    CK(cudaFree(w));
-    if (st != SMOE_SUCCESS && st != SMOE_ERROR_UNSUPPORTED) CKS(st);
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaFree(d_off));
+    CUDA_OK(cudaFree(w));
+    if (st != SMOE_SUCCESS && st != SMOE_ERROR_UNSUPPORTED) SMOE_OK_OR_EXIT(st);
     if (st != SMOE_SUCCESS) printf("skip %s row \"%s\": %s\n", smoe_gemm_name(g),
                                    G->row_name(g, row), smoe_last_error());
     return st == SMOE_SUCCESS;
-}
-
-/* ------------------------------------------------------------ bench */
-
-__global__ void fill_bf16(bf16 *p, size_t count, uint32_t seed, float scale)
-{
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < count;
-         i += (size_t)gridDim.x * blockDim.x) {
-        uint32_t h = (uint32_t)i * 2654435761u ^ seed;
-        h ^= h >> 15;
-        h *= 2246822519u;
-        h ^= h >> 13;
-        p[i] = __float2bfloat16(scale * ((h & 0xffff) / 32768.0f - 1.0f));
-    }
-}
-
-static bf16 *bench_alloc(size_t count, uint32_t seed, float scale)
-{
-    bf16 *p;
-    CK(cudaMalloc(&p, count * 2));
-    fill_bf16<<<1024, 256>>>(p, count, seed, scale);
-    CK(cudaGetLastError());
-    return p;
-}
-
-static const char *g_bench_gemm = NULL; /* --gemm NAME: time only this one */
-static int g_reps = 10;
-static int g_all_rows = 0; /* --all-rows: time every row of each table */
-static smoe_dtype g_wgrad = SMOE_DTYPE_BF16; /* the layer's choice; --wgrad-f32 */
-
-static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64_t E, int64_t K)
-{
-    const int64_t R = T * K, hc = 2 * n;
-    std::vector<int32_t> off(E + 1), tok(R);
-    std::vector<float> score(R);
-    for (int64_t e = 0; e <= E; e++) off[e] = (int32_t)(R * e / E);
-    for (int64_t e = 0; e < E; e++) {
-        for (int64_t r = off[e]; r < off[e + 1]; r++) tok[r] = rnd_int(0, (int)T - 1);
-        std::sort(tok.begin() + off[e], tok.begin() + off[e + 1]);
-    }
-    for (int64_t r = 0; r < R; r++) score[r] = 0.125f;
-    smoe_gemm_problem p;
-    memset(&p, 0, sizeof p);
-    p.d = d; p.n = n; p.h_cols = hc; p.E = E; p.cap = R; p.gated = 1;
-    p.act = SMOE_ACT_SWIGLU; p.w1_layout = SMOE_W1_INTERLEAVED; p.num_sms = 132;
-    int32_t *d_off = dev_upload(off), *d_tok = dev_upload(tok);
-    float *d_score = dev_upload(score);
-    p.expert_offset = d_off; p.row_token = d_tok; p.row_score = d_score;
-    bf16 *x = bench_alloc(T * d, 1, 1.0f), *w1 = bench_alloc(E * hc * d, 2, 0.05f),
-         *w2 = bench_alloc(E * d * n, 3, 0.05f), *dO = bench_alloc(T * d, 4, 1.0f),
-         *h = bench_alloc(R * hc, 5, 1.0f), *a = bench_alloc(R * n, 6, 1.0f),
-         *y = bench_alloc(R * d, 7, 1.0f), *dh = bench_alloc(R * hc, 8, 1.0f),
-         *as = bench_alloc(R * n, 9, 1.0f), *dxt = bench_alloc(R * d, 10, 1.0f);
-    float *ds, *dw1, *dw2;
-    void *scratch;
-    CK(cudaMalloc(&ds, R * 4));
-    CK(cudaMalloc(&dw1, E * hc * d * 4));
-    CK(cudaMalloc(&dw2, E * d * n * 4));
-    CK(cudaMalloc(&scratch, G->scratch_bytes(&p)));
-    const double flop = 2.0 * R * d * n;
-    const double flops[6] = {2 * flop, flop, flop, flop, 2 * flop, 2 * flop};
-    cudaEvent_t ev0, ev1;
-    CK(cudaEventCreate(&ev0));
-    CK(cudaEventCreate(&ev1));
-    cudaDeviceProp prop;
-    CK(cudaGetDeviceProperties(&prop, 0));
-    printf("%s (%s): T=%lld d=%lld n=%lld E=%lld K=%lld, weight gradients %s\n", name, prop.name,
-           (long long)T, (long long)d, (long long)n, (long long)E, (long long)K,
-           g_wgrad == SMOE_DTYPE_F32 ? "fp32" : "bf16");
-    /* The plan (with --row's rows); with --all-rows, each GEMM once per
-     * row of its table. */
-    smoe_gemm_plan plan;
-    G->plan(&p, &plan);
-    for (int g = 0; g < SMOE_GEMM_COUNT; g++)
-        if (g_rows[g] >= 0) plan.row[g] = g_rows[g];
-    p.plan = &plan;
-    double ms_med[SMOE_GEMM_COUNT];
-    for (int g = 0; g < SMOE_GEMM_COUNT; g++) {
-        ms_med[g] = 0;
-        if (g_bench_gemm && strcmp(g_bench_gemm, smoe_gemm_name(g))) continue;
-        const int chosen = plan.row[g];
-        for (int r = g_all_rows ? 0 : chosen; g_all_rows ? G->row_name(g, r) != NULL : r == chosen;
-             r++) {
-            plan.row[g] = r;
-            const int reps = g_reps;
-            std::vector<float> ms(reps);
-            bool ok = true;
-            for (int it = reps > 1 ? -2 : 0; it < reps && ok; it++) {
-                smoe_status st = SMOE_SUCCESS;
-                CK(cudaEventRecord(ev0));
-                switch (g) {
-                case 0: st = G->up(&p, x, w1, NULL, h, a, scratch, 0); break;
-                case 1: st = G->down(&p, a, w2, NULL, y, scratch, 0); break;
-                case 2: st = G->dh(&p, dO, w2, NULL, h, dh, as, ds, scratch, 0); break;
-                case 3: st = G->dw2(&p, dO, as, dw2, g_wgrad, 0, scratch, 0); break;
-                case 4: st = G->dxt(&p, dh, w1, dxt, scratch, 0); break;
-                case 5: st = G->dw1(&p, dh, x, dw1, g_wgrad, 0, scratch, 0); break;
-                }
-                CK(cudaEventRecord(ev1));
-                CK(cudaEventSynchronize(ev1));
-                if (st != SMOE_SUCCESS) { /* e.g. a row too large for the device */
-                    printf("  %-5s %s\n", smoe_gemm_name(g), smoe_last_error());
-                    ok = false;
-                }
-                if (it >= 0) CK(cudaEventElapsedTime(&ms[it], ev0, ev1));
-            }
-            if (!ok) continue;
-            std::sort(ms.begin(), ms.end());
-            const double med = ms[reps / 2];
-            if (r == chosen) ms_med[g] = med;
-            printf("  %-5s %9.3f ms %7.1f TFLOPS  [%s %s \"%s\"%s]\n", smoe_gemm_name(g), med,
-                   flops[g] / med * 1e-9, name, smoe_gemm_name(g), G->row_name(g, r),
-                   r == chosen ? " plan" : "");
-        }
-        plan.row[g] = chosen;
-    }
-    double fwd = ms_med[0] + ms_med[1], bwd = ms_med[2] + ms_med[3] + ms_med[4] + ms_med[5];
-    if (!g_bench_gemm && ms_med[0] > 0 && ms_med[1] > 0 && ms_med[2] > 0 && ms_med[3] > 0 &&
-        ms_med[4] > 0 && ms_med[5] > 0)
-        printf("  fwd GEMMs %8.3f ms %7.1f TFLOPS   bwd GEMMs %8.3f ms %7.1f TFLOPS\n", fwd,
-               3 * flop / fwd * 1e-9, bwd, 6 * flop / bwd * 1e-9);
-    fflush(stdout);
-    CK(cudaFree(d_off)); CK(cudaFree(d_tok)); CK(cudaFree(d_score));
-    CK(cudaFree(x)); CK(cudaFree(w1)); CK(cudaFree(w2)); CK(cudaFree(dO)); CK(cudaFree(h));
-    CK(cudaFree(a)); CK(cudaFree(y)); CK(cudaFree(dh)); CK(cudaFree(as)); CK(cudaFree(dxt));
-    CK(cudaFree(ds)); CK(cudaFree(dw1)); CK(cudaFree(dw2)); CK(cudaFree(scratch));
-    CK(cudaEventDestroy(ev0));
-    CK(cudaEventDestroy(ev1));
 }
 
 /* --row GEMM=NAME: row NAME of GEMM's table instead of the plan's. */
@@ -918,40 +700,21 @@ static int parse_row(const char *spec)
 
 int main(int argc, char **argv)
 {
-    int small = 0, bench = 0;
-    const char *shape = NULL;
+    int small = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--small")) small = 1;
-        else if (!strcmp(argv[i], "--bench")) bench = 1;
-        else if (!strcmp(argv[i], "--shape") && i + 1 < argc) shape = argv[++i];
-        else if (!strcmp(argv[i], "--gemm") && i + 1 < argc) g_bench_gemm = argv[++i];
-        else if (!strcmp(argv[i], "--reps") && i + 1 < argc) g_reps = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--all-rows")) g_all_rows = 1;
-        else if (!strcmp(argv[i], "--wgrad-f32")) g_wgrad = SMOE_DTYPE_F32;
         else if (!strcmp(argv[i], "--row") && i + 1 < argc) {
             if (parse_row(argv[++i]) != 0) return 2;
         }
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc) g_seed = strtoull(argv[++i], NULL, 10);
         else {
-            fprintf(stderr,
-                    "usage: %s [--small | --bench [--shape 7B|30B|120B] [--gemm NAME] [--reps N]"
-                    " [--all-rows] [--wgrad-f32]] [--row GEMM=NAME ...] [--seed N]\n",
-                    argv[0]);
+            fprintf(stderr, "usage: %s [--small] [--row GEMM=NAME ...] [--seed N]\n", argv[0]);
             return 2;
         }
     }
-    int ndev = 0;
-    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-        printf("skip: no CUDA device\n");
-        return 0;
-    }
-    rng_state = g_seed * 0x9E3779B97F4A7C15ull + 1;
-    if (bench) {
-        if (!shape || !strcmp(shape, "7B")) bench_shape("7B", 24576, 1536, 256, 128, 8);
-        if (!shape || !strcmp(shape, "30B")) bench_shape("30B", 32768, 4096, 512, 128, 8);
-        if (!shape || !strcmp(shape, "120B")) bench_shape("120B", 32768, 4096, 1024, 128, 8);
-        return 0;
-    }
+    if (!tu_gpu_cc("test_gemm")) return 0;
+    tu_seed = g_seed;
+    g_rng = tu_rng_make(g_seed);
     test_rejects();
     test_plans();
     const int cases = small ? 4 : 40;
