@@ -9,12 +9,9 @@
  *                               multiples of 128 or 64), every activation,
  *                               both W1 layouts, with/without bias and H;
  *                               poisoned outputs; run-to-run bit equality.
- *   test_gemm_sm90 --bench      timing on the grid shapes (balanced routing,
- *                               CUDA events, median of 20), with sampled rows
- *                               checked, and cuBLAS dense GEMMs of the same
- *                               FLOPs in the same process as the roofline;
- *                               --shapes N times the first N shapes only,
- *                               --only NAME the shape NAME (e.g. 7B) only.
+ *   test_gemm_sm90 --grid       the benchmark grid's shapes (bench/bench_gemm.cu)
+ *                               with balanced routing, each GEMM once, 1000
+ *                               sampled rows checked.
  *   --row GEMM=NAME             every case and shape with that row of
  *                               GEMM's tile table (up, down, dxt, dh; the
  *                               names of grouped_gemm_sm90.cu's table, e.g.
@@ -32,19 +29,10 @@
  *                               still drawn, so case N is the same.
  *
  * Exit status 0 only if every check passed. Seeded; a failure prints the
- * seed and the case.
+ * seed and the case. The timings of these GEMMs are bench/bench_gemm.cu's.
  */
-#include <cublas_v2.h>
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-#include <math.h>
-#include <stdarg.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
 #include "cuda/gemm.h"
+#include "testutil_cuda.h"
 
 /* The plan every case runs: the table's (smoe_gemm_ops_sm90.plan), with
  * g_force_row as GEMM g_force_gemm's row when g_force_gemm >= 0. */
@@ -64,54 +52,16 @@ extern "C" __attribute__((weak)) smoe_status smoe_fail(smoe_status status, const
     return status;
 }
 
-#define CK(x)                                                                        \
-    do {                                                                             \
-        cudaError_t e_ = (x);                                                        \
-        if (e_ != cudaSuccess) {                                                     \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x,               \
-                    cudaGetErrorString(e_));                                         \
-            exit(2);                                                                 \
-        }                                                                            \
-    } while (0)
-
 /* ------------------------------------------------------------ rng */
 
-static uint64_t g_rng;
-static uint32_t rnd(void)
-{
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (uint32_t)(g_rng >> 11);
-}
-static int rnd_int(int lo, int hi) { return lo + (int)(rnd() % (uint32_t)(hi - lo + 1)); }
-
-__device__ __forceinline__ uint32_t hash32(uint64_t x)
-{
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ULL;
-    x ^= x >> 33;
-    return (uint32_t)x;
-}
+static tu_rng g_rng;
+static uint32_t rnd(void) { return (uint32_t)tu_next(&g_rng); }
+static int rnd_int(int lo, int hi) { return (int)tu_int(&g_rng, lo, hi); }
 
 /* uniform in [-scale, scale), rounded to bf16 */
-__global__ void fill_random(bf16 *p, int64_t count, uint64_t seed, float scale)
-{
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        float u = (hash32(seed * 0x9E3779B97F4A7C15ULL + (uint64_t)i) >> 8) * (1.0f / 16777216.0f);
-        p[i] = __float2bfloat16((2.0f * u - 1.0f) * scale);
-    }
-}
-
 static void rand_bf16(bf16 *p, int64_t count, float scale)
 {
-    if (count <= 0) return;
-    uint64_t seed = ((uint64_t)rnd() << 32) | rnd();
-    fill_random<<<1024, 256>>>(p, count, seed, scale);
-    CK(cudaGetLastError());
+    if (count > 0) tu_dev_fill_bf16(p, (size_t)count, tu_next(&g_rng), -scale, scale);
 }
 
 /* ------------------------------------------------------------ reference kernels */
@@ -191,100 +141,25 @@ __global__ void ref_dap_kernel(const int32_t *rows, int nrows, const int32_t *ro
 
 /* ------------------------------------------------------------ host helpers */
 
-static float bf2f(bf16 v)
-{
-    uint16_t b;
-    memcpy(&b, &v, 2);
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static float round_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFF + ((u >> 16) & 1);
-    u &= 0xFFFF0000u;
-    memcpy(&f, &u, 4);
-    return f;
-}
+static float bf2f(bf16 v) { return __bfloat162float(v); }
+static float round_bf16(float f) { return (float)tu_round_bf16(f); }
 static int is_poison(bf16 v)
 {
     uint16_t b;
     memcpy(&b, &v, 2);
-    return b == 0xFFFF;
+    return b == TU_POISON_BF16;
 }
 
-static double h_silu(double x) { return x / (1.0 + exp(-x)); }
-static double h_gelu(double x)
+/* A tally (tolerance rtol |ref| + atol) passes with no element outside its
+ * tolerance, none non-finite and a relative Frobenius error under 8e-3. */
+static int check_report(const tu_tally *c, const char *tag)
 {
-    return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
-}
-static double h_act_gated(int act, double g, double u)
-{
-    if (act == SMOE_ACT_GEGLU) return h_gelu(g) * u;
-    if (act == SMOE_ACT_REGLU) return (g > 0 ? g : 0) * u;
-    return h_silu(g) * u;
-}
-/* f and f' of the gate function (gated) or the activation */
-static void h_act_fd(int act, double x, double *f, double *df)
-{
-    if (act == SMOE_ACT_GEGLU || act == SMOE_ACT_GELU) {
-        double c = 0.7978845608028654, th = tanh(c * (x + 0.044715 * x * x * x));
-        *f = 0.5 * x * (1 + th);
-        *df = 0.5 * (1 + th) + 0.5 * x * (1 - th * th) * c * (1 + 3 * 0.044715 * x * x);
-    } else if (act == SMOE_ACT_REGLU || act == SMOE_ACT_RELU) {
-        *f = x > 0 ? x : 0;
-        *df = x > 0 ? 1 : 0;
-    } else if (act == SMOE_ACT_RELU2) {
-        double r = x > 0 ? x : 0;
-        *f = r * r;
-        *df = 2 * r;
-    } else {
-        double sg = 1 / (1 + exp(-x));
-        *f = x * sg;
-        *df = sg * (1 + x * (1 - sg));
-    }
-}
-
-static double h_act_plain(int act, double h)
-{
-    if (act == SMOE_ACT_RELU2) return h > 0 ? h * h : 0;
-    if (act == SMOE_ACT_RELU) return h > 0 ? h : 0;
-    if (act == SMOE_ACT_SILU) return h_silu(h);
-    return h_gelu(h);
-}
-
-/* Accumulates |gpu - ref| checks. tol = rtol |ref| + atol. */
-typedef struct checker {
-    const char *what;
-    double rtol, atol;
-    double err2, ref2, max_excess;
-    int64_t bad, nonfinite, count;
-} checker;
-
-static void check_val(checker *c, double gpu, double ref)
-{
-    c->count++;
-    if (!isfinite(gpu)) { c->nonfinite++; return; }
-    double e = fabs(gpu - ref), tol = c->rtol * fabs(ref) + c->atol;
-    c->err2 += e * e;
-    c->ref2 += ref * ref;
-    if (e > tol) {
-        c->bad++;
-        if (e - tol > c->max_excess) c->max_excess = e - tol;
-    }
-}
-
-static int check_report(const checker *c, const char *tag)
-{
-    double rel = c->ref2 > 0 ? sqrt(c->err2 / c->ref2) : sqrt(c->err2);
+    double rel = tu_tally_rel(c);
     int ok = c->bad == 0 && c->nonfinite == 0 && rel < 8e-3;
     if (!ok)
-        printf("  FAIL %s %s: %lld/%lld outside tol, %lld non-finite, rel err %.3g, worst excess %.3g\n",
-               tag, c->what, (long long)c->bad, (long long)c->count, (long long)c->nonfinite, rel,
-               c->max_excess);
+        printf("  FAIL %s %s: %lld/%lld outside tol, %lld non-finite, rel err %.3g, "
+               "worst excess %.3g\n",
+               tag, c->what, c->bad, c->count, c->nonfinite, rel, c->max_excess);
     return ok;
 }
 
@@ -319,35 +194,35 @@ static void dev_alloc(problem_dev *D, const problem_host *P)
 {
     int64_t hc = P->gated ? 2 * P->n : P->n;
     memset(D, 0, sizeof(*D));
-    CK(cudaMalloc(&D->x, P->T * P->d * 2));
-    CK(cudaMalloc(&D->w1, P->E * hc * P->d * 2));
-    CK(cudaMalloc(&D->b1, P->E * hc * 2));
-    CK(cudaMalloc(&D->w2, P->E * P->d * P->n * 2));
-    CK(cudaMalloc(&D->b2, P->E * P->d * 2));
-    CK(cudaMalloc(&D->h, P->cap * hc * 2 + 16));
-    CK(cudaMalloc(&D->a, P->cap * P->n * 2 + 16));
-    CK(cudaMalloc(&D->a_in, P->cap * P->n * 2 + 16));
-    CK(cudaMalloc(&D->y, P->cap * P->d * 2 + 16));
-    CK(cudaMalloc(&D->dh_in, P->cap * hc * 2 + 16));
-    CK(cudaMalloc(&D->dxt, P->cap * P->d * 2 + 16));
-    CK(cudaMalloc(&D->dout, P->T * P->d * 2 + 16));
-    CK(cudaMalloc(&D->dh_out, P->cap * hc * 2 + 16));
-    CK(cudaMalloc(&D->as_out, P->cap * P->n * 2 + 16));
-    CK(cudaMalloc(&D->score, P->cap * 4 + 16));
-    CK(cudaMalloc(&D->ds_out, P->cap * 4 + 16));
-    CK(cudaMalloc(&D->scratch, P->cap * 4 * ((P->n + 127) / 128) + 16));
+    CUDA_OK(cudaMalloc(&D->x, P->T * P->d * 2));
+    CUDA_OK(cudaMalloc(&D->w1, P->E * hc * P->d * 2));
+    CUDA_OK(cudaMalloc(&D->b1, P->E * hc * 2));
+    CUDA_OK(cudaMalloc(&D->w2, P->E * P->d * P->n * 2));
+    CUDA_OK(cudaMalloc(&D->b2, P->E * P->d * 2));
+    CUDA_OK(cudaMalloc(&D->h, P->cap * hc * 2 + 16));
+    CUDA_OK(cudaMalloc(&D->a, P->cap * P->n * 2 + 16));
+    CUDA_OK(cudaMalloc(&D->a_in, P->cap * P->n * 2 + 16));
+    CUDA_OK(cudaMalloc(&D->y, P->cap * P->d * 2 + 16));
+    CUDA_OK(cudaMalloc(&D->dh_in, P->cap * hc * 2 + 16));
+    CUDA_OK(cudaMalloc(&D->dxt, P->cap * P->d * 2 + 16));
+    CUDA_OK(cudaMalloc(&D->dout, P->T * P->d * 2 + 16));
+    CUDA_OK(cudaMalloc(&D->dh_out, P->cap * hc * 2 + 16));
+    CUDA_OK(cudaMalloc(&D->as_out, P->cap * P->n * 2 + 16));
+    CUDA_OK(cudaMalloc(&D->score, P->cap * 4 + 16));
+    CUDA_OK(cudaMalloc(&D->ds_out, P->cap * 4 + 16));
+    CUDA_OK(cudaMalloc(&D->scratch, P->cap * 4 * ((P->n + 127) / 128) + 16));
     {
         float *sc = (float *)malloc(P->cap * 4 + 4);
         for (int64_t r = 0; r < P->cap; r++) sc[r] = 0.05f + (rnd() % 1000) / 1000.0f;
-        CK(cudaMemcpy(D->score, sc, P->cap * 4, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(D->score, sc, P->cap * 4, cudaMemcpyHostToDevice));
         free(sc);
     }
-    CK(cudaMalloc(&D->offset, (P->E + 1) * 4));
-    CK(cudaMalloc(&D->row_token, P->cap * 4 + 4));
-    CK(cudaMalloc(&D->row_expert, P->cap * 4 + 4));
-    CK(cudaMemcpy(D->offset, P->offset, (P->E + 1) * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(D->row_token, P->row_token, P->cap * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(D->row_expert, P->row_expert, P->cap * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMalloc(&D->offset, (P->E + 1) * 4));
+    CUDA_OK(cudaMalloc(&D->row_token, P->cap * 4 + 4));
+    CUDA_OK(cudaMalloc(&D->row_expert, P->cap * 4 + 4));
+    CUDA_OK(cudaMemcpy(D->offset, P->offset, (P->E + 1) * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(D->row_token, P->row_token, P->cap * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(D->row_expert, P->row_expert, P->cap * 4, cudaMemcpyHostToDevice));
     rand_bf16(D->x, P->T * P->d, 1.0f);
     rand_bf16(D->w1, P->E * hc * P->d, 2.0f / sqrtf((float)P->d));
     rand_bf16(D->b1, P->E * hc, 0.5f);
@@ -356,9 +231,9 @@ static void dev_alloc(problem_dev *D, const problem_host *P)
     rand_bf16(D->a_in, P->cap * P->n, 1.0f);
     rand_bf16(D->dh_in, P->cap * hc, 1.0f);
     rand_bf16(D->dout, P->T * P->d, 1.0f);
-    if (P->cap > P->R) CK(cudaMemset(D->dh_in + P->R * hc, 0xFF, (P->cap - P->R) * hc * 2));
+    if (P->cap > P->R) CUDA_OK(cudaMemset(D->dh_in + P->R * hc, 0xFF, (P->cap - P->R) * hc * 2));
     /* rows past R of the down input: NaN, which must not reach any output */
-    if (P->cap > P->R) CK(cudaMemset(D->a_in + P->R * P->n, 0xFF, (P->cap - P->R) * P->n * 2));
+    if (P->cap > P->R) CUDA_OK(cudaMemset(D->a_in + P->R * P->n, 0xFF, (P->cap - P->R) * P->n * 2));
 }
 
 static void dev_free(problem_dev *D)
@@ -404,12 +279,13 @@ static int verify(const problem_host *P, problem_dev *D, const int32_t *rows, in
                   const char *tag)
 {
     int64_t hc = P->gated ? 2 * P->n : P->n;
+    const smoe_activation act = (smoe_activation)P->act;
     int ok = 1;
     if (nr == 0) return 1;
-    CK(cudaMalloc(&D->rows, nr * 4));
-    CK(cudaMemcpy(D->rows, rows, nr * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMalloc(&D->rows, nr * 4));
+    CUDA_OK(cudaMemcpy(D->rows, rows, nr * 4, cudaMemcpyHostToDevice));
     int64_t refcols = hc > P->d ? hc : P->d;
-    CK(cudaMalloc(&D->ref, (int64_t)nr * refcols * 4));
+    CUDA_OK(cudaMalloc(&D->ref, (int64_t)nr * refcols * 4));
     float *ref = (float *)malloc((size_t)nr * refcols * 4);
     bf16 *gh = (bf16 *)malloc((size_t)hc * 2), *ga = (bf16 *)malloc((size_t)P->n * 2);
     bf16 *gy = (bf16 *)malloc((size_t)P->d * 2);
@@ -418,30 +294,31 @@ static int verify(const problem_host *P, problem_dev *D, const int32_t *rows, in
     ref_up_kernel<<<dim3((unsigned)((hc + 127) / 128), nr), 128>>>(
         D->rows, nr, D->row_expert, D->row_token, D->x, D->w1, P->bias ? D->b1 : NULL, (int)P->d,
         (int)P->n, (int)hc, P->gated, P->layout, D->ref);
-    CK(cudaGetLastError());
-    CK(cudaMemcpy(ref, D->ref, (size_t)nr * hc * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaMemcpy(ref, D->ref, (size_t)nr * hc * 4, cudaMemcpyDeviceToHost));
     double rms_h = rms_of(ref, (int64_t)nr * hc);
     float *want = (float *)malloc((size_t)nr * P->n * 4);
     for (int64_t i = 0; i < nr; i++) {
         const float *rr = ref + i * hc;
         for (int64_t j = 0; j < P->n; j++)
             want[i * P->n + j] =
-                (float)(P->gated ? h_act_gated(P->act, round_bf16(rr[2 * j]), round_bf16(rr[2 * j + 1]))
-                                 : h_act_plain(P->act, round_bf16(rr[j])));
+                (float)(P->gated ? tu_act1(act, round_bf16(rr[2 * j])) * round_bf16(rr[2 * j + 1])
+                                 : tu_act1(act, round_bf16(rr[j])));
     }
     double rms_a = rms_of(want, (int64_t)nr * P->n);
-    checker ch = {"H", 1.0 / 128, 1e-3 * rms_h, 0, 0, 0, 0, 0, 0};
+    tu_tally ch = tu_tally_make("H", 1.0 / 128, 1e-3 * rms_h);
     /* A from a bf16 H that may sit one ulp away from the rounded reference */
-    checker ca = {"A", 1.0 / 64, 1e-2 * rms_a, 0, 0, 0, 0, 0, 0};
+    tu_tally ca = tu_tally_make("A", 1.0 / 64, 1e-2 * rms_a);
     for (int i = 0; i < nr; i++) {
         int64_t r = rows[i];
         const float *rr = ref + (int64_t)i * hc;
         if (with_h) {
-            CK(cudaMemcpy(gh, D->h + r * hc, hc * 2, cudaMemcpyDeviceToHost));
-            for (int64_t c = 0; c < hc; c++) check_val(&ch, bf2f(gh[c]), rr[c]);
+            CUDA_OK(cudaMemcpy(gh, D->h + r * hc, hc * 2, cudaMemcpyDeviceToHost));
+            for (int64_t c = 0; c < hc; c++) tu_tally_rt(&ch, bf2f(gh[c]), rr[c], r * hc + c);
         }
-        CK(cudaMemcpy(ga, D->a + r * P->n, P->n * 2, cudaMemcpyDeviceToHost));
-        for (int64_t j = 0; j < P->n; j++) check_val(&ca, bf2f(ga[j]), want[(int64_t)i * P->n + j]);
+        CUDA_OK(cudaMemcpy(ga, D->a + r * P->n, P->n * 2, cudaMemcpyDeviceToHost));
+        for (int64_t j = 0; j < P->n; j++)
+            tu_tally_rt(&ca, bf2f(ga[j]), want[(int64_t)i * P->n + j], r * P->n + j);
     }
     free(want);
     if (with_h) ok &= check_report(&ch, tag);
@@ -451,14 +328,15 @@ static int verify(const problem_host *P, problem_dev *D, const int32_t *rows, in
     ref_down_kernel<<<dim3((unsigned)((P->d + 127) / 128), nr), 128>>>(
         D->rows, nr, D->row_expert, D->a_in, D->w2, P->bias ? D->b2 : NULL, (int)P->d, (int)P->n,
         D->ref);
-    CK(cudaGetLastError());
-    CK(cudaMemcpy(ref, D->ref, (size_t)nr * P->d * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaMemcpy(ref, D->ref, (size_t)nr * P->d * 4, cudaMemcpyDeviceToHost));
     double rms_y = rms_of(ref, (int64_t)nr * P->d);
-    checker cy = {"Y", 1.0 / 128, 1e-3 * rms_y, 0, 0, 0, 0, 0, 0};
+    tu_tally cy = tu_tally_make("Y", 1.0 / 128, 1e-3 * rms_y);
     for (int i = 0; i < nr; i++) {
         int64_t r = rows[i];
-        CK(cudaMemcpy(gy, D->y + r * P->d, P->d * 2, cudaMemcpyDeviceToHost));
-        for (int64_t c = 0; c < P->d; c++) check_val(&cy, bf2f(gy[c]), ref[(int64_t)i * P->d + c]);
+        CUDA_OK(cudaMemcpy(gy, D->y + r * P->d, P->d * 2, cudaMemcpyDeviceToHost));
+        for (int64_t c = 0; c < P->d; c++)
+            tu_tally_rt(&cy, bf2f(gy[c]), ref[(int64_t)i * P->d + c], r * P->d + c);
     }
     ok &= check_report(&cy, tag);
 
@@ -467,15 +345,15 @@ static int verify(const problem_host *P, problem_dev *D, const int32_t *rows, in
         ref_dxt_kernel<<<dim3((unsigned)((P->d + 127) / 128), nr), 128>>>(
             D->rows, nr, D->row_expert, D->dh_in, D->w1, (int)P->d, (int)P->n, (int)hc, P->gated,
             P->layout, D->ref);
-        CK(cudaGetLastError());
-        CK(cudaMemcpy(ref, D->ref, (size_t)nr * P->d * 4, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaGetLastError());
+        CUDA_OK(cudaMemcpy(ref, D->ref, (size_t)nr * P->d * 4, cudaMemcpyDeviceToHost));
         double rms_x = rms_of(ref, (int64_t)nr * P->d);
-        checker cx = {"dXt", 1.0 / 128, 1e-3 * rms_x, 0, 0, 0, 0, 0, 0};
+        tu_tally cx = tu_tally_make("dXt", 1.0 / 128, 1e-3 * rms_x);
         for (int i = 0; i < nr; i++) {
             int64_t r = rows[i];
-            CK(cudaMemcpy(gy, D->dxt + r * P->d, P->d * 2, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(gy, D->dxt + r * P->d, P->d * 2, cudaMemcpyDeviceToHost));
             for (int64_t c = 0; c < P->d; c++)
-                check_val(&cx, bf2f(gy[c]), ref[(int64_t)i * P->d + c]);
+                tu_tally_rt(&cx, bf2f(gy[c]), ref[(int64_t)i * P->d + c], r * P->d + c);
         }
         ok &= check_report(&cx, tag);
     }
@@ -483,15 +361,15 @@ static int verify(const problem_host *P, problem_dev *D, const int32_t *rows, in
     /* dh: H input = dh_in, score, dO */
     if (D->dh_ran) {
         float *dap_d, *bdot_d;
-        CK(cudaMalloc(&dap_d, (size_t)nr * P->n * 4));
-        CK(cudaMalloc(&bdot_d, (size_t)nr * 4));
+        CUDA_OK(cudaMalloc(&dap_d, (size_t)nr * P->n * 4));
+        CUDA_OK(cudaMalloc(&bdot_d, (size_t)nr * 4));
         ref_dap_kernel<<<dim3((unsigned)((P->n + 1 + 127) / 128), nr), 128>>>(
             D->rows, nr, D->row_expert, D->row_token, D->dout, D->w2, P->bias ? D->b2 : NULL,
             (int)P->d, (int)P->n, dap_d, bdot_d);
-        CK(cudaGetLastError());
+        CUDA_OK(cudaGetLastError());
         float *dap = (float *)malloc((size_t)nr * P->n * 4), *bdot = (float *)malloc(nr * 4);
-        CK(cudaMemcpy(dap, dap_d, (size_t)nr * P->n * 4, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(bdot, bdot_d, (size_t)nr * 4, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(dap, dap_d, (size_t)nr * P->n * 4, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(bdot, bdot_d, (size_t)nr * 4, cudaMemcpyDeviceToHost));
         cudaFree(dap_d); cudaFree(bdot_d);
         bf16 *hin = (bf16 *)malloc(hc * 2), *gdh = (bf16 *)malloc(hc * 2), *gas = (bf16 *)malloc(P->n * 2);
         double *wdh = (double *)malloc(hc * sizeof(double)), *was = (double *)malloc(P->n * sizeof(double));
@@ -499,26 +377,30 @@ static int verify(const problem_host *P, problem_dev *D, const int32_t *rows, in
         double s2dh = 0, s2as = 0;
         int64_t cnt_dh = 0, cnt_as = 0;
         for (int pass = 0; pass < 2; pass++) {
-            checker cdh = {"dH", 1.0 / 64, pass ? 1e-2 * sqrt(s2dh / (cnt_dh + 1)) : 0, 0, 0, 0, 0, 0, 0};
-            checker cas = {"A'", 1.0 / 64, pass ? 1e-2 * sqrt(s2as / (cnt_as + 1)) : 0, 0, 0, 0, 0, 0, 0};
+            tu_tally cdh =
+                tu_tally_make("dH", 1.0 / 64, pass ? 1e-2 * sqrt(s2dh / (cnt_dh + 1)) : 0);
+            tu_tally cas =
+                tu_tally_make("A'", 1.0 / 64, pass ? 1e-2 * sqrt(s2as / (cnt_as + 1)) : 0);
             int64_t ds_bad = 0;
             double ds_worst = 0;
             for (int i = 0; i < nr; i++) {
                 int64_t r = rows[i];
                 float s;
-                CK(cudaMemcpy(hin, D->dh_in + r * hc, hc * 2, cudaMemcpyDeviceToHost));
-                CK(cudaMemcpy(&s, D->score + r, 4, cudaMemcpyDeviceToHost));
+                CUDA_OK(cudaMemcpy(hin, D->dh_in + r * hc, hc * 2, cudaMemcpyDeviceToHost));
+                CUDA_OK(cudaMemcpy(&s, D->score + r, 4, cudaMemcpyDeviceToHost));
                 double dsum = 0, dabs = 0;
                 for (int64_t j = 0; j < P->n; j++) {
                     double da = dap[(int64_t)i * P->n + j], f, df, A;
                     if (P->gated) {
                         double g = bf2f(hin[2 * j]), u = bf2f(hin[2 * j + 1]);
-                        h_act_fd(P->act, g, &f, &df);
+                        f = tu_act1(act, g);
+                        df = tu_act1_d(act, g);
                         A = f * u;
                         wdh[2 * j] = s * da * df * u;
                         wdh[2 * j + 1] = s * da * f;
                     } else {
-                        h_act_fd(P->act, bf2f(hin[j]), &f, &df);
+                        f = tu_act1(act, bf2f(hin[j]));
+                        df = tu_act1_d(act, bf2f(hin[j]));
                         A = f;
                         wdh[j] = s * da * df;
                     }
@@ -533,12 +415,14 @@ static int verify(const problem_host *P, problem_dev *D, const int32_t *rows, in
                     cnt_as += P->n;
                     continue;
                 }
-                CK(cudaMemcpy(gdh, D->dh_out + r * hc, hc * 2, cudaMemcpyDeviceToHost));
-                CK(cudaMemcpy(gas, D->as_out + r * P->n, P->n * 2, cudaMemcpyDeviceToHost));
-                for (int64_t c = 0; c < hc; c++) check_val(&cdh, bf2f(gdh[c]), wdh[c]);
-                for (int64_t j = 0; j < P->n; j++) check_val(&cas, bf2f(gas[j]), was[j]);
+                CUDA_OK(cudaMemcpy(gdh, D->dh_out + r * hc, hc * 2, cudaMemcpyDeviceToHost));
+                CUDA_OK(cudaMemcpy(gas, D->as_out + r * P->n, P->n * 2, cudaMemcpyDeviceToHost));
+                for (int64_t c = 0; c < hc; c++)
+                    tu_tally_rt(&cdh, bf2f(gdh[c]), wdh[c], r * hc + c);
+                for (int64_t j = 0; j < P->n; j++)
+                    tu_tally_rt(&cas, bf2f(gas[j]), was[j], r * P->n + j);
                 float gds;
-                CK(cudaMemcpy(&gds, D->ds_out + r, 4, cudaMemcpyDeviceToHost));
+                CUDA_OK(cudaMemcpy(&gds, D->ds_out + r, 4, cudaMemcpyDeviceToHost));
                 double want = dsum + bdot[i], tol = 4e-3 * (dabs + fabs(bdot[i])) + 1e-5;
                 if (!(fabs(gds - want) <= tol)) {
                     ds_bad++;
@@ -570,7 +454,7 @@ static int check_untouched(const bf16 *dptr, int64_t R, int64_t cap, int64_t col
     if (cap <= R || !dptr) return 1;
     int64_t cnt = (cap - R) * cols;
     bf16 *hbuf = (bf16 *)malloc((size_t)cnt * 2);
-    CK(cudaMemcpy(hbuf, dptr + R * cols, (size_t)cnt * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(hbuf, dptr + R * cols, (size_t)cnt * 2, cudaMemcpyDeviceToHost));
     int64_t bad = 0;
     for (int64_t i = 0; i < cnt; i++) bad += !is_poison(hbuf[i]);
     free(hbuf);
@@ -582,8 +466,8 @@ static int bitwise_equal(const bf16 *d1, const bf16 *d2, int64_t count)
 {
     if (count == 0) return 1;
     uint16_t *a = (uint16_t *)malloc((size_t)count * 2), *b = (uint16_t *)malloc((size_t)count * 2);
-    CK(cudaMemcpy(a, d1, (size_t)count * 2, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(b, d2, (size_t)count * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(a, d1, (size_t)count * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(b, d2, (size_t)count * 2, cudaMemcpyDeviceToHost));
     int eq = memcmp(a, b, (size_t)count * 2) == 0;
     free(a); free(b);
     return eq;
@@ -683,16 +567,16 @@ static int run_case(int idx, int sms)
     int64_t hc = g.h_cols;
     int ok = 1;
     bf16 *h2, *a2, *y2, *x2;
-    CK(cudaMalloc(&x2, P.cap * P.d * 2 + 16));
-    CK(cudaMalloc(&h2, P.cap * hc * 2 + 16));
-    CK(cudaMalloc(&a2, P.cap * P.n * 2 + 16));
-    CK(cudaMalloc(&y2, P.cap * P.d * 2 + 16));
+    CUDA_OK(cudaMalloc(&x2, P.cap * P.d * 2 + 16));
+    CUDA_OK(cudaMalloc(&h2, P.cap * hc * 2 + 16));
+    CUDA_OK(cudaMalloc(&a2, P.cap * P.n * 2 + 16));
+    CUDA_OK(cudaMalloc(&y2, P.cap * P.d * 2 + 16));
     for (int rep = 0; rep < 2; rep++) {
         bf16 *h = rep ? h2 : D.h, *a = rep ? a2 : D.a, *y = rep ? y2 : D.y, *xt = rep ? x2 : D.dxt;
-        CK(cudaMemset(xt, 0xFF, P.cap * P.d * 2));
-        CK(cudaMemset(h, 0xFF, P.cap * hc * 2));
-        CK(cudaMemset(a, 0xFF, P.cap * P.n * 2));
-        CK(cudaMemset(y, 0xFF, P.cap * P.d * 2));
+        CUDA_OK(cudaMemset(xt, 0xFF, P.cap * P.d * 2));
+        CUDA_OK(cudaMemset(h, 0xFF, P.cap * hc * 2));
+        CUDA_OK(cudaMemset(a, 0xFF, P.cap * P.n * 2));
+        CUDA_OK(cudaMemset(y, 0xFF, P.cap * P.d * 2));
         smoe_status st = smoe_gemm_ops_sm90.up(&g, D.x, D.w1, P.bias ? D.b1 : NULL,
                                                with_h ? h : NULL, a, NULL, 0);
         if (st != SMOE_SUCCESS) { printf("  FAIL %s: up returned %d\n", tag, (int)st); ok = 0; }
@@ -709,9 +593,9 @@ static int run_case(int idx, int sms)
         }
         D.dxt_ran = !concat;
         if (rep == 0) {
-            CK(cudaMemset(D.dh_out, 0xFF, P.cap * hc * 2));
-            CK(cudaMemset(D.as_out, 0xFF, P.cap * P.n * 2));
-            CK(cudaMemset(D.ds_out, 0xFF, P.cap * 4));
+            CUDA_OK(cudaMemset(D.dh_out, 0xFF, P.cap * hc * 2));
+            CUDA_OK(cudaMemset(D.as_out, 0xFF, P.cap * P.n * 2));
+            CUDA_OK(cudaMemset(D.ds_out, 0xFF, P.cap * 4));
             if (smoe_gemm_ops_sm90.scratch_bytes(&g) > (size_t)(P.cap * 4 * ((P.n + 127) / 128))) {
                 printf("  FAIL %s: scratch_bytes too large for the test buffer\n", tag);
                 ok = 0;
@@ -722,7 +606,7 @@ static int run_case(int idx, int sms)
             D.dh_ran = st == SMOE_SUCCESS;
             trace_op(tag, rep, "dh");
         }
-        CK(cudaDeviceSynchronize());
+        CUDA_OK(cudaDeviceSynchronize());
     }
     if (ok) {
         int32_t *rows = (int32_t *)malloc((P.R + 1) * 4);
@@ -752,28 +636,18 @@ static int run_case(int idx, int sms)
     return ok;
 }
 
-/* ------------------------------------------------------------ bench */
-
-static int cmp_float(const void *a, const void *b)
-{
-    float x = *(const float *)a, y = *(const float *)b;
-    return x < y ? -1 : x > y;
-}
+/* ------------------------------------------------------------ grid shapes */
 
 typedef struct shape {
     const char *name;
     int64_t T, d, n, E, K;
 } shape;
 
-static float median_ms(float *v, int cnt)
-{
-    qsort(v, cnt, sizeof(float), cmp_float);
-    return v[cnt / 2];
-}
-
-#define BENCH_REPS 20
-
-static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
+/* --grid: a shape of the benchmark grid (bench/bench_gemm.cu's), balanced
+ * routing, SwiGLU, interleaved W1, no bias; up, down, dxt and dh once on
+ * the plan's rows (--row's where it fits), about 1000 rows checked. 1
+ * passed, 0 failed, -1 skipped (the forced row cannot run the shape). */
+static int grid_case(const shape *S, int sms)
 {
     problem_host P;
     memset(&P, 0, sizeof(P));
@@ -814,153 +688,53 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
     problem_dev D;
     dev_alloc(&D, &P);
     smoe_gemm_problem g = make_problem(&P, &D, sms);
+    if (!forced_row_fits(&g)) {
+        dev_free(&D);
+        free(P.offset); free(P.row_token); free(P.row_expert);
+        return -1;
+    }
     int64_t hc = g.h_cols;
-    double up_flops = 2.0 * P.R * P.d * hc, down_flops = 2.0 * P.R * P.d * P.n;
-
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    float t_up[BENCH_REPS], t_down[BENCH_REPS], t_cb_up[BENCH_REPS], t_cb_down[BENCH_REPS];
     int ok = 1;
-    for (int it = -3; it < BENCH_REPS; it++) {
-        float ms;
-        CK(cudaEventRecord(e0));
-        if (smoe_gemm_ops_sm90.up(&g, D.x, D.w1, NULL, D.h, D.a, NULL, 0) != SMOE_SUCCESS) ok = 0;
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (it >= 0) t_up[it] = ms;
-        CK(cudaEventRecord(e0));
-        if (smoe_gemm_ops_sm90.down(&g, D.a_in, D.w2, NULL, D.y, NULL, 0) != SMOE_SUCCESS) ok = 0;
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (it >= 0) t_down[it] = ms;
+    CUDA_OK(cudaMemset(D.h, 0xFF, P.cap * hc * 2));
+    CUDA_OK(cudaMemset(D.a, 0xFF, P.cap * P.n * 2));
+    CUDA_OK(cudaMemset(D.y, 0xFF, P.cap * P.d * 2));
+    CUDA_OK(cudaMemset(D.dxt, 0xFF, P.cap * P.d * 2));
+    CUDA_OK(cudaMemset(D.dh_out, 0xFF, P.cap * hc * 2));
+    CUDA_OK(cudaMemset(D.as_out, 0xFF, P.cap * P.n * 2));
+    CUDA_OK(cudaMemset(D.ds_out, 0xFF, P.cap * 4));
+    if (smoe_gemm_ops_sm90.scratch_bytes(&g) > (size_t)(P.cap * 4 * ((P.n + 127) / 128))) {
+        printf("  FAIL grid %s: scratch_bytes too large for the test buffer\n", S->name);
+        dev_free(&D);
+        free(P.offset); free(P.row_token); free(P.row_expert);
+        return 0;
     }
-    CK(cudaGetLastError());
-    /* rows of up's table (the plan's, 128 x 256 with 4 stages, 128 x 128
-     * with the warp-per-stage gather), and the same FLOPs through the down
-     * kernel with swapped sizes: TMA-loaded contiguous A, plain store */
-    float t_var[3] = {0, 0, 0}, t_tma = 0;
-    const smoe_gemm_plan plan0 = g_plan;
-    for (int v = 0; v < 3; v++) {
-        float tv[BENCH_REPS];
-        g_plan = plan0;
-        if (v) g_plan.row[SMOE_GEMM_UP] =
-                   smoe_gemm_row_find(&smoe_gemm_ops_sm90, SMOE_GEMM_UP,
-                                      v == 1 ? "256x4" : "128x6 warp-gather");
-        for (int it = -2; it < BENCH_REPS; it++) {
-            float ms;
-            CK(cudaEventRecord(e0));
-            if (smoe_gemm_ops_sm90.up(&g, D.x, D.w1, NULL, D.h, D.a, NULL, 0) != SMOE_SUCCESS) ok = 0;
-            CK(cudaEventRecord(e1));
-            CK(cudaEventSynchronize(e1));
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            if (it >= 0) tv[it] = ms;
-        }
-        t_var[v] = median_ms(tv, BENCH_REPS);
-    }
-    g_plan = plan0;
-    {
-        smoe_gemm_problem g2 = g;
-        g2.n = P.d;
-        g2.d = hc;
-        g2.h_cols = hc;
-        float tv[BENCH_REPS];
-        for (int it = -2; it < BENCH_REPS; it++) {
-            float ms;
-            CK(cudaEventRecord(e0));
-            if (smoe_gemm_ops_sm90.down(&g2, D.y, D.w1, NULL, D.h, NULL, 0) != SMOE_SUCCESS) ok = 0;
-            CK(cudaEventRecord(e1));
-            CK(cudaEventSynchronize(e1));
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            if (it >= 0) tv[it] = ms;
-        }
-        t_tma = median_ms(tv, BENCH_REPS);
-    }
-    /* cuBLAS dense GEMMs with the same FLOPs: (R x d) (d x hc) and (R x n) (n x d), with
-     * Y (R x d, finite after our down) standing in for the gathered X,
-     * row-major C = A B^T as column-major C^T = B A^T */
-    float one = 1.0f, zero = 0.0f;
-    for (int it = -3; it < BENCH_REPS; it++) {
-        float ms;
-        CK(cudaEventRecord(e0));
-        cublasStatus_t cs = cublasGemmEx(cb, CUBLAS_OP_T, CUBLAS_OP_N, (int)hc, (int)P.R, (int)P.d,
-                                         &one, D.w1, CUDA_R_16BF, (int)P.d, D.y, CUDA_R_16BF,
-                                         (int)P.d, &zero, D.h, CUDA_R_16BF, (int)hc,
-                                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (cs != CUBLAS_STATUS_SUCCESS) { printf("cublas up failed %d\n", (int)cs); ok = 0; }
-        if (it >= 0) t_cb_up[it] = ms;
-        CK(cudaEventRecord(e0));
-        cs = cublasGemmEx(cb, CUBLAS_OP_T, CUBLAS_OP_N, (int)P.d, (int)P.R, (int)P.n, &one, D.w2,
-                          CUDA_R_16BF, (int)P.n, D.a_in, CUDA_R_16BF, (int)P.n, &zero, D.y,
-                          CUDA_R_16BF, (int)P.d, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (cs != CUBLAS_STATUS_SUCCESS) { printf("cublas down failed %d\n", (int)cs); ok = 0; }
-        if (it >= 0) t_cb_down[it] = ms;
-    }
-    float t_dxt[BENCH_REPS];
-    for (int it = -3; it < BENCH_REPS; it++) {
-        float ms;
-        CK(cudaEventRecord(e0));
-        if (smoe_gemm_ops_sm90.dxt(&g, D.dh_in, D.w1, D.dxt, NULL, 0) != SMOE_SUCCESS) ok = 0;
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (it >= 0) t_dxt[it] = ms;
-    }
-    float mx = median_ms(t_dxt, BENCH_REPS);
-    float t_dh[BENCH_REPS];
-    for (int it = -3; it < BENCH_REPS; it++) {
-        float ms;
-        CK(cudaEventRecord(e0));
-        if (smoe_gemm_ops_sm90.dh(&g, D.dout, D.w2, NULL, D.dh_in, D.dh_out, D.as_out, D.ds_out,
-                                  D.scratch, 0) != SMOE_SUCCESS)
+    const char *op[4] = {"up", "down", "dxt", "dh"};
+    smoe_status st[4];
+    st[0] = smoe_gemm_ops_sm90.up(&g, D.x, D.w1, NULL, D.h, D.a, NULL, 0);
+    st[1] = smoe_gemm_ops_sm90.down(&g, D.a_in, D.w2, NULL, D.y, NULL, 0);
+    st[2] = smoe_gemm_ops_sm90.dxt(&g, D.dh_in, D.w1, D.dxt, NULL, 0);
+    st[3] = smoe_gemm_ops_sm90.dh(&g, D.dout, D.w2, NULL, D.dh_in, D.dh_out, D.as_out, D.ds_out,
+                                  D.scratch, 0);
+    char tag[128];
+    snprintf(tag, sizeof(tag), "grid %s: T=%lld d=%lld n=%lld E=%lld K=%lld", S->name,
+             (long long)S->T, (long long)S->d, (long long)S->n, (long long)S->E, (long long)S->K);
+    for (int i = 0; i < 4; i++)
+        if (st[i] != SMOE_SUCCESS) {
+            printf("  FAIL %s: %s returned %d\n", tag, op[i], (int)st[i]);
             ok = 0;
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (it >= 0) t_dh[it] = ms;
-    }
-    float mh = median_ms(t_dh, BENCH_REPS);
-    float mu = median_ms(t_up, BENCH_REPS), md = median_ms(t_down, BENCH_REPS);
-    float cu = median_ms(t_cb_up, BENCH_REPS), cd = median_ms(t_cb_down, BENCH_REPS);
-
-    /* re-run ours and check sampled rows */
-    CK(cudaMemset(D.h, 0xFF, P.cap * hc * 2));
-    CK(cudaMemset(D.a, 0xFF, P.cap * P.n * 2));
-    CK(cudaMemset(D.y, 0xFF, P.cap * P.d * 2));
-    if (smoe_gemm_ops_sm90.up(&g, D.x, D.w1, NULL, D.h, D.a, NULL, 0) != SMOE_SUCCESS) ok = 0;
-    if (smoe_gemm_ops_sm90.down(&g, D.a_in, D.w2, NULL, D.y, NULL, 0) != SMOE_SUCCESS) ok = 0;
-    CK(cudaMemset(D.dxt, 0xFF, P.cap * P.d * 2));
-    if (smoe_gemm_ops_sm90.dxt(&g, D.dh_in, D.w1, D.dxt, NULL, 0) != SMOE_SUCCESS) ok = 0;
+        }
+    CUDA_OK(cudaDeviceSynchronize());
     D.dxt_ran = 1;
     D.dh_ran = 1;
-    CK(cudaDeviceSynchronize());
-    int nr = 0;
-    int32_t *rows = (int32_t *)malloc(1200 * 4);
-    for (int64_t r = 0; r < P.R && nr < 1200; r += 1 + P.R / 1000) rows[nr++] = (int32_t)r;
-    rows[nr++] = (int32_t)(P.R - 1);
-    char tag[128];
-    snprintf(tag, sizeof(tag), "bench %s", S->name);
-    ok &= verify(&P, &D, rows, nr, 1, tag);
-    free(rows);
-
-    printf("%-10s T=%-6lld d=%-5lld n=%-5lld E=%-4lld K=%-2lld | up %7.3f ms %6.1f TF (cuBLAS dense "
-           "%6.1f TF) | down %7.3f ms %6.1f TF (cuBLAS %6.1f TF) | check %s\n",
-           S->name, (long long)S->T, (long long)S->d, (long long)S->n, (long long)S->E,
-           (long long)S->K, mu, up_flops / mu / 1e9, up_flops / cu / 1e9, md,
-           down_flops / md / 1e9, down_flops / cd / 1e9, ok ? "ok" : "FAIL");
-    printf("%-10s up table %.1f | wide (BN=256, 4 st) %.1f | narrow (BN=128, 6 st, warp/stage) %.1f TF "
-           "| same FLOPs, TMA A, plain store: %.1f TF | dxt %.3f ms %.1f TF | dh %.3f ms %.1f TF\n",
-           S->name, up_flops / t_var[0] / 1e9, up_flops / t_var[1] / 1e9, up_flops / t_var[2] / 1e9,
-           up_flops / t_tma / 1e9, mx, up_flops / mx / 1e9, mh, down_flops / mh / 1e9);
-    cudaEventDestroy(e0); cudaEventDestroy(e1);
+    if (ok) {
+        int nr = 0;
+        int32_t *rows = (int32_t *)malloc(1200 * 4);
+        for (int64_t r = 0; r < P.R && nr < 1200; r += 1 + P.R / 1000) rows[nr++] = (int32_t)r;
+        rows[nr++] = (int32_t)(P.R - 1);
+        ok &= verify(&P, &D, rows, nr, 1, tag);
+        free(rows);
+    }
+    printf("%s %s\n", ok ? "ok  " : "FAIL", tag);
     dev_free(&D);
     free(P.offset); free(P.row_token); free(P.row_expert);
     return ok;
@@ -968,17 +742,14 @@ static int bench_shape(const shape *S, int sms, cublasHandle_t cb)
 
 int main(int argc, char **argv)
 {
-    int bench = 0, small = 0, cases = 40, nshapes = 4;
-    const char *only = NULL; /* --bench: this shape alone */
+    int grid = 0, small = 0, cases = 40;
     uint64_t seed = 0x5EED5EEDull;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--bench")) bench = 1;
+        if (!strcmp(argv[i], "--grid")) grid = 1;
         else if (!strcmp(argv[i], "--small")) small = 1;
         else if (!strcmp(argv[i], "--trace")) g_trace = 1;
-        else if (!strcmp(argv[i], "--shapes") && i + 1 < argc) nshapes = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 0);
         else if (!strcmp(argv[i], "--cases") && i + 1 < argc) cases = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
         else if (!strcmp(argv[i], "--row") && i + 1 < argc) {
             const char *spec = argv[++i], *eq = strchr(spec, '=');
             g_force_gemm = eq ? smoe_gemm_find(spec, (size_t)(eq - spec)) : -1;
@@ -992,11 +763,13 @@ int main(int argc, char **argv)
         }
         else if (!strcmp(argv[i], "--only-case") && i + 1 < argc) g_only_case = atoi(argv[++i]);
     }
-    g_rng = seed ? seed : 1;
+    g_rng = tu_rng_make(seed);
+    tu_seed = seed;
+    if (!tu_gpu_cc("test_gemm_sm90")) return 0;
     int dev = 0;
-    CK(cudaGetDevice(&dev));
+    CUDA_OK(cudaGetDevice(&dev));
     cudaDeviceProp prop;
-    CK(cudaGetDeviceProperties(&prop, dev));
+    CUDA_OK(cudaGetDeviceProperties(&prop, dev));
     printf("device %s (sm_%d%d, %d SMs), seed 0x%llx\n", prop.name, prop.major, prop.minor,
            prop.multiProcessorCount, (unsigned long long)seed);
     if (prop.major != 9) {
@@ -1005,7 +778,7 @@ int main(int argc, char **argv)
     }
     int sms = prop.multiProcessorCount, failed = 0, total = 0;
     if (small) cases = 2;
-    if (!bench) {
+    if (!grid) {
         for (int i = 0; i < cases; i++) {
             const int r = run_case(i, sms);
             total += r >= 0;
@@ -1053,14 +826,11 @@ int main(int argc, char **argv)
             {"120B", 32768, 4096, 1024, 128, 8},
             {"120B-n2048", 32768, 4096, 2048, 64, 4},
         };
-        cublasHandle_t cb;
-        if (cublasCreate(&cb) != CUBLAS_STATUS_SUCCESS) { printf("cublasCreate failed\n"); return 2; }
-        for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]) && (int)i < nshapes; i++) {
-            if (only && strcmp(only, shapes[i].name)) continue;
-            total++;
-            failed += !bench_shape(&shapes[i], sms, cb);
+        for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
+            const int r = grid_case(&shapes[i], sms);
+            total += r >= 0;
+            failed += r == 0;
         }
-        cublasDestroy(cb);
     }
     printf("%d/%d passed\n", total - failed, total);
     return failed ? 1 : 0;
