@@ -1,7 +1,7 @@
 /*
  * test_varlen_k_sm90.cu -- the Hopper weight-gradient GEMMs (smoe_sm90_dw2,
  * smoe_sm90_dw1 in src/cuda/sm90/varlen_k_sm90.cu) against independent
- * references, then timed on the benchmark grid's shapes.
+ * references.
  *
  * References: a naive tiled CUDA kernel accumulating in double (rows of each
  * expert walked in order, gathers done by plain indexing), itself checked
@@ -15,44 +15,29 @@
  * Cases: random counts with empty experts, 1-row experts and counts around
  * the 64-row k-tile; partial M and N tiles; both output dtypes; accumulate
  * on and off; dW1 for interleaved, concatenated and non-gated W1; the
- * rejected shapes; determinism (two runs, bitwise).
+ * rejected shapes; determinism (two runs, bitwise); then the 7B (T=24576,
+ * d=1536, n=256, E=128, K=8) and 120B (T=32768, d=4096, n=1024, E=128,
+ * K=8) shapes with balanced routing (fp32 overwrite, bf16 accumulate).
  *
- * Timing: CUDA events around each call, median of 20 after warm-up, on the
- * 7B (T=24576, d=1536, n=256, E=128, K=8) and 120B (T=32768, d=4096,
- * n=1024, E=128, K=8) shapes with balanced routing; TFLOPS = 2 R M N / t.
- * For reference, cuBLAS's strided-batched GEMM of the same per-expert shapes
- * (equal counts, contiguous, no gather) and a dense 8192^3 product.
- *
- * Usage: test_varlen_k_sm90 [--small | --profile] [seed]
- * (--small: correctness only, small shapes, for compute-sanitizer;
- * --profile: one call of each op, f32 overwrite then accumulate, on the 7B
- * shape, for ncu). Every check runs each row of the weight gradients'
- * tile table (one row today; the summary table has a line per row). The
- * fp32 and accumulating outputs run dw1 as dH^T X, bf16 overwrite as
- * X^T dH stored transposed: both orientations are checked. Exit code 0
- * only if every check passed.
+ * Usage: test_varlen_k_sm90 [--small] [seed]
+ * (--small: the small and medium shapes only, for compute-sanitizer). Every
+ * check runs each row of the weight gradients' tile table (one row today;
+ * failed checks are counted per row at the end). The fp32 and accumulating
+ * outputs run dw1 as dH^T X, bf16 overwrite as X^T dH stored transposed:
+ * both orientations are checked. Exit code 0 only if every check passed.
+ * The timings of these GEMMs (and cuBLAS's batched GEMM of the same
+ * per-expert shapes) are bench/bench_gemm.cu's.
  *
  * Build (sm_90a; links the kernel source directly):
- *   nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc
- *        -DSMOE_WITH_CUDA tests/gpu/test_varlen_k_sm90.cu
- *        src/cuda/sm90/varlen_k_sm90.cu -lcublas -o build/tests/gpu/test_varlen_k_sm90
+ *   nvcc -O2 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc -Itests
+ *        -Itests/gpu -DSMOE_WITH_CUDA tests/gpu/test_varlen_k_sm90.cu
+ *        src/cuda/sm90/varlen_k_sm90.cu -o build/tests/gpu/test_varlen_k_sm90
  */
-#include <cublas_v2.h>
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-
-#include <math.h>
-#include <stdarg.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
 #include <algorithm>
-#include <string>
 #include <vector>
 
 #include "cuda/gemm.h"
+#include "testutil_cuda.h"
 
 extern "C" smoe_status smoe_sm90_dw2(const smoe_gemm_problem *p, const bf16 *dout,
                                      const bf16 *a_scaled, void *dw2, smoe_dtype out_dtype,
@@ -64,6 +49,7 @@ extern "C" smoe_status smoe_sm90_dw1(const smoe_gemm_problem *p, const bf16 *dh,
 /* The row of the weight gradients' tile table under test (the problems'
  * plan names it). */
 static int g_vk_row = 0;
+static uint64_t g_seed = 12345;
 
 /* The kernels' only library dependency; the test links the .cu alone. */
 static char g_last_error[512];
@@ -76,20 +62,8 @@ extern "C" smoe_status smoe_fail(smoe_status status, const char *fmt, ...)
     return status;
 }
 
-#define CK(x)                                                                              \
-    do {                                                                                   \
-        cudaError_t e_ = (x);                                                              \
-        if (e_ != cudaSuccess) {                                                           \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(2);                                                                       \
-        }                                                                                  \
-    } while (0)
-
-static int g_pass = 0, g_fail = 0;
-static uint64_t g_seed = 12345;
-
 /* Rows under test (the table has one); every correctness check runs for
- * each, and failures are counted per row for the summary table. */
+ * each, and failures are counted per row (printed at the end). */
 static std::vector<int> g_variants{0};
 static int g_cur_vi = 0;                 /* index into g_variants of the running one */
 static std::vector<int> g_var_fail(1, 0);
@@ -100,71 +74,17 @@ static void set_variant(int vi)
     g_vk_row = g_variants[vi];
 }
 
+/* One check, counted by testutil.h (tu_npass, tu_nfail) and per row; a
+ * passing one is printed too. */
 static void check(int ok, const char *fmt, ...)
 {
+    char msg[512];
     va_list ap;
     va_start(ap, fmt);
-    printf("%s ", ok ? "  ok  " : "FAILED");
-    vprintf(fmt, ap);
-    printf(ok ? "\n" : "  (seed %llu)\n", (unsigned long long)g_seed);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    if (ok) g_pass++;
-    else {
-        g_fail++;
-        g_var_fail[g_cur_vi]++;
-    }
-}
-
-/* ------------------------------------------------------------ RNG, fills */
-
-static uint64_t splitmix(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-__device__ __host__ static inline uint32_t hash32(uint64_t i, uint64_t seed)
-{
-    uint64_t z = i * 0x9E3779B97F4A7C15ull + seed * 0xD1B54A32D192ED03ull + 1;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return (uint32_t)(z ^ (z >> 31));
-}
-
-/* uniform in [-1, 1) */
-__global__ void fill_bf16_kernel(bf16 *p, size_t n, uint64_t seed)
-{
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x)
-        p[i] = __float2bfloat16((float)hash32(i, seed) * (2.0f / 4294967296.0f) - 1.0f);
-}
-
-__global__ void fill_f32_kernel(float *p, size_t n, uint64_t seed)
-{
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x)
-        p[i] = (float)hash32(i, seed) * (8.0f / 4294967296.0f) - 4.0f;
-}
-
-__global__ void fill_nan_kernel(uint16_t *p, size_t n)
-{
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x)
-        p[i] = 0x7FC1; /* bf16 NaN; as fp32 pairs 0x7FC17FC1 is NaN too */
-}
-
-static void fill_bf16(bf16 *p, size_t n, uint64_t seed)
-{
-    if (n) fill_bf16_kernel<<<1024, 256>>>(p, n, seed);
-    CK(cudaGetLastError());
-}
-
-static void fill_nan(void *p, size_t bytes)
-{
-    if (bytes) fill_nan_kernel<<<1024, 256>>>((uint16_t *)p, bytes / 2);
-    CK(cudaGetLastError());
+    if (tu_check(ok, __FILE__, __LINE__, "%s", msg)) printf("  ok   %s\n", msg);
+    else g_var_fail[g_cur_vi]++;
 }
 
 /* ------------------------------------------------------------ naive reference */
@@ -318,22 +238,23 @@ static void problem_alloc(problem *P, uint64_t seed)
     P->cap = P->R + 37;
     P->tok.resize(P->cap);
     for (int64_t r = P->R; r < P->cap; r++) P->tok[r] = 0x7fffffff; /* never read */
-    CK(cudaMalloc(&P->d_off, (P->E + 1) * sizeof(int32_t)));
-    CK(cudaMalloc(&P->d_tok, P->cap * sizeof(int32_t)));
-    CK(cudaMemcpy(P->d_off, P->off.data(), (P->E + 1) * sizeof(int32_t), cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(P->d_tok, P->tok.data(), P->cap * sizeof(int32_t), cudaMemcpyHostToDevice));
-    CK(cudaMalloc(&P->dout, P->T * P->d * sizeof(bf16)));
-    CK(cudaMalloc(&P->x, P->T * P->d * sizeof(bf16)));
-    CK(cudaMalloc(&P->a_scaled, P->cap * P->n * sizeof(bf16)));
-    CK(cudaMalloc(&P->dh, P->cap * P->h_cols * sizeof(bf16)));
-    fill_bf16(P->dout, P->T * P->d, seed + 1);
-    fill_bf16(P->x, P->T * P->d, seed + 2);
-    fill_bf16(P->a_scaled, P->R * P->n, seed + 3);
-    fill_bf16(P->dh, P->R * P->h_cols, seed + 4);
+    CUDA_OK(cudaMalloc(&P->d_off, (P->E + 1) * sizeof(int32_t)));
+    CUDA_OK(cudaMalloc(&P->d_tok, P->cap * sizeof(int32_t)));
+    CUDA_OK(cudaMemcpy(P->d_off, P->off.data(), (P->E + 1) * sizeof(int32_t),
+                       cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(P->d_tok, P->tok.data(), P->cap * sizeof(int32_t), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMalloc(&P->dout, P->T * P->d * sizeof(bf16)));
+    CUDA_OK(cudaMalloc(&P->x, P->T * P->d * sizeof(bf16)));
+    CUDA_OK(cudaMalloc(&P->a_scaled, P->cap * P->n * sizeof(bf16)));
+    CUDA_OK(cudaMalloc(&P->dh, P->cap * P->h_cols * sizeof(bf16)));
+    tu_dev_fill_bf16(P->dout, P->T * P->d, seed + 1, -1, 1);
+    tu_dev_fill_bf16(P->x, P->T * P->d, seed + 2, -1, 1);
+    tu_dev_fill_bf16(P->a_scaled, P->R * P->n, seed + 3, -1, 1);
+    tu_dev_fill_bf16(P->dh, P->R * P->h_cols, seed + 4, -1, 1);
     /* rows past R: NaN, so a kernel reading them shows */
-    fill_nan(P->a_scaled + P->R * P->n, (P->cap - P->R) * P->n * sizeof(bf16));
-    fill_nan(P->dh + P->R * P->h_cols, (P->cap - P->R) * P->h_cols * sizeof(bf16));
-    CK(cudaDeviceSynchronize());
+    tu_dev_poison(P->a_scaled + P->R * P->n, (P->cap - P->R) * P->n * sizeof(bf16));
+    tu_dev_poison(P->dh + P->R * P->h_cols, (P->cap - P->R) * P->h_cols * sizeof(bf16));
+    CUDA_OK(cudaDeviceSynchronize());
 }
 
 static void problem_free(problem *P)
@@ -348,21 +269,21 @@ static void problem_free(problem *P)
 
 /* Random counts (some experts empty, some of 1 row, some around 64), each
  * expert's tokens random and sorted. */
-static void routing_random(problem *P, uint64_t *s, int max_count)
+static void routing_random(problem *P, tu_rng *s, int max_count)
 {
     P->off.assign(P->E + 1, 0);
     P->tok.clear();
     for (int64_t e = 0; e < P->E; e++) {
         int c;
-        uint64_t k = splitmix(s) % 8;
+        uint64_t k = tu_next(s) % 8;
         if (k == 0) c = 0;
         else if (k == 1) c = 1;
-        else if (k == 2) c = 63 + (int)(splitmix(s) % 3); /* 63, 64, 65 */
-        else c = (int)(splitmix(s) % (uint64_t)(max_count + 1));
+        else if (k == 2) c = 63 + (int)(tu_next(s) % 3); /* 63, 64, 65 */
+        else c = (int)(tu_next(s) % (uint64_t)(max_count + 1));
         if (e == 0) c = 0;              /* the first expert empty */
         if (e == P->E - 1) c = max_count; /* and the last one full */
         std::vector<int32_t> t(c);
-        for (int i = 0; i < c; i++) t[i] = (int32_t)(splitmix(s) % (uint64_t)P->T);
+        for (int i = 0; i < c; i++) t[i] = (int32_t)(tu_next(s) % (uint64_t)P->T);
         std::sort(t.begin(), t.end());
         P->tok.insert(P->tok.end(), t.begin(), t.end());
         P->off[e + 1] = P->off[e] + c;
@@ -370,11 +291,11 @@ static void routing_random(problem *P, uint64_t *s, int max_count)
 }
 
 /* Balanced top-K routing: token pi(t) picks experts (t + k E/K) mod E. */
-static void routing_balanced(problem *P, uint64_t *s)
+static void routing_balanced(problem *P, tu_rng *s)
 {
     std::vector<int32_t> perm(P->T);
     for (int64_t t = 0; t < P->T; t++) perm[t] = (int32_t)t;
-    for (int64_t t = P->T - 1; t > 0; t--) std::swap(perm[t], perm[splitmix(s) % (uint64_t)(t + 1)]);
+    for (int64_t t = P->T - 1; t > 0; t--) std::swap(perm[t], perm[tu_next(s) % (uint64_t)(t + 1)]);
     std::vector<std::vector<int32_t>> lists(P->E);
     for (int64_t t = 0; t < P->T; t++)
         for (int64_t k = 0; k < P->K; k++) lists[(t + k * (P->E / P->K)) % P->E].push_back(perm[t]);
@@ -442,8 +363,8 @@ static void host_ref(const problem *P, int op, std::vector<double> *ref)
     op_shape s = op_shape_of(P, op);
     size_t arows = s.gather_a ? P->T : P->cap, brows = s.gather_a ? P->cap : P->T;
     std::vector<bf16> A(arows * s.M), B(brows * s.N);
-    CK(cudaMemcpy(A.data(), s.A, A.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(B.data(), s.B, B.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(A.data(), s.A, A.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(B.data(), s.B, B.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
     ref->assign((size_t)P->E * s.M * s.N, 0.0);
     for (int64_t e = 0; e < P->E; e++)
         for (int32_t r = P->off[e]; r < P->off[e + 1]; r++) {
@@ -467,12 +388,12 @@ static refbuf gpu_ref(const problem *P, int op)
     op_shape s = op_shape_of(P, op);
     refbuf rb;
     rb.elems = (size_t)P->E * s.M * s.N;
-    CK(cudaMalloc(&rb.ref, rb.elems * sizeof(float)));
-    CK(cudaMalloc(&rb.absr, rb.elems * sizeof(float)));
+    CUDA_OK(cudaMalloc(&rb.ref, rb.elems * sizeof(float)));
+    CUDA_OK(cudaMalloc(&rb.absr, rb.elems * sizeof(float)));
     dim3 grid((s.N + 63) / 64, (s.M + 63) / 64, (unsigned)P->E);
     ref_kernel<<<grid, 256>>>(s.A, s.B, s.gather_a, P->d_off, P->d_tok, s.M, s.N, rb.ref, rb.absr);
-    CK(cudaGetLastError());
-    CK(cudaDeviceSynchronize());
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaDeviceSynchronize());
     return rb;
 }
 
@@ -490,17 +411,16 @@ static int run_and_compare(const char *tag, const problem *P, int op, const refb
     size_t elems = (size_t)P->E * s.M * s.N;
     size_t esz = dt == SMOE_DTYPE_F32 ? 4 : 2;
     void *out, *old = NULL;
-    CK(cudaMalloc(&out, elems * esz));
+    CUDA_OK(cudaMalloc(&out, elems * esz));
     if (acc) {
-        CK(cudaMalloc(&old, elems * esz));
-        if (dt == SMOE_DTYPE_F32) fill_f32_kernel<<<1024, 256>>>((float *)old, elems, g_seed + 77);
-        else fill_bf16_kernel<<<1024, 256>>>((bf16 *)old, elems, g_seed + 78);
-        CK(cudaGetLastError());
-        CK(cudaMemcpy(out, old, elems * esz, cudaMemcpyDeviceToDevice));
+        CUDA_OK(cudaMalloc(&old, elems * esz));
+        if (dt == SMOE_DTYPE_F32) tu_dev_fill_f32((float *)old, elems, g_seed + 77, -4, 4);
+        else tu_dev_fill_bf16(old, elems, g_seed + 78, -1, 1);
+        CUDA_OK(cudaMemcpy(out, old, elems * esz, cudaMemcpyDeviceToDevice));
     } else {
-        fill_nan(out, elems * esz);
+        tu_dev_poison(out, elems * esz);
     }
-    CK(cudaDeviceSynchronize());
+    CUDA_OK(cudaDeviceSynchronize());
     g_last_error[0] = 0;
     smoe_status st = call_op(P, op, out, dt, acc, num_sms, 0);
     cudaError_t ce = cudaDeviceSynchronize();
@@ -512,13 +432,13 @@ static int run_and_compare(const char *tag, const problem *P, int op, const refb
         exit(1); /* a device fault leaves the context unusable */
     }
     cmp_result *d_res, h_res;
-    CK(cudaMalloc(&d_res, sizeof(cmp_result)));
-    CK(cudaMemset(d_res, 0, sizeof(cmp_result)));
+    CUDA_OK(cudaMalloc(&d_res, sizeof(cmp_result)));
+    CUDA_OK(cudaMemset(d_res, 0, sizeof(cmp_result)));
     const int map_rows = op == OP_DW1 && P->gated && P->layout == SMOE_W1_CONCATENATED;
     compare_kernel<<<1024, 256>>>(out, old, rb->ref, rb->absr, P->d_off, (int)P->E, s.M, s.N,
                                   dt == SMOE_DTYPE_F32, acc, map_rows, (int)P->n, d_res);
-    CK(cudaGetLastError());
-    CK(cudaMemcpy(&h_res, d_res, sizeof h_res, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaMemcpy(&h_res, d_res, sizeof h_res, cudaMemcpyDeviceToHost));
     double rel = h_res.ref2 > 0 ? sqrt(h_res.diff2 / h_res.ref2) : sqrt(h_res.diff2);
     double rel_lim = dt == SMOE_DTYPE_F32 ? 1e-5 : 4e-3;
     int pass = h_res.bad == 0 && h_res.nonfinite == 0 && h_res.checked == elems && rel <= rel_lim;
@@ -538,7 +458,7 @@ static void check_ref_against_host(const char *tag, const problem *P, int op, co
     std::vector<double> h;
     host_ref(P, op, &h);
     std::vector<float> g(rb->elems);
-    CK(cudaMemcpy(g.data(), rb->ref, g.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(g.data(), rb->ref, g.size() * sizeof(float), cudaMemcpyDeviceToHost));
     double d2 = 0, r2 = 0;
     for (size_t i = 0; i < g.size(); i++) {
         double df = g[i] - h[i];
@@ -578,14 +498,14 @@ static void determinism_case(problem *P, int num_sms)
         op_shape s = op_shape_of(P, op);
         size_t bytes = (size_t)P->E * s.M * s.N * 4;
         void *o1, *o2;
-        CK(cudaMalloc(&o1, bytes));
-        CK(cudaMalloc(&o2, bytes));
+        CUDA_OK(cudaMalloc(&o1, bytes));
+        CUDA_OK(cudaMalloc(&o2, bytes));
         smoe_status a = call_op(P, op, o1, SMOE_DTYPE_F32, 0, num_sms, 0);
         smoe_status b = call_op(P, op, o2, SMOE_DTYPE_F32, 0, num_sms, 0);
-        CK(cudaDeviceSynchronize());
+        CUDA_OK(cudaDeviceSynchronize());
         std::vector<char> h1(bytes), h2(bytes);
-        CK(cudaMemcpy(h1.data(), o1, bytes, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(h2.data(), o2, bytes, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(h1.data(), o1, bytes, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(h2.data(), o2, bytes, cudaMemcpyDeviceToHost));
         check(a == SMOE_SUCCESS && b == SMOE_SUCCESS && memcmp(h1.data(), h2.data(), bytes) == 0,
               "determinism v%d %s: two runs bitwise equal", g_vk_row,
               op ? "dw1" : "dw2");
@@ -600,12 +520,12 @@ static void rejection_cases(int num_sms)
 {
     problem P;
     P.T = 64; P.d = 100; P.n = 64; P.E = 2; P.K = 1; P.gated = 1; P.layout = SMOE_W1_INTERLEAVED;
-    uint64_t s = g_seed;
+    tu_rng s = tu_rng_make(g_seed);
     routing_random(&P, &s, 40);
     problem_alloc(&P, g_seed);
     float *out;
-    CK(cudaMalloc(&out, 4 * 1024 * 1024));
-    CK(cudaMemset(out, 0x11, 4 * 1024 * 1024));
+    CUDA_OK(cudaMalloc(&out, 4 * 1024 * 1024));
+    CUDA_OK(cudaMemset(out, 0x11, 4 * 1024 * 1024));
     smoe_status a = call_op(&P, OP_DW2, out, SMOE_DTYPE_F32, 0, num_sms, 0);
     check(a == SMOE_ERROR_UNSUPPORTED, "d=100 rejected: status %d, \"%s\"", (int)a, g_last_error);
     P.d = 128;
@@ -616,9 +536,9 @@ static void rejection_cases(int num_sms)
     check(a == SMOE_ERROR_UNSUPPORTED, "misaligned output rejected: status %d, \"%s\"", (int)a,
           g_last_error);
     P.d = 100;
-    CK(cudaDeviceSynchronize());
+    CUDA_OK(cudaDeviceSynchronize());
     std::vector<uint32_t> h(1024 * 1024);
-    CK(cudaMemcpy(h.data(), out, h.size() * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(h.data(), out, h.size() * 4, cudaMemcpyDeviceToHost));
     int untouched = 1;
     for (size_t i = 0; i < h.size(); i++) untouched &= h[i] == 0x11111111u;
     check(untouched, "rejected calls wrote nothing");
@@ -626,204 +546,51 @@ static void rejection_cases(int num_sms)
     problem_free(&P);
 }
 
-/* ------------------------------------------------------------ timing */
+/* ------------------------------------------------------------ grid shapes */
 
-static float median(std::vector<float> v)
-{
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
-template <typename F>
-static float time_ms(F fn, int warm, int reps)
-{
-    for (int i = 0; i < warm; i++) fn();
-    CK(cudaDeviceSynchronize());
-    std::vector<cudaEvent_t> ev(2 * reps);
-    for (auto &e : ev) CK(cudaEventCreate(&e));
-    for (int i = 0; i < reps; i++) {
-        CK(cudaEventRecord(ev[2 * i]));
-        fn();
-        CK(cudaEventRecord(ev[2 * i + 1]));
-    }
-    CK(cudaDeviceSynchronize());
-    std::vector<float> t(reps);
-    for (int i = 0; i < reps; i++) CK(cudaEventElapsedTime(&t[i], ev[2 * i], ev[2 * i + 1]));
-    for (auto &e : ev) cudaEventDestroy(e);
-    return median(t);
-}
-
-#define CB(x)                                                                  \
-    do {                                                                       \
-        cublasStatus_t s_ = (x);                                               \
-        if (s_ != CUBLAS_STATUS_SUCCESS) {                                     \
-            fprintf(stderr, "%s:%d: cuBLAS error %d\n", __FILE__, __LINE__, (int)s_); \
-            exit(2);                                                           \
-        }                                                                      \
-    } while (0)
-
-/* C_e (M x N, row-major, fp32) = A_e^T B_e with A_e (Kc x M), B_e (Kc x N)
- * row-major: in column-major terms C^T (N x M) = B^T A, i.e. op(B) = N on
- * an (N x Kc) matrix and op(A) = T on an (M x Kc) one. */
-static float cublas_batched_ms(cublasHandle_t h, int M, int N, int Kc, int E, int *ok)
-{
-    bf16 *A, *B;
-    float *C;
-    CK(cudaMalloc(&A, (size_t)E * Kc * M * sizeof(bf16)));
-    CK(cudaMalloc(&B, (size_t)E * Kc * N * sizeof(bf16)));
-    CK(cudaMalloc(&C, (size_t)E * M * N * sizeof(float)));
-    fill_bf16(A, (size_t)E * Kc * M, 901);
-    fill_bf16(B, (size_t)E * Kc * N, 902);
-    const float one = 1.f, zero = 0.f;
-    auto fn = [&]() {
-        CB(cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_T, N, M, Kc, &one, B, CUDA_R_16BF,
-                                      N, (long long)Kc * N, A, CUDA_R_16BF, M, (long long)Kc * M,
-                                      &zero, C, CUDA_R_32F, N, (long long)M * N, E,
-                                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    };
-    float ms = time_ms(fn, 3, 20);
-    *ok = 1;
-    cudaFree(A);
-    cudaFree(B);
-    cudaFree(C);
-    return ms;
-}
-
-static float cublas_dense_ms(cublasHandle_t h, int S)
-{
-    bf16 *A, *B, *C;
-    CK(cudaMalloc(&A, (size_t)S * S * sizeof(bf16)));
-    CK(cudaMalloc(&B, (size_t)S * S * sizeof(bf16)));
-    CK(cudaMalloc(&C, (size_t)S * S * sizeof(bf16)));
-    fill_bf16(A, (size_t)S * S, 903);
-    fill_bf16(B, (size_t)S * S, 904);
-    const float one = 1.f, zero = 0.f;
-    auto fn = [&]() {
-        CB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, S, S, S, &one, A, CUDA_R_16BF, S, B,
-                        CUDA_R_16BF, S, &zero, C, CUDA_R_16BF, S, CUBLAS_COMPUTE_32F,
-                        CUBLAS_GEMM_DEFAULT));
-    };
-    float ms = time_ms(fn, 3, 20);
-    cudaFree(A);
-    cudaFree(B);
-    cudaFree(C);
-    return ms;
-}
-
-/* One call of each op on a balanced shape, for a profiler. */
-static void profile_shape(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K, int num_sms)
+/* A grid shape with balanced routing (gated, interleaved W1), as the layer
+ * runs it: fp32 overwrite and bf16 accumulate against the GPU reference. */
+static void balanced_case(const char *name, int64_t T, int64_t d, int64_t n, int64_t E, int64_t K,
+                          int num_sms)
 {
     problem P;
     P.T = T; P.d = d; P.n = n; P.E = E; P.K = K; P.gated = 1; P.layout = SMOE_W1_INTERLEAVED;
-    uint64_t s = g_seed + 1000;
+    tu_rng s = tu_rng_make(g_seed + 1000);
     routing_balanced(&P, &s);
     problem_alloc(&P, g_seed + 1000);
-    for (int op = 0; op < 2; op++) {
-        op_shape os = op_shape_of(&P, op);
-        void *out;
-        CK(cudaMalloc(&out, (size_t)E * os.M * os.N * 4));
-        for (int acc = 0; acc < 2; acc++) {
-            smoe_status st = call_op(&P, op, out, SMOE_DTYPE_F32, acc, num_sms, 0);
-            CK(cudaDeviceSynchronize());
-            check(st == SMOE_SUCCESS, "profile run %s acc=%d", op ? "dw1" : "dw2", acc);
-        }
-        cudaFree(out);
-    }
-    problem_free(&P);
-}
-
-/* TFLOPS per variant for the summary table: [variant][shape * 2 + op][dtype case] */
-#define BENCH_CASES 3
-static std::vector<std::vector<std::vector<double>>> g_tflops;
-static std::vector<std::string> g_cols;
-
-static void bench_shape(const char *name, int64_t T, int64_t d, int64_t n, int64_t E, int64_t K,
-                        int num_sms, cublasHandle_t h)
-{
-    problem P;
-    P.T = T; P.d = d; P.n = n; P.E = E; P.K = K; P.gated = 1; P.layout = SMOE_W1_INTERLEAVED;
-    uint64_t s = g_seed + 1000;
-    routing_balanced(&P, &s);
-    problem_alloc(&P, g_seed + 1000);
-    printf("\n%s: T=%lld d=%lld n=%lld E=%lld K=%lld, R=%lld rows (balanced, %lld per expert)\n",
+    printf("%s: T=%lld d=%lld n=%lld E=%lld K=%lld, R=%lld rows (balanced, %lld per expert)\n",
            name, (long long)T, (long long)d, (long long)n, (long long)E, (long long)K,
            (long long)P.R, (long long)(P.R / E));
+    char tag[64];
+    snprintf(tag, sizeof tag, "%s balanced", name);
     for (int op = 0; op < 2; op++) {
-        op_shape os = op_shape_of(&P, op);
-        const char *nm = op ? "dw1" : "dw2";
         refbuf rb = gpu_ref(&P, op);
-        char tag[64];
-        snprintf(tag, sizeof tag, "%s balanced", name);
         for (size_t vi = 0; vi < g_variants.size(); vi++) {
             set_variant((int)vi);
             run_and_compare(tag, &P, op, &rb, SMOE_DTYPE_F32, 0, num_sms);
             run_and_compare(tag, &P, op, &rb, SMOE_DTYPE_BF16, 1, num_sms);
         }
-        refbuf_free(&rb);
-        size_t elems = (size_t)E * os.M * os.N;
-        void *out;
-        CK(cudaMalloc(&out, elems * 4));
-        CK(cudaMemset(out, 0, elems * 4));
-        double flop = 2.0 * (double)P.R * os.M * os.N;
-        struct { smoe_dtype dt; int acc; const char *what; } v[BENCH_CASES] = {
-            {SMOE_DTYPE_F32, 0, "f32 overwrite"},
-            {SMOE_DTYPE_F32, 1, "f32 accumulate"},
-            {SMOE_DTYPE_BF16, 0, "bf16 overwrite"}};
-        g_cols.push_back(std::string(name) + " " + nm);
-        for (size_t vi = 0; vi < g_variants.size(); vi++) {
-            set_variant((int)vi);
-            g_tflops[vi].push_back(std::vector<double>(BENCH_CASES, 0.0));
-            for (int i = 0; i < BENCH_CASES; i++) {
-                float ms = time_ms([&]() { call_op(&P, op, out, v[i].dt, v[i].acc, num_sms, 0); },
-                                   3, 20);
-                CK(cudaGetLastError());
-                const double tf = flop / (ms * 1e-3) / 1e12;
-                g_tflops[vi].back()[i] = tf;
-                printf("BENCH %-5s %s v%-2d %-15s M=%-5d N=%-5d : %8.3f ms  %6.1f TFLOPS\n", name,
-                       nm, g_vk_row, v[i].what, os.M, os.N, ms, tf);
-            }
-        }
         set_variant(0);
-        int ok = 0;
-        float cms = cublas_batched_ms(h, os.M, os.N, (int)(P.R / E), (int)E, &ok);
-        printf("BENCH %-5s %s cuBLAS batched  M=%-5d N=%-5d : %8.3f ms  %6.1f TFLOPS "
-               "(equal contiguous experts, no gather, f32 out)\n",
-               name, nm, os.M, os.N, cms, flop / (cms * 1e-3) / 1e12);
-        cudaFree(out);
+        refbuf_free(&rb);
     }
     problem_free(&P);
-}
-
-/* One line per variant: failed checks, then TFLOPS per shape/op as
- * f32 overwrite / f32 accumulate / bf16 overwrite. */
-static void print_summary(void)
-{
-    printf("\nSUMMARY (TFLOPS: f32 overwrite / f32 accumulate / bf16 overwrite)\n");
-    printf("%-8s %-6s", "variant", "failed");
-    for (const std::string &c : g_cols) printf(" | %-17s", c.c_str());
-    printf("\n");
-    for (size_t vi = 0; vi < g_variants.size(); vi++) {
-        printf("v%-7d %-6d", g_variants[vi], g_var_fail[vi]);
-        for (const std::vector<double> &t : g_tflops[vi])
-            printf(" | %5.0f/%5.0f/%5.0f", t[0], t[1], t[2]);
-        printf("\n");
-    }
 }
 
 /* ------------------------------------------------------------ main */
 
 int main(int argc, char **argv)
 {
-    int small = 0, profile = 0;
+    int small = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--small")) small = 1;
-        else if (!strcmp(argv[i], "--profile")) profile = 1;
         else g_seed = strtoull(argv[i], NULL, 10);
     }
+    tu_seed = g_seed;
+    if (!tu_gpu_cc("test_varlen_k_sm90")) return 0;
     int dev = 0;
     cudaDeviceProp prop;
-    CK(cudaGetDevice(&dev));
-    CK(cudaGetDeviceProperties(&prop, dev));
+    CUDA_OK(cudaGetDevice(&dev));
+    CUDA_OK(cudaGetDeviceProperties(&prop, dev));
     printf("device: %s (cc %d.%d, %d SMs), seed %llu\n", prop.name, prop.major, prop.minor,
            prop.multiProcessorCount, (unsigned long long)g_seed);
     if (prop.major != 9) {
@@ -832,13 +599,8 @@ int main(int argc, char **argv)
     }
     const int num_sms = prop.multiProcessorCount;
     g_var_fail.assign(g_variants.size(), 0);
-    g_tflops.assign(g_variants.size(), std::vector<std::vector<double>>());
     set_variant(0);
-    uint64_t s = g_seed;
-    if (profile) {
-        profile_shape(24576, 1536, 256, 128, 8, num_sms);
-        return g_fail ? 1 : 0;
-    }
+    tu_rng s = tu_rng_make(g_seed);
 
     {   /* small: partial M and N tiles (BN=128 path), host-checked reference */
         const smoe_w1_layout lay[3] = {SMOE_W1_INTERLEAVED, SMOE_W1_CONCATENATED,
@@ -867,16 +629,10 @@ int main(int argc, char **argv)
     rejection_cases(num_sms);
 
     if (!small) {
-        cublasHandle_t h;
-        CB(cublasCreate(&h));
-        bench_shape("7B", 24576, 1536, 256, 128, 8, num_sms, h);
-        bench_shape("120B", 32768, 4096, 1024, 128, 8, num_sms, h);
-        float ms = cublas_dense_ms(h, 8192);
-        printf("BENCH cuBLAS dense bf16 8192^3: %.3f ms  %.1f TFLOPS\n", ms,
-               2.0 * 8192.0 * 8192.0 * 8192.0 / (ms * 1e-3) / 1e12);
-        cublasDestroy(h);
-        print_summary();
+        balanced_case("7B", 24576, 1536, 256, 128, 8, num_sms);
+        balanced_case("120B", 32768, 4096, 1024, 128, 8, num_sms);
     }
-    printf("\n%d passed, %d failed\n", g_pass, g_fail);
-    return g_fail ? 1 : 0;
+    for (size_t vi = 0; vi < g_variants.size(); vi++)
+        printf("row %d: %d failed\n", g_variants[vi], g_var_fail[vi]);
+    return tu_summary("test_varlen_k_sm90");
 }
