@@ -71,7 +71,7 @@ GPU_TEST_BIN := $(GPU_TEST_SRC:tests/gpu/%.c=$(BUILD)/tests/gpu/%)
 GPU_TEST_CU  := $(wildcard tests/gpu/test_*.cu)
 GPU_TEST_BIN += $(GPU_TEST_CU:tests/gpu/%.cu=$(BUILD)/tests/gpu/%)
 PROGS += $(if $(wildcard bench/bench.c),$(BUILD)/smoe_bench) $(BUILD)/smoe_ep_bench
-PROGS += $(BUILD)/nccl_overlap_probe
+PROGS += $(BUILD)/nccl_overlap_probe $(BUILD)/bench_gemm
 endif
 
 .PHONY: all lib run test test-gpu sanitize fuzz bench clean print-version print-gpu-tests \
@@ -190,6 +190,19 @@ test-gpu: $(GPU_TEST_BIN)
 
 bench: $(BUILD)/smoe_bench
 	$(BUILD)/smoe_bench $(ARGS)
+
+# The grouped GEMMs alone, each row of both families' tile tables, against
+# cuBLAS (bench/bench_gemm.cu; `make bench-gemm ARGS="--shape 7B --all-rows"`).
+# It shares the GPU tests' helpers (tests/gpu/testutil_cuda.h).
+ifeq ($(SMOE_CUDA),1)
+.PHONY: bench-gemm
+bench-gemm: $(BUILD)/bench_gemm
+	$(BUILD)/bench_gemm $(ARGS)
+
+$(BUILD)/bench_gemm: bench/bench_gemm.cu src/cuda/gemm.h $(wildcard tests/*.h tests/gpu/*.h) $(LIB_A)
+	$(NVCC) $(NVCCFLAGS) $(CUDA_ARCH_PORTABLE) -Itests -Itests/gpu $< -o $@ $(LIB_A) \
+	  -Xcompiler -fopenmp -lcublas -lm -lpthread -ldl
+endif
 
 # C-ABI shim over the grouped-GEMM launcher tables (bench/gemm_shim.cu),
 # a shared library with libsmoe.a linked in, for bench/gemm_vs_torch.py.

@@ -8,7 +8,8 @@
 #                                    grouped_mm layer in the same call
 #   scripts/device_check.sh sm90     the short loop for Hopper kernel work:
 #                                    C GPU tests, racecheck of the Hopper
-#                                    GEMMs, their --bench, the grid on the
+#                                    GEMMs, their timings (build/bench_gemm
+#                                    --family sm90), the grid on the
 #                                    Hopper path and its stage times; with
 #                                    AB="candidates" also the grid in
 #                                    interleaved rounds (scripts/ab_grid.sh:
@@ -77,15 +78,14 @@ if [ "$mode" = verify ]; then
   step run-7B build/smoe_run --config 7B-n256
   echo; tail -n 12 "$out/run-7B.log"
 elif [ "$mode" = sm90 ]; then
-  g=build/tests/gpu/test_gemm_sm90
   step test-gpu timeout 300 bash -c "$(declare -f test_gpu); gpu_tests='$gpu_tests'; test_gpu"
   # racecheck case by case (scripts/racecheck_sm90.sh says why)
   step race-sm90 env RACE_LOGS="$out" timeout 600 bash scripts/racecheck_sm90.sh
-  step gemm-bench timeout 90 $g --bench
+  step gemm-bench timeout 240 build/bench_gemm --family sm90 --csv "$out/bench_gemm.csv"
   step bench-sm90 timeout 150 build/smoe_bench --rows all --backend sm90 --csv "$out/bench_sm90.csv"
   [ -n "${AB:-}" ] && step ab-grid env OUT="$out" timeout 420 bash scripts/ab_grid.sh all "$AB" 3
   step stages timeout 90 build/smoe_bench --rows 7B-n256,120B-n1024 --backend sm90 --stages
-  echo "== GEMMs"; grep -E "up table|check" "$out/gemm-bench.log"
+  echo "== GEMMs (plan rows)"; grep -E " plan |geometric" "$out/gemm-bench.log"
   echo "== grid, default"; tail -n 14 "$out/bench-sm90.log"
   [ -f "$out/ab-grid.log" ] && { echo "== grid, interleaved rounds"; cat "$out/ab-grid.log"; }
 else

@@ -3,7 +3,7 @@
 # write text reports (no ncu is needed where they are read):
 #   scripts/ncu_kernel.sh NAME 'KERNEL_REGEX' program args...
 # e.g. scripts/ncu_kernel.sh dh7b 'kernel<256, 4, 3, 0>' \
-#        build/tests/gpu/test_gemm_sm90 --bench --only 7B
+#        build/bench_gemm --family sm90 --shape 7B --gemm dh --no-cublas --reps 1 --warmup 0
 # Writes $OUT/NAME.txt (the details page: throughput, memory, warp-state
 # stall reasons, ...) and $OUT/NAME_sass.csv.gz (per SASS instruction: the
 # source line and the sampled stall reasons). The clocks are left alone

@@ -9,7 +9,7 @@ set -euo pipefail
 make -j"$(nproc)" all
 st=$(mktemp -d)
 mkdir -p "$st/tests/gpu"
-cp -a build/libsmoe.so build/smoe_bench build/smoe_run build/smoe_ep_bench "$st/"
+cp -a build/libsmoe.so build/smoe_bench build/smoe_run build/smoe_ep_bench build/bench_gemm "$st/"
 for t in $(make -s print-gpu-tests); do cp -a "$t" "$st/tests/gpu/"; done
 { echo "commit $(git rev-parse --short HEAD), $(git status --porcelain --untracked-files=no | wc -l) modified files"
   echo "sources $(git ls-files -z src include bench tests | xargs -0 cat | sha1sum | cut -c1-12)"

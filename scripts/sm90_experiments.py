@@ -4,8 +4,9 @@ Each experiment is a set of source edits (exact string replacements, so an
 edit that no longer applies fails loudly instead of silently measuring the
 baseline). For each one, on the GPU machine: copy the sources to
 /tmp/smoe_exp/<name>, apply its edits, build the sm90 GEMM test and the
-benchmark there (make -j16), run the GEMM test's correctness cases, its
---bench timings, and the layer benchmark on three grid rows. A short
+benchmarks there (make -j16), run the GEMM test's correctness cases, the
+Hopper GEMMs' timings (bench_gemm --family sm90, the plan rows) and the
+layer benchmark on three grid rows. A short
 summary comes last; full logs go to $OUT/<name>.log.
 
     python3 scripts/sm90_experiments.py [name ...]      (default: all)
@@ -79,15 +80,15 @@ def experiment(name, edits, out_dir):
         open(f, "w").write(text.replace(old, new))
     summary = []
     with open(os.path.join(out_dir, name + ".log"), "w") as log:
-        rc, out = run(["make", "-j16", "build/tests/gpu/test_gemm_sm90", "build/smoe_bench"],
-                      work, log, 400)
+        rc, out = run(["make", "-j16", "build/tests/gpu/test_gemm_sm90", "build/bench_gemm",
+                       "build/smoe_bench"], work, log, 400)
         if rc != 0:
             return ["%s: build failed (see %s.log)" % (name, name)]
         rc, out = run(["build/tests/gpu/test_gemm_sm90"], work, log, 240)
         summary.append("%s: correctness rc %d, %s" % (name, rc, out.strip().splitlines()[-1]
                                                       if out.strip() else "no output"))
-        rc, out = run(["build/tests/gpu/test_gemm_sm90", "--bench"], work, log, 240)
-        summary += ["%s: %s" % (name, l) for l in out.splitlines() if " up " in l or "dh" in l]
+        rc, out = run(["build/bench_gemm", "--family", "sm90"], work, log, 240)
+        summary += ["%s: %s" % (name, l) for l in out.splitlines() if " plan " in l]
         rc, out = run(["build/smoe_bench", "--rows", ROWS, "--backend", "sm90"], work, log, 240)
         table = out.splitlines()
         summary += ["%s: %s" % (name, l) for l in table[-(len(ROWS.split(",")) + 1):]]
