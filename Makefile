@@ -124,11 +124,11 @@ $(BUILD)/%.o: %.c include/smoe.h src/smoe_internal.h $(wildcard src/*.h src/cpu/
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
-$(BUILD)/src/cuda/sm90/%.o: src/cuda/sm90/%.cu include/smoe.h src/smoe_internal.h $(wildcard src/cuda/*.h src/cuda/*.cuh src/cuda/sm90/*.cuh) $(FLAGS_STAMP)
+$(BUILD)/src/cuda/sm90/%.o: src/cuda/sm90/%.cu include/smoe.h src/smoe_internal.h src/routing_math.h $(wildcard src/cuda/*.h src/cuda/*.cuh src/cuda/sm90/*.cuh) $(FLAGS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) $(CUDA_ARCH_SM90) -c $< -o $@
 
-$(BUILD)/src/cuda/%.o: src/cuda/%.cu include/smoe.h src/smoe_internal.h $(wildcard src/cuda/*.h src/cuda/*.cuh src/cuda/portable/*.cuh) $(FLAGS_STAMP)
+$(BUILD)/src/cuda/%.o: src/cuda/%.cu include/smoe.h src/smoe_internal.h src/routing_math.h $(wildcard src/cuda/*.h src/cuda/*.cuh src/cuda/portable/*.cuh) $(FLAGS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) $(CUDA_ARCH_PORTABLE) -c $< -o $@
 

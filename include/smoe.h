@@ -31,8 +31,9 @@
  *    bf16, 4 for fp32 and int32, 8 for fp64); saved and workspace to 16
  *    bytes. The CUDA backends also need 16 bytes for every tensor of the
  *    layer's dtype and every gradient (the kernels load 16-byte vectors);
- *    only the int32 / fp32 vectors (pair_*, expert_counts, dpair_score) and
- *    the fp32 matrices (router_logits, dlogits_extra) may sit at 4 bytes.
+ *    only the int32 / fp32 vectors (pair_*, expert_bias, expert_counts,
+ *    dpair_score) and the fp32 matrices (router_logits, dlogits_extra) may
+ *    sit at 4 bytes.
  *    A misaligned pointer is SMOE_ERROR_INVALID_SIZE.
  *  - Overlap: no output (out, router_logits, expert_counts, every gradient),
  *    the saved block or the workspace may share a byte with another of
@@ -141,8 +142,41 @@ typedef enum smoe_routing {
     SMOE_ROUTING_TOPK_SOFTMAX = 0, /* top-K logits, softmax over those K */
     SMOE_ROUTING_SOFTMAX_TOPK = 1, /* softmax over E, top-K probabilities,
                                       renormalised if desc.renormalize */
-    SMOE_ROUTING_GENERAL = 2       /* caller's (token, expert, score) triples */
+    SMOE_ROUTING_GENERAL = 2,      /* caller's (token, expert, score) triples */
+    SMOE_ROUTING_SIGMOID_TOPK = 3  /* DeepSeek-V3 / Kimi-K2 / GLM-4.5: sigmoid
+                                      scores, optional expert bias for the
+                                      selection, group-limited top-K,
+                                      renormalisation, routed scaling */
 } smoe_routing;
+/* SIGMOID_TOPK, for token t with fp32 logits l (T, E), args.expert_bias b
+ * (E) (zeros when NULL), G = desc.n_group, g = desc.topk_group, c =
+ * desc.routed_scaling (Hugging Face's DeepseekV3TopkRouter and
+ * DeepseekV3MoE.route_tokens_to_experts, transformers 5.x):
+ *   s_e  = sigmoid(l_e)                  the score
+ *   k_e  = s_e + b_e                     the selection key (b: no gradient)
+ *   groups (G > 0): the E experts in G contiguous groups of E/G; a group's
+ *        key is the sum of its two largest k_e; the g groups with the
+ *        largest keys are kept, every expert of another group gets the key
+ *        -inf (Hugging Face's mask)
+ *   the K experts with the largest keys are the token's experts, in
+ *        descending key order (equal keys: lower expert index; equal group
+ *        keys: lower group index; NaN ranks above every number)
+ *   score_k = c * s_k / (sum_j s_j + 1e-20)   desc.renormalize = 1
+ *           = c * s_k                          desc.renormalize = 0
+ *   (sum over the K selected, in selection order).
+ * Keys, group keys and scores are computed in double from the fp32 logits
+ * with one sigmoid the CPU and the GPU evaluate bit for bit alike, so the
+ * selection (and the scores) are the same on every backend; scores are
+ * rounded to fp32 last. Gradients flow into the K selected logits only,
+ * through the sigmoid, the renormalisation and c; the bias gets none. The
+ * backward reads the selection from the saved block (it needs no bias, and
+ * a bias changed between forward and backward changes nothing); the saved
+ * block keeps the fp32 logits (T, E) for the sigmoid's derivative.
+ * Non-finite biases are not refused: they enter the keys as IEEE
+ * arithmetic does (+inf forces an expert in, -inf keeps it out unless fewer
+ * than K keys are larger, NaN ranks first). Token rounding is refused with
+ * SIGMOID_TOPK (it ranks tokens by softmax probabilities), and expert
+ * parallelism supports it (the router is replicated). */
 
 typedef enum smoe_rounding {
     SMOE_ROUND_OFF = 0,
@@ -175,16 +209,28 @@ typedef struct smoe_layer_desc {
     smoe_w1_layout w1_layout;    /* only read for gated activations */
     int has_bias;                /* b1 (E, 2n or n) and b2 (E, d) */
     smoe_routing routing;
-    int renormalize;             /* SOFTMAX_TOPK: renormalise the K scores */
-    smoe_rounding rounding;      /* token rounding (needs SOFTMAX_TOPK) */
+    int renormalize;             /* SOFTMAX_TOPK, SIGMOID_TOPK: renormalise the K
+                                    scores (DeepSeek's norm_topk_prob) */
+    smoe_rounding rounding;      /* token rounding (TOPK_SOFTMAX or SOFTMAX_TOPK) */
     int64_t round_tile;          /* M for token rounding (default 128) */
+    /* SIGMOID_TOPK only (see smoe_routing). Group-limited selection:
+     * n_group groups (dividing E, E/n_group >= 2), keep topk_group of them
+     * (1 <= topk_group <= n_group, topk_group * E/n_group >= K); both 0:
+     * off. routed_scaling: the factor c of every score, finite and > 0
+     * (1.0 in smoe_layer_desc_default(); 0, as in a zeroed desc, is
+     * refused). Other modes need n_group = topk_group = 0 and
+     * routed_scaling = 1. */
+    int64_t n_group;
+    int64_t topk_group;
+    double routed_scaling;
     smoe_dtype dtype;            /* storage of x, weights, out, saved state */
     smoe_backend backend;
     int device;                  /* CUDA device ordinal (CUDA backends) */
 } smoe_layer_desc;
 
 /* d=n=E=K=0 (the caller must set them), SwiGLU, interleaved, no bias,
- * TOPK_SOFTMAX, rounding off with M=128, bf16, AUTO backend, device 0. */
+ * TOPK_SOFTMAX, rounding off with M=128, no groups, routed_scaling 1.0,
+ * bf16, AUTO backend, device 0. */
 SMOE_API smoe_layer_desc smoe_layer_desc_default(void);
 
 typedef struct smoe_layer smoe_layer; /* opaque */
@@ -209,7 +255,7 @@ SMOE_API size_t smoe_layer_workspace_bytes(const smoe_layer *layer, int64_t T, i
 /* Bytes of state a training forward leaves for backward: a 256-byte header
  * (which layer filled it, T, pairs, whether the forward succeeded), H
  * (R x 2n), the sorted rows' scores and tokens, the routing metadata, and
- * for SOFTMAX_TOPK/token rounding the fp32 router logits. Exact for token
+ * for SOFTMAX_TOPK, SIGMOID_TOPK and token rounding the fp32 router logits. Exact for token
  * choice and GENERAL; a worst case (R <= T*K + E*(M-1), capped at T*E) for
  * token rounding. Inference needs none.
  * Both sizes are exact 64-bit counts (no product of sizes is taken in 32
@@ -237,6 +283,10 @@ typedef struct smoe_forward_args {
     float *router_logits;         /* (T, E) fp32, optional output (NULL: none) */
     int32_t *expert_counts;       /* (E) int32, optional: rows per expert */
     int inference;                /* 1: nothing saved, `saved` may be NULL */
+    const float *expert_bias;     /* (E) fp32 or NULL (zeros): SIGMOID_TOPK's
+                                     selection bias (DeepSeek-V3's
+                                     e_score_correction_bias); refused for
+                                     other modes. Not needed by backward. */
 } smoe_forward_args;
 
 /* saved: at least smoe_layer_saved_bytes(T, pairs) bytes, given as
@@ -327,6 +377,12 @@ typedef struct smoe_routing_result {
 
 SMOE_API smoe_status smoe_route_cpu(const smoe_layer_desc *desc, int64_t T,
                                     const float *logits, smoe_routing_result *res);
+/* The same with SIGMOID_TOPK's expert bias (E) fp32 (NULL: none; refused
+ * for other modes). smoe_route_cpu(...) is smoe_route_cpu_biased(..., NULL,
+ * res). */
+SMOE_API smoe_status smoe_route_cpu_biased(const smoe_layer_desc *desc, int64_t T,
+                                           const float *logits, const float *expert_bias,
+                                           smoe_routing_result *res);
 
 /* ------------------------------------------------------------ expert parallelism */
 

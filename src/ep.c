@@ -214,6 +214,8 @@ static smoe_status layer_make(const smoe_ep_desc *desc, int P, smoe_ep_layer **o
     ex.K = 0;
     ex.routing = SMOE_ROUTING_GENERAL;
     ex.renormalize = 0;
+    ex.n_group = ex.topk_group = 0; /* the router's; the experts take triples */
+    ex.routed_scaling = 1.0;
     smoe_status st = smoe_layer_create(&full, &ep->full);
     if (st == SMOE_SUCCESS) st = smoe_layer_create(&ex, &ep->experts);
     if (st != SMOE_SUCCESS) {
@@ -318,6 +320,14 @@ static size_t fsize(const smoe_ep_layer *ep) { return ep->desc.layer.dtype == SM
 
 static size_t al(size_t x) { return (x + SMOE_ALIGN - 1) / SMOE_ALIGN * SMOE_ALIGN; }
 
+/* Does the backward read the fp32 logits (T, E)? The modes whose router
+ * backward differentiates a function of the logits beyond the saved
+ * scores (token rounding is refused here). */
+static int ep_saves_logits(const smoe_layer_desc *L)
+{
+    return L->routing == SMOE_ROUTING_SOFTMAX_TOPK || L->routing == SMOE_ROUTING_SIGMOID_TOPK;
+}
+
 /* One pair of a slot: the local expert (-1: none) and the score. */
 typedef struct ep_pair {
     int32_t e;
@@ -353,7 +363,7 @@ static void saved_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, ep_sav
     s->assign_expert = o; o += al((size_t)A * 4);
     s->assign_row = o; o += al((size_t)A * 4);
     s->score = o; o += al((size_t)A * fs);
-    s->logits = o; o += al(L->routing == SMOE_ROUTING_SOFTMAX_TOPK ? t * E * fs : 0);
+    s->logits = o; o += al(ep_saves_logits(L) ? t * E * fs : 0);
     s->slot = o; o += al(t * P * 4);
     s->counts = o; o += al(2 * P * 8 + 8); /* sent (P), received (P), expert pairs */
     s->tri_slot = o; o += al((size_t)ep->rows * 4);
@@ -587,10 +597,10 @@ smoe_status smoe_ep_layer_forward(smoe_ep_layer *ep, const smoe_forward_args *ar
         as.R = 0;
         v.token_offset[0] = 0;
         if (T > 0)
-            st = smoe_route_assign(L, T, 0, l32, dt == SMOE_DTYPE_F64 ? l64 : NULL, ws + W.route,
-                                   &as);
+            st = smoe_route_assign(L, T, 0, l32, dt == SMOE_DTYPE_F64 ? l64 : NULL,
+                                   args->expert_bias, ws + W.route, &as);
         A = T * L->K;
-        if (training && L->routing == SMOE_ROUTING_SOFTMAX_TOPK)
+        if (training && ep_saves_logits(L))
             for (int64_t i = 0; i < T * E; i++)
                 put_f(ep, v.logits, i, dt == SMOE_DTYPE_F64 ? l64[i] : (double)l32[i]);
     } else {

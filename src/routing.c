@@ -1,16 +1,20 @@
 /*
  * routing.c -- routing on the host from fp32 logits (DESIGN.md section 2):
- * TOPK_SOFTMAX, SOFTMAX_TOPK (renormalised or not) and token rounding
- * (up, down, nearest) on top of either. The CPU backend's routing and the
- * GPU tests' reference (through smoe_route_cpu).
+ * TOPK_SOFTMAX, SOFTMAX_TOPK (renormalised or not), SIGMOID_TOPK (expert
+ * bias, groups, renormalisation, scaling) and token rounding (up, down,
+ * nearest) on top of the first two. The CPU backend's routing and the GPU
+ * tests' reference (through smoe_route_cpu).
  *
  * Determinism: the selection reads only the fp32 logits. Top-K: the larger
  * logit first, NaN before every number (torch.topk's order), equal logits
- * by lower expert index. Token rounding ranks the
+ * by lower expert index. SIGMOID_TOPK selects by double keys
+ * sigmoid(fp32 logit) + bias (routing_math.h's sigmoid, the GPU's too),
+ * NaN first, equal keys by lower index. Token rounding ranks the
  * tokens of an expert by a combined key computed in double from the fp32
  * logits (larger key first, equal keys by lower token index).
  */
 #include "routing.h"
+#include "routing_math.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -61,6 +65,70 @@ void smoe_softmax_probs(const float *l32, const double *l64, int64_t E, double *
     for (int64_t e = 0; e < E; e++) p[e] /= sum;
 }
 
+/* Does key a (index ia) rank before key b (index ib)? As ranks_before, in
+ * double (-0 and +0 are equal). */
+static int ranks_before_d(double a, int64_t ia, double b, int64_t ib)
+{
+    int na = isnan(a), nb = isnan(b);
+    if (na || nb) {
+        if (na != nb) return na;
+        return ia < ib;
+    }
+    if (a != b) return a > b;
+    return ia < ib;
+}
+
+/* The K best of n double keys, best first (smoe_topk_select's scan). */
+static void topk_select_d(const double *v, int64_t n, int64_t K, int32_t *idx)
+{
+    for (int64_t k = 0; k < K; k++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < n; e++) {
+            if (k > 0 && !ranks_before_d(v[idx[k - 1]], idx[k - 1], v[e], e)) continue;
+            if (best < 0 || ranks_before_d(v[e], e, v[best], best)) best = e;
+        }
+        idx[k] = (int32_t)best;
+    }
+}
+
+void smoe_sigmoid_select(const smoe_layer_desc *desc, const float *logits, const float *bias,
+                         double *key, double *gkey, int32_t *gidx, int32_t *idx)
+{
+    const int64_t E = desc->E, K = desc->K, G = desc->n_group, g = desc->topk_group;
+    for (int64_t e = 0; e < E; e++)
+        key[e] = smoe_sigmoid((double)logits[e]) + (bias ? (double)bias[e] : 0.0);
+    if (G > 0) {
+        /* a group's key: the sum of its two best keys (their order does not
+         * change the sum); keep the g best groups, mask the others */
+        const int64_t gs = E / G;
+        int32_t two[2];
+        for (int64_t q = 0; q < G; q++) {
+            topk_select_d(key + q * gs, gs, 2, two);
+            gkey[q] = key[q * gs + two[0]] + key[q * gs + two[1]];
+        }
+        topk_select_d(gkey, G, g, gidx);
+        for (int64_t q = 0; q < G; q++) {
+            int kept = 0;
+            for (int64_t j = 0; j < g; j++) kept |= gidx[j] == q;
+            if (!kept)
+                for (int64_t e = q * gs; e < (q + 1) * gs; e++) key[e] = -INFINITY;
+        }
+    }
+    topk_select_d(key, E, K, idx);
+}
+
+void smoe_sigmoid_scores(const smoe_layer_desc *desc, const double *s, double *score)
+{
+    const int64_t K = desc->K;
+    double z = 0.0;
+    for (int64_t k = 0; k < K; k++) z += s[k];
+    const double den = z + 1e-20;
+    for (int64_t k = 0; k < K; k++) {
+        double v = desc->renormalize ? s[k] / den : s[k];
+        score[k] = v * desc->routed_scaling;
+    }
+}
+
 /* ------------------------------------------------------------ scratch */
 
 static size_t al64(size_t x) { return (x + 63) / 64 * 64; }
@@ -69,7 +137,7 @@ size_t smoe_route_scratch_bytes(const smoe_layer_desc *desc, int64_t T, int roun
 {
     const size_t E = (size_t)desc->E, K = (size_t)desc->K, t = (size_t)T;
     if (!rounding || desc->rounding == SMOE_ROUND_OFF)
-        return al64(E * 8) + al64(E * 8) + al64(K * 4);
+        return al64(E * 8) + al64(E * 8) + al64(K * 4) + al64(E * 4);
     return al64(t * E * 8) * 2   /* probabilities: keys (fp32 logits), scores */
            + al64(t * E)         /* 1: token-choice pair */
            + al64(t * E)         /* 1: kept pair */
@@ -93,7 +161,7 @@ static void *take(scratch_bump *b, size_t bytes)
 /* ------------------------------------------------------------ token choice */
 
 static smoe_status route_token_choice(const smoe_layer_desc *desc, int64_t T, const float *logits,
-                                      const double *logits64, void *scratch,
+                                      const double *logits64, const float *bias, void *scratch,
                                       smoe_assignments *out)
 {
     const int64_t E = desc->E, K = desc->K;
@@ -101,16 +169,27 @@ static smoe_status route_token_choice(const smoe_layer_desc *desc, int64_t T, co
     double *p = (double *)take(&b, (size_t)E * 8);
     double *lk = (double *)take(&b, (size_t)E * 8);
     int32_t *idx = (int32_t *)take(&b, (size_t)K * 4);
+    int32_t *gidx = (int32_t *)take(&b, (size_t)E * 4);
     SMOE_RETURN_ERROR_IF(out->cap < T * K, SMOE_ERROR_INTERNAL,
                          "route_token_choice: capacity %lld < T*K = %lld", (long long)out->cap,
                          (long long)(T * K));
     for (int64_t t = 0; t < T; t++) {
         const float *l = logits + t * E;
         const double *l64 = logits64 ? logits64 + t * E : NULL;
-        smoe_topk_select(l, E, K, idx);
         int32_t *ex = out->expert + t * K;
         double *sc = out->score + t * K;
         out->token_offset[t] = (int32_t)(t * K);
+        if (desc->routing == SMOE_ROUTING_SIGMOID_TOPK) {
+            /* keys in p, group keys in lk; the K sigmoids in lk after */
+            smoe_sigmoid_select(desc, l, bias, p, lk, gidx, idx);
+            for (int64_t k = 0; k < K; k++) {
+                ex[k] = idx[k];
+                lk[k] = smoe_sigmoid(l64 ? l64[idx[k]] : (double)l[idx[k]]);
+            }
+            smoe_sigmoid_scores(desc, lk, sc);
+            continue;
+        }
+        smoe_topk_select(l, E, K, idx);
         for (int64_t k = 0; k < K; k++) ex[k] = idx[k];
         if (desc->routing == SMOE_ROUTING_TOPK_SOFTMAX) {
             /* softmax over the K selected logits, largest first */
@@ -258,10 +337,10 @@ static smoe_status route_rounding(const smoe_layer_desc *desc, int64_t T, const 
 }
 
 smoe_status smoe_route_assign(const smoe_layer_desc *desc, int64_t T, int rounding,
-                              const float *logits, const double *logits64, void *scratch,
-                              smoe_assignments *out)
+                              const float *logits, const double *logits64,
+                              const float *expert_bias, void *scratch, smoe_assignments *out)
 {
     if (rounding && desc->rounding != SMOE_ROUND_OFF)
         return route_rounding(desc, T, logits, logits64, scratch, out);
-    return route_token_choice(desc, T, logits, logits64, scratch, out);
+    return route_token_choice(desc, T, logits, logits64, expert_bias, scratch, out);
 }

@@ -28,6 +28,18 @@ int64_t smoe_desc_row_capacity(const smoe_layer_desc *desc, int64_t T, int64_t p
  * NaN ranks above every number (as torch.topk). */
 void smoe_topk_select(const float *logits, int64_t E, int64_t K, int32_t *idx);
 
+/* SIGMOID_TOPK's selection of one token (smoe.h, smoe_routing): key (E)
+ * gets sigmoid(logit) + bias (bias may be NULL), masked to -inf outside
+ * the kept groups; gkey (n_group) the group keys, gidx (topk_group) the
+ * kept groups; idx (K) the picks, best first. */
+void smoe_sigmoid_select(const smoe_layer_desc *desc, const float *logits, const float *bias,
+                         double *key, double *gkey, int32_t *gidx, int32_t *idx);
+
+/* SIGMOID_TOPK's K scores from the K selected sigmoids s (selection
+ * order): renormalised (sum + 1e-20) if desc.renormalize, times
+ * desc.routed_scaling. */
+void smoe_sigmoid_scores(const smoe_layer_desc *desc, const double *s, double *score);
+
 /* p = softmax(l) over E, in double: m = max, e_i = exp(l_i - m), the sum
  * taken in index order. l64 (may be NULL) replaces l32 when given. */
 void smoe_softmax_probs(const float *l32, const double *l64, int64_t E, double *p);
@@ -48,10 +60,11 @@ size_t smoe_route_scratch_bytes(const smoe_layer_desc *desc, int64_t T, int roun
 
 /* Routes T tokens from fp32 logits (T, E). desc is valid and not GENERAL.
  * logits64 (T, E), optional: the F64 layer's exact logits, used for the
- * scores (the selection still uses the fp32 logits). */
+ * scores (the selection still uses the fp32 logits). expert_bias (E):
+ * SIGMOID_TOPK's selection bias, or NULL. */
 smoe_status smoe_route_assign(const smoe_layer_desc *desc, int64_t T, int rounding,
-                              const float *logits, const double *logits64, void *scratch,
-                              smoe_assignments *out);
+                              const float *logits, const double *logits64,
+                              const float *expert_bias, void *scratch, smoe_assignments *out);
 
 #ifdef __cplusplus
 }

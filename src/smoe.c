@@ -118,10 +118,55 @@ smoe_layer_desc smoe_layer_desc_default(void)
     d.renormalize = 0;
     d.rounding = SMOE_ROUND_OFF;
     d.round_tile = 128;
+    d.n_group = 0;
+    d.topk_group = 0;
+    d.routed_scaling = 1.0;
     d.dtype = SMOE_DTYPE_BF16;
     d.backend = SMOE_BACKEND_AUTO;
     d.device = 0;
     return d;
+}
+
+/* The fields of SIGMOID_TOPK routing (smoe.h, smoe_routing): groups, the
+ * scaling factor, and the modes that cannot use them. */
+static smoe_status validate_sigmoid_fields(const smoe_layer_desc *desc)
+{
+    const int sigmoid = desc->routing == SMOE_ROUTING_SIGMOID_TOPK;
+    const double c = desc->routed_scaling;
+    const long long G = (long long)desc->n_group, g = (long long)desc->topk_group;
+    SMOE_RETURN_ERROR_IF(!isfinite(c) || c <= 0.0, SMOE_ERROR_INVALID_VALUE,
+                         "desc.routed_scaling = %g, must be finite and > 0 (1.0 is no "
+                         "scaling, as smoe_layer_desc_default() sets)",
+                         c);
+    SMOE_RETURN_ERROR_IF(!sigmoid && c != 1.0, SMOE_ERROR_INVALID_VALUE,
+                         "desc.routed_scaling = %g needs SIGMOID_TOPK routing (desc.routing = "
+                         "%d scales nothing: leave it 1.0)",
+                         c, (int)desc->routing);
+    SMOE_RETURN_ERROR_IF(G < 0 || g < 0, SMOE_ERROR_INVALID_SIZE,
+                         "desc.n_group = %lld, desc.topk_group = %lld: must be >= 0", G, g);
+    SMOE_RETURN_ERROR_IF((G == 0) != (g == 0), SMOE_ERROR_INVALID_VALUE,
+                         "desc.n_group = %lld, desc.topk_group = %lld: both 0 (no groups) or "
+                         "both > 0",
+                         G, g);
+    if (G == 0) return SMOE_SUCCESS;
+    SMOE_RETURN_ERROR_IF(!sigmoid, SMOE_ERROR_INVALID_VALUE,
+                         "desc.n_group = %lld: group-limited selection needs SIGMOID_TOPK "
+                         "routing (desc.routing = %d); set n_group = topk_group = 0",
+                         G, (int)desc->routing);
+    const long long E = (long long)desc->E, K = (long long)desc->K;
+    SMOE_RETURN_ERROR_IF(E % G != 0, SMOE_ERROR_INVALID_SIZE,
+                         "desc.n_group = %lld does not divide E = %lld", G, E);
+    SMOE_RETURN_ERROR_IF(E / G < 2, SMOE_ERROR_INVALID_SIZE,
+                         "desc.n_group = %lld gives groups of E/n_group = %lld expert(s); a "
+                         "group's key sums its 2 best, so groups need >= 2",
+                         G, E / G);
+    SMOE_RETURN_ERROR_IF(g > G, SMOE_ERROR_INVALID_SIZE,
+                         "desc.topk_group = %lld, must be in [1, n_group = %lld]", g, G);
+    SMOE_RETURN_ERROR_IF(g * (E / G) < K, SMOE_ERROR_INVALID_SIZE,
+                         "desc.topk_group = %lld groups of %lld experts hold fewer than K = %lld "
+                         "experts",
+                         g, E / G, K);
+    return SMOE_SUCCESS;
 }
 
 smoe_status smoe_desc_validate(const smoe_layer_desc *desc)
@@ -133,7 +178,8 @@ smoe_status smoe_desc_validate(const smoe_layer_desc *desc)
                          (long long)desc->n);
     SMOE_RETURN_ERROR_IF(desc->E <= 0 || desc->E > INT32_MAX, SMOE_ERROR_INVALID_SIZE,
                          "desc.E = %lld, must be in [1, %d]", (long long)desc->E, INT32_MAX);
-    SMOE_RETURN_ERROR_IF((unsigned)desc->routing > SMOE_ROUTING_GENERAL, SMOE_ERROR_INVALID_VALUE,
+    SMOE_RETURN_ERROR_IF((unsigned)desc->routing > SMOE_ROUTING_SIGMOID_TOPK,
+                         SMOE_ERROR_INVALID_VALUE,
                          "desc.routing = %d is not a smoe_routing", (int)desc->routing);
     if (desc->routing == SMOE_ROUTING_GENERAL) {
         /* K is not read by GENERAL routing; 0 (the default) is fine. */
@@ -162,11 +208,19 @@ smoe_status smoe_desc_validate(const smoe_layer_desc *desc)
                          SMOE_ERROR_INVALID_SIZE, "desc.round_tile = %lld, must be in [1, %d]",
                          (long long)desc->round_tile, INT32_MAX);
     SMOE_RETURN_ERROR_IF(desc->rounding != SMOE_ROUND_OFF &&
+                             desc->routing == SMOE_ROUTING_SIGMOID_TOPK,
+                         SMOE_ERROR_INVALID_VALUE,
+                         "desc.rounding = %d: token rounding ranks tokens by their softmax "
+                         "probabilities, which SIGMOID_TOPK routing has none of (use "
+                         "TOPK_SOFTMAX or SOFTMAX_TOPK, or rounding off)",
+                         (int)desc->rounding);
+    SMOE_RETURN_ERROR_IF(desc->rounding != SMOE_ROUND_OFF &&
                              desc->routing == SMOE_ROUTING_GENERAL,
                          SMOE_ERROR_INVALID_VALUE,
                          "desc.rounding = %d needs TOPK_SOFTMAX or SOFTMAX_TOPK routing, "
                          "not GENERAL",
                          (int)desc->rounding);
+    SMOE_FORWARD_IF_ERROR(validate_sigmoid_fields(desc));
     SMOE_RETURN_ERROR_IF((unsigned)desc->dtype > SMOE_DTYPE_F64, SMOE_ERROR_INVALID_VALUE,
                          "desc.dtype = %d is not a smoe_dtype", (int)desc->dtype);
     SMOE_RETURN_ERROR_IF((unsigned)desc->backend > SMOE_BACKEND_SM90, SMOE_ERROR_INVALID_VALUE,
@@ -214,6 +268,7 @@ int64_t smoe_row_capacity(const smoe_layer *layer, int64_t T, int64_t pairs, int
 int smoe_saves_logits(const smoe_layer *layer)
 {
     return layer->desc.routing == SMOE_ROUTING_SOFTMAX_TOPK ||
+           layer->desc.routing == SMOE_ROUTING_SIGMOID_TOPK ||
            (layer->desc.routing != SMOE_ROUTING_GENERAL &&
             layer->desc.rounding != SMOE_ROUND_OFF);
 }
@@ -666,6 +721,11 @@ smoe_status smoe_forward_validate(const smoe_layer *layer, const char *fn,
     } else {
         REQUIRE_PTR(args->router_w, "args.router_w");
     }
+    SMOE_RETURN_ERROR_IF(args->expert_bias && d->routing != SMOE_ROUTING_SIGMOID_TOPK,
+                         SMOE_ERROR_INVALID_VALUE,
+                         "%s: args.expert_bias is given but desc.routing = %d has no expert "
+                         "bias (SIGMOID_TOPK only)",
+                         fn, (int)d->routing);
     if (training) REQUIRE_PTR(saved, "saved (a training forward, args.inference = 0)");
     REQUIRE_PTR(workspace, "workspace");
     if (training)
@@ -694,6 +754,8 @@ smoe_status smoe_forward_validate(const smoe_layer *layer, const char *fn,
     SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.w2", args->w2, Ex * dd * n * es, es, va, 0));
     SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.b2", args->b2, Ex * dd * es, es, va, 0));
     SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.out", args->out, t * dd * es, es, va, 1));
+    SMOE_FORWARD_IF_ERROR(
+        span_add(&sp, fn, "args.expert_bias", args->expert_bias, E * 4, 4, 4, 0));
     SMOE_FORWARD_IF_ERROR(
         span_add(&sp, fn, "args.router_logits", args->router_logits, t * E * 4, 4, 4, 1));
     SMOE_FORWARD_IF_ERROR(
@@ -864,8 +926,19 @@ smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *arg
 smoe_status smoe_route_cpu(const smoe_layer_desc *desc, int64_t T, const float *logits,
                            smoe_routing_result *res)
 {
+    return smoe_route_cpu_biased(desc, T, logits, NULL, res);
+}
+
+smoe_status smoe_route_cpu_biased(const smoe_layer_desc *desc, int64_t T, const float *logits,
+                                  const float *expert_bias, smoe_routing_result *res)
+{
     const char *fn = "smoe_route_cpu";
     SMOE_FORWARD_IF_ERROR(smoe_desc_validate(desc));
+    SMOE_RETURN_ERROR_IF(expert_bias && desc->routing != SMOE_ROUTING_SIGMOID_TOPK,
+                         SMOE_ERROR_INVALID_VALUE,
+                         "%s: expert_bias is given but desc.routing = %d has no expert bias "
+                         "(SIGMOID_TOPK only)",
+                         fn, (int)desc->routing);
     SMOE_RETURN_ERROR_IF(desc->routing == SMOE_ROUTING_GENERAL, SMOE_ERROR_INVALID_VALUE,
                          "%s: GENERAL routing has no router to run", fn);
     SMOE_RETURN_ERROR_IF(T < 1 || T > SMOE_MAX_ROWS, SMOE_ERROR_INVALID_SIZE,
@@ -901,7 +974,7 @@ smoe_status smoe_route_cpu(const smoe_layer_desc *desc, int64_t T, const float *
     as.cap = cap;
     as.R = 0;
     void *scratch = mem + (((size_t)cap * 12 + (size_t)(T + 1) * 4 + 63) / 64 * 64);
-    smoe_status st = smoe_route_assign(desc, T, rounding, logits, NULL, scratch, &as);
+    smoe_status st = smoe_route_assign(desc, T, rounding, logits, NULL, expert_bias, scratch, &as);
     if (st == SMOE_SUCCESS && rounding && as.R > res->cap)
         st = smoe_fail(SMOE_ERROR_INVALID_SIZE,
                        "%s: res.cap = %lld, token rounding produced %lld pairs (at most %lld "

@@ -105,6 +105,7 @@ typedef struct bi_fix {
     void *g[TU_NGRAD];               /* F32 gradients */
     size_t gn[TU_NGRAD];             /* bytes */
     float *hps;                      /* host copy of the scores */
+    float *eb;                       /* SIGMOID_TOPK's expert bias (E) */
 } bi_fix;
 
 static void *put_d(const bi_fix *F, const double *src, size_t n) {
@@ -151,6 +152,12 @@ static int fix_make(bi_fix *F, const smoe_layer_desc *D, int64_t T, tu_rng *rng)
         F->pe = (int32_t *)bi_upload(F->P.pe, (size_t)np * 4);
         F->ps = (float *)bi_upload(F->hps, (size_t)np * 4);
     }
+    if (F->P.ebias) {
+        float *hb = (float *)malloc((size_t)E * 4);
+        for (int64_t e = 0; e < E; e++) hb[e] = (float)F->P.ebias[e];
+        F->eb = (float *)bi_upload(hb, (size_t)E * 4);
+        free(hb);
+    }
     F->saved_b = smoe_layer_saved_bytes(F->L, T, np);
     F->ws_b = smoe_layer_workspace_bytes(F->L, T, np);
     F->saved = M->alloc(F->saved_b);
@@ -168,7 +175,7 @@ static int fix_make(bi_fix *F, const smoe_layer_desc *D, int64_t T, tu_rng *rng)
 
 static void fix_free(bi_fix *F) {
     void *bufs[] = {F->x, F->wr, F->w1, F->b1, F->w2, F->b2, F->out, F->dout, F->logits, F->ps,
-                    F->dle, F->counts, F->pt, F->pe, F->saved, F->ws};
+                    F->dle, F->counts, F->pt, F->pe, F->saved, F->ws, F->eb};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) M->release(bufs[i]);
     for (int i = 0; i < TU_NGRAD; i++)
@@ -196,6 +203,7 @@ static smoe_forward_args fix_fwd(const bi_fix *F) {
     a.w1 = F->w1; a.b1 = F->b1; a.w2 = F->w2; a.b2 = F->b2;
     a.out = F->out;
     a.expert_counts = F->counts;
+    a.expert_bias = F->eb;
     return a;
 }
 
@@ -298,6 +306,18 @@ static void test_basics(void) {
     expect(smoe_layer_device_status(NULL, NULL, 1), SMOE_ERROR_NULL_POINTER, "layer");
 }
 
+/* A valid SIGMOID_TOPK description: 2 groups, 1 kept, renormalised,
+ * scaled. */
+static smoe_layer_desc sig_good(void) {
+    smoe_layer_desc D = good_desc();
+    D.routing = SMOE_ROUTING_SIGMOID_TOPK;
+    D.renormalize = 1;
+    D.n_group = 2;
+    D.topk_group = 1;
+    D.routed_scaling = 2.5;
+    return D;
+}
+
 static void test_create(void) {
     smoe_layer_desc D;
     tu_case("create: NULL desc");
@@ -345,6 +365,39 @@ static void test_create(void) {
     create_case("F64 on SM90", D, SMOE_ERROR_UNSUPPORTED, "F64");
     D = good_desc(); D.device = -1;
     create_case("device -1", D, SMOE_ERROR_INVALID_VALUE, "-1");
+    /* SIGMOID_TOPK's fields (E = 4, K = 2 here) */
+    const smoe_layer_desc S = sig_good();
+    D = S; D.n_group = 3; D.topk_group = 1;
+    create_case("n_group 3 does not divide E 4", D, SMOE_ERROR_INVALID_SIZE, "n_group = 3");
+    D = S; D.n_group = 4; D.topk_group = 2;
+    create_case("n_group = E: groups of 1", D, SMOE_ERROR_INVALID_SIZE, "n_group = 4");
+    D = S; D.topk_group = 3;
+    create_case("topk_group 3 > n_group 2", D, SMOE_ERROR_INVALID_SIZE, "topk_group = 3");
+    D = S; D.K = 3; D.topk_group = 1;
+    create_case("topk_group * E/n_group = 2 < K = 3", D, SMOE_ERROR_INVALID_SIZE, "K = 3");
+    D = S; D.topk_group = 0;
+    create_case("n_group without topk_group", D, SMOE_ERROR_INVALID_VALUE, "topk_group = 0");
+    D = S; D.n_group = 0;
+    create_case("topk_group without n_group", D, SMOE_ERROR_INVALID_VALUE, "n_group = 0");
+    D = S; D.n_group = -2;
+    create_case("n_group -2", D, SMOE_ERROR_INVALID_SIZE, "-2");
+    D = S; D.routed_scaling = NAN;
+    create_case("routed_scaling NaN", D, SMOE_ERROR_INVALID_VALUE, "routed_scaling");
+    D = S; D.routed_scaling = INFINITY;
+    create_case("routed_scaling inf", D, SMOE_ERROR_INVALID_VALUE, "routed_scaling = inf");
+    D = S; D.routed_scaling = 0.0;
+    create_case("routed_scaling 0 (a zeroed desc)", D, SMOE_ERROR_INVALID_VALUE,
+                "routed_scaling = 0");
+    D = S; D.routed_scaling = -1.5;
+    create_case("routed_scaling -1.5", D, SMOE_ERROR_INVALID_VALUE, "-1.5");
+    D = good_desc(); D.routed_scaling = 2.5;
+    create_case("routed_scaling on TOPK_SOFTMAX", D, SMOE_ERROR_INVALID_VALUE, "2.5");
+    D = good_desc(); D.routing = SMOE_ROUTING_SOFTMAX_TOPK; D.n_group = 2; D.topk_group = 1;
+    create_case("groups on SOFTMAX_TOPK", D, SMOE_ERROR_INVALID_VALUE, "SIGMOID_TOPK");
+    D = good_desc(); D.routing = SMOE_ROUTING_GENERAL; D.n_group = 2; D.topk_group = 1;
+    create_case("groups on GENERAL", D, SMOE_ERROR_INVALID_VALUE, "n_group = 2");
+    D = S; D.rounding = SMOE_ROUND_UP;
+    create_case("token rounding on SIGMOID_TOPK", D, SMOE_ERROR_INVALID_VALUE, "softmax");
     /* sizes whose products overflow: refused, not wrapped */
     D = good_desc(); D.d = (int64_t)1 << 40; D.n = (int64_t)1 << 40;
     create_case("d = n = 2^40", D, SMOE_ERROR_INVALID_SIZE, NULL);
@@ -605,7 +658,24 @@ static void test_forward_extra(tu_rng *rng) {
     smoe_forward_args g = fix_fwd(&F), a;
     a = g; a.b1 = F.w1; fwd_case(&F, "b1 given, no bias", a, SMOE_ERROR_INVALID_VALUE, "b1");
     a = g; a.b2 = F.w2; fwd_case(&F, "b2 given, no bias", a, SMOE_ERROR_INVALID_VALUE, "b2");
+    a = g; a.expert_bias = F.dle;
+    fwd_case(&F, "expert_bias given, TOPK_SOFTMAX", a, SMOE_ERROR_INVALID_VALUE, "expert_bias");
     fix_free(&F);
+    /* SIGMOID_TOPK: the bias is optional, an fp32 input */
+    D = sig_good();
+    if (!fix_make(&F, &D, 4, rng)) return;
+    g = fix_fwd(&F);
+    tu_case("%s forward %s: valid call, with and without the bias", M->name, tu_mode_name(&D));
+    outs_reset();
+    CHECK_OK(fwd_call(&F, &g));
+    a = g; a.expert_bias = NULL;
+    CHECK_OK(fwd_call(&F, &a));
+    a = g; a.expert_bias = (const float *)off(F.eb, 1);
+    fwd_case(&F, "expert_bias misaligned", a, SMOE_ERROR_INVALID_SIZE, "expert_bias");
+    a = g; a.expert_bias = F.logits;
+    fwd_case(&F, "expert_bias is router_logits", a, SMOE_ERROR_INVALID_VALUE, "expert_bias");
+    fix_free(&F);
+    D = good_desc();
     D.routing = SMOE_ROUTING_GENERAL;
     D.K = 0;
     if (!fix_make(&F, &D, 4, rng)) return;

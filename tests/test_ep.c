@@ -116,6 +116,11 @@ static void *rank_main(void *arg) {
     fa.out = r == c->bad_rank ? NULL : out;
     fa.router_logits = general ? NULL : logits;
     fa.expert_counts = R->counts;
+    float eb[64];
+    if (P->ebias) {
+        for (int64_t e = 0; e < E; e++) eb[e] = (float)P->ebias[e];
+        fa.expert_bias = eb;
+    }
     R->st_fwd = smoe_ep_layer_forward(L, &fa, saved, sb, ws, wb, NULL);
     if (R->st_fwd != SMOE_SUCCESS) {
         snprintf(R->msg, sizeof R->msg, "%s", smoe_last_error());
@@ -314,6 +319,19 @@ int main(int argc, char **argv) {
         c.D.renormalize = 0;
         run_case("uneven, softmax-topk not renormalised", &c, &rng, 1, SMOE_SUCCESS, NULL);
     }
+    /* SIGMOID_TOPK (the replicated router routes with the bias and the
+     * groups): groups, scaling, renormalised or not, both dtypes */
+    for (int P = 2; P <= 4; P += 2)
+        for (int dti = 0; dti < 2; dti++) {
+            ep_case c = base_case(P, SMOE_ROUTING_SIGMOID_TOPK,
+                                  dti ? SMOE_DTYPE_BF16 : SMOE_DTYPE_F64);
+            c.D.n_group = 4; c.D.topk_group = 2;
+            c.D.routed_scaling = 2.5;
+            c.D.renormalize = dti;
+            c.D.activation = (smoe_activation)(P + dti);
+            c.D.has_bias = dti;
+            run_case("sigmoid, groups", &c, &rng, 1, SMOE_SUCCESS, NULL);
+        }
     {
         ep_case c = base_case(2, SMOE_ROUTING_GENERAL, SMOE_DTYPE_F64);
         c.one_rank = 1;

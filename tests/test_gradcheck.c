@@ -9,7 +9,8 @@
  * (L+ - L-) / 2 eps with the backward's gradient.
  *
  * Covered: each routing mode (TOPK_SOFTMAX, SOFTMAX_TOPK with and without
- * renormalisation, GENERAL, token rounding up/down/nearest) x each
+ * renormalisation, GENERAL, token rounding up/down/nearest, SIGMOID_TOPK
+ * with expert bias, groups, renormalisation and scaling) x each
  * activation x both W1 layouts (gated ones) x bias on/off. Selections are
  * discrete: problems are redrawn until the logits (and the token-rounding
  * keys) have no near-tie at a selection boundary and, for the ReLU family,
@@ -193,6 +194,7 @@ static void test_all_modes(tu_rng *rng) {
                     D.E = v == 2 ? 3 : 4;
                     D.K = v == 0 ? 2 : v == 1 ? 1 : 3;
                     if (D.rounding != SMOE_ROUND_OFF && D.K == D.E) D.K = 2;
+                    if (mode == 10) tu_set_groups(&D);
                     int64_t T = v == 1 ? 6 : 5;
                     tu_case("gradcheck %s act=%s layout=%s bias=%d T=%lld d=%lld n=%lld E=%lld K=%lld",
                             tu_mode_name(&D), tu_act_name(D.activation),
@@ -205,7 +207,8 @@ static void test_all_modes(tu_rng *rng) {
 /* Random small shapes and settings (T=1, E=1, K=E, d=1 and n=1 included). */
 static void test_random_configs(tu_rng *rng) {
     for (int it = 0; it < 30; it++) {
-        smoe_layer_desc D = mode_desc((int)tu_int(rng, 0, TU_NMODES - 1));
+        const int mode = (int)tu_int(rng, 0, TU_NMODES - 1);
+        smoe_layer_desc D = mode_desc(mode);
         D.activation = (smoe_activation)tu_int(rng, 0, 6);
         D.w1_layout = tu_int(rng, 0, 1) ? SMOE_W1_CONCATENATED : SMOE_W1_INTERLEAVED;
         D.has_bias = (int)tu_int(rng, 0, 1);
@@ -214,6 +217,7 @@ static void test_random_configs(tu_rng *rng) {
         D.E = tu_int(rng, 1, 5);
         D.K = tu_int(rng, 1, D.E);
         D.round_tile = tu_int(rng, 1, 4);
+        if (mode == 10) tu_set_groups(&D);
         int64_t T = tu_int(rng, 1, 7);
         tu_case("gradcheck random it %d %s act=%s layout=%d bias=%d T=%lld d=%lld n=%lld E=%lld "
                 "K=%lld M=%lld",
@@ -221,6 +225,32 @@ static void test_random_configs(tu_rng *rng) {
                 (long long)T, (long long)D.d, (long long)D.n, (long long)D.E, (long long)D.K,
                 (long long)D.round_tile);
         gradcheck(rng, D, T, 0.6);
+    }
+}
+
+/* SIGMOID_TOPK with larger E: groups (several kept of several), the bias
+ * moving the selection, renormalisation on and off, scaling, K = E. */
+static void test_sigmoid(tu_rng *rng) {
+    static const struct { int64_t E, K, G, g; int renorm; double c; } cs[] = {
+        {8, 3, 4, 2, 1, 2.5}, {8, 3, 4, 2, 0, 1.0}, {8, 2, 2, 1, 1, 1.0}, {6, 4, 3, 2, 0, 0.7},
+        {6, 6, 3, 3, 1, 1.5}, {8, 4, 4, 4, 1, 1.0}, {5, 2, 0, 0, 1, 16.0}, {4, 4, 2, 2, 0, 3.0},
+    };
+    for (int i = 0; i < (int)(sizeof cs / sizeof cs[0]); i++) {
+        smoe_layer_desc D = mode_desc(9);
+        D.activation = (smoe_activation)(i % 7);
+        D.has_bias = i % 2;
+        D.d = 4; D.n = 3;
+        D.E = cs[i].E; D.K = cs[i].K;
+        D.n_group = cs[i].G; D.topk_group = cs[i].g;
+        D.renormalize = cs[i].renorm;
+        D.routed_scaling = cs[i].c;
+        int64_t T = 5 + i % 3;
+        tu_case("gradcheck sigmoid E=%lld K=%lld groups %lld/%lld renorm=%d scale=%g act=%s "
+                "bias=%d T=%lld",
+                (long long)D.E, (long long)D.K, (long long)D.topk_group, (long long)D.n_group,
+                D.renormalize, D.routed_scaling, tu_act_name(D.activation), D.has_bias,
+                (long long)T);
+        gradcheck(rng, D, T, 0.5);
     }
 }
 
@@ -440,6 +470,7 @@ int main(int argc, char **argv) {
     tu_rng rng = tu_rng_make(tu_init(argc, argv, 7));
     test_all_modes(&rng);
     test_random_configs(&rng);
+    test_sigmoid(&rng);
     test_ds_identity(&rng);
     test_accumulate(&rng);
     test_partial(&rng);

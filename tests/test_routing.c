@@ -3,6 +3,9 @@
  *
  *   - tie-breaks on hand-made logits (equal logits: lower expert first);
  *   - TOPK_SOFTMAX and SOFTMAX_TOPK+renormalize select and score alike;
+ *   - SIGMOID_TOPK: hand-made cases (groups, a bias moving the selection,
+ *     ties, K = E, topk_group = n_group, NaN) and random logits, biases and
+ *     groups against the reference (smoe_route_cpu_biased);
  *   - token choice vs the naive reference in testutil.h on random logits;
  *   - token rounding: hand-made cases for up/down/nearest with the expected
  *     triples worked out by hand (in the comments), the invariants (counts a
@@ -54,6 +57,27 @@ static int64_t route_tr(const smoe_layer_desc *D, int64_t T, const float *lg, in
                smoe_last_error()))
         return -1;
     return np;
+}
+
+/* SIGMOID_TOPK through smoe_route_cpu_biased (bias may be NULL). */
+static int route_sig(const smoe_layer_desc *D, int64_t T, const float *lg, const float *bias,
+                     int32_t *ex, float *sc) {
+    smoe_routing_result res;
+    memset(&res, 0, sizeof res);
+    res.expert = ex;
+    res.score = sc;
+    smoe_status st = smoe_route_cpu_biased(D, T, lg, bias, &res);
+    return CHECK(st == SMOE_SUCCESS, "smoe_route_cpu_biased -> %s (%s)", smoe_status_string(st),
+                 smoe_last_error());
+}
+
+static smoe_layer_desc sig_desc(int64_t E, int64_t K, int64_t G, int64_t g, int renorm,
+                                double c) {
+    smoe_layer_desc D = route_desc(E, K, SMOE_ROUTING_SIGMOID_TOPK, renorm, SMOE_ROUND_OFF, 128);
+    D.n_group = G;
+    D.topk_group = g;
+    D.routed_scaling = c;
+    return D;
 }
 
 /* ------------------------------------------------------------ token choice */
@@ -395,12 +419,147 @@ static void test_layer_counts(tu_rng *rng) {
     }
 }
 
+/* ------------------------------------------------------------ SIGMOID_TOPK */
+
+/* Hand-made cases, the expected picks worked out in the comments. */
+static void test_sigmoid_hand(void) {
+    const double s2 = 1.0 / (1.0 + exp(-2.0)), s1 = 1.0 / (1.0 + exp(-1.0));
+    struct {
+        int64_t E, K, G, g;
+        int renorm;
+        double c;
+        float lg[8], b[8];
+        int has_b;
+        int32_t ex[8];
+        double sc[8];
+    } cases[] = {
+        /* keys 0.5 + b = [.8 .1 | .6 .6 | .85 0 | .5 .5]; group keys .9, 1.2,
+         * .85, 1.0: groups 1 and 3 kept; their best: 2 and 3 (equal keys,
+         * lower first). Without the groups: 4 and 0 (next case). */
+        {8, 2, 4, 2, 1, 2.0, {0, 0, 0, 0, 0, 0, 0, 0},
+         {0.3f, -0.4f, 0.1f, 0.1f, 0.35f, -0.5f, 0, 0}, 1, {2, 3}, {1.0, 1.0}},
+        {8, 2, 0, 0, 1, 2.0, {0, 0, 0, 0, 0, 0, 0, 0},
+         {0.3f, -0.4f, 0.1f, 0.1f, 0.35f, -0.5f, 0, 0}, 1, {4, 0}, {1.0, 1.0}},
+        /* topk_group = n_group: no group dropped, as without groups */
+        {8, 2, 4, 4, 1, 2.0, {0, 0, 0, 0, 0, 0, 0, 0},
+         {0.3f, -0.4f, 0.1f, 0.1f, 0.35f, -0.5f, 0, 0}, 1, {4, 0}, {1.0, 1.0}},
+        /* the bias moves the selection off the plain top-K logits [0 1]:
+         * keys sig[2 1 0 -1] + [-.5 0 .3 0] = [.381 .731 .8 .269] -> 2, 1;
+         * scores are the unbiased sigmoids, renormalised */
+        {4, 2, 0, 0, 1, 1.0, {2, 1, 0, -1}, {-0.5f, 0, 0.3f, 0}, 1, {2, 1},
+         {0.5 / (0.5 + s1), s1 / (0.5 + s1)}},
+        /* no bias, no renormalisation: the plain sigmoid of the top-K logits */
+        {4, 2, 0, 0, 0, 1.0, {2, 1, 0, -1}, {0}, 0, {0, 1}, {s2, s1}},
+        /* ties everywhere: lower group, then lower expert first */
+        {6, 3, 3, 2, 0, 1.0, {0, 0, 0, 0, 0, 0}, {0}, 0, {0, 1, 2}, {0.5, 0.5, 0.5}},
+        /* K = E: every expert, by descending key (equal keys: lower first) */
+        {4, 4, 2, 2, 0, 3.0, {1, 2, 1, -1}, {0}, 0, {1, 0, 2, 3},
+         {3 * s2, 3 * s1, 3 * s1, 3 * (1 - s1)}},
+        /* a group of a NaN ranks first, and the NaN expert too */
+        {4, 2, 2, 1, 0, 1.0, {5, 6, 0, NAN}, {0}, 0, {3, 2}, {NAN, 0.5}},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        smoe_layer_desc D = sig_desc(cases[c].E, cases[c].K, cases[c].G, cases[c].g,
+                                     cases[c].renorm, cases[c].c);
+        tu_case("sigmoid hand case %zu E=%lld K=%lld groups %lld/%lld", c, (long long)D.E,
+                (long long)D.K, (long long)D.topk_group, (long long)D.n_group);
+        const int64_t E = D.E, K = D.K;
+        float lg[16], b[8];
+        int32_t ex[16];
+        float sc[16];
+        for (int t = 0; t < 2; t++) memcpy(lg + t * E, cases[c].lg, (size_t)E * sizeof(float));
+        memcpy(b, cases[c].b, sizeof b);
+        if (!route_sig(&D, 2, lg, cases[c].has_b ? b : NULL, ex, sc)) continue;
+        int ok = 1;
+        double err = 0;
+        for (int t = 0; t < 2; t++)
+            for (int64_t k = 0; k < K; k++) {
+                ok &= ex[t * K + k] == cases[c].ex[k];
+                double want = cases[c].sc[k], got = sc[t * K + k];
+                if (isnan(want)) ok &= isnan(got) != 0;
+                else err = fmax(err, fabs(got - want));
+            }
+        CHECK(ok, "experts [%d %d ...] want [%d %d ...]", ex[0], ex[1], cases[c].ex[0],
+              cases[c].ex[1]);
+        CHECK(err < 1e-6, "scores off by %.3g", err);
+    }
+}
+
+/* Random logits, biases and groups against the reference; and the
+ * invariants: a zero bias is no bias, topk_group = n_group is no groups,
+ * the scaling multiplies every score. */
+static void test_sigmoid_random(tu_rng *rng) {
+    int differ_from_plain = 0, differ_from_nogroup = 0;
+    for (int it = 0; it < 80; it++) {
+        int64_t E = it % 4 == 3 ? 8 * tu_int(rng, 2, 8) : tu_int(rng, 2, 12);
+        int64_t K = tu_int(rng, 1, E < 10 ? E : 10), T = tu_int(rng, 1, 30);
+        smoe_layer_desc D = sig_desc(E, K, 0, 0, it % 2, it % 3 ? 1.0 : 2.5);
+        tu_set_groups(&D);
+        if (it % 5 == 4) D.n_group = D.topk_group = 0;
+        float *lg = (float *)malloc((size_t)(T * E) * sizeof(float));
+        float *b = (float *)malloc((size_t)E * sizeof(float));
+        float *zero = (float *)calloc((size_t)E, sizeof(float));
+        double *lgd = tu_alloc_d((size_t)(T * E)), *bd = tu_alloc_d((size_t)E);
+        for (int64_t i = 0; i < T * E; i++) lgd[i] = lg[i] = (float)(2.0 * tu_normal(rng));
+        for (int64_t e = 0; e < E; e++) bd[e] = b[e] = (float)tu_range(rng, -0.3, 0.3);
+        int32_t *ex = (int32_t *)malloc((size_t)(T * K) * sizeof(int32_t));
+        int32_t *ex2 = (int32_t *)malloc((size_t)(T * K) * sizeof(int32_t));
+        int32_t *rex = (int32_t *)malloc((size_t)(T * K) * sizeof(int32_t));
+        float *sc = (float *)malloc((size_t)(T * K) * sizeof(float));
+        float *sc2 = (float *)malloc((size_t)(T * K) * sizeof(float));
+        double *rsc = tu_alloc_d((size_t)(T * K));
+        tu_case("sigmoid random it %d T=%lld E=%lld K=%lld groups %lld/%lld renorm=%d c=%g", it,
+                (long long)T, (long long)E, (long long)K, (long long)D.topk_group,
+                (long long)D.n_group, D.renormalize, D.routed_scaling);
+        if (route_sig(&D, T, lg, b, ex, sc)) {
+            tu_route_tc_bias(&D, T, lgd, bd, rex, rsc);
+            int same = 1;
+            double err = 0;
+            for (int64_t i = 0; i < T * K; i++) {
+                same &= ex[i] == rex[i];
+                err = fmax(err, fabs(sc[i] - rsc[i]) / D.routed_scaling);
+            }
+            CHECK(same, "selection differs from the reference");
+            CHECK(err < 2e-6, "scores differ from the reference by %.3g", err);
+            /* plain top-K of the logits (no bias, no groups) differs somewhere */
+            smoe_layer_desc P = sig_desc(E, K, 0, 0, D.renormalize, D.routed_scaling);
+            if (route_sig(&P, T, lg, NULL, ex2, sc2))
+                for (int64_t i = 0; i < T * K; i++) differ_from_plain |= ex2[i] != ex[i];
+            /* groups on: the same keys without groups differ somewhere */
+            if (D.n_group && route_sig(&P, T, lg, b, ex2, sc2))
+                for (int64_t i = 0; i < T * K; i++) differ_from_nogroup |= ex2[i] != ex[i];
+        }
+        /* a zero bias is no bias, bit for bit */
+        if (route_sig(&D, T, lg, zero, ex, sc) && route_sig(&D, T, lg, NULL, ex2, sc2))
+            CHECK(!memcmp(ex, ex2, (size_t)(T * K) * 4) && !memcmp(sc, sc2, (size_t)(T * K) * 4),
+                  "a zero bias routes differently from no bias");
+        /* topk_group = n_group keeps every group: as without groups */
+        if (D.n_group) {
+            smoe_layer_desc A = D, B = D;
+            A.topk_group = A.n_group;
+            B.n_group = B.topk_group = 0;
+            if (route_sig(&A, T, lg, b, ex, sc) && route_sig(&B, T, lg, b, ex2, sc2))
+                CHECK(!memcmp(ex, ex2, (size_t)(T * K) * 4) &&
+                          !memcmp(sc, sc2, (size_t)(T * K) * 4),
+                      "topk_group = n_group routes differently from no groups");
+        }
+        free(lg); free(b); free(zero); free(lgd); free(bd);
+        free(ex); free(ex2); free(rex); free(sc); free(sc2); free(rsc);
+    }
+    tu_case("sigmoid random: the bias and the groups change selections");
+    CHECK(differ_from_plain && differ_from_nogroup,
+          "no draw where the bias (%d) or the groups (%d) changed a selection",
+          differ_from_plain, differ_from_nogroup);
+}
+
 int main(int argc, char **argv) {
     tu_rng rng = tu_rng_make(tu_init(argc, argv, 20251121));
     test_ties();
     test_tc_random(&rng);
     test_tr_hand();
     test_tr_random(&rng);
+    test_sigmoid_hand();
+    test_sigmoid_random(&rng);
     test_layer_counts(&rng);
     return tu_summary("test_routing");
 }

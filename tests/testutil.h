@@ -331,6 +331,7 @@ typedef struct tu_problem {
     int64_t pairs;
     int32_t *pt, *pe;
     double *ps;
+    double *ebias;     /* (E) SIGMOID_TOPK's expert bias (fp32 values) or NULL */
 } tu_problem;
 
 static TU_UNUSED int tu_gated(smoe_activation a) {
@@ -448,15 +449,59 @@ static TU_UNUSED void tu_softmax(const double *row, int64_t E, double *p) {
     for (int64_t e = 0; e < E; e++) p[e] /= s;
 }
 
-/* Token choice: expert (T, K) and score (T, K), descending score. */
-static TU_UNUSED void tu_route_tc(const smoe_layer_desc *D, int64_t T, const double *logits,
-                                  int32_t *expert, double *score) {
+static TU_UNUSED double tu_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+/* SIGMOID_TOPK's selection of one row of logits, the naive way (Hugging
+ * Face's DeepseekV3 router): key = sigmoid + bias; groups keyed by the sum
+ * of their 2 best keys, the topk_group best kept, the others' keys -inf;
+ * the K best keys. margin (optional): the smallest gap at a selection
+ * boundary (K-th vs (K+1)-th key, topk_group-th vs next group key). */
+static TU_UNUSED void tu_sigmoid_select(const smoe_layer_desc *D, const double *row,
+                                        const double *bias, int32_t *idx, double *margin) {
+    int64_t E = D->E, K = D->K, G = D->n_group, g = D->topk_group;
+    double *key = tu_alloc_d((size_t)E), m = INFINITY;
+    int32_t *all = (int32_t *)malloc((size_t)E * sizeof(int32_t));
+    for (int64_t e = 0; e < E; e++) key[e] = tu_sigmoid(row[e]) + (bias ? bias[e] : 0.0);
+    if (G > 0) {
+        int64_t gs = E / G;
+        double *gk = tu_alloc_d((size_t)G);
+        int32_t two[2];
+        for (int64_t q = 0; q < G; q++) {
+            tu_topk(key + q * gs, gs, 2, two);
+            gk[q] = key[q * gs + two[0]] + key[q * gs + two[1]];
+        }
+        tu_topk(gk, G, G, all);
+        if (g < G) m = fmin(m, gk[all[g - 1]] - gk[all[g]]);
+        for (int64_t j = g; j < G; j++)
+            for (int64_t e = all[j] * gs; e < (all[j] + 1) * gs; e++) key[e] = -INFINITY;
+        free(gk);
+    }
+    tu_topk(key, E, K < E ? K + 1 : K, all);
+    for (int64_t k = 0; k < K; k++) idx[k] = all[k];
+    if (K < E && key[all[K]] > -INFINITY) m = fmin(m, key[all[K - 1]] - key[all[K]]);
+    if (margin) *margin = m;
+    free(key);
+    free(all);
+}
+
+/* Token choice: expert (T, K) and score (T, K), descending score (for
+ * SIGMOID_TOPK: descending key); bias: SIGMOID_TOPK's (E) or NULL. */
+static TU_UNUSED void tu_route_tc_bias(const smoe_layer_desc *D, int64_t T, const double *logits,
+                                       const double *bias, int32_t *expert, double *score) {
     int64_t E = D->E, K = D->K;
     double *p = tu_alloc_d((size_t)E);
     for (int64_t t = 0; t < T; t++) {
         const double *row = logits + t * E;
         int32_t *ex = expert + t * K;
         double *sc = score + t * K;
+        if (D->routing == SMOE_ROUTING_SIGMOID_TOPK) {
+            tu_sigmoid_select(D, row, bias, ex, NULL);
+            double z = 0;
+            for (int64_t k = 0; k < K; k++) z += (sc[k] = tu_sigmoid(row[ex[k]]));
+            for (int64_t k = 0; k < K; k++)
+                sc[k] = (D->renormalize ? sc[k] / (z + 1e-20) : sc[k]) * D->routed_scaling;
+            continue;
+        }
         tu_topk(row, E, K, ex);
         if (D->routing == SMOE_ROUTING_SOFTMAX_TOPK && !D->renormalize) {
             tu_softmax(row, E, p);
@@ -468,6 +513,11 @@ static TU_UNUSED void tu_route_tc(const smoe_layer_desc *D, int64_t T, const dou
         }
     }
     free(p);
+}
+
+static TU_UNUSED void tu_route_tc(const smoe_layer_desc *D, int64_t T, const double *logits,
+                                  int32_t *expert, double *score) {
+    tu_route_tc_bias(D, T, logits, NULL, expert, score);
 }
 
 static TU_UNUSED int64_t tu_round_target(smoe_rounding r, int64_t f, int64_t M, int64_t T) {
@@ -550,7 +600,7 @@ static TU_UNUSED void tu_problem_route(tu_problem *P, int inference) {
     } else {
         int32_t *ex = (int32_t *)malloc((size_t)(T * K) * sizeof(int32_t));
         double *sc = tu_alloc_d((size_t)(T * K));
-        tu_route_tc(D, T, lg, ex, sc);
+        tu_route_tc_bias(D, T, lg, P->ebias, ex, sc);
         P->pairs = 0;
         for (int64_t t = 0; t < T; t++)
             for (int64_t e = 0; e < E; e++)
@@ -608,11 +658,16 @@ static TU_UNUSED void tu_problem_init(tu_problem *P, const smoe_layer_desc *D, i
         tu_round_array(t, P->b1, (size_t)(E * hc));
         tu_round_array(t, P->b2, (size_t)(E * d));
     }
+    /* drawn last: the other modes' problems stay what they were */
+    if (D->routing == SMOE_ROUTING_SIGMOID_TOPK) {
+        P->ebias = tu_alloc_d((size_t)E);
+        for (int64_t e = 0; e < E; e++) P->ebias[e] = (double)(float)tu_range(r, -0.2, 0.2);
+    }
 }
 
 static TU_UNUSED void tu_problem_free(tu_problem *P) {
     free(P->x); free(P->wr); free(P->w1); free(P->b1); free(P->w2); free(P->b2);
-    free(P->pt); free(P->pe); free(P->ps);
+    free(P->pt); free(P->pe); free(P->ps); free(P->ebias);
     memset(P, 0, sizeof *P);
 }
 
@@ -642,6 +697,7 @@ typedef struct tu_bufs {
     float *pscore; /* GENERAL scores as fp32 */
     float *logits;
     int32_t *counts;
+    float *ebias;  /* SIGMOID_TOPK's expert bias or NULL */
     void *saved, *ws;
     size_t saved_bytes, ws_bytes;
 } tu_bufs;
@@ -663,6 +719,10 @@ static TU_UNUSED void tu_bufs_make(tu_bufs *B, const tu_problem *P, smoe_layer *
     B->logits = (float *)calloc((size_t)(T * E) + 1, sizeof(float));
     B->counts = (int32_t *)calloc((size_t)E + 1, sizeof(int32_t));
     int64_t np = D->routing == SMOE_ROUTING_GENERAL ? P->pairs : 0;
+    if (P->ebias) {
+        B->ebias = (float *)malloc((size_t)E * sizeof(float));
+        for (int64_t e = 0; e < E; e++) B->ebias[e] = (float)P->ebias[e];
+    }
     B->pscore = (float *)calloc((size_t)np + 1, sizeof(float));
     for (int64_t i = 0; i < np; i++) B->pscore[i] = (float)P->ps[i];
     B->saved_bytes = inference ? 0 : smoe_layer_saved_bytes(L, T, np);
@@ -675,6 +735,7 @@ static TU_UNUSED void tu_bufs_make(tu_bufs *B, const tu_problem *P, smoe_layer *
 static TU_UNUSED void tu_bufs_free(tu_bufs *B) {
     free(B->x); free(B->wr); free(B->w1); free(B->b1); free(B->w2); free(B->b2);
     free(B->out); free(B->pscore); free(B->logits); free(B->counts); free(B->saved); free(B->ws);
+    free(B->ebias);
     memset(B, 0, sizeof *B);
 }
 
@@ -696,6 +757,7 @@ static TU_UNUSED smoe_forward_args tu_fwd_args(const tu_problem *P, tu_bufs *B, 
     a.router_logits = P->desc.routing == SMOE_ROUTING_GENERAL ? NULL : B->logits;
     a.expert_counts = B->counts;
     a.inference = inference;
+    a.expert_bias = B->ebias;
     return a;
 }
 
@@ -756,6 +818,9 @@ static TU_UNUSED const char *tu_mode_name(const smoe_layer_desc *D) {
              {"", "tr-up/topk-softmax", "tr-down/topk-softmax", "tr-nearest/topk-softmax"}}};
         return tr[D->routing == SMOE_ROUTING_TOPK_SOFTMAX][D->renormalize != 0][D->rounding & 3];
     }
+    if (D->routing == SMOE_ROUTING_SIGMOID_TOPK)
+        return D->n_group ? (D->renormalize ? "sigmoid-groups-renorm" : "sigmoid-groups")
+                          : (D->renormalize ? "sigmoid-renorm" : "sigmoid");
     if (D->routing == SMOE_ROUTING_TOPK_SOFTMAX) return "topk-softmax";
     return D->renormalize ? "softmax-topk-renorm" : "softmax-topk";
 }
@@ -765,15 +830,38 @@ static TU_UNUSED const char *tu_mode_name(const smoe_layer_desc *D) {
  *   3 GENERAL
  *   4, 5, 6 token rounding up, down, nearest (SOFTMAX_TOPK + renormalize)
  *   7 token rounding up on TOPK_SOFTMAX
- *   8 token rounding to nearest on SOFTMAX_TOPK without renormalize */
-#define TU_NMODES 9
+ *   8 token rounding to nearest on SOFTMAX_TOPK without renormalize
+ *   9 SIGMOID_TOPK + renormalize, routed_scaling 2.5, expert bias
+ *  10 SIGMOID_TOPK, expert bias, groups where D's E and K (set before the
+ *     call) allow them (tu_set_groups), else none
+ * (The problems of SIGMOID_TOPK modes carry a random expert bias.) */
+#define TU_NMODES 11
+
+/* Groups for a SIGMOID_TOPK desc whose E and K are set: 4 (else 2) groups
+ * of >= 2 experts, keeping enough of them for K (at least half); none if
+ * E allows neither. */
+static TU_UNUSED void tu_set_groups(smoe_layer_desc *D) {
+    D->n_group = D->topk_group = 0;
+    for (int64_t G = 4; G >= 2; G -= 2) {
+        if (D->E <= 0 || D->K <= 0 || D->E % G != 0 || D->E / G < 2) continue;
+        int64_t gs = D->E / G, g = (D->K + gs - 1) / gs;
+        if (g < G / 2) g = G / 2;
+        D->n_group = G;
+        D->topk_group = g;
+        return;
+    }
+}
 
 static TU_UNUSED void tu_set_mode(smoe_layer_desc *D, int mode) {
     D->routing = mode == 0 || mode == 7 ? SMOE_ROUTING_TOPK_SOFTMAX
-               : mode == 3 ? SMOE_ROUTING_GENERAL : SMOE_ROUTING_SOFTMAX_TOPK;
-    D->renormalize = mode == 2 || (mode >= 4 && mode <= 6);
+               : mode == 3 ? SMOE_ROUTING_GENERAL
+               : mode >= 9 ? SMOE_ROUTING_SIGMOID_TOPK : SMOE_ROUTING_SOFTMAX_TOPK;
+    D->renormalize = mode == 2 || (mode >= 4 && mode <= 6) || mode == 9;
     D->rounding = mode == 4 || mode == 7 ? SMOE_ROUND_UP : mode == 5 ? SMOE_ROUND_DOWN
                 : mode == 6 || mode == 8 ? SMOE_ROUND_NEAREST : SMOE_ROUND_OFF;
+    D->routed_scaling = mode == 9 ? 2.5 : 1.0;
+    D->n_group = D->topk_group = 0;
+    if (mode == 10) tu_set_groups(D);
 }
 
 /* The smallest gap at a selection boundary of the reference routing of P:
@@ -788,7 +876,14 @@ static TU_UNUSED double tu_selection_margin(const tu_problem *P) {
     double m = INFINITY, *lg = tu_alloc_d((size_t)(T * E));
     int32_t *idx = (int32_t *)malloc((size_t)(E + 1) * sizeof(int32_t));
     tu_logits(P, lg);
-    if (K < E)
+    if (D->routing == SMOE_ROUTING_SIGMOID_TOPK) {
+        /* gaps of keys (sigmoid' <= 1/4: a logit gap is >= 4 key gaps) */
+        for (int64_t t = 0; t < T; t++) {
+            double g;
+            tu_sigmoid_select(D, lg + t * E, P->ebias, idx, &g);
+            m = fmin(m, g);
+        }
+    } else if (K < E)
         for (int64_t t = 0; t < T; t++) {
             tu_topk(lg + t * E, E, K + 1, idx);
             m = fmin(m, lg[t * E + idx[K - 1]] - lg[t * E + idx[K]]);

@@ -12,7 +12,8 @@ The shared library is found, in order, at:
 import ctypes
 import os
 import threading
-from ctypes import POINTER, Structure, c_char_p, c_float, c_int, c_int32, c_int64, c_size_t, c_void_p
+from ctypes import (POINTER, Structure, c_char_p, c_double, c_float, c_int, c_int32, c_int64,
+                    c_size_t, c_void_p)
 
 # ------------------------------------------------------------------ enums
 
@@ -44,6 +45,7 @@ SMOE_W1_CONCATENATED = 1
 SMOE_ROUTING_TOPK_SOFTMAX = 0
 SMOE_ROUTING_SOFTMAX_TOPK = 1
 SMOE_ROUTING_GENERAL = 2
+SMOE_ROUTING_SIGMOID_TOPK = 3
 
 SMOE_ROUND_OFF = 0
 SMOE_ROUND_UP = 1
@@ -90,6 +92,7 @@ ENUMS = {
         "SMOE_ROUTING_TOPK_SOFTMAX": SMOE_ROUTING_TOPK_SOFTMAX,
         "SMOE_ROUTING_SOFTMAX_TOPK": SMOE_ROUTING_SOFTMAX_TOPK,
         "SMOE_ROUTING_GENERAL": SMOE_ROUTING_GENERAL,
+        "SMOE_ROUTING_SIGMOID_TOPK": SMOE_ROUTING_SIGMOID_TOPK,
     },
     "smoe_rounding": {
         "SMOE_ROUND_OFF": SMOE_ROUND_OFF,
@@ -124,6 +127,9 @@ class smoe_layer_desc(Structure):
         ("renormalize", c_int),
         ("rounding", c_enum),
         ("round_tile", c_int64),
+        ("n_group", c_int64),
+        ("topk_group", c_int64),
+        ("routed_scaling", c_double),
         ("dtype", c_enum),
         ("backend", c_enum),
         ("device", c_int),
@@ -147,6 +153,7 @@ class smoe_forward_args(Structure):
         ("router_logits", POINTER(c_float)),
         ("expert_counts", POINTER(c_int32)),
         ("inference", c_int),
+        ("expert_bias", POINTER(c_float)),
     ]
 
 
@@ -273,6 +280,8 @@ _FUNCTIONS = {
     "smoe_layer_device_status": (c_enum, [c_void_p, c_void_p, c_int]),
     "smoe_route_cpu": (c_enum, [POINTER(smoe_layer_desc), c_int64, POINTER(c_float),
                                 POINTER(smoe_routing_result)]),
+    "smoe_route_cpu_biased": (c_enum, [POINTER(smoe_layer_desc), c_int64, POINTER(c_float),
+                                       POINTER(c_float), POINTER(smoe_routing_result)]),
     # expert parallelism (the in-process group; the Python ep_group over
     # NCCL is to come)
     "smoe_ep_group_create": (c_enum, [c_int, POINTER(c_void_p)]),

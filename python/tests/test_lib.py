@@ -224,3 +224,48 @@ def test_raw_argument_structs_match_the_mirrors():
     L.lib()
     assert L.forward_raw.argtypes[1]._type_ is L.forward_args_raw
     assert L.backward_raw.argtypes[1]._type_ is L.backward_args_raw
+
+
+@pytest.mark.parametrize("n_group,topk_group,norm", [(4, 2, True), (1, 1, False), (8, 3, True)])
+def test_route_cpu_biased_matches_hf_deepseek_v3(n_group, topk_group, norm):
+    # SIGMOID_TOPK against transformers' DeepseekV3TopkRouter on the same
+    # fp32 logits: the same experts per token (HF's order is unspecified:
+    # compared as sets) and the same weights (HF in fp32, smoe in double
+    # rounded to fp32).
+    torch = pytest.importorskip("torch")
+    ds = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    from transformers import DeepseekV3Config
+    T, d, E, K, scale = 64, 16, 32, 4, 2.5
+    cfg = DeepseekV3Config(hidden_size=d, n_routed_experts=E, num_experts_per_tok=K,
+                           n_group=n_group, topk_group=topk_group, norm_topk_prob=norm,
+                           routed_scaling_factor=scale)
+    torch.manual_seed(5)
+    router = ds.DeepseekV3TopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.normal_()
+        router.e_score_correction_bias.uniform_(-0.3, 0.3)
+        x = torch.randn(T, d)
+        logits, weights, idx = router(x)
+    lib = L.lib()
+    desc = lib.smoe_layer_desc_default()
+    desc.d, desc.n, desc.E, desc.K = d, 8, E, K
+    desc.routing = L.SMOE_ROUTING_SIGMOID_TOPK
+    desc.n_group, desc.topk_group = n_group, topk_group
+    desc.renormalize = int(norm)
+    desc.routed_scaling = scale
+    lg = logits.float().contiguous()
+    bias = router.e_score_correction_bias.float().contiguous()
+    expert = torch.zeros(T, K, dtype=torch.int32)
+    score = torch.zeros(T, K, dtype=torch.float32)
+    res = L.smoe_routing_result()
+    fp = ctypes.POINTER(ctypes.c_float)
+    res.expert = ctypes.cast(expert.data_ptr(), ctypes.POINTER(ctypes.c_int32))
+    res.score = ctypes.cast(score.data_ptr(), fp)
+    L.check(lib.smoe_route_cpu_biased(ctypes.byref(desc), T, ctypes.cast(lg.data_ptr(), fp),
+                                      ctypes.cast(bias.data_ptr(), fp), ctypes.byref(res)))
+    hf_idx, order = idx.long().sort(dim=-1)
+    hf_w = weights.gather(1, order)
+    my_idx, my_order = expert.long().sort(dim=-1)
+    my_w = score.gather(1, my_order)
+    assert torch.equal(hf_idx, my_idx)
+    assert torch.allclose(hf_w, my_w, rtol=1e-5, atol=1e-6)

@@ -19,6 +19,7 @@
  */
 #include "cpu/cpu_backend.h"
 #include "routing.h"
+#include "routing_math.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -370,7 +371,7 @@ static smoe_status cpu_forward(smoe_layer *layer, const smoe_forward_args *args,
         as.R = 0;
         SMOE_FORWARD_IF_ERROR(smoe_route_assign(D, T, !args->inference, w.logits32,
                                                 dt == SMOE_DTYPE_F64 ? w.logits64 : NULL,
-                                                w.route, &as));
+                                                args->expert_bias, w.route, &as));
     } else {
         for (int64_t t = 0; t <= T; t++) v.token_offset[t] = 0;
         for (int64_t a = 0; a < args->pairs; a++) {
@@ -492,6 +493,30 @@ static void router_grad_token(const smoe_layer *layer, int64_t t, const smoe_sav
         for (int32_t a = a0; a < a1; a++) {
             int32_t r = v->assign_row[a];
             dl[v->assign_expert[a]] = saved_f(layer, v->row_score, r) * (ds[r] - sum);
+        }
+        return;
+    }
+    if (D->routing == SMOE_ROUTING_SIGMOID_TOPK) {
+        /* The token's K pairs (selection order) with s = sigmoid(saved
+         * logit): score_k = c s_k / Den (Den = sum_j s_j + 1e-20) or c s_k.
+         * Renormalised: dL/ds_j = c (dS_j - G) / Den, G = sum_k dS_k s_k /
+         * Den; else c dS_j. Then ds/dl = s (1 - s). */
+        const double c = D->routed_scaling;
+        double z = 0.0, g = 0.0;
+        for (int32_t a = a0; a < a1; a++)
+            z += smoe_sigmoid(saved_f(layer, v->logits, t * E + v->assign_expert[a]));
+        const double den = z + 1e-20;
+        if (D->renormalize)
+            for (int32_t a = a0; a < a1; a++) {
+                double sa = smoe_sigmoid(saved_f(layer, v->logits, t * E + v->assign_expert[a]));
+                g += ds[v->assign_row[a]] * sa / den;
+            }
+        for (int32_t a = a0; a < a1; a++) {
+            const int32_t e = v->assign_expert[a];
+            const double sa = smoe_sigmoid(saved_f(layer, v->logits, t * E + e));
+            const double dsa = ds[v->assign_row[a]];
+            const double dsig = D->renormalize ? c * (dsa - g) / den : c * dsa;
+            dl[e] = dsig * sa * (1.0 - sa);
         }
         return;
     }

@@ -143,12 +143,13 @@ typedef struct smoe_assign_dev {
 /* Scratch (bytes) the routing of mode `rounding` needs beyond the outputs. */
 size_t smoe_cuda_routing_scratch_bytes(const smoe_layer_desc *desc, int64_t T, int rounding);
 
-/* Token choice (TOPK_SOFTMAX, SOFTMAX_TOPK), optionally followed by token
- * rounding (rounding != 0, desc->rounding != OFF), from fp32 logits (T, E).
- * Bit-exact with smoe_route_cpu on the same logits. */
+/* Token choice (TOPK_SOFTMAX, SOFTMAX_TOPK, SIGMOID_TOPK with expert_bias
+ * (E) or NULL), optionally followed by token rounding (rounding != 0,
+ * desc->rounding != OFF), from fp32 logits (T, E). Bit-exact with
+ * smoe_route_cpu_biased on the same logits (and bias). */
 smoe_status smoe_cuda_route(const smoe_layer_desc *desc, int64_t T, int rounding,
-                            const float *logits, smoe_assign_dev out, void *scratch,
-                            cudaStream_t stream);
+                            const float *logits, const float *expert_bias, smoe_assign_dev out,
+                            void *scratch, cudaStream_t stream);
 
 /* GENERAL: checks the `pairs` triples (the first bad one goes into *status
  * and the report), then copies them into `out` unless one was bad. */

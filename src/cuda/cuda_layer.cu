@@ -489,7 +489,7 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
                                             (size_t)T * (size_t)d->E * 4,
                                             cudaMemcpyDeviceToDevice, s));
         SMOE_FORWARD_IF_ERROR(
-            smoe_cuda_route(d, T, rounding, lg, as, ws + w.route_scratch, s));
+            smoe_cuda_route(d, T, rounding, lg, args->expert_bias, as, ws + w.route_scratch, s));
         timer_mark(st, 0, "routing", s);
     }
     SMOE_FORWARD_IF_ERROR(smoe_cuda_metadata(d->E, cap, as, v.expert_offset, v.assign_row,
@@ -714,8 +714,9 @@ size_t smoe_cuda_router_ws_bytes(const smoe_layer *layer, int64_t T)
 }
 
 smoe_status smoe_cuda_router_forward(smoe_layer *layer, int64_t T, const void *x,
-                                     const void *router_w, float *logits, smoe_assign_dev as,
-                                     void *workspace, void *stream)
+                                     const void *router_w, const float *expert_bias,
+                                     float *logits, smoe_assign_dev as, void *workspace,
+                                     void *stream)
 {
     cuda_state *st = (cuda_state *)layer->state;
     const smoe_layer_desc *d = &layer->desc;
@@ -729,7 +730,7 @@ smoe_status smoe_cuda_router_forward(smoe_layer *layer, int64_t T, const void *x
     smoe_status r = gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_T, CUBLAS_OP_N, d->E, T, d->d,
                                   (const bf16 *)router_w, d->d, (const bf16 *)x, d->d, logits,
                                   d->E);
-    if (r == SMOE_SUCCESS) r = smoe_cuda_route(d, T, 0, logits, as, ws + w.route, s);
+    if (r == SMOE_SUCCESS) r = smoe_cuda_route(d, T, 0, logits, expert_bias, as, ws + w.route, s);
     dev_leave(&g);
     return r;
 }

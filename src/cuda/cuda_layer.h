@@ -38,10 +38,11 @@ size_t smoe_cuda_router_ws_bytes(const smoe_layer *layer, int64_t T);
 
 /* logits (T, E) fp32 = x Wr^T (cuBLAS), then the routing into `as`
  * (smoe_cuda_route's assignments: expert, token, score, token_offset,
- * count). */
+ * count); expert_bias: SIGMOID_TOPK's (E) or NULL. */
 smoe_status smoe_cuda_router_forward(smoe_layer *layer, int64_t T, const void *x,
-                                     const void *router_w, float *logits,
-                                     struct smoe_assign_dev as, void *workspace, void *stream);
+                                     const void *router_w, const float *expert_bias,
+                                     float *logits, struct smoe_assign_dev as, void *workspace,
+                                     void *stream);
 
 /* The router's backward from per-assignment score gradients ds (indexed by
  * v->assign_row, as v->row_score): dlogits through the routing mode (plus

@@ -235,6 +235,12 @@ static nccl_comm comm_of(const smoe_ep_layer *ep)
 
 static size_t al(size_t x) { return (x + SMOE_ALIGN - 1) / SMOE_ALIGN * SMOE_ALIGN; }
 
+/* Does the router backward read the fp32 logits (T, E)? As src/ep.c's. */
+static int ep_saves_logits(const smoe_layer_desc *L)
+{
+    return L->routing == SMOE_ROUTING_SOFTMAX_TOPK || L->routing == SMOE_ROUTING_SIGMOID_TOPK;
+}
+
 /* Entries (destination ranks) per token. */
 static int64_t kq_of(const smoe_ep_layer *ep)
 {
@@ -275,7 +281,7 @@ static void gsaved_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gsave
     s->assign_expert = o; o += al(A * 4);
     s->assign_row = o; o += al(A * 4);
     s->row_score = o; o += al(A * 4);
-    s->logits = o; o += al(L->routing == SMOE_ROUTING_SOFTMAX_TOPK ? t * (size_t)L->E * 4 : 0);
+    s->logits = o; o += al(ep_saves_logits(L) ? t * (size_t)L->E * 4 : 0);
     s->pidx = o; o += al(t * Kq * 4);
     s->ent_off = o; o += al((t + 1) * 4);
     s->tri_slot = o; o += al((size_t)ep->rows * 4);
@@ -1129,7 +1135,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         int32_t *toff = (int32_t *)(sb + S.token_offset);
         int32_t *aexp = (int32_t *)(sb + S.assign_expert);
         float *ascore = (float *)(sb + S.row_score);
-        float *lg = (training && L->routing == SMOE_ROUTING_SOFTMAX_TOPK)
+        float *lg = (training && ep_saves_logits(L))
                         ? (float *)(sb + S.logits)
                         : (float *)(ws + W.logits);
         smoe_assign_dev as;
@@ -1144,8 +1150,8 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             TRY(smoe_cuda_route_general(T, E, pairs, args->pair_token, args->pair_expert,
                                         args->pair_score, as, st, rep, s));
         } else if (T > 0) {
-            TRY(smoe_cuda_router_forward(ep->full, T, args->x, args->router_w, lg, as,
-                                         ws + W.router, s));
+            TRY(smoe_cuda_router_forward(ep->full, T, args->x, args->router_w,
+                                         args->expert_bias, lg, as, ws + W.router, s));
         } else {
             TRY(smoe_cuda_exclusive_scan((int32_t *)(ws + W.vt_cnt), 0, toff, as.count, s));
         }
@@ -1453,7 +1459,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             u.assign_expert = (int32_t *)aexp;
             u.assign_row = (int32_t *)(sb + S.assign_row);
             u.row_score = (float *)(sb + S.row_score);
-            u.logits = L->routing == SMOE_ROUTING_SOFTMAX_TOPK ? (float *)(sb + S.logits) : NULL;
+            u.logits = ep_saves_logits(L) ? (float *)(sb + S.logits) : NULL;
             dxr = args->dx.ptr && T > 0 ? (float *)(ws + W.dxr) : NULL;
             TRY(smoe_cuda_router_backward(ep->full, T, &u, dsa, args->dlogits_extra, args->x,
                                           args->router_w, &args->drouter_w, dxr, ws + W.router,

@@ -12,7 +12,12 @@
  *                   Z = sum_{TC} p. Kept TC pairs score p_i / Z, added
  *                   pairs p_e, so dp_i = [i kept] dS_i / Z - G / Z^2 for
  *                   i in TC (G = sum of dS_j p_j over kept TC pairs) and
- *                   dp_e = dS_e for added pairs; then the full softmax.
+ *                   dp_e = dS_e for added pairs; then the full softmax;
+ *     SIGMOID_TOPK  s_e = sigmoid(l_e) of the token's K pairs (routing_math.h,
+ *                   as the forward), Den = sum s + 1e-20, c the scaling:
+ *                   dl_e = s_e (1 - s_e) c (dS_e - G) / Den renormalised
+ *                   (G = sum_j dS_j s_j / Den), else s_e (1 - s_e) c dS_e;
+ *                   0 off the picked experts.
  *   plus dlogits_extra. One thread per token, sums in a fixed order; p in
  *   double (as the forward).
  *   dlogits is written as a bf16 hi/lo pair (T, 2E) so the dense GEMMs
@@ -46,7 +51,7 @@ static __device__ __forceinline__ bool pair_lookup(int e, int a0, int a1,
 }
 
 __global__ void k_router_dlogits(int T, int E, int K, int mode, int renormalize, int tr,
-                                 const float *__restrict__ logits,
+                                 double scale, const float *__restrict__ logits,
                                  const int32_t *__restrict__ token_offset,
                                  const int32_t *__restrict__ assign_expert,
                                  const int32_t *__restrict__ assign_row,
@@ -86,6 +91,33 @@ __global__ void k_router_dlogits(int T, int E, int K, int mode, int renormalize,
     }
 
     const float *l = logits + (int64_t)t * E;
+    if (mode == SMOE_ROUTING_SIGMOID_TOPK) {
+        double z = 0.0, g = 0.0;
+        for (int a = a0; a < a1; ++a) z += smoe_sigmoid((double)l[assign_expert[a]]);
+        const double den = z + 1e-20;
+        if (renormalize)
+            for (int a = a0; a < a1; ++a) {
+                const int r = assign_row[a];
+                if (r >= 0) g += (double)ds[r] * smoe_sigmoid((double)l[assign_expert[a]]) / den;
+            }
+        for (int e = 0; e < E; ++e) {
+            bool found;
+            double dS = 0.0;
+            PAIR_LOOKUP(e, found, dS, NULL);
+            double v = 0.0;
+            if (found) {
+                const double se = smoe_sigmoid((double)l[e]);
+                const double dsig = renormalize ? scale * (dS - g) / den : scale * dS;
+                v = dsig * se * (1.0 - se);
+            }
+            if (ex) v += (double)ex[e];
+            const float f = (float)v;
+            const bf16 h = __float2bfloat16_rn(f);
+            hi[e] = h;
+            lo[e] = __float2bfloat16_rn(f - __bfloat162float(h));
+        }
+        return;
+    }
     double m, sum;
     smoe_softmax_stats(l, E, &m, &sum);
 
@@ -320,7 +352,8 @@ smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int
                                               "dense routing mode");
     const int threads = 64;
     k_router_dlogits<<<(unsigned)smoe_cdiv(T, threads), threads, 0, stream>>>(
-        (int)T, (int)desc->E, (int)desc->K, (int)desc->routing, desc->renormalize, tr, logits,
+        (int)T, (int)desc->E, (int)desc->K, (int)desc->routing, desc->renormalize, tr,
+        desc->routed_scaling, logits,
         token_offset, assign_expert, assign_row, row_score, ds, dlogits_extra, split, tc_scratch,
         abort);
     SMOE_CUDA_LAUNCH_CHECK("k_router_dlogits");

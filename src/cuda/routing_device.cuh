@@ -10,13 +10,18 @@
  *    are equal);
  *  - probabilities are computed in double: m = max, e_i = exp(l_i - m), the
  *    sum taken in index order, p_i = e_i / sum; scores are rounded to fp32
- *    last.
+ *    last;
+ *  - SIGMOID_TOPK: sigmoids from routing_math.h (the host's code, built of
+ *    correctly rounded operations only), keys s + b in double, compared as
+ *    smoe_sel_key images.
  */
 #ifndef SMOE_CUDA_ROUTING_DEVICE_CUH
 #define SMOE_CUDA_ROUTING_DEVICE_CUH
 
 #include <math_constants.h>
 #include <stdint.h>
+
+#include "routing_math.h"
 
 /* Order-preserving integer image of a logit: a > b as numbers iff
  * key(a) > key(b); equal numbers (+0, -0) give equal keys; NaN gives the
@@ -36,6 +41,17 @@ static __device__ __forceinline__ uint64_t smoe_double_key(double x)
     if (x != x) x = CUDART_INF;
     if (x == 0.0) x = 0.0;
     uint64_t u = (uint64_t)__double_as_longlong(x);
+    return (u & 0x8000000000000000ull) ? ~u : (u | 0x8000000000000000ull);
+}
+
+/* Order-preserving image of a SIGMOID_TOPK key (double): -0 == +0, NaN
+ * above +inf (as torch.topk and the host's ranks_before_d rank it); never
+ * 0 (-inf gives 0x000FFFFFFFFFFFFF), so 0 can mean "none". */
+static __device__ __forceinline__ uint64_t smoe_sel_key(double x)
+{
+    if (x != x) return 0xFFFFFFFFFFFFFFFFull;
+    if (x == 0.0) x = 0.0;
+    const uint64_t u = (uint64_t)__double_as_longlong(x);
     return (u & 0x8000000000000000ull) ? ~u : (u | 0x8000000000000000ull);
 }
 

@@ -6,7 +6,7 @@
  *  - each rank's out and dx rows, the sum over ranks of drouter_w, each
  *    rank's slice of dW1, db1, dW2, db2, GENERAL's pair-score gradient, the
  *    expert counts summed over ranks (exact);
- *  - P = 1, 2 and every GPU (up to 4); the three routing modes; the CUDA
+ *  - P = 1, 2 and every GPU (up to 4); the three routing modes and SIGMOID_TOPK; the CUDA
  *    and Hopper backends; uneven T with a rank of none; gradients
  *    accumulated onto a known start; biases, activations, both W1 layouts;
  *  - an inference forward (no saved block) between forward and backward
@@ -147,6 +147,13 @@ static void *rank_main(void *arg) {
         ps = up(f, (size_t)R->np * 4);
         free(a); free(b); free(f);
     }
+    void *eb = NULL;
+    if (P->ebias) {
+        float *hb = (float *)malloc((size_t)E * 4);
+        for (int64_t e = 0; e < E; e++) hb[e] = (float)P->ebias[e];
+        eb = up(hb, (size_t)E * 4);
+        free(hb);
+    }
     const size_t sb = smoe_ep_layer_saved_bytes(L, T), wb = smoe_ep_layer_workspace_bytes(L, T);
     void *saved = up(NULL, sb), *ws = up(NULL, wb);
     const size_t gn[7] = {(size_t)(T * d), (size_t)(E * d), (size_t)(El * hc * d),
@@ -179,6 +186,7 @@ static void *rank_main(void *arg) {
         fa.w1 = w1; fa.b1 = b1; fa.w2 = w2; fa.b2 = b2;
         fa.out = out;
         fa.expert_counts = counts;
+        fa.expert_bias = (const float *)eb;
         smoe_backward_args ba;
         memset(&ba, 0, sizeof ba);
         ba.T = T; ba.x = x; ba.router_w = general ? NULL : wr; ba.pairs = fa.pairs;
@@ -262,7 +270,7 @@ static void *rank_main(void *arg) {
     }
     cudaFree(x); cudaFree(wr); cudaFree(w1); cudaFree(w2); cudaFree(b1); cudaFree(b2);
     cudaFree(G); cudaFree(out); cudaFree(counts); cudaFree(pt); cudaFree(pe); cudaFree(ps);
-    cudaFree(saved); cudaFree(ws);
+    cudaFree(saved); cudaFree(ws); cudaFree(eb);
     for (int i = 0; i < 7; i++) {
         cudaFree(gd[i]);
         free(gh[i]);
@@ -439,6 +447,14 @@ int main(int argc, char **argv) {
                 }
                 run_case(b ? "balanced, Hopper, overlap" : "balanced", &c, &rng);
             }
+        {
+            /* SIGMOID_TOPK: the replicated router with the bias and groups */
+            gcase c = base_case(P, SMOE_ROUTING_SIGMOID_TOPK, SMOE_BACKEND_CUDA);
+            c.D.n_group = 4; c.D.topk_group = 2; c.D.K = 3;
+            c.D.routed_scaling = 2.5;
+            c.D.has_bias = 1;
+            run_case("sigmoid, groups", &c, &rng);
+        }
         {
             gcase c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_CUDA);
             c.overlap = 1;

@@ -22,6 +22,8 @@
  *     stream, replayed, bit-identical to the eager run;
  *   - inference forward: nothing saved, same output as training (token
  *     choice modes).
+ * SIGMOID_TOPK (expert bias, groups, renormalisation, scaling) runs as
+ * extra random cases after the fixed ones.
  * Plus: F32 storage and unaligned sizes rejected at create time. (The
  * device-side checks, GENERAL triples and the saved block's header, are in
  * test_bad_input_gpu.)
@@ -198,6 +200,13 @@ static void run_layer(smoe_layer *L, const tu_problem *P, const double *dout, co
         ps = mem_put(gpu, hs, (size_t)np * 4);
         free(hs);
     }
+    float *ebias = NULL;
+    if (P->ebias) {
+        float *hb = (float *)malloc((size_t)E * 4);
+        for (int64_t e = 0; e < E; e++) hb[e] = (float)P->ebias[e];
+        ebias = (float *)mem_put(gpu, hb, (size_t)E * 4);
+        free(hb);
+    }
     const size_t out_b = (size_t)(T * d) * es;
     void *out = mem_alloc(gpu, out_b);
     float *logits = general ? NULL : (float *)mem_alloc(gpu, (size_t)(T * E) * 4);
@@ -238,6 +247,7 @@ static void run_layer(smoe_layer *L, const tu_problem *P, const double *dout, co
     fa.router_logits = logits;
     fa.expert_counts = counts;
     fa.inference = cfg->inference;
+    fa.expert_bias = ebias;
 
     smoe_backward_args ba;
     memset(&ba, 0, sizeof ba);
@@ -334,6 +344,7 @@ static void run_layer(smoe_layer *L, const tu_problem *P, const double *dout, co
     mem_free(gpu, dO); mem_free(gpu, b1); mem_free(gpu, b2);
     mem_free(gpu, pt); mem_free(gpu, pe); mem_free(gpu, ps);
     mem_free(gpu, out); mem_free(gpu, logits); mem_free(gpu, counts);
+    if (ebias) mem_free(gpu, ebias);
     mem_free(gpu, saved); mem_free(gpu, ws);
     if (dextra) mem_free(gpu, dextra);
     for (int i = 0; i < G_N; i++) {
@@ -428,8 +439,14 @@ static void check_metadata(const run_out *r, const smoe_layer_desc *D, int64_t T
 }
 
 /* GPU routing vs smoe_route_cpu on the GPU's logits: bit-exact. */
-static void check_routing_exact(const run_out *g, const smoe_layer_desc *D, int64_t T)
+static void check_routing_exact(const run_out *g, const smoe_layer_desc *D, int64_t T,
+                                const double *ebias)
 {
+    float *bias = NULL;
+    if (ebias) {
+        bias = (float *)malloc((size_t)D->E * 4);
+        for (int64_t e = 0; e < D->E; e++) bias[e] = (float)ebias[e];
+    }
     const int64_t E = D->E, K = D->K;
     routed gr = routed_from_saved(g, T, 0);
     smoe_routing_result res;
@@ -444,7 +461,7 @@ static void check_routing_exact(const run_out *g, const smoe_layer_desc *D, int6
     res.pair_expert = (int32_t *)malloc((size_t)cap * 4 + 4);
     res.pair_score = (float *)malloc((size_t)cap * 4 + 4);
     res.pairs = &np;
-    CHECK_OK(smoe_route_cpu(D, T, g->logits, &res));
+    CHECK_OK(smoe_route_cpu_biased(D, T, g->logits, bias, &res));
     int ok = 1;
     int64_t bad = -1;
     if (tr) {
@@ -472,6 +489,7 @@ static void check_routing_exact(const run_out *g, const smoe_layer_desc *D, int6
           (long long)gr.R, (long long)(tr ? np : T * K), (long long)bad);
     free(res.expert); free(res.score); free(res.pair_token); free(res.pair_expert);
     free(res.pair_score);
+    free(bias);
     routed_free(&gr);
 }
 
@@ -520,10 +538,12 @@ typedef struct case_cfg {
     smoe_dtype gdt;
     int acc, graph;
     int extra;       /* pass a dlogits_extra (not GENERAL) */
+    int64_t G, g;    /* SIGMOID_TOPK: groups (0: none) */
+    double scale;    /* SIGMOID_TOPK: routed_scaling */
 } case_cfg;
 
 static const char *act_names[] = {"swiglu", "geglu", "reglu", "relu2", "relu", "silu", "gelu"};
-static const char *routing_names[] = {"topk_softmax", "softmax_topk", "general"};
+static const char *routing_names[] = {"topk_softmax", "softmax_topk", "general", "sigmoid_topk"};
 static const char *rounding_names[] = {"off", "up", "down", "nearest"};
 
 /* Returns 0 when the case was redrawn (routing near-tie). */
@@ -539,12 +559,17 @@ static int run_case(const case_cfg *c, uint64_t seed)
     D.renormalize = c->renorm;
     D.rounding = c->rounding;
     D.round_tile = c->M;
-    tu_case("seed=%llu T=%lld d=%lld n=%lld E=%lld K=%lld %s %s %s bias=%d %s renorm=%d "
-            "round=%s M=%lld skew=%d gdt=%s acc=%d graph=%d extra=%d",
+    if (c->routing == SMOE_ROUTING_SIGMOID_TOPK) {
+        D.n_group = c->G;
+        D.topk_group = c->g;
+        D.routed_scaling = c->scale;
+    }
+    tu_case("seed=%llu T=%lld d=%lld n=%lld E=%lld K=%lld %s %s %s bias=%d groups=%lld/%lld "
+            "scale=%g renorm=%d round=%s M=%lld skew=%d gdt=%s acc=%d graph=%d extra=%d",
             (unsigned long long)seed, (long long)c->T, (long long)c->d, (long long)c->n,
             (long long)c->E, (long long)c->K, act_names[c->act],
             c->layout ? "concat" : "interleaved", routing_names[c->routing], c->bias,
-            c->routing == SMOE_ROUTING_GENERAL ? "" : "", c->renorm,
+            (long long)D.topk_group, (long long)D.n_group, D.routed_scaling, c->renorm,
             rounding_names[c->rounding], (long long)c->M, c->skew,
             c->gdt == SMOE_DTYPE_F32 ? "f32" : "bf16", c->acc, c->graph, c->extra);
 
@@ -598,7 +623,7 @@ static int run_case(const case_cfg *c, uint64_t seed)
     CHECK(rf.st == SMOE_SUCCESS && rb.st == SMOE_SUCCESS, "cpu runs failed");
 
     /* routing: exact on the GPU's logits; same selection as the CPU's */
-    if (c->routing != SMOE_ROUTING_GENERAL) check_routing_exact(&rg, &D, c->T);
+    if (c->routing != SMOE_ROUTING_GENERAL) check_routing_exact(&rg, &D, c->T, P.ebias);
     check_metadata(&rg, &D, c->T);
     {
         routed a = routed_from_saved(&rg, c->T, 0);
@@ -735,6 +760,29 @@ static case_cfg random_case(tu_rng *r, int i)
     c.acc = (int)tu_int(r, 0, 2) == 0;
     c.graph = (i % 4) == 1;
     c.extra = tu_int(r, 0, 3) == 0;
+    c.G = c.g = 0;
+    c.scale = 1.0;
+    return c;
+}
+
+/* A SIGMOID_TOPK case: random_case's shape and settings, E a multiple of 4
+ * most of the time so groups apply (tu_set_groups), scaling 1 or 2.5. */
+static case_cfg sigmoid_case(tu_rng *r, int i)
+{
+    case_cfg c = random_case(r, i);
+    c.routing = SMOE_ROUTING_SIGMOID_TOPK;
+    c.rounding = SMOE_ROUND_OFF;
+    if (i % 3) c.E = 4 * tu_int(r, 1, g_small ? 2 : 8);
+    if (c.K > c.E) c.K = c.E;
+    smoe_layer_desc D = smoe_layer_desc_default();
+    D.E = c.E;
+    D.K = c.K;
+    tu_set_groups(&D);
+    if (i % 4 != 3) {
+        c.G = D.n_group;
+        c.g = D.topk_group;
+    }
+    c.scale = i % 2 ? 2.5 : 1.0;
     return c;
 }
 
@@ -808,6 +856,17 @@ int main(int argc, char **argv)
             c.M = 32;
             run_case(&c, seed + 7);
         }
+    }
+    /* SIGMOID_TOPK: expert bias, groups, renormalisation, scaling */
+    for (int i = 0; i < (g_small ? 4 : 16); i++) {
+        case_cfg c = sigmoid_case(&r, i);
+        uint64_t cs = seed * 1000 + 500 + (uint64_t)i;
+        int tries = 0;
+        while (!run_case(&c, cs) && tries < 3) {
+            cs += 7919;
+            tries++;
+        }
+        g_cases++;
     }
     tu_case("summary");
     CHECK(g_skipped * 5 <= g_cases, "%d of %d cases redrawn for routing near-ties", g_skipped,

@@ -7,6 +7,10 @@
  *     routed experts, scores and token-rounding triples bit for bit;
  *   - logits with many exact ties (a few quantised values, +0 and -0, -inf)
  *     so both tie-breaks (lower expert; lower token) are exercised;
+ *   - SIGMOID_TOPK (k_route_sigmoid): experts and scores bit for bit with
+ *     smoe_route_cpu_biased, with and without an expert bias (random,
+ *     quantised so keys tie, non-finite), groups (several kept, all kept,
+ *     groups of 2), renormalisation and scaling, K = E, K > 32, E = 4096;
  *   - GENERAL triples (random, sorted) through the device copy;
  *   - metadata: expert offsets, rows sorted by expert then token,
  *     assign_row a permutation, row_token / row_score matching, counts;
@@ -205,19 +209,51 @@ static int same_score(float a, float b)
     return !memcmp(&a, &b, 4) || (a != a && b != b);
 }
 
+/* SIGMOID_TOPK's settings for run_case: groups, scaling, the bias kind
+ * (0 none, 1 random, 2 quantised: ties, 3 with non-finite values) */
+static struct {
+    int64_t G, g;
+    double scale;
+    int bias;
+} g_sig = {0, 0, 1.0, 0};
+
 static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int renorm,
                      smoe_rounding rounding, int64_t M, int logits_kind, int timed)
 {
+    const int sig = routing == SMOE_ROUTING_SIGMOID_TOPK;
     snprintf(g_case, sizeof g_case, "T=%lld E=%lld K=%lld routing=%d renorm=%d rounding=%d M=%lld %s",
              (long long)T, (long long)E, (long long)K, (int)routing, renorm, (int)rounding,
              (long long)M,
              logits_kind == L_TIES ? "ties" : logits_kind == L_NONFINITE ? "nonfinite" : "normal");
+    if (sig) {
+        const size_t n = strlen(g_case);
+        snprintf(g_case + n, sizeof g_case - n, " groups %lld/%lld scale %g bias %d",
+                 (long long)g_sig.g, (long long)g_sig.G, g_sig.scale, g_sig.bias);
+    }
     smoe_layer_desc D = smoe_layer_desc_default();
     D.d = 64; D.n = 64; D.E = E; D.K = K;
     D.routing = routing;
     D.renormalize = renorm;
     D.rounding = rounding;
     D.round_tile = M;
+    float *bias = NULL, *dbias = NULL;
+    if (sig) {
+        D.n_group = g_sig.G;
+        D.topk_group = g_sig.g;
+        D.routed_scaling = g_sig.scale;
+        if (g_sig.bias) {
+            bias = (float *)malloc((size_t)E * 4);
+            for (int64_t e = 0; e < E; e++) {
+                const int q = (int)(rnd() % 40);
+                if (g_sig.bias == 1) bias[e] = (float)(0.6 * (unif() - 0.5));
+                else if (g_sig.bias == 2) bias[e] = (float)(0.25 * (q % 3) - 0.25);
+                else bias[e] = q == 0 ? NAN : q == 1 ? INFINITY : q == 2 ? -INFINITY
+                                                               : (float)(0.6 * (unif() - 0.5));
+            }
+            dbias = dalloc<float>((size_t)E);
+            CUDA_OK(cudaMemcpy(dbias, bias, (size_t)E * 4, cudaMemcpyHostToDevice));
+        }
+    }
     const int tr = rounding != SMOE_ROUND_OFF;
     int64_t cap = T * K;
     if (tr && rounding != SMOE_ROUND_DOWN) {
@@ -255,7 +291,7 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
         CUDA_OK(cudaMemset(r.as.expert, 0xFF, (size_t)cap * 4));
         CUDA_OK(cudaMemset(r.rsc, 0xFF, (size_t)cap * 4));
         CUDA_OK(cudaEventRecord(e0, 0));
-        SMOE_OK(smoe_cuda_route(&D, T, tr, dlg, r.as, r.rscratch, 0));
+        SMOE_OK(smoe_cuda_route(&D, T, tr, dlg, dbias, r.as, r.rscratch, 0));
         CUDA_OK(cudaEventRecord(em, 0));
         SMOE_OK(smoe_cuda_metadata_beside(E, cap, r.as, r.eoff, r.arow, r.rtok, r.rsc, r.counts,
                                           r.mscratch, g_two_launch, 0));
@@ -283,7 +319,7 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
     res.pair_expert = (int32_t *)malloc((size_t)cap * 4);
     res.pair_score = (float *)malloc((size_t)cap * 4);
     res.pairs = &np;
-    SMOE_OK(smoe_route_cpu(&D, T, lg, &res));
+    SMOE_OK(smoe_route_cpu_biased(&D, T, lg, bias, &res));
     const host_run *g = &h[0];
     int64_t bad = -1;
     if (tr) {
@@ -333,6 +369,8 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
     cudaEventDestroy(em);
     cudaFree(dlg);
     free(lg);
+    if (dbias) cudaFree(dbias);
+    free(bias);
 }
 
 static void run_general(int64_t T, int64_t E, double prob)
@@ -392,6 +430,8 @@ static void run_general(int64_t T, int64_t E, double prob)
     free(pt); free(pe); free(ps);
 }
 
+static void run_sigmoid_cases(int large);
+
 static void run_edge_cases(smoe_routing TK, smoe_routing ST)
 {
     /* small and edge cases */
@@ -435,6 +475,47 @@ static void run_edge_cases(smoe_routing TK, smoe_routing ST)
     run_case(999, 200, 3, TK, 0, SMOE_ROUND_OFF, 128, L_TIES, 0);
     run_general(50, 6, 0.3);
     run_general(3, 4, 0.0);
+    run_sigmoid_cases(0);
+}
+
+/* SIGMOID_TOPK: groups G/g (0: none), scaling, bias kind, then run_case */
+static void sig_case(int64_t T, int64_t E, int64_t K, int64_t G, int64_t g, int renorm,
+                     double scale, int bias, int logits_kind, int timed)
+{
+    g_sig.G = G;
+    g_sig.g = g;
+    g_sig.scale = scale;
+    g_sig.bias = bias;
+    run_case(T, E, K, SMOE_ROUTING_SIGMOID_TOPK, renorm, SMOE_ROUND_OFF, 128, logits_kind, timed);
+    g_sig.G = g_sig.g = 0;
+    g_sig.scale = 1.0;
+    g_sig.bias = 0;
+}
+
+static void run_sigmoid_cases(int large)
+{
+    if (large) {
+        /* DeepSeek-V3's router (256 experts, 8 groups, 4 kept, K = 8,
+         * scaling 2.5) and Kimi-K2's (384 experts, 1 group), timed */
+        sig_case(32768, 256, 8, 8, 4, 1, 2.5, 1, L_NORMAL, 1);
+        sig_case(32768, 384, 8, 1, 1, 1, 2.827, 1, L_NORMAL, 1);
+        sig_case(32768, 128, 8, 0, 0, 1, 1.0, 1, L_NORMAL, 1);
+        return;
+    }
+    sig_case(1, 4, 2, 0, 0, 0, 1.0, 0, L_NORMAL, 0);
+    sig_case(300, 16, 4, 0, 0, 1, 2.5, 1, L_NORMAL, 0);
+    sig_case(300, 16, 4, 4, 2, 1, 2.5, 1, L_NORMAL, 0);
+    sig_case(300, 16, 4, 4, 2, 0, 1.0, 2, L_TIES, 0);      /* ties in keys and group keys */
+    sig_case(300, 16, 4, 8, 2, 1, 1.0, 2, L_TIES, 0);      /* groups of 2 */
+    sig_case(300, 16, 4, 4, 4, 1, 1.0, 1, L_NORMAL, 0);    /* every group kept */
+    sig_case(300, 16, 16, 4, 4, 1, 1.0, 1, L_NORMAL, 0);   /* K = E */
+    sig_case(300, 16, 4, 4, 2, 1, 1.0, 3, L_NONFINITE, 0); /* NaN / inf logits and biases */
+    sig_case(257, 64, 40, 2, 2, 1, 0.5, 1, L_TIES, 0);     /* K > 32 */
+    sig_case(777, 250, 16, 5, 3, 0, 1.0, 1, L_NORMAL, 0);
+    sig_case(1001, 256, 8, 8, 4, 1, 2.5, 1, L_NORMAL, 0);  /* DeepSeek-V3's shape */
+    sig_case(333, 97, 5, 0, 0, 1, 1.0, 0, L_TIES, 0);
+    sig_case(64, 4096, 8, 64, 8, 1, 1.0, 1, L_NORMAL, 0);  /* E = 4096: one warp per block */
+    sig_case(64, 4096, 8, 2048, 8, 1, 1.0, 2, L_TIES, 0);  /* 2048 groups of 2 */
 }
 
 int main(int argc, char **argv)
@@ -472,6 +553,7 @@ int main(int argc, char **argv)
         run_case(24576, 64, 4, TK, 0, SMOE_ROUND_UP, 128, L_NORMAL, 1);
         run_case(32768, 128, 8, ST, 1, SMOE_ROUND_NEAREST, 128, L_NORMAL, 1);
         run_case(20000, 64, 4, ST, 0, SMOE_ROUND_DOWN, 128, L_NORMAL, 1);
+        run_sigmoid_cases(1);
     }
     printf("test_routing_gpu (seed %llu)\n%d passed, %d failed\n", (unsigned long long)seed,
            g_pass, g_fail);
