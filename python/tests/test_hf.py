@@ -202,6 +202,31 @@ def test_aux_loss_gradient_reaches_the_router(family):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_hooks_installed_before_the_swap_and_gradient_checkpointing(family):
+    # The router-logit recorder hooked before the swap (the router modules
+    # are kept, hooks and all), then training with gradient checkpointing
+    # (the blocks' forward runs again in backward).
+    ref = tiny_model(family)
+    ids = torch.randint(3, V, (2, 11), generator=torch.Generator().manual_seed(12))
+    ref(ids, output_router_logits=True)
+    model = copy.deepcopy(ref)
+    smoe.hf.replace_moe_blocks(model)
+    outs = []
+    for m in (ref, model):
+        m.train()
+        m.activation_checkpointing_enable()
+        out = m(ids, labels=ids, output_router_logits=True, use_cache=False)
+        out.loss.backward()
+        outs.append(out)
+    assert len(outs[1].router_logits) == 2
+    assert_close(outs[1].loss, outs[0].loss, 1e-6, "loss")
+    grads_ref = dict(ref.named_parameters())
+    for k, p in model.named_parameters():
+        if grads_ref[k].grad is not None:
+            assert_close(p.grad, grads_ref[k].grad, 2e-5, "d" + k)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_bfloat16_model(family):
     # bfloat16 on the CPU backend, by STYLE.md's rule: the patched model's
     # error against the float32 model at most twice the HF bfloat16 model's
