@@ -48,8 +48,6 @@ those logits (the aux load-balancing loss) reaches the router weight
 through smoe's dlogits_extra. The router called on its own (not from the
 block) still runs the HF forward.
 """
-import types
-
 import torch
 import torch.nn as nn
 
@@ -182,35 +180,38 @@ def _check_block(name, block):
 
 # ------------------------------------------------------------ the router tap
 
-def _router_tap_forward(self, *args, _smoe_router_outputs=None, **kwargs):
-    """Installed as the router module's forward while its block runs on
-    smoe. Called by the block with the outputs smoe computed, it returns
-    them, so the router's forward hooks (transformers' output recorder for
-    output_router_logits among them) see them; called any other way, it
-    runs the router's own forward."""
-    if _smoe_router_outputs is not None:
-        return _smoe_router_outputs
-    previous = self.__dict__.get("_smoe_previous_forward")
-    if previous is not None:
-        return previous(*args, **kwargs)
-    return type(self).forward(self, *args, **kwargs)
+class _RouterTap:
+    """Installed as the router module's forward (an instance attribute)
+    while its block runs on smoe. Called by the block with the outputs smoe
+    computed, it returns them, so the router's forward hooks (transformers'
+    output recorder for output_router_logits among them) see them; called
+    any other way, it runs the forward the router had. A plain object, not
+    a bound method, so that the model still deep-copies and pickles."""
+
+    def __init__(self, router, previous):
+        self.router = router
+        self.previous = previous   # an instance-level forward the router had, or None
+
+    def __call__(self, *args, _smoe_router_outputs=None, **kwargs):
+        if _smoe_router_outputs is not None:
+            return _smoe_router_outputs
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.router).forward(self.router, *args, **kwargs)
 
 
 def _install_tap(router):
-    if "_smoe_previous_forward" in router.__dict__:
-        return
-    router._smoe_previous_forward = router.__dict__.get("forward")
-    router.forward = types.MethodType(_router_tap_forward, router)
+    if not isinstance(router.__dict__.get("forward"), _RouterTap):
+        router.forward = _RouterTap(router, router.__dict__.get("forward"))
 
 
 def _remove_tap(router):
-    if "_smoe_previous_forward" not in router.__dict__:
-        return
-    previous = router.__dict__.pop("_smoe_previous_forward")
-    if previous is None:
-        del router.forward
-    else:
-        router.forward = previous
+    tap = router.__dict__.get("forward")
+    if isinstance(tap, _RouterTap):
+        if tap.previous is None:
+            del router.forward
+        else:
+            router.forward = tap.previous
 
 
 # ------------------------------------------------------------ the blocks

@@ -247,6 +247,19 @@ def test_bfloat16_model(family):
     assert w.grad.dtype == torch.bfloat16 and torch.isfinite(w.grad).all()
 
 
+def test_patched_model_copies_and_pickles(tmp_path):
+    ref, model, _ = patched_pair("olmoe")
+    ids = torch.randint(3, V, (2, 9), generator=torch.Generator().manual_seed(13))
+    want = ref(ids, output_router_logits=True)
+    torch.save(model, tmp_path / "model.pt")
+    for m in (copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)):
+        assert isinstance(m.model.layers[0].mlp, smoe.hf.SmoeSparseMoeBlock)
+        assert m.model.layers[0].mlp.gate.forward.router is m.model.layers[0].mlp.gate
+        got = m(ids, output_router_logits=True)
+        assert_close(got.logits, want.logits, 1e-5, "logits")
+        assert_close(got.aux_loss, want.aux_loss, 1e-6, "aux loss")
+
+
 def test_mixtral_jitter_noise_in_training():
     ref, model, replaced = patched_pair("mixtral", router_jitter_noise=0.2)
     x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(6))
