@@ -137,6 +137,18 @@ class MoE(nn.Module):
 
 # ------------------------------------------------------------ Hugging Face weights
 
+# Keys of Hugging Face blocks this loader would load wrong, and why.
+_HF_REFUSED = (
+    ("router.bias", "a gpt-oss block (router bias, interleaved gate/up, clamped SwiGLU with "
+                    "alpha and limit), which smoe.MoE cannot compute; refused rather than loaded "
+                    "wrong"),
+    ("gate.e_score_correction_bias", "a DeepSeek-V3 block (sigmoid routing with an expert bias, "
+                                     "group-limited top-K, shared experts), which smoe.MoE's "
+                                     "routing cannot express; smoe.hf.replace_moe_blocks runs it"),
+    ("gate.bias", "a router bias, which smoe.MoE's router does not have"),
+)
+
+
 def _take(state_dict, key, used):
     used.append(key)
     return state_dict[key]
@@ -174,8 +186,14 @@ def load_hf_moe_weights(module, state_dict, prefix="", *, transposed=None):
       Mixtral     routing='topk_softmax'
       Qwen3-MoE   routing='softmax_topk', renormalize=config.norm_topk_prob
       OLMoE       routing='softmax_topk', renormalize=False (norm_topk_prob)
+    Blocks smoe.MoE cannot compute are refused (ValueError): gpt-oss, DeepSeek-V3
+    and any router with a bias (see _HF_REFUSED; smoe.hf runs DeepSeek-V3).
     Returns the list of state-dict keys it used.
     """
+    for name, why in _HF_REFUSED:
+        if prefix + name in state_dict:
+            raise ValueError("load_hf_moe_weights: the state dict has %s%s: %s"
+                             % (prefix, name, why))
     if module._act not in GATED:
         raise ValueError("load_hf_moe_weights: the module's activation %r is not gated; "
                          "Hugging Face MoE experts are SwiGLU" % (module.activation_function,))

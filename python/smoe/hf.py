@@ -1,0 +1,367 @@
+"""smoe.hf: the MoE blocks of a Hugging Face transformers model on smoe, in
+place, with the model's own parameter names.
+
+    import smoe.hf
+    replaced = smoe.hf.replace_moe_blocks(model)   # {qualified name: the HF block}
+    ...                                            # train, save, load as before
+    smoe.hf.restore_moe_blocks(model, replaced)    # back to the HF blocks
+
+Each replacement adopts the HF block's children (the router `gate`, the
+fused `experts`, DeepSeek-V3's `shared_experts`) as they are: the same
+nn.Module and nn.Parameter objects under the same names, so the state dict
+(keys, order, shapes, values) is the HF block's, a checkpoint loads and
+saves unchanged, and an optimizer built before the swap keeps working. Only
+the block's forward changes: the experts run as one smoe layer
+(`w1 = experts.gate_up_proj` (E, 2n, d) in the concatenated layout, `w2 =
+experts.down_proj` (E, d, n), SwiGLU), taking and returning what the HF
+block does.
+
+Blocks (transformers 5.24.0 is the version tested, by
+python/tests/test_hf.py; the layouts of that version are checked at
+replacement and any other layout is refused, not guessed):
+
+  Qwen3MoeSparseMoeBlock    smoe routing 'softmax_topk', renormalize =
+                            gate.norm_topk_prob
+  OlmoeSparseMoeBlock       the same
+  MixtralSparseMoeBlock     'topk_softmax' (softmax over E, top K,
+                            renormalised, is softmax over the K largest
+                            logits); router jitter noise in training as HF
+  DeepseekV3MoE             the HF router module computes the routing
+                            (sigmoid, e_score_correction_bias for the
+                            choice, group-limited top-K, renormalised,
+                            routed_scaling_factor) and smoe.moe_general runs
+                            the routed experts on those (token, expert,
+                            score) triples; shared_experts stay the HF MLP
+
+Refused with an error naming why: gpt-oss (GptOssMLP; its experts use a
+clamped SwiGLU, which smoe has no activation for) and every block of a
+supported class whose structure is not the one above.
+
+Router logits: in this transformers version the blocks return only the
+hidden states, and `output_router_logits=True` records the router module's
+first output through a forward hook. smoe computes the router logits itself
+(one fp32 GEMM inside the layer), so for the token-choice blocks the router
+module's forward is not run; instead it is called with smoe's logits, which
+it hands back unchanged (see _RouterTap), so its hooks, the output recorder
+among them, see (router_logits (T, E) in x's dtype, None, None). A loss on
+those logits (the aux load-balancing loss) reaches the router weight
+through smoe's dlogits_extra. The router called on its own (not from the
+block) still runs the HF forward.
+"""
+import torch
+import torch.nn as nn
+
+from .functional import moe, moe_general
+
+__all__ = ["replace_moe_blocks", "restore_moe_blocks", "SmoeSparseMoeBlock", "SmoeDeepseekV3MoE",
+           "TESTED_TRANSFORMERS_VERSIONS"]
+
+TESTED_TRANSFORMERS_VERSIONS = ("5.24.0",)
+
+_SMOE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+# ------------------------------------------------------------ what is recognised
+
+def _hf_name(cls):
+    return cls.__module__ + "." + cls.__qualname__
+
+
+_QWEN3 = "transformers.models.qwen3_moe.modeling_qwen3_moe."
+_MIXTRAL = "transformers.models.mixtral.modeling_mixtral."
+_OLMOE = "transformers.models.olmoe.modeling_olmoe."
+_DSV3 = "transformers.models.deepseek_v3.modeling_deepseek_v3."
+
+# HF block class -> (kind, router class, experts class, the block's children).
+# Matched by exact class (a subclass may compute something else).
+_BLOCKS = {
+    _QWEN3 + "Qwen3MoeSparseMoeBlock":
+        ("softmax_topk", _QWEN3 + "Qwen3MoeTopKRouter", _QWEN3 + "Qwen3MoeExperts",
+         ("experts", "gate")),
+    _OLMOE + "OlmoeSparseMoeBlock":
+        ("softmax_topk", _OLMOE + "OlmoeTopKRouter", _OLMOE + "OlmoeExperts",
+         ("gate", "experts")),
+    _MIXTRAL + "MixtralSparseMoeBlock":
+        ("topk_softmax", _MIXTRAL + "MixtralTopKRouter", _MIXTRAL + "MixtralExperts",
+         ("gate", "experts")),
+    _DSV3 + "DeepseekV3MoE":
+        ("deepseek_v3", _DSV3 + "DeepseekV3TopkRouter", _DSV3 + "DeepseekV3Experts",
+         ("experts", "gate", "shared_experts")),
+}
+
+_REFUSED = {
+    "transformers.models.gpt_oss.modeling_gpt_oss.GptOssMLP":
+        "gpt-oss experts compute a clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * "
+        "sigmoid(alpha * g) with g = clamp(gate, max=limit), which smoe has no activation for "
+        "(its SwiGLU is silu(gate) * up; the clamps cannot be folded into the weights), so the "
+        "block cannot be computed exactly. (Its interleaved gate/up layout and its router "
+        "bias alone would be expressible.) The block is left to transformers.",
+}
+
+
+def _refuse(name, block, why, *args):
+    raise ValueError("smoe.hf: cannot replace %s (%s): %s" % (name, _hf_name(type(block)),
+                                                             why % args if args else why))
+
+
+def _check_block(name, block):
+    """Checks that `block` has the structure of its class in the tested
+    transformers version; returns (kind, E, n, d). Raises ValueError
+    otherwise."""
+    kind, router_cls, experts_cls, children = _BLOCKS[_hf_name(type(block))]
+    have = tuple(n for n, _ in block.named_children())
+    if have != children:
+        _refuse(name, block, "children %s, expected %s (an unknown transformers layout)",
+                have, children)
+    own = [n for n, _ in block.named_parameters(recurse=False)] + \
+          [n for n, _ in block.named_buffers(recurse=False)]
+    if own:
+        _refuse(name, block, "parameters or buffers of its own (%s): an unknown layout", own)
+    router, experts = block.gate, block.experts
+    for what, mod, cls in (("gate", router, router_cls), ("experts", experts, experts_cls)):
+        if _hf_name(type(mod)) != cls:
+            _refuse(name, block, "its %s is a %s, expected %s", what, _hf_name(type(mod)), cls)
+
+    params = {n: tuple(p.shape) for n, p in experts.named_parameters()}
+    if set(params) != {"gate_up_proj", "down_proj"} or list(experts.buffers()):
+        _refuse(name, block, "experts with parameters %s (and %d buffers); expected exactly "
+                "gate_up_proj (E, 2n, d) and down_proj (E, d, n)", sorted(params),
+                len(list(experts.buffers())))
+    if len(params["gate_up_proj"]) != 3 or len(params["down_proj"]) != 3:
+        _refuse(name, block, "expert weights of shapes %s, %s; expected 3-dimensional",
+                params["gate_up_proj"], params["down_proj"])
+    E, h, d = params["gate_up_proj"]
+    if params["down_proj"] != (E, d, h // 2) or h % 2:
+        _refuse(name, block, "gate_up_proj has shape %s and down_proj %s; expected (E, 2n, d) "
+                "and (E, d, n)", params["gate_up_proj"], params["down_proj"])
+    n = h // 2
+    # The flags transformers' use_experts_implementation sets on the experts
+    # (absent: the defaults of that decorator, which are these).
+    flags = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+             "has_post_expert_norm": False, "_is_expert_parallel": False}
+    for flag, want in flags.items():
+        if getattr(experts, flag, want) != want:
+            _refuse(name, block, "experts.%s = %r; smoe.hf handles %s = %r only", flag,
+                    getattr(experts, flag), flag, want)
+    act = getattr(experts, "act_fn", None)
+    if not (isinstance(act, nn.SiLU) or _hf_name(type(act)) == "transformers.activations."
+            "SiLUActivation"):
+        _refuse(name, block, "experts.act_fn is %s; smoe.hf handles SiLU (hidden_act 'silu') "
+                "only", type(act).__name__)
+
+    rparams = {n: tuple(p.shape) for n, p in router.named_parameters()}
+    rbufs = {n: tuple(b.shape) for n, b in router.named_buffers()}
+    want_bufs = {"e_score_correction_bias": (E,)} if kind == "deepseek_v3" else {}
+    if rparams != {"weight": (E, d)} or rbufs != want_bufs:
+        _refuse(name, block, "router parameters %s and buffers %s; expected weight (%d, %d)%s",
+                rparams, rbufs, E, d, " and e_score_correction_bias (%d,)" % E
+                if want_bufs else " and no buffer")
+    top_k = getattr(router, "top_k", None)
+    if not isinstance(top_k, int) or not 1 <= top_k <= E or getattr(router, "num_experts", E) != E:
+        _refuse(name, block, "router top_k = %r, num_experts = %r for E = %d", top_k,
+                getattr(router, "num_experts", None), E)
+    if kind == "softmax_topk" and not isinstance(getattr(router, "norm_topk_prob", None), bool):
+        _refuse(name, block, "router.norm_topk_prob = %r, expected a bool",
+                getattr(router, "norm_topk_prob", None))
+    if kind == "topk_softmax":
+        if not isinstance(getattr(block, "jitter_noise", None), (int, float)):
+            _refuse(name, block, "no jitter_noise attribute (an unknown Mixtral layout)")
+    if kind == "deepseek_v3":
+        for attr in ("num_group", "topk_group", "norm_topk_prob", "routed_scaling_factor"):
+            if not hasattr(router, attr):
+                _refuse(name, block, "its router has no %s (an unknown DeepSeek-V3 layout)", attr)
+    for what, mod in (("router", router), ("experts", experts)):
+        for p in mod.parameters():
+            if p.dtype not in _SMOE_DTYPES:
+                _refuse(name, block, "the %s have dtype %s; smoe takes float32, bfloat16 "
+                        "(CPU and CUDA) or float64 (CPU)", what, p.dtype)
+    return kind, E, n, d
+
+
+# ------------------------------------------------------------ the router tap
+
+class _RouterTap:
+    """Installed as the router module's forward (an instance attribute)
+    while its block runs on smoe. Called by the block with the outputs smoe
+    computed, it returns them, so the router's forward hooks (transformers'
+    output recorder for output_router_logits among them) see them; called
+    any other way, it runs the forward the router had. A plain object, not
+    a bound method, so that the model still deep-copies and pickles."""
+
+    def __init__(self, router, previous):
+        self.router = router
+        self.previous = previous   # an instance-level forward the router had, or None
+
+    def __call__(self, *args, _smoe_router_outputs=None, **kwargs):
+        if _smoe_router_outputs is not None:
+            return _smoe_router_outputs
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.router).forward(self.router, *args, **kwargs)
+
+
+def _install_tap(router):
+    if not isinstance(router.__dict__.get("forward"), _RouterTap):
+        router.forward = _RouterTap(router, router.__dict__.get("forward"))
+
+
+def _remove_tap(router):
+    tap = router.__dict__.get("forward")
+    if isinstance(tap, _RouterTap):
+        if tap.previous is None:
+            del router.forward
+        else:
+            router.forward = tap.previous
+
+
+# ------------------------------------------------------------ the blocks
+
+class _SmoeBlock(nn.Module):
+    """Adopts the HF block's children under their names (so the state dict
+    is the HF block's) and remembers the HF class."""
+
+    def __init__(self, hf_block, kind):
+        super().__init__()
+        for child_name, child in hf_block.named_children():
+            self.add_module(child_name, child)
+        for attr, value in vars(hf_block).items():   # config, top_k, jitter_noise...
+            if not attr.startswith("_") and attr != "training":
+                setattr(self, attr, value)
+        self.hf_class = type(hf_block)
+        self.kind = kind
+        self.last_expert_counts = None
+
+    def _experts_weights(self):
+        return self.experts.gate_up_proj, self.experts.down_proj
+
+    def extra_repr(self):
+        return "hf_class=%s, routing=%s" % (self.hf_class.__name__, self.kind)
+
+
+class SmoeSparseMoeBlock(_SmoeBlock):
+    """Qwen3-MoE, OLMoE or Mixtral's sparse MoE block on smoe.moe (the
+    library's own router). forward(hidden_states (..., d)) -> (..., d), as
+    the HF block. Reads gate.top_k, gate.norm_topk_prob and (Mixtral)
+    jitter_noise at every call, as the HF block does."""
+
+    def __init__(self, hf_block, kind):
+        super().__init__(hf_block, kind)
+        _install_tap(self.gate)
+
+    def forward(self, hidden_states):
+        x = hidden_states
+        if self.kind == "topk_softmax" and self.training and self.jitter_noise > 0:
+            # Mixtral's jitter: the same draw as HF's (which scales its input
+            # in place; here a new tensor).
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        w1, w2 = self._experts_weights()
+        renorm = True if self.kind == "topk_softmax" else bool(self.gate.norm_topk_prob)
+        out, counts, logits = moe(x, self.gate.weight, w1, w2, top_k=self.gate.top_k,
+                                  routing=self.kind, renormalize=renorm, activation="swiglu",
+                                  w1_layout="concatenated")
+        self.last_expert_counts = counts.detach()
+        x2 = x.reshape(-1, x.shape[-1])
+        self.gate(x2, _smoe_router_outputs=(logits.reshape(x2.shape[0], -1).to(x.dtype),
+                                            None, None))
+        return out
+
+
+def _deepseek_v3_routing(router, hidden_states):
+    """DeepSeek-V3's routing, computed by the HF router module itself (in
+    PyTorch: sigmoid scores, + e_score_correction_bias for the choice only,
+    group-limited top-K, renormalised, times routed_scaling_factor; its
+    forward hooks see its logits as usual). Returns the (token, expert,
+    score) triples smoe.moe_general takes, sorted by token; the scores carry
+    the gradient to the router weight.
+
+    The one place to switch to smoe's C router once it has DeepSeek's
+    (planned: routing 'sigmoid_topk' with n_group, topk_group, the routed
+    scaling factor and the expert bias): SmoeDeepseekV3MoE.forward then
+    calls smoe.moe(x, gate.weight, ..., routing='sigmoid_topk', ...) in
+    place of this function and moe_general, and taps the router's logits
+    as SmoeSparseMoeBlock does."""
+    _, weights, indices = router(hidden_states)
+    T, K = indices.shape
+    token = torch.arange(T, device=indices.device, dtype=torch.int32).repeat_interleave(K)
+    return token, indices.reshape(-1).to(torch.int32), weights.reshape(-1).to(torch.float32)
+
+
+class SmoeDeepseekV3MoE(_SmoeBlock):
+    """DeepSeek-V3's MoE block: routed experts on smoe.moe_general, the
+    routing from _deepseek_v3_routing, shared_experts the HF MLP.
+    forward(hidden_states (..., d)) -> (..., d), as the HF block."""
+
+    def forward(self, hidden_states):
+        shape = hidden_states.shape
+        token, expert, score = _deepseek_v3_routing(self.gate, hidden_states)
+        w1, w2 = self._experts_weights()
+        out, counts = moe_general(hidden_states.reshape(-1, shape[-1]), token, expert, score,
+                                  w1, w2, activation="swiglu", w1_layout="concatenated")
+        self.last_expert_counts = counts.detach()
+        return out.view(shape) + self.shared_experts(hidden_states)
+
+
+_CLASSES = {"softmax_topk": SmoeSparseMoeBlock, "topk_softmax": SmoeSparseMoeBlock,
+            "deepseek_v3": SmoeDeepseekV3MoE}
+
+
+# ------------------------------------------------------------ replace / restore
+
+def _set_child(model, name, module):
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, module)
+
+
+def replace_moe_blocks(model):
+    """Replaces, in place, every MoE block of `model` (an nn.Module holding
+    transformers MoE blocks, e.g. a Qwen3MoeForCausalLM) that smoe.hf
+    supports by its smoe-backed counterpart, which adopts the block's
+    children (same modules, parameters and names: the state dict is
+    unchanged). Everything is checked first: a gpt-oss block, or a block of
+    a supported class with a structure other than the tested transformers
+    version's, raises ValueError before anything is replaced. Blocks already
+    replaced are left as they are. Raises ValueError if the model has no MoE
+    block smoe.hf knows.
+
+    Returns {qualified name: the original HF block}, for
+    restore_moe_blocks()."""
+    if isinstance(model, _SmoeBlock) or _hf_name(type(model)) in _BLOCKS:
+        raise ValueError("smoe.hf.replace_moe_blocks: pass the model (or a module holding the "
+                         "blocks), not a block: a block cannot replace itself in place")
+    found, done = [], 0
+    for name, module in model.named_modules():
+        cls = _hf_name(type(module))
+        if isinstance(module, _SmoeBlock):
+            done += 1
+        elif cls in _REFUSED:
+            raise ValueError("smoe.hf: cannot replace %s (%s): %s" % (name, cls, _REFUSED[cls]))
+        elif cls in _BLOCKS:
+            found.append((name, module, _check_block(name, module)[0]))
+    if not found and not done:
+        raise ValueError("smoe.hf.replace_moe_blocks: %s has no MoE block smoe.hf knows "
+                         "(supported: %s)" % (type(model).__name__, ", ".join(
+                             sorted(c.rsplit(".", 1)[1] for c in _BLOCKS))))
+    replaced, made = {}, {}
+    for name, block, kind in found:
+        new = made.get(id(block))
+        if new is None:
+            new = made[id(block)] = _CLASSES[kind](block, kind)
+            new.train(block.training)
+        _set_child(model, name, new)
+        replaced[name] = block
+    return replaced
+
+
+def restore_moe_blocks(model, replaced):
+    """Puts back the HF blocks replace_moe_blocks() returned (their
+    parameters are the ones the smoe blocks trained: they were shared)."""
+    for name, block in replaced.items():
+        current = model.get_submodule(name)
+        if not isinstance(current, _SmoeBlock):
+            raise ValueError("smoe.hf.restore_moe_blocks: %s is a %s, not a smoe.hf block"
+                             % (name, type(current).__name__))
+        if "gate" in block._modules:
+            _remove_tap(block.gate)
+        block.train(current.training)
+        _set_child(model, name, block)
