@@ -146,13 +146,13 @@ static int gg_smem_optin(void)
  * one per tile). The caller (gg_run) has checked that the row fits the
  * device and the shape. */
 template <int BM, int BN, int BK, int WM, int WN, int STAGES, int FA, int A_KM, int B_KM,
-          int A_MAP, int B_MAP, int EPI, int PERS>
+          int A_MAP, int B_MAP, int EPI, int L2, int PERS>
 static smoe_status gg_launch(gg_args *a, const smoe_gemm_problem *p, cudaStream_t s,
                              const char *what)
 {
     typedef gg_cfg<BM, BN, BK, WM, WN, STAGES, FA> C;
     const int smem = C::smem(EPI, PERS);
-    auto kern = gg_kernel<BM, BN, BK, WM, WN, STAGES, FA, A_KM, B_KM, A_MAP, B_MAP, EPI, PERS>;
+    auto kern = gg_kernel<BM, BN, BK, WM, WN, STAGES, FA, A_KM, B_KM, A_MAP, B_MAP, EPI, L2, PERS>;
     int64_t blocks;
     a->tiles_n = (int)gg_cdiv(a->N, BN);
     if (EPI == GG_EPI_DW || EPI == GG_EPI_DWS) {
@@ -229,18 +229,17 @@ typedef smoe_status (*gg_launch_fn)(gg_args *a, const smoe_gemm_problem *p, cuda
 /* One row of a GEMM's table: a composition of the kernel's parts. */
 typedef struct gg_row {
     const char *name;       /* "BMxBNxBK s<stages> [epilogue] [pers]" */
-    gg_launch_fn launch;    /* gg_launch of (configuration, operands, epilogue, grid) */
+    gg_launch_fn launch;    /* gg_launch of (configuration, operands, epilogue, L2 hint, grid) */
     gg_launch_fn launch_w1; /* dxt: the same with W1's rows mapped; NULL elsewhere */
     int pers;               /* persistent grid: needs E <= GG_PERS_EMAX */
-    int l2;                 /* L2 prefetch of the operand copies: 0 or 256 bytes */
     int smem;               /* dynamic shared memory, bytes */
 } gg_row;
 
 #define GG_ROW(NAME, CFG, OPS, EPI, PERS, L2)                                                   \
-    {NAME, gg_launch<CFG, OPS, EPI, PERS>, NULL, PERS, L2, gg_cfg<CFG>::smem(EPI, PERS)}
+    {NAME, gg_launch<CFG, OPS, EPI, L2, PERS>, NULL, PERS, gg_cfg<CFG>::smem(EPI, PERS)}
 #define GG_ROW_DXT(NAME, CFG, PERS, L2)                                                         \
-    {NAME, gg_launch<CFG, GG_OPS_DXT, GG_EPI_STORE, PERS>,                                     \
-     gg_launch<CFG, GG_OPS_DXT_W1, GG_EPI_STORE, PERS>, PERS, L2,                               \
+    {NAME, gg_launch<CFG, GG_OPS_DXT, GG_EPI_STORE, L2, PERS>,                                 \
+     gg_launch<CFG, GG_OPS_DXT_W1, GG_EPI_STORE, L2, PERS>, PERS,                               \
      gg_cfg<CFG>::smem(GG_EPI_STORE, PERS)}
 
 /* The rows, fastest first (TFLOPS on an H100 at the 120B-n1024 per-expert
@@ -403,7 +402,6 @@ static smoe_status gg_run(int gemm, gg_args *a, const smoe_gemm_problem *p, int 
                          "%s: row \"%s\" cannot run here: %s (E=%lld; %d bytes of shared memory, "
                          "the device gives %d)",
                          what, r->name, why, (long long)p->E, r->smem, optin);
-    a->l2pf = r->l2;
     return (w1_mapped ? r->launch_w1 : r->launch)(a, p, s, what);
 }
 

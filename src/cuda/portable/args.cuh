@@ -52,7 +52,6 @@ typedef struct gg_args {
     int64_t cap;
     void *wout; /* (E, M, N) weight gradient (dw) */
     int out_f32, accumulate, out_map;
-    int l2pf;         /* L2 prefetch of the operand copies: 0 or 256 bytes (the row's) */
     const int *abort; /* smoe_gemm_problem.abort */
 } gg_args;
 

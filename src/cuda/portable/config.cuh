@@ -79,11 +79,15 @@ struct gg_cfg {
 };
 
 /* The kernel's template parameters (tile configuration, operand layouts and
- * maps, epilogue), shared by its parts. */
+ * maps, epilogue, the L2 hint of the operand copies: 0 or 256 bytes),
+ * shared by its parts. The hint is a compile-time constant of the row: as a
+ * run-time value ptxas if-converts its branch into predicated copies in the
+ * main loop (both hints issued, one predicated off, around every copy),
+ * which cost the persistent dw2 37% (notes/portable_log.md, session 13). */
 #define GG_TPARAMS                                                                             \
     int BM, int BN, int BK, int WM, int WN, int STAGES, int FA, int A_KM, int B_KM, int A_MAP, \
-        int B_MAP, int EPI
-#define GG_TARGS BM, BN, BK, WM, WN, STAGES, FA, A_KM, B_KM, A_MAP, B_MAP, EPI
+        int B_MAP, int EPI, int L2
+#define GG_TARGS BM, BN, BK, WM, WN, STAGES, FA, A_KM, B_KM, A_MAP, B_MAP, EPI, L2
 
 /* One output tile: expert e, M range [m0, m_lim) (rows of e for varlen-M,
  * M indices clipped at M for varlen-K), N-tile n_tile, K range

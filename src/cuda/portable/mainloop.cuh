@@ -13,7 +13,7 @@
  * MN-major rows (k indices) are mapped a k-tile ahead, with the map a
  * template constant. The copies of a k-tile are issued from per-thread
  * state computed once per tile (row pointers and a row mask, or a column
- * pointer), 32-bit k arithmetic and the L2 hint chosen once per call: a
+ * pointer), 32-bit k arithmetic and the L2 hint a template constant of the row: a
  * few instructions per 16-byte copy, since each one delays the issuing
  * warp's next MMAs (notes/portable_log.md, session 7: dw1's loop from
  * about 640 to about 410 instructions per k-tile).
@@ -85,7 +85,7 @@ struct gg_loader {
  * valid address (the operand's start or a row inside). k indices fit in
  * int (gg_check_problem), row byte offsets are 32x32 -> 64-bit products. */
 template <int L2, int ROWS, int COLS, int NT, bool KMAJ, int MAP>
-static __device__ __forceinline__ void gg_issue_h(const gg_args &p,
+static __device__ __forceinline__ void gg_issue(const gg_args &p,
                                                   gg_loader<ROWS, COLS, NT, KMAJ, MAP> &l,
                                                   const gg_operand &op, const bf16 *base,
                                                   uint32_t dst, int kt, int k_begin, int k_end)
@@ -124,18 +124,6 @@ static __device__ __forceinline__ void gg_issue_h(const gg_args &p,
             }
         }
     }
-}
-
-/* gg_issue_h with the run-time hint p.l2pf (uniform: one branch per call,
- * not one per copy). */
-template <int ROWS, int COLS, int NT, bool KMAJ, int MAP>
-static __device__ __forceinline__ void gg_issue(const gg_args &p,
-                                                gg_loader<ROWS, COLS, NT, KMAJ, MAP> &l,
-                                                const gg_operand &op, const bf16 *base,
-                                                uint32_t dst, int kt, int k_begin, int k_end)
-{
-    if (p.l2pf == 256) gg_issue_h<256>(p, l, op, base, dst, kt, k_begin, k_end);
-    else gg_issue_h<0>(p, l, op, base, dst, kt, k_begin, k_end);
 }
 
 /* Fragments of k16-step ks for a warp's WTM x WTN tile: A as MI m16k16
@@ -285,9 +273,9 @@ static __device__ __forceinline__ void gg_prologue(const gg_args &p, const gg_ti
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < KT) {
-            gg_issue(p, la, p.a, a_base, smem0 + s * C::STAGE_BYTES, s, (int)tl.k_begin,
+            gg_issue<L2>(p, la, p.a, a_base, smem0 + s * C::STAGE_BYTES, s, (int)tl.k_begin,
                      (int)tl.k_end);
-            gg_issue(p, lb, p.b, b_base, smem0 + s * C::STAGE_BYTES + C::A_ELEMS * 2, s,
+            gg_issue<L2>(p, lb, p.b, b_base, smem0 + s * C::STAGE_BYTES + C::A_ELEMS * 2, s,
                      (int)tl.k_begin, (int)tl.k_end);
         }
         if (s == 0 && tok_dst) {
@@ -361,8 +349,8 @@ static __device__ __forceinline__ void gg_mainloop(
                 const int nk = kt + STAGES - 1;
                 if (nk < KT) {
                     const uint32_t st = smem0 + (nk % STAGES) * C::STAGE_BYTES;
-                    gg_issue(p, la, p.a, a_base, st, nk, (int)tl.k_begin, (int)tl.k_end);
-                    gg_issue(p, lb, p.b, b_base, st + C::A_ELEMS * 2, nk, (int)tl.k_begin,
+                    gg_issue<L2>(p, la, p.a, a_base, st, nk, (int)tl.k_begin, (int)tl.k_end);
+                    gg_issue<L2>(p, lb, p.b, b_base, st + C::A_ELEMS * 2, nk, (int)tl.k_begin,
                              (int)tl.k_end);
                 }
                 smoe_cp_async_commit();
