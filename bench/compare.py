@@ -893,11 +893,21 @@ def main():
                     "experts' dW is checked (out, dx, drouter always in full)")
     ap.add_argument("--ratio", help="A/B: print a table of A's speed over B's per row, last "
                     "(default: the first smoe implementation over sonicmoe, if both are run)")
+    ap.add_argument("--table-only", metavar="CSV",
+                    help="print the ratio table (--ratio, default smoe-sm90/sonicmoe) of an "
+                    "earlier run's CSV and exit; no device needed")
     ap.add_argument("--csv", help="write the results here (written row by row)")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD, if any)")
     ap.add_argument("--time-budget", type=float, default=0,
                     help="seconds; configurations not started by then are skipped (0: none)")
     args = ap.parse_args()
+
+    if args.table_only:
+        with open(args.table_only, newline="") as f:
+            records = list(csv.DictReader(ln for ln in f if not ln.startswith("#")))
+        for line in ratio_table(records, *ratio_pair(args.ratio or "smoe-sm90/sonicmoe", [])):
+            print(line)
+        return 0
 
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
