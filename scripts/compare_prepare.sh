@@ -7,6 +7,8 @@
 #   scripts/compare_prepare.sh --no-precompile wheels and archive only (the device
 #                                              then compiles SonicMoE's kernels:
 #                                              minutes, see notes/compare.md)
+#   scripts/compare_prepare.sh --archive-only  refresh clean.tar.xz and COMMIT
+#                                              (after new commits), keep the rest
 #   CMP_ROWS=models,all scripts/compare_prepare.sh   rows to precompile for
 #
 # .cmpwhl/ afterwards (carry [".cmpwhl"]; must stay under 64 MiB with the tree):
@@ -33,11 +35,13 @@ die() { echo "compare_prepare: $*" >&2; exit 1; }
 step() { echo "== $(date +%T) $*"; }
 
 PRECOMPILE=1
+ARCHIVE_ONLY=0
 for a in "$@"; do
     case "$a" in
     --no-precompile) PRECOMPILE=0 ;;
-    -h | --help) sed -n '2,30p' "$0"; exit 0 ;;
-    *) die "unknown argument $a (--no-precompile)" ;;
+    --archive-only) ARCHIVE_ONLY=1 ;;
+    -h | --help) sed -n '2,32p' "$0"; exit 0 ;;
+    *) die "unknown argument $a (--no-precompile, --archive-only)" ;;
     esac
 done
 
@@ -55,6 +59,26 @@ LIMIT=$((64 * 1024 * 1024))
 git check-ignore -q "$W/x" || die "$W/ is not git-ignored (.gitignore): it must never be committed"
 git check-ignore -q .sonic-cache/x || die ".sonic-cache/ is not git-ignored"
 mkdir -p "$W" "$DL"
+
+archive() {
+    step "git archive HEAD -> $W/clean.tar.xz"
+    local commit
+    commit=$(git rev-parse --short=12 HEAD)
+    if [ -n "$(git status --porcelain -- src include python bench Makefile)" ]; then
+        echo "   WARNING: uncommitted changes in src/include/python/bench/Makefile are not archived"
+        commit="$commit-dirty"
+    fi
+    git archive --format=tar HEAD | xz -T2 -9 > "$W/clean.tar.xz.new" || die "git archive failed"
+    mv "$W/clean.tar.xz.new" "$W/clean.tar.xz"
+    echo "$commit" > "$W/COMMIT"
+    echo "   commit $commit, $(du -k "$W/clean.tar.xz" | cut -f1) KiB"
+}
+
+if [ "$ARCHIVE_ONLY" = 1 ]; then
+    [ -s "$W/site.tar.xz" ] || die "no $W/site.tar.xz: run without --archive-only first"
+    archive
+    exit 0
+fi
 rm -f "$W"/site.tar.xz "$W"/clean.tar.xz "$W"/sonic-cache.tar.xz "$W"/COMMIT
 
 # 1. the wheels, for the device's CPython 3.12 on x86-64 Linux
@@ -88,14 +112,7 @@ echo "   unpacked: $(du -sh "$SITE" | cut -f1)"
 tar -C "$SITE" -cf - . | xz -T2 -9e > "$W/site.tar.xz" || die "tar site failed"
 
 # 3. the committed sources
-step "git archive HEAD -> $W/clean.tar.xz"
-commit=$(git rev-parse --short=12 HEAD)
-if [ -n "$(git status --porcelain -- src include python bench Makefile)" ]; then
-    echo "   WARNING: uncommitted changes in src/include/python/bench/Makefile are not archived"
-    commit="$commit-dirty"
-fi
-git archive --format=tar HEAD | xz -T2 -9 > "$W/clean.tar.xz" || die "git archive failed"
-echo "$commit" > "$W/COMMIT"
+archive
 
 # 4. SonicMoE's kernels, compiled here for sm_90a
 if [ "$PRECOMPILE" = 1 ]; then
