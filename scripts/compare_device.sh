@@ -33,7 +33,7 @@ mkdir -p "$OUT"
 
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
 say() { echo "== $(date -u +%T) [$(($(date +%s) - T0)) s] $*"; }
-die() { echo "compare_device: FAILED: $*" >&2; echo "compare_device: FAILED: $*"; exit 1; }
+die() { echo "compare_device: FAILED: $*"; exit 1; }
 
 # 0. what was carried, the machine
 for f in site.tar.xz clean.tar.xz COMMIT; do
@@ -107,7 +107,7 @@ timeout -k 5 "$RUN_LIMIT" python3 "$C/bench/compare.py" --impls "$IMPLS" --rows 
     2>"$OUT/compare.err" | tee "$OUT/compare.log"
 RC=${PIPESTATUS[0]}
 [ "$RC" = 124 ] || [ "$RC" = 137 ] && echo "WARNING: compare.py hit the timeout: the row in progress is lost"
-tail -5 "$OUT/compare.err"
+tr '\r' '\n' <"$OUT/compare.err" | grep -v '^[[:space:]]*$' | tail -3
 
 # 5. what SonicMoE compiled here (0 when the precompiled cache matched), and
 #    the new files (autotune results, launchers) for reuse
