@@ -55,7 +55,7 @@ wheels of notes/compare.md unpacked into SITE):
 On the device: tar -xJf .sonic-cache/sonic-cache.tar.xz -C /tmp, then
 QUACK_CACHE_DIR=/tmp/sonic-cache/quack TRITON_CACHE_DIR=/tmp/sonic-cache/triton.
 
-Options: --rows (grid rows of bench/grid.h, comma-separated, or all; default
+Options: --rows (rows of bench/grid.h, comma-separated, all, models; default
 all), --shape T,d,n,E,K (repeatable), --jobs N (compile processes; each takes
 every N-th candidate of each autotuned kernel), --no-triton (QuACK only),
 --list (count the kernels and candidates, compile nothing), --tar FILE
@@ -495,7 +495,7 @@ def main():
                     help="cache root: QUACK_CACHE_DIR=OUT/quack, TRITON_CACHE_DIR=OUT/triton. "
                     "Triton's cache records absolute paths: the device must unpack it "
                     "to the same path")
-    ap.add_argument("--rows", help="grid rows, comma-separated, or 'all' (default)")
+    ap.add_argument("--rows", help="grid.h rows, comma-separated, 'all' (default) or 'models'")
     ap.add_argument("--shape", action="append", help="T,d,n,E,K (repeatable)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--part", help=argparse.SUPPRESS)  # i/N: one compile process
