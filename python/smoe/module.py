@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from . import _lib as L
+from ._lib import SmoeError
 from .functional import (ACTIVATIONS, GATED, ROUNDINGS, ROUTINGS, W1_LAYOUTS, SmoeValueError,
                          _autocast_dtype, _enum, moe)
 
@@ -207,14 +208,19 @@ class MoE(nn.Module):
     def forward(self, hidden_states, kernel_backend_moe=None, is_inference_mode=False, *,
                 output_router_logits=None):
         _check_kernel_backend(kernel_backend_moe)
-        self._check_input(hidden_states)
-        out, counts, logits = moe(
-            hidden_states, self.router.weight, self.c_fc.weight, self.c_proj.weight,
-            self.c_fc.bias, self.c_proj.bias, top_k=self.top_k, routing=self.routing,
-            renormalize=self.renormalize, activation=self._act_name(),
-            w1_layout=self.w1_layout,
-            token_rounding=self.token_rounding if self.training else None,
-            round_tile=self.round_tile, inference=bool(is_inference_mode))
+        w1 = self.c_fc.weight
+        self._check_input(hidden_states, w1)
+        try:
+            out, counts, logits = moe(
+                hidden_states, self.router.weight, w1, self.c_proj.weight, self.c_fc.bias,
+                self.c_proj.bias, top_k=self.top_k, routing=self.routing,
+                renormalize=self.renormalize, activation=self._act_name(),
+                w1_layout=self.w1_layout,
+                token_rounding=self.token_rounding if self.training else None,
+                round_tile=self.round_tile, inference=bool(is_inference_mode))
+        except SmoeError:
+            self._check_parameters()   # a better message if they disagree with each other
+            raise
         self.last_expert_counts = counts.detach()
         aux = None if is_inference_mode else switch_load_balancing_loss(logits, counts)
         if output_router_logits is None:
@@ -223,9 +229,10 @@ class MoE(nn.Module):
             return out, aux, logits.reshape(-1, self.num_experts)
         return out, aux
 
-    def _check_input(self, x):
-        """x against the layer, named as the caller knows them: hidden size,
-        device, dtype (outside autocast, which casts everything)."""
+    def _check_input(self, x, w):
+        """x against the layer (w: c_fc.weight), named as the caller knows it:
+        hidden size, device, dtype (outside autocast, which casts
+        everything). A few comparisons: this runs on every call."""
         if not isinstance(x, torch.Tensor):
             raise TypeError("smoe.MoE.forward: hidden_states (x) must be a torch.Tensor, got %s"
                             % type(x).__name__)
@@ -233,31 +240,36 @@ class MoE(nn.Module):
             raise SmoeValueError(L.SMOE_ERROR_INVALID_SIZE,
                                  "smoe.MoE: x (hidden_states) has shape %s, its last dimension "
                                  "must be hidden_size = %d" % (tuple(x.shape), self.hidden_size))
-        w = self.c_fc.weight
-        params = (("router.weight", self.router.weight), ("c_proj.weight", self.c_proj.weight),
-                  ("c_fc.bias", self.c_fc.bias), ("c_proj.bias", self.c_proj.bias))
-        for name, p in params:
-            if p is not None and p.device != w.device:
-                raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.MoE: %s is on %s but "
-                                     "c_fc.weight is on %s" % (name, p.device, w.device))
         if x.device != w.device:
             raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
                                  "smoe.MoE: x (hidden_states) is on %s but the layer's parameters "
                                  "are on %s (move the layer with .to(x.device), or x)"
                                  % (x.device, w.device))
-        if _autocast_dtype(x.device) is not None:
-            return
-        for name, p in params:
-            if p is not None and p.dtype != w.dtype:
-                raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
-                                     "smoe.MoE: %s has dtype %s but c_fc.weight has %s: smoe "
-                                     "takes one dtype for x and every parameter (or run under "
-                                     "torch.autocast)" % (name, p.dtype, w.dtype))
-        if x.dtype != w.dtype:
+        if x.dtype != w.dtype and _autocast_dtype(x.device) is None:
             raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
                                  "smoe.MoE: x (hidden_states) has dtype %s but the layer's "
                                  "parameters have %s (convert x, or the layer with .to(dtype), "
                                  "or run under torch.autocast)" % (x.dtype, w.dtype))
+
+    def _check_parameters(self):
+        """Raises SmoeValueError naming a parameter whose device (or dtype,
+        outside autocast) differs from c_fc.weight's; after a failed call
+        only, to name the parameter rather than the functional's argument."""
+        w = self.c_fc.weight
+        params = (("router.weight", self.router.weight), ("c_proj.weight", self.c_proj.weight),
+                  ("c_fc.bias", self.c_fc.bias), ("c_proj.bias", self.c_proj.bias))
+        autocast = _autocast_dtype(w.device) is not None
+        for name, p in params:
+            if p is None:
+                continue
+            if p.device != w.device:
+                raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.MoE: %s is on %s but "
+                                     "c_fc.weight is on %s" % (name, p.device, w.device))
+            if p.dtype != w.dtype and not autocast:
+                raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                                     "smoe.MoE: %s has dtype %s but c_fc.weight has %s: smoe "
+                                     "takes one dtype for x and every parameter (or run under "
+                                     "torch.autocast)" % (name, p.dtype, w.dtype))
 
     def _act_name(self):
         return _ACT_NAMES[self._act]
