@@ -463,7 +463,8 @@ def _sdist_members():
 def build_sdist(sdist_directory, config_settings=None):
     base = "%s-%s" % (NAME, _version())
     name = base + ".tar.gz"
-    with tarfile.open(os.path.join(sdist_directory, name), "w:gz", format=tarfile.PAX_FORMAT) as tar:
+    path = os.path.join(sdist_directory, name)
+    with tarfile.open(path, "w:gz", format=tarfile.PAX_FORMAT) as tar:
         for member in _sdist_members():
             tar.add(os.path.join(ROOT, member), arcname=base + "/" + member, recursive=False)
         data = _metadata().encode()
