@@ -5,7 +5,9 @@
  * numbers measured on the same kind of GPU.
  *
  *   build/smoe_bench                              the whole grid
- *   build/smoe_bench --rows 7B-n256,30B-n512      rows by name (or "all")
+ *   build/smoe_bench --rows 7B-n256,30B-n512      rows by name (or "all": the
+ *                                                 grid; "models": the public
+ *                                                 models' shapes of grid.h)
  *   build/smoe_bench --shape T,d,n,E,K            any shape
  *   options: --backend auto|cuda|sm90  --reps N (10)  --warmup N (3)
  *            --csv FILE  --list  --stages (per-stage times, from the
@@ -120,6 +122,7 @@ typedef struct result {
     double fwd_ms, bwd_ms, fwd_tflops, bwd_tflops, act_gib, ws_gib;
     double host_fwd_us, host_bwd_us; /* CPU time to enqueue the call (median) */
     char path[128];
+    char why[320]; /* when !ok: the status and the library's message */
 } result;
 
 static int cmp_double(const void *a, const void *b)
@@ -190,11 +193,13 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
     smoe_layer *L = NULL;
     smoe_status st = smoe_layer_create(&D, &L);
     if (st != SMOE_SUCCESS) {
-        fprintf(stderr, "smoe_bench: %s: create: %s: %s\n", row->name, smoe_status_string(st),
-                smoe_last_error());
+        snprintf(res->why, sizeof res->why, "create: %s: %s", smoe_status_string(st),
+                 smoe_last_error());
+        fprintf(stderr, "smoe_bench: %s: %s\n", row->name, res->why);
         return;
     }
     if (smoe_layer_backend(L) == SMOE_BACKEND_CPU) {
+        snprintf(res->why, sizeof res->why, "no GPU backend (got the CPU)");
         fprintf(stderr, "smoe_bench: %s: no GPU backend (got the CPU)\n", row->name);
         smoe_layer_free(L);
         return;
@@ -207,6 +212,8 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
         snprintf(gemm, sizeof gemm, "%.*s", (int)(gl < 15 ? gl : 15), g_rows[i]);
         st = eq ? smoe_cuda_layer_set_row(L, gemm, eq + 1) : SMOE_ERROR_INVALID_VALUE;
         if (st != SMOE_SUCCESS) {
+            snprintf(res->why, sizeof res->why, "--gemm-row %s: %s", g_rows[i],
+                     smoe_last_error());
             fprintf(stderr, "smoe_bench: %s: --gemm-row %s: %s\n", row->name, g_rows[i],
                     smoe_last_error());
             smoe_layer_free(L);
@@ -301,8 +308,8 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
         }
     }
     if (st != SMOE_SUCCESS) {
-        fprintf(stderr, "smoe_bench: %s: %s: %s\n", row->name, smoe_status_string(st),
-                smoe_last_error());
+        snprintf(res->why, sizeof res->why, "%s: %s", smoe_status_string(st), smoe_last_error());
+        fprintf(stderr, "smoe_bench: %s: %s\n", row->name, res->why);
         goto out;
     }
     if (!cuda_ok(cudaDeviceSynchronize(), "sync")) goto out;
@@ -361,19 +368,19 @@ static void print_line(const result *r)
 {
     const smoe_grid_row *g = r->row;
     if (!r->ok) {
-        printf("%-11s T=%-6lld d=%-5lld n=%-5lld E=%-4lld K=%-3lld  FAILED\n", g->name,
+        printf("%-15s T=%-6lld d=%-5lld n=%-5lld E=%-4lld K=%-3lld  FAILED: %s\n", g->name,
                (long long)g->T, (long long)g->d, (long long)g->n, (long long)g->E,
-               (long long)g->K);
+               (long long)g->K, r->why[0] ? r->why : "see stderr");
         return;
     }
-    printf("%-11s T=%-6lld d=%-5lld n=%-5lld E=%-4lld K=%-3lld fwd %8.3f ms %6.1f TFLOPS  "
+    printf("%-15s T=%-6lld d=%-5lld n=%-5lld E=%-4lld K=%-3lld fwd %8.3f ms %6.1f TFLOPS  "
            "bwd %8.3f ms %6.1f TFLOPS  act %.3f GiB (floor %.2f)  ws %.2f GiB  "
            "host %.0f/%.0f us  [%s]\n",
            g->name, (long long)g->T, (long long)g->d, (long long)g->n, (long long)g->E,
            (long long)g->K, r->fwd_ms, r->fwd_tflops, r->bwd_ms, r->bwd_tflops, r->act_gib,
            g->floor_act_gib, r->ws_gib, r->host_fwd_us, r->host_bwd_us, r->path);
     if (g->sonicmoe_fwd > 0)
-        printf("%-11s   published: SonicMoE %3.0f/%3.0f  torch grouped_mm %5.1f/%5.1f "
+        printf("%-15s   published: SonicMoE %3.0f/%3.0f  torch grouped_mm %5.1f/%5.1f "
                "(%.2f GiB)  ScatterMoE %5.1f/%5.1f (%.2f GiB)  cuBLAS-bound %3.0f/%3.0f TFLOPS\n",
                "", g->sonicmoe_fwd, g->sonicmoe_bwd, g->torch_fwd, g->torch_bwd,
                g->torch_act_gib, g->scattermoe_fwd, g->scattermoe_bwd, g->scattermoe_act_gib,
@@ -421,7 +428,7 @@ static void print_table(const result *rs, int nr, const char *device)
     printf("\nsmoe on %s: TFLOPS fwd/bwd, activation GiB (SonicMoE published fwd/bwd, floor "
            "GiB)\n",
            device);
-    printf("%-11s %7s %7s %8s | %7s %7s %6s | %6s %6s\n", "row", "fwd", "bwd", "act", "sonic-f",
+    printf("%-15s %7s %7s %8s | %7s %7s %6s | %6s %6s\n", "row", "fwd", "bwd", "act", "sonic-f",
            "sonic-b", "floor", "f/son", "b/son");
     double lf = 0, lb = 0;
     int m = 0;
@@ -429,11 +436,11 @@ static void print_table(const result *rs, int nr, const char *device)
         const result *r = &rs[i];
         const smoe_grid_row *g = r->row;
         if (!r->ok) {
-            printf("%-11s  FAILED\n", g->name);
+            printf("%-15s  FAILED: %s\n", g->name, r->why[0] ? r->why : "see stderr");
             continue;
         }
         if (g->sonicmoe_fwd > 0) {
-            printf("%-11s %7.1f %7.1f %8.3f | %7.0f %7.0f %6.2f | %6.2f %6.2f\n", g->name,
+            printf("%-15s %7.1f %7.1f %8.3f | %7.0f %7.0f %6.2f | %6.2f %6.2f\n", g->name,
                    r->fwd_tflops, r->bwd_tflops, r->act_gib, g->sonicmoe_fwd, g->sonicmoe_bwd,
                    g->floor_act_gib, r->fwd_tflops / g->sonicmoe_fwd,
                    r->bwd_tflops / g->sonicmoe_bwd);
@@ -441,7 +448,7 @@ static void print_table(const result *rs, int nr, const char *device)
             lb += log(r->bwd_tflops / g->sonicmoe_bwd);
             m++;
         } else {
-            printf("%-11s %7.1f %7.1f %8.3f |\n", g->name, r->fwd_tflops, r->bwd_tflops,
+            printf("%-15s %7.1f %7.1f %8.3f |\n", g->name, r->fwd_tflops, r->bwd_tflops,
                    r->act_gib);
         }
     }
@@ -454,7 +461,7 @@ static void print_table(const result *rs, int nr, const char *device)
 
 static void usage(void)
 {
-    printf("usage: smoe_bench [--rows NAME[,NAME...]|all] [--shape T,d,n,E,K]\n"
+    printf("usage: smoe_bench [--rows NAME[,NAME...]|all|models] [--shape T,d,n,E,K]\n"
            "                  [--backend auto|cuda|sm90] [--reps N] [--warmup N] [--csv FILE] "
            "[--list] [--stages] [--gemm-row GEMM=NAME] [--gpu-delay-ms X]\n"
            "                  [--timing queued|synced]\n");
@@ -498,11 +505,13 @@ int main(int argc, char **argv)
             shapes[nshape++] = s;
             i++;
         } else if (!strcmp(a, "--list")) {
-            for (int r = 0; r < SMOE_GRID_ROWS; r++)
-                printf("%-11s T=%lld d=%lld n=%lld E=%lld K=%lld\n", smoe_grid[r].name,
-                       (long long)smoe_grid[r].T, (long long)smoe_grid[r].d,
-                       (long long)smoe_grid[r].n, (long long)smoe_grid[r].E,
-                       (long long)smoe_grid[r].K);
+            for (int r = 0; r < SMOE_GRID_ROWS + SMOE_MODEL_ROWS; r++) {
+                const smoe_grid_row *g =
+                    r < SMOE_GRID_ROWS ? &smoe_grid[r] : &smoe_model_rows[r - SMOE_GRID_ROWS];
+                printf("%-15s T=%lld d=%lld n=%lld E=%lld K=%lld%s\n", g->name, (long long)g->T,
+                       (long long)g->d, (long long)g->n, (long long)g->E, (long long)g->K,
+                       r < SMOE_GRID_ROWS ? "" : "  (models)");
+            }
             return 0;
         } else {
             usage();
@@ -512,7 +521,8 @@ int main(int argc, char **argv)
     if (reps < 1) reps = 1;
     if (warmup < 0) warmup = 0;
 
-    const smoe_grid_row *todo[SMOE_GRID_ROWS * 4 + 16];
+    enum { MAX_TODO = (SMOE_GRID_ROWS + SMOE_MODEL_ROWS) * 4 + 16 };
+    const smoe_grid_row *todo[MAX_TODO];
     int nt = 0;
     if (!rows && !nshape) rows = "all"; /* no rows and no shapes: the whole grid */
     if (!rows) {
@@ -524,9 +534,16 @@ int main(int argc, char **argv)
         snprintf(buf, sizeof buf, "%s", rows);
         for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
             int found = 0;
-            for (int r = 0; r < SMOE_GRID_ROWS && nt < SMOE_GRID_ROWS * 4; r++)
-                if (!strcmp(tok, smoe_grid[r].name)) {
+            const int all = !strcmp(tok, "all") || !strcmp(tok, "grid");
+            const int models = !strcmp(tok, "models");
+            for (int r = 0; r < SMOE_GRID_ROWS && nt < MAX_TODO - 16; r++)
+                if (all || !strcmp(tok, smoe_grid[r].name)) {
                     todo[nt++] = &smoe_grid[r];
+                    found = 1;
+                }
+            for (int r = 0; r < SMOE_MODEL_ROWS && nt < MAX_TODO - 16; r++)
+                if (models || !strcmp(tok, smoe_model_rows[r].name)) {
+                    todo[nt++] = &smoe_model_rows[r];
                     found = 1;
                 }
             if (!found) {

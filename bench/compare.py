@@ -1,6 +1,7 @@
 """MoE layer implementations side by side, in one run on one device.
 
-For each configuration (the rows of bench/grid.h, or any T,d,n,E,K) every
+For each configuration (the rows of bench/grid.h: SonicMoE's grid, 'all', and
+the public models' routed-expert shapes, 'models'; or any T,d,n,E,K) every
 implementation gets the same router weights, the same expert weights, the
 same input, the same output gradient and the same routing decisions. Each
 one's output and gradients (dx, drouter, dw1, dw2) are first compared with
@@ -17,6 +18,16 @@ L2 cache flushed before each repetition and CUDA events around it:
 
 medians over --reps repetitions. The gradient pass is torch.autograd.grad
 (no accumulation into .grad), the same for every implementation.
+
+Training loop (beside the isolated timings): --loop-iters forward+backward
+iterations back to back, no flush, no GPU delay, no synchronization between
+them, a synchronize at the end; loop_ms = wall time / iterations, host time
+included (loop_tflops = 18TKdn / loop_ms). A layer whose host enqueue is
+slower than its GPU work shows it here and not in the isolated numbers.
+
+When both a smoe implementation and sonicmoe run (or with --ratio A/B), a
+table of same-call ratios is printed last: B's time over A's per row for
+the forward, the backward and the loop iteration, with geometric means.
 
 Launch overhead. Between the L2 flush and the start event each repetition
 enqueues a GPU-side delay (torch.cuda._sleep, --gpu-delay-ms, default 10
@@ -59,14 +70,18 @@ uniformly random, as with a random router; the timings do not depend on the
 values.
 
 Reference: an fp32 per-expert loop (this file, independent of every
-implementation) with the reference routing, run before the implementations.
+implementation) with the reference routing, run before the implementations,
+the weights converted to fp32 one expert at a time. out, dx and drouter are
+checked in full; dW1 and dW2 in full when their fp32 copy fits --ref-dw-gib
+(4 GiB), else on an evenly spread subset of experts (first and last
+included; CSV column dw_experts_checked), e.g. 24 of DeepSeek-V3's 256.
 Errors are relative L2 norms, |a - ref| / |ref|, per tensor; the check
 passes when all are below --tol and finite.
 
-    python3 bench/compare.py [--rows all|NAME,...] [--shape T,d,n,E,K ...]
+    python3 bench/compare.py [--rows all|models|NAME,...] [--shape T,d,n,E,K ...]
         [--impls smoe-sm90,smoe-cuda,torch,scattermoe,sonicmoe] [--reps 10]
         [--csv FILE] [--device cuda|cpu] [--time-budget SECONDS]
-        [--gpu-delay-ms 10]
+        [--gpu-delay-ms 10] [--loop-iters 20] [--ref-dw-gib 4] [--ratio A/B]
     python3 bench/compare.py --device cpu --shape 64,64,32,8,2   # CPU smoke test
 
 The CSV has one line per (configuration, implementation); lines starting
@@ -97,7 +112,7 @@ import torch_baseline  # noqa: E402  (its grid parser and its layer)
 FIELDS = ["row", "T", "d", "n", "E", "K", "impl", "status", "path", "fwd_ms", "bwd_ms",
           "fwd_tflops", "bwd_tflops", "act_gib", "peak_gib", "err_out", "err_dx",
           "err_drouter", "err_dw1", "err_dw2", "routing_mismatch", "host_fwd_ms",
-          "host_fwdbwd_ms", "note"]
+          "host_fwdbwd_ms", "loop_ms", "loop_tflops", "dw_experts_checked", "note"]
 GRAD_NAMES = ("out", "dx", "drouter", "dw1", "dw2")
 
 
@@ -128,8 +143,8 @@ class Problem:
         self.x = z.to(dt)
         del z
         self.wr = q.t().contiguous().to(dt)
-        self.w1 = (torch.randn(E, 2 * n, d, device=device, generator=g) * d ** -0.5).to(dt)
-        self.w2 = (torch.randn(E, d, n, device=device, generator=g) * n ** -0.5).to(dt)
+        self.w1 = random_bf16((E, 2 * n, d), d ** -0.5, device, g)
+        self.w2 = random_bf16((E, d, n), n ** -0.5, device, g)
         self.dout = (torch.randn(T, d, device=device, generator=g) * 0.1).to(dt)
         # The reference routing, from fp32 logits of the bf16 tensors.
         ref_logits = self.x.float() @ self.wr.float().t()
@@ -144,6 +159,19 @@ class Problem:
         return [t.detach().requires_grad_() for t in (self.x, self.wr, self.w1, self.w2)]
 
 
+def random_bf16(shape, scale, device, g):
+    """Gaussian * scale in bf16, made a block of leading rows at a time (at most
+    256 MiB of fp32 each), so the fp32 temporary of DeepSeek-V3's w1 (30 GB)
+    never exists."""
+    out = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    per_row = max(1, math.prod(shape[1:]))
+    step = max(1, (64 << 20) // per_row)
+    for i in range(0, shape[0], step):
+        blk = out[i:i + step]
+        blk.copy_(torch.randn(blk.shape, device=device, generator=g) * scale)
+    return out
+
+
 def routing_mismatch(prob, logits):
     """Tokens whose top-K set from `logits` differs from the reference."""
     sel = logits.float().topk(prob.K, dim=1).indices.sort(dim=1).values
@@ -152,16 +180,34 @@ def routing_mismatch(prob, logits):
 
 # ---------------------------------------------------------------- reference
 
-def reference(prob):
+def checked_experts(E, n, d, budget_gib):
+    """The experts whose dW1, dW2 the reference keeps (fp32, 12nd bytes each):
+    all of them if they fit in budget_gib, else as many as fit (at least 2),
+    spread evenly over 0..E-1, first and last included. None: all."""
+    per = 12.0 * n * d
+    m = int(budget_gib * 2 ** 30 // per)
+    if m >= E:
+        return None
+    m = max(2, m)
+    return sorted({round(i * (E - 1) / (m - 1)) for i in range(m)})
+
+
+def reference(prob, dw_budget_gib=4.0):
     """fp32 output and gradients (out, dx, drouter, dw1, dw2) of the layer with
     the reference routing and SwiGLU (w1 interleaved: row 2j gate j, row 2j+1
     up j), for the loss sum(out * dout). A loop over experts, each expert's
-    gradients from its own small autograd graph."""
-    T, d, E, K = prob.T, prob.d, prob.E, prob.K
+    gradients from its own small autograd graph, its weights converted to fp32
+    one expert at a time. out, dx and drouter are complete; dw1 and dw2 are
+    kept for the experts of checked_experts() only (key "dw_experts": their
+    ids, None for all), so the largest rows (DeepSeek-V3: 45 GB of fp32 dW)
+    fit: each kept expert's dW is still the full fp32 gradient, compared
+    with the same experts' rows of an implementation's dW."""
+    T, d, n, E, K = prob.T, prob.d, prob.n, prob.E, prob.K
     torch.set_float32_matmul_precision("highest")     # no TF32
     x = prob.x.float().requires_grad_()
     wr = prob.wr.float().requires_grad_()
-    w1, w2 = prob.w1.float(), prob.w2.float()
+    keep = checked_experts(E, n, d, dw_budget_gib)
+    slot = {e: i for i, e in enumerate(keep if keep is not None else range(E))}
     dout = prob.dout.float()
     logits = x @ wr.t()
     scores = logits.gather(1, prob.top_i).softmax(dim=1)          # (T, K)
@@ -171,7 +217,9 @@ def reference(prob):
     counts = torch.bincount(flat_e, minlength=E).tolist()
     out = torch.zeros(T, d, device=x.device)
     dx = torch.zeros(T, d, device=x.device)
-    dw1, dw2 = torch.zeros_like(w1), torch.zeros_like(w2)
+    m = len(slot)
+    dw1 = torch.zeros(m, 2 * n, d, device=x.device)
+    dw2 = torch.zeros(m, d, n, device=x.device)
     ds = torch.zeros(T * K, device=x.device)
     start = 0
     for e in range(E):
@@ -181,8 +229,8 @@ def reference(prob):
             continue
         tok = pos // K
         xe = x.detach()[tok].requires_grad_()
-        w1e = w1[e].requires_grad_()
-        w2e = w2[e].requires_grad_()
+        w1e = prob.w1[e].float().requires_grad_()
+        w2e = prob.w2[e].float().requires_grad_()
         se = s_flat[pos].requires_grad_()
         h = xe @ w1e.t()
         a = F.silu(h[:, 0::2]) * h[:, 1::2]
@@ -190,12 +238,14 @@ def reference(prob):
         gx, g1, g2, gs = torch.autograd.grad(y, (xe, w1e, w2e, se), dout[tok])
         out.index_add_(0, tok, y.detach())
         dx.index_add_(0, tok, gx)
-        dw1[e] = g1
-        dw2[e] = g2
+        if e in slot:
+            dw1[slot[e]] = g1
+            dw2[slot[e]] = g2
         ds[pos] = gs
     gx_router, gwr = torch.autograd.grad(scores, (x, wr), ds.view(T, K))
     dx += gx_router
-    return {"out": out, "dx": dx, "drouter": gwr, "dw1": dw1, "dw2": dw2}
+    return {"out": out, "dx": dx, "drouter": gwr, "dw1": dw1, "dw2": dw2,
+            "dw_experts": keep}
 
 
 @torch.no_grad()
@@ -510,6 +560,22 @@ class Timer:
         if self.cuda:
             torch.cuda.synchronize()
 
+    def loop_ms(self, fn, iters, warmup):
+        """Wall time per iteration of a training-like loop: `warmup` calls, a
+        synchronize, then `iters` calls back to back (no flush, no delay, no
+        synchronization between them: the host enqueues the next iteration
+        while the GPU runs the last, as far as the implementation lets it),
+        a final synchronize. Host time is included: where the host cannot
+        keep ahead of the GPU, this is slower than the isolated timings."""
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        self.sync()
+        return (time.perf_counter() - t0) * 1e3 / iters
+
     def median_ms(self, fn, reps):
         """(median GPU ms between the events, median host ms to enqueue fn)."""
         times, host = [], []
@@ -549,6 +615,15 @@ def measure(impl, prob, ref, args, timer):
         g = torch.autograd.grad(out, impl.leaves, prob.dout)
         got = dict(zip(GRAD_NAMES, (out,) + tuple(impl.grads(g))))
         timer.sync()
+        keep = ref.get("dw_experts")
+        if keep is not None:
+            # the reference kept dW1, dW2 of these experts only (reference())
+            idx = torch.tensor(keep, device=got["dw1"].device)
+            got["dw1"] = got["dw1"].index_select(0, idx)
+            got["dw2"] = got["dw2"].index_select(0, idx)
+            rec["dw_experts_checked"] = len(keep)
+        else:
+            rec["dw_experts_checked"] = prob.E
         errs = {k: rel_err(got[k], ref[k]) for k in GRAD_NAMES}
         del out, g, got
         for k, v in errs.items():
@@ -579,6 +654,10 @@ def measure(impl, prob, ref, args, timer):
         t_fb, h_fb = timer.median_ms(fwd_bwd, args.reps)
         t_b = t_fb - t_f
         flops = 6.0 * prob.T * prob.K * prob.d * prob.n
+        if args.loop_iters > 0:
+            t_loop = timer.loop_ms(fwd_bwd, args.loop_iters, args.warmup)
+            rec.update(loop_ms="%.4f" % t_loop,
+                       loop_tflops="%.2f" % (3 * flops / (t_loop * 1e-3) / 1e12))
         if timer.cuda:
             # The host's enqueue time against the GPU's: longer than the delay, the
             # region may hold waits for the host; longer than the GPU time, a loop
@@ -699,15 +778,23 @@ class Progress:
 
 
 def parse_configs(args):
+    """[(name, T, d, n, E, K)] from --rows (names of grid.h's two tables, 'all'
+    or 'grid' for SonicMoE's grid, 'models' for the public models' shapes) and
+    --shape."""
     grid = torch_baseline.grid_rows()
+    models = torch_baseline.model_rows()
     configs = []
     if args.rows is not None or not args.shape:
-        names = list(grid) if args.rows in (None, "all") else args.rows.split(",")
+        names = []
+        for tok in (args.rows or "all").split(","):
+            names += (list(grid) if tok in ("all", "grid") else
+                      list(models) if tok == "models" else [tok])
         for name in names:
-            if name not in grid:
-                sys.exit("compare.py: no row %r in bench/grid.h (rows: %s)"
-                         % (name, ", ".join(grid)))
-            configs.append((name,) + grid[name])
+            shape = grid.get(name) or models.get(name)
+            if shape is None:
+                sys.exit("compare.py: no row %r in bench/grid.h (rows: %s; or all, models)"
+                         % (name, ", ".join(list(grid) + list(models))))
+            configs.append((name,) + shape)
     for s in args.shape or []:
         try:
             T, d, n, E, K = (int(v) for v in s.split(","))
@@ -719,19 +806,73 @@ def parse_configs(args):
     return configs
 
 
+ROW_FMT = "%-15s %-10s %-7s %8s %8s %7s %7s %8s %7s %8s %8s %8s %8s  %s"
+
+
 def fmt_row(rec):
-    return ("%-12s %-10s %-7s %8s %8s %7s %7s %7s %8s %8s %8s %8s  %s" % (
+    return (ROW_FMT % (
         rec["row"], rec["impl"], rec["status"], rec.get("fwd_ms", ""), rec.get("bwd_ms", ""),
-        rec.get("fwd_tflops", ""), rec.get("bwd_tflops", ""), rec.get("act_gib", ""),
+        rec.get("fwd_tflops", ""), rec.get("bwd_tflops", ""), rec.get("loop_ms", ""),
+        rec.get("act_gib", ""),
         rec.get("err_out", ""), rec.get("err_dx", ""), rec.get("err_dw1", ""),
         rec.get("err_drouter", ""),
         rec.get("path", "") + ("  " + rec["note"] if rec.get("note") else "")))
 
 
+def ratio_pair(spec, names):
+    """(A, B) for the ratio table: --ratio A/B, else the first smoe
+    implementation run and sonicmoe, if both are; None: no table."""
+    if spec:
+        a, _, b = spec.partition("/")
+        if not a or not b:
+            sys.exit("compare.py: --ratio %r: want A/B" % spec)
+        return a, b
+    smoe = [nm for nm in names if nm.startswith("smoe-")]
+    return (smoe[0], "sonicmoe") if smoe and "sonicmoe" in names else None
+
+
+def ratio_table(records, a, b):
+    """Lines: per row, A's speed over B's measured in this run: B's time over
+    A's for the forward, the backward (= the TFLOPS ratio) and the training
+    loop's iteration, and the geometric means over the rows where both ran.
+    > 1: A is faster."""
+    by = {(r["row"], r["impl"]): r for r in records}
+    rows = list(dict.fromkeys(r["row"] for r in records))
+    out = ["# same-call ratios %s / %s (> 1: %s faster; %s's time over %s's): forward, "
+           "backward, training-loop iteration; %s's kernel path" % (a, b, a, b, a, a),
+           "%-15s %7s %7s %7s  %s" % ("row", "fwd", "bwd", "loop", "path / why not")]
+    logs = {"fwd": [], "bwd": [], "loop": []}
+    for row in rows:
+        ra, rb = by.get((row, a)), by.get((row, b))
+        if not ra or not rb or ra["status"] != "ok" or rb["status"] != "ok":
+            why = "; ".join("%s %s%s" % (nm, r["status"], ": " + r["note"] if r.get("note") else "")
+                            for nm, r in ((a, ra), (b, rb)) if r and r["status"] != "ok")
+            out.append("%-15s %7s %7s %7s  %s" % (row, "-", "-", "-", why or "not run"))
+            continue
+        vals = {}
+        for key in ("fwd", "bwd", "loop"):
+            num_a, num_b = rb.get(key + "_ms"), ra.get(key + "_ms")   # B's time / A's
+            try:
+                v = float(num_a) / float(num_b)
+            except (TypeError, ValueError, ZeroDivisionError):
+                v = None
+            vals[key] = v
+            if v and v > 0:
+                logs[key].append(math.log(v))
+        out.append("%-15s %7s %7s %7s  %s" % (row, *("%.3f" % vals[k] if vals[k] else "-"
+                                                     for k in ("fwd", "bwd", "loop")),
+                                              ra.get("path", "")))
+    out.append("%-15s %7s %7s %7s  %s" % ("geomean", *("%.3f" % math.exp(sum(v) / len(v))
+                                                       if v else "-" for v in logs.values()),
+                                          "over %d row(s)" % len(logs["fwd"])))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", help="grid rows, comma-separated, or 'all' (default: all, "
-                    "unless --shape is given)")
+    ap.add_argument("--rows", help="grid.h rows by name, comma-separated; 'all' (or 'grid'): "
+                    "SonicMoE's 12; 'models': the public models' shapes (default: all, unless "
+                    "--shape is given)")
     ap.add_argument("--shape", action="append", help="T,d,n,E,K (repeatable)")
     ap.add_argument("--impls", help="comma-separated, from %s (default: smoe-sm90,smoe-cuda,"
                     "torch,scattermoe,sonicmoe on CUDA; smoe-cpu,torch on CPU)" % ", ".join(IMPLS))
@@ -744,11 +885,29 @@ def main():
     ap.add_argument("--gpu-delay-ms", type=float, default=10.0,
                     help="GPU-side delay between the L2 flush and the start event, so the host's "
                     "launch overhead is not timed (0: none; see Timer)")
+    ap.add_argument("--loop-iters", type=int, default=20,
+                    help="training-loop timing: forward+backward iterations back to back, wall "
+                    "time per iteration, host included (0: skip)")
+    ap.add_argument("--ref-dw-gib", type=float, default=4.0,
+                    help="fp32 dW1+dW2 the reference keeps; past it, only a spread subset of "
+                    "experts' dW is checked (out, dx, drouter always in full)")
+    ap.add_argument("--ratio", help="A/B: print a table of A's speed over B's per row, last "
+                    "(default: the first smoe implementation over sonicmoe, if both are run)")
+    ap.add_argument("--table-only", metavar="CSV",
+                    help="print the ratio table (--ratio, default smoe-sm90/sonicmoe) of an "
+                    "earlier run's CSV and exit; no device needed")
     ap.add_argument("--csv", help="write the results here (written row by row)")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD, if any)")
     ap.add_argument("--time-budget", type=float, default=0,
                     help="seconds; configurations not started by then are skipped (0: none)")
     args = ap.parse_args()
+
+    if args.table_only:
+        with open(args.table_only, newline="") as f:
+            records = list(csv.DictReader(ln for ln in f if not ln.startswith("#")))
+        for line in ratio_table(records, *ratio_pair(args.ratio or "smoe-sm90/sonicmoe", [])):
+            print(line)
+        return 0
 
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -768,8 +927,11 @@ def main():
     header = versions(device, names)
     header.append("commit %s" % (args.commit or git_commit() or "unknown"))
     header.append("settings reps=%d warmup=%d tol=%g seed=%d; L2 flushed (256 MiB) before each "
-                  "rep, then %s; medians; bf16, SwiGLU, TOPK_SOFTMAX"
-                  % (args.reps, args.warmup, args.tol, args.seed, timer.describe()))
+                  "rep, then %s; medians; bf16, SwiGLU, TOPK_SOFTMAX; training loop: %s"
+                  % (args.reps, args.warmup, args.tol, args.seed, timer.describe(),
+                     "%d fwd+bwd iterations back to back after %d, wall time per iteration, "
+                     "no flush, no delay" % (args.loop_iters, args.warmup)
+                     if args.loop_iters > 0 else "off"))
     header.append("command %s" % " ".join(sys.argv))
     for line in header:
         print("# " + line)
@@ -790,12 +952,13 @@ def main():
             writer.writerow(rec)
             csv_file.flush()
 
-    print("%-12s %-10s %-7s %8s %8s %7s %7s %7s %8s %8s %8s %8s  %s" % (
-        "row", "impl", "status", "fwd ms", "bwd ms", "fwd TF", "bwd TF", "act GiB",
+    print(ROW_FMT % (
+        "row", "impl", "status", "fwd ms", "bwd ms", "fwd TF", "bwd TF", "loop ms", "act GiB",
         "err out", "err dx", "err dw1", "err dr", "path / note"), flush=True)
     progress = Progress(len(configs) * (1 + len(runnable)))
     t_start = time.time()
     n_failed = 0
+    records = []
     for (name, T, d, n, E, K) in configs:
         base = {"row": name, "T": T, "d": d, "n": n, "E": E, "K": K}
         if args.time_budget and time.time() - t_start > args.time_budget:
@@ -812,7 +975,7 @@ def main():
             if not prob.designed_ok:
                 progress.write("# %s: the reference routing is not the designed one "
                                "(min margin %.3g)" % (name, prob.margin))
-            ref = reference(prob)
+            ref = reference(prob, args.ref_dw_gib)
             timer.sync()
         except Exception as e:
             msg = "%s: %s" % (type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -847,6 +1010,7 @@ def main():
                 progress.step("%s %s" % (name, im.name))
             if rec["status"] in ("failed", "error"):
                 n_failed += 1
+            records.append(rec)
             emit(rec)
             progress.write(fmt_row(rec))
         if not prob.designed_ok or prob.margin < 0.5:
@@ -860,6 +1024,10 @@ def main():
         csv_file.close()
     print("# %d configurations, %d implementation(s) failed or errored, %.0f s"
           % (len(configs), n_failed, time.time() - t_start))
+    pair = ratio_pair(args.ratio, names)
+    if pair:
+        for line in ratio_table(records, *pair):
+            print(line)
     return 1 if n_failed else 0
 
 

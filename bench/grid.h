@@ -45,6 +45,66 @@ static const smoe_grid_row smoe_grid[] = {
 
 #define SMOE_GRID_ROWS ((int)(sizeof smoe_grid / sizeof smoe_grid[0]))
 
+/*
+ * Routed-expert shapes of public MoE models people train (issue 20), from
+ * their published configs: d = hidden_size, n = moe_intermediate_size (or the
+ * experts' intermediate_size), E = routed experts, K = experts per token.
+ * Shared experts, dense layers and each model's own router (sigmoid scores,
+ * group-limited top-K, score bias, gpt-oss's clamped SwiGLU with biases) are
+ * not modelled: every row runs bf16, SwiGLU, TOPK_SOFTMAX, all E experts on
+ * one GPU (no expert parallelism). No published numbers (-1).
+ *
+ * T = tokens per GPU, 8K to 32K, chosen so that one forward+backward fits an
+ * H100 80GB with room for two implementations in one process: weights and
+ * their gradients take 12End bytes (bf16 W1 (E, 2n, d), W2 (E, d, n), the
+ * same again for dW1, dW2), the activations about TK(6n + 4d) bytes (H, A,
+ * gathered rows) plus a few T x d buffers. Largest: DeepSeek-V3, 12End =
+ * 45.1 GB, so T = 8K (TK(6n + 4d) = 2.7 GB); the others take 16K or 32K
+ * and stay under 20 GB (GLM-4.5: 15.1 + 3.9). Kimi-K2 (d 7168, n 2048,
+ * E 384, K 8) is left out: its weights and gradients alone are 67.6 GB.
+ * Supported by smoe's Hopper path: d and n multiples of 64 (gpt-oss's
+ * 2880 = 45 x 64, GLM-4.5-Air's 1408 = 22 x 64), E <= 1024.
+ */
+static const smoe_grid_row smoe_model_rows[] = {
+    /* Sources (each number checked in the config named):
+     * Mixtral-8x7B: mistralai/Mixtral-8x7B-v0.1 config.json; transformers
+     *   MixtralConfig defaults (hidden_size 4096, intermediate_size 14336,
+     *   num_local_experts 8, num_experts_per_tok 2).
+     * OLMoE-1B-7B: allenai/OLMoE-1B-7B-0924 config.json (hidden_size 2048,
+     *   intermediate_size 1024, num_experts 64, num_experts_per_tok 8; note
+     *   transformers' OlmoeConfig default intermediate_size is 2048, not the
+     *   released model's).
+     * Qwen3-30B-A3B: transformers Qwen3MoeConfig defaults (hidden_size 2048,
+     *   moe_intermediate_size 768, num_experts 128, num_experts_per_tok 8).
+     * Qwen3-235B-A22B: Qwen/Qwen3-235B-A22B (hidden_size 4096,
+     *   moe_intermediate_size 1536, num_experts 128, num_experts_per_tok 8;
+     *   expert weights [1536, 4096] per its checkpoint; MindSpeed-RL's
+     *   qwen3_235b_a22b.yaml agrees).
+     * GLM-4.5-Air: transformers Glm4MoeConfig defaults (hidden_size 4096,
+     *   moe_intermediate_size 1408, n_routed_experts 128, num_experts_per_tok
+     *   8, 46 layers: the Air model).
+     * GLM-4.5: the GLM-5 technical report's GLM-4.5 column (hidden 5120, MoE
+     *   intermediate 1536, 160 experts, 8 routed per token); zai-org's
+     *   GLM-4.6 / GLM-4.7 config.json have the same numbers.
+     * gpt-oss-120b: transformers GptOssConfig defaults (hidden_size 2880,
+     *   intermediate_size 2880, num_local_experts 128, num_experts_per_tok 4,
+     *   36 layers: the 120b model); openai/gpt-oss-120b original/config.json.
+     * DeepSeek-V3: transformers DeepseekV3Config defaults (hidden_size 7168,
+     *   moe_intermediate_size 2048, n_routed_experts 256, num_experts_per_tok
+     *   8), deepseek-ai/DeepSeek-V3 config.json. */
+    /* name               model              T      d     n      E    K  floor  published: none */
+    {"Mixtral-8x7B",    "Mixtral-8x7B",    16384, 4096, 14336, 8,   2, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1},
+    {"OLMoE-1B-7B",     "OLMoE-1B-7B",     32768, 2048, 1024,  64,  8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1},
+    {"Qwen3-30B-A3B",   "Qwen3-30B-A3B",   32768, 2048, 768,   128, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1},
+    {"Qwen3-235B-A22B", "Qwen3-235B-A22B", 16384, 4096, 1536,  128, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1},
+    {"GLM-4.5-Air",     "GLM-4.5-Air",     16384, 4096, 1408,  128, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1},
+    {"GLM-4.5",         "GLM-4.5",         16384, 5120, 1536,  160, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1},
+    {"gpt-oss-120b",    "gpt-oss-120b",    16384, 2880, 2880,  128, 4, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1},
+    {"DeepSeek-V3",     "DeepSeek-V3",     8192,  7168, 2048,  256, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1},
+};
+
+#define SMOE_MODEL_ROWS ((int)(sizeof smoe_model_rows / sizeof smoe_model_rows[0]))
+
 /* Small enough for a 2-core CPU in a few seconds (layer + fp64 reference). */
 static const smoe_grid_row smoe_grid_default = {
     "small", "small", 512, 256, 128, 16, 4, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};

@@ -22,14 +22,26 @@ import torch.nn.functional as F
 GRID_H = __file__.rsplit("/", 1)[0] + "/grid.h"
 
 
-def grid_rows():
+def grid_rows(table="smoe_grid"):
+    """{name: (T, d, n, E, K)} of one row table of grid.h: "smoe_grid" (SonicMoE's
+    grid) or "smoe_model_rows" (public models' shapes)."""
     rows = {}
     pat = re.compile(r'\{"([^"]+)",\s*"[^"]+",\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),')
+    inside = False
     for line in open(GRID_H):
-        m = pat.search(line)
-        if m and m.group(1) != "small":
+        if re.match(r"static const smoe_grid_row %s\[\] = \{" % table, line):
+            inside = True
+            continue
+        if inside and line.startswith("};"):
+            break
+        m = pat.search(line) if inside else None
+        if m:
             rows[m.group(1)] = tuple(int(v) for v in m.groups()[1:])
     return rows
+
+
+def model_rows():
+    return grid_rows("smoe_model_rows")
 
 
 def moe_forward(x, wr, w1, w2, K):
