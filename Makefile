@@ -38,6 +38,10 @@ CUDA_ARCH_SM90 ?= -gencode=arch=compute_90a,code=sm_90a
 NVCCFLAGS ?= -O3 -lineinfo
 NVCCFLAGS += -std=c++17 -Xcompiler -fPIC,-fvisibility=hidden -Iinclude -Isrc -DSMOE_WITH_CUDA \
              --expt-relaxed-constexpr
+# nvcc compiles a file's -gencode targets in parallel threads (the portable
+# kernels have two), so a parallel build waits less for its longest file.
+NVCC_THREADS ?= 0
+NVCCFLAGS += --threads $(NVCC_THREADS)
 CFLAGS   += -DSMOE_WITH_CUDA -I$(CUDA_HOME)/include
 CU_SRC    := $(wildcard src/cuda/*.cu)
 CU90_SRC  := $(wildcard src/cuda/sm90/*_sm90.cu)

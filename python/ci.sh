@@ -4,8 +4,14 @@
 # leave unused without a GPU), installs PyTorch (the PyPI wheel, used on
 # the CPU), pytest, numpy and transformers (whose MoE blocks, built from a
 # config with random weights, check the weight loader; nothing is fetched
-# from a model hub) into a virtual environment, installs the package with
-# `pip install ./python`, and runs python/tests with pytest.
+# from a model hub) into a virtual environment, installs the package from
+# the repository root with `pip install .` (offline: the build backend needs
+# no package), and runs python/tests with pytest.
+#
+# The install packages the build/libsmoe.so that `make lib` has just brought
+# up to date (SMOE_LIBRARY), so CI compiles the CUDA kernels once;
+# python/tests/test_packaging.py checks the build pip runs itself (CPU-only,
+# in a copy of the sources: offline wheel, rebuild after a change, sdist).
 #
 # Environment: SMOE_PY_VENV, the virtual environment (default
 # ~/.cache/smoe-py-venv, kept between runs: a second run installs nothing);
@@ -43,9 +49,12 @@ if ! "$venv/bin/python" -c "import torch, pytest, numpy, transformers" >/dev/nul
 fi
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
 
-echo "== python: pip install ./python"
-"$venv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
-    "$root/python"
+echo "== python: pip install . (from the repository root)"
+t0=$(date +%s)
+SMOE_LIBRARY="$root/build/libsmoe.so" "$venv/bin/python" -m pip install -q \
+    --disable-pip-version-check --no-index --force-reinstall --no-deps "$root"
+echo "installed smoe in $(($(date +%s) - t0)) s"
+(cd /tmp && "$venv/bin/python" -m smoe)
 
 echo "== python: pytest"
 cd "$root"

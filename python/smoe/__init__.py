@@ -5,7 +5,11 @@ algorithm), over the C library libsmoe through ctypes.
     smoe.moe_general(x, tok, exp, score, w1, w2)  -> (out, expert_counts)
     smoe.MoE(num_experts, num_experts_per_tok, hidden_size, intermediate_size,
              activation_function, add_bias, std)   an nn.Module: forward -> (out, aux_loss)
+                                                   [, router_logits with output_router_logits]
+    smoe.router_z_loss(router_logits)              ST-MoE's z-loss: mean of logsumexp^2
     smoe.SmoeError                                 raised on bad input, with smoe_last_error()
+                                                   (a ValueError too when Python found it)
+    python -m smoe                                 versions, library, device, kernel path
     smoe.set_debug(True)                           CUDA: every call waits and raises its own
                                                    device-side error at once ($SMOE_DEBUG=1)
     smoe.check_device()                            CUDA: waits, raises an error the GPU found
@@ -14,12 +18,12 @@ algorithm), over the C library libsmoe through ctypes.
 """
 from ._lib import SmoeError, library_path
 from ._lib import version as library_version
-from .functional import moe, moe_general, layer_info, set_debug, check_device
-from .module import MoE, Experts, switch_load_balancing_loss, load_hf_moe_weights
+from .functional import moe, moe_general, layer_info, set_debug, check_device, SmoeValueError
+from .module import MoE, Experts, switch_load_balancing_loss, router_z_loss, load_hf_moe_weights
 from .ep import EPGroup, EPMoE
 
 __version__ = "0.2.0"
 
-__all__ = ["moe", "moe_general", "MoE", "Experts", "SmoeError", "switch_load_balancing_loss",
-           "load_hf_moe_weights", "layer_info", "library_path", "library_version", "set_debug",
-           "check_device", "EPGroup", "EPMoE"]
+__all__ = ["moe", "moe_general", "MoE", "Experts", "SmoeError", "SmoeValueError",
+           "switch_load_balancing_loss", "router_z_loss", "load_hf_moe_weights", "layer_info",
+           "library_path", "library_version", "set_debug", "check_device", "EPGroup", "EPMoE"]

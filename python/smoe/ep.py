@@ -31,7 +31,7 @@ import torch.nn as nn
 from . import _lib as L
 from ._lib import SmoeError
 from .functional import ACTIVATIONS, GATED, ROUTINGS, W1_LAYOUTS, _aligned, _enum
-from .module import Experts, switch_load_balancing_loss
+from .module import Experts, check_layer_sizes, switch_load_balancing_loss
 
 __all__ = ["EPGroup", "EPMoE"]
 
@@ -241,6 +241,8 @@ class EPMoE(nn.Module):
                  max_tokens, capacity=0, expert_rows=0, routing="topk_softmax",
                  renormalize=True, w1_layout="interleaved", overlap=0, comm_sms=0):
         super().__init__()
+        check_layer_sizes(num_experts, num_experts_per_tok, hidden_size, intermediate_size,
+                          "smoe.EPMoE")
         self.group = ep_group if isinstance(ep_group, EPGroup) else EPGroup(ep_group)
         P, r = self.group.size, self.group.rank
         if num_experts % P:

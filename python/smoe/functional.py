@@ -76,6 +76,12 @@ _DTYPES = {
 _DTYPE_SIZE = {L.SMOE_DTYPE_F32: 4, L.SMOE_DTYPE_BF16: 2, L.SMOE_DTYPE_F64: 8}
 
 
+class SmoeValueError(SmoeError, ValueError):
+    """A bad argument found in Python before any call into the library (a
+    name, a size, a tensor's shape, dtype or device): both a ValueError and
+    a smoe.SmoeError (with its status), so either `except` catches it."""
+
+
 def _enum(table, value, what):
     try:
         return table[value]   # the usual case: a name spelled as in the table
@@ -90,8 +96,8 @@ def _enum(table, value, what):
     if isinstance(key, str):
         key = key.lower()
     if key not in table:
-        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "%s = %r, must be one of %s"
-                        % (what, value, ", ".join(repr(k) for k in table)))
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "%s = %r, must be one of %s"
+                             % (what, value, ", ".join(repr(k) for k in table)))
     return table[key]
 
 

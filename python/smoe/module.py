@@ -1,14 +1,18 @@
 """smoe.MoE: the MoE feed-forward layer as an nn.Module, with SonicMoE's
 constructor, and a loader for Hugging Face MoE checkpoints."""
+import numbers
 import re
 
 import torch
 import torch.nn as nn
 
 from . import _lib as L
-from .functional import ACTIVATIONS, GATED, _enum, moe
+from ._lib import SmoeError
+from .functional import (ACTIVATIONS, GATED, ROUNDINGS, ROUTINGS, W1_LAYOUTS, SmoeValueError,
+                         _autocast_dtype, _enum, moe)
 
-__all__ = ["Experts", "MoE", "switch_load_balancing_loss", "load_hf_moe_weights"]
+__all__ = ["Experts", "MoE", "switch_load_balancing_loss", "router_z_loss",
+           "load_hf_moe_weights"]
 
 # Each activation code's first name in ACTIVATIONS ('relu2' for RELU2).
 _ACT_NAMES = {}
@@ -65,6 +69,67 @@ def _l1_normalize(v):
     return v / torch.linalg.vector_norm(v, 1, 0, keepdim=True).clamp_min(1e-12).expand_as(v)
 
 
+def router_z_loss(router_logits):
+    """ST-MoE's router z-loss (Zoph et al. 2022, eq. 5): the mean over tokens
+    of logsumexp(router_logits)^2, which keeps the router's logits small.
+    router_logits (..., E), e.g. what smoe.moe() or smoe.MoE(...,
+    output_router_logits=True) returns; computed in float32 (float64 stays
+    float64). Differentiable: its gradient reaches the router weight and x
+    through the layer (smoe passes it to the library as dlogits_extra)."""
+    logits = router_logits.reshape(-1, router_logits.shape[-1])
+    if logits.dtype != torch.float64:
+        logits = logits.to(torch.float32)
+    return torch.logsumexp(logits, -1).square().mean()
+
+
+# SonicMoE's KernelBackendMoE values: which of its implementations to run.
+# They compute the same layer; smoe runs its own kernels for each.
+KERNEL_BACKENDS = ("sonicmoe", "torch", "scattermoe")
+
+
+def _check_kernel_backend(value):
+    """forward's kernel_backend_moe: None, or a KernelBackendMoE member (or
+    its name or value as a string)."""
+    if value is None:
+        return
+    if isinstance(value, bool):
+        raise TypeError("smoe.MoE.forward: the second positional argument is kernel_backend_moe "
+                        "(SonicMoE's order: forward(hidden_states, kernel_backend_moe, "
+                        "is_inference_mode)), got %r; pass is_inference_mode=%r by keyword"
+                        % (value, value))
+    key = value
+    if not isinstance(key, str):
+        key = getattr(value, "value", None)
+        if not isinstance(key, str):
+            key = getattr(value, "name", None)
+    if not isinstance(key, str) or key.lower() not in KERNEL_BACKENDS:
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                             "smoe.MoE.forward: kernel_backend_moe = %r, must be None or one of "
+                             "SonicMoE's KernelBackendMoE (%s; smoe runs its own kernels for "
+                             "each)" % (value, ", ".join(repr(k) for k in KERNEL_BACKENDS)))
+
+
+def _check_int(value, name, low=1, high=None, high_name=None):
+    """value an int (not a bool) in [low, high]; a ValueError naming it if not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "%s = %r, must be an int"
+                             % (name, value))
+    if value < low or (high is not None and value > high):
+        want = ">= %d" % low if high is None else "in [%d, %s = %d]" % (low, high_name, high)
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_SIZE, "%s = %d, must be %s"
+                             % (name, value, want))
+    return int(value)
+
+
+def check_layer_sizes(num_experts, num_experts_per_tok, hidden_size, intermediate_size, who):
+    """E, K, d, n as the constructors take them: positive ints, K <= E."""
+    E = _check_int(num_experts, who + ": num_experts")
+    K = _check_int(num_experts_per_tok, who + ": num_experts_per_tok", 1, E, "num_experts")
+    d = _check_int(hidden_size, who + ": hidden_size")
+    n = _check_int(intermediate_size, who + ": intermediate_size")
+    return E, K, d, n
+
+
 class MoE(nn.Module):
     """A Mixture-of-Experts feed-forward layer on smoe, with the parameters
     and constructor of SonicMoE's MoE:
@@ -75,10 +140,20 @@ class MoE(nn.Module):
                  (E, n, d); bias (E, 2n|n) if add_bias
         c_proj   Experts: weight (E, d, n); bias (E, d) if add_bias
 
-    forward(hidden_states (..., d), is_inference_mode=False) returns
-    (output (..., d), aux_loss): aux_loss is the Switch load-balancing loss
-    (a scalar tensor; None when is_inference_mode). Scale it and add it to
-    the training loss yourself.
+    forward(hidden_states (..., d), kernel_backend_moe=None,
+    is_inference_mode=False, *, output_router_logits=None) returns (output
+    (..., d), aux_loss): aux_loss is the Switch load-balancing loss (a
+    scalar tensor; None when is_inference_mode). Scale it and add it to the
+    training loss yourself. kernel_backend_moe is SonicMoE's argument (its
+    KernelBackendMoE, or the name): accepted for SonicMoE's call style
+    `layer(x, KernelBackendMoE.sonicmoe)` and ignored, as smoe runs its own
+    kernels; a bool there raises TypeError (is_inference_mode is the third
+    argument). With output_router_logits (the constructor's, or forward's
+    when not None) it returns (output, aux_loss, router_logits (T, E)
+    float32, T the tokens of all leading dimensions, as Hugging Face's MoE
+    blocks return them): differentiable, for smoe.router_z_loss or
+    Hugging Face's load-balancing loss, at no extra cost (the layer
+    computes them anyway).
 
     Keyword-only extras: routing ('topk_softmax', SonicMoE's; or
     'softmax_topk' with `renormalize`), token_rounding (None, 'up', 'down',
@@ -86,44 +161,115 @@ class MoE(nn.Module):
     activation_function takes a name ('swiglu', 'geglu', 'reglu', 'relu2'
     or 'relu_sq', 'relu', 'silu', 'gelu') or an enum whose value or name is
     one ('activation' is accepted as the keyword too).
+
+    The constructor checks every argument (sizes positive, num_experts_per_tok
+    <= num_experts, names known) and forward checks x against the layer
+    (hidden size, device, dtype outside autocast), raising ValueError (also a
+    smoe.SmoeError) with a message naming the argument or tensor.
     """
 
     def __init__(self, num_experts, num_experts_per_tok, hidden_size, intermediate_size,
                  activation_function="swiglu", add_bias=False, std=0.02, *,
                  routing="topk_softmax", renormalize=True, token_rounding=None, round_tile=128,
-                 w1_layout="interleaved", activation=None):
+                 w1_layout="interleaved", activation=None, output_router_logits=False):
         super().__init__()
         if activation is not None:
             activation_function = activation
-        self.num_experts = num_experts
-        self.top_k = num_experts_per_tok
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
+        E, K, d, n = check_layer_sizes(num_experts, num_experts_per_tok, hidden_size,
+                                       intermediate_size, "smoe.MoE")
+        self._act = _enum(ACTIVATIONS, activation_function, "smoe.MoE: activation_function")
+        if _enum(ROUTINGS, routing, "smoe.MoE: routing") == L.SMOE_ROUTING_GENERAL:
+            raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                                 "smoe.MoE: routing = 'general' takes the caller's (token, expert,"
+                                 " score) triples: use smoe.moe_general()")
+        _enum(ROUNDINGS, token_rounding, "smoe.MoE: token_rounding")
+        _enum(W1_LAYOUTS, w1_layout, "smoe.MoE: w1_layout")
+        round_tile = _check_int(round_tile, "smoe.MoE: round_tile")
+        if std is not None and (isinstance(std, bool) or not isinstance(std, numbers.Real)
+                                or not 0 <= std < float("inf")):
+            raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.MoE: std = %r, must be a "
+                                 "finite number >= 0 (or None: 1/sqrt(fan-in))" % (std,))
+        self.num_experts = E
+        self.top_k = K
+        self.hidden_size = d
+        self.intermediate_size = n
         self.activation_function = activation_function
-        self._act = _enum(ACTIVATIONS, activation_function, "activation_function")
         self.routing = routing
         self.renormalize = renormalize
         self.token_rounding = token_rounding
         self.round_tile = round_tile
         self.w1_layout = w1_layout
+        self.output_router_logits = bool(output_router_logits)
         gated = self._act in GATED
-        self.router = nn.Linear(hidden_size, num_experts, bias=False)
-        self.c_fc = Experts(num_experts, hidden_size,
-                            2 * intermediate_size if gated else intermediate_size, add_bias, std)
-        self.c_proj = Experts(num_experts, intermediate_size, hidden_size, add_bias, std)
+        self.router = nn.Linear(d, E, bias=False)
+        self.c_fc = Experts(E, d, 2 * n if gated else n, add_bias, std)
+        self.c_proj = Experts(E, n, d, add_bias, std)
 
-    def forward(self, hidden_states, is_inference_mode=False):
-        out, counts, logits = moe(
-            hidden_states, self.router.weight, self.c_fc.weight, self.c_proj.weight,
-            self.c_fc.bias, self.c_proj.bias, top_k=self.top_k, routing=self.routing,
-            renormalize=self.renormalize, activation=self._act_name(),
-            w1_layout=self.w1_layout,
-            token_rounding=self.token_rounding if self.training else None,
-            round_tile=self.round_tile, inference=bool(is_inference_mode))
+    def forward(self, hidden_states, kernel_backend_moe=None, is_inference_mode=False, *,
+                output_router_logits=None):
+        _check_kernel_backend(kernel_backend_moe)
+        w1 = self.c_fc.weight
+        self._check_input(hidden_states, w1)
+        try:
+            out, counts, logits = moe(
+                hidden_states, self.router.weight, w1, self.c_proj.weight, self.c_fc.bias,
+                self.c_proj.bias, top_k=self.top_k, routing=self.routing,
+                renormalize=self.renormalize, activation=self._act_name(),
+                w1_layout=self.w1_layout,
+                token_rounding=self.token_rounding if self.training else None,
+                round_tile=self.round_tile, inference=bool(is_inference_mode))
+        except SmoeError:
+            self._check_parameters()   # a better message if they disagree with each other
+            raise
         self.last_expert_counts = counts.detach()
-        if is_inference_mode:
-            return out, None
-        return out, switch_load_balancing_loss(logits, counts)
+        aux = None if is_inference_mode else switch_load_balancing_loss(logits, counts)
+        if output_router_logits is None:
+            output_router_logits = self.output_router_logits
+        if output_router_logits:
+            return out, aux, logits.reshape(-1, self.num_experts)
+        return out, aux
+
+    def _check_input(self, x, w):
+        """x against the layer (w: c_fc.weight), named as the caller knows it:
+        hidden size, device, dtype (outside autocast, which casts
+        everything). A few comparisons: this runs on every call."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError("smoe.MoE.forward: hidden_states (x) must be a torch.Tensor, got %s"
+                            % type(x).__name__)
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise SmoeValueError(L.SMOE_ERROR_INVALID_SIZE,
+                                 "smoe.MoE: x (hidden_states) has shape %s, its last dimension "
+                                 "must be hidden_size = %d" % (tuple(x.shape), self.hidden_size))
+        if x.device != w.device:
+            raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                                 "smoe.MoE: x (hidden_states) is on %s but the layer's parameters "
+                                 "are on %s (move the layer with .to(x.device), or x)"
+                                 % (x.device, w.device))
+        if x.dtype != w.dtype and _autocast_dtype(x.device) is None:
+            raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                                 "smoe.MoE: x (hidden_states) has dtype %s but the layer's "
+                                 "parameters have %s (convert x, or the layer with .to(dtype), "
+                                 "or run under torch.autocast)" % (x.dtype, w.dtype))
+
+    def _check_parameters(self):
+        """Raises SmoeValueError naming a parameter whose device (or dtype,
+        outside autocast) differs from c_fc.weight's; after a failed call
+        only, to name the parameter rather than the functional's argument."""
+        w = self.c_fc.weight
+        params = (("router.weight", self.router.weight), ("c_proj.weight", self.c_proj.weight),
+                  ("c_fc.bias", self.c_fc.bias), ("c_proj.bias", self.c_proj.bias))
+        autocast = _autocast_dtype(w.device) is not None
+        for name, p in params:
+            if p is None:
+                continue
+            if p.device != w.device:
+                raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.MoE: %s is on %s but "
+                                     "c_fc.weight is on %s" % (name, p.device, w.device))
+            if p.dtype != w.dtype and not autocast:
+                raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                                     "smoe.MoE: %s has dtype %s but c_fc.weight has %s: smoe "
+                                     "takes one dtype for x and every parameter (or run under "
+                                     "torch.autocast)" % (name, p.dtype, w.dtype))
 
     def _act_name(self):
         return _ACT_NAMES[self._act]
