@@ -18,7 +18,7 @@ static int breaks_a_rule(const smoe_layer_desc *D) {
         return 1;
     if (!enum_ok((int)D->activation, SMOE_ACT_GELU) ||
         !enum_ok((int)D->w1_layout, SMOE_W1_CONCATENATED) ||
-        !enum_ok((int)D->routing, SMOE_ROUTING_GENERAL) ||
+        !enum_ok((int)D->routing, SMOE_ROUTING_SIGMOID_TOPK) ||
         !enum_ok((int)D->rounding, SMOE_ROUND_NEAREST) || !enum_ok((int)D->dtype, SMOE_DTYPE_F64) ||
         !enum_ok((int)D->backend, SMOE_BACKEND_SM90))
         return 1;
@@ -26,6 +26,16 @@ static int breaks_a_rule(const smoe_layer_desc *D) {
         return 1;
     if (D->round_tile <= 0) return 1;
     if (D->rounding != SMOE_ROUND_OFF && D->routing == SMOE_ROUTING_GENERAL) return 1;
+    /* SIGMOID_TOPK: no token rounding; groups and scaling for it alone */
+    const int sig = D->routing == SMOE_ROUTING_SIGMOID_TOPK;
+    if (sig && D->rounding != SMOE_ROUND_OFF) return 1;
+    if (!(D->routed_scaling > 0.0 && D->routed_scaling <= 1e300)) return 1; /* NaN, inf, <= 0 */
+    if (!sig && D->routed_scaling != 1.0) return 1;
+    if (D->n_group < 0 || D->topk_group < 0 || (D->n_group == 0) != (D->topk_group == 0)) return 1;
+    if (D->n_group > 0) {
+        if (!sig || D->E % D->n_group != 0 || D->E / D->n_group < 2) return 1;
+        if (D->topk_group > D->n_group || D->topk_group * (D->E / D->n_group) < D->K) return 1;
+    }
     if (D->device < 0) return 1;
     return 0;
 }
@@ -40,7 +50,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     D.activation = (smoe_activation)(int)fz_range(&r, -1, 7);
     D.w1_layout = (smoe_w1_layout)(int)fz_range(&r, -1, 2);
     D.has_bias = (int)fz_range(&r, -1, 2);
-    D.routing = (smoe_routing)(int)fz_range(&r, -1, 3);
+    D.routing = (smoe_routing)(int)fz_range(&r, -1, 4);
     D.renormalize = (int)fz_range(&r, -1, 2);
     D.rounding = (smoe_rounding)(int)fz_range(&r, -1, 4);
     D.round_tile = fz_size(&r, 256);
@@ -48,6 +58,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     /* CPU or AUTO mostly (this build has no GPU backend: those say NO_DEVICE) */
     D.backend = (smoe_backend)(int)fz_range(&r, -1, 4);
     D.device = (int)fz_range(&r, -1, 1);
+    /* SIGMOID_TOPK's fields: mostly off, else small groups, scales incl. bad ones */
+    if (fz_range(&r, 0, 3) == 0) {
+        D.n_group = fz_range(&r, -1, 8);
+        D.topk_group = fz_range(&r, -1, 8);
+    }
+    {
+        static const double scales[] = {1.0, 2.5, 0.0, -1.0, INFINITY, NAN, 1e-30};
+        D.routed_scaling = scales[fz_range(&r, 0, 6)];
+    }
 
     smoe_layer *L = NULL;
     smoe_status st = smoe_layer_create(&D, &L);
