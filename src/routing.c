@@ -22,9 +22,9 @@
 
 /* ------------------------------------------------------------ selection */
 
-/* Does logit a (index ia) rank before logit b (index ib)? NaN ranks
- * first, as torch.topk ranks it. */
-static int ranks_before(float a, int64_t ia, float b, int64_t ib)
+/* Does key a (index ia) rank before key b (index ib)? NaN ranks first, as
+ * torch.topk ranks it; equal keys (-0 and +0 too) by the lower index. */
+static int ranks_before_d(double a, int64_t ia, double b, int64_t ib)
 {
     int na = isnan(a), nb = isnan(b);
     if (na || nb) {
@@ -33,6 +33,12 @@ static int ranks_before(float a, int64_t ia, float b, int64_t ib)
     }
     if (a != b) return a > b;
     return ia < ib;
+}
+
+/* The same for fp32 logits (exact in double). */
+static int ranks_before(float a, int64_t ia, float b, int64_t ib)
+{
+    return ranks_before_d((double)a, ia, (double)b, ib);
 }
 
 void smoe_topk_select(const float *logits, int64_t E, int64_t K, int32_t *idx)
@@ -63,19 +69,6 @@ void smoe_softmax_probs(const float *l32, const double *l64, int64_t E, double *
         sum += p[e];
     }
     for (int64_t e = 0; e < E; e++) p[e] /= sum;
-}
-
-/* Does key a (index ia) rank before key b (index ib)? As ranks_before, in
- * double (-0 and +0 are equal). */
-static int ranks_before_d(double a, int64_t ia, double b, int64_t ib)
-{
-    int na = isnan(a), nb = isnan(b);
-    if (na || nb) {
-        if (na != nb) return na;
-        return ia < ib;
-    }
-    if (a != b) return a > b;
-    return ia < ib;
 }
 
 /* The K best of n double keys, best first (smoe_topk_select's scan). */
