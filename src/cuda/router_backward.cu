@@ -31,6 +31,18 @@
 
 /* ------------------------------------------------------------ dlogits */
 
+/* dlogits[e] = v (+ the caller's extra gradient ex[e]) stored as the bf16
+ * pair hi + lo (hi rounded, lo the rest), the dWr GEMM's two halves. */
+static __device__ __forceinline__ void store_split(double v, const float *__restrict__ ex, int e,
+                                                   bf16 *__restrict__ hi, bf16 *__restrict__ lo)
+{
+    if (ex) v += (double)ex[e];
+    const float f = (float)v;
+    const bf16 h = __float2bfloat16_rn(f);
+    hi[e] = h;
+    lo[e] = __float2bfloat16_rn(f - __bfloat162float(h));
+}
+
 /* The token's pair for expert e (assignments [a0, a1)): its dS and score. */
 static __device__ __forceinline__ bool pair_lookup(int e, int a0, int a1,
                                                    const int32_t *__restrict__ assign_expert,
@@ -81,11 +93,7 @@ __global__ void k_router_dlogits(int T, int E, int K, int mode, int renormalize,
             double dS = 0.0, sc = 0.0;
             PAIR_LOOKUP(e, found, dS, &sc);
             double v = found ? sc * (dS - g) : 0.0;
-            if (ex) v += (double)ex[e];
-            const float f = (float)v;
-            const bf16 h = __float2bfloat16_rn(f);
-            hi[e] = h;
-            lo[e] = __float2bfloat16_rn(f - __bfloat162float(h));
+            store_split(v, ex, e, hi, lo);
         }
         return;
     }
@@ -110,11 +118,7 @@ __global__ void k_router_dlogits(int T, int E, int K, int mode, int renormalize,
                 const double dsig = renormalize ? scale * (dS - g) / den : scale * dS;
                 v = dsig * se * (1.0 - se);
             }
-            if (ex) v += (double)ex[e];
-            const float f = (float)v;
-            const bf16 h = __float2bfloat16_rn(f);
-            hi[e] = h;
-            lo[e] = __float2bfloat16_rn(f - __bfloat162float(h));
+            store_split(v, ex, e, hi, lo);
         }
         return;
     }
@@ -166,11 +170,7 @@ __global__ void k_router_dlogits(int T, int E, int K, int mode, int renormalize,
                 continue;
             }
             double v = p * (dp - c);
-            if (ex) v += (double)ex[e];
-            const float f = (float)v;
-            const bf16 h = __float2bfloat16_rn(f);
-            hi[e] = h;
-            lo[e] = __float2bfloat16_rn(f - __bfloat162float(h));
+            store_split(v, ex, e, hi, lo);
         }
     }
 #undef PAIR_LOOKUP
@@ -222,11 +222,7 @@ k_router_dlogits_topk_warp(int T, int E, const int32_t *__restrict__ token_offse
     const float *ex = extra ? extra + (int64_t)t * E : NULL;
     for (int j = lane; j < E; j += 32) {
         double v = row[j];
-        if (ex) v += (double)ex[j];
-        const float f = (float)v;
-        const bf16 h = __float2bfloat16_rn(f);
-        hi[j] = h;
-        lo[j] = __float2bfloat16_rn(f - __bfloat162float(h));
+        store_split(v, ex, j, hi, lo);
     }
 }
 
