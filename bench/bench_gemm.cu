@@ -9,7 +9,8 @@
  *
  * Shapes (T, d, n, E, K): 7B (24576, 1536, 256, 128, 8), 30B (32768, 4096,
  * 512, 128, 8), 120B (32768, 4096, 1024, 128, 8), 120B-n2048 (32768, 4096,
- * 2048, 64, 4); all four by default. SwiGLU, interleaved W1, no bias;
+ * 2048, 64, 4); all four by default. The public models' shapes of
+ * bench/grid.h by name (Mixtral-8x7B, ...) or all with --shape models. SwiGLU, interleaved W1, no bias;
  * balanced routing: token t goes to experts (p(t) K + k) mod E, k < K, for
  * a random permutation p, so every expert holds R / E = T K / E rows.
  *
@@ -37,6 +38,7 @@
 #include <cublas_v2.h>
 
 #include "cuda/gemm.h"
+#include "grid.h"
 #include "testutil_cuda.h"
 
 typedef struct shape {
@@ -44,13 +46,25 @@ typedef struct shape {
     int64_t T, d, n, E, K;
 } shape;
 
-static const shape g_shapes[] = {
+/* The grid's four shapes (the default), then the public models' of
+ * bench/grid.h (by name, or all of them with --shape models). */
+#define NGRID 4
+#define NSHAPES (NGRID + SMOE_MODEL_ROWS)
+static shape g_shapes[NSHAPES] = {
     {"7B", 24576, 1536, 256, 128, 8},
     {"30B", 32768, 4096, 512, 128, 8},
     {"120B", 32768, 4096, 1024, 128, 8},
     {"120B-n2048", 32768, 4096, 2048, 64, 4},
 };
-#define NSHAPES ((int)(sizeof g_shapes / sizeof g_shapes[0]))
+
+static void add_model_shapes(void)
+{
+    for (int k = 0; k < SMOE_MODEL_ROWS; k++) {
+        const smoe_grid_row *r = &smoe_model_rows[k];
+        shape s = {r->name, r->T, r->d, r->n, r->E, r->K};
+        g_shapes[NGRID + k] = s;
+    }
+}
 
 enum { FAM_SM80, FAM_SM90, NFAM };
 static const char *const g_fam_name[NFAM] = {"sm80", "sm90"};
@@ -85,6 +99,14 @@ static int in_list(const char *list, const char *name)
         q += l + (q[l] == ',');
     }
     return 0;
+}
+
+/* Whether shape k is asked for: the grid's by default, the models' with
+ * "models" in the list. */
+static int shape_wanted(const char *list, int k)
+{
+    if (!list) return k < NGRID;
+    return in_list(list, g_shapes[k].name) || (k >= NGRID && in_list(list, "models"));
 }
 
 /* Per family: the sum of log(ratio) over the plan rows, and their number. */
@@ -463,6 +485,7 @@ int main(int argc, char **argv)
 #endif
     int fam[NFAM] = {1, 1};
     const char *shapes = NULL;
+    add_model_shapes();
     for (int f = 0; f < NFAM; f++)
         for (int g = 0; g < SMOE_GEMM_COUNT; g++) g_row[f][g] = -1;
     for (int i = 1; i < argc; i++) {
@@ -508,10 +531,11 @@ int main(int argc, char **argv)
         int named = 1, known = 0;
         for (const char *q = shapes; *q; q++) named += *q == ',';
         for (int k = 0; k < NSHAPES; k++) known += in_list(shapes, g_shapes[k].name);
+        known += in_list(shapes, "models");
         if (known != named) {
             fprintf(stderr, "--shape %s: the shapes are", shapes);
             for (int k = 0; k < NSHAPES; k++) fprintf(stderr, " %s", g_shapes[k].name);
-            fprintf(stderr, "\n");
+            fprintf(stderr, " and models (all the models' shapes)\n");
             return 2;
         }
     }
@@ -533,7 +557,7 @@ int main(int argc, char **argv)
         g_cublas = 0;
     }
     for (int k = 0; k < NSHAPES; k++)
-        if (in_list(shapes, g_shapes[k].name))
+        if (shape_wanted(shapes, k))
             bench_shape(&g_shapes[k], ops, prop.multiProcessorCount, h);
     printf("\n");
     for (int f = 0; f < NFAM; f++)
