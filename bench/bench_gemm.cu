@@ -9,8 +9,9 @@
  *
  * Shapes (T, d, n, E, K): 7B (24576, 1536, 256, 128, 8), 30B (32768, 4096,
  * 512, 128, 8), 120B (32768, 4096, 1024, 128, 8), 120B-n2048 (32768, 4096,
- * 2048, 64, 4); all four by default. The public models' shapes of
- * bench/grid.h by name (Mixtral-8x7B, ...) or all with --shape models. SwiGLU, interleaved W1, no bias;
+ * 2048, 64, 4); all four by default. The benchmark grid's twelve rows and
+ * the public models' shapes of bench/grid.h by name (1.4B-n256, ...,
+ * Mixtral-8x7B, ...) or all with --shape grid, --shape models. SwiGLU, interleaved W1, no bias;
  * balanced routing: token t goes to experts (p(t) K + k) mod E, k < K, for
  * a random permutation p, so every expert holds R / E = T K / E rows.
  *
@@ -46,10 +47,11 @@ typedef struct shape {
     int64_t T, d, n, E, K;
 } shape;
 
-/* The grid's four shapes (the default), then the public models' of
- * bench/grid.h (by name, or all of them with --shape models). */
+/* Four of the grid's shapes (the default), then the twelve rows of the
+ * benchmark grid and the public models' shapes of bench/grid.h (by name,
+ * or all of them with --shape grid or --shape models). */
 #define NGRID 4
-#define NSHAPES (NGRID + SMOE_MODEL_ROWS)
+#define NSHAPES (NGRID + SMOE_GRID_ROWS + SMOE_MODEL_ROWS)
 static shape g_shapes[NSHAPES] = {
     {"7B", 24576, 1536, 256, 128, 8},
     {"30B", 32768, 4096, 512, 128, 8},
@@ -59,8 +61,9 @@ static shape g_shapes[NSHAPES] = {
 
 static void add_model_shapes(void)
 {
-    for (int k = 0; k < SMOE_MODEL_ROWS; k++) {
-        const smoe_grid_row *r = &smoe_model_rows[k];
+    for (int k = 0; k < SMOE_GRID_ROWS + SMOE_MODEL_ROWS; k++) {
+        const smoe_grid_row *r =
+            k < SMOE_GRID_ROWS ? &smoe_grid[k] : &smoe_model_rows[k - SMOE_GRID_ROWS];
         shape s = {r->name, r->T, r->d, r->n, r->E, r->K};
         g_shapes[NGRID + k] = s;
     }
@@ -101,12 +104,14 @@ static int in_list(const char *list, const char *name)
     return 0;
 }
 
-/* Whether shape k is asked for: the grid's by default, the models' with
- * "models" in the list. */
+/* Whether shape k is asked for: the first four by default, the grid's or
+ * the models' with "grid" or "models" in the list. */
 static int shape_wanted(const char *list, int k)
 {
     if (!list) return k < NGRID;
-    return in_list(list, g_shapes[k].name) || (k >= NGRID && in_list(list, "models"));
+    const int grid = k >= NGRID && k < NGRID + SMOE_GRID_ROWS, model = k >= NGRID + SMOE_GRID_ROWS;
+    return in_list(list, g_shapes[k].name) || (grid && in_list(list, "grid")) ||
+           (model && in_list(list, "models"));
 }
 
 /* Per family: the sum of log(ratio) over the plan rows, and their number. */
@@ -156,7 +161,7 @@ typedef struct bufs {
     float *score;
     bf16 *x, *w1, *w2, *dout, *h, *a, *y, *dh, *as, *dxt;
     float *ds;
-    void *dw1, *dw2, *scratch; /* dw1, dw2: room for fp32 */
+    void *dw1, *dw2, *scratch; /* dw1, dw2: room for fp32 if an fp32 mode is timed */
 } bufs;
 
 /* Balanced routing (see the top): rows sorted by expert, then token. */
@@ -231,10 +236,15 @@ static void bufs_make(bufs *B, const shape *S, const smoe_gemm_ops *const *ops, 
         tu_dev_fill_bf16(*in[i].p, (size_t)in[i].count, 100 + i, -in[i].scale, in[i].scale);
     }
     B->ds = (float *)tu_dev_alloc(4 * (size_t)R);
-    B->dw1 = tu_dev_alloc(4 * (size_t)(E * hc * d));
-    B->dw2 = tu_dev_alloc(4 * (size_t)(E * d * n));
-    tu_dev_fill_f32((float *)B->dw1, (size_t)(E * hc * d), 200, -1.0f, 1.0f);
-    tu_dev_fill_f32((float *)B->dw2, (size_t)(E * d * n), 201, -1.0f, 1.0f);
+    /* room for fp32 only where an fp32 mode is timed (DeepSeek-V3's fp32
+     * dW1 alone is 30 GB) */
+    const size_t wsz = g_wg[WG_F32] || g_wg[WG_F32_ACC] ? 4 : 2;
+    B->dw1 = tu_dev_alloc(wsz * (size_t)(E * hc * d));
+    B->dw2 = tu_dev_alloc(wsz * (size_t)(E * d * n));
+    if (wsz == 4) {
+        tu_dev_fill_f32((float *)B->dw1, (size_t)(E * hc * d), 200, -1.0f, 1.0f);
+        tu_dev_fill_f32((float *)B->dw2, (size_t)(E * d * n), 201, -1.0f, 1.0f);
+    }
     smoe_gemm_problem p = problem_of(B, num_sms);
     size_t scratch = 0;
     for (int f = 0; f < NFAM; f++)
@@ -531,11 +541,11 @@ int main(int argc, char **argv)
         int named = 1, known = 0;
         for (const char *q = shapes; *q; q++) named += *q == ',';
         for (int k = 0; k < NSHAPES; k++) known += in_list(shapes, g_shapes[k].name);
-        known += in_list(shapes, "models");
+        known += in_list(shapes, "models") + in_list(shapes, "grid");
         if (known != named) {
             fprintf(stderr, "--shape %s: the shapes are", shapes);
             for (int k = 0; k < NSHAPES; k++) fprintf(stderr, " %s", g_shapes[k].name);
-            fprintf(stderr, " and models (all the models' shapes)\n");
+            fprintf(stderr, ", grid (its twelve rows) and models (every model's)\n");
             return 2;
         }
     }

@@ -62,9 +62,10 @@ extern "C" smoe_status smoe_fail(smoe_status status, const char *fmt, ...)
     return status;
 }
 
-/* Rows under test (the table has one); every correctness check runs for
- * each, and failures are counted per row (printed at the end). */
-static std::vector<int> g_variants{0};
+/* Rows under test (both of the table: the tiles in row order and grouped);
+ * every correctness check runs for each, and failures are counted per row
+ * (printed at the end). */
+static std::vector<int> g_variants{0, 1};
 static int g_cur_vi = 0;                 /* index into g_variants of the running one */
 static std::vector<int> g_var_fail(1, 0);
 
@@ -625,6 +626,13 @@ int main(int argc, char **argv)
         correctness_case("medium concatenated all SMs", &P, num_sms, 0);
         routing_random(&P, &s, 700);
         determinism_case(&P, num_sms);
+    }
+    {   /* 18 m-tiles: the grouped row's groups of 16 and a last one of 2 */
+        problem P;
+        P.T = 1024; P.d = 2304; P.n = 384; P.E = 4; P.K = 2; P.gated = 1;
+        P.layout = SMOE_W1_INTERLEAVED;
+        routing_random(&P, &s, 600);
+        correctness_case("wide d = 2304", &P, num_sms, 0);
     }
     rejection_cases(num_sms);
 

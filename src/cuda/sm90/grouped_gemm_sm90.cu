@@ -314,17 +314,24 @@ enum {
  * sm90_plan's):
  *  up    the 128 x 256 tile with the 128-thread gather wherever H has 256+
  *        columns (best on every grid shape); with its epilogue in the
- *        epilogue warps where d >= 4096 and n >= 512 (up's epilogue was
+ *        epilogue warps where d >= 2048 and n >= 512 (up's epilogue was
  *        12-16% of its time at the 30B rows; layer forward +1-2% at
  *        30B-n512 and 120B, +1-5% at 30B-n1024, but -2% at 30B-n256 and 7B
- *        and -7-13% at d = 768: rung 13); below 256 columns 128 x 128 with
- *        6 stages and a producer warp per stage.
- *  down  ping-pong 128 x 192 where the reduction n is short (n <= 256 with
- *        E <= 256, n <= 512 otherwise, or n <= 1024 where d % 192 == 0: d =
- *        4096 leaves a 64-column last n-tile); else 128 x 256, with the
- *        TMA-store epilogue at 256 < n <= 1024 and E <= 256 (+3% at
- *        120B-n1024's shape, +7% at n = 512 alone; layer forward +2-5% at
- *        30B-n1024, +1% at 120B-n512; -2% at n = 2048: rungs 10-11).
+ *        and -7-13% at d = 768: rung 13; at d = 2048 and 2880, OLMoE-1B-7B,
+ *        Qwen3-30B-A3B and gpt-oss-120b's shapes, +6-9% with the down rule
+ *        below: bench/RESULTS.md, 2026-11-27); below 256 columns 128 x 128
+ *        with 6 stages and a producer warp per stage.
+ *  down  ping-pong 128 x 192 where the reduction n is short (n <= 512:
+ *        +1-4% at 30B-n512 and 120B-n512 over the TMA-store tile, 2026-11-27;
+ *        or n <= 1024 where d % 192 == 0: d = 4096 leaves a 64-column last
+ *        n-tile) or where d is a multiple of 192 but not of 256 (gpt-oss's
+ *        2880, grouped from 8 MiB: 128 x 256 would leave a quarter-full last
+ *        tile); else 128 x 256, with the TMA-store epilogue at 512 < n <=
+ *        1024 and E <= 256 (+3% at 120B-n1024's shape; layer forward +2-5%
+ *        at 30B-n1024: rungs 10-11; the ping-pong there measured 0.98x);
+ *        for d > 4096 the ping-pong, grouped from 8 MiB (GLM-4.5 +5%,
+ *        DeepSeek-V3 +1%; at d = 4096, GLM-4.5-Air and Qwen3-235B-A22B,
+ *        it lost 2-3% to 128 x 256: 2026-11-27).
  *  dxt   as down's rule without the E <= 256 case (reduction h_cols), the
  *        plain 128 x 256 tile otherwise.
  *  dh    128 x 256 where n >= 256, its dH and A' stored by TMA where gated
@@ -334,6 +341,8 @@ enum {
  *        expert's weight slice is 16 MiB or more: up, dxt, down and dh
  *        +3-12% at 120B-n2048 (W1 32 MiB, W2 16 MiB), up and dxt +3-7% at
  *        120B (W1 16 MiB), down -5% there (W2 8 MiB): rung 9.
+ *  dw2, dw1 (varlen_k_sm90.cu; sm90_vk_grouped) the tiles in row order,
+ *        grouped by 16 m-tiles where N >= 8192.
  *  d < 256: 128 x 128, 6 stages. */
 #define SM90_UP_ROWS(X)                                                                          \
     X(0, "256x3 epilogue-warps", 256, 3, SM90_FL_EPIWG, SM90_NEED_H256)                          \
@@ -376,8 +385,13 @@ static const sm90_row sm90_down_rows[] = {SM90_DOWN_ROWS(SM90_ROW)};
 static const sm90_row sm90_dxt_rows[] = {SM90_DXT_ROWS(SM90_ROW)};
 static const sm90_row sm90_dh_rows[] = {SM90_DH_ROWS(SM90_ROW)};
 #undef SM90_ROW
-/* the weight gradients (varlen_k_sm90.cu): one row each */
-static const sm90_row sm90_vk_row = {"128x256 tma (128x128 where N % 256 != 0)", 0, 4, 0, 0};
+/* The weight gradients' rows (varlen_k_sm90.cu; the same for dw2 and dw1):
+ * the tiles of an expert in row order, or grouped by 16 m-tiles where an
+ * expert has many tiles (sm90_plan). */
+static const sm90_row sm90_vk_rows[] = {
+    {"128x256 tma (128x128 where N % 256 != 0)", 0, 4, 0, 0},
+    {"128x256 tma grouped (128x128 where N % 256 != 0)", 0, 4, 0, 0},
+};
 
 /* GEMM g's table (NULL for dw1, dw2) and its length. */
 static const sm90_row *sm90_rows(int g, int *count)
@@ -388,7 +402,7 @@ static const sm90_row *sm90_rows(int g, int *count)
     case SMOE_GEMM_DOWN: *count = SM90_N(sm90_down_rows); return sm90_down_rows;
     case SMOE_GEMM_DXT: *count = SM90_N(sm90_dxt_rows); return sm90_dxt_rows;
     case SMOE_GEMM_DH: *count = SM90_N(sm90_dh_rows); return sm90_dh_rows;
-    default: *count = 1; return NULL;
+    default: *count = SM90_N(sm90_vk_rows); return NULL;
     }
 #undef SM90_N
 }
@@ -398,7 +412,7 @@ static const char *sm90_row_name(int g, int row)
     int count = 0;
     const sm90_row *t = sm90_rows(g, &count);
     if (g < 0 || g >= SMOE_GEMM_COUNT || row < 0 || row >= count) return NULL;
-    return t ? t[row].name : sm90_vk_row.name;
+    return t ? t[row].name : sm90_vk_rows[row].name;
 }
 
 /* Whether row `row` of GEMM g can run the shape of p (0 with the reason
@@ -436,9 +450,18 @@ static int sm90_row_fits(const smoe_gemm_problem *p, int g, int row)
     return sm90_row_fits_op(p, g, row, smoe_gemm_name(g));
 }
 
-/* Where one expert's weight slice (K x N bf16) is 16 MiB or more: the
+/* Where one expert's weight slice (K x N bf16) is `mib` MiB or more: the
  * grouped tile order (see the rows above). */
-static int sm90_grouped(int64_t K, int64_t N) { return K * N * 2 >= ((int64_t)16 << 20); }
+static int sm90_grouped(int64_t K, int64_t N, int mib) { return K * N * 2 >= ((int64_t)mib << 20); }
+
+/* Whether a weight gradient (M x N per expert; 128 x 256 tiles, 128 x 128
+ * where N % 256 != 0: varlen_k_sm90.cu) takes its grouped row: where N >=
+ * 8192, so that ~132 tiles in row order span one or two m-tiles and 32 or
+ * more N-side slices of the expert's rows, which then do not stay in L2
+ * (Mixtral-8x7B, 4096 rows per expert: 117 and 235 MiB; dw2 8.70 -> 5.76
+ * ms, dw1 19.9 -> 11.9 ms). Elsewhere the grouped order measured 0.84-1.06x
+ * of the row order (bench_gemm, 2026-11-27), so those keep row order. */
+static int sm90_vk_grouped(int64_t N) { return N >= 8192; }
 
 /* The tile table's choice for each GEMM at p's shape (the rows above say
  * why); -1 where these kernels cannot run it. */
@@ -449,7 +472,7 @@ static void sm90_plan(const smoe_gemm_problem *p, smoe_gemm_plan *plan)
     const int64_t d = p->d, n = p->n, hc = p->h_cols, E = p->E;
     /* up (K = d, N = h_cols) */
     if (hc >= 256) {
-        const int epiwg = d >= 4096 && n >= 512, gr = sm90_grouped(d, hc);
+        const int epiwg = d >= 2048 && n >= 512, gr = sm90_grouped(d, hc, 16);
         plan->row[SMOE_GEMM_UP] = epiwg ? gr : 2 + gr;
     } else {
         plan->row[SMOE_GEMM_UP] = 4;
@@ -458,26 +481,28 @@ static void sm90_plan(const smoe_gemm_problem *p, smoe_gemm_plan *plan)
     if (d < 256) {
         plan->row[SMOE_GEMM_DOWN] = 6;
     } else {
-        const int gr = sm90_grouped(n, d);
-        const int short_k = E <= 256 ? n <= 256 : n <= 512;
-        if (short_k || (n <= 1024 && d % 192 == 0)) plan->row[SMOE_GEMM_DOWN] = gr;
-        else if (E <= 256 && n > 256 && n <= 1024) plan->row[SMOE_GEMM_DOWN] = 2 + gr;
+        const int gr = sm90_grouped(n, d, 16);
+        if (n <= 512 || (n <= 1024 && d % 192 == 0)) plan->row[SMOE_GEMM_DOWN] = gr;
+        else if (d % 256 != 0 && d % 192 == 0) plan->row[SMOE_GEMM_DOWN] = sm90_grouped(n, d, 8);
+        else if (E <= 256 && n <= 1024) plan->row[SMOE_GEMM_DOWN] = 2 + gr;
+        else if (d > 4096) plan->row[SMOE_GEMM_DOWN] = sm90_grouped(n, d, 8);
         else plan->row[SMOE_GEMM_DOWN] = 4 + gr;
     }
     /* dxt (K = h_cols, N = d): W1's rows in dH's column order only */
     if (!(p->gated && p->w1_layout == SMOE_W1_CONCATENATED)) {
-        const int gr = sm90_grouped(hc, d);
+        const int gr = sm90_grouped(hc, d, 16);
         plan->row[SMOE_GEMM_DXT] = d < 256 ? 4
                                    : (hc <= 512 || (hc <= 1024 && d % 192 == 0)) ? gr
                                                                                  : 2 + gr;
     }
     /* dh (K = d, N = n) */
     {
-        const int gr = sm90_grouped(d, n);
+        const int gr = sm90_grouped(d, n, 16);
         plan->row[SMOE_GEMM_DH] = n < 256 ? 4 : (p->gated && E <= 256) ? gr : 2 + gr;
     }
-    plan->row[SMOE_GEMM_DW2] = 0;
-    plan->row[SMOE_GEMM_DW1] = 0;
+    /* dw2 (M = d, N = n), dw1 (M = d, N = h_cols) */
+    plan->row[SMOE_GEMM_DW2] = sm90_vk_grouped(n);
+    plan->row[SMOE_GEMM_DW1] = sm90_vk_grouped(hc);
 }
 
 /* The plan's row for GEMM g, checked against p's shape. */

@@ -99,8 +99,11 @@ using namespace smoe_sm90;
  * 11 is today's 3 and 9 is 1; 32 k-rows x 8 stages was 5-20% slower. */
 #define VK_F_TMA 1
 #define VK_F_NOFENCE 2
-#define VK_F_ALL (VK_F_TMA | VK_F_NOFENCE)
 #define VK_DEFAULT_CFG (VK_F_TMA | VK_F_NOFENCE)
+/* The grouped tile order (vk_tile_coords; the table's grouped row): a
+ * compile-time bit, as the run-time branch cost the row order 1-3% of the
+ * layer's backward on every grid row. */
+#define VK_F_GROUPED 4
 
 template <int CFG>
 struct vk_cfg {
@@ -133,6 +136,7 @@ typedef struct vk_args {
     void *out;                     /* (E, M, N) fp32 or bf16 */
     int M, N;
     int tiles_m, tiles_n, total_tiles;
+    int gm;                        /* VK_F_GROUPED's group of m-tiles (vk_tile_coords) */
     int out_f32, accumulate;
     int map_rows;                  /* 1: logical row c -> smoe_w1_row (concatenated W1) */
     int n_half;                    /* n, for that map */
@@ -153,14 +157,31 @@ static __device__ __forceinline__ void vk_wgmma_mn(float *d, uint64_t desc_a, ui
 
 /* ------------------------------------------------------------ kernel */
 
+/* Tile `tile`'s expert and (m, n) tile. The tiles of an expert go in row
+ * order (n fastest), or with VK_F_GROUPED in groups of p.gm m-tiles, m fastest
+ * within a group: the ~num_sms tiles in flight then read gm slices of the
+ * M-side operand and about num_sms / gm of the N-side one, instead of one
+ * or two M slices and every N slice of the expert (for one expert's output
+ * of 32 x 112 tiles, Mixtral's dW1, that re-read dH from DRAM once per
+ * m-tile). */
+template <int CFG>
 static __device__ __forceinline__ void vk_tile_coords(const vk_args &p, int tile, int *e, int *mt,
                                                       int *nt)
 {
-    int per_e = p.tiles_m * p.tiles_n;
+    const int per_e = p.tiles_m * p.tiles_n;
     *e = tile / per_e;
-    int rem = tile - *e * per_e;
-    *mt = rem / p.tiles_n;
-    *nt = rem - *mt * p.tiles_n;
+    const int rem = tile - *e * per_e;
+    if (!(CFG & VK_F_GROUPED)) {
+        *mt = rem / p.tiles_n;
+        *nt = rem - *mt * p.tiles_n;
+        return;
+    }
+    const int group = rem / (p.gm * p.tiles_n);
+    const int first = group * p.gm;
+    const int rows = min(p.gm, p.tiles_m - first);
+    const int r = rem - group * p.gm * p.tiles_n;
+    *nt = r / rows;
+    *mt = first + (r - *nt * rows);
 }
 
 /* The producer's walk over its (tile, k-tile) iterations, skipping tiles of
@@ -539,7 +560,7 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
     uint32_t it = 0;
     for (int tile = blockIdx.x; tile < p.total_tiles; tile += gridDim.x) {
         int e, mt, nt;
-        vk_tile_coords(p, tile, &e, &mt, &nt);
+        vk_tile_coords<CFG>(p, tile, &e, &mt, &nt);
         const int row_begin = __ldg(p.expert_offset + e);
         const int row_end = __ldg(p.expert_offset + e + 1);
         const int nk = row_end > row_begin ? (row_end - row_begin + BK - 1) / BK : 0;
@@ -654,7 +675,7 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
         uint32_t it = 0;
         for (int tile = blockIdx.x; tile < p.total_tiles; tile += gridDim.x) {
             int e, mt, nt;
-            vk_tile_coords(p, tile, &e, &mt, &nt);
+            vk_tile_coords<CFG>(p, tile, &e, &mt, &nt);
             const int row_begin = __ldg(p.expert_offset + e);
             const int row_end = __ldg(p.expert_offset + e + 1);
             const int nk = row_end > row_begin ? (row_end - row_begin + BK - 1) / BK : 0;
@@ -748,7 +769,7 @@ static smoe_status vk_launch(const vk_args *a, const CUtensorMap *map, int num_s
 static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf16 *a,
                           const bf16 *b, int64_t M, int64_t N, int gather_a, void *out,
                           smoe_dtype out_dtype, int accumulate, int map_rows, int trans_out,
-                          cudaStream_t stream)
+                          int grouped, cudaStream_t stream)
 {
     SMOE_RETURN_ERROR_IF(p->d % 64 != 0 || p->n % 64 != 0 || p->h_cols % 64 != 0,
                          SMOE_ERROR_UNSUPPORTED,
@@ -801,6 +822,10 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     args.tiles_m = (int)tiles_m;
     args.tiles_n = (int)tiles_n;
     args.total_tiles = (int)total;
+    /* groups of 16 m-tiles: with ~132 tiles in flight, 16 slices of the
+     * 128-wide M side and ~8 of the 256-wide N side, near the fewest bytes
+     * for that many tiles */
+    args.gm = grouped ? (int)(tiles_m < 16 ? tiles_m : 16) : 0;
     args.out_f32 = out_dtype == SMOE_DTYPE_F32;
     args.accumulate = accumulate != 0;
     args.map_rows = map_rows;
@@ -816,19 +841,30 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
         SMOE_FORWARD_IF_ERROR(gather_a ? smoe_sm90_make_map(&map, b, p->cap, N, box_rows, name)
                                        : smoe_sm90_make_map(&map, a, p->cap, M, box_rows, name));
     }
-    if (bn == 256)
-        return gather_a ? vk_launch<256, true, VK_DEFAULT_CFG>(&args, &map, num_sms, stream)
-                        : vk_launch<256, false, VK_DEFAULT_CFG>(&args, &map, num_sms, stream);
-    return gather_a ? vk_launch<128, true, VK_DEFAULT_CFG>(&args, &map, num_sms, stream)
-                    : vk_launch<128, false, VK_DEFAULT_CFG>(&args, &map, num_sms, stream);
+    constexpr int C0 = VK_DEFAULT_CFG, C1 = VK_DEFAULT_CFG | VK_F_GROUPED;
+    if (bn == 256) {
+        if (grouped)
+            return gather_a ? vk_launch<256, true, C1>(&args, &map, num_sms, stream)
+                            : vk_launch<256, false, C1>(&args, &map, num_sms, stream);
+        return gather_a ? vk_launch<256, true, C0>(&args, &map, num_sms, stream)
+                        : vk_launch<256, false, C0>(&args, &map, num_sms, stream);
+    }
+    if (grouped)
+        return gather_a ? vk_launch<128, true, C1>(&args, &map, num_sms, stream)
+                        : vk_launch<128, false, C1>(&args, &map, num_sms, stream);
+    return gather_a ? vk_launch<128, true, C0>(&args, &map, num_sms, stream)
+                    : vk_launch<128, false, C0>(&args, &map, num_sms, stream);
 }
 
-/* The plan's row for a weight-gradient GEMM: the one row (0) of its table. */
-static smoe_status vk_row_check(const smoe_gemm_problem *p, int g, const char *op)
+/* The plan's row for a weight-gradient GEMM (grouped_gemm_sm90.cu's
+ * SM90_VK_ROWS): 0 the tiles in row order, 1 grouped. */
+static smoe_status vk_row_check(const smoe_gemm_problem *p, int g, const char *op, int *grouped)
 {
     SMOE_RETURN_ERROR_IF(!p->plan, SMOE_ERROR_INTERNAL, "sm90 %s: no plan", op);
-    SMOE_RETURN_ERROR_IF(p->plan->row[g] != 0, SMOE_ERROR_UNSUPPORTED,
-                         "sm90 %s: tile row %d (the table has row 0 only)", op, p->plan->row[g]);
+    const int row = p->plan->row[g];
+    SMOE_RETURN_ERROR_IF(row != 0 && row != 1, SMOE_ERROR_UNSUPPORTED,
+                         "sm90 %s: tile row %d (the table has rows 0 and 1)", op, row);
+    *grouped = row == 1;
     return SMOE_SUCCESS;
 }
 
@@ -838,9 +874,11 @@ extern "C" smoe_status smoe_sm90_dw2(const smoe_gemm_problem *p, const bf16 *dou
 {
     (void)scratch;
     SMOE_RETURN_ERROR_IF(!p, SMOE_ERROR_NULL_POINTER, "sm90 dw2: NULL problem");
-    SMOE_FORWARD_IF_ERROR(vk_row_check(p, SMOE_GEMM_DW2, "dw2"));
+    int grouped = 0;
+    SMOE_FORWARD_IF_ERROR(vk_row_check(p, SMOE_GEMM_DW2, "dw2", &grouped));
     /* M = d (dO columns, gathered by token), N = n (a_scaled columns) */
-    return vk_run("dw2", p, dout, a_scaled, p->d, p->n, 1, dw2, out_dtype, accumulate, 0, 0, s);
+    return vk_run("dw2", p, dout, a_scaled, p->d, p->n, 1, dw2, out_dtype, accumulate, 0, 0,
+                  grouped, s);
 }
 
 extern "C" smoe_status smoe_sm90_dw1(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *x,
@@ -849,7 +887,8 @@ extern "C" smoe_status smoe_sm90_dw1(const smoe_gemm_problem *p, const bf16 *dh,
 {
     (void)scratch;
     SMOE_RETURN_ERROR_IF(!p, SMOE_ERROR_NULL_POINTER, "sm90 dw1: NULL problem");
-    SMOE_FORWARD_IF_ERROR(vk_row_check(p, SMOE_GEMM_DW1, "dw1"));
+    int grouped = 0;
+    SMOE_FORWARD_IF_ERROR(vk_row_check(p, SMOE_GEMM_DW1, "dw1", &grouped));
     const int map_rows = p->gated && p->w1_layout == SMOE_W1_CONCATENATED;
     /* bf16 overwrite (the layer's weight gradients): dW1^T = X^T dH, M = d
      * (X columns, gathered), N = h_cols, each tile stored transposed; the
@@ -859,7 +898,8 @@ extern "C" smoe_status smoe_sm90_dw1(const smoe_gemm_problem *p, const bf16 *dh,
      * the output in its own orientation) */
     if (out_dtype == SMOE_DTYPE_BF16 && !accumulate)
         return vk_run("dw1", p, x, dh, p->d, p->h_cols, 1, dw1, out_dtype, accumulate, map_rows, 1,
-                      s);
+                      grouped, s);
     /* M = h_cols (dH columns, logical interleaved order), N = d (X columns, gathered) */
-    return vk_run("dw1", p, dh, x, p->h_cols, p->d, 0, dw1, out_dtype, accumulate, map_rows, 0, s);
+    return vk_run("dw1", p, dh, x, p->h_cols, p->d, 0, dw1, out_dtype, accumulate, map_rows, 0,
+                  grouped, s);
 }
