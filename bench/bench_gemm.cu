@@ -5,7 +5,7 @@
  *
  *   bench_gemm [--family sm80|sm90|all] [--shape NAME[,NAME...]] [--gemm NAME]
  *              [--all-rows] [--row GEMM=NAME ...] [--wgrad bf16|f32|f32-acc|all]
- *              [--reps N] [--warmup N] [--no-cublas] [--csv FILE]
+ *              [--reps N] [--warmup N] [--no-flush] [--no-cublas] [--csv FILE]
  *
  * Shapes (T, d, n, E, K): 7B (24576, 1536, 256, 128, 8), 30B (32768, 4096,
  * 512, 128, 8), 120B (32768, 4096, 1024, 128, 8), 120B-n2048 (32768, 4096,
@@ -23,15 +23,20 @@
  * overwrite (f32), fp32 accumulate (f32-acc) or all three.
  *
  * Timing: CUDA events around each call, the median of --reps (20) calls
- * after --warmup (3); inputs are neither rotated nor L2 flushed (most
- * inputs of the grid's shapes are larger than L2). TFLOPS = 2 R N K / time. Baseline (--no-cublas
- * leaves it out): for up, down, dh and dxt cuBLAS's dense GEMM of the same
- * M = R, N, K (bf16 in and out, fp32 compute: no gather, no activation, no
- * scatter); for dw2 and dw1 its strided-batched GEMM of E equal per-expert
- * products (K = R / E, fp32 out: no gather). ratio = cuBLAS's time / ours
- * (above 1: ours is faster). The last lines: per family the geometric mean
- * of the plan rows' ratios, and cuBLAS's dense 8192^3 bf16 GEMM as the
- * device's reachable peak.
+ * after --warmup (3). Before each call, warm-up included, a memset of
+ * max(256 MiB, 2 x L2) bytes outside the events evicts L2 (the H100 has
+ * 50 MiB), as in bench/bench.c, so no call finds what the one before left
+ * in L2; the inputs are not rotated. --no-flush leaves the memset out: the
+ * inputs that fit in L2 then stay there from call to call. cuBLAS is timed
+ * the same way. TFLOPS = 2 R N K / time.
+ *
+ * Baseline (--no-cublas leaves it out): for up, down, dh and dxt cuBLAS's
+ * dense GEMM of the same M = R, N, K (bf16 in and out, fp32 compute: no
+ * gather, no activation, no scatter); for dw2 and dw1 its strided-batched
+ * GEMM of E equal per-expert products (K = R / E, fp32 out: no gather).
+ * ratio = cuBLAS's time / ours (above 1: ours is faster). The last lines:
+ * per family the geometric mean of the plan rows' ratios, and cuBLAS's
+ * dense 8192^3 bf16 GEMM as the device's reachable peak.
  *
  * The GEMMs' correctness is the tests' (tests/gpu/test_gemm.cu,
  * test_gemm_sm90.cu, test_varlen_k_sm90.cu: every row of every table).
@@ -77,7 +82,7 @@ enum { WG_BF16, WG_F32, WG_F32_ACC, NWG };
 static const char *const g_wg_name[NWG] = {"bf16", "f32", "f32-acc"};
 
 /* Options. */
-static int g_reps = 20, g_warmup = 3, g_all_rows = 0, g_cublas = 1;
+static int g_reps = 20, g_warmup = 3, g_all_rows = 0, g_cublas = 1, g_flush = 1;
 static int g_gemm = -1;                  /* --gemm: this GEMM only */
 static int g_wg[NWG] = {1, 0, 0};        /* --wgrad: the modes timed */
 static int g_row[NFAM][SMOE_GEMM_COUNT]; /* --row: -1, the plan's */
@@ -123,6 +128,10 @@ static int g_nratio[NFAM];
 /* A call to time: 0 on success. */
 typedef int (*bench_fn)(void *ctx);
 
+/* The L2 flush's buffer (NULL with --no-flush) and its size. */
+static void *g_flush_buf = NULL;
+static size_t g_flush_bytes = 0;
+
 static int cmp_float(const void *a, const void *b)
 {
     float x = *(const float *)a, y = *(const float *)b;
@@ -138,6 +147,7 @@ static float median_ms(bench_fn fn, void *ctx)
     float *t = (float *)malloc(sizeof(float) * (size_t)g_reps);
     int ok = 1;
     for (int it = -g_warmup; it < g_reps && ok; it++) {
+        if (g_flush_buf) CUDA_OK(cudaMemsetAsync(g_flush_buf, it & 0xff, g_flush_bytes, 0));
         CUDA_OK(cudaEventRecord(e0));
         ok = fn(ctx) == 0;
         CUDA_OK(cudaEventRecord(e1));
@@ -482,7 +492,7 @@ static int usage(const char *argv0)
     fprintf(stderr,
             "usage: %s [--family sm80|sm90|all] [--shape NAME[,NAME...]] [--gemm NAME]\n"
             "       [--all-rows] [--row GEMM=NAME ...] [--wgrad bf16|f32|f32-acc|all]\n"
-            "       [--reps N] [--warmup N] [--no-cublas] [--csv FILE]\n",
+            "       [--reps N] [--warmup N] [--no-flush] [--no-cublas] [--csv FILE]\n",
             argv0);
     return 2;
 }
@@ -502,6 +512,7 @@ int main(int argc, char **argv)
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--all-rows")) g_all_rows = 1;
         else if (!strcmp(a, "--no-cublas")) g_cublas = 0;
+        else if (!strcmp(a, "--no-flush")) g_flush = 0;
         else if (!v) return usage(argv[0]);
         else if (!strcmp(a, "--family")) {
             fam[FAM_SM80] = !strcmp(v, "sm80") || !strcmp(v, "all");
@@ -559,8 +570,17 @@ int main(int argc, char **argv)
         printf("sm90: needs an sm_90 device (this one is sm_%d), left out\n", cc);
         ops[FAM_SM90] = NULL;
     }
-    printf("bench_gemm on %s (sm_%d, %d SMs): median of %d after %d warm-up%s\n", prop.name, cc,
-           prop.multiProcessorCount, g_reps, g_warmup, g_warmup == 1 ? "" : "s");
+    if (g_flush) {
+        g_flush_bytes = (size_t)256 << 20;
+        const size_t l2 = (size_t)prop.l2CacheSize;
+        if (2 * l2 > g_flush_bytes) g_flush_bytes = 2 * l2;
+        g_flush_buf = tu_dev_alloc(g_flush_bytes);
+    }
+    printf("bench_gemm on %s (sm_%d, %d SMs, L2 %d MiB): median of %d after %d warm-up%s, ",
+           prop.name, cc, prop.multiProcessorCount, prop.l2CacheSize >> 20, g_reps, g_warmup,
+           g_warmup == 1 ? "" : "s");
+    if (g_flush) printf("L2 flushed before each call (%zu MiB memset)\n", g_flush_bytes >> 20);
+    else printf("L2 not flushed (--no-flush)\n");
     cublasHandle_t h = NULL;
     if (g_cublas && cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
         printf("cublasCreate failed: no cuBLAS baseline\n");
@@ -590,6 +610,7 @@ int main(int argc, char **argv)
         CUDA_OK(cudaFree(c.C));
     }
     if (h) cublasDestroy(h);
+    if (g_flush_buf) CUDA_OK(cudaFree(g_flush_buf));
     if (g_csv) fclose(g_csv);
     return 0;
 }

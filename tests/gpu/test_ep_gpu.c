@@ -80,19 +80,6 @@ typedef struct grank {
     int inf_same;  /* an inference forward gave the training forward's out */
 } grank;
 
-static void *up(const void *h, size_t bytes) {
-    void *d = NULL;
-    CUDA_OK(cudaMalloc(&d, bytes ? bytes : 16));
-    if (h && bytes) CUDA_OK(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
-    return d;
-}
-
-static void *up_bf16(const double *src, size_t n) {
-    void *h = tu_to_dtype(SMOE_DTYPE_BF16, src, n), *d = up(h, n * 2);
-    free(h);
-    return d;
-}
-
 static void *rank_main(void *arg) {
     grank *R = (grank *)arg;
     const gcase *c = R->c;
@@ -122,16 +109,17 @@ static void *rank_main(void *arg) {
         snprintf(R->msg, sizeof R->msg, "create: %s", smoe_last_error());
         return NULL;
     }
-    void *x = up_bf16(P->x + R->t0 * d, (size_t)(T * d));
-    void *wr = up_bf16(P->wr, (size_t)(E * d));
-    void *w1 = up_bf16(P->w1 + (size_t)r * El * hc * d, (size_t)(El * hc * d));
-    void *w2 = up_bf16(P->w2 + (size_t)r * El * d * n, (size_t)(El * d * n));
-    void *b1 = P->b1 ? up_bf16(P->b1 + (size_t)r * El * hc, (size_t)(El * hc)) : NULL;
-    void *b2 = P->b2 ? up_bf16(P->b2 + (size_t)r * El * d, (size_t)(El * d)) : NULL;
-    void *G = up_bf16(R->dout + R->t0 * d, (size_t)(T * d));
+    const smoe_dtype bf = SMOE_DTYPE_BF16;
+    void *x = tu_dev_to_dtype(bf, P->x + R->t0 * d, (size_t)(T * d));
+    void *wr = tu_dev_to_dtype(bf, P->wr, (size_t)(E * d));
+    void *w1 = tu_dev_to_dtype(bf, P->w1 + (size_t)r * El * hc * d, (size_t)(El * hc * d));
+    void *w2 = tu_dev_to_dtype(bf, P->w2 + (size_t)r * El * d * n, (size_t)(El * d * n));
+    void *b1 = P->b1 ? tu_dev_to_dtype(bf, P->b1 + (size_t)r * El * hc, (size_t)(El * hc)) : NULL;
+    void *b2 = P->b2 ? tu_dev_to_dtype(bf, P->b2 + (size_t)r * El * d, (size_t)(El * d)) : NULL;
+    void *G = tu_dev_to_dtype(bf, R->dout + R->t0 * d, (size_t)(T * d));
     const size_t out_b = (size_t)(T * d) * 2;
-    void *out = up(NULL, out_b);
-    int32_t *counts = (int32_t *)up(NULL, (size_t)E * 4);
+    void *out = tu_dev_alloc(out_b);
+    int32_t *counts = (int32_t *)tu_dev_alloc((size_t)E * 4);
     void *pt = NULL, *pe = NULL, *ps = NULL;
     if (general) {
         int32_t *a = (int32_t *)malloc((size_t)R->np * 4 + 4);
@@ -142,27 +130,27 @@ static void *rank_main(void *arg) {
             b[i] = P->pe[R->p0 + i];
             f[i] = (float)P->ps[R->p0 + i];
         }
-        pt = up(a, (size_t)R->np * 4);
-        pe = up(b, (size_t)R->np * 4);
-        ps = up(f, (size_t)R->np * 4);
+        pt = tu_dev_put(a, (size_t)R->np * 4);
+        pe = tu_dev_put(b, (size_t)R->np * 4);
+        ps = tu_dev_put(f, (size_t)R->np * 4);
         free(a); free(b); free(f);
     }
     void *eb = NULL;
     if (P->ebias) {
         float *hb = (float *)malloc((size_t)E * 4);
         for (int64_t e = 0; e < E; e++) hb[e] = (float)P->ebias[e];
-        eb = up(hb, (size_t)E * 4);
+        eb = tu_dev_put(hb, (size_t)E * 4);
         free(hb);
     }
     const size_t sb = smoe_ep_layer_saved_bytes(L, T), wb = smoe_ep_layer_workspace_bytes(L, T);
-    void *saved = up(NULL, sb), *ws = up(NULL, wb);
+    void *saved = tu_dev_alloc(sb), *ws = tu_dev_alloc(wb);
     const size_t gn[7] = {(size_t)(T * d), (size_t)(E * d), (size_t)(El * hc * d),
                           (size_t)(El * hc), (size_t)(El * d * n), (size_t)(El * d),
                           (size_t)R->np};
     void *gd[7];
     float *gh[7];
     for (int i = 0; i < 7; i++) {
-        gd[i] = up(NULL, gn[i] * 4);
+        gd[i] = tu_dev_alloc(gn[i] * 4);
         gh[i] = (float *)malloc(gn[i] * 4 + 4);
     }
     unsigned char *oh = (unsigned char *)malloc(out_b + 1);
@@ -221,7 +209,7 @@ static void *rank_main(void *arg) {
                 /* an inference forward (no saved block) between the
                  * training forward and its backward: the same out */
                 smoe_forward_args fi = fa;
-                void *out2 = up(NULL, out_b);
+                void *out2 = tu_dev_alloc(out_b);
                 unsigned char *o2 = (unsigned char *)malloc(out_b + 1);
                 fi.out = out2;
                 fi.expert_counts = NULL;

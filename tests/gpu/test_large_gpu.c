@@ -26,19 +26,6 @@
 
 enum { D_ = 64, N_ = 4096, E_ = 128, K_ = 8, T_ = 66560, S_ = 48, GUARD = 4096 };
 
-static void *dput(const void *h, size_t n) {
-    void *p = NULL;
-    CUDA_OK(cudaMalloc(&p, n));
-    CUDA_OK(cudaMemcpy(p, h, n, cudaMemcpyHostToDevice));
-    return p;
-}
-
-static void *dget(const void *d, size_t n) {
-    void *h = malloc(n);
-    CUDA_OK(cudaMemcpy(h, d, n, cudaMemcpyDeviceToHost));
-    return h;
-}
-
 static int64_t sample_token(int i) { return i == S_ - 1 ? T_ - 1 : (int64_t)i * (T_ / S_) + 7; }
 
 /* The sampled tokens' problem for the CPU: their x rows, the weights, and
@@ -93,7 +80,7 @@ static void fa3(const char *what, const double *gpu, const double *f64, const do
 }
 
 static int guard_ok(const void *dptr, size_t bytes) {
-    unsigned char *h = (unsigned char *)dget((const char *)dptr + bytes, GUARD);
+    unsigned char *h = (unsigned char *)tu_dev_fetch((const char *)dptr + bytes, GUARD);
     int ok = 1;
     for (int i = 0; i < GUARD; i++) ok &= h[i] == 0x5C;
     free(h);
@@ -136,24 +123,20 @@ static void run(smoe_backend backend, int token_choice, tu_rng *rng) {
             si += sampled;
         }
     }
-    const size_t es = 2, xb = (size_t)T_ * D_ * es;
-    void *hx = tu_to_dtype(D.dtype, W.x, (size_t)T_ * D_);
-    void *hw1 = tu_to_dtype(D.dtype, W.w1, (size_t)E_ * hc * D_);
-    void *hw2 = tu_to_dtype(D.dtype, W.w2, (size_t)E_ * D_ * N_);
-    void *hb1 = tu_to_dtype(D.dtype, W.b1, (size_t)E_ * hc);
-    void *hb2 = tu_to_dtype(D.dtype, W.b2, (size_t)E_ * D_);
-    void *hwr = tu_to_dtype(D.dtype, W.wr, (size_t)E_ * D_);
+    const size_t xb = (size_t)T_ * D_ * 2;
     double *dout = tu_alloc_d((size_t)T_ * D_);
     tu_fill_normal(rng, dout, (size_t)T_ * D_, 1.0);
     tu_round_array(D.dtype, dout, (size_t)T_ * D_);
-    void *hdo = tu_to_dtype(D.dtype, dout, (size_t)T_ * D_);
-    void *x = dput(hx, xb), *w1 = dput(hw1, (size_t)E_ * hc * D_ * es);
-    void *w2 = dput(hw2, (size_t)E_ * D_ * N_ * es), *b1 = dput(hb1, (size_t)E_ * hc * es);
-    void *b2 = dput(hb2, (size_t)E_ * D_ * es), *wr = dput(hwr, (size_t)E_ * D_ * es);
-    void *dO = dput(hdo, xb);
-    int32_t *dpt = token_choice ? NULL : (int32_t *)dput(pt, (size_t)np * 4);
-    int32_t *dpe = token_choice ? NULL : (int32_t *)dput(pe, (size_t)np * 4);
-    float *dps = token_choice ? NULL : (float *)dput(ps, (size_t)np * 4);
+    void *x = tu_dev_to_dtype(D.dtype, W.x, (size_t)T_ * D_);
+    void *w1 = tu_dev_to_dtype(D.dtype, W.w1, (size_t)E_ * hc * D_);
+    void *w2 = tu_dev_to_dtype(D.dtype, W.w2, (size_t)E_ * D_ * N_);
+    void *b1 = tu_dev_to_dtype(D.dtype, W.b1, (size_t)E_ * hc);
+    void *b2 = tu_dev_to_dtype(D.dtype, W.b2, (size_t)E_ * D_);
+    void *wr = tu_dev_to_dtype(D.dtype, W.wr, (size_t)E_ * D_);
+    void *dO = tu_dev_to_dtype(D.dtype, dout, (size_t)T_ * D_);
+    int32_t *dpt = token_choice ? NULL : (int32_t *)tu_dev_put(pt, (size_t)np * 4);
+    int32_t *dpe = token_choice ? NULL : (int32_t *)tu_dev_put(pe, (size_t)np * 4);
+    float *dps = token_choice ? NULL : (float *)tu_dev_put(ps, (size_t)np * 4);
     const int64_t pairs = token_choice ? 0 : np;
     const size_t sb = smoe_layer_saved_bytes(L, T_, pairs), wb = smoe_layer_workspace_bytes(L, T_, pairs);
     size_t free_b = 0, total_b = 0;
@@ -225,7 +208,7 @@ static void run(smoe_backend backend, int token_choice, tu_rng *rng) {
     s.P.ps = tu_alloc_d((size_t)S_ * K_);
     s.P.desc.routing = SMOE_ROUTING_GENERAL;
     s.P.desc.K = 0;
-    float *glog = token_choice ? (float *)dget(logits, (size_t)T_ * E_ * 4) : NULL;
+    float *glog = token_choice ? (float *)tu_dev_fetch(logits, (size_t)T_ * E_ * 4) : NULL;
     for (int i = 0; i < S_; i++) {
         const int64_t t = sample_token(i);
         memcpy(s.P.x + (size_t)i * D_, W.x + (size_t)t * D_, D_ * sizeof(double));
@@ -259,7 +242,7 @@ static void run(smoe_backend backend, int token_choice, tu_rng *rng) {
     cpu_run(&s, SMOE_DTYPE_BF16, &r16);
 
     /* the GPU's rows of the sampled tokens */
-    uint16_t *hout = (uint16_t *)dget(out, xb), *hdx = (uint16_t *)dget(gdx, xb);
+    uint16_t *hout = (uint16_t *)tu_dev_fetch(out, xb), *hdx = (uint16_t *)tu_dev_fetch(gdx, xb);
     double *gout = tu_alloc_d((size_t)S_ * D_), *gdxs = tu_alloc_d((size_t)S_ * D_);
     for (int i = 0; i < S_; i++)
         for (int c = 0; c < D_; c++) {
@@ -272,33 +255,22 @@ static void run(smoe_backend backend, int token_choice, tu_rng *rng) {
     if (!token_choice) {
         /* dx, its router share absent (GENERAL), and expert E-1's gradients */
         fa3("dx (sampled tokens)", gdxs, r64.dx, r16.dx, (size_t)S_ * D_);
-        float *hps = (float *)dget(gdps, (size_t)np * 4);
+        float *hps = (float *)tu_dev_fetch(gdps, (size_t)np * 4);
         double *gps = tu_alloc_d((size_t)S_ * K_);
         for (int i = 0; i < S_; i++)
             for (int k = 0; k < K_; k++) gps[i * K_ + k] = hps[sample_token(i) * K_ + k];
         fa3("dpair_score (sampled pairs)", gps, r64.dps, r16.dps, (size_t)S_ * K_);
         const size_t w1e = (size_t)hc * D_, w2e = (size_t)D_ * N_;
-        float *h1 = (float *)malloc(w1e * 4), *h2 = (float *)malloc(w2e * 4);
-        CUDA_OK(cudaMemcpy(h1, (char *)gdw1 + (size_t)(E_ - 1) * w1e * 4, w1e * 4,
-                           cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(h2, (char *)gdw2 + (size_t)(E_ - 1) * w2e * 4, w2e * 4,
-                           cudaMemcpyDeviceToHost));
-        double *g1 = tu_alloc_d(w1e), *g2 = tu_alloc_d(w2e);
-        for (size_t i = 0; i < w1e; i++) g1[i] = h1[i];
-        for (size_t i = 0; i < w2e; i++) g2[i] = h2[i];
+        const smoe_dtype f32 = SMOE_DTYPE_F32;
+        double *g1 = tu_dev_from_dtype(f32, (float *)gdw1 + (size_t)(E_ - 1) * w1e, w1e);
+        double *g2 = tu_dev_from_dtype(f32, (float *)gdw2 + (size_t)(E_ - 1) * w2e, w2e);
+        double *gb1 = tu_dev_from_dtype(f32, (float *)gdb1 + (size_t)(E_ - 1) * hc, (size_t)hc);
+        double *gb2 = tu_dev_from_dtype(f32, (float *)gdb2 + (size_t)(E_ - 1) * D_, (size_t)D_);
         fa3("dW1[E-1]", g1, r64.dw1 + (E_ - 1) * w1e, r16.dw1 + (E_ - 1) * w1e, w1e);
         fa3("dW2[E-1]", g2, r64.dw2 + (E_ - 1) * w2e, r16.dw2 + (E_ - 1) * w2e, w2e);
-        float hb[2 * N_];
-        double gb[2 * N_];
-        CUDA_OK(cudaMemcpy(hb, (char *)gdb1 + (size_t)(E_ - 1) * hc * 4, (size_t)hc * 4,
-                           cudaMemcpyDeviceToHost));
-        for (int64_t i = 0; i < hc; i++) gb[i] = hb[i];
-        fa3("db1[E-1]", gb, r64.db1 + (E_ - 1) * hc, r16.db1 + (E_ - 1) * hc, (size_t)hc);
-        CUDA_OK(cudaMemcpy(hb, (char *)gdb2 + (size_t)(E_ - 1) * D_ * 4, (size_t)D_ * 4,
-                           cudaMemcpyDeviceToHost));
-        for (int i = 0; i < D_; i++) gb[i] = hb[i];
-        fa3("db2[E-1]", gb, r64.db2 + (E_ - 1) * D_, r16.db2 + (E_ - 1) * D_, (size_t)D_);
-        free(hps); free(gps); free(h1); free(h2); free(g1); free(g2);
+        fa3("db1[E-1]", gb1, r64.db1 + (E_ - 1) * hc, r16.db1 + (E_ - 1) * hc, (size_t)hc);
+        fa3("db2[E-1]", gb2, r64.db2 + (E_ - 1) * D_, r16.db2 + (E_ - 1) * D_, (size_t)D_);
+        free(hps); free(gps); free(g1); free(g2); free(gb1); free(gb2);
     }
     cpu_res_free(&r64);
     cpu_res_free(&r16);
@@ -309,7 +281,7 @@ static void run(smoe_backend backend, int token_choice, tu_rng *rng) {
     cudaFree(gdx); cudaFree(gdw1); cudaFree(gdw2); cudaFree(gdb1); cudaFree(gdb2); cudaFree(gdps);
     cudaFree(x); cudaFree(w1); cudaFree(w2); cudaFree(b1); cudaFree(b2); cudaFree(wr); cudaFree(dO);
     cudaFree(dpt); cudaFree(dpe); cudaFree(dps);
-    free(hx); free(hw1); free(hw2); free(hb1); free(hb2); free(hwr); free(hdo); free(dout);
+    free(dout);
     free(pt); free(pe); free(ps);
     tu_problem_free(&W);
     smoe_layer_free(L);

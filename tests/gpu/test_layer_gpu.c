@@ -44,27 +44,6 @@ static smoe_backend g_backend = SMOE_BACKEND_AUTO;
 static int g_small = 0;
 static int g_skipped = 0, g_cases = 0;
 
-static void *dmalloc(size_t n)
-{
-    void *p = NULL;
-    CUDA_OK(cudaMalloc(&p, n ? n : 16));
-    return p;
-}
-
-static void *to_dev(const void *h, size_t n)
-{
-    void *p = dmalloc(n);
-    if (n) CUDA_OK(cudaMemcpy(p, h, n, cudaMemcpyHostToDevice));
-    return p;
-}
-
-static void *from_dev(const void *d, size_t n)
-{
-    void *h = malloc(n ? n : 1);
-    if (n) CUDA_OK(cudaMemcpy(h, d, n, cudaMemcpyDeviceToHost));
-    return h;
-}
-
 /* ------------------------------------------------------------ one run */
 
 enum { G_DX, G_DWR, G_DW1, G_DB1, G_DW2, G_DB2, G_DPS, G_N };
@@ -127,7 +106,7 @@ static double g0_value(int i, size_t j) { return 0.01 * (double)((j * 7 + (size_
 
 static void *mem_alloc(int gpu, size_t n)
 {
-    if (gpu) return dmalloc(n);
+    if (gpu) return tu_dev_alloc(n);
     void *p = malloc(n ? n : 16);
     return p;
 }
@@ -138,14 +117,14 @@ static void mem_free(int gpu, void *p)
 }
 static void *mem_put(int gpu, const void *h, size_t n)
 {
-    if (gpu) return to_dev(h, n);
+    if (gpu) return tu_dev_put(h, n);
     void *p = malloc(n ? n : 16);
     if (n) memcpy(p, h, n);
     return p;
 }
 static void *mem_get(int gpu, const void *p, size_t n)
 {
-    if (gpu) return from_dev(p, n);
+    if (gpu) return tu_dev_fetch(p, n);
     void *h = malloc(n ? n : 1);
     if (n) memcpy(h, p, n);
     return h;

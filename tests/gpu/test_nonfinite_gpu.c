@@ -29,31 +29,6 @@ static void result_free(result *r) {
     for (int i = 0; i < O_N; i++) free(r->v[i]);
 }
 
-static void *dput(const void *h, size_t n) {
-    void *p = NULL;
-    CUDA_OK(cudaMalloc(&p, n ? n : 16));
-    if (n) CUDA_OK(cudaMemcpy(p, h, n, cudaMemcpyHostToDevice));
-    return p;
-}
-
-static double *dget_f32(const void *d, size_t n) {
-    float *h = (float *)malloc(n * 4 + 4);
-    CUDA_OK(cudaMemcpy(h, d, n * 4, cudaMemcpyDeviceToHost));
-    double *r = tu_alloc_d(n);
-    for (size_t i = 0; i < n; i++) r[i] = h[i];
-    free(h);
-    return r;
-}
-
-static double *dget_bf16(const void *d, size_t n) {
-    uint16_t *h = (uint16_t *)malloc(n * 2 + 2);
-    CUDA_OK(cudaMemcpy(h, d, n * 2, cudaMemcpyDeviceToHost));
-    double *r = tu_alloc_d(n);
-    for (size_t i = 0; i < n; i++) r[i] = tu_bf16_to_f32(h[i]);
-    free(h);
-    return r;
-}
-
 /* The layer on the GPU: forward (logits out) + backward, gradients fp32
  * (dx bf16). */
 static int gpu_run(const smoe_layer_desc *D0, const tu_problem *P, const double *dout, result *r) {
@@ -61,17 +36,14 @@ static int gpu_run(const smoe_layer_desc *D0, const tu_problem *P, const double 
     smoe_layer *L = tu_layer(&D);
     if (!L) return 0;
     const int64_t T = P->T, d = D.d, n = D.n, E = D.E, hc = P->hc;
-    void *hx = tu_to_dtype(SMOE_DTYPE_BF16, P->x, (size_t)(T * d));
-    void *hwr = tu_to_dtype(SMOE_DTYPE_BF16, P->wr, (size_t)(E * d));
-    void *hw1 = tu_to_dtype(SMOE_DTYPE_BF16, P->w1, (size_t)(E * hc * d));
-    void *hw2 = tu_to_dtype(SMOE_DTYPE_BF16, P->w2, (size_t)(E * d * n));
-    void *hb1 = tu_to_dtype(SMOE_DTYPE_BF16, P->b1, (size_t)(E * hc));
-    void *hb2 = tu_to_dtype(SMOE_DTYPE_BF16, P->b2, (size_t)(E * d));
-    void *hdo = tu_to_dtype(SMOE_DTYPE_BF16, dout, (size_t)(T * d));
-    void *x = dput(hx, (size_t)(T * d) * 2), *wr = dput(hwr, (size_t)(E * d) * 2);
-    void *w1 = dput(hw1, (size_t)(E * hc * d) * 2), *w2 = dput(hw2, (size_t)(E * d * n) * 2);
-    void *b1 = dput(hb1, (size_t)(E * hc) * 2), *b2 = dput(hb2, (size_t)(E * d) * 2);
-    void *dO = dput(hdo, (size_t)(T * d) * 2);
+    const smoe_dtype bf = SMOE_DTYPE_BF16, f32 = SMOE_DTYPE_F32;
+    void *x = tu_dev_to_dtype(bf, P->x, (size_t)(T * d));
+    void *wr = tu_dev_to_dtype(bf, P->wr, (size_t)(E * d));
+    void *w1 = tu_dev_to_dtype(bf, P->w1, (size_t)(E * hc * d));
+    void *w2 = tu_dev_to_dtype(bf, P->w2, (size_t)(E * d * n));
+    void *b1 = tu_dev_to_dtype(bf, P->b1, (size_t)(E * hc));
+    void *b2 = tu_dev_to_dtype(bf, P->b2, (size_t)(E * d));
+    void *dO = tu_dev_to_dtype(bf, dout, (size_t)(T * d));
     const size_t sb = smoe_layer_saved_bytes(L, T, 0), wb = smoe_layer_workspace_bytes(L, T, 0);
     void *saved, *ws, *out, *lg, *g[6];
     CUDA_OK(cudaMalloc(&saved, sb));
@@ -99,19 +71,18 @@ static int gpu_run(const smoe_layer_desc *D0, const tu_problem *P, const double 
     if (st == SMOE_SUCCESS) st = smoe_layer_device_status(L, NULL, 1);
     CHECK(st == SMOE_SUCCESS, "gpu: %s: %s", smoe_status_string(st), smoe_last_error());
     r->n[O_OUT] = (size_t)(T * d);
-    r->v[O_OUT] = dget_bf16(out, r->n[O_OUT]);
+    r->v[O_OUT] = tu_dev_from_dtype(bf, out, r->n[O_OUT]);
     r->n[O_LOG] = (size_t)(T * E);
-    r->v[O_LOG] = dget_f32(lg, r->n[O_LOG]);
+    r->v[O_LOG] = tu_dev_from_dtype(f32, lg, r->n[O_LOG]);
     r->n[O_DX] = gn[0];
-    r->v[O_DX] = dget_bf16(g[0], gn[0]);
+    r->v[O_DX] = tu_dev_from_dtype(bf, g[0], gn[0]);
     for (int i = 1; i < 6; i++) {
         r->n[O_DX + i] = gn[i];
-        r->v[O_DX + i] = dget_f32(g[i], gn[i]);
+        r->v[O_DX + i] = tu_dev_from_dtype(f32, g[i], gn[i]);
     }
     void *bufs[] = {x, wr, w1, w2, b1, b2, dO, saved, ws, out, lg};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     for (int i = 0; i < 6; i++) cudaFree(g[i]);
-    free(hx); free(hwr); free(hw1); free(hw2); free(hb1); free(hb2); free(hdo);
     smoe_layer_free(L);
     return st == SMOE_SUCCESS;
 }

@@ -23,72 +23,15 @@
  * Usage: test_routing_gpu [seed] [--small]
  */
 #include "cuda/cuda_common.h"
-
-#include <math.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
+#include "testutil_cuda.h"
 
 /* 1: the metadata through its two-launch path (smoe_cuda_metadata_beside) */
 static int g_two_launch = 0;
 
-static int g_pass = 0, g_fail = 0;
-static char g_case[256];
-
-#define CHECK(cond, ...)                                                                   \
-    do {                                                                                   \
-        if (cond) {                                                                        \
-            g_pass++;                                                                      \
-        } else {                                                                           \
-            g_fail++;                                                                      \
-            fprintf(stderr, "FAIL %s:%d case=[%s]: ", __FILE__, __LINE__, g_case);        \
-            fprintf(stderr, __VA_ARGS__);                                                  \
-            fputc('\n', stderr);                                                           \
-        }                                                                                  \
-    } while (0)
-
-#define CUDA_OK(call)                                                                      \
-    do {                                                                                   \
-        cudaError_t e_ = (call);                                                           \
-        if (e_ != cudaSuccess) {                                                           \
-            fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
-                    cudaGetErrorString(e_));                                               \
-            exit(3);                                                                       \
-        }                                                                                  \
-    } while (0)
-
-#define SMOE_OK(call)                                                                      \
-    do {                                                                                   \
-        smoe_status s_ = (call);                                                           \
-        CHECK(s_ == SMOE_SUCCESS, "%s -> %s: %s", #call, smoe_status_string(s_),           \
-              smoe_last_error());                                                          \
-    } while (0)
-
-static uint64_t g_rng;
-static uint64_t rnd(void)
-{
-    uint64_t z = (g_rng += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-static double unif(void) { return (double)(rnd() >> 11) * (1.0 / 9007199254740992.0); }
-
-template <typename T>
-static T *dalloc(size_t n)
-{
-    void *p = NULL;
-    CUDA_OK(cudaMalloc(&p, (n ? n : 1) * sizeof(T)));
-    return (T *)p;
-}
-
-template <typename T>
-static T *fetch(const T *d, size_t n)
-{
-    T *h = (T *)malloc((n ? n : 1) * sizeof(T));
-    if (n) CUDA_OK(cudaMemcpy(h, d, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-}
+/* The cases' draws. The state starts at the seed itself, not at
+ * tu_rng_make's mix of it, so a seed gives the inputs that the counts in
+ * bench/RESULTS.md were measured on. */
+static tu_rng g_rng;
 
 /* Device outputs of one routing + metadata run. */
 struct dev_run {
@@ -104,19 +47,19 @@ static void dev_run_alloc(dev_run *r, const smoe_layer_desc *D, int64_t T, int64
     r->T = T;
     r->E = D->E;
     r->cap = cap;
-    r->as.expert = dalloc<int32_t>((size_t)cap);
-    r->as.token = dalloc<int32_t>((size_t)cap);
-    r->as.score = dalloc<float>((size_t)cap);
-    r->as.token_offset = dalloc<int32_t>((size_t)T + 1);
-    r->as.count = dalloc<int32_t>(1);
+    r->as.expert = (int32_t *)tu_dev_alloc((size_t)cap * 4);
+    r->as.token = (int32_t *)tu_dev_alloc((size_t)cap * 4);
+    r->as.score = (float *)tu_dev_alloc((size_t)cap * 4);
+    r->as.token_offset = (int32_t *)tu_dev_alloc(((size_t)T + 1) * 4);
+    r->as.count = (int32_t *)tu_dev_alloc(4);
     r->as.abort = NULL; /* no device-side check before these kernels */
-    r->eoff = dalloc<int32_t>((size_t)D->E + 1);
-    r->arow = dalloc<int32_t>((size_t)cap);
-    r->rtok = dalloc<int32_t>((size_t)cap);
-    r->rsc = dalloc<float>((size_t)cap);
-    r->counts = dalloc<int32_t>((size_t)D->E);
-    r->rscratch = dalloc<char>(smoe_cuda_routing_scratch_bytes(D, T, tr) + 256);
-    r->mscratch = dalloc<char>(smoe_cuda_metadata_scratch_bytes(D->E, cap) + 256);
+    r->eoff = (int32_t *)tu_dev_alloc(((size_t)D->E + 1) * 4);
+    r->arow = (int32_t *)tu_dev_alloc((size_t)cap * 4);
+    r->rtok = (int32_t *)tu_dev_alloc((size_t)cap * 4);
+    r->rsc = (float *)tu_dev_alloc((size_t)cap * 4);
+    r->counts = (int32_t *)tu_dev_alloc((size_t)D->E * 4);
+    r->rscratch = tu_dev_alloc(smoe_cuda_routing_scratch_bytes(D, T, tr) + 256);
+    r->mscratch = tu_dev_alloc(smoe_cuda_metadata_scratch_bytes(D->E, cap) + 256);
 }
 
 static void dev_run_free(dev_run *r)
@@ -137,19 +80,17 @@ struct host_run {
 static host_run fetch_run(const dev_run *r)
 {
     host_run h;
-    int32_t *cnt = fetch(r->as.count, 1);
-    h.R = *cnt;
-    free(cnt);
+    tu_dev_get(&h.R, r->as.count, 4);
     size_t R = (size_t)(h.R >= 0 && h.R <= r->cap ? h.R : 0);
-    h.ex = fetch(r->as.expert, R);
-    h.tok = fetch(r->as.token, R);
-    h.sc = fetch(r->as.score, R);
-    h.toff = fetch(r->as.token_offset, (size_t)r->T + 1);
-    h.eoff = fetch(r->eoff, (size_t)r->E + 1);
-    h.arow = fetch(r->arow, R);
-    h.rtok = fetch(r->rtok, R);
-    h.rsc = fetch(r->rsc, R);
-    h.counts = fetch(r->counts, (size_t)r->E);
+    h.ex = (int32_t *)tu_dev_fetch(r->as.expert, R * 4);
+    h.tok = (int32_t *)tu_dev_fetch(r->as.token, R * 4);
+    h.sc = (float *)tu_dev_fetch(r->as.score, R * 4);
+    h.toff = (int32_t *)tu_dev_fetch(r->as.token_offset, ((size_t)r->T + 1) * 4);
+    h.eoff = (int32_t *)tu_dev_fetch(r->eoff, ((size_t)r->E + 1) * 4);
+    h.arow = (int32_t *)tu_dev_fetch(r->arow, R * 4);
+    h.rtok = (int32_t *)tu_dev_fetch(r->rtok, R * 4);
+    h.rsc = (float *)tu_dev_fetch(r->rsc, R * 4);
+    h.counts = (int32_t *)tu_dev_fetch(r->counts, (size_t)r->E * 4);
     return h;
 }
 
@@ -221,15 +162,17 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
                      smoe_rounding rounding, int64_t M, int logits_kind, int timed)
 {
     const int sig = routing == SMOE_ROUTING_SIGMOID_TOPK;
-    snprintf(g_case, sizeof g_case, "T=%lld E=%lld K=%lld routing=%d renorm=%d rounding=%d M=%lld %s",
+    char name[256];
+    snprintf(name, sizeof name, "T=%lld E=%lld K=%lld routing=%d renorm=%d rounding=%d M=%lld %s",
              (long long)T, (long long)E, (long long)K, (int)routing, renorm, (int)rounding,
              (long long)M,
              logits_kind == L_TIES ? "ties" : logits_kind == L_NONFINITE ? "nonfinite" : "normal");
     if (sig) {
-        const size_t n = strlen(g_case);
-        snprintf(g_case + n, sizeof g_case - n, " groups %lld/%lld scale %g bias %d",
+        const size_t n = strlen(name);
+        snprintf(name + n, sizeof name - n, " groups %lld/%lld scale %g bias %d",
                  (long long)g_sig.g, (long long)g_sig.G, g_sig.scale, g_sig.bias);
     }
+    tu_case("%s", name);
     smoe_layer_desc D = smoe_layer_desc_default();
     D.d = 64; D.n = 64; D.E = E; D.K = K;
     D.routing = routing;
@@ -244,14 +187,13 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
         if (g_sig.bias) {
             bias = (float *)malloc((size_t)E * 4);
             for (int64_t e = 0; e < E; e++) {
-                const int q = (int)(rnd() % 40);
-                if (g_sig.bias == 1) bias[e] = (float)(0.6 * (unif() - 0.5));
+                const int q = (int)(tu_next(&g_rng) % 40);
+                if (g_sig.bias == 1) bias[e] = (float)(0.6 * (tu_uniform(&g_rng) - 0.5));
                 else if (g_sig.bias == 2) bias[e] = (float)(0.25 * (q % 3) - 0.25);
                 else bias[e] = q == 0 ? NAN : q == 1 ? INFINITY : q == 2 ? -INFINITY
-                                                               : (float)(0.6 * (unif() - 0.5));
+                                      : (float)(0.6 * (tu_uniform(&g_rng) - 0.5));
             }
-            dbias = dalloc<float>((size_t)E);
-            CUDA_OK(cudaMemcpy(dbias, bias, (size_t)E * 4, cudaMemcpyHostToDevice));
+            dbias = (float *)tu_dev_put(bias, (size_t)E * 4);
         }
     }
     const int tr = rounding != SMOE_ROUND_OFF;
@@ -264,20 +206,20 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
     float *lg = (float *)malloc((size_t)(T * E) * 4);
     for (int64_t i = 0; i < T * E; i++) {
         if (logits_kind == L_TIES) {
-            const int q = (int)(rnd() % 7);
+            const int q = (int)(tu_next(&g_rng) % 7);
             static const float vals[7] = {0.0f, -0.0f, 0.5f, 0.5f, -1.25f, 2.0f, -INFINITY};
             lg[i] = vals[q];
         } else if (logits_kind == L_NONFINITE) {
             /* mostly numbers; NaN and +-inf here and there (NaN ranks first) */
-            const int q = (int)(rnd() % 40);
+            const int q = (int)(tu_next(&g_rng) % 40);
             lg[i] = q == 0 ? NAN : q == 1 ? INFINITY : q == 2 ? -INFINITY
-                                                   : (float)(2.0 * (unif() - 0.5));
+                                      : (float)(2.0 * (tu_uniform(&g_rng) - 0.5));
         } else {
-            lg[i] = (float)(3.0 * (unif() + unif() + unif() - 1.5));
+            const double u0 = tu_uniform(&g_rng), u1 = tu_uniform(&g_rng);
+            lg[i] = (float)(3.0 * (u0 + u1 + tu_uniform(&g_rng) - 1.5));
         }
     }
-    float *dlg = dalloc<float>((size_t)(T * E));
-    CUDA_OK(cudaMemcpy(dlg, lg, (size_t)(T * E) * 4, cudaMemcpyHostToDevice));
+    float *dlg = (float *)tu_dev_put(lg, (size_t)(T * E) * 4);
 
     dev_run r;
     dev_run_alloc(&r, &D, T, cap, tr);
@@ -288,13 +230,13 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
     host_run h[2];
     float ms = 0, ms_route = 0;
     for (int rep = 0; rep < 2; rep++) {
-        CUDA_OK(cudaMemset(r.as.expert, 0xFF, (size_t)cap * 4));
-        CUDA_OK(cudaMemset(r.rsc, 0xFF, (size_t)cap * 4));
+        tu_dev_poison(r.as.expert, (size_t)cap * 4);
+        tu_dev_poison(r.rsc, (size_t)cap * 4);
         CUDA_OK(cudaEventRecord(e0, 0));
-        SMOE_OK(smoe_cuda_route(&D, T, tr, dlg, dbias, r.as, r.rscratch, 0));
+        CHECK_OK(smoe_cuda_route(&D, T, tr, dlg, dbias, r.as, r.rscratch, 0));
         CUDA_OK(cudaEventRecord(em, 0));
-        SMOE_OK(smoe_cuda_metadata_beside(E, cap, r.as, r.eoff, r.arow, r.rtok, r.rsc, r.counts,
-                                          r.mscratch, g_two_launch, 0));
+        CHECK_OK(smoe_cuda_metadata_beside(E, cap, r.as, r.eoff, r.arow, r.rtok, r.rsc, r.counts,
+                                           r.mscratch, g_two_launch, 0));
         CUDA_OK(cudaEventRecord(e1, 0));
         CUDA_OK(cudaEventSynchronize(e1));
         if (rep == 1) {
@@ -305,7 +247,7 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
     }
     CHECK(same_run(&h[0], &h[1], T, E), "two runs differ");
     if (timed)
-        printf("  %-72s routing %7.1f us, metadata %7.1f us\n", g_case, ms_route * 1000.0,
+        printf("  %-72s routing %7.1f us, metadata %7.1f us\n", name, ms_route * 1000.0,
                (ms - ms_route) * 1000.0);
 
     /* the host routing on the same logits */
@@ -319,7 +261,7 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
     res.pair_expert = (int32_t *)malloc((size_t)cap * 4);
     res.pair_score = (float *)malloc((size_t)cap * 4);
     res.pairs = &np;
-    SMOE_OK(smoe_route_cpu_biased(&D, T, lg, bias, &res));
+    CHECK_OK(smoe_route_cpu_biased(&D, T, lg, bias, &res));
     const host_run *g = &h[0];
     int64_t bad = -1;
     if (tr) {
@@ -375,8 +317,7 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
 
 static void run_general(int64_t T, int64_t E, double prob)
 {
-    snprintf(g_case, sizeof g_case, "GENERAL T=%lld E=%lld prob=%.2f", (long long)T, (long long)E,
-             prob);
+    tu_case("GENERAL T=%lld E=%lld prob=%.2f", (long long)T, (long long)E, prob);
     smoe_layer_desc D = smoe_layer_desc_default();
     D.d = 64; D.n = 64; D.E = E; D.K = 1;
     D.routing = SMOE_ROUTING_GENERAL;
@@ -386,36 +327,33 @@ static void run_general(int64_t T, int64_t E, double prob)
     int64_t np = 0;
     for (int64_t t = 0; t < T; t++)
         for (int64_t e = 0; e < E; e++)
-            if (unif() < prob) {
+            if (tu_uniform(&g_rng) < prob) {
                 pt[np] = (int32_t)t;
                 pe[np] = (int32_t)e;
-                ps[np] = (float)unif();
+                ps[np] = (float)tu_uniform(&g_rng);
                 np++;
             }
     /* shuffle the experts within each token (any order is allowed) */
     for (int64_t i = 0; i + 1 < np; i++)
-        if (pt[i] == pt[i + 1] && (rnd() & 1)) {
+        if (pt[i] == pt[i + 1] && (tu_next(&g_rng) & 1)) {
             int32_t x = pe[i]; pe[i] = pe[i + 1]; pe[i + 1] = x;
             float y = ps[i]; ps[i] = ps[i + 1]; ps[i + 1] = y;
         }
-    int32_t *dpt = dalloc<int32_t>((size_t)np), *dpe = dalloc<int32_t>((size_t)np);
-    float *dps = dalloc<float>((size_t)np);
-    if (np) {
-        CUDA_OK(cudaMemcpy(dpt, pt, (size_t)np * 4, cudaMemcpyHostToDevice));
-        CUDA_OK(cudaMemcpy(dpe, pe, (size_t)np * 4, cudaMemcpyHostToDevice));
-        CUDA_OK(cudaMemcpy(dps, ps, (size_t)np * 4, cudaMemcpyHostToDevice));
-    }
+    int32_t *dpt = (int32_t *)tu_dev_put(pt, (size_t)np * 4);
+    int32_t *dpe = (int32_t *)tu_dev_put(pe, (size_t)np * 4);
+    float *dps = (float *)tu_dev_put(ps, (size_t)np * 4);
     dev_run r;
     dev_run_alloc(&r, &D, T, np, 0);
-    smoe_dev_status *st = dalloc<smoe_dev_status>(1);
-    SMOE_OK(smoe_cuda_status_reset(st, 0));
+    smoe_dev_status *st = (smoe_dev_status *)tu_dev_alloc(sizeof(smoe_dev_status));
+    CHECK_OK(smoe_cuda_status_reset(st, 0));
     smoe_dev_report no_report = {NULL, NULL, 0}; /* the status word alone */
-    SMOE_OK(smoe_cuda_route_general(T, E, np, dpt, dpe, dps, r.as, st, no_report, 0));
-    SMOE_OK(smoe_cuda_metadata_beside(E, np, r.as, r.eoff, r.arow, r.rtok, r.rsc, r.counts,
-                                      r.mscratch, g_two_launch, 0));
+    CHECK_OK(smoe_cuda_route_general(T, E, np, dpt, dpe, dps, r.as, st, no_report, 0));
+    CHECK_OK(smoe_cuda_metadata_beside(E, np, r.as, r.eoff, r.arow, r.rtok, r.rsc, r.counts,
+                                       r.mscratch, g_two_launch, 0));
     CUDA_OK(cudaDeviceSynchronize());
-    smoe_dev_status *hs = fetch(st, 1);
-    CHECK(hs->code == SMOE_DEV_OK, "valid triples flagged: code %d at %d", hs->code, hs->first_bad);
+    smoe_dev_status hs;
+    tu_dev_get(&hs, st, sizeof hs);
+    CHECK(hs.code == SMOE_DEV_OK, "valid triples flagged: code %d at %d", hs.code, hs.first_bad);
     host_run h = fetch_run(&r);
     int ok = h.R == np;
     for (int64_t i = 0; i < np && ok; i++)
@@ -423,7 +361,6 @@ static void run_general(int64_t T, int64_t E, double prob)
     CHECK(ok, "GENERAL triples not copied as given");
     check_metadata(&h, T, E);
     host_run_free(&h);
-    free(hs);
     cudaFree(st);
     dev_run_free(&r);
     cudaFree(dpt); cudaFree(dpe); cudaFree(dps);
@@ -526,12 +463,9 @@ int main(int argc, char **argv)
         if (!strcmp(argv[i], "--small")) small = 1;
         else seed = strtoull(argv[i], NULL, 0);
     }
-    g_rng = seed;
-    int ndev = 0;
-    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-        printf("test_routing_gpu: no CUDA device, skipped\n");
-        return 0;
-    }
+    tu_seed = seed;
+    g_rng.s = seed;
+    if (!tu_gpu_cc("test_routing_gpu")) return 0;
     const smoe_routing TK = SMOE_ROUTING_TOPK_SOFTMAX, ST = SMOE_ROUTING_SOFTMAX_TOPK;
     /* twice: the metadata as the layer runs it (one cooperative launch
      * where the tiles fit), then through its two-launch path */
@@ -555,7 +489,5 @@ int main(int argc, char **argv)
         run_case(20000, 64, 4, ST, 0, SMOE_ROUND_DOWN, 128, L_NORMAL, 1);
         run_sigmoid_cases(1);
     }
-    printf("test_routing_gpu (seed %llu)\n%d passed, %d failed\n", (unsigned long long)seed,
-           g_pass, g_fail);
-    return g_fail ? 1 : 0;
+    return tu_summary("test_routing_gpu");
 }

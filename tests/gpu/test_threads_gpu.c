@@ -28,14 +28,6 @@ typedef struct job {
     char msg[256];
 } job;
 
-static void *put(const double *src, size_t n) {
-    void *h = tu_to_dtype(SMOE_DTYPE_BF16, src, n), *d = NULL;
-    CUDA_OK(cudaMalloc(&d, n * 2));
-    CUDA_OK(cudaMemcpy(d, h, n * 2, cudaMemcpyHostToDevice));
-    free(h);
-    return d;
-}
-
 static int run_once(job *j) {
     smoe_forward_args fa;
     memset(&fa, 0, sizeof fa);
@@ -107,8 +99,10 @@ static void test_backend(smoe_backend backend, smoe_routing routing, tu_rng *rng
     tu_problem W;
     tu_problem_init(&W, &D, 1, rng, 1.0, 0.1);
     const int64_t d = D.d, n = D.n, E = D.E, hc = 2 * n;
-    void *wr = put(W.wr, (size_t)(E * d)), *w1 = put(W.w1, (size_t)(E * hc * d));
-    void *w2 = put(W.w2, (size_t)(E * d * n));
+    const smoe_dtype bf = SMOE_DTYPE_BF16;
+    void *wr = tu_dev_to_dtype(bf, W.wr, (size_t)(E * d));
+    void *w1 = tu_dev_to_dtype(bf, W.w1, (size_t)(E * hc * d));
+    void *w2 = tu_dev_to_dtype(bf, W.w2, (size_t)(E * d * n));
     static const int64_t Ts[NTHREADS] = {37, 1000, 513, 4096};
     job jobs[NTHREADS];
     memset(jobs, 0, sizeof jobs);
@@ -123,9 +117,9 @@ static void test_backend(smoe_backend backend, smoe_routing routing, tu_rng *rng
         CUDA_OK(cudaStreamCreateWithFlags(&j->s, cudaStreamNonBlocking));
         double *v = tu_alloc_d((size_t)(j->T * d));
         tu_fill_normal(rng, v, (size_t)(j->T * d), 1.0);
-        j->x = put(v, (size_t)(j->T * d));
+        j->x = tu_dev_to_dtype(bf, v, (size_t)(j->T * d));
         tu_fill_normal(rng, v, (size_t)(j->T * d), 1.0);
-        j->dout = put(v, (size_t)(j->T * d));
+        j->dout = tu_dev_to_dtype(bf, v, (size_t)(j->T * d));
         free(v);
         j->out_b = (size_t)(j->T * d) * 2;
         j->saved_b = smoe_layer_saved_bytes(L, j->T, 0);

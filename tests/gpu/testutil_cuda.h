@@ -7,9 +7,11 @@
  *   - tu_gpu_cc(): the device's compute capability, or "no CUDA device,
  *     skipped" and 0;
  *   - device buffers: tu_dev_alloc, tu_dev_put (host -> new device buffer),
- *     tu_dev_get (device -> host), tu_dev_poison (every byte 0xFF: a bf16
- *     0xFFFF and an fp32 0xFFFFFFFF are NaN, so a value the kernel should
- *     have written, or must not read, shows);
+ *     tu_dev_get (device -> host), tu_dev_fetch (device -> new host
+ *     buffer), tu_dev_to_dtype / tu_dev_from_dtype (doubles <-> a device
+ *     buffer of a dtype, as tu_to_dtype / tu_from_dtype), tu_dev_poison
+ *     (every byte 0xFF: a bf16 0xFFFF and an fp32 0xFFFFFFFF are NaN, so a
+ *     value the kernel should have written, or must not read, shows);
  *   - nvcc only: tu_dev_fill_bf16 / tu_dev_fill_f32, uniform random values
  *     on the device (a hash of the seed and the index), for buffers too
  *     large to draw on the host.
@@ -74,6 +76,29 @@ static TU_UNUSED void *tu_dev_put(const void *host, size_t bytes) {
 /* the device's bytes into host (after the work queued before it) */
 static TU_UNUSED void tu_dev_get(void *host, const void *dev, size_t bytes) {
     if (bytes) CUDA_OK(cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost));
+}
+
+/* the device's bytes in a new host buffer (caller frees) */
+static TU_UNUSED void *tu_dev_fetch(const void *dev, size_t bytes) {
+    void *h = malloc(bytes ? bytes : 1);
+    if (!h) { fprintf(stderr, "out of memory\n"); exit(2); }
+    tu_dev_get(h, dev, bytes);
+    return h;
+}
+
+/* n doubles as a new device buffer of dtype t (tu_to_dtype, uploaded) */
+static TU_UNUSED void *tu_dev_to_dtype(smoe_dtype t, const double *src, size_t n) {
+    void *h = tu_to_dtype(t, src, n), *d = tu_dev_put(h, n * tu_dtype_size(t));
+    free(h);
+    return d;
+}
+
+/* n values of dtype t on the device as new host doubles (caller frees) */
+static TU_UNUSED double *tu_dev_from_dtype(smoe_dtype t, const void *dev, size_t n) {
+    void *h = tu_dev_fetch(dev, n * tu_dtype_size(t));
+    double *r = tu_from_dtype(t, h, n);
+    free(h);
+    return r;
 }
 
 #define TU_POISON_BF16 0xFFFFu
