@@ -98,6 +98,36 @@ def test_compile_sigmoid_topk_options_as_arguments():
         assert torch.equal(g_c, g_e), args
 
 
+def test_compile_module_sigmoid_topk():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = smoe.MoE(8, 3, 8, 6, "swiglu", False, 0.3, routing="sigmoid_topk", n_group=4,
+                 topk_group=2, routed_scaling=2.5)
+    with torch.no_grad():
+        m.expert_bias.copy_(torch.randn(8) * 0.3)
+    x = torch.randn(3, 5, 8)
+    cm = torch.compile(m, fullgraph=True)
+    for step in range(2):
+        out_e, aux_e = m(x)
+        counts_e = m.last_expert_counts
+        m.zero_grad()
+        out_e.square().sum().backward()
+        g_e = [p.grad.clone() for p in m.parameters()]
+        out_c, aux_c = cm(x)
+        assert torch.equal(m.last_expert_counts, counts_e)
+        assert_close(out_c, out_e, 1e-6, "out")
+        assert_close(aux_c, aux_e, 1e-6, "aux")
+        m.zero_grad()
+        out_c.square().sum().backward()
+        for (name, p), g in zip(m.named_parameters(), g_e):
+            assert_close(p.grad, g, 1e-6, "d" + name)
+        # The balancing update between steps: the compiled layer reads the
+        # buffer at every call (expert 1 now wins every token).
+        with torch.no_grad():
+            m.expert_bias[1] = 5.0
+    assert int(m.last_expert_counts[1]) == 15
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

@@ -1,5 +1,5 @@
 """routing='sigmoid_topk' (smoe.h's SMOE_ROUTING_SIGMOID_TOPK, DeepSeek-V3's
-router) through smoe.moe on the CPU backend, against a
+router) through smoe.moe and smoe.MoE on the CPU backend, against a
 PyTorch reference written here from the header's formulas: outputs, expert
 counts, router logits and every gradient in float64 and float32; the
 expert bias (selection only, no gradient); both call paths; the refusals
@@ -319,6 +319,109 @@ def test_the_library_checks_behind_python(t):
                          True, False)
 
 
+# ------------------------------------------------------------ smoe.MoE
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(n_group=3, topk_group=1), r"smoe.MoE: n_group = 3 does not divide E = 8"),
+    (dict(n_group=8, topk_group=1), r"smoe.MoE: n_group = 8 gives groups of E/n_group = 1"),
+    (dict(n_group=4, topk_group=5), r"smoe.MoE: topk_group = 5, must be in \[1, n_group = 4\]"),
+    (dict(n_group=4, topk_group=1), r"smoe.MoE: topk_group = 1 groups of 2 experts hold fewer "
+                                    r"than top_k = 3"),
+    (dict(n_group=4), r"smoe.MoE: n_group = 4, topk_group = 0: both 0"),
+    (dict(n_group="4", topk_group=2), r"smoe.MoE: n_group = '4', must be an int"),
+    (dict(routed_scaling=0), r"smoe.MoE: routed_scaling = 0, must be a finite number > 0"),
+    (dict(routed_scaling=float("inf")), r"smoe.MoE: routed_scaling = inf"),
+    (dict(token_rounding="up"), r"smoe.MoE: token_rounding = 'up' with routing = "
+                                r"'sigmoid_topk'"),
+    (dict(routing="softmax_topk", n_group=4, topk_group=2),
+     r"smoe.MoE: n_group = 4, topk_group = 2: group-limited selection needs "
+     r"routing='sigmoid_topk' \(routing = 'softmax_topk'\)"),
+    (dict(routing="topk_softmax", routed_scaling=2.5),
+     r"smoe.MoE: routed_scaling = 2.5 needs routing='sigmoid_topk'"),
+])
+def test_module_constructor_rejects(kw, match):
+    kw.setdefault("routing", "sigmoid_topk")
+    with pytest.raises(ValueError, match=match) as e:
+        smoe.MoE(8, 3, 16, 12, **kw)
+    assert isinstance(e.value, smoe.SmoeError)
+
+
+def sigmoid_layer(dtype=torch.float64, **kw):
+    torch.manual_seed(0)
+    m = smoe.MoE(E, 3, 8, 6, "swiglu", False, 0.3, routing="sigmoid_topk", n_group=4,
+                 topk_group=2, routed_scaling=2.5, **kw)
+    return m.to(dtype)
+
+
+def test_module_expert_bias_buffer():
+    m = sigmoid_layer(torch.float32)
+    assert m.expert_bias.dtype == torch.float32 and torch.equal(m.expert_bias, torch.zeros(E))
+    assert list(m.state_dict())[0] == "expert_bias"      # persistent
+    assert "expert_bias" not in dict(m.named_parameters())
+    # It stays float32 when the layer changes dtype, and moves with it.
+    for dtype in (torch.bfloat16, torch.float64):
+        m.to(dtype)
+        assert m.c_fc.weight.dtype == dtype and m.expert_bias.dtype == torch.float32
+    m.to("meta")
+    assert m.expert_bias.device.type == "meta" and m.expert_bias.dtype == torch.float32
+    # A checkpoint carries it.
+    a, b = sigmoid_layer(), sigmoid_layer()
+    with torch.no_grad():
+        a.expert_bias.copy_(random_bias(E, 9))
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(b.expert_bias, a.expert_bias)
+    # The other routings have none (and their state dicts are as before).
+    m = smoe.MoE(E, 2, 8, 6)
+    assert m.expert_bias is None and "expert_bias" not in m.state_dict()
+    assert "routed_scaling=2.5" in repr(sigmoid_layer()) and "n_group" not in repr(m)
+
+
+def test_module_forward_matches_reference_and_balances():
+    m = sigmoid_layer()
+    x = torch.randn(2, 10, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        m.expert_bias.copy_(random_bias(E, 4))
+
+    def ref(xi, mod):
+        return moe_sigmoid_ref(xi.view(20, 8), mod.router.weight, mod.c_fc.weight,
+                               mod.c_proj.weight, top_k=3, expert_bias=mod.expert_bias,
+                               n_group=4, topk_group=2, routed_scaling=2.5)
+
+    out, aux = m(x)
+    r_out, r_counts, _ = ref(x, m)
+    assert_close(out.view(20, 8), r_out, 1e-9, "out")
+    assert torch.equal(m.last_expert_counts, r_counts)
+    assert aux is not None
+    # Gradients: x and every parameter, none for the buffer.
+    xi = x.clone().requires_grad_()
+    m(xi)[0].square().sum().backward()
+    m2 = sigmoid_layer()
+    with torch.no_grad():
+        m2.expert_bias.copy_(m.expert_bias)
+    xr = x.clone().requires_grad_()
+    ref(xr, m2)[0].square().sum().backward()
+    assert_close(xi.grad, xr.grad, 1e-9, "dx")
+    for (name, p), p2 in zip(m.named_parameters(), m2.parameters()):
+        assert_close(p.grad, p2.grad, 1e-9, "d" + name)
+    # DeepSeek-V3's balancing update, from the counts the layer returns: an
+    # overloaded expert's bias goes down, an idle one's up.
+    load = m.last_expert_counts.double()
+    before = m.expert_bias.clone()
+    with torch.no_grad():
+        m.expert_bias += 1e-3 * torch.sign(load.mean() - load)
+    step = (m.expert_bias - before).double()
+    assert torch.equal(torch.sign(step), torch.sign(load.mean() - load))
+    m(x)
+    r_out, r_counts, _ = ref(x, m)
+    assert torch.equal(m.last_expert_counts, r_counts)
+
+
+def test_epmoe_refuses_sigmoid_topk_for_now():
+    with pytest.raises(smoe.SmoeError, match=r"smoe.EPMoE: routing 'sigmoid_topk' is not "
+                       r"offered here yet"):
+        smoe.EPMoE(8, 2, 8, 6, ep_group=object(), max_tokens=8, routing="sigmoid_topk")
+
+
 # ------------------------------------------------------------ CUDA
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -359,3 +462,17 @@ def test_cuda_matches_cpu(G, g, renorm):
     fa3_rule(o_g, o_b, o_f, "out")
     for name, a, b, f in zip(NAMES, g_g, g_b, g_f):
         fa3_rule(a, b, f, "grad " + name)
+
+
+@cuda
+def test_cuda_compiled_module():
+    torch._dynamo.reset()
+    m = sigmoid_layer(torch.bfloat16).cuda()
+    with torch.no_grad():
+        m.expert_bias.copy_(random_bias(E, 63))
+    x = torch.randn(4, 64, 8, device="cuda", dtype=torch.bfloat16)
+    out_e, _ = m(x)
+    counts_e = m.last_expert_counts.clone()
+    out_c, _ = torch.compile(m, fullgraph=True)(x)
+    assert torch.equal(out_c, out_e)   # the same kernels, the same bits
+    assert torch.equal(m.last_expert_counts, counts_e)
