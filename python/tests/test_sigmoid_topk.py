@@ -449,7 +449,8 @@ def test_cuda_matches_cpu(G, g, renorm):
     eb = random_bias(E, 61)
     kw = dict(top_k=3, routing="sigmoid_topk", n_group=G, topk_group=g, renormalize=renorm,
               routed_scaling=2.5)
-    dout = torch.randn(256, 128, generator=torch.Generator().manual_seed(62))
+    # (dout rounded to bfloat16 too: every run differentiates the same values)
+    dout = torch.randn(256, 128, generator=torch.Generator().manual_seed(62)).to(torch.bfloat16)
     runs = []
     for device, dtype in (("cuda", torch.bfloat16), ("cpu", torch.bfloat16),
                           ("cpu", torch.float64)):
@@ -466,11 +467,16 @@ def test_cuda_matches_cpu(G, g, renorm):
 
 @cuda
 def test_cuda_compiled_module():
+    # (d and n multiples of 64: the Hopper kernels run it as well as the
+    # portable ones.)
     torch._dynamo.reset()
-    m = sigmoid_layer(torch.bfloat16).cuda()
+    torch.manual_seed(0)
+    m = smoe.MoE(E, 3, 128, 64, "swiglu", False, 0.05, routing="sigmoid_topk", n_group=4,
+                 topk_group=2, routed_scaling=2.5).cuda().bfloat16()
     with torch.no_grad():
         m.expert_bias.copy_(random_bias(E, 63))
-    x = torch.randn(4, 64, 8, device="cuda", dtype=torch.bfloat16)
+    assert m.expert_bias.dtype == torch.float32 and m.expert_bias.is_cuda
+    x = torch.randn(4, 64, 128, device="cuda", dtype=torch.bfloat16)
     out_e, _ = m(x)
     counts_e = m.last_expert_counts.clone()
     out_c, _ = torch.compile(m, fullgraph=True)(x)
