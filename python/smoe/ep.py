@@ -243,6 +243,10 @@ class EPMoE(nn.Module):
         super().__init__()
         check_layer_sizes(num_experts, num_experts_per_tok, hidden_size, intermediate_size,
                           "smoe.EPMoE")
+        if _enum(ROUTINGS, routing, "routing") == L.SMOE_ROUTING_SIGMOID_TOPK:
+            raise SmoeError(L.SMOE_ERROR_UNSUPPORTED, "smoe.EPMoE: routing 'sigmoid_topk' is not "
+                            "offered here yet (no expert bias, groups or scaling; the C API's "
+                            "smoe_ep_layer runs it)")
         self.group = ep_group if isinstance(ep_group, EPGroup) else EPGroup(ep_group)
         P, r = self.group.size, self.group.rank
         if num_experts % P:

@@ -9,8 +9,8 @@ graphs (no host synchronisation, all memory from PyTorch's allocator).
 Between forward and backward autograd keeps only the C library's saved block
 (one uint8 tensor of smoe_layer_saved_bytes(): a 256-byte header saying
 which layer and forward filled it, H, the routing metadata and, for
-SOFTMAX_TOPK or token rounding, the router logits) plus references to the
-inputs, which the caller holds anyway.
+SOFTMAX_TOPK, SIGMOID_TOPK or token rounding, the router logits) plus
+references to the inputs, which the caller holds anyway.
 
 CPU tensors run on the CPU backend (float32, bfloat16, float64); CUDA
 tensors on the GPU backends (bfloat16), on the current CUDA stream.
@@ -25,6 +25,8 @@ layer handle is cached, and per token count its workspace and saved-block
 sizes; the ctypes argument structs are filled in one constructor call.
 """
 import ctypes
+import math
+import numbers
 import os
 import threading
 from typing import List, Optional, Tuple
@@ -44,6 +46,7 @@ ROUTINGS = {
     "topk_softmax": L.SMOE_ROUTING_TOPK_SOFTMAX,
     "softmax_topk": L.SMOE_ROUTING_SOFTMAX_TOPK,
     "general": L.SMOE_ROUTING_GENERAL,
+    "sigmoid_topk": L.SMOE_ROUTING_SIGMOID_TOPK,
 }
 ACTIVATIONS = {
     "swiglu": L.SMOE_ACT_SWIGLU,
@@ -56,6 +59,8 @@ ACTIVATIONS = {
     "silu": L.SMOE_ACT_SILU,
     "gelu": L.SMOE_ACT_GELU,       # tanh approximation
 }
+# Each routing code's name in ROUTINGS.
+_ROUTING_NAMES = {v: k for k, v in ROUTINGS.items()}
 GATED = (L.SMOE_ACT_SWIGLU, L.SMOE_ACT_GEGLU, L.SMOE_ACT_REGLU)
 W1_LAYOUTS = {
     "interleaved": L.SMOE_W1_INTERLEAVED,
@@ -124,7 +129,7 @@ class _Layer:
         self.cfg = cfg
         if cfg is not None:
             (self.d, self.n, self.E, self.K, self.activation, _, self.has_bias, self.routing, _,
-             self.rounding, self.round_tile, self.dtype) = cfg
+             self.rounding, self.round_tile, self.dtype, _, _, self.routed_scaling) = cfg
             self.general = self.routing == L.SMOE_ROUTING_GENERAL
         self._ws = {}
         self._saved = {}
@@ -189,12 +194,14 @@ _layers_lock = threading.Lock()
 
 
 def _make_desc(cfg, backend, device):
-    d, n, E, K, act, layout, has_bias, routing, renorm, rounding, tile, dtype = cfg
+    (d, n, E, K, act, layout, has_bias, routing, renorm, rounding, tile, dtype, n_group,
+     topk_group, routed_scaling) = cfg
     desc = L.lib().smoe_layer_desc_default()
     desc.d, desc.n, desc.E, desc.K = d, n, E, K
     desc.activation, desc.w1_layout, desc.has_bias = act, layout, int(has_bias)
     desc.routing, desc.renormalize = routing, int(renorm)
     desc.rounding, desc.round_tile = rounding, tile
+    desc.n_group, desc.topk_group, desc.routed_scaling = n_group, topk_group, routed_scaling
     desc.dtype, desc.backend, desc.device = dtype, backend, device
     return desc
 
@@ -247,8 +254,11 @@ def _get_layer(cfg, device):
 
 
 def _config(x, w1, w2, has_bias, top_k, routing, renormalize, activation, w1_layout, rounding,
-            round_tile):
-    """The layer configuration (the key of _layers) for these tensors and options."""
+            round_tile, n_group, topk_group, routed_scaling):
+    """The layer configuration (the key of _layers) for these tensors and
+    options: (d, n, E, K, activation, w1_layout, has_bias, routing,
+    renormalize, rounding, round_tile, dtype, n_group, topk_group,
+    routed_scaling), enums as smoe_* codes."""
     d, n, E = x.shape[1], w2.shape[2], w1.shape[0]
     K = 0 if routing == L.SMOE_ROUTING_GENERAL else top_k
     dtype = _DTYPES.get(x.dtype)
@@ -256,7 +266,8 @@ def _config(x, w1, w2, has_bias, top_k, routing, renormalize, activation, w1_lay
         raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
                         "dtype %s: smoe takes float32, bfloat16 or float64" % x.dtype)
     return (int(d), int(n), int(E), int(K), int(activation), int(w1_layout), bool(has_bias),
-            int(routing), bool(renormalize), int(rounding), int(round_tile), dtype)
+            int(routing), bool(renormalize), int(rounding), int(round_tile), dtype, int(n_group),
+            int(topk_group), float(routed_scaling))
 
 
 # ------------------------------------------------------------ sizes
@@ -290,8 +301,8 @@ def saved_bytes(T, pairs, *, d, n, E, K, activation, routing, rounding, round_ti
     off = _align(off + cap * 4)                        # assign_expert
     off = _align(off + (T + 1) * 4)                    # token_offset
     off = _align(off + (E + 1) * 4)                    # expert_offset
-    if routing == L.SMOE_ROUTING_SOFTMAX_TOPK or (routing != L.SMOE_ROUTING_GENERAL
-                                                  and rounding != L.SMOE_ROUND_OFF):
+    if routing in (L.SMOE_ROUTING_SOFTMAX_TOPK, L.SMOE_ROUTING_SIGMOID_TOPK) or (
+            routing != L.SMOE_ROUTING_GENERAL and rounding != L.SMOE_ROUND_OFF):
         off = _align(off + T * E * fsize)              # logits
     return off
 
@@ -429,9 +440,10 @@ def check_device():
 
 
 def _forward_core(layer, x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2,
-                  inference, save):
+                  expert_bias, inference, save):
     """smoe_layer_forward on real tensors: (out, expert_counts, router_logits
-    ((0,) for GENERAL), saved block or None when nothing is kept)."""
+    ((0,) for GENERAL), saved block or None when nothing is kept).
+    expert_bias: SIGMOID_TOPK's (E,) float32 bias, or None."""
     dev = x.device
     # Every tensor contiguous and aligned as the backend needs (the CUDA
     # backends: 16 bytes for the layer's dtype; element size on the CPU).
@@ -454,6 +466,8 @@ def _forward_core(layer, x, router_w, pair_token, pair_expert, pair_score, w1, w
     else:
         pairs = 0
         pt = pe = ps = None
+    if expert_bias is not None:
+        expert_bias = _aligned(expert_bias, 4)
     # A forward whose result nobody differentiates needs no saved block, and
     # without token rounding the library's inference mode computes the same.
     lib_inference = inference or (not save and layer.rounding == L.SMOE_ROUND_OFF)
@@ -465,7 +479,7 @@ def _forward_core(layer, x, router_w, pair_token, pair_expert, pair_score, w1, w
     args = L.forward_args_raw(T, x.data_ptr(), _ptr(router_w), pairs, pt, pe, ps,
                               w1.data_ptr(), _ptr(b1), w2.data_ptr(), _ptr(b2), out.data_ptr(),
                               None if general else logits.data_ptr(), counts.data_ptr(),
-                              int(lib_inference))
+                              int(lib_inference), _ptr(expert_bias))
     _call(L.forward_raw, layer, args, saved, ws, dev)
     if not save or inference:
         saved = None
@@ -520,12 +534,15 @@ def _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, p
 
 # ------------------------------------------------------------ custom operators
 
-# The forward operator's `config`: these options, in this order (ints).
+# The forward operator's `config`: these options, in this order (ints). The
+# first _N_OPTIONS are the layer's options, which backward takes again.
 _FWD_CONFIG = ("top_k", "routing", "renormalize", "activation", "w1_layout", "rounding",
-               "round_tile", "inference", "save")
+               "round_tile", "n_group", "topk_group", "inference", "save")
+_N_OPTIONS = 9
+_INFERENCE, _SAVE = 9, 10
 # The backward operator's `config`.
 _BWD_CONFIG = ("pairs", "has_bias", "top_k", "routing", "renormalize", "activation",
-               "w1_layout", "rounding", "round_tile", "needs")
+               "w1_layout", "rounding", "round_tile", "n_group", "topk_group", "needs")
 
 
 def _unpack(config, names, op):
@@ -539,33 +556,39 @@ def _unpack(config, names, op):
 def _moe_forward(x: Tensor, router_w: Optional[Tensor], pair_token: Optional[Tensor],
                  pair_expert: Optional[Tensor], pair_score: Optional[Tensor], w1: Tensor,
                  w2: Tensor, b1: Optional[Tensor], b2: Optional[Tensor],
-                 config: List[int]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                 expert_bias: Optional[Tensor], config: List[int],
+                 routed_scaling: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out (T, d), expert_counts (E) int32, router_logits (T, E) fp32 or (0,)
     for GENERAL, saved uint8 block or (0,) when nothing is kept).
 
-    config: [top_k, routing, renormalize, activation, w1_layout, rounding,
-    round_tile, inference, save] as ints (enums as smoe_* codes). The
-    options are one list rather than one argument each because PyTorch's
-    custom-operator autograd wrapper spends time quadratic in the number of
-    arguments on every call."""
-    (top_k, routing, renormalize, activation, w1_layout, rounding, round_tile, inference,
-     save) = _unpack(config, _FWD_CONFIG, "smoe::moe_forward")
+    expert_bias: SIGMOID_TOPK's selection bias (E,) float32 or None (no
+    gradient). config: [top_k, routing, renormalize, activation, w1_layout,
+    rounding, round_tile, n_group, topk_group, inference, save] as ints
+    (enums as smoe_* codes). The options are one list rather than one
+    argument each because PyTorch's custom-operator autograd wrapper spends
+    time quadratic in the number of arguments on every call;
+    routed_scaling, SIGMOID_TOPK's factor (1.0 otherwise), is the one float
+    and has its own argument (a double in the schema: passed exactly)."""
+    (top_k, routing, renormalize, activation, w1_layout, rounding, round_tile, n_group,
+     topk_group, inference, save) = _unpack(config, _FWD_CONFIG, "smoe::moe_forward")
     layer = _get_layer(_config(x, w1, w2, b1 is not None, top_k, routing, renormalize,
-                               activation, w1_layout, rounding, round_tile), x.device)
+                               activation, w1_layout, rounding, round_tile, n_group, topk_group,
+                               routed_scaling), x.device)
     out, counts, logits, saved = _forward_core(layer, x, router_w, pair_token, pair_expert,
-                                               pair_score, w1, w2, b1, b2, bool(inference),
-                                               bool(save))
+                                               pair_score, w1, w2, b1, b2, expert_bias,
+                                               bool(inference), bool(save))
     if saved is None:
         saved = torch.empty(0, dtype=torch.uint8, device=x.device)
     return out, counts, logits, saved
 
 
 @_moe_forward.register_fake
-def _moe_forward_fake(x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2, config):
-    (top_k, routing, renormalize, activation, w1_layout, rounding, round_tile, inference,
-     save) = _unpack(config, _FWD_CONFIG, "smoe::moe_forward")
+def _moe_forward_fake(x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2,
+                      expert_bias, config, routed_scaling):
+    (top_k, routing, renormalize, activation, w1_layout, rounding, round_tile, n_group,
+     topk_group, inference, save) = _unpack(config, _FWD_CONFIG, "smoe::moe_forward")
     cfg = _config(x, w1, w2, b1 is not None, top_k, routing, renormalize, activation, w1_layout,
-                  rounding, round_tile)
+                  rounding, round_tile, n_group, topk_group, routed_scaling)
     general = routing == L.SMOE_ROUTING_GENERAL
     T, E = x.shape[0], w1.shape[0]
     pairs = pair_token.shape[0] if general else 0
@@ -585,21 +608,24 @@ def _moe_forward_fake(x, router_w, pair_token, pair_expert, pair_score, w1, w2, 
 @torch.library.custom_op("smoe::moe_backward", mutates_args=())
 def _moe_backward(dout: Tensor, dlogits_extra: Optional[Tensor], x: Tensor,
                   router_w: Optional[Tensor], w1: Tensor, w2: Tensor, b2: Optional[Tensor],
-                  saved: Tensor, config: List[int]
+                  saved: Tensor, config: List[int], routed_scaling: float
                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, drouter_w, dw1, db1, dw2, db2, dpair_score); a gradient not asked
     for in `needs` (or not part of the layer) is an empty tensor.
 
     config: [pairs, has_bias, top_k, routing, renormalize, activation,
-    w1_layout, rounding, round_tile, needs] as ints."""
+    w1_layout, rounding, round_tile, n_group, topk_group, needs] as ints;
+    routed_scaling as in moe_forward (the layer's options must be the
+    forward's: the saved block belongs to that layer)."""
     (pairs, has_bias, top_k, routing, renormalize, activation, w1_layout, rounding, round_tile,
-     needs) = _unpack(config, _BWD_CONFIG, "smoe::moe_backward")
+     n_group, topk_group, needs) = _unpack(config, _BWD_CONFIG, "smoe::moe_backward")
     if saved.numel() == 0:
         raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
                         "backward through a forward that kept nothing for it "
                         "(run with inference=True)")
     layer = _get_layer(_config(x, w1, w2, has_bias, top_k, routing, renormalize, activation,
-                               w1_layout, rounding, round_tile), x.device)
+                               w1_layout, rounding, round_tile, n_group, topk_group,
+                               routed_scaling), x.device)
     grads = _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, pairs,
                            needs)
     dev = x.device
@@ -609,9 +635,10 @@ def _moe_backward(dout: Tensor, dlogits_extra: Optional[Tensor], x: Tensor,
 
 
 @_moe_backward.register_fake
-def _moe_backward_fake(dout, dlogits_extra, x, router_w, w1, w2, b2, saved, config):
+def _moe_backward_fake(dout, dlogits_extra, x, router_w, w1, w2, b2, saved, config,
+                       routed_scaling):
     (pairs, has_bias, top_k, routing, renormalize, activation, w1_layout, rounding, round_tile,
-     needs) = _unpack(config, _BWD_CONFIG, "smoe::moe_backward")
+     n_group, topk_group, needs) = _unpack(config, _BWD_CONFIG, "smoe::moe_backward")
     general = routing == L.SMOE_ROUTING_GENERAL
     E = w1.shape[0]
 
@@ -628,18 +655,20 @@ def _moe_backward_fake(dout, dlogits_extra, x, router_w, w1, w2, b2, saved, conf
             buf(general and needs & _NEED_SCORE, (pairs,), torch.float32))
 
 
-# Positions of the differentiable inputs of moe_forward, with their `needs` bits.
+# Positions of the differentiable inputs of moe_forward, with their `needs`
+# bits (the tenth tensor, expert_bias, gets no gradient).
 _IN_X, _IN_ROUTER, _IN_SCORE, _IN_W1, _IN_W2, _IN_B1, _IN_B2 = 0, 1, 4, 5, 6, 7, 8
-_N_TENSORS = 9
+_N_TENSORS = 10
 _GRAD_SLOTS = ((_IN_X, _NEED_X), (_IN_ROUTER, _NEED_ROUTER), (_IN_W1, _NEED_W1),
                (_IN_B1, _NEED_B1), (_IN_W2, _NEED_W2), (_IN_B2, _NEED_B2),
                (_IN_SCORE, _NEED_SCORE))   # in moe_backward's output order
 
 
-def _save_context(ctx, x, router_w, pair_token, w1, w2, b1, b2, saved, options, inference,
-                  layer):
+def _save_context(ctx, x, router_w, pair_token, w1, w2, b1, b2, saved, options, routed_scaling,
+                  inference, layer):
     ctx.save_for_backward(x, router_w, w1, w2, b2, saved)
-    ctx.options = options          # top_k .. round_tile of the forward config
+    ctx.options = options          # top_k .. topk_group of the forward config
+    ctx.routed_scaling = routed_scaling
     ctx.has_bias = b1 is not None
     ctx.pairs = pair_token.shape[0] if pair_token is not None else 0
     ctx.inference = inference
@@ -647,13 +676,14 @@ def _save_context(ctx, x, router_w, pair_token, w1, w2, b1, b2, saved, options, 
 
 
 def _setup_context(ctx, inputs, output):
-    x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2, config = inputs
-    _save_context(ctx, x, router_w, pair_token, w1, w2, b1, b2, output[3], tuple(config[:7]),
-                  bool(config[7]), None)
+    (x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2, expert_bias, config,
+     routed_scaling) = inputs
+    _save_context(ctx, x, router_w, pair_token, w1, w2, b1, b2, output[3],
+                  tuple(config[:_N_OPTIONS]), routed_scaling, bool(config[_INFERENCE]), None)
 
 
 def _input_grads(ctx, dout, dlogits):
-    """The gradients of moe_forward's 9 tensor inputs."""
+    """The gradients of moe_forward's 10 tensor inputs."""
     x, router_w, w1, w2, b2, saved = ctx.saved_tensors
     need = ctx.needs_input_grad
     needs = 0
@@ -678,7 +708,8 @@ def _input_grads(ctx, dout, dlogits):
                              needs)
     else:
         out = torch.ops.smoe.moe_backward(dout, dlogits, x, router_w, w1, w2, b2, saved,
-                                          [ctx.pairs, int(ctx.has_bias), *ctx.options, needs])
+                                          [ctx.pairs, int(ctx.has_bias), *ctx.options, needs],
+                                          ctx.routed_scaling)
     for (pos, bit), g in zip(_GRAD_SLOTS, out):
         if needs & bit:
             grads[pos] = g
@@ -686,7 +717,8 @@ def _input_grads(ctx, dout, dlogits):
 
 
 def _backward(ctx, dout, dcounts, dlogits, dsaved):
-    return tuple(_input_grads(ctx, dout, dlogits)) + (None,)   # none for config
+    # none for config and routed_scaling
+    return tuple(_input_grads(ctx, dout, dlogits)) + (None, None)
 
 
 _moe_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -700,21 +732,21 @@ class _MoeFunction(torch.autograd.Function):
     tensors, the backward called directly when it can be."""
 
     @staticmethod
-    def forward(ctx, x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2, layer,
-                config):
-        inference = bool(config[7])
+    def forward(ctx, x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2,
+                expert_bias, layer, config):
+        inference = bool(config[_INFERENCE])
         out, counts, logits, saved = _forward_core(layer, x, router_w, pair_token, pair_expert,
-                                                   pair_score, w1, w2, b1, b2, inference,
-                                                   not inference)
+                                                   pair_score, w1, w2, b1, b2, expert_bias,
+                                                   inference, not inference)
         ctx.set_materialize_grads(False)   # an unused output's gradient stays None
         ctx.mark_non_differentiable(counts)
-        _save_context(ctx, x, router_w, pair_token, w1, w2, b1, b2, saved, tuple(config[:7]),
-                      inference, layer)
+        _save_context(ctx, x, router_w, pair_token, w1, w2, b1, b2, saved,
+                      tuple(config[:_N_OPTIONS]), layer.routed_scaling, inference, layer)
         return out, counts, logits
 
     @staticmethod
     def backward(ctx, dout, dcounts, dlogits):
-        return tuple(_input_grads(ctx, dout, dlogits)) + (None, None)
+        return tuple(_input_grads(ctx, dout, dlogits)) + (None, None)   # layer, config
 
 
 # Set False to send every call through the operators (the tests run both ways).
@@ -853,29 +885,112 @@ def _wants_grad(*tensors):
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _run(x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2, config, d, n, E):
+def _run(x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2, expert_bias,
+         config, routed_scaling, d, n, E):
     """The forward on checked inputs (x (T, d)): through the eager path when
     _direct() allows, else through the operator. Returns (out, counts,
     logits)."""
-    if _direct(x.device, x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2):
-        top_k, routing, renormalize, act, layout, rounding, round_tile = config[:7]
+    if _direct(x.device, x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2,
+               expert_bias):
+        (top_k, routing, renormalize, act, layout, rounding, round_tile, n_group,
+         topk_group) = config[:_N_OPTIONS]
         cfg = (d, n, E, top_k, act, layout, b1 is not None, routing, bool(renormalize), rounding,
-               round_tile, _DTYPES[x.dtype])
+               round_tile, _DTYPES[x.dtype], n_group, topk_group, routed_scaling)
         layer = _get_layer(cfg, x.device)
-        if config[8] or (config[7] and _wants_grad(x, router_w, pair_score, w1, w2, b1, b2)):
+        inference = config[_INFERENCE]
+        if config[_SAVE] or (inference and _wants_grad(x, router_w, pair_score, w1, w2, b1, b2)):
             # (inference=True with inputs that want a gradient: the output
             # takes part in autograd, whose backward then says why not.)
             return _MoeFunction.apply(x, router_w, pair_token, pair_expert, pair_score, w1, w2,
-                                      b1, b2, layer, config)
+                                      b1, b2, expert_bias, layer, config)
         return _forward_core(layer, x, router_w, pair_token, pair_expert, pair_score, w1, w2,
-                             b1, b2, bool(config[7]), False)[:3]
+                             b1, b2, expert_bias, bool(inference), False)[:3]
     return torch.ops.smoe.moe_forward(x, router_w, pair_token, pair_expert, pair_score, w1, w2,
-                                      b1, b2, config)[:3]
+                                      b1, b2, expert_bias, config, routed_scaling)[:3]
+
+
+def _is_int(v):
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def check_sigmoid_options(routing, n_group, topk_group, routed_scaling, E, K, who="",
+                          routing_name=None):
+    """The options of routing 'sigmoid_topk' (smoe.h's rules, checked here to
+    name the argument; the library checks them again): n_group and
+    topk_group ints, both 0 (no groups) or n_group dividing E into groups of
+    >= 2 experts and topk_group in [1, n_group] holding >= K experts;
+    routed_scaling a finite number > 0. Other routings take the defaults (0,
+    0, 1.0) only. `routing` is the smoe_routing code; `who` prefixes the
+    message, `routing_name` names the routing in it. Returns (n_group,
+    topk_group, routed_scaling) as int, int, float (a torch.SymFloat, under
+    torch.compile, stays one)."""
+    def refuse(status, message, *args):
+        raise SmoeValueError(status, who + message % args)
+
+    for name, v in (("n_group", n_group), ("topk_group", topk_group)):
+        if not _is_int(v):
+            refuse(L.SMOE_ERROR_INVALID_VALUE, "%s = %r, must be an int", name, v)
+    # (Comparisons rather than math.isfinite: under torch.compile a float
+    # argument of the compiled function arrives as a torch.SymFloat, which
+    # they guard on.)
+    if (isinstance(routed_scaling, bool)
+            or not isinstance(routed_scaling, (numbers.Real, torch.SymFloat))
+            or not 0.0 < routed_scaling < math.inf):
+        refuse(L.SMOE_ERROR_INVALID_VALUE, "routed_scaling = %r, must be a finite number > 0 "
+               "(1.0: no scaling)", routed_scaling)
+    G, g = int(n_group), int(topk_group)
+    c = routed_scaling if isinstance(routed_scaling, torch.SymFloat) else float(routed_scaling)
+    if routing != L.SMOE_ROUTING_SIGMOID_TOPK:
+        name = routing_name if routing_name is not None else routing
+        if G != 0 or g != 0:
+            refuse(L.SMOE_ERROR_INVALID_VALUE, "n_group = %d, topk_group = %d: group-limited "
+                   "selection needs routing='sigmoid_topk' (routing = %r); leave both 0", G, g,
+                   name)
+        if c != 1.0:
+            refuse(L.SMOE_ERROR_INVALID_VALUE, "routed_scaling = %r needs routing='sigmoid_topk'"
+                   " (routing = %r scales nothing: leave it 1.0)", routed_scaling, name)
+        return G, g, c
+    if G < 0 or g < 0:
+        refuse(L.SMOE_ERROR_INVALID_SIZE, "n_group = %d, topk_group = %d: must be >= 0", G, g)
+    if (G == 0) != (g == 0):
+        refuse(L.SMOE_ERROR_INVALID_VALUE, "n_group = %d, topk_group = %d: both 0 (no groups) "
+               "or both > 0", G, g)
+    if G == 0:
+        return G, g, c
+    if E % G:
+        refuse(L.SMOE_ERROR_INVALID_SIZE, "n_group = %d does not divide E = %d experts", G, E)
+    if E // G < 2:
+        refuse(L.SMOE_ERROR_INVALID_SIZE, "n_group = %d gives groups of E/n_group = %d "
+               "expert(s); a group's key sums its 2 best, so groups need >= 2", G, E // G)
+    if g > G:
+        refuse(L.SMOE_ERROR_INVALID_SIZE, "topk_group = %d, must be in [1, n_group = %d]", g, G)
+    if g * (E // G) < K:
+        refuse(L.SMOE_ERROR_INVALID_SIZE, "topk_group = %d groups of %d experts hold fewer than "
+               "top_k = %d experts", g, E // G, K)
+    return G, g, c
+
+
+def _check_expert_bias(expert_bias, routing, x, E):
+    """expert_bias: None, or for routing 'sigmoid_topk' a float32 tensor (E,)
+    on x's device. Returned detached (it gets no gradient)."""
+    if expert_bias is None:
+        return None
+    if routing != L.SMOE_ROUTING_SIGMOID_TOPK:
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                             "expert_bias is given but routing = %r has no expert bias "
+                             "(routing='sigmoid_topk' only)" % _ROUTING_NAMES[routing])
+    _check_tensor(expert_bias, "expert_bias", 1, x.device)
+    _check_shape(expert_bias, "expert_bias", (E,), "E = %d experts", E)
+    if expert_bias.dtype != torch.float32:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "expert_bias has dtype %s, must be float32"
+                        % expert_bias.dtype)
+    return expert_bias.detach()
 
 
 def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
         renormalize=True, activation="swiglu", w1_layout="interleaved", token_rounding=None,
-        round_tile=128, inference=False):
+        round_tile=128, inference=False, expert_bias=None, n_group=0, topk_group=0,
+        routed_scaling=1.0):
     """The MoE feed-forward layer (token-choice routing), differentiable.
 
     Shapes (T tokens: x may have any leading dimensions, flattened to T):
@@ -883,18 +998,29 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
       (E, n, d), w2 (E, d, n), b1 (E, 2n|n), b2 (E, d). One dtype for all:
       float32, bfloat16 or float64 on CPU, bfloat16 on CUDA.
 
-    routing: 'topk_softmax' (the K largest logits, softmax over them) or
+    routing: 'topk_softmax' (the K largest logits, softmax over them),
       'softmax_topk' (softmax over all E, the K largest; renormalised to sum
-      1 if `renormalize`). activation: 'swiglu', 'geglu', 'reglu', 'relu2',
-      'relu', 'silu', 'gelu'. w1_layout: 'interleaved' (gate j in row 2j, up
-      j in row 2j+1) or 'concatenated' (gate rows [0, n), up rows [n, 2n)).
+      1 if `renormalize`) or 'sigmoid_topk' (DeepSeek-V3's, below).
+      activation: 'swiglu', 'geglu', 'reglu', 'relu2', 'relu', 'silu',
+      'gelu'. w1_layout: 'interleaved' (gate j in row 2j, up j in row 2j+1)
+      or 'concatenated' (gate rows [0, n), up rows [n, 2n)).
     token_rounding: None, 'up', 'down' or 'nearest': each expert's token
       count rounded to a multiple of round_tile (training only; inference
-      uses plain token choice).
+      uses plain token choice; not with 'sigmoid_topk').
+    'sigmoid_topk' (smoe.h's SMOE_ROUTING_SIGMOID_TOPK; Hugging Face's
+      DeepseekV3TopkRouter): scores s = sigmoid(logits); the K experts are
+      chosen by s + expert_bias, among the topk_group best of n_group
+      contiguous groups of experts (a group ranked by the sum of its two
+      best keys) when n_group > 0; their s are renormalised to sum 1 if
+      `renormalize` and multiplied by routed_scaling. expert_bias: None
+      (zeros) or a float32 tensor (E,) on x's device, read for the choice
+      only, never differentiated: the caller updates it (DeepSeek-V3's
+      aux-loss-free balancing). The other routings refuse expert_bias,
+      n_group, topk_group and routed_scaling other than None, 0, 0, 1.0.
     inference: nothing is kept for backward (the output cannot be
       differentiated).
     Inside torch.autocast (for x's device) the inputs are cast to the
-    autocast dtype first, differentiably.
+    autocast dtype first, differentiably (expert_bias stays float32).
 
     Returns (out (..., d), expert_counts (E,) int32, router_logits (..., E)
     float32). Gradients reach x, router_w, w1, w2, b1, b2; a loss computed
@@ -920,12 +1046,26 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
         raise SmoeError(L.SMOE_ERROR_INVALID_SIZE,
                         "top_k = %r, must be an int in [1, E = %d]" % (top_k, E))
+    if routing_c == L.SMOE_ROUTING_SIGMOID_TOPK or not (
+            expert_bias is None and n_group == 0 and topk_group == 0 and routed_scaling == 1.0):
+        n_group, topk_group, routed_scaling = check_sigmoid_options(
+            routing_c, n_group, topk_group, routed_scaling, E, top_k,
+            routing_name=_ROUTING_NAMES[routing_c])
+        expert_bias = _check_expert_bias(expert_bias, routing_c, x, E)
+        if routing_c == L.SMOE_ROUTING_SIGMOID_TOPK and rounding != L.SMOE_ROUND_OFF:
+            raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                                 "token_rounding = %r with routing='sigmoid_topk': token rounding"
+                                 " ranks tokens by softmax probabilities, which sigmoid routing "
+                                 "has none of" % (token_rounding,))
+    else:
+        n_group, topk_group, routed_scaling = 0, 0, 1.0
     flat = x.dim() == 2
     x2 = x if flat else x.reshape(-1, d)
     save = not inference and _wants_grad(x2, router_w, w1, w2, b1, b2)
     config = [int(top_k), routing_c, int(bool(renormalize)), act, layout, rounding,
-              int(round_tile), int(bool(inference)), int(save)]
-    out, counts, logits = _run(x2, router_w, None, None, None, w1, w2, b1, b2, config, d, n, E)
+              int(round_tile), n_group, topk_group, int(bool(inference)), int(save)]
+    out, counts, logits = _run(x2, router_w, None, None, None, w1, w2, b1, b2, expert_bias,
+                               config, routed_scaling, d, n, E)
     if flat:
         return out, counts, logits
     lead = x.shape[:-1]
@@ -980,10 +1120,10 @@ def moe_general(x, pair_token, pair_expert, pair_score, w1, w2, b1=None, b2=None
     if validate and pairs > 0:
         _validate_triples(pair_token, pair_expert, pair_score, x.shape[0], E)
     save = not inference and _wants_grad(x, pair_score, w1, w2, b1, b2)
-    config = [0, L.SMOE_ROUTING_GENERAL, 0, act, layout, L.SMOE_ROUND_OFF, 128,
+    config = [0, L.SMOE_ROUTING_GENERAL, 0, act, layout, L.SMOE_ROUND_OFF, 128, 0, 0,
               int(bool(inference)), int(save)]
-    out, counts, _ = _run(x, None, pair_token, pair_expert, pair_score, w1, w2, b1, b2, config,
-                          d, n, E)
+    out, counts, _ = _run(x, None, pair_token, pair_expert, pair_score, w1, w2, b1, b2, None,
+                          config, 1.0, d, n, E)
     return out, counts
 
 
@@ -1023,7 +1163,7 @@ def layer_info(x_or_device, dtype=torch.bfloat16):
     if isinstance(x_or_device, torch.Tensor):
         dtype = x_or_device.dtype
     cfg = (64, 64, 8, 2, L.SMOE_ACT_SWIGLU, L.SMOE_W1_INTERLEAVED, False,
-           L.SMOE_ROUTING_TOPK_SOFTMAX, False, L.SMOE_ROUND_OFF, 128, _DTYPES[dtype])
+           L.SMOE_ROUTING_TOPK_SOFTMAX, False, L.SMOE_ROUND_OFF, 128, _DTYPES[dtype], 0, 0, 1.0)
     layer = _get_layer(cfg, device)
     names = {v: k[len("SMOE_BACKEND_"):].lower() for k, v in L.ENUMS["smoe_backend"].items()}
     return names[layer.backend], layer.path_name

@@ -26,12 +26,12 @@ replacement and any other layout is refused, not guessed):
   MixtralSparseMoeBlock     'topk_softmax' (softmax over E, top K,
                             renormalised, is softmax over the K largest
                             logits); router jitter noise in training as HF
-  DeepseekV3MoE             the HF router module computes the routing
-                            (sigmoid, e_score_correction_bias for the
-                            choice, group-limited top-K, renormalised,
-                            routed_scaling_factor) and smoe.moe_general runs
-                            the routed experts on those (token, expert,
-                            score) triples; shared_experts stay the HF MLP
+  DeepseekV3MoE             'sigmoid_topk' (sigmoid, gate.e_score_correction_bias
+                            for the choice, gate.num_group groups of which
+                            gate.topk_group are kept, renormalised if
+                            gate.norm_topk_prob, times
+                            gate.routed_scaling_factor); shared_experts
+                            stay the HF MLP
 
 Refused with an error naming why: gpt-oss (GptOssMLP; its experts use a
 clamped SwiGLU, which smoe has no activation for) and every block of a
@@ -40,18 +40,29 @@ supported class whose structure is not the one above.
 Router logits: in this transformers version the blocks return only the
 hidden states, and `output_router_logits=True` records the router module's
 first output through a forward hook. smoe computes the router logits itself
-(one fp32 GEMM inside the layer), so for the token-choice blocks the router
-module's forward is not run; instead it is called with smoe's logits, which
-it hands back unchanged (see _RouterTap), so its hooks, the output recorder
-among them, see (router_logits (T, E) in x's dtype, None, None). A loss on
-those logits (the aux load-balancing loss) reaches the router weight
-through smoe's dlogits_extra. The router called on its own (not from the
-block) still runs the HF forward.
+(one GEMM with fp32 accumulation inside the layer), so the router module's
+forward is not run; instead it is called with smoe's logits, which it hands
+back unchanged (see _RouterTap), so its hooks, the output recorder among
+them, see (router_logits (T, E), None, None): in x's dtype, as the HF
+router returns them, and float32 for DeepSeek-V3 (whose HF router computes
+in float32). A loss on those logits (the aux load-balancing loss) reaches
+the router weight through smoe's dlogits_extra. The router called on its
+own (not from the block) still runs the HF forward.
+
+DeepSeek-V3 dtypes: the HF router casts x and its weight to float32; smoe's
+router takes them in x's dtype (exact products, float32 sums: the same
+logits up to the order of the sums when the weight has x's dtype). A
+float32 gate.weight in a bfloat16 model (transformers keeps it so when it
+loads a checkpoint) is rounded to x's dtype for the call, differentiably:
+its gradient arrives in float32, and the routing is a bfloat16 router's
+(near-ties may choose otherwise than HF's float32 router).
+e_score_correction_bias is used as float32 (converted if the model was cast).
 """
 import torch
 import torch.nn as nn
 
-from .functional import moe, moe_general
+from ._lib import SMOE_ROUTING_SIGMOID_TOPK
+from .functional import check_sigmoid_options, moe
 
 __all__ = ["replace_moe_blocks", "restore_moe_blocks", "SmoeSparseMoeBlock", "SmoeDeepseekV3MoE",
            "TESTED_TRANSFORMERS_VERSIONS"]
@@ -170,6 +181,12 @@ def _check_block(name, block):
         for attr in ("num_group", "topk_group", "norm_topk_prob", "routed_scaling_factor"):
             if not hasattr(router, attr):
                 _refuse(name, block, "its router has no %s (an unknown DeepSeek-V3 layout)", attr)
+        try:
+            check_sigmoid_options(SMOE_ROUTING_SIGMOID_TOPK, router.num_group, router.topk_group,
+                                  router.routed_scaling_factor, E, top_k, "the router's ")
+        except ValueError as e:
+            _refuse(name, block, "%s (n_group = num_group, routed_scaling = "
+                    "routed_scaling_factor)", e.message)
     for what, mod in (("router", router), ("experts", experts)):
         for p in mod.parameters():
             if p.dtype not in _SMOE_DTYPES:
@@ -218,7 +235,7 @@ def _remove_tap(router):
 
 class _SmoeBlock(nn.Module):
     """Adopts the HF block's children under their names (so the state dict
-    is the HF block's) and remembers the HF class."""
+    is the HF block's), remembers the HF class, and taps the router."""
 
     def __init__(self, hf_block, kind):
         super().__init__()
@@ -230,6 +247,7 @@ class _SmoeBlock(nn.Module):
         self.hf_class = type(hf_block)
         self.kind = kind
         self.last_expert_counts = None
+        _install_tap(self.gate)   # smoe's router logits reach the router's hooks
 
     def _experts_weights(self):
         return self.experts.gate_up_proj, self.experts.down_proj
@@ -243,10 +261,6 @@ class SmoeSparseMoeBlock(_SmoeBlock):
     library's own router). forward(hidden_states (..., d)) -> (..., d), as
     the HF block. Reads gate.top_k, gate.norm_topk_prob and (Mixtral)
     jitter_noise at every call, as the HF block does."""
-
-    def __init__(self, hf_block, kind):
-        super().__init__(hf_block, kind)
-        _install_tap(self.gate)
 
     def forward(self, hidden_states):
         x = hidden_states
@@ -266,39 +280,33 @@ class SmoeSparseMoeBlock(_SmoeBlock):
         return out
 
 
-def _deepseek_v3_routing(router, hidden_states):
-    """DeepSeek-V3's routing, computed by the HF router module itself (in
-    PyTorch: sigmoid scores, + e_score_correction_bias for the choice only,
-    group-limited top-K, renormalised, times routed_scaling_factor; its
-    forward hooks see its logits as usual). Returns the (token, expert,
-    score) triples smoe.moe_general takes, sorted by token; the scores carry
-    the gradient to the router weight.
-
-    The one place to switch to smoe's C router once it has DeepSeek's
-    (planned: routing 'sigmoid_topk' with n_group, topk_group, the routed
-    scaling factor and the expert bias): SmoeDeepseekV3MoE.forward then
-    calls smoe.moe(x, gate.weight, ..., routing='sigmoid_topk', ...) in
-    place of this function and moe_general, and taps the router's logits
-    as SmoeSparseMoeBlock does."""
-    _, weights, indices = router(hidden_states)
-    T, K = indices.shape
-    token = torch.arange(T, device=indices.device, dtype=torch.int32).repeat_interleave(K)
-    return token, indices.reshape(-1).to(torch.int32), weights.reshape(-1).to(torch.float32)
-
-
 class SmoeDeepseekV3MoE(_SmoeBlock):
-    """DeepSeek-V3's MoE block: routed experts on smoe.moe_general, the
-    routing from _deepseek_v3_routing, shared_experts the HF MLP.
-    forward(hidden_states (..., d)) -> (..., d), as the HF block."""
+    """DeepSeek-V3's MoE block: the routed experts on smoe.moe with the
+    library's 'sigmoid_topk' router, shared_experts the HF MLP.
+    forward(hidden_states (..., d)) -> (..., d), as the HF block. Reads the
+    router's top_k, num_group, topk_group, norm_topk_prob,
+    routed_scaling_factor and e_score_correction_bias at every call, as the
+    HF router does."""
 
     def forward(self, hidden_states):
-        shape = hidden_states.shape
-        token, expert, score = _deepseek_v3_routing(self.gate, hidden_states)
+        x = hidden_states
+        gate = self.gate
+        router_w = gate.weight
+        if router_w.dtype != x.dtype:
+            router_w = router_w.to(x.dtype)
+        bias = gate.e_score_correction_bias
+        if bias.dtype != torch.float32:
+            bias = bias.float()
         w1, w2 = self._experts_weights()
-        out, counts = moe_general(hidden_states.reshape(-1, shape[-1]), token, expert, score,
-                                  w1, w2, activation="swiglu", w1_layout="concatenated")
+        out, counts, logits = moe(x, router_w, w1, w2, top_k=gate.top_k, routing="sigmoid_topk",
+                                  renormalize=bool(gate.norm_topk_prob), expert_bias=bias,
+                                  n_group=gate.num_group, topk_group=gate.topk_group,
+                                  routed_scaling=float(gate.routed_scaling_factor),
+                                  activation="swiglu", w1_layout="concatenated")
         self.last_expert_counts = counts.detach()
-        return out.view(shape) + self.shared_experts(hidden_states)
+        x2 = x.reshape(-1, x.shape[-1])
+        gate(x2, _smoe_router_outputs=(logits.reshape(x2.shape[0], -1), None, None))
+        return out + self.shared_experts(hidden_states)
 
 
 _CLASSES = {"softmax_topk": SmoeSparseMoeBlock, "topk_softmax": SmoeSparseMoeBlock,

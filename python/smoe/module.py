@@ -9,7 +9,7 @@ import torch.nn as nn
 from . import _lib as L
 from ._lib import SmoeError
 from .functional import (ACTIVATIONS, GATED, ROUNDINGS, ROUTINGS, W1_LAYOUTS, SmoeValueError,
-                         _autocast_dtype, _enum, moe)
+                         _autocast_dtype, _enum, check_sigmoid_options, moe)
 
 __all__ = ["Experts", "MoE", "switch_load_balancing_loss", "router_z_loss",
            "load_hf_moe_weights"]
@@ -155,9 +155,27 @@ class MoE(nn.Module):
     Hugging Face's load-balancing loss, at no extra cost (the layer
     computes them anyway).
 
-    Keyword-only extras: routing ('topk_softmax', SonicMoE's; or
-    'softmax_topk' with `renormalize`), token_rounding (None, 'up', 'down',
-    'nearest'; applied in training mode only) with round_tile, w1_layout.
+    Keyword-only extras: routing ('topk_softmax', SonicMoE's; 'softmax_topk'
+    with `renormalize`; or 'sigmoid_topk', below), token_rounding (None,
+    'up', 'down', 'nearest'; applied in training mode only; not with
+    'sigmoid_topk') with round_tile, w1_layout.
+
+    routing='sigmoid_topk' is DeepSeek-V3's router (smoe.moe's
+    'sigmoid_topk'): sigmoid scores, the choice among the topk_group best of
+    n_group expert groups (0, 0: no groups; n_group divides num_experts into
+    groups of >= 2, topk_group in [1, n_group] holding >= num_experts_per_tok
+    experts), the chosen scores renormalised if `renormalize` and multiplied
+    by routed_scaling (finite, > 0). The layer then has a persistent float32
+    buffer expert_bias (num_experts,), zeros at first, added to the scores
+    for the choice only: it gets no gradient, you update it, as DeepSeek-V3's
+    auxiliary-loss-free balancing does after each step, e.g. with u = 1e-3:
+
+        load = layer.last_expert_counts.float()
+        layer.expert_bias += u * torch.sign(load.mean() - load)
+
+    It stays float32 when the layer moves to another dtype (.bfloat16()).
+    The aux_loss returned is still the Switch loss of the softmax of the
+    logits, which such a model leaves out of its training loss.
     activation_function takes a name ('swiglu', 'geglu', 'reglu', 'relu2'
     or 'relu_sq', 'relu', 'silu', 'gelu') or an enum whose value or name is
     one ('activation' is accepted as the keyword too).
@@ -171,17 +189,28 @@ class MoE(nn.Module):
     def __init__(self, num_experts, num_experts_per_tok, hidden_size, intermediate_size,
                  activation_function="swiglu", add_bias=False, std=0.02, *,
                  routing="topk_softmax", renormalize=True, token_rounding=None, round_tile=128,
-                 w1_layout="interleaved", activation=None, output_router_logits=False):
+                 w1_layout="interleaved", activation=None, output_router_logits=False,
+                 n_group=0, topk_group=0, routed_scaling=1.0):
         super().__init__()
         if activation is not None:
             activation_function = activation
         E, K, d, n = check_layer_sizes(num_experts, num_experts_per_tok, hidden_size,
                                        intermediate_size, "smoe.MoE")
         self._act = _enum(ACTIVATIONS, activation_function, "smoe.MoE: activation_function")
-        if _enum(ROUTINGS, routing, "smoe.MoE: routing") == L.SMOE_ROUTING_GENERAL:
+        routing_c = _enum(ROUTINGS, routing, "smoe.MoE: routing")
+        if routing_c == L.SMOE_ROUTING_GENERAL:
             raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
                                  "smoe.MoE: routing = 'general' takes the caller's (token, expert,"
                                  " score) triples: use smoe.moe_general()")
+        sigmoid = routing_c == L.SMOE_ROUTING_SIGMOID_TOPK
+        n_group, topk_group, routed_scaling = check_sigmoid_options(
+            routing_c, n_group, topk_group, routed_scaling, E, K, "smoe.MoE: ", routing)
+        if sigmoid and _enum(ROUNDINGS, token_rounding, "smoe.MoE: token_rounding") != \
+                L.SMOE_ROUND_OFF:
+            raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                                 "smoe.MoE: token_rounding = %r with routing = 'sigmoid_topk': "
+                                 "token rounding ranks tokens by softmax probabilities, which "
+                                 "sigmoid routing has none of" % (token_rounding,))
         _enum(ROUNDINGS, token_rounding, "smoe.MoE: token_rounding")
         _enum(W1_LAYOUTS, w1_layout, "smoe.MoE: w1_layout")
         round_tile = _check_int(round_tile, "smoe.MoE: round_tile")
@@ -199,11 +228,27 @@ class MoE(nn.Module):
         self.token_rounding = token_rounding
         self.round_tile = round_tile
         self.w1_layout = w1_layout
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.routed_scaling = routed_scaling
         self.output_router_logits = bool(output_router_logits)
         gated = self._act in GATED
         self.router = nn.Linear(d, E, bias=False)
         self.c_fc = Experts(E, d, 2 * n if gated else n, add_bias, std)
         self.c_proj = Experts(E, n, d, add_bias, std)
+        # (None, for the other routings, is no buffer: not in the state dict.)
+        self.register_buffer("expert_bias",
+                             torch.zeros(E, dtype=torch.float32) if sigmoid else None)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .cuda(), .bfloat16()... move expert_bias with the layer but
+        # keep it float32: the library reads it as such, and small updates
+        # would vanish in a bfloat16 bias.
+        out = super()._apply(fn, *args, **kwargs)
+        bias = self._buffers.get("expert_bias")
+        if bias is not None and bias.dtype != torch.float32 and bias.is_floating_point():
+            self._buffers["expert_bias"] = bias.float()
+        return out
 
     def forward(self, hidden_states, kernel_backend_moe=None, is_inference_mode=False, *,
                 output_router_logits=None):
@@ -217,7 +262,9 @@ class MoE(nn.Module):
                 renormalize=self.renormalize, activation=self._act_name(),
                 w1_layout=self.w1_layout,
                 token_rounding=self.token_rounding if self.training else None,
-                round_tile=self.round_tile, inference=bool(is_inference_mode))
+                round_tile=self.round_tile, inference=bool(is_inference_mode),
+                expert_bias=self.expert_bias, n_group=self.n_group, topk_group=self.topk_group,
+                routed_scaling=self.routed_scaling)
         except SmoeError:
             self._check_parameters()   # a better message if they disagree with each other
             raise
@@ -259,6 +306,10 @@ class MoE(nn.Module):
         params = (("router.weight", self.router.weight), ("c_proj.weight", self.c_proj.weight),
                   ("c_fc.bias", self.c_fc.bias), ("c_proj.bias", self.c_proj.bias))
         autocast = _autocast_dtype(w.device) is not None
+        bias = self.expert_bias
+        if bias is not None and bias.device != w.device:
+            raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.MoE: expert_bias is on %s but "
+                                 "c_fc.weight is on %s" % (bias.device, w.device))
         for name, p in params:
             if p is None:
                 continue
@@ -275,10 +326,14 @@ class MoE(nn.Module):
         return _ACT_NAMES[self._act]
 
     def extra_repr(self):
-        return ("num_experts=%d, top_k=%d, hidden_size=%d, intermediate_size=%d, "
+        text = ("num_experts=%d, top_k=%d, hidden_size=%d, intermediate_size=%d, "
                 "activation=%s, routing=%s, token_rounding=%s"
                 % (self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
                    self._act_name(), self.routing, self.token_rounding))
+        if self.expert_bias is not None:
+            text += ", n_group=%d, topk_group=%d, routed_scaling=%g" % (
+                self.n_group, self.topk_group, self.routed_scaling)
+        return text
 
 
 # ------------------------------------------------------------ Hugging Face weights
@@ -288,9 +343,9 @@ _HF_REFUSED = (
     ("router.bias", "a gpt-oss block (router bias, interleaved gate/up, clamped SwiGLU with "
                     "alpha and limit), which smoe.MoE cannot compute; refused rather than loaded "
                     "wrong"),
-    ("gate.e_score_correction_bias", "a DeepSeek-V3 block (sigmoid routing with an expert bias, "
-                                     "group-limited top-K, shared experts), which smoe.MoE's "
-                                     "routing cannot express; smoe.hf.replace_moe_blocks runs it"),
+    ("gate.e_score_correction_bias", "a DeepSeek-V3 block, whose shared experts smoe.MoE does "
+                                     "not have (its routing is smoe.MoE's 'sigmoid_topk'); "
+                                     "smoe.hf.replace_moe_blocks runs it"),
     ("gate.bias", "a router bias, which smoe.MoE's router does not have"),
 )
 

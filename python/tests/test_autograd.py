@@ -52,10 +52,14 @@ def _fwd_args(save=True, bias=True, routing=0, rounding=0):
                                 dtype=torch.float32)
     ins = [t.requires_grad_() if t is not None else None for t in (x, r, w1, w2, b1, b2)]
     x, r, w1, w2, b1, b2 = ins
-    # config: top_k, routing, renormalize, activation, w1_layout, rounding,
-    # round_tile, inference, save
-    return (x, r, None, None, None, w1, w2, b1, b2,
-            [2, routing, 1, 0, 0, rounding, 4, 0, int(save)])
+    sigmoid = routing == smoe.functional.ROUTINGS["sigmoid_topk"]
+    # SIGMOID_TOPK: an expert bias, 2 groups of which 1 is kept, scaling 2.5.
+    eb = torch.randn(4, generator=torch.Generator().manual_seed(35)) if sigmoid else None
+    G, g, scaling = (2, 1, 2.5) if sigmoid else (0, 0, 1.0)
+    # expert_bias; config: top_k, routing, renormalize, activation, w1_layout,
+    # rounding, round_tile, n_group, topk_group, inference, save; routed_scaling
+    return (x, r, None, None, None, w1, w2, b1, b2, eb,
+            [2, routing, 1, 0, 0, rounding, 4, G, g, 0, int(save)], scaling)
 
 
 # opcheck's AOT-dispatch tests compare every output bit for bit between two
@@ -65,7 +69,7 @@ def _fwd_args(save=True, bias=True, routing=0, rounding=0):
 _CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 
-@pytest.mark.parametrize("routing,rounding", [(0, 0), (1, 0), (1, 1)])
+@pytest.mark.parametrize("routing,rounding", [(0, 0), (1, 0), (1, 1), (3, 0)])
 def test_opcheck_forward(routing, rounding):
     torch.library.opcheck(torch.ops.smoe.moe_forward.default,
                           _fwd_args(routing=routing, rounding=rounding), test_utils=_CHECKS)
@@ -77,16 +81,18 @@ def test_opcheck_forward_no_bias_no_save():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_opcheck_backward():
-    args = _fwd_args()
+@pytest.mark.parametrize("routing", [0, 3])
+def test_opcheck_backward(routing):
+    args = _fwd_args(routing=routing)
     x, r, w1, w2, b2 = args[0], args[1], args[5], args[6], args[8]
+    config, scaling = args[10], args[11]
     with torch.no_grad():
         out, counts, logits, saved = torch.ops.smoe.moe_forward(*args)
     dout = torch.randn_like(out)
     dlog = torch.randn_like(logits)
     # config: pairs, has_bias, top_k, routing, renormalize, activation,
-    # w1_layout, rounding, round_tile, needs
+    # w1_layout, rounding, round_tile, n_group, topk_group, needs; routed_scaling
     bargs = (dout, dlog, x.detach(), r.detach(), w1.detach(), w2.detach(), b2.detach(), saved,
-             [0, 1, 2, 0, 1, 0, 0, 0, 4, 0b111111])
+             [0, 1, *config[:9], 0b111111], scaling)
     torch.library.opcheck(torch.ops.smoe.moe_backward.default, bargs,
                           test_utils=("test_schema", "test_faketensor"))

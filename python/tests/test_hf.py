@@ -341,3 +341,76 @@ def test_unknown_layouts_refused_before_anything_is_replaced():
         smoe.hf.replace_moe_blocks(blocks[1])
     with pytest.raises(ValueError, match="no MoE block"):
         smoe.hf.replace_moe_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def test_deepseek_v3_runs_smoe_router():
+    # The routing is smoe's 'sigmoid_topk' (the HF router's forward is not
+    # run by the block); the router's hooks still see its float32 logits,
+    # and the expert bias is read at every call.
+    ref, model, replaced = patched_pair("deepseek_v3")
+    name = sorted(replaced)[0]
+    hf_block, sm_block = ref.get_submodule(name), model.get_submodule(name)
+    seen = []
+    sm_block.gate.register_forward_hook(lambda mod, args, out: seen.append(out[0]))
+    x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(14))
+    cls = type(sm_block.gate)
+    hf_forward = cls.forward
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the HF router ran")
+
+    cls.forward = refuse
+    try:
+        with torch.no_grad():
+            out = sm_block(x)
+    finally:
+        cls.forward = hf_forward
+    with torch.no_grad():
+        want = hf_block(x)
+        logits = hf_block.gate(x)[0]
+    assert_close(out, want, 2e-6, "out")
+    assert len(seen) == 1 and seen[0].dtype == torch.float32 and seen[0].shape == (14, 8)
+    assert_close(seen[0], logits, 1e-6, "router logits")
+    # A new bias (as aux-loss-free balancing sets it) moves the choice.
+    with torch.no_grad():
+        for block in (hf_block, sm_block):
+            block.gate.e_score_correction_bias[5] = 3.0   # expert 5 wins every token
+        assert_close(sm_block(x), hf_block(x), 2e-6, "out after the bias update")
+    assert int(sm_block.last_expert_counts[5]) == 14
+
+
+def test_deepseek_v3_float32_router_in_a_bfloat16_model():
+    # transformers keeps gate.weight and e_score_correction_bias in float32
+    # when it loads a bfloat16 checkpoint: the router weight is rounded to
+    # bfloat16 for smoe's router (differentiably: its gradient is float32).
+    ref, model, replaced = patched_pair("deepseek_v3")
+    ids = torch.randint(3, V, (2, 9), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        exact = ref(ids).logits
+    model.bfloat16()
+    for name in replaced:
+        gate = model.get_submodule(name).gate
+        gate.weight.data = gate.weight.data.float()
+        gate.e_score_correction_bias.data = gate.e_score_correction_bias.data.float()
+    with torch.no_grad():
+        got = model(ids).logits.float()
+    ref.bfloat16()
+    ref.set_experts_implementation("eager")
+    with torch.no_grad():
+        hf = ref(ids).logits.float()
+    err_hf, err = (hf - exact).abs().max(), (got - exact).abs().max()
+    assert err <= 2 * err_hf + 1e-3 * exact.abs().max(), (float(err), float(err_hf))
+    model(ids, labels=ids).loss.backward()
+    w = model.get_parameter("model.layers.1.mlp.gate.weight")
+    assert w.dtype == torch.float32 and w.grad.dtype == torch.float32
+    assert torch.isfinite(w.grad).all() and w.grad.abs().max() > 0
+
+
+def test_deepseek_v3_routing_options_checked_at_replacement():
+    model = tiny_model("deepseek_v3")
+    model.get_submodule("model.layers.1.mlp.gate").topk_group = 1   # 1 group of 2 < K = 3
+    before = [model.get_submodule(n) for n in block_names("deepseek_v3")]
+    with pytest.raises(ValueError, match=r"the router's topk_group = 1 groups of 2 experts hold "
+                       r"fewer than top_k = 3 experts"):
+        smoe.hf.replace_moe_blocks(model)
+    assert [model.get_submodule(n) for n in block_names("deepseek_v3")] == before
