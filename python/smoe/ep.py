@@ -35,9 +35,10 @@ import torch.nn as nn
 
 from . import _lib as L
 from ._lib import SmoeError
-from .functional import (_DTYPES, ACTIVATIONS, GATED, ROUTINGS, W1_LAYOUTS, SmoeValueError,
-                         _aligned, _enum)
-from .module import Experts, check_layer_sizes, switch_load_balancing_loss
+from .functional import (_DTYPES, ACTIVATIONS, GATED, W1_LAYOUTS, SmoeValueError, _aligned,
+                         _enum)
+from .module import (Experts, _check_int, check_layer_sizes, check_routing,
+                     keep_expert_bias_float32, switch_load_balancing_loss)
 
 __all__ = ["EPGroup", "EPMoE"]
 
@@ -245,7 +246,7 @@ def _p(t):
 
 class _EPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, router_w, w1, w2, b1, b2, layer):
+    def forward(ctx, x, router_w, w1, w2, b1, b2, expert_bias, layer):
         stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
         T, E = x.shape[0], layer.desc.layer.E
         ws_n, saved_n = layer.sizes(T)
@@ -256,7 +257,7 @@ class _EPFunction(torch.autograd.Function):
         ws = torch.empty(ws_n, dtype=torch.uint8, device=x.device)
         args = L.forward_args_raw(T, x.data_ptr(), router_w.data_ptr(), 0, None, None, None,
                                   w1.data_ptr(), _p(b1), w2.data_ptr(), _p(b2), out.data_ptr(),
-                                  logits.data_ptr(), counts.data_ptr(), 0)
+                                  logits.data_ptr(), counts.data_ptr(), 0, _p(expert_bias))
         layer.call(layer._lib.smoe_ep_layer_forward, args, saved, ws, stream)
         ctx.layer = layer
         ctx.has_bias = b1 is not None
@@ -289,7 +290,7 @@ class _EPFunction(torch.autograd.Function):
                                    _p(dx), dt, 0, _p(dwr), dt, 0, _p(dw1), dt, 0, _p(db1), dt, 0,
                                    _p(dw2), dt, 0, _p(db2), dt, 0, None, L.SMOE_DTYPE_F32, 0)
         layer.call(layer._lib.smoe_ep_layer_backward, args, saved, ws, stream)
-        return dx, dwr, dw1, dw2, db1, db2, None
+        return dx, dwr, dw1, dw2, db1, db2, None, None
 
 
 class EPMoE(nn.Module):
@@ -306,20 +307,55 @@ class EPMoE(nn.Module):
     overlap (0 = the library decides, 1 = on, -1 = off) and comm_sms (SMs
     left to NCCL beside the GEMMs, 0 = 4 per rank within [8, 32]) as in smoe_ep_desc.
 
-    forward(hidden_states (..., d)) -> (out (..., d), aux_loss): aux_loss is
-    the Switch load-balancing loss of this rank's tokens."""
+    routing: 'topk_softmax', 'softmax_topk' (with `renormalize`) or
+    'sigmoid_topk' with n_group, topk_group and routed_scaling, as
+    smoe.MoE takes them (the same checks and messages, made before the
+    group is touched). With 'sigmoid_topk' the layer has smoe.MoE's
+    persistent float32 buffer expert_bias (num_experts,), zeros at first,
+    float32 whatever the layer's dtype, read for the choice only (no
+    gradient). It is replicated: each rank routes its own tokens with its
+    copy, so the copies must stay equal. Update it on every rank the same
+    way from the group's counts, e.g. with u = 1e-3:
+
+        load = layer.group.all_reduce(layer.last_expert_counts.float())
+        layer.expert_bias += u * torch.sign(load.mean() - load)
+
+    (last_expert_counts: the last forward's rows per expert of this rank's
+    tokens, (E,) int32; group.all_reduce sums over the group, collective.)
+
+    forward(hidden_states (..., d), *, output_router_logits=None) returns
+    (out (..., d), aux_loss), or with output_router_logits (the
+    constructor's, or forward's when not None) (out, aux_loss,
+    router_logits (T, E) float32, T this rank's tokens), as smoe.MoE
+    returns them: differentiable, for smoe.router_z_loss or Hugging Face's
+    load-balancing loss.
+
+    aux_loss is the Switch load-balancing loss of this rank's tokens.
+    """
 
     def __init__(self, num_experts, num_experts_per_tok, hidden_size, intermediate_size,
                  activation_function="swiglu", add_bias=False, std=0.02, *, ep_group=None,
                  max_tokens, capacity=0, expert_rows=0, routing="topk_softmax",
-                 renormalize=True, w1_layout="interleaved", overlap=0, comm_sms=0):
+                 renormalize=True, w1_layout="interleaved", overlap=0, comm_sms=0, n_group=0,
+                 topk_group=0, routed_scaling=1.0, output_router_logits=False):
         super().__init__()
+        # Every argument is checked before the group is touched: a refused
+        # layer makes no communicator.
+        who = "smoe.EPMoE"
         E, K, d, n = check_layer_sizes(num_experts, num_experts_per_tok, hidden_size,
-                                       intermediate_size, "smoe.EPMoE")
-        if _enum(ROUTINGS, routing, "routing") == L.SMOE_ROUTING_SIGMOID_TOPK:
-            raise SmoeError(L.SMOE_ERROR_UNSUPPORTED, "smoe.EPMoE: routing 'sigmoid_topk' is not "
-                            "offered here yet (no expert bias, groups or scaling; the C API's "
-                            "smoe_ep_layer runs it)")
+                                       intermediate_size, who)
+        self.activation = _enum(ACTIVATIONS, activation_function, who + ": activation_function")
+        self.routing, self.n_group, self.topk_group, self.routed_scaling = check_routing(
+            routing, n_group, topk_group, routed_scaling, E, K, who,
+            "the C API's smoe_ep_layer takes them, smoe.EPMoE does not")
+        self.w1_layout = _enum(W1_LAYOUTS, w1_layout, who + ": w1_layout")
+        for name, v in (("max_tokens", max_tokens), ("capacity", capacity),
+                        ("expert_rows", expert_rows)):
+            _check_int(v, who + ": " + name, 0)
+        if overlap not in (-1, 0, 1):
+            raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.EPMoE: overlap = %r, must be "
+                                 "-1, 0 or 1" % (overlap,))
+        _check_int(comm_sms, who + ": comm_sms", -1)
         self.group = ep_group if isinstance(ep_group, EPGroup) else EPGroup(ep_group)
         P, r = self.group.size, self.group.rank
         if num_experts % P:
@@ -329,18 +365,11 @@ class EPMoE(nn.Module):
         self.top_k = K
         self.hidden_size = d
         self.intermediate_size = n
-        self.activation = _enum(ACTIVATIONS, activation_function, "activation_function")
-        self.routing = _enum(ROUTINGS, routing, "routing")
-        if self.routing == L.SMOE_ROUTING_GENERAL:
-            raise SmoeError(L.SMOE_ERROR_UNSUPPORTED, "smoe.EPMoE: routing 'general' is not "
-                            "offered here (use the C API)")
         self.renormalize = bool(renormalize)
-        self.w1_layout = _enum(W1_LAYOUTS, w1_layout, "w1_layout")
-        self.max_tokens, self.capacity, self.expert_rows = max_tokens, capacity, expert_rows
-        if overlap not in (-1, 0, 1):
-            raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "smoe.EPMoE: overlap = %r, must be -1, "
-                            "0 or 1" % (overlap,))
+        self.max_tokens, self.capacity, self.expert_rows = (int(max_tokens), int(capacity),
+                                                            int(expert_rows))
         self.overlap, self.comm_sms = int(overlap), int(comm_sms)
+        self.output_router_logits = bool(output_router_logits)
         self.local_experts = E // P
         self.expert_start = r * self.local_experts
         gated = self.activation in GATED
@@ -348,8 +377,17 @@ class EPMoE(nn.Module):
         nn.init.normal_(self.router.weight, mean=0.0, std=std)
         self.c_fc = Experts(self.local_experts, d, 2 * n if gated else n, add_bias, std)
         self.c_proj = Experts(self.local_experts, n, d, add_bias, std)
+        # (None, for the other routings, is no buffer: not in the state dict.)
+        self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32)
+                             if self.routing == L.SMOE_ROUTING_SIGMOID_TOPK else None)
+        self.last_expert_counts = None
         self._layer = None
         self._layer_on = None
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        keep_expert_bias_float32(self)
+        return out
 
     def _get_layer(self, device, dtype):
         if self._layer is not None:
@@ -379,6 +417,8 @@ class EPMoE(nn.Module):
         D.activation, D.w1_layout = self.activation, self.w1_layout
         D.has_bias = int(self.c_fc.bias is not None)
         D.routing, D.renormalize = self.routing, int(self.renormalize)
+        D.n_group, D.topk_group, D.routed_scaling = (self.n_group, self.topk_group,
+                                                     self.routed_scaling)
         D.dtype = _DTYPES[dtype]
         D.backend = backend
         D.device = index
@@ -401,7 +441,7 @@ class EPMoE(nn.Module):
 
     def _check_input(self, x):
         """x against the layer: hidden size, and the device and dtype of the
-        parameters."""
+        parameters (and of expert_bias: the library reads it there)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError("smoe.EPMoE.forward: hidden_states (x) must be a torch.Tensor, "
                             "got %s" % type(x).__name__)
@@ -414,8 +454,15 @@ class EPMoE(nn.Module):
             raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
                                  "smoe.EPMoE: x (hidden_states) is %s %s but the layer's "
                                  "parameters are %s %s" % (x.device, x.dtype, w.device, w.dtype))
+        bias = self.expert_bias
+        if bias is not None and (bias.device != x.device or bias.dtype != torch.float32
+                                 or bias.shape != (self.num_experts,)):
+            raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                                 "smoe.EPMoE: expert_bias is %s %s %s, must be float32 (%d,) on "
+                                 "x's device %s" % (bias.device, bias.dtype, tuple(bias.shape),
+                                                    self.num_experts, x.device))
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states, *, output_router_logits=None):
         self._check_input(hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
@@ -427,8 +474,16 @@ class EPMoE(nn.Module):
         x, *w = [_aligned(t, align) if t is not None else None for t in (
             x, self.router.weight, self.c_fc.weight, self.c_proj.weight, self.c_fc.bias,
             self.c_proj.bias)]
-        out, counts, logits = _EPFunction.apply(x, *w, layer)
+        bias = self.expert_bias
+        if bias is not None:
+            bias = _aligned(bias.detach(), 4)
+        out, counts, logits = _EPFunction.apply(x, *w, bias, layer)
+        self.last_expert_counts = counts
         aux = switch_load_balancing_loss(logits, counts)
+        if output_router_logits is None:
+            output_router_logits = self.output_router_logits
+        if output_router_logits:
+            return out.reshape(shape), aux, logits
         return out.reshape(shape), aux
 
     def reduce_router_grad(self):

@@ -378,12 +378,6 @@ def test_module_forward_matches_reference_and_balances():
     assert torch.equal(m.last_expert_counts, r_counts)
 
 
-def test_epmoe_refuses_sigmoid_topk_for_now():
-    with pytest.raises(smoe.SmoeError, match=r"smoe.EPMoE: routing 'sigmoid_topk' is not "
-                       r"offered here yet"):
-        smoe.EPMoE(8, 2, 8, 6, ep_group=object(), max_tokens=8, routing="sigmoid_topk")
-
-
 # ------------------------------------------------------------ CUDA
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
