@@ -37,8 +37,8 @@ from . import _lib as L
 from ._lib import SmoeError
 from .functional import (_DTYPES, ACTIVATIONS, GATED, W1_LAYOUTS, SmoeValueError, _aligned,
                          _enum)
-from .module import (Experts, _check_int, check_layer_sizes, check_routing,
-                     keep_expert_bias_float32, switch_load_balancing_loss)
+from .module import (Experts, _check_int, _switch_loss, check_layer_sizes, check_routing,
+                     keep_expert_bias_float32)
 
 __all__ = ["EPGroup", "EPMoE"]
 
@@ -293,6 +293,25 @@ class _EPFunction(torch.autograd.Function):
         return dx, dwr, dw1, dw2, db1, db2, None, None
 
 
+class _GroupSum(torch.autograd.Function):
+    """t (a tensor of this rank) summed over an EPGroup, differentiable with
+    the group's objective the sum of every rank's loss (as
+    torch.distributed.nn.functional.all_reduce): t's gradient on each rank
+    is the sum over the ranks of the result's gradient, the same all_reduce."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        return group.all_reduce(t.clone(memory_format=torch.contiguous_format))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_reduce(grad.clone(memory_format=torch.contiguous_format)), None
+
+
+_AUX_LOSS_SCOPES = ("local", "group")
+
+
 class EPMoE(nn.Module):
     """smoe.MoE's layer, expert-parallel over `ep_group` (an EPGroup, or a
     torch.distributed group to make one from). Parameters on this rank:
@@ -330,14 +349,26 @@ class EPMoE(nn.Module):
     returns them: differentiable, for smoe.router_z_loss or Hugging Face's
     load-balancing loss.
 
-    aux_loss is the Switch load-balancing loss of this rank's tokens.
+    aux_loss is the Switch load-balancing loss (smoe.switch_load_balancing_loss),
+    of this rank's tokens with aux_loss_scope='local' (the default: no
+    communication), or of the group's with aux_loss_scope='group': the
+    per-expert counts and sums of router probabilities are summed over the
+    group (torch.distributed all_reduces of E values, two in forward, one
+    in backward; no host synchronisation), so every rank gets the loss the
+    single-GPU layer gives on the gathered batch. Its gradient counts the
+    loss once per rank, as for any loss each rank adds: summed over the
+    group (reduce_router_grad) the router's gradient is P times the
+    single-GPU layer's gradient of that loss, averaged (DDP) it is that
+    gradient. With 'group' its backward is collective: every rank
+    backpropagates the aux loss, or none does.
     """
 
     def __init__(self, num_experts, num_experts_per_tok, hidden_size, intermediate_size,
                  activation_function="swiglu", add_bias=False, std=0.02, *, ep_group=None,
                  max_tokens, capacity=0, expert_rows=0, routing="topk_softmax",
                  renormalize=True, w1_layout="interleaved", overlap=0, comm_sms=0, n_group=0,
-                 topk_group=0, routed_scaling=1.0, output_router_logits=False):
+                 topk_group=0, routed_scaling=1.0, output_router_logits=False,
+                 aux_loss_scope="local"):
         super().__init__()
         # Every argument is checked before the group is touched: a refused
         # layer makes no communicator.
@@ -356,6 +387,10 @@ class EPMoE(nn.Module):
             raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.EPMoE: overlap = %r, must be "
                                  "-1, 0 or 1" % (overlap,))
         _check_int(comm_sms, who + ": comm_sms", -1)
+        if aux_loss_scope not in _AUX_LOSS_SCOPES:
+            raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.EPMoE: aux_loss_scope = %r, "
+                                 "must be 'local' (this rank's tokens) or 'group' (the group's)"
+                                 % (aux_loss_scope,))
         self.group = ep_group if isinstance(ep_group, EPGroup) else EPGroup(ep_group)
         P, r = self.group.size, self.group.rank
         if num_experts % P:
@@ -370,6 +405,7 @@ class EPMoE(nn.Module):
                                                             int(expert_rows))
         self.overlap, self.comm_sms = int(overlap), int(comm_sms)
         self.output_router_logits = bool(output_router_logits)
+        self.aux_loss_scope = aux_loss_scope
         self.local_experts = E // P
         self.expert_start = r * self.local_experts
         gated = self.activation in GATED
@@ -479,12 +515,19 @@ class EPMoE(nn.Module):
             bias = _aligned(bias.detach(), 4)
         out, counts, logits = _EPFunction.apply(x, *w, bias, layer)
         self.last_expert_counts = counts
-        aux = switch_load_balancing_loss(logits, counts)
+        aux = _switch_loss(logits, counts,
+                           self._group_sums if self.aux_loss_scope == "group" else None)
         if output_router_logits is None:
             output_router_logits = self.output_router_logits
         if output_router_logits:
             return out.reshape(shape), aux, logits
         return out.reshape(shape), aux
+
+    def _group_sums(self, prob_sums, counts):
+        """The Switch loss's per-expert probability sums (differentiable) and
+        counts, summed over the group."""
+        counts = self.group.all_reduce(counts.clone())
+        return _GroupSum.apply(prob_sums, self.group), counts
 
     def reduce_router_grad(self):
         """Sums the router weight's gradient over the group (the rank's

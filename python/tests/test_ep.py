@@ -4,8 +4,9 @@ against the PyTorch reference (reference.py) on the whole batch: output,
 dx, the router's gradient summed over the ranks, every expert's weight
 gradient, the expert counts and the router logits it returns; routing
 'sigmoid_topk' with groups, scaling and an expert bias; the load-balancing
-loss of each rank's tokens; the constructor's refusals, made before the
-group is touched (smoe.MoE's messages for the routing options).
+loss of each rank's tokens and of the group's (against the single layer's on
+the gathered batch, value and gradient); the constructor's refusals, made
+before the group is touched (smoe.MoE's messages for the routing options).
 tests/test_ep_gpu.py runs the same layer over NCCL."""
 import threading
 
@@ -89,6 +90,7 @@ def run_case(P, K, kw, bias=None, act_bias=True, aux_coef=0.5, seed=0):
     dout = torch.randn(T, D, generator=g, dtype=torch.float64)
     dlog = torch.randn(T, E, generator=g, dtype=torch.float64) * 0.3
     routing = kw.get("routing", "topk_softmax")
+    scope = kw.get("aux_loss_scope", "local")
 
     def rank(r, group):
         m = ep_layer(group, K, t, bias, max_tokens=max(split), **kw)
@@ -125,11 +127,14 @@ def run_case(P, K, kw, bias=None, act_bias=True, aux_coef=0.5, seed=0):
             return R.moe_ref(*a, top_k=K, routing=routing, renormalize=kw.get("renormalize", True))
     ins = [None if v is None else v.clone().requires_grad_() for v in t]
     out, counts, logits = ref_fn(*ins)
-    aux = []
-    for r in range(P):   # each rank's tokens: their logits, and their counts
-        lg = logits[offs[r]:offs[r + 1]]
-        aux.append(switch_ref(lg, ref_fn(t[0][offs[r]:offs[r + 1]], *t[1:])[1])
-                   if lg.shape[0] else lg.sum())
+    if scope == "group":
+        aux = [switch_ref(logits, counts)] * P
+    else:   # each rank's tokens: their logits, and their counts
+        aux = []
+        for r in range(P):
+            lg = logits[offs[r]:offs[r + 1]]
+            aux.append(switch_ref(lg, ref_fn(t[0][offs[r]:offs[r + 1]], *t[1:])[1])
+                       if lg.shape[0] else lg.sum())
     loss = (out * dout).sum() + (logits * dlog).sum() + aux_coef * sum(aux)
     loss.backward()
     ref = dict(out=out.detach(), dx=ins[0].grad, logits=logits.detach(), counts=counts,
@@ -176,6 +181,57 @@ def test_local_aux_loss_is_each_ranks_own(P):
     check(ep, ref)
     for r, (a, b) in enumerate(zip(ep["aux"], ref["aux"])):
         assert_close(a.double(), b.detach(), 1e-6, "rank %d's aux_loss" % r)
+
+
+@pytest.mark.parametrize("P", [1, 2, 4])
+@pytest.mark.parametrize("routing", ["topk_softmax", "sigmoid_topk"])
+def test_group_aux_loss_is_the_gathered_batchs(P, routing):
+    # Every rank's aux_loss: the same bits, the reference's loss on the whole
+    # batch (and the single layer's); its gradient counted once per rank.
+    kw = dict(aux_loss_scope="group")
+    bias = None
+    if routing == "sigmoid_topk":
+        kw.update(SIGMOID)
+        bias = random_bias(12)
+    ep, ref = run_case(P, 3, kw, bias=bias, aux_coef=0.7, seed=12)
+    check(ep, ref)
+    for a in ep["aux"]:
+        assert torch.equal(a, ep["aux"][0])
+    assert_close(ep["aux"][0].double(), ref["aux"][0].detach(), 1e-6, "aux_loss")
+    # the single layer on the gathered batch
+    T = sum(SPLITS[P])
+    x, wr, w1, w2, b1, b2 = make(T, D, N, E, "swiglu", True, seed=12)
+    opts = {k: v for k, v in kw.items() if k != "aux_loss_scope"}
+    _, counts, logits = smoe.moe(x, wr, w1, w2, b1, b2, top_k=3, expert_bias=bias, **opts)
+    single = smoe.switch_load_balancing_loss(logits, counts)
+    assert_close(ep["aux"][0].double(), single.double(), 1e-6, "aux_loss vs the single layer")
+
+
+def test_group_aux_loss_gradient_alone():
+    # Only the aux loss, backward on every rank: the router's gradient
+    # summed over P = 2 ranks is 2x the single layer's; x gets its
+    # share (2x the single layer's dx of those tokens); experts get none.
+    P, T, K = 2, 12, 2
+    t = make(T, D, N, E, "swiglu", False, seed=13)
+
+    def rank(r, group):
+        m = ep_layer(group, K, t, None, max_tokens=T // P, aux_loss_scope="group")
+        x = t[0][r * T // P:(r + 1) * T // P].clone().requires_grad_()
+        _, aux = m(x)
+        aux.backward()
+        m.reduce_router_grad()
+        return aux.detach(), x.grad, m.router.weight.grad, m.c_fc.weight.grad
+
+    res = run_ranks(P, rank)
+    x, wr, w1, w2 = (v.clone().requires_grad_() for v in t[:4])
+    _, counts, logits = smoe.moe(x, wr, w1, w2, top_k=K)
+    aux = smoe.switch_load_balancing_loss(logits, counts)
+    aux.backward()
+    assert_close(res[0][0].double(), aux.detach().double(), 1e-6, "aux_loss")
+    assert_close(res[0][2], P * wr.grad, 1e-5, "drouter_w")
+    assert_close(torch.cat([v[1] for v in res]), P * x.grad, 1e-5, "dx")
+    for v in res:
+        assert v[3] is None or not v[3].any()
 
 
 @pytest.mark.parametrize("P", [1, 2])
@@ -303,6 +359,7 @@ def test_routing_options_refused_as_smoe_moe_refuses_them(kw):
                               r"expert, score\) triples: the C API's smoe_ep_layer"),
     (dict(activation_function="swish"), r"smoe.EPMoE: activation_function = 'swish', must be"),
     (dict(w1_layout="fused"), r"smoe.EPMoE: w1_layout = 'fused', must be one of"),
+    (dict(aux_loss_scope="global"), r"smoe.EPMoE: aux_loss_scope = 'global', must be 'local'"),
     (dict(overlap=2), r"smoe.EPMoE: overlap = 2, must be -1, 0 or 1"),
     (dict(comm_sms=-2), r"smoe.EPMoE: comm_sms = -2, must be >= -1"),
     (dict(max_tokens=-1), r"smoe.EPMoE: max_tokens = -1, must be >= 0"),
