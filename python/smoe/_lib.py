@@ -282,8 +282,8 @@ _FUNCTIONS = {
                                 POINTER(smoe_routing_result)]),
     "smoe_route_cpu_biased": (c_enum, [POINTER(smoe_layer_desc), c_int64, POINTER(c_float),
                                        POINTER(c_float), POINTER(smoe_routing_result)]),
-    # expert parallelism (the in-process group; the Python ep_group over
-    # NCCL is to come)
+    # expert parallelism (smoe.EPGroup over NCCL; the in-process group
+    # is EPGroup.in_process's)
     "smoe_ep_group_create": (c_enum, [c_int, POINTER(c_void_p)]),
     "smoe_ep_group_free": (None, [c_void_p]),
     "smoe_ep_desc_default": (smoe_ep_desc, []),

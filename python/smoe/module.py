@@ -53,13 +53,23 @@ def switch_load_balancing_loss(router_logits, expert_counts):
     and P_e the mean router probability softmax(router_logits)[:, e]. It is 1
     for perfectly balanced routing. Its gradient reaches the router through
     router_logits (smoe passes it to the library as dlogits_extra)."""
+    return _switch_loss(router_logits, expert_counts)
+
+
+def _switch_loss(router_logits, expert_counts, group_sums=None):
+    """switch_load_balancing_loss; with group_sums(prob_sums (E,) float32,
+    expert_counts (E,)) -> the same two summed over a group of ranks
+    (smoe.EPMoE's loss over the group), P_e and f_e of the group's tokens."""
     logits = router_logits.reshape(-1, router_logits.shape[-1])
     E = logits.shape[1]
     # F.softmax(logits, -1, dtype=float32) and F.normalize(., p=1, dim=0),
     # spelled as the tensor operations those run (the same kernels and
     # autograd graph, so the same bits) without their Python wrappers.
     probs = logits.softmax(-1, dtype=torch.float32)
-    p = _l1_normalize(probs.sum(0))
+    sums = probs.sum(0)
+    if group_sums is not None:
+        sums, expert_counts = group_sums(sums, expert_counts)
+    p = _l1_normalize(sums)
     f = _l1_normalize(expert_counts.to(torch.float32))
     return E * (p * f).sum()
 
@@ -130,6 +140,31 @@ def check_layer_sizes(num_experts, num_experts_per_tok, hidden_size, intermediat
     return E, K, d, n
 
 
+def check_routing(routing, n_group, topk_group, routed_scaling, E, K, who, general):
+    """routing (a name or an enum) and routing 'sigmoid_topk''s options as
+    the layer constructors take them (check_sigmoid_options' rules, the
+    messages prefixed with `who`); 'general' is refused, `general` saying
+    what takes the caller's triples instead. Returns (the smoe_routing code,
+    n_group, topk_group, routed_scaling)."""
+    code = _enum(ROUTINGS, routing, who + ": routing")
+    if code == L.SMOE_ROUTING_GENERAL:
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                             "%s: routing = 'general' takes the caller's (token, expert, score) "
+                             "triples: %s" % (who, general))
+    n_group, topk_group, routed_scaling = check_sigmoid_options(
+        code, n_group, topk_group, routed_scaling, E, K, who + ": ", routing)
+    return code, n_group, topk_group, routed_scaling
+
+
+def keep_expert_bias_float32(module):
+    """After nn.Module._apply (.to(), .cuda(), .bfloat16()...): the module's
+    expert_bias buffer, if it has one, back to float32. The library reads
+    it as such, and small updates would vanish in a bfloat16 bias."""
+    bias = module._buffers.get("expert_bias")
+    if bias is not None and bias.dtype != torch.float32 and bias.is_floating_point():
+        module._buffers["expert_bias"] = bias.float()
+
+
 class MoE(nn.Module):
     """A Mixture-of-Experts feed-forward layer on smoe, with the parameters
     and constructor of SonicMoE's MoE:
@@ -197,14 +232,10 @@ class MoE(nn.Module):
         E, K, d, n = check_layer_sizes(num_experts, num_experts_per_tok, hidden_size,
                                        intermediate_size, "smoe.MoE")
         self._act = _enum(ACTIVATIONS, activation_function, "smoe.MoE: activation_function")
-        routing_c = _enum(ROUTINGS, routing, "smoe.MoE: routing")
-        if routing_c == L.SMOE_ROUTING_GENERAL:
-            raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
-                                 "smoe.MoE: routing = 'general' takes the caller's (token, expert,"
-                                 " score) triples: use smoe.moe_general()")
+        routing_c, n_group, topk_group, routed_scaling = check_routing(
+            routing, n_group, topk_group, routed_scaling, E, K, "smoe.MoE",
+            "use smoe.moe_general()")
         sigmoid = routing_c == L.SMOE_ROUTING_SIGMOID_TOPK
-        n_group, topk_group, routed_scaling = check_sigmoid_options(
-            routing_c, n_group, topk_group, routed_scaling, E, K, "smoe.MoE: ", routing)
         if sigmoid and _enum(ROUNDINGS, token_rounding, "smoe.MoE: token_rounding") != \
                 L.SMOE_ROUND_OFF:
             raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
@@ -242,12 +273,9 @@ class MoE(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         # .to(), .cuda(), .bfloat16()... move expert_bias with the layer but
-        # keep it float32: the library reads it as such, and small updates
-        # would vanish in a bfloat16 bias.
+        # keep it float32.
         out = super()._apply(fn, *args, **kwargs)
-        bias = self._buffers.get("expert_bias")
-        if bias is not None and bias.dtype != torch.float32 and bias.is_floating_point():
-            self._buffers["expert_bias"] = bias.float()
+        keep_expert_bias_float32(self)
         return out
 
     def forward(self, hidden_states, kernel_backend_moe=None, is_inference_mode=False, *,

@@ -113,6 +113,45 @@ def moe_ref(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softm
     return out, mask.sum(0).to(torch.int32), logits
 
 
+def sigmoid_route(logits, K, bias=None, n_group=0, topk_group=0, renormalize=True, scaling=1.0):
+    """Dense (T, E) scores (zero where not routed) and the routed mask.
+    s = sigmoid(logits); the choice ranks s + bias (held constant: no
+    gradient reaches the bias or the choice); with groups, only the
+    topk_group groups whose two largest keys sum highest take part; the K
+    chosen s are renormalised (+ 1e-20, as Hugging Face) and scaled."""
+    T, E = logits.shape
+    s = torch.sigmoid(logits)
+    key = s.detach().to(torch.float64)
+    if bias is not None:
+        key = key + bias.detach().to(torch.float64)
+    if n_group:
+        size = E // n_group
+        group_key = key.view(T, n_group, size).topk(2, dim=-1).values.sum(-1)
+        _, kept = topk(group_key, topk_group)
+        keep = torch.zeros(T, n_group, dtype=torch.bool).scatter(1, kept, True)
+        key = key.masked_fill(~keep.repeat_interleave(size, dim=1), float("-inf"))
+    _, idx = topk(key, K)
+    chosen = s.gather(1, idx)
+    if renormalize:
+        chosen = chosen / (chosen.sum(-1, keepdim=True) + 1e-20)
+    chosen = chosen * scaling
+    scores = torch.zeros_like(s).scatter(1, idx, chosen)
+    mask = torch.zeros(T, E, dtype=torch.bool).scatter(1, idx, True)
+    return scores, mask
+
+
+def moe_sigmoid_ref(x, router_w, w1, w2, b1=None, b2=None, *, top_k, expert_bias=None,
+                    n_group=0, topk_group=0, renormalize=True, routed_scaling=1.0,
+                    activation="swiglu", w1_layout="interleaved", routing="sigmoid_topk"):
+    """(out, expert_counts, router_logits), as smoe.moe(..., routing='sigmoid_topk')."""
+    assert routing == "sigmoid_topk"
+    logits = x @ router_w.T
+    S, mask = sigmoid_route(logits, top_k, expert_bias, n_group, topk_group, renormalize,
+                            routed_scaling)
+    out = experts(x, S.to(x.dtype), mask, w1, w2, b1, b2, activation, w1_layout)
+    return out, mask.sum(0).to(torch.int32), logits
+
+
 def moe_general_ref(x, pair_token, pair_expert, pair_score, w1, w2, b1=None, b2=None, *,
                     activation="swiglu", w1_layout="interleaved"):
     T, E = x.shape[0], w1.shape[0]

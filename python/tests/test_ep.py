@@ -1,0 +1,404 @@
+"""smoe.EPMoE on the CPU: P ranks as P threads of this process over
+smoe.EPGroup.in_process(P) (the library's in-process transport), in float64
+against the PyTorch reference (reference.py) on the whole batch: output,
+dx, the router's gradient summed over the ranks, every expert's weight
+gradient, the expert counts and the router logits it returns; routing
+'sigmoid_topk' with groups, scaling and an expert bias; the load-balancing
+loss of each rank's tokens and of the group's (against the single layer's on
+the gathered batch, value and gradient); the constructor's refusals, made
+before the group is touched (smoe.MoE's messages for the routing options).
+tests/test_ep_gpu.py runs the same layer over NCCL."""
+import threading
+
+import pytest
+import torch
+
+import smoe
+import reference as R
+from test_functional import assert_close, make
+
+E, D, N = 8, 16, 8
+# Tokens per rank: unequal, one rank with none at P = 4.
+SPLITS = {1: [12], 2: [7, 5], 4: [5, 0, 4, 3]}
+SIGMOID = dict(routing="sigmoid_topk", n_group=4, topk_group=2, routed_scaling=2.5)
+
+
+def run_ranks(P, fn):
+    """fn(rank, group) on P threads, one per rank of an in-process group;
+    their results in rank order, or the first rank's failure raised."""
+    groups = smoe.EPGroup.in_process(P)
+    results, errors = [None] * P, [None] * P
+
+    def main(r):
+        try:
+            results[r] = fn(r, groups[r])
+        except BaseException as e:  # noqa: B902 (reported below)
+            errors[r] = e
+            groups[r]._threads.barrier.abort()   # the other ranks' all_reduce waits end
+
+    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(P)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+        assert not t.is_alive(), "a rank is still waiting (a collective another rank skipped)"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+def random_bias(seed, scale=0.3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(E, generator=g, dtype=torch.float32) * scale
+
+
+def switch_ref(logits, counts):
+    """The Switch loss in float64 from the reference's logits and counts."""
+    p = torch.softmax(logits, -1).sum(0)
+    f = counts.double() / counts.sum()
+    return E * ((p / p.sum()) * f).sum()
+
+
+def ep_layer(group, K, t, bias, **kw):
+    """An EPMoE on `group` holding its experts' share of the whole layer's
+    weights t = (x, router, w1, w2, b1, b2), float64."""
+    _, wr, w1, w2, b1, b2 = t
+    m = smoe.EPMoE(E, K, D, N, "swiglu", b1 is not None, ep_group=group, **kw).double()
+    lo, hi = m.expert_start, m.expert_start + m.local_experts
+    with torch.no_grad():
+        m.router.weight.copy_(wr)
+        m.c_fc.weight.copy_(w1[lo:hi])
+        m.c_proj.weight.copy_(w2[lo:hi])
+        if b1 is not None:
+            m.c_fc.bias.copy_(b1[lo:hi])
+            m.c_proj.bias.copy_(b2[lo:hi])
+        if bias is not None:
+            m.expert_bias.copy_(bias)
+    return m
+
+
+def run_case(P, K, kw, bias=None, act_bias=True, aux_coef=0.5, seed=0):
+    """The layer over P ranks and the reference on the whole batch, each
+    differentiating sum(out * dout) + sum(logits * dlog) + aux_coef * (each
+    rank's aux_loss); returns (ep results, reference results)."""
+    split = SPLITS[P]
+    T = sum(split)
+    offs = [sum(split[:r]) for r in range(P + 1)]
+    t = make(T, D, N, E, "swiglu", act_bias, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(T, D, generator=g, dtype=torch.float64)
+    dlog = torch.randn(T, E, generator=g, dtype=torch.float64) * 0.3
+    routing = kw.get("routing", "topk_softmax")
+    scope = kw.get("aux_loss_scope", "local")
+
+    def rank(r, group):
+        m = ep_layer(group, K, t, bias, max_tokens=max(split), **kw)
+        x = t[0][offs[r]:offs[r + 1]].clone().requires_grad_()
+        out, aux, logits = m(x, output_router_logits=True)
+        s = slice(offs[r], offs[r + 1])
+        loss = (out * dout[s]).sum() + (logits.double() * dlog[s]).sum() + aux_coef * aux
+        loss.backward()
+        m.reduce_router_grad()
+        bs = (m.c_fc.bias.grad, m.c_proj.bias.grad) if act_bias else (None, None)
+        return dict(out=out.detach(), dx=x.grad, logits=logits.detach(), aux=aux.detach(),
+                    counts=m.last_expert_counts, dwr=m.router.weight.grad,
+                    dw1=m.c_fc.weight.grad, dw2=m.c_proj.weight.grad, db1=bs[0], db2=bs[1])
+
+    res = run_ranks(P, rank)
+    ep = {k: torch.cat([v[k] for v in res]) for k in ("out", "dx", "logits", "dw1", "dw2")}
+    if act_bias:
+        ep["db1"] = torch.cat([v["db1"] for v in res])
+        ep["db2"] = torch.cat([v["db2"] for v in res])
+    ep["dwr"] = res[0]["dwr"]
+    for v in res[1:]:   # the summed router gradient, the same on every rank
+        assert torch.equal(v["dwr"], ep["dwr"])
+    ep["counts"] = sum(v["counts"] for v in res)
+    ep["aux"] = [v["aux"] for v in res]
+
+    if routing == "sigmoid_topk":
+        opts = {k: v for k, v in kw.items() if k in ("n_group", "topk_group", "routed_scaling",
+                                                      "renormalize")}
+
+        def ref_fn(*a):
+            return R.moe_sigmoid_ref(*a, top_k=K, expert_bias=bias, **opts)
+    else:
+        def ref_fn(*a):
+            return R.moe_ref(*a, top_k=K, routing=routing, renormalize=kw.get("renormalize", True))
+    ins = [None if v is None else v.clone().requires_grad_() for v in t]
+    out, counts, logits = ref_fn(*ins)
+    if scope == "group":
+        aux = [switch_ref(logits, counts)] * P
+    else:   # each rank's tokens: their logits, and their counts
+        aux = []
+        for r in range(P):
+            lg = logits[offs[r]:offs[r + 1]]
+            aux.append(switch_ref(lg, ref_fn(t[0][offs[r]:offs[r + 1]], *t[1:])[1])
+                       if lg.shape[0] else lg.sum())
+    loss = (out * dout).sum() + (logits * dlog).sum() + aux_coef * sum(aux)
+    loss.backward()
+    ref = dict(out=out.detach(), dx=ins[0].grad, logits=logits.detach(), counts=counts,
+               dwr=ins[1].grad, dw1=ins[2].grad, dw2=ins[3].grad, aux=aux)
+    if act_bias:
+        ref["db1"], ref["db2"] = ins[4].grad, ins[5].grad
+    return ep, ref
+
+
+def check(ep, ref, tol=1e-6):
+    # (The F64 EP layer passes its scores to the experts as float32,
+    # smoe.h: ~1e-7 from the reference, not 1e-12.)
+    assert torch.equal(ep["counts"], ref["counts"]), (ep["counts"], ref["counts"])
+    assert_close(ep["out"], ref["out"], tol, "out")
+    assert_close(ep["logits"].double(), ref["logits"], tol, "router_logits")
+    for k in ("dx", "dwr", "dw1", "dw2", "db1", "db2"):
+        if k in ref:
+            assert_close(ep[k], ref[k], tol, "grad " + k)
+
+
+@pytest.mark.parametrize("P", [1, 2, 4])
+@pytest.mark.parametrize("routing", ["topk_softmax", "softmax_topk"])
+def test_matches_reference(P, routing):
+    ep, ref = run_case(P, 2, dict(routing=routing))
+    check(ep, ref)
+
+
+@pytest.mark.parametrize("P", [1, 2, 4])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_sigmoid_topk_groups_scaling_bias(P, renormalize):
+    # DeepSeek-V3's shape of options, a non-zero bias replicated on every
+    # rank; the routing choice differs from the unbiased one.
+    bias = random_bias(5)
+    kw = dict(SIGMOID, renormalize=renormalize)
+    ep, ref = run_case(P, 3, kw, bias=bias, seed=5)
+    check(ep, ref)
+    _, unbiased = run_case(1, 3, kw, bias=None, aux_coef=0.0, seed=5)
+    assert not torch.equal(unbiased["counts"], ref["counts"])
+
+
+@pytest.mark.parametrize("P", [1, 2, 4])
+def test_local_aux_loss_is_each_ranks_own(P):
+    ep, ref = run_case(P, 2, {}, aux_coef=0.7, seed=11)
+    check(ep, ref)
+    for r, (a, b) in enumerate(zip(ep["aux"], ref["aux"])):
+        assert_close(a.double(), b.detach(), 1e-6, "rank %d's aux_loss" % r)
+
+
+@pytest.mark.parametrize("P", [1, 2, 4])
+@pytest.mark.parametrize("routing", ["topk_softmax", "sigmoid_topk"])
+def test_group_aux_loss_is_the_gathered_batchs(P, routing):
+    # Every rank's aux_loss: the same bits, the reference's loss on the whole
+    # batch (and the single layer's); its gradient counted once per rank.
+    kw = dict(aux_loss_scope="group")
+    bias = None
+    if routing == "sigmoid_topk":
+        kw.update(SIGMOID)
+        bias = random_bias(12)
+    ep, ref = run_case(P, 3, kw, bias=bias, aux_coef=0.7, seed=12)
+    check(ep, ref)
+    for a in ep["aux"]:
+        assert torch.equal(a, ep["aux"][0])
+    assert_close(ep["aux"][0].double(), ref["aux"][0].detach(), 1e-6, "aux_loss")
+    # the single layer on the gathered batch
+    T = sum(SPLITS[P])
+    x, wr, w1, w2, b1, b2 = make(T, D, N, E, "swiglu", True, seed=12)
+    opts = {k: v for k, v in kw.items() if k != "aux_loss_scope"}
+    _, counts, logits = smoe.moe(x, wr, w1, w2, b1, b2, top_k=3, expert_bias=bias, **opts)
+    single = smoe.switch_load_balancing_loss(logits, counts)
+    assert_close(ep["aux"][0].double(), single.double(), 1e-6, "aux_loss vs the single layer")
+
+
+def test_group_aux_loss_gradient_alone():
+    # Only the aux loss, backward on every rank: the router's gradient
+    # summed over P = 2 ranks is 2x the single layer's; x gets its
+    # share (2x the single layer's dx of those tokens); experts get none.
+    P, T, K = 2, 12, 2
+    t = make(T, D, N, E, "swiglu", False, seed=13)
+
+    def rank(r, group):
+        m = ep_layer(group, K, t, None, max_tokens=T // P, aux_loss_scope="group")
+        x = t[0][r * T // P:(r + 1) * T // P].clone().requires_grad_()
+        _, aux = m(x)
+        aux.backward()
+        m.reduce_router_grad()
+        return aux.detach(), x.grad, m.router.weight.grad, m.c_fc.weight.grad
+
+    res = run_ranks(P, rank)
+    x, wr, w1, w2 = (v.clone().requires_grad_() for v in t[:4])
+    _, counts, logits = smoe.moe(x, wr, w1, w2, top_k=K)
+    aux = smoe.switch_load_balancing_loss(logits, counts)
+    aux.backward()
+    assert_close(res[0][0].double(), aux.detach().double(), 1e-6, "aux_loss")
+    assert_close(res[0][2], P * wr.grad, 1e-5, "drouter_w")
+    assert_close(torch.cat([v[1] for v in res]), P * x.grad, 1e-5, "dx")
+    for v in res:
+        assert v[3] is None or not v[3].any()
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_router_logits_as_smoe_moe_returns_them(P):
+    # The constructor's flag, forward's over it, the single layer's logits
+    # and its z-loss gradient.
+    split = SPLITS[P]
+    T = sum(split)
+    t = make(T, D, N, E, "swiglu", False, seed=14)
+
+    def rank(r, group):
+        m = ep_layer(group, 2, t, None, max_tokens=max(split), output_router_logits=True)
+        lo = sum(split[:r])
+        x = t[0][lo:lo + split[r]].clone().requires_grad_()
+        out, aux, logits = m(x.view(1, -1, D))
+        assert logits.shape == (split[r], E) and logits.dtype == torch.float32
+        assert len(m(x, output_router_logits=False)) == 2
+        smoe.router_z_loss(logits).backward()
+        m.reduce_router_grad()
+        return logits.detach(), x.grad, m.router.weight.grad
+
+    res = run_ranks(P, rank)
+    x, wr, w1, w2 = (v.clone().requires_grad_() for v in t[:4])
+    _, _, logits = smoe.moe(x, wr, w1, w2, top_k=2)
+    assert torch.equal(torch.cat([v[0] for v in res]), logits.detach())
+    z = 0
+    for r in range(P):   # each rank's z-loss, of its own tokens
+        lo = sum(split[:r])
+        z = z + smoe.router_z_loss(logits[lo:lo + split[r]])
+    z.backward()
+    assert_close(torch.cat([v[1] for v in res]), x.grad, 1e-6, "dx")
+    assert_close(res[0][2], wr.grad, 1e-6, "drouter_w")
+
+
+def test_expert_bias_update_from_the_groups_counts():
+    # The docstring's update: every rank gets the group's counts and keeps
+    # the same bias; the next call routes with it.
+    P, T = 2, 16
+    t = make(T, D, N, E, "swiglu", False, seed=15)
+
+    def rank(r, group):
+        m = ep_layer(group, 3, t, None, max_tokens=T // P, **SIGMOID)
+        x = t[0][r * T // P:(r + 1) * T // P]
+        m(x)
+        load = m.group.all_reduce(m.last_expert_counts.float())
+        with torch.no_grad():
+            m.expert_bias += 1e-1 * torch.sign(load.mean() - load)
+        m(x)
+        return load, m.expert_bias.clone(), m.last_expert_counts
+
+    res = run_ranks(P, rank)
+    _, c0, _ = R.moe_sigmoid_ref(*t[:4], top_k=3, n_group=4, topk_group=2, routed_scaling=2.5)
+    assert torch.equal(res[0][0], c0.float()) and torch.equal(res[1][0], c0.float())
+    assert torch.equal(res[0][1], res[1][1])
+    _, c1, _ = R.moe_sigmoid_ref(*t[:4], top_k=3, expert_bias=res[0][1], n_group=4,
+                                 topk_group=2, routed_scaling=2.5)
+    assert torch.equal(res[0][2] + res[1][2], c1)
+
+
+def test_expert_bias_buffer():
+    (g,) = smoe.EPGroup.in_process(1)
+    m = smoe.EPMoE(E, 3, D, N, ep_group=g, max_tokens=4, **SIGMOID)
+    assert m.expert_bias.dtype == torch.float32 and torch.equal(m.expert_bias, torch.zeros(E))
+    assert "expert_bias" in m.state_dict() and "expert_bias" not in dict(m.named_parameters())
+    for dtype in (torch.bfloat16, torch.float64):
+        m.to(dtype)
+        assert m.c_fc.weight.dtype == dtype and m.expert_bias.dtype == torch.float32
+    m2 = smoe.EPMoE(E, 3, D, N, ep_group=g, max_tokens=4, **SIGMOID)
+    with torch.no_grad():
+        m.expert_bias.copy_(random_bias(3))
+    m2.load_state_dict(m.state_dict())
+    assert torch.equal(m2.expert_bias, m.expert_bias)
+    m3 = smoe.EPMoE(E, 2, D, N, ep_group=g, max_tokens=4)
+    assert m3.expert_bias is None and "expert_bias" not in m3.state_dict()
+
+
+def test_float32_and_bfloat16_run():
+    # The CPU backend's other dtypes, against the single layer in the same dtype.
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        t = [v.to(dtype) for v in make(10, D, N, E, "swiglu", False, seed=16)[:4]]
+
+        def rank(r, group):
+            m = ep_layer(group, 2, t + [None, None], None, max_tokens=5).to(dtype)
+            return m(t[0][r * 5:(r + 1) * 5])[0].detach()
+
+        out = torch.cat(run_ranks(2, rank))
+        ref = smoe.moe(*t, top_k=2)[0]
+        assert out.dtype == dtype
+        assert_close(out.double(), ref.double(), tol, "out %s" % dtype)
+
+
+# ------------------------------------------------------------ refusals
+
+BAD_ROUTING = [
+    dict(routing="sigmoid_topk", n_group=3, topk_group=1),
+    dict(routing="sigmoid_topk", n_group=4, topk_group=5),
+    dict(routing="sigmoid_topk", n_group=4, topk_group=1),
+    dict(routing="sigmoid_topk", n_group=8, topk_group=4),
+    dict(routing="sigmoid_topk", n_group=4),
+    dict(routing="sigmoid_topk", n_group=-4, topk_group=2),
+    dict(routing="sigmoid_topk", n_group="4", topk_group=2),
+    dict(routing="sigmoid_topk", routed_scaling=0),
+    dict(routing="sigmoid_topk", routed_scaling=float("nan")),
+    dict(routing="softmax_topk", n_group=4, topk_group=2),
+    dict(routing="topk_softmax", routed_scaling=2.5),
+    dict(routing="topk"),
+]
+
+
+@pytest.mark.parametrize("kw", BAD_ROUTING)
+def test_routing_options_refused_as_smoe_moe_refuses_them(kw):
+    # The same check (module.check_routing), the same message, made before
+    # the group is touched (ep_group=object() would fail there).
+    with pytest.raises(ValueError) as want:
+        smoe.MoE(E, 3, D, N, **kw)
+    with pytest.raises(ValueError) as got:
+        smoe.EPMoE(E, 3, D, N, ep_group=object(), max_tokens=8, **kw)
+    assert isinstance(got.value, smoe.SmoeError)
+    assert got.value.status == want.value.status
+    assert str(got.value) == str(want.value).replace("smoe.MoE", "smoe.EPMoE")
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(routing="general"), r"smoe.EPMoE: routing = 'general' takes the caller's \(token, "
+                              r"expert, score\) triples: the C API's smoe_ep_layer"),
+    (dict(activation_function="swish"), r"smoe.EPMoE: activation_function = 'swish', must be"),
+    (dict(w1_layout="fused"), r"smoe.EPMoE: w1_layout = 'fused', must be one of"),
+    (dict(aux_loss_scope="global"), r"smoe.EPMoE: aux_loss_scope = 'global', must be 'local'"),
+    (dict(overlap=2), r"smoe.EPMoE: overlap = 2, must be -1, 0 or 1"),
+    (dict(comm_sms=-2), r"smoe.EPMoE: comm_sms = -2, must be >= -1"),
+    (dict(max_tokens=-1), r"smoe.EPMoE: max_tokens = -1, must be >= 0"),
+    (dict(max_tokens=8.0), r"smoe.EPMoE: max_tokens = 8.0, must be an int"),
+    (dict(capacity=-3), r"smoe.EPMoE: capacity = -3, must be >= 0"),
+    (dict(expert_rows=None), r"smoe.EPMoE: expert_rows = None, must be an int"),
+])
+def test_constructor_refuses_before_the_group(kw, match):
+    kw.setdefault("max_tokens", 8)
+    with pytest.raises(ValueError, match=match) as e:
+        smoe.EPMoE(E, 2, D, N, ep_group=object(), **kw)
+    assert isinstance(e.value, smoe.SmoeError)
+
+
+def test_experts_must_split_over_the_ranks():
+    g = smoe.EPGroup.in_process(3)[0]
+    with pytest.raises(smoe.SmoeError, match=r"num_experts = 8 cannot be split evenly over 3"):
+        smoe.EPMoE(E, 2, D, N, ep_group=g, max_tokens=8)
+
+
+def test_calls_refused():
+    (g,) = smoe.EPGroup.in_process(1)
+    m = smoe.EPMoE(E, 2, D, N, ep_group=g, max_tokens=4).double()
+    x = torch.randn(4, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"smoe.EPMoE: x \(hidden_states\) has shape \(4, 8\), "
+                       r"its last dimension must be hidden_size = 16"):
+        m(x[:, :8])
+    with pytest.raises(ValueError, match=r"x \(hidden_states\) is cpu torch.float32 but the "
+                       r"layer's parameters are cpu torch.float64"):
+        m(x.float())
+    with pytest.raises(smoe.SmoeError, match=r"5 tokens, more than max_tokens = 4"):
+        m(torch.randn(5, D, dtype=torch.float64))
+    m(x)
+    m.float()   # the handle was made for float64
+    with pytest.raises(ValueError, match=r"x is cpu torch.float32, but this layer runs on cpu "
+                       r"torch.float64"):
+        m(x.float())
+    s = smoe.EPMoE(E, 2, D, N, ep_group=g, max_tokens=4, **{**SIGMOID, "topk_group": 1})
+    s.expert_bias = torch.zeros(E, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"expert_bias is cpu torch.float64 \(8,\), must be "
+                       r"float32"):
+        s(x.float())
