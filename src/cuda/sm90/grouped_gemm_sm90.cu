@@ -77,11 +77,11 @@
  * one thread; no atomics.
  *
  * Parts: config_sm90.cuh (constants, kernel shapes, parameters),
- * scheduler_sm90.cuh (tiles), mainloop_sm90.cuh (the wgmma k-block),
- * epilogue_sm90.cuh (every epilogue); this file composes the kernel from
- * them and holds the host side: tensor maps, the tile table (a named row
- * per kernel configuration, with why it is there) and the launchers, which
- * run the row the layer's plan names.
+ * scheduler_sm90.cuh (tiles), mainloop_sm90.cuh (the two producers, the
+ * consumers' loop, the wgmma k-block), epilogue_sm90.cuh (every epilogue);
+ * this file composes the kernel from them and holds the host side: tensor
+ * maps, the tile table (a named row per kernel configuration, with why it
+ * is there) and the launchers, which run the row the layer's plan names.
  * Requirements (else the plan has no Hopper row, and the layer runs the
  * portable kernel): d % 64 == 0, n % 64 == 0, E <= 1024; 16-byte aligned
  * pointers (else SMOE_ERROR_UNSUPPORTED; smoe.c refuses them earlier).

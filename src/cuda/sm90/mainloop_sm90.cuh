@@ -1,8 +1,9 @@
 /*
  * mainloop_sm90.cuh -- the consumers' main-loop step: one k-block of
- * wgmma over a stage; the producer warpgroup's loop (TMA and cp.async
- * loads into the ring of stages) and a consumer warpgroup's loop (the
- * stages through wgmma, then the tile's epilogue).
+ * wgmma over a stage; the producer warpgroup's two loops, which fill the
+ * ring of stages (the warp-per-stage gather, SM90_FL_WS, and the TMA
+ * producer with its 128- or 64-thread cp.async gather), and a consumer
+ * warpgroup's loop (the stages through wgmma, then the tile's epilogue).
  */
 #ifndef SMOE_MAINLOOP_SM90_CUH
 #define SMOE_MAINLOOP_SM90_CUH
@@ -40,87 +41,140 @@ __device__ __forceinline__ void sm90_mma_kblock(float *acc, uint32_t sa, uint32_
     wgmma_fence_regs<NREG>(acc);
 }
 
-/* The producer warpgroup (its gathering threads with SM90_FL_EPIWG): the
- * stages of every tile of the CTA, weight tiles by TMA, the gathered
- * operand by cp.async (up, dh; a warp per stage with SM90_FL_WS) or the
- * other operand by TMA (down, dxt), then the producer's tail. */
+/* ------------------------------------------------------------ producers */
+
+/* The weight tile of k-block kb of tile tl, by TMA onto the stage's full
+ * barrier fb (issued by one thread): BN rows x 64 k, K-major (up's
+ * concatenated W1 as two boxes, the BN/2 gate rows then the matching up
+ * rows), or for dh / dxt BN/64 boxes of 64 k-rows x 64 n-columns, MN-major,
+ * 8 KiB apart. */
 template <int BN, int STAGES, int MODE, int FL>
-__device__ __forceinline__ void sm90_produce(const CUtensorMap &map_a, const CUtensorMap &map_b,
-                                             const sm90_gemm_params &p, const sm90_ctx &c,
-                                             int tid)
+__device__ __forceinline__ void sm90_load_b(const CUtensorMap &map_b, const sm90_gemm_params &p,
+                                            const sm90_tile &tl, uint32_t sb, uint32_t fb, int kb)
 {
     typedef sm90_traits<BN, STAGES, MODE, FL> K;
     typedef typename K::cfg cfg;
-    constexpr bool GATHER = K::GATHER, TRANS_B = K::TRANS_B, WS = K::WS, EPIWG = K::EPIWG;
+    if constexpr (K::TRANS_B) {
+#pragma unroll
+        for (int j = 0; j < BN / 64; j++)
+            tma_load_2d(sb + j * 8192, &map_b, fb, tl.n_tile * BN + 64 * j,
+                        tl.e * p.K + kb * SM90_BK);
+    } else if (MODE == SM90_MODE_UP && p.concat) {
+        int g = tl.e * p.N + tl.n_tile * (BN / 2);
+        tma_load_2d(sb, &map_b, fb, kb * SM90_BK, g);
+        tma_load_2d(sb + cfg::B_BYTES / 2, &map_b, fb, kb * SM90_BK, g + p.n);
+    } else {
+        tma_load_2d(sb, &map_b, fb, kb * SM90_BK, tl.e * p.N + tl.n_tile * BN);
+    }
+}
+
+/* One 16-byte chunk of gathered row r of a stage's A tile (sa): chunk
+ * `chunk` of token ti's row (src0 points at the k-block's first column plus
+ * the chunk), into the 128B-swizzled layout; zeros where ti < 0 (a row past
+ * the expert's end). */
+__device__ __forceinline__ void sm90_gather_chunk(uint32_t sa, int r, int chunk, const bf16 *src0,
+                                                  int32_t ti, int K)
+{
+    const uint32_t dst = sa + r * 128 + ((chunk ^ (r & 7)) << 4);
+    cp_async_16(dst, src0 + (int64_t)(ti < 0 ? 0 : ti) * K, ti < 0 ? 0u : 16u);
+}
+
+/* The producer's tail (as CUTLASS's), from the ring position after its last
+ * k-block: no producer thread leaves while a stage it filled is still
+ * unreleased, i.e. with its TMA loads or copies possibly in flight (under
+ * racecheck an early exit stalled the consumers of a 6-stage down:
+ * notes/sm90_log.md rung 13). */
+template <int STAGES>
+__device__ __forceinline__ void sm90_producer_tail(const uint64_t *empty, int stage,
+                                                   uint32_t phase)
+{
+    for (int i = 0; i < STAGES; i++) {
+        mbar_wait(smem_addr(empty + stage), phase ^ 1);
+        if (++stage == STAGES) { stage = 0; phase ^= 1; }
+    }
+}
+
+/* The warp-per-stage gather (SM90_FL_WS, up): k-block `it` of the CTA
+ * belongs to producer warp it % 4, which loads the whole A tile of that
+ * stage (32 cp.async per lane) and, from its lane 0, the weight tile, so
+ * four stages are in flight on four warps. The tile's 128 gather tokens sit
+ * in a double-buffered shared array (one barrier per tile: a buffer is
+ * rewritten two tiles later, after every warp has passed the next tile's
+ * barrier). */
+template <int BN, int STAGES, int MODE, int FL>
+__device__ __forceinline__ void sm90_produce_warp_gather(const CUtensorMap &map_b,
+                                                         const sm90_gemm_params &p,
+                                                         const sm90_ctx &c, int tid)
+{
+    typedef sm90_traits<BN, STAGES, MODE, FL> K;
+    typedef typename K::cfg cfg;
+    static_assert(MODE == SM90_MODE_UP && K::WS, "the warp-per-stage gather is up's");
     uint8_t *smem = c.smem;
     uint64_t *full = c.full, *empty = c.empty;
-    const int *tile_start = c.tile_start;
     int32_t *tok_slots = c.tok_slots;
-    const int nt = c.nt, kb_count = c.kb_count, total = c.total, gm = c.gm, cid = c.cid,
-              ncl = c.ncl;
-    const uint32_t tx_bytes = GATHER ? cfg::B_BYTES : cfg::A_BYTES + cfg::B_BYTES;
-    if constexpr (GATHER && WS) {
-        /* Warp-per-stage gather: k-block `it` belongs to producer warp it % 4,
-         * which loads the whole A tile of that stage (32 cp.async per lane)
-         * and the weight tile, so four stages are in flight on four warps.
-         * The tile's 128 gather tokens sit in a double-buffered shared array
-         * (one barrier per tile: a buffer is rewritten two tiles later, after
-         * every warp has passed the next tile's barrier). */
-        const int pw = tid >> 5, lane = tid & 31, chunk = lane & 7;
-        int it = 0, nth = 0;
-        for (int t = blockIdx.x; t < total; t += gridDim.x, nth++) {
-            sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
-                                                p.off_stride, gm);
-            int32_t *tokb = tok_slots + 128 * (nth & 1);
-            {
-                int r = tl.row0 + tid;
-                tokb[tid] = r < tl.row_end ? __ldg(p.row_token + r) : -1;
-            }
-            named_barrier_sync(3, 128);
-            for (int kb = 0; kb < kb_count; kb++, it++) {
-                if ((it & 3) != pw) continue;
-                const int stage = it % STAGES;
-                const uint32_t phase = (uint32_t)(it / STAGES) & 1;
-                const uint32_t fb = smem_addr(full + stage);
-                const uint32_t sa = smem_addr(smem + stage * cfg::STAGE_BYTES);
-                const uint32_t sb = sa + cfg::A_BYTES;
-                mbar_wait(smem_addr(empty + stage), phase ^ 1);
-                if (lane == 0) {
-                    mbar_arrive_expect_tx(fb, tx_bytes);
-                    if (p.concat) {
-                        int g = tl.e * p.N + tl.n_tile * (BN / 2);
-                        tma_load_2d(sb, &map_b, fb, kb * SM90_BK, g);
-                        tma_load_2d(sb + cfg::B_BYTES / 2, &map_b, fb, kb * SM90_BK, g + p.n);
-                    } else {
-                        tma_load_2d(sb, &map_b, fb, kb * SM90_BK, tl.e * p.N + tl.n_tile * BN);
-                    }
-                }
-                const bf16 *src0 = p.a_src + kb * SM90_BK + chunk * 8;
-#pragma unroll 8
-                for (int i = 0; i < 32; i++) {
-                    const int r = (lane >> 3) + 4 * i;
-                    const uint32_t dst = sa + r * 128 + ((chunk ^ (r & 7)) << 4);
-                    const int32_t ti = tokb[r];
-                    cp_async_16(dst, src0 + (int64_t)(ti < 0 ? 0 : ti) * p.K, ti < 0 ? 0u : 16u);
-                }
-                cp_async_mbar_arrive_noinc(fb);
-            }
+    const int pw = tid >> 5, lane = tid & 31, chunk = lane & 7;
+    int it = 0, nth = 0;
+    for (int t = blockIdx.x; t < c.total; t += gridDim.x, nth++) {
+        sm90_tile tl = sm90_tile_decode(t, c.tile_start, p.E, c.nt, p.expert_offset,
+                                        p.off_stride, c.gm);
+        int32_t *tokb = tok_slots + 128 * (nth & 1);
+        {
+            int r = tl.row0 + tid;
+            tokb[tid] = r < tl.row_end ? __ldg(p.row_token + r) : -1;
         }
-        /* producer tail (as CUTLASS's): no producer thread leaves while a
-         * stage it filled is still unreleased, i.e. with its copies
-         * possibly in flight */
-        for (int i = 0; i < STAGES; i++, it++)
-            mbar_wait(smem_addr(empty + it % STAGES), ((uint32_t)(it / STAGES) & 1) ^ 1);
-    } else {
+        named_barrier_sync(3, 128);
+        for (int kb = 0; kb < c.kb_count; kb++, it++) {
+            if ((it & 3) != pw) continue;
+            const int stage = it % STAGES;
+            const uint32_t phase = (uint32_t)(it / STAGES) & 1;
+            const uint32_t fb = smem_addr(full + stage);
+            const uint32_t sa = smem_addr(smem + stage * cfg::STAGE_BYTES);
+            const uint32_t sb = sa + cfg::A_BYTES;
+            mbar_wait(smem_addr(empty + stage), phase ^ 1);
+            if (lane == 0) {
+                mbar_arrive_expect_tx(fb, cfg::B_BYTES);
+                sm90_load_b<BN, STAGES, MODE, FL>(map_b, p, tl, sb, fb, kb);
+            }
+            const bf16 *src0 = p.a_src + kb * SM90_BK + chunk * 8;
+#pragma unroll 8
+            for (int i = 0; i < 32; i++) {
+                const int r = (lane >> 3) + 4 * i;
+                sm90_gather_chunk(sa, r, chunk, src0, tokb[r], p.K);
+            }
+            cp_async_mbar_arrive_noinc(fb);
+        }
+    }
+    /* the producer's tail (sm90_producer_tail's wait), from ring position it */
+    for (int i = 0; i < STAGES; i++, it++)
+        mbar_wait(smem_addr(empty + it % STAGES), ((uint32_t)(it / STAGES) & 1) ^ 1);
+}
+
+/* The TMA producer: one thread loads each stage's weight tile by TMA, and
+ * the A tile either by TMA too (down, dxt) or, for the gathering GEMMs (up,
+ * dh), by 16-byte cp.async from all 128 threads of the warpgroup (8 rows
+ * each) or from SM90_FL_EPIWG's 64 gathering threads (16 rows each), their
+ * row tokens loaded into registers once per tile (sm90_traits::TOKREG). */
+template <int BN, int STAGES, int MODE, int FL>
+__device__ __forceinline__ void sm90_produce_tma(const CUtensorMap &map_a,
+                                                 const CUtensorMap &map_b,
+                                                 const sm90_gemm_params &p, const sm90_ctx &c,
+                                                 int tid)
+{
+    typedef sm90_traits<BN, STAGES, MODE, FL> K;
+    typedef typename K::cfg cfg;
+    constexpr bool GATHER = K::GATHER;
+    uint8_t *smem = c.smem;
+    uint64_t *full = c.full, *empty = c.empty;
+    const uint32_t tx_bytes = GATHER ? cfg::B_BYTES : cfg::A_BYTES + cfg::B_BYTES;
     /* rows rsub + RS i (i < PRT), 16-byte chunk: 128 gathering threads
      * take 8 rows each, EPIWG's 64 take 16 */
-    constexpr int PRT = EPIWG ? 16 : 8, RS = 128 / PRT;
+    constexpr int PRT = K::EPIWG ? 16 : 8, RS = 128 / PRT;
     const int chunk = tid & 7, rsub = tid >> 3;
     int stage = 0;
     uint32_t phase = 0;
-    for (int t = cid; t < total; t += ncl) {
-        sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
-                                            p.off_stride, gm);
+    for (int t = c.cid; t < c.total; t += c.ncl) {
+        sm90_tile tl = sm90_tile_decode(t, c.tile_start, p.E, c.nt, p.expert_offset,
+                                        p.off_stride, c.gm);
         /* this thread's gather rows, for the whole tile */
         int32_t tok[PRT];
         if (GATHER) {
@@ -130,52 +184,42 @@ __device__ __forceinline__ void sm90_produce(const CUtensorMap &map_a, const CUt
                 tok[i] = r < tl.row_end ? __ldg(p.row_token + r) : -1;
             }
         }
-        for (int kb = 0; kb < kb_count; kb++) {
+        for (int kb = 0; kb < c.kb_count; kb++) {
             const uint32_t fb = smem_addr(full + stage);
             const uint32_t sa = smem_addr(smem + stage * cfg::STAGE_BYTES);
             const uint32_t sb = sa + cfg::A_BYTES;
             mbar_wait(smem_addr(empty + stage), phase ^ 1);
             if (tid == 0) {
                 mbar_arrive_expect_tx(fb, tx_bytes);
-                if constexpr (TRANS_B) {
-                    /* BN/64 boxes of 64 k-rows x 64 n-columns, 8 KiB apart */
-#pragma unroll
-                    for (int j = 0; j < BN / 64; j++)
-                        tma_load_2d(sb + j * 8192, &map_b, fb, tl.n_tile * BN + 64 * j,
-                                    tl.e * p.K + kb * SM90_BK);
-                } else if (MODE == SM90_MODE_UP && p.concat) {
-                    int g = tl.e * p.N + tl.n_tile * (BN / 2);
-                    tma_load_2d(sb, &map_b, fb, kb * SM90_BK, g);
-                    tma_load_2d(sb + cfg::B_BYTES / 2, &map_b, fb, kb * SM90_BK, g + p.n);
-                } else {
-                    tma_load_2d(sb, &map_b, fb, kb * SM90_BK, tl.e * p.N + tl.n_tile * BN);
-                }
+                sm90_load_b<BN, STAGES, MODE, FL>(map_b, p, tl, sb, fb, kb);
                 if (!GATHER) tma_load_2d(sa, &map_a, fb, kb * SM90_BK, tl.row0);
             }
             if (GATHER) {
                 const bf16 *src0 = p.a_src + kb * SM90_BK + chunk * 8;
 #pragma unroll
-                for (int i = 0; i < PRT; i++) {
-                    int r = rsub + RS * i;
-                    uint32_t dst = sa + r * 128 + ((chunk ^ (r & 7)) << 4);
-                    const int32_t ti = tok[i];
-                    const bf16 *src = src0 + (int64_t)(ti < 0 ? 0 : ti) * p.K;
-                    cp_async_16(dst, src, ti < 0 ? 0u : 16u);
-                }
+                for (int i = 0; i < PRT; i++)
+                    sm90_gather_chunk(sa, rsub + RS * i, chunk, src0, tok[i], p.K);
                 cp_async_mbar_arrive_noinc(fb);
             }
             if (++stage == STAGES) { stage = 0; phase ^= 1; }
         }
     }
-    /* producer tail (as CUTLASS's): no producer thread leaves while a
-     * stage it filled is still unreleased, i.e. with its TMA loads or
-     * copies possibly in flight (under racecheck an early exit stalled
-     * the consumers of a 6-stage down: notes/sm90_log.md rung 13) */
-    for (int i = 0; i < STAGES; i++) {
-        mbar_wait(smem_addr(empty + stage), phase ^ 1);
-        if (++stage == STAGES) { stage = 0; phase ^= 1; }
-    }
-    }
+    sm90_producer_tail<STAGES>(empty, stage, phase);
+}
+
+/* The producer warpgroup (its gathering threads with SM90_FL_EPIWG): the
+ * stages of every tile of the CTA, by the warp-per-stage gather
+ * (SM90_FL_WS) or the TMA producer, then the producer's tail. */
+template <int BN, int STAGES, int MODE, int FL>
+__device__ __forceinline__ void sm90_produce(const CUtensorMap &map_a, const CUtensorMap &map_b,
+                                             const sm90_gemm_params &p, const sm90_ctx &c,
+                                             int tid)
+{
+    typedef sm90_traits<BN, STAGES, MODE, FL> K;
+    if constexpr (K::GATHER && K::WS)
+        sm90_produce_warp_gather<BN, STAGES, MODE, FL>(map_b, p, c, tid);
+    else
+        sm90_produce_tma<BN, STAGES, MODE, FL>(map_a, map_b, p, c, tid);
 }
 
 /* A consumer warpgroup (wg 1 or 2): per tile the main loop over the stages

@@ -16,11 +16,12 @@
  * (gathering the 256-wide side cost 10-15%: notes/sm90_log.md rung 11),
  * and each tile is stored transposed (vk_store_tile_bf16_t).
  *
- * Algorithm: a persistent, warp-specialised kernel. The tile scheduler walks
- * the OUTPUT tiles (expert, m-tile, n-tile), whose number the host knows
- * (E * ceil(M/128) * ceil(N/BN)), so the grid is static; the k-loop length of
- * a tile, ceil(count_e / 64), is read on the device from expert_offset, and
- * any count (0 included) works: rows past the expert's end are zero-filled.
+ * Algorithm: a persistent, warp-specialised kernel. The tile scheduler
+ * (scheduler_sm90.cuh's varlen-K one) walks the OUTPUT tiles (expert,
+ * m-tile, n-tile), whose number the host knows (E * ceil(M/128) *
+ * ceil(N/BN)), so the grid is static; the k-loop length of a tile,
+ * ceil(count_e / 64), is read on the device from expert_offset, and any
+ * count (0 included) works: rows past the expert's end are zero-filled.
  *   - warpgroup 0 (producer, 56 registers): the gathered operand by 16-byte
  *     cp.async into the 128B-swizzled MN-major layout (a 64-column slab is
  *     64 k-rows of 128 bytes; chunk c of k-row r lands at r*128 +
@@ -76,6 +77,7 @@
 
 #include "cuda/gemm.h"
 #include "cuda/sm90/ptx_sm90.cuh"
+#include "cuda/sm90/scheduler_sm90.cuh"
 #include "cuda/sm90/tensor_map_sm90.h"
 
 using namespace smoe_sm90;
@@ -100,7 +102,7 @@ using namespace smoe_sm90;
 #define VK_F_TMA 1
 #define VK_F_NOFENCE 2
 #define VK_DEFAULT_CFG (VK_F_TMA | VK_F_NOFENCE)
-/* The grouped tile order (vk_tile_coords; the table's grouped row): a
+/* The grouped tile order (sm90_vk_tile_decode; the table's grouped row): a
  * compile-time bit, as the run-time branch cost the row order 1-3% of the
  * layer's backward on every grid row. */
 #define VK_F_GROUPED 4
@@ -135,8 +137,7 @@ typedef struct vk_args {
     const int32_t *row_token;      /* (cap) */
     void *out;                     /* (E, M, N) fp32 or bf16 */
     int M, N;
-    int tiles_m, tiles_n, total_tiles;
-    int gm;                        /* VK_F_GROUPED's group of m-tiles (vk_tile_coords) */
+    sm90_vk_sched sched;           /* the output tiles (scheduler_sm90.cuh) */
     int out_f32, accumulate;
     int map_rows;                  /* 1: logical row c -> smoe_w1_row (concatenated W1) */
     int n_half;                    /* n, for that map */
@@ -157,33 +158,6 @@ static __device__ __forceinline__ void vk_wgmma_mn(float *d, uint64_t desc_a, ui
 
 /* ------------------------------------------------------------ kernel */
 
-/* Tile `tile`'s expert and (m, n) tile. The tiles of an expert go in row
- * order (n fastest), or with VK_F_GROUPED in groups of p.gm m-tiles, m fastest
- * within a group: the ~num_sms tiles in flight then read gm slices of the
- * M-side operand and about num_sms / gm of the N-side one, instead of one
- * or two M slices and every N slice of the expert (for one expert's output
- * of 32 x 112 tiles, Mixtral's dW1, that re-read dH from DRAM once per
- * m-tile). */
-template <int CFG>
-static __device__ __forceinline__ void vk_tile_coords(const vk_args &p, int tile, int *e, int *mt,
-                                                      int *nt)
-{
-    const int per_e = p.tiles_m * p.tiles_n;
-    *e = tile / per_e;
-    const int rem = tile - *e * per_e;
-    if (!(CFG & VK_F_GROUPED)) {
-        *mt = rem / p.tiles_n;
-        *nt = rem - *mt * p.tiles_n;
-        return;
-    }
-    const int group = rem / (p.gm * p.tiles_n);
-    const int first = group * p.gm;
-    const int rows = min(p.gm, p.tiles_m - first);
-    const int r = rem - group * p.gm * p.tiles_n;
-    *nt = r / rows;
-    *mt = first + (r - *nt * rows);
-}
-
 /* The producer's walk over its (tile, k-tile) iterations, skipping tiles of
  * experts without rows; one cursor issues the copies, a second one runs
  * TOK_AHEAD iterations ahead fetching row tokens. */
@@ -196,8 +170,8 @@ static __device__ __forceinline__ void vk_cursor_load(const vk_args &p, vk_curso
 {
     c->kt = 0;
     c->nk = 0;
-    if (c->tile >= p.total_tiles) return;
-    const int e = c->tile / (p.tiles_m * p.tiles_n);
+    if (c->tile >= p.sched.total) return;
+    const int e = sm90_vk_tile_decode(p.sched, c->tile, false).e; /* either order's */
     c->row_begin = __ldg(p.expert_offset + e);
     c->row_end = __ldg(p.expert_offset + e + 1);
     c->nk = c->row_end > c->row_begin ? (c->row_end - c->row_begin + BK - 1) / BK : 0;
@@ -207,7 +181,7 @@ static __device__ __forceinline__ void vk_cursor_load(const vk_args &p, vk_curso
 template <int BK>
 static __device__ __forceinline__ void vk_cursor_settle(const vk_args &p, vk_cursor *c)
 {
-    while (c->tile < p.total_tiles && c->kt >= c->nk) {
+    while (c->tile < p.sched.total && c->kt >= c->nk) {
         c->tile += gridDim.x;
         vk_cursor_load<BK>(p, c);
     }
@@ -551,16 +525,16 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
     vk_cursor_start<BK>(p, &ahead);
 #pragma unroll 1
     for (int i = 0; i < C::TOK_AHEAD; i++) {
-        if (ahead.tile < p.total_tiles) {
+        if (ahead.tile < p.sched.total) {
             vk_fetch_tokens<BK>(p, ahead, my_tok + i * C::TOK_SLOT_BYTES, g);
             vk_cursor_next<BK>(p, &ahead);
         }
         cp_async_commit();
     }
     uint32_t it = 0;
-    for (int tile = blockIdx.x; tile < p.total_tiles; tile += gridDim.x) {
-        int e, mt, nt;
-        vk_tile_coords<CFG>(p, tile, &e, &mt, &nt);
+    for (int tile = blockIdx.x; tile < p.sched.total; tile += gridDim.x) {
+        const sm90_vk_tile tl = sm90_vk_tile_decode(p.sched, tile, (CFG & VK_F_GROUPED) != 0);
+        const int e = tl.e, mt = tl.m_tile, nt = tl.n_tile;
         const int row_begin = __ldg(p.expert_offset + e);
         const int row_end = __ldg(p.expert_offset + e + 1);
         const int nk = row_end > row_begin ? (row_end - row_begin + BK - 1) / BK : 0;
@@ -572,7 +546,7 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
             (const char *)(csrc + (size_t)(row_begin + RPT * g) * (size_t)ccols + ccol0 + 8 * q);
 #pragma unroll 1
         for (int kt = 0; kt < nk; kt++, it++, crow += BK * cpitch) {
-            if (ahead.tile < p.total_tiles) {
+            if (ahead.tile < p.sched.total) {
                 vk_fetch_tokens<BK>(
                     p, ahead, my_tok + ((it + C::TOK_AHEAD) % C::TOK_SLOTS) * C::TOK_SLOT_BYTES, g);
                 vk_cursor_next<BK>(p, &ahead);
@@ -673,9 +647,9 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
 #pragma unroll
         for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
         uint32_t it = 0;
-        for (int tile = blockIdx.x; tile < p.total_tiles; tile += gridDim.x) {
-            int e, mt, nt;
-            vk_tile_coords<CFG>(p, tile, &e, &mt, &nt);
+        for (int tile = blockIdx.x; tile < p.sched.total; tile += gridDim.x) {
+            const sm90_vk_tile tl = sm90_vk_tile_decode(p.sched, tile, (CFG & VK_F_GROUPED) != 0);
+            const int e = tl.e, mt = tl.m_tile, nt = tl.n_tile;
             const int row_begin = __ldg(p.expert_offset + e);
             const int row_end = __ldg(p.expert_offset + e + 1);
             const int nk = row_end > row_begin ? (row_end - row_begin + BK - 1) / BK : 0;
@@ -757,7 +731,7 @@ static smoe_status vk_launch(const vk_args *a, const CUtensorMap *map, int num_s
     SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND,
                          "sm90 varlen-K GEMM: cudaFuncSetAttribute(%zu bytes): %s", smem,
                          cudaGetErrorString(err));
-    int grid = a->total_tiles < num_sms ? a->total_tiles : num_sms;
+    int grid = a->sched.total < num_sms ? a->sched.total : num_sms;
     vk_varlen_k_kernel<BN, GATHER_A, CFG><<<grid, VK_THREADS, smem, stream>>>(*a, *map);
     err = cudaGetLastError();
     SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND,
@@ -819,13 +793,13 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     args.out = out;
     args.M = (int)M;
     args.N = (int)N;
-    args.tiles_m = (int)tiles_m;
-    args.tiles_n = (int)tiles_n;
-    args.total_tiles = (int)total;
+    args.sched.tiles_m = (int)tiles_m;
+    args.sched.tiles_n = (int)tiles_n;
+    args.sched.total = (int)total;
     /* groups of 16 m-tiles: with ~132 tiles in flight, 16 slices of the
      * 128-wide M side and ~8 of the 256-wide N side, near the fewest bytes
      * for that many tiles */
-    args.gm = grouped ? (int)(tiles_m < 16 ? tiles_m : 16) : 0;
+    args.sched.gm = grouped ? (int)(tiles_m < 16 ? tiles_m : 16) : 0;
     args.out_f32 = out_dtype == SMOE_DTYPE_F32;
     args.accumulate = accumulate != 0;
     args.map_rows = map_rows;
