@@ -947,7 +947,10 @@ def check_sigmoid_options(routing, n_group, topk_group, routed_scaling, E, K, wh
         return G, g, c
     if G < 0 or g < 0:
         refuse(L.SMOE_ERROR_INVALID_SIZE, "n_group = %d, topk_group = %d: must be >= 0", G, g)
-    if (G == 0) != (g == 0):
+    # Written with and/or, not (G == 0) != (g == 0): under torch.compile
+    # with dynamic shapes G and g arrive as SymInts, and torch 2.11's dynamo
+    # cannot compare two symbolic booleans.
+    if (G == 0 and g != 0) or (G != 0 and g == 0):
         refuse(L.SMOE_ERROR_INVALID_VALUE, "n_group = %d, topk_group = %d: both 0 (no groups) "
                "or both > 0", G, g)
     if G == 0:

@@ -168,8 +168,11 @@ def test_full_model_logits_loss_router_logits_and_gradients(family):
     o_ref, o = outs
     assert_close(o.logits, o_ref.logits, 1e-5, "logits")
     assert_close(o.loss, o_ref.loss, 1e-6, "loss")
-    assert len(o.router_logits) == len(o_ref.router_logits) == len(replaced)
-    for a, b in zip(o.router_logits, o_ref.router_logits):
+    # Older transformers (4.x) give DeepSeek-V3 no router_logits output.
+    assert hasattr(o, "router_logits") == hasattr(o_ref, "router_logits")
+    n_rl = len(replaced) if hasattr(o_ref, "router_logits") else 0
+    assert len(getattr(o, "router_logits", ())) == len(getattr(o_ref, "router_logits", ())) == n_rl
+    for a, b in zip(getattr(o, "router_logits", ()), getattr(o_ref, "router_logits", ())):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert_close(a, b, 1e-5, "router logits")
     if family == "deepseek_v3":
@@ -214,11 +217,13 @@ def test_hooks_installed_before_the_swap_and_gradient_checkpointing(family):
     outs = []
     for m in (ref, model):
         m.train()
-        m.activation_checkpointing_enable()
+        # activation_checkpointing_enable in transformers 5, gradient_ in 4.
+        (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()
         out = m(ids, labels=ids, output_router_logits=True, use_cache=False)
         out.loss.backward()
         outs.append(out)
-    assert len(outs[1].router_logits) == 2
+    if hasattr(outs[0], "router_logits"):
+        assert len(outs[1].router_logits) == 2
     assert_close(outs[1].loss, outs[0].loss, 1e-6, "loss")
     grads_ref = dict(ref.named_parameters())
     for k, p in model.named_parameters():
