@@ -389,6 +389,19 @@ forward_raw = None
 backward_raw = None
 
 
+def release(obj, attr, free):
+    """For __del__: takes obj.attr (a ctypes handle), sets it to None and
+    passes it to free(handle) if it is set; errors are ignored (at
+    interpreter shutdown the library or its module may be gone)."""
+    handle = getattr(obj, attr, None)
+    setattr(obj, attr, None)
+    if handle is not None and handle.value:
+        try:
+            free(handle)
+        except Exception:
+            pass
+
+
 def last_error():
     return lib().smoe_last_error().decode(errors="replace")
 

@@ -122,12 +122,7 @@ class _Threads:
         t.copy_(total)
 
     def __del__(self):
-        handle, self.handle = getattr(self, "handle", None), None
-        if handle is not None and handle.value:
-            try:
-                self._lib.smoe_ep_group_free(handle)
-            except Exception:  # interpreter shutdown
-                pass
+        L.release(self, "handle", lambda h: self._lib.smoe_ep_group_free(h))
 
 
 class EPGroup:
@@ -188,12 +183,7 @@ class EPGroup:
         return t
 
     def __del__(self):
-        comm, self.comm = getattr(self, "comm", None), None
-        if comm is not None and comm.value:
-            try:
-                _nccl_lib().ncclCommDestroy(comm)
-            except Exception:  # interpreter shutdown
-                pass
+        L.release(self, "comm", lambda c: _nccl_lib().ncclCommDestroy(c))
 
 
 class _EPLayer:
@@ -211,12 +201,7 @@ class _EPLayer:
         self._sizes = {}
 
     def __del__(self):
-        ptr, self.ptr = getattr(self, "ptr", None), None
-        if ptr is not None and ptr.value:
-            try:
-                self._lib.smoe_ep_layer_free(ptr)
-            except Exception:
-                pass
+        L.release(self, "ptr", lambda p: self._lib.smoe_ep_layer_free(p))
 
     def sizes(self, T):
         s = self._sizes.get(T)

@@ -136,12 +136,7 @@ class _Layer:
         self._saved = {}
 
     def __del__(self):
-        ptr, self.ptr = getattr(self, "ptr", None), None
-        if ptr is not None and ptr.value:
-            try:
-                self._lib.smoe_layer_free(ptr)
-            except Exception:  # interpreter shutdown
-                pass
+        L.release(self, "ptr", lambda p: self._lib.smoe_layer_free(p))
 
     def workspace_bytes(self, T, pairs):
         n = self._lib.smoe_layer_workspace_bytes(self.ptr, T, pairs)
