@@ -229,14 +229,14 @@ typedef struct smoe_layer_desc {
     int device;                  /* CUDA device ordinal (CUDA backends) */
     /* 1: the backward consumes its saved block: it writes dH (R x h_cols,
      * the dtype) over the block's H, which the backward no longer needs
-     * once dH is computed, and (CUDA) puts the router backward's scratch
-     * there too when it fits; the workspace is then smaller by about
-     * R x h_cols elements (smoe_layer_workspace_bytes says how much it
-     * needs), and the block's header is marked consumed, so a second
-     * backward with it is refused (SMOE_ERROR_INVALID_VALUE; on the CUDA
-     * backends through the device status word). A new training forward
-     * fills the block again. Results are those of 0, bit for bit. 0 (the
-     * default): the block is only read. Not with expert parallelism
+     * once dH is computed. The backward's part of the workspace loses its
+     * dH (up to R x h_cols elements; smoe_layer_workspace_bytes, which
+     * covers forward and backward, says what is needed, and is never less
+     * than the forward's part), and the block's header is marked consumed,
+     * so a second backward with it is refused (SMOE_ERROR_INVALID_VALUE; on
+     * the CUDA backends through the device status word). A new training
+     * forward fills the block again. Results are those of 0, bit for bit.
+     * 0 (the default): the block is only read. Not with expert parallelism
      * (smoe_ep_layer_create refuses it). */
     int consume_saved;
 } smoe_layer_desc;

@@ -150,7 +150,6 @@ typedef struct ws_layout {
     /* backward (overlaps the forward region) */
     size_t dh, a_scaled, ds, dxt, split, wr2, dwr2, dxr, tc, dla, wr_nf, b_gemm;
     int dh_in_saved;     /* consume_saved: dH over the saved block's H (dh unused) */
-    int router_in_saved; /* ... and split..dla from the saved H's start, not ws */
     size_t bwd_end;
     size_t total;
 } ws_layout;
@@ -227,31 +226,22 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
      * so a_scaled and dxt share one region, and the router's buffers share
      * dh's (dead once db1 has run). */
     /* With consume_saved, dH is written over the saved block's H (the same
-     * lifetime: H is dead once the dh GEMM has read it), and the router's
-     * buffers follow it there when they fit in H's section (its size is
-     * known here: the saved layout of this T and cap), else they keep
-     * their place at the workspace's backward start. */
-    size_t r = 0; /* the router's buffers, from 0 */
+     * lifetime: H is dead once the dh GEMM has read it), so the region
+     * holds the router's buffers alone. They stay in the workspace, not in
+     * the saved H: stack_twice and cuBLAS (wr2, dwr2, dxr) run whatever the
+     * status word says, so in a call whose saved block the device refused
+     * (another layer's, another T's, a consumed one) they would write into
+     * that block, which may be another call's live one. */
+    o = base;
+    w->dh = o;
+    w->dh_in_saved = d->consume_saved != 0;
+    size_t r = o; /* the router's buffers from the same start */
     w->split = r; r += al(t * 2 * E * 2);
     w->wr2 = r; r += al(2 * E * dd * 2);
     w->dwr2 = r; r += al(2 * E * dd * 4);
     w->dxr = r; r += al(t * dd * 4);
     w->tc = r; r += al(t * K * 4);
     w->dla = r; r += al(c * 4);
-    o = base;
-    w->dh_in_saved = d->consume_saved != 0;
-    if (w->dh_in_saved) {
-        smoe_saved_layout sl;
-        smoe_saved_layout_make(layer, T, cap, &sl);
-        w->router_in_saved = r <= sl.row_score - sl.h;
-    }
-    if (!w->router_in_saved) {
-        w->split += o; w->wr2 += o; w->dwr2 += o; w->dxr += o; w->tc += o; w->dla += o;
-        r += o;
-    } else {
-        r = o;
-    }
-    w->dh = o;
     if (!w->dh_in_saved) o += al(c * hc * 2);
     if (r > o) o = r;
     w->ds = o; o += al(c * 4);
@@ -617,7 +607,6 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
      * __restrict__. */
     bf16 *dh = w.dh_in_saved ? (bf16 *)v.h : (bf16 *)(ws + w.dh);
     bf16 *a_scaled = (bf16 *)(ws + w.a_scaled);
-    char *rb = w.router_in_saved ? (char *)v.h : ws; /* the router's buffers (ws_make) */
     bf16 *dxt = (bf16 *)(ws + w.dxt);
     float *ds = (float *)(ws + w.ds);
     void *gs = ws + w.b_gemm;
@@ -651,15 +640,15 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
 
     float *dxr = NULL, *dla = NULL;
     if (want_router) {
-        bf16 *split = (bf16 *)(rb + w.split);
-        if (sparse && want_dx) dla = (float *)(rb + w.dla);
+        bf16 *split = (bf16 *)(ws + w.split);
+        if (sparse && want_dx) dla = (float *)(ws + w.dla);
         SMOE_FORWARD_IF_ERROR(smoe_cuda_router_dlogits(
             d, T, rounding, v.logits, v.token_offset, v.assign_expert, v.assign_row,
-            v.row_score, ds, args->dlogits_extra, split, (int32_t *)(rb + w.tc), dla, abort, s));
+            v.row_score, ds, args->dlogits_extra, split, (int32_t *)(ws + w.tc), dla, abort, s));
         timer_mark(st, 1, "router dlogits", s);
         const int64_t E2 = 2 * d->E;
         if (args->drouter_w.ptr) {
-            float *dwr2 = (float *)(rb + w.dwr2);
+            float *dwr2 = (float *)(ws + w.dwr2);
             /* dWr2 (2E x d row-major = d x 2E col-major) = X^T . split */
             SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_N, CUBLAS_OP_T,
                                                 d->d, E2, T, (const bf16 *)args->x, d->d, split,
@@ -670,8 +659,8 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
             timer_mark(st, 1, "dWr gemm", s);
         }
         if (want_dx && !sparse) {
-            bf16 *wr2 = (bf16 *)(rb + w.wr2);
-            dxr = (float *)(rb + w.dxr);
+            bf16 *wr2 = (bf16 *)(ws + w.wr2);
+            dxr = (float *)(ws + w.dxr);
             SMOE_FORWARD_IF_ERROR(
                 smoe_cuda_stack_twice((const bf16 *)args->router_w, d->E, d->d, wr2, s));
             /* dXr (T x d row-major = d x T col-major) = wr2^T-view . split^T-view */
