@@ -1,7 +1,9 @@
 """consume_saved=True (smoe.h's desc.consume_saved: the backward writes dH
 over the saved block's H): the same gradients, bit for bit, as the reading
 backward; one backward per graph, a second one (retain_graph=True) raising
-autograd's in-place error; torch.compile; smoe.MoE's option."""
+autograd's in-place error; torch.compile; smoe.MoE's option. On the CPU,
+and in bf16 on CUDA (every GPU backend: AUTO's, cuda, sm90) where there is
+a GPU."""
 import pytest
 import torch
 
@@ -10,6 +12,18 @@ from smoe import functional as fn
 from test_functional import assert_close, leaves, make
 
 CUDA = torch.cuda.is_available()
+cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=cuda)]
+
+
+def inputs(device, T, act="swiglu", bias=True, seed=0, dtype=torch.float64, E=4):
+    """make()'s tensors for the tests that run on both devices: on the CPU
+    as given (d=8, n=4); on CUDA in bf16 with d = n = 64 (the GPU backends
+    need multiples of 8, the Hopper kernels of 64)."""
+    if device == "cpu":
+        return make(T=T, d=8, n=4, E=E, act=act, bias=bias, dtype=dtype, seed=seed)
+    t = make(T=T, d=64, n=64, E=E, act=act, bias=bias, dtype=torch.bfloat16, seed=seed)
+    return [None if v is None else v.to(device) for v in t]
 
 # (routing, activation, bias, extra moe() options)
 CASES = [
@@ -45,8 +59,8 @@ def _options(kw, device):
     return kw
 
 
-def check_equal(device, dtype, routing, act, bias, extra, seed):
-    t = make(T=37, d=16, n=12, E=E, act=act, bias=bias, dtype=dtype, seed=seed)
+def check_equal(device, dtype, routing, act, bias, extra, seed, T=37, d=16, n=12):
+    t = make(T=T, d=d, n=n, E=E, act=act, bias=bias, dtype=dtype, seed=seed)
     t = [None if v is None else v.to(device) for v in t]
     kw = _options(extra, device)
     want, _ = grads(t, False, seed, routing=routing, activation=act, **kw)
@@ -66,23 +80,35 @@ def test_gradients_bitwise_equal(case, dtype, eager, monkeypatch):
     check_equal(torch.device("cpu"), dtype, *CASES[case], seed=40 + case)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+# The GPU's shapes: d and n multiples of 64 (the Hopper kernels run them;
+# the CUDA backends need multiples of 8), R = T K = 450 rows, not a multiple
+# of the 128-row tiles; n = 256 takes dh's 256-wide Hopper tiles (the
+# TMA-store epilogue where gated), n = 64 the 128-wide ones.
+CUDA_SHAPES = [dict(T=150, d=128, n=64), dict(T=150, d=128, n=256)]
+
+
+@cuda
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("backend", ["", "cuda", "sm90"])
-def test_gradients_bitwise_equal_cuda(case, backend, monkeypatch):
+@pytest.mark.parametrize("shape", range(len(CUDA_SHAPES)))
+@pytest.mark.parametrize("eager", [True, False])
+def test_gradients_bitwise_equal_cuda(case, backend, shape, eager, monkeypatch):
     # The same kernels on both sides; only the dh GEMM's output lies
     # elsewhere (over H), so bf16 gradients are expected bit-identical.
     if backend == "sm90" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm90 backend needs an sm_90 GPU")
     monkeypatch.setenv("SMOE_TORCH_BACKEND", backend)
-    check_equal(torch.device("cuda"), torch.bfloat16, *CASES[case], seed=60 + case)
+    monkeypatch.setattr(fn, "_EAGER", eager)
+    check_equal(torch.device("cuda"), torch.bfloat16, *CASES[case], seed=60 + case,
+                **CUDA_SHAPES[shape])
 
 
-def test_general_routing():
-    t = make(T=10, d=8, n=4, E=4, act="swiglu", bias=True, seed=3)
-    tok = torch.tensor([0, 0, 1, 3, 3, 3, 7, 9])
-    exp = torch.tensor([1, 2, 0, 0, 1, 3, 2, 2])
-    score = torch.rand(8, generator=torch.Generator().manual_seed(4))
+@pytest.mark.parametrize("device", DEVICES)
+def test_general_routing(device):
+    t = inputs(device, T=10, bias=True, seed=3)
+    tok = torch.tensor([0, 0, 1, 3, 3, 3, 7, 9], device=device)
+    exp = torch.tensor([1, 2, 0, 0, 1, 3, 2, 2], device=device)
+    score = torch.rand(8, generator=torch.Generator().manual_seed(4)).to(device)
     res = []
     for consume in (False, True):
         x, w1, w2, b1, b2, s = leaves(t[0], t[2], t[3], t[4], t[5], score)
@@ -121,15 +147,16 @@ def test_workspace_is_the_librarys_and_smaller():
         assert consuming.saved_nbytes(T, 0) == reading.saved_nbytes(T, 0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("eager", [True, False])
 @pytest.mark.parametrize("create_graph", [False, True])
-def test_second_backward_raises_inplace_error(eager, create_graph, monkeypatch):
+def test_second_backward_raises_inplace_error(eager, create_graph, device, monkeypatch):
     # The consumed block is saved with ctx.save_for_backward: its version is
     # bumped after the backward (increment_version on the direct path, the
     # operator's mutates_args otherwise), so the second backward fails when
     # autograd unpacks it, before the library is called.
     monkeypatch.setattr(fn, "_EAGER", eager)
-    t = make(T=11, d=8, n=4, E=4, act="swiglu", bias=True, seed=6)
+    t = inputs(device, T=11, bias=True, seed=6)
     x, r, w1, w2, b1, b2 = leaves(*t)
     out, counts, logits = smoe.moe(x, r, w1, w2, b1, b2, top_k=2, consume_saved=True)
     loss = out.square().sum() + logits.sum()
@@ -147,8 +174,9 @@ def test_second_backward_raises_inplace_error(eager, create_graph, monkeypatch):
     assert torch.equal(w1.grad, 2 * first)
 
 
-def test_autograd_grad_twice_raises():
-    t = make(T=6, d=8, n=4, E=4, act="relu", bias=False, seed=7)
+@pytest.mark.parametrize("device", DEVICES)
+def test_autograd_grad_twice_raises(device):
+    t = inputs(device, T=6, act="relu", bias=False, seed=7)
     x, r, w1, w2 = leaves(*t[:4])
     out = smoe.moe(x, r, w1, w2, top_k=1, activation="relu", consume_saved=True)[0].sum()
     torch.autograd.grad(out, [w1], retain_graph=True)
@@ -187,11 +215,12 @@ def _loss(x, r, w1, w2, b1, b2, dout, consume):
     return (out * dout).sum() + smoe.switch_load_balancing_loss(logits, counts)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_compile_fullgraph_equal_to_eager(dynamic):
+def test_compile_fullgraph_equal_to_eager(dynamic, device):
     # Compiled with consume_saved: bit for bit the compiled reading layer's
     # results, and eager's to test_compile.py's tolerance (the compiled loss
-    # around the layer may round differently).
+    # around the layer may round differently: in bf16 on CUDA by more).
     torch._dynamo.reset()
 
     def reading(*a):
@@ -202,9 +231,11 @@ def test_compile_fullgraph_equal_to_eager(dynamic):
 
     fns = (consuming, torch.compile(reading, fullgraph=True, dynamic=dynamic),
            torch.compile(consuming, fullgraph=True, dynamic=dynamic))
+    tol = 1e-6 if device == "cpu" else 2e-2
     for T in ((12, 7) if dynamic else (12,)):
-        t = make(T=T, d=8, n=4, E=4, act="swiglu", bias=True, dtype=torch.float32, seed=T)
-        dout = torch.randn(T, 8, generator=torch.Generator().manual_seed(T))
+        t = inputs(device, T=T, bias=True, seed=T, dtype=torch.float32)
+        d = t[0].shape[1]
+        dout = torch.randn(T, d, generator=torch.Generator().manual_seed(T)).to(device, t[0].dtype)
         res = []
         for f in fns:
             ins = leaves(*t)
@@ -213,16 +244,17 @@ def test_compile_fullgraph_equal_to_eager(dynamic):
             res.append([loss.detach()] + [v.grad for v in ins])
         for i, (eager, comp_reading, comp) in enumerate(zip(*res)):
             assert torch.equal(comp, comp_reading), i
-            assert_close(comp, eager, 1e-6, "result %d" % i)
+            assert_close(comp.float(), eager.float(), tol, "result %d" % i)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("donated", [True, False])
-def test_compile_second_backward_refused(donated):
+def test_compile_second_backward_refused(donated, device):
     with torch._functorch.config.patch(donated_buffer=donated):
-        _compile_second_backward(donated)
+        _compile_second_backward(donated, device)
 
 
-def _compile_second_backward(donated):
+def _compile_second_backward(donated, device):
     # Under torch.compile the backward is the compiled graph, which calls
     # smoe::moe_backward_consume on its saved activation. By default
     # (donated buffers) PyTorch refuses retain_graph=True for such a graph
@@ -230,8 +262,9 @@ def _compile_second_backward(donated):
     # the block's bumped version, as in eager.
     torch._dynamo.reset()
     compiled = torch.compile(lambda *a: _loss(*a, True), fullgraph=True)
-    t = make(T=12, d=8, n=4, E=4, act="swiglu", bias=True, dtype=torch.float32, seed=8)
-    dout = torch.randn(12, 8, generator=torch.Generator().manual_seed(8))
+    t = inputs(device, T=12, bias=True, seed=8, dtype=torch.float32)
+    dout = torch.randn(12, t[0].shape[1], generator=torch.Generator().manual_seed(8))
+    dout = dout.to(device, t[0].dtype)
     ins = leaves(*t)
     loss = compiled(*ins, dout)
     if donated:
