@@ -37,8 +37,9 @@
  *    A misaligned pointer is SMOE_ERROR_INVALID_SIZE.
  *  - Overlap: no output (out, router_logits, expert_counts, every gradient),
  *    the saved block or the workspace may share a byte with another of
- *    them or with an input. Inputs may overlap each other. There is no
- *    in-place mode. An overlap is SMOE_ERROR_INVALID_VALUE. The extent of
+ *    them or with an input. Inputs may overlap each other. The one
+ *    in-place mode is desc.consume_saved (the backward writes into its
+ *    saved block, which then counts as an output). An overlap is SMOE_ERROR_INVALID_VALUE. The extent of
  *    saved and workspace is what the call uses (the *_bytes() size), not
  *    the capacity given.
  * Refusals name the argument, and give the sizes or addresses involved.
@@ -226,11 +227,23 @@ typedef struct smoe_layer_desc {
     smoe_dtype dtype;            /* storage of x, weights, out, saved state */
     smoe_backend backend;
     int device;                  /* CUDA device ordinal (CUDA backends) */
+    /* 1: the backward consumes its saved block: it writes dH (R x h_cols,
+     * the dtype) over the block's H, which the backward no longer needs
+     * once dH is computed. The backward's part of the workspace loses its
+     * dH (up to R x h_cols elements; smoe_layer_workspace_bytes, which
+     * covers forward and backward, says what is needed, and is never less
+     * than the forward's part), and the block's header is marked consumed,
+     * so a second backward with it is refused (SMOE_ERROR_INVALID_VALUE; on
+     * the CUDA backends through the device status word). A new training
+     * forward fills the block again. Results are those of 0, bit for bit.
+     * 0 (the default): the block is only read. Not with expert parallelism
+     * (smoe_ep_layer_create refuses it). */
+    int consume_saved;
 } smoe_layer_desc;
 
 /* d=n=E=K=0 (the caller must set them), SwiGLU, interleaved, no bias,
  * TOPK_SOFTMAX, rounding off with M=128, no groups, routed_scaling 1.0,
- * bf16, AUTO backend, device 0. */
+ * bf16, AUTO backend, device 0, the saved block not consumed. */
 SMOE_API smoe_layer_desc smoe_layer_desc_default(void);
 
 typedef struct smoe_layer smoe_layer; /* opaque */
@@ -330,13 +343,15 @@ typedef struct smoe_backward_args {
 } smoe_backward_args;
 
 /* `saved` is the block a training forward of this layer with the same T
- * (and pairs) filled; it is only read. Its header is checked: a block of
- * another layer, of another T or pairs, never filled, or of a forward that
- * failed a device-side check is refused (on the CPU at once, on the GPU
- * through the device status word). saved_bytes and workspace_bytes as in
- * forward. */
+ * (and pairs) filled. It is only read, unless desc.consume_saved is set:
+ * then the backward writes dH (and scratch) over its H and marks its
+ * header consumed (see smoe_layer_desc). Its header is checked: a block of
+ * another layer, of another T or pairs, never filled, of a forward that
+ * failed a device-side check, or already consumed by a backward is
+ * refused (on the CPU at once, on the GPU through the device status word).
+ * saved_bytes and workspace_bytes as in forward. */
 SMOE_API smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *args,
-                                         const void *saved, size_t saved_bytes,
+                                         void *saved, size_t saved_bytes,
                                          void *workspace, size_t workspace_bytes,
                                          void *stream);
 

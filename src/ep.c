@@ -179,6 +179,11 @@ static smoe_status desc_checks(const smoe_ep_desc *desc, int P, const char *fn)
                        "in [0, 2^30)",
                        fn, (long long)desc->max_tokens, (long long)desc->capacity,
                        (long long)desc->expert_rows);
+    else if (L->consume_saved)
+        st = smoe_fail(SMOE_ERROR_UNSUPPORTED,
+                       "%s: layer.consume_saved = 1: the expert-parallel backward only reads "
+                       "its saved block (not supported with expert parallelism; set it to 0)",
+                       fn);
     else if (desc->overlap < -1 || desc->overlap > 1)
         st = smoe_fail(SMOE_ERROR_INVALID_VALUE, "%s: overlap = %d, must be -1, 0 or 1", fn,
                        desc->overlap);
@@ -779,7 +784,7 @@ smoe_status smoe_ep_layer_backward(smoe_ep_layer *ep, const smoe_backward_args *
         cs.saved_query = "smoe_ep_layer_saved_bytes";
         cs.ws_query = "smoe_ep_layer_workspace_bytes";
         st = smoe_backward_validate(ep->full, fn, args, &cs, saved, saved_bytes, workspace,
-                                    workspace_bytes);
+                                    workspace_bytes, 0);
     }
 #ifdef SMOE_WITH_CUDA
     if (L->backend != SMOE_BACKEND_CPU) {

@@ -124,6 +124,7 @@ smoe_layer_desc smoe_layer_desc_default(void)
     d.dtype = SMOE_DTYPE_BF16;
     d.backend = SMOE_BACKEND_AUTO;
     d.device = 0;
+    d.consume_saved = 0;
     return d;
 }
 
@@ -232,6 +233,9 @@ smoe_status smoe_desc_validate(const smoe_layer_desc *desc)
                          (int)desc->backend);
     SMOE_RETURN_ERROR_IF(desc->device < 0, SMOE_ERROR_INVALID_VALUE,
                          "desc.device = %d, must be >= 0", desc->device);
+    SMOE_RETURN_ERROR_IF(desc->consume_saved != 0 && desc->consume_saved != 1,
+                         SMOE_ERROR_INVALID_VALUE, "desc.consume_saved = %d, must be 0 or 1",
+                         desc->consume_saved);
     /* Weight tensors must be indexable: E * 2n * d elements. */
     int64_t h_cols = is_gated(desc->activation) ? mul_i64(2, desc->n) : desc->n;
     int64_t w1 = mul_i64(mul_i64(desc->E, h_cols), desc->d);
@@ -363,6 +367,11 @@ smoe_status smoe_saved_header_check(const smoe_layer *layer, const smoe_saved_he
                          "%s: the forward that filled the saved block failed a device-side "
                          "check (code %d; see smoe_layer_device_status)",
                          fn, (int)h->status);
+    SMOE_RETURN_ERROR_IF(h->consumed != 0, SMOE_ERROR_INVALID_VALUE,
+                         "%s: the saved block was consumed by an earlier backward "
+                         "(desc.consume_saved = 1 writes dH over its H); run a training "
+                         "forward again",
+                         fn);
     return SMOE_SUCCESS;
 }
 
@@ -831,7 +840,7 @@ static smoe_status grad_span(span_set *sp, const char *fn, const char *name, con
 smoe_status smoe_backward_validate(const smoe_layer *layer, const char *fn,
                                    const smoe_backward_args *args, const smoe_call_shape *cs,
                                    const void *saved, size_t saved_bytes, const void *workspace,
-                                   size_t workspace_bytes)
+                                   size_t workspace_bytes, int saved_out)
 {
     const smoe_layer_desc *d = &layer->desc;
     const int general = d->routing == SMOE_ROUTING_GENERAL;
@@ -884,7 +893,9 @@ smoe_status smoe_backward_validate(const smoe_layer *layer, const char *fn,
     SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.dout", args->dout, t * dd * es, es, va, 0));
     SMOE_FORWARD_IF_ERROR(
         span_add(&sp, fn, "args.dlogits_extra", args->dlogits_extra, t * E * 4, 4, 4, 0));
-    SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "saved", saved, cs->saved_need, 16, 16, 0));
+    /* a consumed block is written: an output, so it may not overlap an input */
+    SMOE_FORWARD_IF_ERROR(
+        span_add(&sp, fn, "saved", saved, cs->saved_need, 16, 16, saved_out != 0));
     SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.dx.ptr", &args->dx, t * dd, va));
     SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.drouter_w.ptr", &args->drouter_w, E * dd, va));
     SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.dw1.ptr", &args->dw1, Ex * hc * dd, va));
@@ -897,7 +908,7 @@ smoe_status smoe_backward_validate(const smoe_layer *layer, const char *fn,
 }
 
 smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *args,
-                                const void *saved, size_t saved_bytes, void *workspace,
+                                void *saved, size_t saved_bytes, void *workspace,
                                 size_t workspace_bytes, void *stream)
 {
     const char *fn = "smoe_layer_backward";
@@ -917,7 +928,8 @@ smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *arg
     cs.saved_query = "smoe_layer_saved_bytes";
     cs.ws_query = "smoe_layer_workspace_bytes";
     SMOE_FORWARD_IF_ERROR(smoe_backward_validate(layer, fn, args, &cs, saved, saved_bytes,
-                                                 workspace, workspace_bytes));
+                                                 workspace, workspace_bytes,
+                                                 layer->desc.consume_saved));
     return layer->ops->backward(layer, args, &l, saved, workspace, stream);
 }
 

@@ -122,7 +122,8 @@ smoe_saved_view smoe_saved_view_make(const smoe_saved_layout *l, void *base);
  * of the call on the GPU). `check` is a hash of the other fields (status
  * excluded), so a block that no forward filled fails the check. status is
  * 0 for a forward that completed, else the SMOE_DEV_* code of the
- * device-side check that failed. 48 bytes; the section is SMOE_ALIGN. */
+ * device-side check that failed. consumed is 0 from the forward and set by
+ * a consuming backward (desc.consume_saved). 48 bytes; the section is SMOE_ALIGN. */
 #define SMOE_SAVED_MAGIC 0x65766173656f6d73ull /* "smoesave" */
 
 typedef struct smoe_saved_header {
@@ -132,7 +133,8 @@ typedef struct smoe_saved_header {
     int64_t pairs; /* GENERAL: the forward's pairs; 0 otherwise */
     uint64_t check;
     int32_t status;
-    int32_t reserved;
+    int32_t consumed; /* 1: a backward of a consume_saved layer wrote over
+                         the block (not hashed, as status) */
 } smoe_saved_header;
 
 #if defined(__CUDACC__)
@@ -188,7 +190,7 @@ smoe_status smoe_forward_validate(const smoe_layer *layer, const char *fn,
 smoe_status smoe_backward_validate(const smoe_layer *layer, const char *fn,
                                    const smoe_backward_args *args, const smoe_call_shape *cs,
                                    const void *saved, size_t saved_bytes, const void *workspace,
-                                   size_t workspace_bytes);
+                                   size_t workspace_bytes, int saved_out);
 
 /* ------------------------------------------------------------ backends */
 
@@ -200,7 +202,7 @@ struct smoe_backend_ops {
                            const smoe_saved_layout *saved_layout, void *saved,
                            void *workspace, void *stream);
     smoe_status (*backward)(smoe_layer *layer, const smoe_backward_args *args,
-                            const smoe_saved_layout *saved_layout, const void *saved,
+                            const smoe_saved_layout *saved_layout, void *saved,
                             void *workspace, void *stream);
     void (*destroy)(smoe_layer *layer); /* frees layer->state; may be NULL */
     /* smoe_layer_device_status() (smoe.h). NULL: the backend checks

@@ -8,6 +8,14 @@
  *     padding of the header's own account (H, scores, tokens, metadata,
  *     logits). Token rounding: the guard holds for the worst case.
  *   - backward only reads the block.
+ *   - desc.consume_saved: the consuming backward gives the reading one's
+ *     gradients bit for bit (every routing mode, dtype, activation, W1
+ *     layout, with and without bias) in a workspace of exactly
+ *     smoe_layer_workspace_bytes (no larger than the reading layer's, with
+ *     nothing written past it); a second backward with the block is
+ *     refused (INVALID_VALUE, "consumed") and writes nothing; a new forward
+ *     fills the block again; a block overlapping an input is refused (it is
+ *     an output now); consume_saved outside {0, 1} is refused at create.
  *   - inference: saved = NULL works, a saved pointer given anyway is not
  *     written, the inputs are not written, and the output equals the
  *     training forward's bit for bit.
@@ -210,10 +218,163 @@ static void test_determinism(tu_rng *rng) {
     }
 }
 
+/* The backward arguments of tu_run_backward, every gradient wanted. */
+static smoe_backward_args bwd_args(const tu_problem *P, const tu_bufs *B, const void *G,
+                                   const float *G2, tu_grads *g) {
+    smoe_backward_args ba;
+    memset(&ba, 0, sizeof ba);
+    const int general = P->desc.routing == SMOE_ROUTING_GENERAL;
+    ba.T = P->T;
+    ba.x = B->x;
+    ba.router_w = general ? NULL : B->wr;
+    ba.pairs = general ? P->pairs : 0;
+    ba.w1 = B->w1; ba.w2 = B->w2; ba.b2 = B->b2;
+    ba.dout = G;
+    ba.dlogits_extra = general ? NULL : G2;
+    smoe_grad *slot[TU_NGRAD] = {&ba.dx, &ba.drouter_w, &ba.dw1, &ba.db1, &ba.dw2, &ba.db2,
+                                 &ba.dpair_score};
+    for (int i = 0; i < TU_NGRAD; i++) {
+        slot[i]->ptr = g->g[i];
+        slot[i]->dtype = g->dt[i];
+    }
+    return ba;
+}
+
+static int grads_equal(const tu_grads *a, const tu_grads *b, int *which) {
+    for (int i = 0; i < TU_NGRAD; i++) {
+        if (!a->g[i]) continue;
+        if (memcmp(a->g[i], b->g[i], a->n[i] * tu_dtype_size(a->dt[i])) != 0) {
+            *which = i;
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static void grads_fill(tu_grads *g, int byte) {
+    for (int i = 0; i < TU_NGRAD; i++)
+        if (g->g[i]) memset(g->g[i], byte, g->n[i] * tu_dtype_size(g->dt[i]));
+}
+
+static void test_consume(tu_rng *rng) {
+    const smoe_dtype dts[3] = {SMOE_DTYPE_BF16, SMOE_DTYPE_F32, SMOE_DTYPE_F64};
+    for (int it = 0; it < 6 * TU_NMODES; it++) {
+        smoe_layer_desc D = smoe_layer_desc_default();
+        D.d = tu_int(rng, 1, 20); D.n = tu_int(rng, 1, 10);
+        D.E = tu_int(rng, 1, 7); D.K = tu_int(rng, 1, D.E);
+        tu_set_mode(&D, it % TU_NMODES);
+        D.dtype = dts[it % 3];
+        D.activation = (smoe_activation)(it % 7);
+        D.w1_layout = (smoe_w1_layout)((it / 7) % 2);
+        D.has_bias = (it / 2) % 2;
+        D.round_tile = tu_int(rng, 1, 6);
+        D.backend = SMOE_BACKEND_CPU;
+        const int64_t T = tu_int(rng, 1, 30);
+        tu_case("consume it %d %s dtype=%d T=%lld d=%lld n=%lld E=%lld K=%lld act=%s w1=%d bias=%d",
+                it, tu_mode_name(&D), D.dtype, (long long)T, (long long)D.d, (long long)D.n,
+                (long long)D.E, (long long)D.K, tu_act_name(D.activation), (int)D.w1_layout,
+                D.has_bias);
+        tu_fixture F;
+        if (!tu_fixture_make(&F, &D, T, rng, 0.5, 0.5)) continue;
+        smoe_layer_desc D1 = D;
+        D1.consume_saved = 1;
+        smoe_layer *L1 = tu_layer(&D1);
+        if (!L1) {
+            tu_fixture_free(&F);
+            continue;
+        }
+        CHECK(smoe_layer_get_desc(L1).consume_saved == 1, "get_desc lost consume_saved");
+        const int general = D.routing == SMOE_ROUTING_GENERAL;
+        const int64_t np = general ? F.P.pairs : 0;
+        const size_t wb = smoe_layer_workspace_bytes(L1, T, np);
+        CHECK(wb > 0 && wb <= F.B.ws_bytes, "consuming workspace %zu bytes, reading %zu", wb,
+              F.B.ws_bytes);
+        CHECK(smoe_layer_saved_bytes(L1, T, np) == F.B.saved_bytes, "saved bytes differ");
+        const smoe_dtype wdt = it % 2 ? SMOE_DTYPE_F32 : D.dtype;
+        double *gd = tu_alloc_d((size_t)(T * D.d));
+        tu_fill_normal(rng, gd, (size_t)(T * D.d), 1.0);
+        void *G = tu_to_dtype(D.dtype, gd, (size_t)(T * D.d));
+        float *G2 = (float *)malloc((size_t)(T * D.E) * sizeof(float));
+        for (int64_t i = 0; i < T * D.E; i++) G2[i] = (float)tu_normal(rng);
+        tu_grads g0, g1;
+        tu_grads_alloc(&g0, &F.P, wdt);
+        tu_grads_alloc(&g1, &F.P, wdt);
+        tu_run_backward(F.L, &F.P, &F.B, G, G2, &g0, 0);
+        /* the consuming layer: its own saved block, a workspace of exactly wb */
+        tu_bufs B1 = F.B;
+        B1.saved = malloc(F.B.saved_bytes);
+        B1.ws = malloc(wb + GUARD);
+        B1.ws_bytes = wb;
+        memset(B1.ws, PAT, wb + GUARD);
+        if (tu_run_backward(L1, &F.P, &B1, G, G2, &g1, 0)) {
+            int which = -1;
+            CHECK(grads_equal(&g0, &g1, &which), "%s of the consuming backward differs",
+                  which >= 0 ? tu_grad_name[which] : "?");
+        }
+        CHECK(all_pat((char *)B1.ws + wb, GUARD), "the backward wrote past workspace_bytes = %zu",
+              wb);
+        /* a second backward: refused, nothing written */
+        unsigned char *copy = (unsigned char *)malloc(F.B.saved_bytes);
+        memcpy(copy, B1.saved, F.B.saved_bytes);
+        grads_fill(&g1, 0x3C);
+        tu_grads g2;
+        tu_grads_alloc(&g2, &F.P, wdt);
+        grads_fill(&g2, 0x3C);
+        smoe_backward_args ba = bwd_args(&F.P, &B1, G, G2, &g1);
+        smoe_status st = smoe_layer_backward(L1, &ba, B1.saved, F.B.saved_bytes, B1.ws, wb, NULL);
+        CHECK(st == SMOE_ERROR_INVALID_VALUE && strstr(smoe_last_error(), "consumed"),
+              "second backward -> %s (%s)", smoe_status_string(st), smoe_last_error());
+        int which = -1;
+        CHECK(grads_equal(&g1, &g2, &which), "the refused backward wrote %s",
+              which >= 0 ? tu_grad_name[which] : "?");
+        CHECK(memcmp(copy, B1.saved, F.B.saved_bytes) == 0,
+              "the refused backward wrote into the saved block");
+        /* a saved block over an input (dout) is an overlap now; nothing written */
+        if (T * D.d * (int64_t)tu_dtype_size(D.dtype) <= (int64_t)F.B.saved_bytes) {
+            smoe_backward_args bo = ba;
+            bo.dout = B1.saved;
+            st = smoe_layer_backward(L1, &bo, B1.saved, F.B.saved_bytes, B1.ws, wb, NULL);
+            CHECK(st == SMOE_ERROR_INVALID_VALUE && strstr(smoe_last_error(), "overlaps"),
+                  "saved over dout -> %s (%s)", smoe_status_string(st), smoe_last_error());
+            CHECK(grads_equal(&g1, &g2, &which) && memcmp(copy, B1.saved, F.B.saved_bytes) == 0,
+                  "the refused overlapping backward wrote something");
+        }
+        /* a new forward fills the block again */
+        grads_fill(&g1, 0);
+        if (tu_run_backward(L1, &F.P, &B1, G, G2, &g1, 0))
+            CHECK(grads_equal(&g0, &g1, &which), "after a new forward: %s differs",
+                  which >= 0 ? tu_grad_name[which] : "?");
+        free(copy);
+        free(B1.saved);
+        free(B1.ws);
+        tu_grads_free(&g0); tu_grads_free(&g1); tu_grads_free(&g2);
+        free(gd); free(G); free(G2);
+        smoe_layer_free(L1);
+        tu_fixture_free(&F);
+    }
+    /* the field's own validation */
+    const int bad[3] = {2, -1, 1000};
+    for (int i = 0; i < 3; i++) {
+        smoe_layer_desc D = smoe_layer_desc_default();
+        D.d = 8; D.n = 4; D.E = 4; D.K = 2;
+        D.backend = SMOE_BACKEND_CPU;
+        D.consume_saved = bad[i];
+        tu_case("consume_saved = %d", bad[i]);
+        smoe_layer *L = NULL;
+        smoe_status st = smoe_layer_create(&D, &L);
+        CHECK(st == SMOE_ERROR_INVALID_VALUE && !L && strstr(smoe_last_error(), "consume_saved"),
+              "create -> %s (%s)", smoe_status_string(st), smoe_last_error());
+        smoe_layer_free(L);
+    }
+    tu_case("consume_saved default");
+    CHECK(smoe_layer_desc_default().consume_saved == 0, "the default consumes");
+}
+
 int main(int argc, char **argv) {
     tu_rng rng = tu_rng_make(tu_init(argc, argv, 4242));
     test_saved_bytes(&rng);
     test_inference(&rng);
     test_determinism(&rng);
+    test_consume(&rng);
     return tu_summary("test_saved");
 }

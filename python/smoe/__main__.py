@@ -13,7 +13,8 @@ def _gpu_build(L, F):
     """Whether the library has the CUDA backends and the Hopper kernels,
     from what smoe_layer_create says when asked for each: (cuda, sm90)."""
     cfg = (64, 64, 8, 2, L.SMOE_ACT_SWIGLU, L.SMOE_W1_INTERLEAVED, False,
-           L.SMOE_ROUTING_TOPK_SOFTMAX, True, L.SMOE_ROUND_OFF, 128, L.SMOE_DTYPE_BF16, 0, 0, 1.0)
+           L.SMOE_ROUTING_TOPK_SOFTMAX, True, L.SMOE_ROUND_OFF, 128, L.SMOE_DTYPE_BF16, 0, 0, 1.0,
+           False)
     built = []
     for backend in (L.SMOE_BACKEND_CUDA, L.SMOE_BACKEND_SM90):
         try:

@@ -133,6 +133,7 @@ class smoe_layer_desc(Structure):
         ("dtype", c_enum),
         ("backend", c_enum),
         ("device", c_int),
+        ("consume_saved", c_int),  # smoe.h: the backward writes dH over the saved H
     ]
 
 

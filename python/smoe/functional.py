@@ -129,7 +129,8 @@ class _Layer:
         self.cfg = cfg
         if cfg is not None:
             (self.d, self.n, self.E, self.K, self.activation, _, self.has_bias, self.routing, _,
-             self.rounding, self.round_tile, self.dtype, _, _, self.routed_scaling) = cfg
+             self.rounding, self.round_tile, self.dtype, _, _, self.routed_scaling,
+             self.consume_saved) = cfg
             self.general = self.routing == L.SMOE_ROUTING_GENERAL
         self._ws = {}
         self._saved = {}
@@ -190,7 +191,7 @@ _layers_lock = threading.Lock()
 
 def _make_desc(cfg, backend, device):
     (d, n, E, K, act, layout, has_bias, routing, renorm, rounding, tile, dtype, n_group,
-     topk_group, routed_scaling) = cfg
+     topk_group, routed_scaling, consume_saved) = cfg
     desc = L.lib().smoe_layer_desc_default()
     desc.d, desc.n, desc.E, desc.K = d, n, E, K
     desc.activation, desc.w1_layout, desc.has_bias = act, layout, int(has_bias)
@@ -198,6 +199,7 @@ def _make_desc(cfg, backend, device):
     desc.rounding, desc.round_tile = rounding, tile
     desc.n_group, desc.topk_group, desc.routed_scaling = n_group, topk_group, routed_scaling
     desc.dtype, desc.backend, desc.device = dtype, backend, device
+    desc.consume_saved = int(consume_saved)
     return desc
 
 
@@ -249,11 +251,11 @@ def _get_layer(cfg, device):
 
 
 def _config(x, w1, w2, has_bias, top_k, routing, renormalize, activation, w1_layout, rounding,
-            round_tile, n_group, topk_group, routed_scaling):
+            round_tile, n_group, topk_group, consume_saved, routed_scaling):
     """The layer configuration (the key of _layers) for these tensors and
     options: (d, n, E, K, activation, w1_layout, has_bias, routing,
     renormalize, rounding, round_tile, dtype, n_group, topk_group,
-    routed_scaling), enums as smoe_* codes."""
+    routed_scaling, consume_saved), enums as smoe_* codes."""
     d, n, E = x.shape[1], w2.shape[2], w1.shape[0]
     K = 0 if routing == L.SMOE_ROUTING_GENERAL else top_k
     dtype = _DTYPES.get(x.dtype)
@@ -262,7 +264,7 @@ def _config(x, w1, w2, has_bias, top_k, routing, renormalize, activation, w1_lay
                         "dtype %s: smoe takes float32, bfloat16 or float64" % x.dtype)
     return (int(d), int(n), int(E), int(K), int(activation), int(w1_layout), bool(has_bias),
             int(routing), bool(renormalize), int(rounding), int(round_tile), dtype, int(n_group),
-            int(topk_group), float(routed_scaling))
+            int(topk_group), float(routed_scaling), bool(consume_saved))
 
 
 # ------------------------------------------------------------ sizes
@@ -532,12 +534,13 @@ def _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, p
 # The forward operator's `config`: these options, in this order (ints). The
 # first _N_OPTIONS are the layer's options, which backward takes again.
 _FWD_CONFIG = ("top_k", "routing", "renormalize", "activation", "w1_layout", "rounding",
-               "round_tile", "n_group", "topk_group", "inference", "save")
-_N_OPTIONS = 9
-_INFERENCE, _SAVE = 9, 10
-# The backward operator's `config`.
+               "round_tile", "n_group", "topk_group", "consume_saved", "inference", "save")
+_N_OPTIONS = 10
+_CONSUME, _INFERENCE, _SAVE = 9, 10, 11
+# The backward operators' `config`.
 _BWD_CONFIG = ("pairs", "has_bias", "top_k", "routing", "renormalize", "activation",
-               "w1_layout", "rounding", "round_tile", "n_group", "topk_group", "needs")
+               "w1_layout", "rounding", "round_tile", "n_group", "topk_group", "consume_saved",
+               "needs")
 
 
 def _unpack(config, names, op):
@@ -558,17 +561,18 @@ def _moe_forward(x: Tensor, router_w: Optional[Tensor], pair_token: Optional[Ten
 
     expert_bias: SIGMOID_TOPK's selection bias (E,) float32 or None (no
     gradient). config: [top_k, routing, renormalize, activation, w1_layout,
-    rounding, round_tile, n_group, topk_group, inference, save] as ints
+    rounding, round_tile, n_group, topk_group, consume_saved, inference,
+    save] as ints
     (enums as smoe_* codes). The options are one list rather than one
     argument each because PyTorch's custom-operator autograd wrapper spends
     time quadratic in the number of arguments on every call;
     routed_scaling, SIGMOID_TOPK's factor (1.0 otherwise), is the one float
     and has its own argument (a double in the schema: passed exactly)."""
     (top_k, routing, renormalize, activation, w1_layout, rounding, round_tile, n_group,
-     topk_group, inference, save) = _unpack(config, _FWD_CONFIG, "smoe::moe_forward")
+     topk_group, consume, inference, save) = _unpack(config, _FWD_CONFIG, "smoe::moe_forward")
     layer = _get_layer(_config(x, w1, w2, b1 is not None, top_k, routing, renormalize,
                                activation, w1_layout, rounding, round_tile, n_group, topk_group,
-                               routed_scaling), x.device)
+                               consume, routed_scaling), x.device)
     out, counts, logits, saved = _forward_core(layer, x, router_w, pair_token, pair_expert,
                                                pair_score, w1, w2, b1, b2, expert_bias,
                                                bool(inference), bool(save))
@@ -581,9 +585,9 @@ def _moe_forward(x: Tensor, router_w: Optional[Tensor], pair_token: Optional[Ten
 def _moe_forward_fake(x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2,
                       expert_bias, config, routed_scaling):
     (top_k, routing, renormalize, activation, w1_layout, rounding, round_tile, n_group,
-     topk_group, inference, save) = _unpack(config, _FWD_CONFIG, "smoe::moe_forward")
+     topk_group, consume, inference, save) = _unpack(config, _FWD_CONFIG, "smoe::moe_forward")
     cfg = _config(x, w1, w2, b1 is not None, top_k, routing, renormalize, activation, w1_layout,
-                  rounding, round_tile, n_group, topk_group, routed_scaling)
+                  rounding, round_tile, n_group, topk_group, consume, routed_scaling)
     general = routing == L.SMOE_ROUTING_GENERAL
     T, E = x.shape[0], w1.shape[0]
     pairs = pair_token.shape[0] if general else 0
@@ -600,6 +604,31 @@ def _moe_forward_fake(x, router_w, pair_token, pair_expert, pair_score, w1, w2, 
     return out, counts, logits, saved
 
 
+def _moe_backward_impl(dout, dlogits_extra, x, router_w, w1, w2, b2, saved, config,
+                       routed_scaling, consume):
+    (pairs, has_bias, top_k, routing, renormalize, activation, w1_layout, rounding, round_tile,
+     n_group, topk_group, consume_saved, needs) = _unpack(config, _BWD_CONFIG,
+                                                          "smoe::moe_backward")
+    if bool(consume_saved) != consume:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
+                        "config's consume_saved = %d: a consuming layer's backward is "
+                        "smoe::moe_backward_consume, a reading one's smoe::moe_backward"
+                        % consume_saved)
+    if saved.numel() == 0:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
+                        "backward through a forward that kept nothing for it "
+                        "(run with inference=True)")
+    layer = _get_layer(_config(x, w1, w2, has_bias, top_k, routing, renormalize, activation,
+                               w1_layout, rounding, round_tile, n_group, topk_group,
+                               consume_saved, routed_scaling), x.device)
+    grads = _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, pairs,
+                           needs)
+    dev = x.device
+    return tuple(g if g is not None else
+                 torch.empty(0, dtype=torch.float32 if i == 6 else x.dtype, device=dev)
+                 for i, g in enumerate(grads))
+
+
 @torch.library.custom_op("smoe::moe_backward", mutates_args=())
 def _moe_backward(dout: Tensor, dlogits_extra: Optional[Tensor], x: Tensor,
                   router_w: Optional[Tensor], w1: Tensor, w2: Tensor, b2: Optional[Tensor],
@@ -609,31 +638,35 @@ def _moe_backward(dout: Tensor, dlogits_extra: Optional[Tensor], x: Tensor,
     for in `needs` (or not part of the layer) is an empty tensor.
 
     config: [pairs, has_bias, top_k, routing, renormalize, activation,
-    w1_layout, rounding, round_tile, n_group, topk_group, needs] as ints;
-    routed_scaling as in moe_forward (the layer's options must be the
-    forward's: the saved block belongs to that layer)."""
-    (pairs, has_bias, top_k, routing, renormalize, activation, w1_layout, rounding, round_tile,
-     n_group, topk_group, needs) = _unpack(config, _BWD_CONFIG, "smoe::moe_backward")
-    if saved.numel() == 0:
-        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,
-                        "backward through a forward that kept nothing for it "
-                        "(run with inference=True)")
-    layer = _get_layer(_config(x, w1, w2, has_bias, top_k, routing, renormalize, activation,
-                               w1_layout, rounding, round_tile, n_group, topk_group,
-                               routed_scaling), x.device)
-    grads = _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, pairs,
-                           needs)
-    dev = x.device
-    return tuple(g if g is not None else
-                 torch.empty(0, dtype=torch.float32 if i == 6 else x.dtype, device=dev)
-                 for i, g in enumerate(grads))
+    w1_layout, rounding, round_tile, n_group, topk_group, consume_saved,
+    needs] as ints, consume_saved 0 (a consuming layer's backward writes
+    over `saved`: smoe::moe_backward_consume); routed_scaling as in
+    moe_forward (the layer's options must be the forward's: the saved block
+    belongs to that layer)."""
+    return _moe_backward_impl(dout, dlogits_extra, x, router_w, w1, w2, b2, saved, config,
+                              routed_scaling, False)
 
 
-@_moe_backward.register_fake
+@torch.library.custom_op("smoe::moe_backward_consume", mutates_args=("saved",))
+def _moe_backward_consume(dout: Tensor, dlogits_extra: Optional[Tensor], x: Tensor,
+                          router_w: Optional[Tensor], w1: Tensor, w2: Tensor,
+                          b2: Optional[Tensor], saved: Tensor, config: List[int],
+                          routed_scaling: float
+                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """smoe::moe_backward of a layer with consume_saved = 1 (config's
+    consume_saved must be 1): the library writes dH over the saved block's H
+    and marks the block consumed, so `saved` is declared mutated (PyTorch
+    bumps its version: autograd refuses a second backward through it, and
+    torch.compile orders the write after every read)."""
+    return _moe_backward_impl(dout, dlogits_extra, x, router_w, w1, w2, b2, saved, config,
+                              routed_scaling, True)
+
+
 def _moe_backward_fake(dout, dlogits_extra, x, router_w, w1, w2, b2, saved, config,
                        routed_scaling):
     (pairs, has_bias, top_k, routing, renormalize, activation, w1_layout, rounding, round_tile,
-     n_group, topk_group, needs) = _unpack(config, _BWD_CONFIG, "smoe::moe_backward")
+     n_group, topk_group, consume_saved, needs) = _unpack(config, _BWD_CONFIG,
+                                                          "smoe::moe_backward")
     general = routing == L.SMOE_ROUTING_GENERAL
     E = w1.shape[0]
 
@@ -648,6 +681,10 @@ def _moe_backward_fake(dout, dlogits_extra, x, router_w, w1, w2, b2, saved, conf
             buf(needs & _NEED_W2, w2.shape),
             buf(has_bias and needs & _NEED_B2, (E, x.shape[1])),
             buf(general and needs & _NEED_SCORE, (pairs,), torch.float32))
+
+
+_moe_backward.register_fake(_moe_backward_fake)
+_moe_backward_consume.register_fake(_moe_backward_fake)
 
 
 # Positions of the differentiable inputs of moe_forward, with their `needs`
@@ -697,14 +734,21 @@ def _input_grads(ctx, dout, dlogits):
     if dlogits is not None and dlogits.numel() == 0:
         dlogits = None
     layer = ctx.layer
+    consume = ctx.options[_CONSUME]
     if (layer is not None and not torch.is_grad_enabled()
             and _direct(x.device, dout, dlogits, x, router_w, w1, w2, b2, saved)):
         out = _backward_core(layer, dout, dlogits, x, router_w, w1, w2, b2, saved, ctx.pairs,
                              needs)
+        if consume:
+            # The block now holds dH: a second backward through this graph
+            # (retain_graph=True) fails at ctx.saved_tensors with autograd's
+            # "modified by an inplace operation" (the operator below gets
+            # the same from its mutates_args).
+            torch.autograd.graph.increment_version(saved)
     else:
-        out = torch.ops.smoe.moe_backward(dout, dlogits, x, router_w, w1, w2, b2, saved,
-                                          [ctx.pairs, int(ctx.has_bias), *ctx.options, needs],
-                                          ctx.routed_scaling)
+        op = torch.ops.smoe.moe_backward_consume if consume else torch.ops.smoe.moe_backward
+        out = op(dout, dlogits, x, router_w, w1, w2, b2, saved,
+                 [ctx.pairs, int(ctx.has_bias), *ctx.options, needs], ctx.routed_scaling)
     for (pos, bit), g in zip(_GRAD_SLOTS, out):
         if needs & bit:
             grads[pos] = g
@@ -888,9 +932,9 @@ def _run(x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2, exper
     if _direct(x.device, x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2,
                expert_bias):
         (top_k, routing, renormalize, act, layout, rounding, round_tile, n_group,
-         topk_group) = config[:_N_OPTIONS]
+         topk_group, consume) = config[:_N_OPTIONS]
         cfg = (d, n, E, top_k, act, layout, b1 is not None, routing, bool(renormalize), rounding,
-               round_tile, _DTYPES[x.dtype], n_group, topk_group, routed_scaling)
+               round_tile, _DTYPES[x.dtype], n_group, topk_group, routed_scaling, bool(consume))
         layer = _get_layer(cfg, x.device)
         inference = config[_INFERENCE]
         if config[_SAVE] or (inference and _wants_grad(x, router_w, pair_score, w1, w2, b1, b2)):
@@ -988,7 +1032,7 @@ def _check_expert_bias(expert_bias, routing, x, E):
 def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
         renormalize=True, activation="swiglu", w1_layout="interleaved", token_rounding=None,
         round_tile=128, inference=False, expert_bias=None, n_group=0, topk_group=0,
-        routed_scaling=1.0):
+        routed_scaling=1.0, consume_saved=False):
     """The MoE feed-forward layer (token-choice routing), differentiable.
 
     Shapes (T tokens: x may have any leading dimensions, flattened to T):
@@ -1017,6 +1061,11 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
       n_group, topk_group and routed_scaling other than None, 0, 0, 1.0.
     inference: nothing is kept for backward (the output cannot be
       differentiated).
+    consume_saved: the backward writes dH over the saved block's H (smoe.h's
+      desc.consume_saved): the same gradients in a workspace smaller by dH's
+      region (T*K x 2n, n if not gated). The graph can then be
+      differentiated once: a second backward (retain_graph=True) raises
+      autograd's "modified by an inplace operation" RuntimeError.
     Inside torch.autocast (for x's device) the inputs are cast to the
     autocast dtype first, differentiably (expert_bias stays float32).
 
@@ -1061,7 +1110,8 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
     x2 = x if flat else x.reshape(-1, d)
     save = not inference and _wants_grad(x2, router_w, w1, w2, b1, b2)
     config = [int(top_k), routing_c, int(bool(renormalize)), act, layout, rounding,
-              int(round_tile), n_group, topk_group, int(bool(inference)), int(save)]
+              int(round_tile), n_group, topk_group, int(bool(consume_saved)),
+              int(bool(inference)), int(save)]
     out, counts, logits = _run(x2, router_w, None, None, None, w1, w2, b1, b2, expert_bias,
                                config, routed_scaling, d, n, E)
     if flat:
@@ -1071,7 +1121,8 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
 
 
 def moe_general(x, pair_token, pair_expert, pair_score, w1, w2, b1=None, b2=None, *,
-                activation="swiglu", w1_layout="interleaved", inference=False, validate=None):
+                activation="swiglu", w1_layout="interleaved", inference=False, validate=None,
+                consume_saved=False):
     """The MoE layer with the caller's routing: `pairs` triples (token,
     expert, score), sorted by token, each (token, expert) at most once, any
     number of experts per token (0..E).
@@ -1079,7 +1130,7 @@ def moe_general(x, pair_token, pair_expert, pair_score, w1, w2, b1=None, b2=None
     x (T, d); pair_token, pair_expert (pairs,) integer; pair_score (pairs,)
     float32 (differentiable); w1, w2, b1, b2 as in moe().
     Returns (out (T, d), expert_counts (E,) int32). Gradients reach x, w1,
-    w2, b1, b2 and pair_score.
+    w2, b1, b2 and pair_score. consume_saved as in moe().
 
     Triples are checked (token in [0, T), expert in [0, E), sorted by token,
     no (token, expert) twice, finite scores). The CPU backend checks them
@@ -1119,7 +1170,7 @@ def moe_general(x, pair_token, pair_expert, pair_score, w1, w2, b1=None, b2=None
         _validate_triples(pair_token, pair_expert, pair_score, x.shape[0], E)
     save = not inference and _wants_grad(x, pair_score, w1, w2, b1, b2)
     config = [0, L.SMOE_ROUTING_GENERAL, 0, act, layout, L.SMOE_ROUND_OFF, 128, 0, 0,
-              int(bool(inference)), int(save)]
+              int(bool(consume_saved)), int(bool(inference)), int(save)]
     out, counts, _ = _run(x, None, pair_token, pair_expert, pair_score, w1, w2, b1, b2, None,
                           config, 1.0, d, n, E)
     return out, counts
@@ -1161,7 +1212,8 @@ def layer_info(x_or_device, dtype=torch.bfloat16):
     if isinstance(x_or_device, torch.Tensor):
         dtype = x_or_device.dtype
     cfg = (64, 64, 8, 2, L.SMOE_ACT_SWIGLU, L.SMOE_W1_INTERLEAVED, False,
-           L.SMOE_ROUTING_TOPK_SOFTMAX, False, L.SMOE_ROUND_OFF, 128, _DTYPES[dtype], 0, 0, 1.0)
+           L.SMOE_ROUTING_TOPK_SOFTMAX, False, L.SMOE_ROUND_OFF, 128, _DTYPES[dtype], 0, 0, 1.0,
+           False)
     layer = _get_layer(cfg, device)
     names = {v: k[len("SMOE_BACKEND_"):].lower() for k, v in L.ENUMS["smoe_backend"].items()}
     return names[layer.backend], layer.path_name

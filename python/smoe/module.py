@@ -193,7 +193,9 @@ class MoE(nn.Module):
     Keyword-only extras: routing ('topk_softmax', SonicMoE's; 'softmax_topk'
     with `renormalize`; or 'sigmoid_topk', below), token_rounding (None,
     'up', 'down', 'nearest'; applied in training mode only; not with
-    'sigmoid_topk') with round_tile, w1_layout.
+    'sigmoid_topk') with round_tile, w1_layout, consume_saved (smoe.moe's:
+    the backward writes over what the forward saved, so each forward can be
+    differentiated once).
 
     routing='sigmoid_topk' is DeepSeek-V3's router (smoe.moe's
     'sigmoid_topk'): sigmoid scores, the choice among the topk_group best of
@@ -225,7 +227,7 @@ class MoE(nn.Module):
                  activation_function="swiglu", add_bias=False, std=0.02, *,
                  routing="topk_softmax", renormalize=True, token_rounding=None, round_tile=128,
                  w1_layout="interleaved", activation=None, output_router_logits=False,
-                 n_group=0, topk_group=0, routed_scaling=1.0):
+                 n_group=0, topk_group=0, routed_scaling=1.0, consume_saved=False):
         super().__init__()
         if activation is not None:
             activation_function = activation
@@ -245,6 +247,8 @@ class MoE(nn.Module):
         _enum(ROUNDINGS, token_rounding, "smoe.MoE: token_rounding")
         _enum(W1_LAYOUTS, w1_layout, "smoe.MoE: w1_layout")
         round_tile = _check_int(round_tile, "smoe.MoE: round_tile")
+        if not isinstance(consume_saved, bool):
+            raise TypeError("smoe.MoE: consume_saved = %r, must be a bool" % (consume_saved,))
         if std is not None and (isinstance(std, bool) or not isinstance(std, numbers.Real)
                                 or not 0 <= std < float("inf")):
             raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.MoE: std = %r, must be a "
@@ -262,6 +266,7 @@ class MoE(nn.Module):
         self.n_group = n_group
         self.topk_group = topk_group
         self.routed_scaling = routed_scaling
+        self.consume_saved = consume_saved
         self.output_router_logits = bool(output_router_logits)
         gated = self._act in GATED
         self.router = nn.Linear(d, E, bias=False)
@@ -292,7 +297,7 @@ class MoE(nn.Module):
                 token_rounding=self.token_rounding if self.training else None,
                 round_tile=self.round_tile, inference=bool(is_inference_mode),
                 expert_bias=self.expert_bias, n_group=self.n_group, topk_group=self.topk_group,
-                routed_scaling=self.routed_scaling)
+                routed_scaling=self.routed_scaling, consume_saved=self.consume_saved)
         except SmoeError:
             self._check_parameters()   # a better message if they disagree with each other
             raise
@@ -361,6 +366,8 @@ class MoE(nn.Module):
         if self.expert_bias is not None:
             text += ", n_group=%d, topk_group=%d, routed_scaling=%g" % (
                 self.n_group, self.topk_group, self.routed_scaling)
+        if self.consume_saved:
+            text += ", consume_saved=True"
         return text
 
 

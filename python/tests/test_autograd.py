@@ -47,7 +47,7 @@ def test_gradcheck_general_f64():
     assert torch.autograd.gradcheck(f, (x, w1, w2, b1, b2), eps=1e-6, atol=1e-7, rtol=1e-6)
 
 
-def _fwd_args(save=True, bias=True, routing=0, rounding=0):
+def _fwd_args(save=True, bias=True, routing=0, rounding=0, consume=0):
     x, r, w1, w2, b1, b2 = make(T=8, d=8, n=4, E=4, act="swiglu", bias=bias, seed=34,
                                 dtype=torch.float32)
     ins = [t.requires_grad_() if t is not None else None for t in (x, r, w1, w2, b1, b2)]
@@ -57,9 +57,10 @@ def _fwd_args(save=True, bias=True, routing=0, rounding=0):
     eb = torch.randn(4, generator=torch.Generator().manual_seed(35)) if sigmoid else None
     G, g, scaling = (2, 1, 2.5) if sigmoid else (0, 0, 1.0)
     # expert_bias; config: top_k, routing, renormalize, activation, w1_layout,
-    # rounding, round_tile, n_group, topk_group, inference, save; routed_scaling
+    # rounding, round_tile, n_group, topk_group, consume_saved, inference,
+    # save; routed_scaling
     return (x, r, None, None, None, w1, w2, b1, b2, eb,
-            [2, routing, 1, 0, 0, rounding, 4, G, g, 0, int(save)], scaling)
+            [2, routing, 1, 0, 0, rounding, 4, G, g, consume, 0, int(save)], scaling)
 
 
 # opcheck's AOT-dispatch tests compare every output bit for bit between two
@@ -91,8 +92,30 @@ def test_opcheck_backward(routing):
     dout = torch.randn_like(out)
     dlog = torch.randn_like(logits)
     # config: pairs, has_bias, top_k, routing, renormalize, activation,
-    # w1_layout, rounding, round_tile, n_group, topk_group, needs; routed_scaling
+    # w1_layout, rounding, round_tile, n_group, topk_group, consume_saved, needs;
+    # routed_scaling
     bargs = (dout, dlog, x.detach(), r.detach(), w1.detach(), w2.detach(), b2.detach(), saved,
-             [0, 1, *config[:9], 0b111111], scaling)
+             [0, 1, *config[:10], 0b111111], scaling)
     torch.library.opcheck(torch.ops.smoe.moe_backward.default, bargs,
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("routing", [0, 3])
+def test_opcheck_backward_consume(routing):
+    # The consuming backward declares `saved` mutated; opcheck's schema test
+    # checks that it writes only what it declares. Each check runs the
+    # backward again, on a fresh block: the library refuses a consumed one.
+    args = _fwd_args(routing=routing, consume=1)
+    x, r, w1, w2, b2 = args[0], args[1], args[5], args[6], args[8]
+    config, scaling = args[10], args[11]
+    with torch.no_grad():
+        out, _, logits, _ = torch.ops.smoe.moe_forward(*args)
+    dout = torch.randn_like(out)
+    dlog = torch.randn_like(logits)
+    for check in ("test_schema", "test_faketensor"):
+        with torch.no_grad():
+            saved = torch.ops.smoe.moe_forward(*args)[3]
+        bargs = (dout, dlog, x.detach(), r.detach(), w1.detach(), w2.detach(), b2.detach(),
+                 saved, [0, 1, *config[:10], 0b111111], scaling)
+        torch.library.opcheck(torch.ops.smoe.moe_backward_consume.default, bargs,
+                              test_utils=(check,))

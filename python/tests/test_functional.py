@@ -291,7 +291,7 @@ def test_saved_bytes_formula_matches_library(routing, rounding, dtype):
     for T in (1, 3, 64, 1000):
         for E, K, M in ((4, 2, 128), (7, 3, 4)):
             cfg = (24, 16, E, K, act, 0, False, fn.ROUTINGS[routing], True, fn.ROUNDINGS[rounding],
-                   M, fn._DTYPES[dtype], 0, 0, 1.0)
+                   M, fn._DTYPES[dtype], 0, 0, 1.0, False)
             layer = fn._get_layer(cfg, torch.device("cpu"))
             want = layer.saved_bytes(T, 0)
             got = fn.saved_bytes(T, 0, d=24, n=16, E=E, K=K, activation=act,
@@ -299,7 +299,7 @@ def test_saved_bytes_formula_matches_library(routing, rounding, dtype):
                                  round_tile=M, dtype=fn._DTYPES[dtype])
             assert got == want, (T, E, K, M)
     cfg = (24, 16, 5, 0, L.SMOE_ACT_RELU, 0, True, L.SMOE_ROUTING_GENERAL, False, 0, 128,
-           fn._DTYPES[dtype], 0, 0, 1.0)
+           fn._DTYPES[dtype], 0, 0, 1.0, False)
     layer = fn._get_layer(cfg, torch.device("cpu"))
     for pairs in (0, 1, 17):
         assert layer.saved_bytes(9, pairs) == fn.saved_bytes(

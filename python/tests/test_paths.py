@@ -214,7 +214,7 @@ def test_sizes_asked_once_per_token_count(monkeypatch):
     from smoe import _lib as L
     t = make(T=9, d=8, n=4, E=4, act="swiglu", bias=False, seed=52)[:4]
     cfg = (8, 4, 4, 2, L.SMOE_ACT_SWIGLU, L.SMOE_W1_INTERLEAVED, False,
-           L.SMOE_ROUTING_SOFTMAX_TOPK, True, L.SMOE_ROUND_OFF, 128, L.SMOE_DTYPE_F64, 0, 0, 1.0)
+           L.SMOE_ROUTING_SOFTMAX_TOPK, True, L.SMOE_ROUND_OFF, 128, L.SMOE_DTYPE_F64, 0, 0, 1.0, False)
     layer = fn._get_layer(cfg, torch.device("cpu"))
     layer._ws.clear()
     layer._saved.clear()

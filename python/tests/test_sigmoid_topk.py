@@ -182,7 +182,7 @@ def test_saved_bytes_formula_matches_library():
     # SIGMOID_TOPK keeps the fp32 logits for the sigmoid's derivative.
     for dtype in (L.SMOE_DTYPE_F32, L.SMOE_DTYPE_BF16, L.SMOE_DTYPE_F64):
         cfg = (24, 16, E, 3, L.SMOE_ACT_SWIGLU, 0, False, L.SMOE_ROUTING_SIGMOID_TOPK, True,
-               L.SMOE_ROUND_OFF, 128, dtype, 4, 2, 2.5)
+               L.SMOE_ROUND_OFF, 128, dtype, 4, 2, 2.5, False)
         layer = fn._get_layer(cfg, torch.device("cpu"))
         for T in (1, 3, 64, 1000):
             assert layer.saved_bytes(T, 0) == fn.saved_bytes(
@@ -269,13 +269,13 @@ def test_the_library_checks_behind_python(t):
     base = (8, 4, E, 3, L.SMOE_ACT_SWIGLU, 0, False, L.SMOE_ROUTING_SIGMOID_TOPK, True,
             L.SMOE_ROUND_OFF, 128, L.SMOE_DTYPE_F64)
     with pytest.raises(smoe.SmoeError, match=r"desc.n_group = 3 does not divide E = 8"):
-        fn._get_layer(base + (3, 1, 1.0), torch.device("cpu"))
+        fn._get_layer(base + (3, 1, 1.0, False), torch.device("cpu"))
     with pytest.raises(smoe.SmoeError, match=r"desc.routed_scaling = -1, must be finite"):
-        fn._get_layer(base + (0, 0, -1.0), torch.device("cpu"))
+        fn._get_layer(base + (0, 0, -1.0, False), torch.device("cpu"))
     other = base[:7] + (L.SMOE_ROUTING_SOFTMAX_TOPK,) + base[8:]
     with pytest.raises(smoe.SmoeError, match=r"desc.routed_scaling = 2.5 needs SIGMOID_TOPK"):
-        fn._get_layer(other + (0, 0, 2.5), torch.device("cpu"))
-    layer = fn._get_layer(other + (0, 0, 1.0), torch.device("cpu"))
+        fn._get_layer(other + (0, 0, 2.5, False), torch.device("cpu"))
+    layer = fn._get_layer(other + (0, 0, 1.0, False), torch.device("cpu"))
     with pytest.raises(smoe.SmoeError, match=r"args.expert_bias is given but desc.routing = 1"):
         fn._forward_core(layer, x, r, None, None, None, w1, w2, None, None, torch.zeros(E),
                          True, False)

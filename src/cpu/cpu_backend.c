@@ -221,7 +221,8 @@ typedef struct cpu_ws {
     double *ds;          /* (cap) dS */
     double *dap;         /* (cap, n) dA' */
     double *ap;          /* (cap, n) A' = s*A */
-    double *dh;          /* (cap, h_cols) dH */
+    double *dh;          /* (cap, h_cols) dH; NULL with consume_saved (dH is
+                            then written over the saved H, in the dtype) */
     double *dxt;         /* (cap, d) dX~ */
     double *dxd;         /* (T, d) dX */
     double *dl;          /* (T, E) dlogits */
@@ -274,7 +275,7 @@ static void ws_plan(const smoe_layer *layer, int64_t T, int64_t cap, int backwar
         w->ds = (double *)ws_take(&b, c * 8);
         w->dap = (double *)ws_take(&b, c * n * 8);
         w->ap = (double *)ws_take(&b, c * n * 8);
-        w->dh = (double *)ws_take(&b, c * hc * 8);
+        if (!D->consume_saved) w->dh = (double *)ws_take(&b, c * hc * 8);
         w->dxt = (double *)ws_take(&b, c * d * 8);
         w->dxd = (double *)ws_take(&b, t * d * 8);
         if (!general) {
@@ -611,8 +612,28 @@ void smoe_cpu_router_dx(const smoe_layer *layer, const double *dl, const void *r
     for (int64_t e = 0; e < E; e++) axpy_w(o, dl[e], router_w, layer->desc.dtype, e * d, d);
 }
 
+/* dH, in the workspace (double) or, consuming the saved block, over H (the
+ * dtype). Every dH value is rounded to the dtype before it is stored, so
+ * both hold the same numbers and the two modes give the same results. */
+typedef struct cpu_dh {
+    double *ws;
+    void *h;
+    smoe_dtype t;
+} cpu_dh;
+
+static inline double dh_get(const cpu_dh *g, int64_t i)
+{
+    return g->ws ? g->ws[i] : load(g->h, g->t, i);
+}
+
+static inline void dh_put(const cpu_dh *g, int64_t i, double v)
+{
+    if (g->ws) g->ws[i] = v;
+    else store(g->h, g->t, i, v);
+}
+
 static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *args,
-                                const smoe_saved_layout *L, const void *saved, void *workspace,
+                                const smoe_saved_layout *L, void *saved, void *workspace,
                                 void *stream)
 {
     (void)stream;
@@ -624,10 +645,11 @@ static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *arg
     const int gated = layer->gated, bias = D->has_bias;
     cpu_ws w;
     ws_plan(layer, T, L->cap, 1, workspace, &w);
-    smoe_saved_view v = smoe_saved_view_make(L, (void *)(uintptr_t)saved);
+    smoe_saved_view v = smoe_saved_view_make(L, saved);
     SMOE_FORWARD_IF_ERROR(
         smoe_saved_header_check(layer, v.header, T, general ? args->pairs : 0));
     SMOE_FORWARD_IF_ERROR(check_saved(layer, &v, T, L->cap));
+    const cpu_dh dh = {w.dh, v.h, dt};
     const int32_t *off = v.expert_offset;
     const int32_t R = off[E];
     fill_row_expert(layer, off, w.row_expert);
@@ -637,7 +659,9 @@ static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *arg
 
     /* 1. dA' = dO[token] W2[e] (fp32 accumulator, not stored on the GPU);
      *    with A = act(H) from the saved H: dS = <dA', A> (+ <dO, b2>),
-     *    A' = s*A and dH = s * dact(H, dA'), both rounded to dtype */
+     *    A' = s*A and dH = s * dact(H, dA'), both rounded to dtype. A row's
+     *    H pair (or value) is read before its dH is stored, so dH may
+     *    replace H in place (consume_saved). */
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < R; r++) {
         const int64_t e = w.row_expert[r];
@@ -654,12 +678,12 @@ static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *arg
                 double hu = load(v.h, dt, r * hc + 2 * j + 1);
                 double fg = act_f(act, hg);
                 a = fg * hu;
-                w.dh[r * hc + 2 * j] = round_to(dt, s * da * act_df(act, hg) * hu);
-                w.dh[r * hc + 2 * j + 1] = round_to(dt, s * da * fg);
+                dh_put(&dh, r * hc + 2 * j, round_to(dt, s * da * act_df(act, hg) * hu));
+                dh_put(&dh, r * hc + 2 * j + 1, round_to(dt, s * da * fg));
             } else {
                 double h = load(v.h, dt, r * hc + j);
                 a = act_f(act, h);
-                w.dh[r * hc + j] = round_to(dt, s * da * act_df(act, h));
+                dh_put(&dh, r * hc + j, round_to(dt, s * da * act_df(act, h)));
             }
             dsr += da * a;
             w.ap[r * n + j] = round_to(dt, s * a);
@@ -712,7 +736,7 @@ static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *arg
         double *o = w.dxt + r * d;
         for (int64_t i = 0; i < d; i++) o[i] = 0.0;
         for (int64_t c = 0; c < hc; c++)
-            axpy_w(o, w.dh[r * hc + c], args->w1, dt, (e * hc + w1_row(layer, c)) * d, d);
+            axpy_w(o, dh_get(&dh, r * hc + c), args->w1, dt, (e * hc + w1_row(layer, c)) * d, d);
         for (int64_t i = 0; i < d; i++) o[i] = round_to(dt, o[i]);
     }
 
@@ -737,7 +761,7 @@ static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *arg
                     int64_t len = d - i0 < GRAD_BLOCK ? d - i0 : GRAD_BLOCK;
                     for (int64_t i = 0; i < len; i++) acc[i] = 0.0;
                     for (int32_t r = r0; r < r1; r++) {
-                        double g = w.dh[(int64_t)r * hc + c];
+                        double g = dh_get(&dh, (int64_t)r * hc + c);
                         const double *x = w.xd + (int64_t)v.row_token[r] * d + i0;
                         for (int64_t i = 0; i < len; i++) acc[i] += g * x[i];
                     }
@@ -746,7 +770,7 @@ static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *arg
             }
             if (args->db1.ptr) {
                 double b = 0.0;
-                for (int32_t r = r0; r < r1; r++) b += w.dh[(int64_t)r * hc + c];
+                for (int32_t r = r0; r < r1; r++) b += dh_get(&dh, (int64_t)r * hc + c);
                 grad_put(&args->db1, prow, b);
             }
         }
@@ -775,6 +799,8 @@ static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *arg
             for (int64_t i = 0; i < d; i++) grad_put(&args->dx, t * d + i, o[i]);
         }
     }
+    /* H is gone: a second backward with this block is refused */
+    if (D->consume_saved) v.header->consumed = 1;
     return SMOE_SUCCESS;
 }
 

@@ -77,8 +77,9 @@ enum {
                                    (first_bad: the destination, value: rows, value2:
                                    capacity) */
     SMOE_DEV_EP_ROWS = 12,      /* ... more (row, expert) pairs than expert_rows */
-    SMOE_DEV_EP_PEER = 13       /* ... another rank's call failed (value: its rank, value2:
+    SMOE_DEV_EP_PEER = 13,      /* ... another rank's call failed (value: its rank, value2:
                                    its code) */
+    SMOE_DEV_SAVED_CONSUMED = 14 /* saved block: consumed by an earlier backward */
 };
 
 typedef struct smoe_dev_status {
@@ -175,13 +176,15 @@ smoe_dev_report smoe_cuda_report(const smoe_layer *layer, int call);
 
 /* Backward's first kernel: the saved block's header against `want` (the
  * header this call's forward would have written), into *status (the whole
- * word) and the report; and, when wr (E, d) is given, wr_nf (d): NaN for
+ * word) and the report; with consume, a header that passes is marked
+ * consumed (desc.consume_saved: this call writes over the block); and, when wr (E, d) is given, wr_nf (d): NaN for
  * each column of wr that holds a NaN or an infinity, 0 for the others.
  * The sparse router backward adds wr_nf to dx, which gives what the dense
  * product dlogits Wr gives (as PyTorch computes it): 0 * inf = NaN from the
  * experts a token did not pick. */
-smoe_status smoe_cuda_backward_prologue(const smoe_saved_header *header, smoe_saved_header want,
-                                        smoe_dev_status *status, smoe_dev_report report,
+smoe_status smoe_cuda_backward_prologue(smoe_saved_header *header, smoe_saved_header want,
+                                        int consume, smoe_dev_status *status,
+                                        smoe_dev_report report,
                                         const bf16 *wr, int64_t E, int64_t d, float *wr_nf,
                                         cudaStream_t stream);
 

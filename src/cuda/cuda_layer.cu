@@ -149,6 +149,7 @@ typedef struct ws_layout {
     size_t fwd_end;
     /* backward (overlaps the forward region) */
     size_t dh, a_scaled, ds, dxt, split, wr2, dwr2, dxr, tc, dla, wr_nf, b_gemm;
+    int dh_in_saved;     /* consume_saved: dH over the saved block's H (dh unused) */
     size_t bwd_end;
     size_t total;
 } ws_layout;
@@ -224,8 +225,16 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
      *              up to the dx aggregation
      * so a_scaled and dxt share one region, and the router's buffers share
      * dh's (dead once db1 has run). */
+    /* With consume_saved, dH is written over the saved block's H (the same
+     * lifetime: H is dead once the dh GEMM has read it), so the region
+     * holds the router's buffers alone. They stay in the workspace, not in
+     * the saved H: stack_twice and cuBLAS (wr2, dwr2, dxr) run whatever the
+     * status word says, so in a call whose saved block the device refused
+     * (another layer's, another T's, a consumed one) they would write into
+     * that block, which may be another call's live one. */
     o = base;
     w->dh = o;
+    w->dh_in_saved = d->consume_saved != 0;
     size_t r = o; /* the router's buffers from the same start */
     w->split = r; r += al(t * 2 * E * 2);
     w->wr2 = r; r += al(2 * E * dd * 2);
@@ -233,7 +242,7 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
     w->dxr = r; r += al(t * dd * 4);
     w->tc = r; r += al(t * K * 4);
     w->dla = r; r += al(c * 4);
-    o += al(c * hc * 2);
+    if (!w->dh_in_saved) o += al(c * hc * 2);
     if (r > o) o = r;
     w->ds = o; o += al(c * 4);
     w->wr_nf = o; o += al(dd * 4);
@@ -536,8 +545,8 @@ static smoe_status cuda_forward(smoe_layer *layer, const smoe_forward_args *args
 /* ------------------------------------------------------------ backward */
 
 static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *args,
-                                 const smoe_saved_layout *sl, const void *saved,
-                                 void *workspace, cudaStream_t s)
+                                 const smoe_saved_layout *sl, void *saved, void *workspace,
+                                 cudaStream_t s)
 {
     cuda_state *st = (cuda_state *)layer->state;
     const smoe_layer_desc *d = &layer->desc;
@@ -548,7 +557,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     ws_layout w;
     ws_make(layer, T, cap, &w);
     char *ws = (char *)workspace;
-    smoe_saved_view v = smoe_saved_view_make(sl, (void *)saved);
+    smoe_saved_view v = smoe_saved_view_make(sl, saved);
     smoe_dev_status *dst = (smoe_dev_status *)(ws + w.status);
     const int *abort = &dst->code;
     const int want_dx = args->dx.ptr != NULL;
@@ -558,7 +567,8 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     /* first: is the saved block this call's? (every later kernel reads
      * abort); and the router weight's non-finite columns */
     SMOE_FORWARD_IF_ERROR(smoe_cuda_backward_prologue(
-        v.header, smoe_saved_header_make(layer, T, general ? args->pairs : 0), dst,
+        v.header, smoe_saved_header_make(layer, T, general ? args->pairs : 0),
+        d->consume_saved, dst,
         report_make(st, 1), wr_nf ? (const bf16 *)args->router_w : NULL, d->E, d->d, wr_nf, s));
 
     const int want_ds = want_router || (general && args->dpair_score.ptr);
@@ -570,7 +580,33 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     p.row_token = v.row_token;
     p.row_score = v.row_score;
     p.abort = abort;
-    bf16 *dh = (bf16 *)(ws + w.dh), *a_scaled = (bf16 *)(ws + w.a_scaled);
+    /* consume_saved: dH is written over the saved H, so the dh GEMM gets
+     * the same pointer as its input h and its output dh. That is safe on
+     * every dh path, as read from the kernels:
+     *  - the portable DH epilogue (portable/epilogue.cuh) copies the tile's
+     *    H block (rows [m0, m_lim), H columns [hc0, hc0 + 2BN) gated or BN
+     *    plain) into shared memory with cp.async, waits for all of it and
+     *    synchronises, computes dH in shared memory and only then stores
+     *    it to exactly that block;
+     *  - DHX loads the same block in two commit groups (row halves) and
+     *    stores a half's rows only after waiting for that half's group (and
+     *    a barrier); the other half's loads in flight are other rows;
+     *  - sm90's ep_dh_direct and ep_dh_tma (sm90/epilogue_sm90.cuh): a
+     *    thread loads the H pairs of its own rows and units (plain coherent
+     *    loads, DIST groups ahead) and stores dH to those addresses after
+     *    its load (direct: from registers; tma: through shared memory and a
+     *    TMA store or thread stores of rows < nvalid, after the chunk's four
+     *    groups were loaded). Stand-in loads (rows past nvalid read row 0 of
+     *    the block, groups past n read group 0) may see dH already written,
+     *    but feed no store and no dS term (st, jv, rv are false there);
+     *  - tiles (m-tile of one expert, n-tile) cover disjoint rows x columns,
+     *    a column block is the same in H and dH (2 x BN, interleaved: H is
+     *    saved interleaved whatever W1's layout), and nothing else in the
+     *    dh launch (the dS reduction) reads H.
+     * No launcher refuses h == dh (none compares them); h_in / hin are not
+     * __restrict__. */
+    bf16 *dh = w.dh_in_saved ? (bf16 *)v.h : (bf16 *)(ws + w.dh);
+    bf16 *a_scaled = (bf16 *)(ws + w.a_scaled);
     bf16 *dxt = (bf16 *)(ws + w.dxt);
     float *ds = (float *)(ws + w.ds);
     void *gs = ws + w.b_gemm;
@@ -647,7 +683,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
 }
 
 static smoe_status cuda_backward(smoe_layer *layer, const smoe_backward_args *args,
-                                 const smoe_saved_layout *sl, const void *saved, void *workspace,
+                                 const smoe_saved_layout *sl, void *saved, void *workspace,
                                  void *stream)
 {
     cuda_state *st = (cuda_state *)layer->state;
@@ -852,6 +888,12 @@ static smoe_status device_failure(const smoe_layer *layer, int call, const smoe_
                          "smoe_ep_layer (checked on the device): rank %lld's call failed (its "
                          "code %lld; read its device status); nothing written",
                          v, v2);
+    case SMOE_DEV_SAVED_CONSUMED:
+        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                         "%s: the saved block was consumed by an earlier backward "
+                         "(desc.consume_saved = 1 writes dH over its H); run a training forward "
+                         "again; nothing written",
+                         bwd);
     case SMOE_DEV_SAVED_FAILED:
         return smoe_fail(SMOE_ERROR_INVALID_VALUE,
                          "%s: the forward that filled the saved block failed a device-side "

@@ -14,9 +14,9 @@
 
 #include "cuda/cuda_common.h"
 
-static __device__ void saved_check(const smoe_saved_header *__restrict__ h,
-                                   const smoe_saved_header &want, smoe_dev_status *st,
-                                   smoe_dev_report rep)
+static __device__ void saved_check(smoe_saved_header *__restrict__ h,
+                                   const smoe_saved_header &want, bool consume,
+                                   smoe_dev_status *st, smoe_dev_report rep)
 {
     const smoe_saved_header got = *h;
     smoe_dev_status s;
@@ -41,7 +41,11 @@ static __device__ void saved_check(const smoe_saved_header *__restrict__ h,
     } else if (got.status != 0) {
         s.code = SMOE_DEV_SAVED_FAILED;
         s.value = got.status;
+    } else if (got.consumed != 0) {
+        s.code = SMOE_DEV_SAVED_CONSUMED;
     }
+    /* a passing block is consumed by this call (every later kernel runs) */
+    if (s.code == SMOE_DEV_OK && consume) h->consumed = 1;
     *st = s;
     smoe_dev_report_error(rep, st);
 }
@@ -49,28 +53,29 @@ static __device__ void saved_check(const smoe_saved_header *__restrict__ h,
 /* Thread (0, 0): the header. Thread i of the grid, i < d: column i of the
  * router weight (E, d): wr_nf[i] = NaN if one of its E values is not
  * finite, else 0. */
-__global__ void k_backward_prologue(const smoe_saved_header *__restrict__ h,
-                                    smoe_saved_header want, smoe_dev_status *st,
+__global__ void k_backward_prologue(smoe_saved_header *__restrict__ h,
+                                    smoe_saved_header want, int consume, smoe_dev_status *st,
                                     smoe_dev_report rep, const bf16 *__restrict__ wr, int E,
                                     int64_t d, float *wr_nf)
 {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i == 0) saved_check(h, want, st, rep);
+    if (i == 0) saved_check(h, want, consume != 0, st, rep);
     if (!wr || i >= d) return;
     bool finite = true;
     for (int e = 0; e < E; ++e) finite &= isfinite(__bfloat162float(wr[(int64_t)e * d + i]));
     wr_nf[i] = finite ? 0.0f : __int_as_float(0x7fc00000);
 }
 
-smoe_status smoe_cuda_backward_prologue(const smoe_saved_header *header, smoe_saved_header want,
-                                        smoe_dev_status *status, smoe_dev_report report,
+smoe_status smoe_cuda_backward_prologue(smoe_saved_header *header, smoe_saved_header want,
+                                        int consume, smoe_dev_status *status,
+                                        smoe_dev_report report,
                                         const bf16 *wr, int64_t E, int64_t d, float *wr_nf,
                                         cudaStream_t stream)
 {
     const int threads = 256;
     const unsigned blocks = wr ? (unsigned)smoe_cdiv(d, threads) : 1;
-    k_backward_prologue<<<blocks, threads, 0, stream>>>(header, want, status, report, wr, (int)E, d,
-                                                        wr_nf);
+    k_backward_prologue<<<blocks, threads, 0, stream>>>(header, want, consume, status, report, wr,
+                                                        (int)E, d, wr_nf);
     SMOE_CUDA_LAUNCH_CHECK("k_backward_prologue");
     return SMOE_SUCCESS;
 }

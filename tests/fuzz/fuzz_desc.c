@@ -37,6 +37,7 @@ static int breaks_a_rule(const smoe_layer_desc *D) {
         if (D->topk_group > D->n_group || D->topk_group * (D->E / D->n_group) < D->K) return 1;
     }
     if (D->device < 0) return 1;
+    if (D->consume_saved != 0 && D->consume_saved != 1) return 1;
     return 0;
 }
 
@@ -67,6 +68,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         static const double scales[] = {1.0, 2.5, 0.0, -1.0, INFINITY, NAN, 1e-30};
         D.routed_scaling = scales[fz_range(&r, 0, 6)];
     }
+    D.consume_saved = (int)fz_range(&r, -1, 2);
 
     smoe_layer *L = NULL;
     smoe_status st = smoe_layer_create(&D, &L);

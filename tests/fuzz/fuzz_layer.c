@@ -8,9 +8,11 @@
  * Oracle: the library never touches a byte it was not told it may write: a
  * refused call leaves the whole arena as it was, an accepted call changes
  * nothing outside its outputs, saved block and workspace (as sized by the
- * size queries); AddressSanitizer watches the arena's edges and everything
- * else, UndefinedBehaviorSanitizer the arithmetic (misaligned loads
- * included).
+ * size queries; the backward writes the saved block only with
+ * desc.consume_saved, and then a second backward with it is refused, with
+ * "consumed", writing nothing); AddressSanitizer watches the arena's edges
+ * and everything else, UndefinedBehaviorSanitizer the arithmetic
+ * (misaligned loads included).
  */
 #include "fuzz_util.h"
 
@@ -111,6 +113,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     D.renormalize = (int)(fz_u8(&r) & 1);
     D.rounding = mode >= 3 ? (smoe_rounding)(mode - 2) : SMOE_ROUND_OFF;
     D.round_tile = fz_range(&r, 1, 8);
+    D.consume_saved = (int)(fz_u8(&r) & 1);
     D.backend = SMOE_BACKEND_CPU;
     smoe_layer *L = NULL;
     FZ_CHECK(smoe_layer_create(&D, &L) == SMOE_SUCCESS, "create");
@@ -213,10 +216,20 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (b.dw2.ptr) may_write(gw2, (size_t)(E * d * n) * gs);
         if (b.db2.ptr) may_write(gb2, (size_t)(E * d) * gs);
         if (b.dpair_score.ptr) may_write(gps, (size_t)np * 4);
+        if (D.consume_saved) may_write(saved, sb);
         may_write(ws, wb);
         memcpy(before, arena, ARENA);
         st = smoe_layer_backward(L, &b, ptr(saved), sb, ptr(ws), wb, NULL);
         check_writes(st, "backward");
+        if (st == SMOE_SUCCESS && D.consume_saved) {
+            /* the block is consumed: the same call again is refused */
+            memset(writable, 0, ARENA);
+            memcpy(before, arena, ARENA);
+            st = smoe_layer_backward(L, &b, ptr(saved), sb, ptr(ws), wb, NULL);
+            check_writes(st, "second backward");
+            FZ_CHECK(st == SMOE_ERROR_INVALID_VALUE && strstr(smoe_last_error(), "consumed"),
+                     "second backward with a consumed block -> %s", smoe_status_string(st));
+        }
     }
     smoe_layer_free(L);
     return 0;
