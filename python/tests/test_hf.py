@@ -176,7 +176,8 @@ def test_full_model_logits_loss_router_logits_and_gradients(family):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert_close(a, b, 1e-5, "router logits")
     if family == "deepseek_v3":
-        assert o_ref.aux_loss is None and o.aux_loss is None   # its model has no aux loss
+        # its model has no aux loss (transformers 4.x: no aux_loss field)
+        assert getattr(o_ref, "aux_loss", None) is None and getattr(o, "aux_loss", None) is None
     else:
         assert o_ref.aux_loss is not None and float(o_ref.aux_loss.detach()) > 0
         assert_close(o.aux_loss, o_ref.aux_loss, 1e-6, "aux loss")
