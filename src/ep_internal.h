@@ -1,16 +1,42 @@
 /*
- * ep_internal.h -- the expert-parallel layer's object, shared by its core
- * (src/ep.c: the API, checks, the CPU path) and its CUDA path
- * (src/cuda/ep_cuda.cu).
+ * ep_internal.h -- the expert-parallel layer's object and the CPU backend's
+ * in-process group, shared by its core (src/ep.c: create, the description's
+ * checks; src/ep_calls.c: the calls, the CPU path; src/ep_group.c: the
+ * group) and its CUDA path (src/cuda/ep_cuda.cu).
  */
 #ifndef SMOE_EP_INTERNAL_H
 #define SMOE_EP_INTERNAL_H
 
 #include "smoe_internal.h"
 
+#include <pthread.h>
+
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* ------------------------------------------------------------ the group (ep_group.c) */
+
+/* A message of rank q's own status, for every rank's smoe_last_error(). */
+typedef struct agree_msg {
+    int32_t status;
+    char text[252];
+} agree_msg;
+
+struct smoe_ep_group {
+    int P;
+    pthread_barrier_t bar;
+    const void **post; /* (P) what each rank publishes for the exchange */
+    agree_msg *msgs;   /* (P x P) each rank's copy of every rank's status */
+};
+
+/* The group's collectives and the agreement on a step's status (each
+ * called by every rank; ep_group.c says more). */
+void smoe_ep_group_alltoall(smoe_ep_group *g, int r, const void *send, void *recv, size_t slice);
+void smoe_ep_group_allgather(smoe_ep_group *g, int r, const void *mine, void *all, size_t bytes);
+smoe_status smoe_ep_agree(smoe_ep_group *g, int r, smoe_status mine, const char *what);
+
+/* ------------------------------------------------------------ the layer */
 
 struct smoe_ep_layer {
     smoe_ep_desc desc;
