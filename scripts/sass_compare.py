@@ -117,7 +117,7 @@ def main():
         print(f"  {ar}: {nb} before, {na} after")
     bad = 0
 
-    def report(what, keys):
+    def report(what, keys, detail=None):
         nonlocal bad
         if not keys:
             return
@@ -125,6 +125,8 @@ def main():
         print(f"{what}: {len(keys)}")
         for k in sorted(keys)[: a.show]:
             print(f"  {k[0]} {k[1]}")
+            if detail:
+                print(detail(k))
 
     report("only before", set(fb) - set(fa))
     report("only after", set(fa) - set(fb))
@@ -137,7 +139,9 @@ def main():
     report("encodings differ",
            {k for k in same if sorted(map(key, fb[k])) != sorted(map(key, fa[k]))})
     report("resource usage differs",
-           {k for k in set(rb) | set(ra) if sorted(rb.get(k, [])) != sorted(ra.get(k, []))})
+           {k for k in set(rb) | set(ra) if sorted(rb.get(k, [])) != sorted(ra.get(k, []))},
+           lambda k: f"    before: {'; '.join(rb.get(k, []))}\n"
+                     f"    after:  {'; '.join(ra.get(k, []))}")
     n_insn = sum(len(c[0]) for k in same for c in fa[k])
     if bad:
         print(f"DIFFERENT: {bad} difference(s)")

@@ -152,6 +152,14 @@ smoe_status smoe_cuda_route(const smoe_layer_desc *desc, int64_t T, int rounding
                             const float *logits, const float *expert_bias, smoe_assign_dev out,
                             void *scratch, cudaStream_t stream);
 
+/* smoe_cuda_route's parts in files of their own: SIGMOID_TOPK
+ * (routing_sigmoid.cu) and token rounding (routing_rounding.cu). */
+smoe_status smoe_cuda_route_sigmoid(const smoe_layer_desc *desc, const float *logits,
+                                    const float *bias, int T, smoe_assign_dev out,
+                                    cudaStream_t stream);
+smoe_status smoe_cuda_route_rounding(const smoe_layer_desc *desc, int64_t T, const float *logits,
+                                     smoe_assign_dev out, void *scratch, cudaStream_t stream);
+
 /* GENERAL: checks the `pairs` triples (the first bad one goes into *status
  * and the report), then copies them into `out` unless one was bad. */
 smoe_status smoe_cuda_route_general(int64_t T, int64_t E, int64_t pairs,

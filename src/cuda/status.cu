@@ -1,10 +1,14 @@
 /*
- * status.cu -- the saved block's header on the device: the forward's last
- * kernel (the aggregation, aggregate.cu) writes it, the backward's first
- * kernel (here) checks it (smoe_internal.h
- * has the header, cuda_common.h the status word). The check is the host's
- * smoe_saved_header_check, field by field in the same order, so both
- * backends refuse the same blocks with the same reason.
+ * status.cu -- the call's status word and the saved block's header on the
+ * device (cuda_common.h, "device status"; smoe_internal.h has the header).
+ * A forward's first kernel clears the status word (k_status_reset); a
+ * check that fails writes its code there, and every later kernel of the
+ * call takes that code as `abort` and does nothing.
+ *
+ * The saved block's header: the forward's last kernel (the aggregation,
+ * aggregate.cu) writes it, the backward's first kernel (here) checks it.
+ * The check is the host's smoe_saved_header_check, field by field in the
+ * same order, so both backends refuse the same blocks with the same reason.
  *
  * The backward's first kernel also finds the router weight's columns that
  * hold a NaN or an infinity, for the sparse router backward (see
@@ -66,6 +70,15 @@ __global__ void k_backward_prologue(smoe_saved_header *__restrict__ h,
     wr_nf[i] = finite ? 0.0f : __int_as_float(0x7fc00000);
 }
 
+/* The call's status word cleared: a forward's first kernel. */
+__global__ void k_status_reset(smoe_dev_status *st)
+{
+    st->first_bad = INT_MAX;
+    st->code = SMOE_DEV_OK;
+    st->value = 0;
+    st->value2 = 0;
+}
+
 smoe_status smoe_cuda_backward_prologue(smoe_saved_header *header, smoe_saved_header want,
                                         int consume, smoe_dev_status *status,
                                         smoe_dev_report report,
@@ -80,3 +93,9 @@ smoe_status smoe_cuda_backward_prologue(smoe_saved_header *header, smoe_saved_he
     return SMOE_SUCCESS;
 }
 
+smoe_status smoe_cuda_status_reset(smoe_dev_status *status, cudaStream_t stream)
+{
+    k_status_reset<<<1, 1, 0, stream>>>(status);
+    SMOE_CUDA_LAUNCH_CHECK("k_status_reset");
+    return SMOE_SUCCESS;
+}
