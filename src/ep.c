@@ -36,6 +36,7 @@
  * is this rank's alone, smoe.h).
  */
 #include "ep_internal.h"
+#include "routing.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -140,7 +141,7 @@ smoe_status smoe_ep_layer_create(const smoe_ep_desc *desc, smoe_ep_layer **out)
     SMOE_REQUIRE_PTR(desc, "desc");
     if (desc->layer.backend != SMOE_BACKEND_CPU) {
         /* NCCL: this rank's checks, then the descriptions compared over the
-         * communicator (ep_cuda.cu) */
+         * communicator (cuda/ep_nccl.cu) */
         SMOE_RETURN_ERROR_IF(desc->group, SMOE_ERROR_INVALID_VALUE,
                              "%s: desc.group is the CPU backend's in-process transport; the CUDA "
                              "backends take desc.nccl_comm",

@@ -47,16 +47,17 @@ struct smoe_ep_layer {
     int64_t rows;        /* (row, expert) pairs per rank */
     smoe_layer *full;    /* the whole layer's description: checks, router */
     smoe_layer *experts; /* GENERAL over the E/P local experts: the compute */
-    struct ep_cuda *cuda; /* the CUDA path's stream and events (ep_cuda.cu) */
+    struct ep_cuda *cuda; /* the CUDA path's stream and events (cuda/ep_cuda.h) */
     char path[384];       /* the path name: the experts' kernels and the schedule */
 };
 
 #ifdef SMOE_WITH_CUDA
-/* ep_cuda.cu. Create: NCCL loaded, the communicator checked against rank
- * and nranks, the descriptions compared over NCCL (a synchronisation, at
- * create time). */
+/* cuda/ep_nccl.cu. Create: NCCL loaded, the communicator checked against
+ * rank and nranks, the descriptions compared over NCCL (a synchronisation,
+ * at create time). */
 smoe_status smoe_ep_cuda_init(smoe_ep_layer *ep);
 void smoe_ep_cuda_free(smoe_ep_layer *ep); /* NULL state is fine */
+/* cuda/ep_cuda.cu: the sizes and the calls. */
 size_t smoe_ep_cuda_workspace_bytes(const smoe_ep_layer *ep, int64_t T, int64_t pairs);
 size_t smoe_ep_cuda_saved_bytes(const smoe_ep_layer *ep, int64_t T, int64_t pairs);
 smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *args, void *saved,

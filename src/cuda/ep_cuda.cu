@@ -53,7 +53,7 @@
 
 static size_t al(size_t x) { return (x + SMOE_ALIGN - 1) / SMOE_ALIGN * SMOE_ALIGN; }
 
-/* Does the router backward read the fp32 logits (T, E)? As src/ep.c's. */
+/* Does the router backward read the fp32 logits (T, E)? As src/ep_calls.c's. */
 static int ep_saves_logits(const smoe_layer_desc *L)
 {
     return L->routing == SMOE_ROUTING_SOFTMAX_TOPK || L->routing == SMOE_ROUTING_SIGMOID_TOPK;
