@@ -435,6 +435,23 @@ smoe_status smoe_layer_device_status(smoe_layer *layer, void *stream, int wait)
 
 /* ------------------------------------------------------------ forward, backward */
 
+/* A call's T and pairs checked, its saved block's layout, and the shape its
+ * other arguments are checked against (validate.c). */
+static smoe_status call_shape_make(const smoe_layer *layer, int64_t T, int64_t pairs,
+                                   int inference, smoe_saved_layout *l, smoe_call_shape *cs)
+{
+    int64_t cap;
+    SMOE_FORWARD_IF_ERROR(check_sizes(layer, T, pairs, inference, &cap));
+    smoe_saved_layout_make(layer, T, cap, l);
+    memset(cs, 0, sizeof *cs);
+    cs->E_experts = layer->desc.E;
+    cs->saved_need = l->total;
+    cs->ws_need = layer->ops->workspace_bytes(layer, T, cap);
+    cs->saved_query = "smoe_layer_saved_bytes";
+    cs->ws_query = "smoe_layer_workspace_bytes";
+    return SMOE_SUCCESS;
+}
+
 smoe_status smoe_layer_forward(smoe_layer *layer, const smoe_forward_args *args, void *saved,
                                size_t saved_bytes, void *workspace, size_t workspace_bytes,
                                void *stream)
@@ -446,17 +463,9 @@ smoe_status smoe_layer_forward(smoe_layer *layer, const smoe_forward_args *args,
     SMOE_RETURN_ERROR_IF(args->inference != 0 && args->inference != 1, SMOE_ERROR_INVALID_VALUE,
                          "%s: args.inference = %d, must be 0 or 1", fn, args->inference);
     const int64_t T = args->T, pairs = general ? args->pairs : 0;
-    int64_t cap;
-    SMOE_FORWARD_IF_ERROR(check_sizes(layer, T, pairs, args->inference, &cap));
     smoe_saved_layout l;
-    smoe_saved_layout_make(layer, T, cap, &l);
     smoe_call_shape cs;
-    memset(&cs, 0, sizeof cs);
-    cs.E_experts = layer->desc.E;
-    cs.saved_need = l.total;
-    cs.ws_need = layer->ops->workspace_bytes(layer, T, cap);
-    cs.saved_query = "smoe_layer_saved_bytes";
-    cs.ws_query = "smoe_layer_workspace_bytes";
+    SMOE_FORWARD_IF_ERROR(call_shape_make(layer, T, pairs, args->inference, &l, &cs));
     SMOE_FORWARD_IF_ERROR(smoe_forward_validate(layer, fn, args, &cs, saved, saved_bytes,
                                                 workspace, workspace_bytes));
     return layer->ops->forward(layer, args, &l, args->inference ? NULL : saved, workspace,
@@ -472,17 +481,9 @@ smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *arg
     SMOE_REQUIRE_PTR(args, "args");
     const int general = layer->desc.routing == SMOE_ROUTING_GENERAL;
     const int64_t T = args->T, pairs = general ? args->pairs : 0;
-    int64_t cap;
-    SMOE_FORWARD_IF_ERROR(check_sizes(layer, T, pairs, 0, &cap));
     smoe_saved_layout l;
-    smoe_saved_layout_make(layer, T, cap, &l);
     smoe_call_shape cs;
-    memset(&cs, 0, sizeof cs);
-    cs.E_experts = layer->desc.E;
-    cs.saved_need = l.total;
-    cs.ws_need = layer->ops->workspace_bytes(layer, T, cap);
-    cs.saved_query = "smoe_layer_saved_bytes";
-    cs.ws_query = "smoe_layer_workspace_bytes";
+    SMOE_FORWARD_IF_ERROR(call_shape_make(layer, T, pairs, 0, &l, &cs));
     SMOE_FORWARD_IF_ERROR(smoe_backward_validate(layer, fn, args, &cs, saved, saved_bytes,
                                                  workspace, workspace_bytes,
                                                  layer->desc.consume_saved));

@@ -46,7 +46,6 @@
  * read on the host), cuda_layer_state.h (the state they share).
  */
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "cuda/cuda_common.h"
@@ -381,20 +380,6 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
     return SMOE_SUCCESS;
 }
 
-smoe_status smoe_cuda_forward(smoe_layer *layer, const smoe_forward_args *args,
-                              const smoe_saved_layout *sl, void *saved, void *workspace,
-                              void *stream)
-{
-    cuda_state *st = (cuda_state *)layer->state;
-    dev_guard g;
-    SMOE_FORWARD_IF_ERROR(smoe_cuda_dev_enter(st, &g));
-    timer_begin(st, (cudaStream_t)stream);
-    smoe_status r = forward_impl(layer, args, sl, saved, workspace, (cudaStream_t)stream);
-    if (r == SMOE_SUCCESS) timer_end(st, 0);
-    smoe_cuda_dev_leave(&g);
-    return r;
-}
-
 /* ------------------------------------------------------------ backward */
 
 static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *args,
@@ -538,18 +523,37 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     return SMOE_SUCCESS;
 }
 
-smoe_status smoe_cuda_backward(smoe_layer *layer, const smoe_backward_args *args,
-                               const smoe_saved_layout *sl, void *saved, void *workspace,
-                               void *stream)
+/* ------------------------------------------------------------ the calls */
+
+/* A forward (f) or a backward (b) on the layer's device, timed by stage
+ * when the stage timer is on. */
+static smoe_status run_call(smoe_layer *layer, const smoe_forward_args *f,
+                            const smoe_backward_args *b, const smoe_saved_layout *sl,
+                            void *saved, void *workspace, void *stream)
 {
     cuda_state *st = (cuda_state *)layer->state;
     dev_guard g;
     SMOE_FORWARD_IF_ERROR(smoe_cuda_dev_enter(st, &g));
     timer_begin(st, (cudaStream_t)stream);
-    smoe_status r = backward_impl(layer, args, sl, saved, workspace, (cudaStream_t)stream);
-    if (r == SMOE_SUCCESS) timer_end(st, 1);
+    smoe_status r = f ? forward_impl(layer, f, sl, saved, workspace, (cudaStream_t)stream)
+                      : backward_impl(layer, b, sl, saved, workspace, (cudaStream_t)stream);
+    if (r == SMOE_SUCCESS) timer_end(st, f ? 0 : 1);
     smoe_cuda_dev_leave(&g);
     return r;
+}
+
+smoe_status smoe_cuda_forward(smoe_layer *layer, const smoe_forward_args *args,
+                              const smoe_saved_layout *sl, void *saved, void *workspace,
+                              void *stream)
+{
+    return run_call(layer, args, NULL, sl, saved, workspace, stream);
+}
+
+smoe_status smoe_cuda_backward(smoe_layer *layer, const smoe_backward_args *args,
+                               const smoe_saved_layout *sl, void *saved, void *workspace,
+                               void *stream)
+{
+    return run_call(layer, NULL, args, sl, saved, workspace, stream);
 }
 
 /* ------------------------------------------------------------ parts */
