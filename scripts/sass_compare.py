@@ -143,6 +143,9 @@ def main():
            lambda k: f"    before: {'; '.join(rb.get(k, []))}\n"
                      f"    after:  {'; '.join(ra.get(k, []))}")
     n_insn = sum(len(c[0]) for k in same for c in fa[k])
+    n_code = sum(1 for k in same if sorted(map(key, fb[k])) == sorted(map(key, fa[k])))
+    print(f"instructions and encodings identical: {n_code} of {len(set(fb) | set(fa))} "
+          f"(arch, function) pairs")
     if bad:
         print(f"DIFFERENT: {bad} difference(s)")
         return 1
