@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-/* Checks every field of a layer description (smoe.c). */
+/* Checks every field of a layer description (validate.c). */
 smoe_status smoe_desc_validate(const smoe_layer_desc *desc);
 
 /* smoe_row_capacity() for a description (smoe.c). */

@@ -1,12 +1,14 @@
 /*
- * smoe_internal.h -- what the core (src/smoe.c) shares with the backends
- * (src/cpu/, src/cuda/): the layer object, the error helpers, the layout of
- * the saved-for-backward block, and the backend operations table.
+ * smoe_internal.h -- what the core (src/smoe.c, src/validate.c) shares with
+ * the backends (src/cpu/, src/cuda/): the layer object, the error helpers,
+ * the layout of the saved-for-backward block, and the backend operations
+ * table.
  *
- * Division of labour: src/smoe.c validates every argument (sizes, pointers,
- * flags, buffer sizes, host-visible GENERAL triples on the CPU) before a
- * backend sees a call, so a backend may assume its arguments are well formed
- * except where it alone can check them (device-resident data).
+ * Division of labour: the core validates every argument (src/smoe.c: T and
+ * pairs; src/validate.c: the description, pointers, flags, buffer sizes,
+ * host-visible GENERAL triples on the CPU) before a backend sees a call, so
+ * a backend may assume its arguments are well formed except where it alone
+ * can check them (device-resident data).
  */
 #ifndef SMOE_INTERNAL_H
 #define SMOE_INTERNAL_H
@@ -168,6 +170,24 @@ smoe_status smoe_saved_header_check(const smoe_layer *layer, const smoe_saved_he
                                     int64_t T, int64_t pairs);
 
 /* ------------------------------------------------------------ validation */
+
+/* Refuses a NULL pointer argument, naming it (`fn`: the calling function's
+ * name, in scope). */
+#define SMOE_REQUIRE_PTR(p, what)                                                       \
+    SMOE_RETURN_ERROR_IF(!(p), SMOE_ERROR_NULL_POINTER, "%s: %s is NULL", fn, what)
+
+/* Sizes past these are refused. Tensors of at most 2^44 elements keep every
+ * byte count far from overflow and every GPU tile count in an int; tokens
+ * and routed rows below 2^31 - 2^16 keep the kernels' int row indices and
+ * their block-strided loops (i += blockDim) from wrapping. */
+#define SMOE_MAX_ELEMS ((int64_t)1 << 44)
+#define SMOE_MAX_ROWS ((int64_t)INT32_MAX - 65536)
+
+/* a*b for non-negative a, b; -1 when it exceeds INT64_MAX (smoe.c). */
+int64_t smoe_mul_i64(int64_t a, int64_t b);
+
+/* Does the activation have a gate half (H has 2n columns)? (smoe.c) */
+int smoe_is_gated(smoe_activation a);
 
 /* What a call needs beyond the layer's description: the experts in the
  * weight tensors (the layer's E, or E/P on an expert-parallel rank), whether

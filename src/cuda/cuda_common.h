@@ -2,8 +2,9 @@
  * cuda_common.h -- what the CUDA backend's files share: CUDA and cuBLAS
  * error checks that turn into a smoe_status (never an exit), the device
  * status word that kernels fill when they find bad device-resident input,
- * and the launchers of the non-GEMM kernels (routing.cu, metadata.cu,
- * aggregate.cu, router_backward.cu), called by cuda_layer.cu.
+ * and the launchers of the non-GEMM kernels (routing*.cu, status.cu,
+ * metadata.cu, aggregate.cu, router_backward.cu), called by cuda_layer.cu
+ * and the expert-parallel path (ep_cuda.cu).
  *
  * Every launcher only enqueues work on `stream`: no host synchronisation, no
  * allocation. Sizes the host cannot know (rows R) are read on the device;
@@ -127,7 +128,7 @@ static __device__ __forceinline__ void smoe_dev_report_error(smoe_dev_report rep
 }
 #endif
 
-/* ------------------------------------------------------------ routing.cu */
+/* ------------------------------------------------------------ routing*.cu */
 
 /* What the routing kernels produce: routed pairs in token-major order
  * (DESIGN.md "assignments"), with their count on the device. */
@@ -141,30 +142,37 @@ typedef struct smoe_assign_dev {
                               metadata's writers do nothing when it is set */
 } smoe_assign_dev;
 
-/* Scratch (bytes) the routing of mode `rounding` needs beyond the outputs. */
+/* Scratch (bytes) the routing of mode `rounding` needs beyond the outputs
+ * (routing_rounding.cu). */
 size_t smoe_cuda_routing_scratch_bytes(const smoe_layer_desc *desc, int64_t T, int rounding);
 
 /* Token choice (TOPK_SOFTMAX, SOFTMAX_TOPK, SIGMOID_TOPK with expert_bias
  * (E) or NULL), optionally followed by token rounding (rounding != 0,
  * desc->rounding != OFF), from fp32 logits (T, E). Bit-exact with
- * smoe_route_cpu_biased on the same logits (and bias). */
+ * smoe_route_cpu_biased on the same logits (and bias). (routing.cu) */
 smoe_status smoe_cuda_route(const smoe_layer_desc *desc, int64_t T, int rounding,
                             const float *logits, const float *expert_bias, smoe_assign_dev out,
                             void *scratch, cudaStream_t stream);
 
+/* smoe_cuda_route's parts in files of their own: SIGMOID_TOPK
+ * (routing_sigmoid.cu) and token rounding (routing_rounding.cu). */
+smoe_status smoe_cuda_route_sigmoid(const smoe_layer_desc *desc, const float *logits,
+                                    const float *bias, int T, smoe_assign_dev out,
+                                    cudaStream_t stream);
+smoe_status smoe_cuda_route_rounding(const smoe_layer_desc *desc, int64_t T, const float *logits,
+                                     smoe_assign_dev out, void *scratch, cudaStream_t stream);
+
 /* GENERAL: checks the `pairs` triples (the first bad one goes into *status
- * and the report), then copies them into `out` unless one was bad. */
+ * and the report), then copies them into `out` unless one was bad
+ * (routing_general.cu). */
 smoe_status smoe_cuda_route_general(int64_t T, int64_t E, int64_t pairs,
                                     const int32_t *pair_token, const int32_t *pair_expert,
                                     const float *pair_score, smoe_assign_dev out,
                                     smoe_dev_status *status,
                                     smoe_dev_report report, cudaStream_t stream);
 
-/* Clears the status word (first thing a forward does). */
-smoe_status smoe_cuda_status_reset(smoe_dev_status *status, cudaStream_t stream);
-
 /* offsets (n+1) = exclusive scan of cnt (n), *total = the sum (one block;
- * n < 2^31). */
+ * n < 2^31; routing_rounding.cu). */
 smoe_status smoe_cuda_exclusive_scan(const int32_t *cnt, int64_t n, int32_t *offsets,
                                      int32_t *total, cudaStream_t stream);
 
@@ -173,6 +181,9 @@ smoe_status smoe_cuda_exclusive_scan(const int32_t *cnt, int64_t n, int32_t *off
 smoe_dev_report smoe_cuda_report(const smoe_layer *layer, int call);
 
 /* ------------------------------------------------------------ status.cu */
+
+/* Clears the status word (first thing a forward does). */
+smoe_status smoe_cuda_status_reset(smoe_dev_status *status, cudaStream_t stream);
 
 /* Backward's first kernel: the saved block's header against `want` (the
  * header this call's forward would have written), into *status (the whole

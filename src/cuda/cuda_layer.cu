@@ -1,8 +1,7 @@
 /*
  * cuda_layer.cu -- the CUDA backend of the layer (SMOE_BACKEND_CUDA and
- * SMOE_BACKEND_SM90): device checks and the cuBLAS handle at create time,
- * the workspace layout, and the forward / backward orchestration of
- * DESIGN.md sections 4 and 5:
+ * SMOE_BACKEND_SM90): the workspace layout, and the forward / backward
+ * orchestration of DESIGN.md sections 4 and 5:
  *
  *   forward   router GEMM (cuBLAS, bf16 in, fp32 out) -> routing kernels ->
  *             metadata -> up GEMM (gather X, act; H kept) -> down GEMM (Y)
@@ -18,7 +17,8 @@
  * The grouped GEMMs come from the gemm.h tables: each op's row of the
  * Hopper tile table where it has one for the layer's shape (SM90 backend
  * on an sm_90 device), the portable table's otherwise, chosen once at
- * create (plans_make); path_name lists which family runs each op.
+ * create (plans_make, cuda_layer_init.cu); path_name lists which family
+ * runs each op.
  *
  * Debugging: SMOE_CUDA_TIMING=1 in the environment at create time times
  * every stage with CUDA events (and waits at the end of each call) and
@@ -27,8 +27,8 @@
  * Nothing here synchronises with the host or allocates: every buffer is
  * carved from the caller's workspace (cuBLAS's too, so a graph capture has
  * nothing to allocate), grids are sized for the row capacity, and the row
- * count stays on the device. smoe_layer_device_status is the one exception
- * (with wait = 1 it waits for the stream).
+ * count stays on the device. smoe_layer_device_status (status.cu) is the
+ * one exception (with wait = 1 it waits for the stream).
  *
  * Device-side checks (cuda_common.h, "device status"): a call's status word
  * sits at the start of its workspace; every kernel after a check takes its
@@ -37,61 +37,22 @@
  *
  * Threads: the layer's state is read-only during calls except the cuBLAS
  * handle, which is bound to the call's stream and workspace under a mutex
- * for each dense GEMM, so one layer serves several threads and streams.
+ * for each dense GEMM (cuda_router.cu), so one layer serves several threads
+ * and streams.
+ *
+ * The layer's other files: cuda_layer_init.cu (create: the device checks,
+ * the cuBLAS handle, the report record, each GEMM's kernel), cuda_router.cu
+ * (the dense router GEMMs, the router alone), status.cu (the device status
+ * read on the host), cuda_layer_state.h (the state they share).
  */
-#include <pthread.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "cuda/cuda_common.h"
 #include "cuda/cuda_layer.h"
-
-#define CUBLAS_WS_BYTES ((size_t)8 << 20)
-
-/* the six GEMMs, gemm.h's indices */
-enum {
-    OP_UP = SMOE_GEMM_UP,
-    OP_DOWN = SMOE_GEMM_DOWN,
-    OP_DH = SMOE_GEMM_DH,
-    OP_DW2 = SMOE_GEMM_DW2,
-    OP_DXT = SMOE_GEMM_DXT,
-    OP_DW1 = SMOE_GEMM_DW1,
-    OP_COUNT = SMOE_GEMM_COUNT
-};
-
-typedef struct cuda_state {
-    int device;
-    int sm; /* major * 10 + minor */
-    int num_sms;
-    cublasHandle_t cublas;
-    pthread_mutex_t cublas_lock; /* held while the handle is bound and used */
-    const smoe_gemm_ops *tab90; /* NULL: portable only */
-    int use90[OP_COUNT];        /* this op runs the Hopper kernel (fixed at create) */
-    smoe_gemm_plan plan;        /* each op's tile row in its family's table (create) */
-    int *claim;                 /* device memory: the report's claim word */
-    smoe_dev_mapped *rec_host;  /* mapped page-locked record, host address */
-    smoe_dev_mapped *rec_dev;   /* ... its device address */
-    struct stage_timer *timer;  /* SMOE_CUDA_TIMING=1 only */
-} cuda_state;
+#include "cuda/cuda_layer_state.h"
 
 /* ------------------------------------------------------------ stage timing */
-
-/* A debugging aid, off unless the environment has SMOE_CUDA_TIMING=1 when
- * the layer is created: CUDA events between the stages of every call, the
- * call then waits for its last event (so: not for graph capture or
- * production), and the mean time of each stage is printed to stderr when
- * the layer is freed. The benchmark's --stages uses it. */
-#define MAX_STAGES 16
-
-typedef struct stage_timer {
-    cudaEvent_t ev[MAX_STAGES + 1];
-    int n;
-    const char *name[2][MAX_STAGES];
-    double ms[2][MAX_STAGES];
-    int nst[2];
-    long calls[2];
-} stage_timer;
 
 static void timer_begin(cuda_state *st, cudaStream_t s)
 {
@@ -122,7 +83,7 @@ static void timer_end(cuda_state *st, int which)
     tm->calls[which]++;
 }
 
-static void timer_report(const smoe_layer *layer, stage_timer *tm)
+void smoe_cuda_timer_report(const smoe_layer *layer, stage_timer *tm)
 {
     static const char *what[2] = {"forward", "backward"};
     for (int w = 0; w < 2; ++w) {
@@ -167,7 +128,7 @@ static size_t gemm_scratch(const smoe_layer *layer, const smoe_gemm_problem *p)
     return al(b);
 }
 
-static smoe_gemm_problem problem_make(const smoe_layer *layer, int64_t cap)
+smoe_gemm_problem smoe_cuda_problem_make(const smoe_layer *layer, int64_t cap)
 {
     const cuda_state *st = (const cuda_state *)layer->state;
     smoe_gemm_problem p;
@@ -190,7 +151,7 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
     const smoe_layer_desc *d = &layer->desc;
     const size_t E = (size_t)d->E, dd = (size_t)d->d, n = (size_t)d->n, K = (size_t)d->K;
     const size_t hc = (size_t)layer->h_cols, t = (size_t)T, c = (size_t)(cap > 0 ? cap : 1);
-    smoe_gemm_problem p = problem_make(layer, cap);
+    smoe_gemm_problem p = smoe_cuda_problem_make(layer, cap);
     const size_t gs = gemm_scratch(layer, &p);
     size_t o = 0;
     memset(w, 0, sizeof *w);
@@ -254,7 +215,7 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
     w->total = w->fwd_end > w->bwd_end ? w->fwd_end : w->bwd_end;
 }
 
-static size_t cuda_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t cap)
+size_t smoe_cuda_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t cap)
 {
     ws_layout w;
     ws_make(layer, T, cap, &w);
@@ -263,12 +224,7 @@ static size_t cuda_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t c
 
 /* ------------------------------------------------------------ helpers */
 
-/* Makes the layer's device current for the call and restores the caller's. */
-typedef struct dev_guard {
-    int prev, changed;
-} dev_guard;
-
-static smoe_status dev_enter(const cuda_state *st, dev_guard *g)
+smoe_status smoe_cuda_dev_enter(const cuda_state *st, dev_guard *g)
 {
     g->changed = 0;
     SMOE_CUDA_CHECK(cudaGetDevice(&g->prev));
@@ -279,124 +235,9 @@ static smoe_status dev_enter(const cuda_state *st, dev_guard *g)
     return SMOE_SUCCESS;
 }
 
-static void dev_leave(const dev_guard *g)
+void smoe_cuda_dev_leave(const dev_guard *g)
 {
     if (g->changed) cudaSetDevice(g->prev);
-}
-
-/* The cuBLAS part of gemm_bf16_f32, with the handle bound to this call. */
-static smoe_status gemm_bf16_f32_locked(cuda_state *st, void *cublas_ws, cudaStream_t s,
-                                        cublasOperation_t ta,
-                                        cublasOperation_t tb, int64_t m, int64_t n, int64_t k,
-                                        const bf16 *A, int64_t lda, const bf16 *B, int64_t ldb,
-                                        float *C, int64_t ldc)
-{
-    const float one = 1.0f, zero = 0.0f;
-    SMOE_CUBLAS_CHECK(cublasSetStream(st->cublas, s));
-    /* after SetStream (which resets it): cuBLAS's scratch from the call's
-     * workspace, so it never allocates (graph capture) and two calls in
-     * flight never share it */
-    SMOE_CUBLAS_CHECK(cublasSetWorkspace(st->cublas, cublas_ws, CUBLAS_WS_BYTES));
-    SMOE_CUBLAS_CHECK(cublasGemmEx(st->cublas, ta, tb, (int)m, (int)n, (int)k, &one, A,
-                                   CUDA_R_16BF, (int)lda, B, CUDA_R_16BF, (int)ldb, &zero, C,
-                                   CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F,
-                                   CUBLAS_GEMM_DEFAULT));
-    return SMOE_SUCCESS;
-}
-
-/* C (m x n, col-major, ldc) = op(A) op(B); bf16 A, B; fp32 C; enqueued on s
- * with cuBLAS's scratch in the call's workspace (CUBLAS_WS_BYTES at
- * cublas_ws). The layer's one cuBLAS handle is bound and used under its
- * mutex, so calls from several threads do not race on it. */
-static smoe_status gemm_bf16_f32(cuda_state *st, void *cublas_ws, cudaStream_t s,
-                                 cublasOperation_t ta, cublasOperation_t tb, int64_t m,
-                                 int64_t n, int64_t k, const bf16 *A, int64_t lda, const bf16 *B,
-                                 int64_t ldb, float *C, int64_t ldc)
-{
-    pthread_mutex_lock(&st->cublas_lock);
-    smoe_status r = gemm_bf16_f32_locked(st, cublas_ws, s, ta, tb, m, n, k, A, lda, B, ldb, C, ldc);
-    pthread_mutex_unlock(&st->cublas_lock);
-    return r;
-}
-
-/* ------------------------------------------------------------ kernel choice */
-
-static const char *act_name(smoe_activation a)
-{
-    switch (a) {
-    case SMOE_ACT_SWIGLU: return "swiglu";
-    case SMOE_ACT_GEGLU: return "geglu";
-    case SMOE_ACT_REGLU: return "reglu";
-    case SMOE_ACT_RELU2: return "relu2";
-    case SMOE_ACT_RELU: return "relu";
-    case SMOE_ACT_SILU: return "silu";
-    case SMOE_ACT_GELU: return "gelu";
-    }
-    return "?";
-}
-
-/* The path name from which kernels each op runs. */
-static void path_name_make(smoe_layer *layer)
-{
-    cuda_state *st = (cuda_state *)layer->state;
-    const smoe_gemm_ops *p = &smoe_gemm_ops_sm80, *h = st->tab90;
-    char gemm[96];
-    if (!h) {
-        snprintf(gemm, sizeof gemm, "cuda: gemm %s (sm%d)", p->name, st->sm);
-    } else {
-        char a[64] = "", b[64] = "";
-        for (int i = 0; i < OP_COUNT; ++i) {
-            char *dst = st->use90[i] ? a : b;
-            if (dst[0]) strncat(dst, ",", 63 - strlen(dst));
-            strncat(dst, smoe_gemm_name(i), 63 - strlen(dst));
-        }
-        if (!b[0]) snprintf(gemm, sizeof gemm, "sm90: all %s", h->name);
-        else if (!a[0]) snprintf(gemm, sizeof gemm, "sm90: all %s", p->name);
-        else snprintf(gemm, sizeof gemm, "sm90: %s %s; %s %s", a, h->name, b, p->name);
-    }
-    snprintf(layer->path_name, sizeof layer->path_name, "%s [%s]", gemm,
-             act_name(layer->desc.activation));
-}
-
-/* Each op's kernel, decided once here: the Hopper table's row where it has
- * one for this shape (SM90 backend on an sm_90 device), else the portable
- * table's; every call then runs exactly these rows (the launchers never
- * choose). A shape neither table runs is refused here. */
-static smoe_status plans_make(smoe_layer *layer, const char *fn)
-{
-    cuda_state *st = (cuda_state *)layer->state;
-    smoe_gemm_problem p = problem_make(layer, 0);
-    p.plan = NULL;
-    smoe_gemm_plan p80, p90;
-    smoe_gemm_ops_sm80.plan(&p, &p80);
-    for (int i = 0; i < OP_COUNT; ++i) p90.row[i] = -1;
-    if (st->tab90) st->tab90->plan(&p, &p90);
-    for (int i = 0; i < OP_COUNT; ++i) {
-        st->use90[i] = p90.row[i] >= 0;
-        st->plan.row[i] = st->use90[i] ? p90.row[i] : p80.row[i];
-        SMOE_RETURN_ERROR_IF(st->plan.row[i] < 0, SMOE_ERROR_UNSUPPORTED,
-                             "%s: no %s GEMM kernel fits this device at d = %lld, n = %lld", fn,
-                             smoe_gemm_name(i), (long long)layer->desc.d, (long long)layer->desc.n);
-    }
-    return SMOE_SUCCESS;
-}
-
-/* cuda_layer.h: a test's or the benchmark's choice of one GEMM's row. */
-smoe_status smoe_cuda_layer_set_row(smoe_layer *layer, const char *gemm, const char *name)
-{
-    cuda_state *st = (cuda_state *)layer->state;
-    const int g = smoe_gemm_find(gemm, strlen(gemm));
-    SMOE_RETURN_ERROR_IF(g < 0, SMOE_ERROR_INVALID_VALUE, "set_row: no GEMM named %s", gemm);
-    const smoe_gemm_ops *ops = st->use90[g] ? st->tab90 : &smoe_gemm_ops_sm80;
-    SMOE_RETURN_ERROR_IF(!ops->row_name, SMOE_ERROR_UNSUPPORTED,
-                         "set_row: the %s table has no named rows", ops->name);
-    const int row = smoe_gemm_row_find(ops, g, name);
-    SMOE_RETURN_ERROR_IF(row < 0, SMOE_ERROR_INVALID_VALUE, "set_row: %s has no row \"%s\" (%s)",
-                         gemm, name, ops->name);
-    smoe_gemm_problem p = problem_make(layer, 0);
-    if (ops->row_fits && !ops->row_fits(&p, g, row)) return SMOE_ERROR_UNSUPPORTED;
-    st->plan.row[g] = row;
-    return SMOE_SUCCESS;
 }
 
 /* A Hopper launcher declined a call it accepted at create time: a bug, not
@@ -489,9 +330,10 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
                     : args->router_logits  ? args->router_logits
                                            : (float *)(ws + w.logits);
         /* logits^T (E x T, col-major) = Wr (E x d) . X^T */
-        SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_T, CUBLAS_OP_N, d->E,
-                                            T, d->d, (const bf16 *)args->router_w, d->d,
-                                            (const bf16 *)args->x, d->d, lg, d->E));
+        SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_T,
+                                                      CUBLAS_OP_N, d->E, T, d->d,
+                                                      (const bf16 *)args->router_w, d->d,
+                                                      (const bf16 *)args->x, d->d, lg, d->E));
         timer_mark(st, 0, "router gemm", s);
         if (args->router_logits && args->router_logits != lg)
             SMOE_CUDA_CHECK(cudaMemcpyAsync(args->router_logits, lg,
@@ -506,7 +348,7 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
                                              ws + w.md_scratch, s));
     timer_mark(st, 0, "metadata", s);
 
-    smoe_gemm_problem p = problem_make(layer, cap);
+    smoe_gemm_problem p = smoe_cuda_problem_make(layer, cap);
     p.expert_offset = v.expert_offset;
     p.row_token = v.row_token;
     p.row_score = v.row_score;
@@ -526,20 +368,6 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
         training ? v.header : NULL, smoe_saved_header_make(layer, T, args->pairs), abort, s));
     timer_mark(st, 0, "aggregate", s);
     return SMOE_SUCCESS;
-}
-
-static smoe_status cuda_forward(smoe_layer *layer, const smoe_forward_args *args,
-                                const smoe_saved_layout *sl, void *saved, void *workspace,
-                                void *stream)
-{
-    cuda_state *st = (cuda_state *)layer->state;
-    dev_guard g;
-    SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
-    timer_begin(st, (cudaStream_t)stream);
-    smoe_status r = forward_impl(layer, args, sl, saved, workspace, (cudaStream_t)stream);
-    if (r == SMOE_SUCCESS) timer_end(st, 0);
-    dev_leave(&g);
-    return r;
 }
 
 /* ------------------------------------------------------------ backward */
@@ -575,7 +403,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     const int want_dh = want_dx || args->dw1.ptr || args->db1.ptr;
     const int run_dh = want_dh || want_ds || args->dw2.ptr;
 
-    smoe_gemm_problem p = problem_make(layer, cap);
+    smoe_gemm_problem p = smoe_cuda_problem_make(layer, cap);
     p.expert_offset = v.expert_offset;
     p.row_token = v.row_token;
     p.row_score = v.row_score;
@@ -650,9 +478,10 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
         if (args->drouter_w.ptr) {
             float *dwr2 = (float *)(ws + w.dwr2);
             /* dWr2 (2E x d row-major = d x 2E col-major) = X^T . split */
-            SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_N, CUBLAS_OP_T,
-                                                d->d, E2, T, (const bf16 *)args->x, d->d, split,
-                                                E2, dwr2, d->d));
+            SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_N,
+                                                          CUBLAS_OP_T, d->d, E2, T,
+                                                          (const bf16 *)args->x, d->d, split,
+                                                          E2, dwr2, d->d));
             SMOE_FORWARD_IF_ERROR(smoe_cuda_combine_halves(
                 dwr2, d->E, d->d, args->drouter_w.ptr, args->drouter_w.dtype,
                 args->drouter_w.accumulate, abort, s));
@@ -664,8 +493,9 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
             SMOE_FORWARD_IF_ERROR(
                 smoe_cuda_stack_twice((const bf16 *)args->router_w, d->E, d->d, wr2, s));
             /* dXr (T x d row-major = d x T col-major) = wr2^T-view . split^T-view */
-            SMOE_FORWARD_IF_ERROR(gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_N, CUBLAS_OP_N,
-                                                d->d, T, E2, wr2, d->d, split, E2, dxr, d->d));
+            SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_N,
+                                                          CUBLAS_OP_N, d->d, T, E2, wr2, d->d,
+                                                          split, E2, dxr, d->d));
             timer_mark(st, 1, "dXr gemm", s);
         }
     }
@@ -682,18 +512,37 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     return SMOE_SUCCESS;
 }
 
-static smoe_status cuda_backward(smoe_layer *layer, const smoe_backward_args *args,
-                                 const smoe_saved_layout *sl, void *saved, void *workspace,
-                                 void *stream)
+/* ------------------------------------------------------------ the calls */
+
+/* A forward (f) or a backward (b) on the layer's device, timed by stage
+ * when the stage timer is on. */
+static smoe_status run_call(smoe_layer *layer, const smoe_forward_args *f,
+                            const smoe_backward_args *b, const smoe_saved_layout *sl,
+                            void *saved, void *workspace, void *stream)
 {
     cuda_state *st = (cuda_state *)layer->state;
     dev_guard g;
-    SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
+    SMOE_FORWARD_IF_ERROR(smoe_cuda_dev_enter(st, &g));
     timer_begin(st, (cudaStream_t)stream);
-    smoe_status r = backward_impl(layer, args, sl, saved, workspace, (cudaStream_t)stream);
-    if (r == SMOE_SUCCESS) timer_end(st, 1);
-    dev_leave(&g);
+    smoe_status r = f ? forward_impl(layer, f, sl, saved, workspace, (cudaStream_t)stream)
+                      : backward_impl(layer, b, sl, saved, workspace, (cudaStream_t)stream);
+    if (r == SMOE_SUCCESS) timer_end(st, f ? 0 : 1);
+    smoe_cuda_dev_leave(&g);
     return r;
+}
+
+smoe_status smoe_cuda_forward(smoe_layer *layer, const smoe_forward_args *args,
+                              const smoe_saved_layout *sl, void *saved, void *workspace,
+                              void *stream)
+{
+    return run_call(layer, args, NULL, sl, saved, workspace, stream);
+}
+
+smoe_status smoe_cuda_backward(smoe_layer *layer, const smoe_backward_args *args,
+                               const smoe_saved_layout *sl, void *saved, void *workspace,
+                               void *stream)
+{
+    return run_call(layer, NULL, args, sl, saved, workspace, stream);
 }
 
 /* ------------------------------------------------------------ parts */
@@ -714,353 +563,8 @@ smoe_cuda_gemms smoe_cuda_layer_gemms(const smoe_layer *layer, int64_t cap)
     if (st->use90[OP_DXT]) g.ops.dxt = h->dxt;
     if (st->use90[OP_DW1]) g.ops.dw1 = h->dw1;
     g.views = st->use90[OP_UP] && st->use90[OP_DOWN] && st->use90[OP_DH] && st->use90[OP_DXT];
-    g.problem = problem_make(layer, cap);
+    g.problem = smoe_cuda_problem_make(layer, cap);
     g.scratch_bytes = gemm_scratch(layer, &g.problem);
     g.num_sms = st->num_sms;
     return g;
-}
-
-/* ------------------------------------------------------------ the router alone */
-
-/* The expert-parallel layer's source side (cuda_layer.h): the router of a
- * whole-layer description (E experts) without its experts. Workspace: */
-typedef struct router_ws {
-    size_t cublas, route, split, wr2, dwr2, tc, total;
-} router_ws;
-
-static void router_ws_make(const smoe_layer *layer, int64_t T, router_ws *w)
-{
-    const smoe_layer_desc *d = &layer->desc;
-    const size_t t = (size_t)(T > 0 ? T : 1), E = (size_t)d->E, dd = (size_t)d->d;
-    size_t o = 0;
-    w->cublas = o; o += CUBLAS_WS_BYTES;
-    w->route = o; o += al(smoe_cuda_routing_scratch_bytes(d, T, 0));
-    w->split = o; o += al(t * 2 * E * 2);
-    w->wr2 = o; o += al(2 * E * dd * 2);
-    w->dwr2 = o; o += al(2 * E * dd * 4);
-    w->tc = o; o += al(t * (size_t)(d->K > 0 ? d->K : 1) * 4);
-    w->total = o;
-}
-
-size_t smoe_cuda_router_ws_bytes(const smoe_layer *layer, int64_t T)
-{
-    router_ws w;
-    router_ws_make(layer, T, &w);
-    return w.total;
-}
-
-smoe_status smoe_cuda_router_forward(smoe_layer *layer, int64_t T, const void *x,
-                                     const void *router_w, const float *expert_bias,
-                                     float *logits, smoe_assign_dev as, void *workspace,
-                                     void *stream)
-{
-    cuda_state *st = (cuda_state *)layer->state;
-    const smoe_layer_desc *d = &layer->desc;
-    cudaStream_t s = (cudaStream_t)stream;
-    router_ws w;
-    router_ws_make(layer, T, &w);
-    char *ws = (char *)workspace;
-    if (T == 0) return SMOE_SUCCESS;
-    dev_guard g;
-    SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
-    smoe_status r = gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_T, CUBLAS_OP_N, d->E, T, d->d,
-                                  (const bf16 *)router_w, d->d, (const bf16 *)x, d->d, logits,
-                                  d->E);
-    if (r == SMOE_SUCCESS) r = smoe_cuda_route(d, T, 0, logits, expert_bias, as, ws + w.route, s);
-    dev_leave(&g);
-    return r;
-}
-
-smoe_status smoe_cuda_router_backward(smoe_layer *layer, int64_t T, const smoe_saved_view *v,
-                                      const float *ds, const float *dlogits_extra,
-                                      const void *x, const void *router_w,
-                                      const smoe_grad *drouter_w, float *dxr, void *workspace,
-                                      const int *abort, void *stream)
-{
-    cuda_state *st = (cuda_state *)layer->state;
-    const smoe_layer_desc *d = &layer->desc;
-    cudaStream_t s = (cudaStream_t)stream;
-    router_ws w;
-    router_ws_make(layer, T, &w);
-    char *ws = (char *)workspace;
-    dev_guard g;
-    SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
-    const int64_t E2 = 2 * d->E;
-    bf16 *split = (bf16 *)(ws + w.split);
-    smoe_status r = SMOE_SUCCESS;
-    if (T > 0)
-        r = smoe_cuda_router_dlogits(d, T, 0, v->logits, v->token_offset, v->assign_expert,
-                                     v->assign_row, v->row_score, ds, dlogits_extra, split,
-                                     (int32_t *)(ws + w.tc), NULL, abort, s);
-    if (r == SMOE_SUCCESS && drouter_w->ptr) {
-        float *dwr2 = (float *)(ws + w.dwr2);
-        if (T > 0) {
-            r = gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_N, CUBLAS_OP_T, d->d, E2, T,
-                              (const bf16 *)x, d->d, split, E2, dwr2, d->d);
-        } else {
-            const cudaError_t e = cudaMemsetAsync(dwr2, 0, (size_t)E2 * (size_t)d->d * 4, s);
-            if (e != cudaSuccess)
-                r = smoe_fail(SMOE_ERROR_BACKEND, "router backward: %s", cudaGetErrorString(e));
-        }
-        if (r == SMOE_SUCCESS)
-            r = smoe_cuda_combine_halves(dwr2, d->E, d->d, drouter_w->ptr, drouter_w->dtype,
-                                         drouter_w->accumulate, abort, s);
-    }
-    if (r == SMOE_SUCCESS && dxr && T > 0) {
-        bf16 *wr2 = (bf16 *)(ws + w.wr2);
-        r = smoe_cuda_stack_twice((const bf16 *)router_w, d->E, d->d, wr2, s);
-        if (r == SMOE_SUCCESS)
-            r = gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_N, CUBLAS_OP_N, d->d, T, E2, wr2,
-                              d->d, split, E2, dxr, d->d);
-    }
-    dev_leave(&g);
-    return r;
-}
-
-/* ------------------------------------------------------------ device status */
-
-/* The message of a recorded failure, as the CPU backend words the same
- * failure (smoe.c's check_triples and smoe_saved_header_check). */
-static smoe_status device_failure(const smoe_layer *layer, int call, const smoe_dev_status *h)
-{
-    const char *fwd = "smoe_layer_forward (GENERAL triples, checked on the device)";
-    const char *bwd = "smoe_layer_backward (saved block, checked on the device)";
-    const long long v = h->value, v2 = h->value2;
-    switch (h->code) {
-    case SMOE_DEV_BAD_TOKEN:
-        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                         "%s: pair_token[%d] = %lld, must be in [0, T = %lld); nothing written",
-                         fwd, h->first_bad, v, v2);
-    case SMOE_DEV_BAD_EXPERT:
-        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                         "%s: pair_expert[%d] = %lld, must be in [0, E = %lld); nothing written",
-                         fwd, h->first_bad, v, (long long)layer->desc.E);
-    case SMOE_DEV_UNSORTED:
-        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                         "%s: pair_token[%d] = %lld < pair_token[%d] = %lld: triples must be "
-                         "sorted by token; nothing written",
-                         fwd, h->first_bad, v, h->first_bad - 1, v2);
-    case SMOE_DEV_DUPLICATE:
-        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                         "%s: (token %lld, expert %lld) is given twice (again at pair %d); "
-                         "nothing written",
-                         fwd, v, v2, h->first_bad);
-    case SMOE_DEV_BAD_SCORE: {
-        uint32_t bits = (uint32_t)v;
-        float f;
-        memcpy(&f, &bits, 4);
-        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                         "%s: pair_score[%d] = %g is not finite; nothing written", fwd,
-                         h->first_bad, (double)f);
-    }
-    case SMOE_DEV_SAVED_INVALID:
-        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                         "%s: the saved block was not filled by a training forward (its header "
-                         "is not valid); nothing written",
-                         bwd);
-    case SMOE_DEV_SAVED_LAYER:
-        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                         "%s: the saved block was filled by another layer (id %016llx, this "
-                         "layer is %016llx); nothing written",
-                         bwd, (unsigned long long)v, (unsigned long long)v2);
-    case SMOE_DEV_SAVED_T:
-        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                         "%s: the saved block was filled by a forward with T = %lld, this "
-                         "backward has T = %lld; nothing written",
-                         bwd, v, v2);
-    case SMOE_DEV_SAVED_PAIRS:
-        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                         "%s: the saved block was filled by a forward with pairs = %lld, this "
-                         "backward has pairs = %lld; nothing written",
-                         bwd, v, v2);
-    case SMOE_DEV_EP_OVERFLOW:
-        return smoe_fail(SMOE_ERROR_INVALID_SIZE,
-                         "smoe_ep_layer_forward (checked on the device): %lld rows for rank %d, "
-                         "more than capacity = %lld; nothing written",
-                         v, h->first_bad, v2);
-    case SMOE_DEV_EP_ROWS:
-        return smoe_fail(SMOE_ERROR_INVALID_SIZE,
-                         "smoe_ep_layer_forward (checked on the device): %lld (row, expert) "
-                         "pairs on this rank, more than expert_rows = %lld; nothing written",
-                         v, v2);
-    case SMOE_DEV_EP_PEER:
-        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                         "smoe_ep_layer (checked on the device): rank %lld's call failed (its "
-                         "code %lld; read its device status); nothing written",
-                         v, v2);
-    case SMOE_DEV_SAVED_CONSUMED:
-        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                         "%s: the saved block was consumed by an earlier backward "
-                         "(desc.consume_saved = 1 writes dH over its H); run a training forward "
-                         "again; nothing written",
-                         bwd);
-    case SMOE_DEV_SAVED_FAILED:
-        return smoe_fail(SMOE_ERROR_INVALID_VALUE,
-                         "%s: the forward that filled the saved block failed a device-side "
-                         "check (code %lld); nothing written",
-                         bwd, v);
-    default:
-        return smoe_fail(SMOE_ERROR_INTERNAL, "smoe_layer_device_status: %s recorded code %d",
-                         call ? "backward" : "forward", h->code);
-    }
-}
-
-static smoe_status cuda_device_status(smoe_layer *layer, void *stream, int wait)
-{
-    cuda_state *st = (cuda_state *)layer->state;
-    if (wait) {
-        dev_guard g;
-        SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
-        cudaError_t e = cudaStreamSynchronize((cudaStream_t)stream);
-        dev_leave(&g);
-        SMOE_RETURN_ERROR_IF(e != cudaSuccess, SMOE_ERROR_BACKEND,
-                             "smoe_layer_device_status: %s", cudaGetErrorString(e));
-    }
-    volatile smoe_dev_mapped *rec = st->rec_host;
-    const int code = rec->code;
-    if (code == SMOE_DEV_OK) return SMOE_SUCCESS;
-    __sync_synchronize(); /* the record's fields were written before its code */
-    smoe_dev_status h;
-    h.first_bad = rec->st.first_bad;
-    h.code = code;
-    h.value = rec->st.value;
-    h.value2 = rec->st.value2;
-    const int call = rec->call;
-    /* read: clear the record and free the claim for the next failure */
-    rec->code = SMOE_DEV_OK;
-    dev_guard g;
-    SMOE_FORWARD_IF_ERROR(dev_enter(st, &g));
-    cudaError_t e = cudaMemsetAsync(st->claim, 0, sizeof(int), (cudaStream_t)stream);
-    dev_leave(&g);
-    SMOE_RETURN_ERROR_IF(e != cudaSuccess, SMOE_ERROR_BACKEND,
-                         "smoe_layer_device_status: clearing the record: %s",
-                         cudaGetErrorString(e));
-    return device_failure(layer, call, &h);
-}
-
-/* ------------------------------------------------------------ init */
-
-static void cuda_destroy(smoe_layer *layer)
-{
-    cuda_state *st = (cuda_state *)layer->state;
-    if (!st) return;
-    if (st->timer) {
-        timer_report(layer, st->timer);
-        for (int i = 0; i <= MAX_STAGES; ++i) cudaEventDestroy(st->timer->ev[i]);
-        free(st->timer);
-    }
-    int prev = -1;
-    cudaGetDevice(&prev);
-    if (prev != st->device) cudaSetDevice(st->device);
-    if (st->cublas) cublasDestroy(st->cublas);
-    if (st->claim) cudaFree(st->claim);
-    if (st->rec_host) cudaFreeHost(st->rec_host);
-    if (prev >= 0 && prev != st->device) cudaSetDevice(prev);
-    pthread_mutex_destroy(&st->cublas_lock);
-    free(st);
-    layer->state = NULL;
-}
-
-static const smoe_backend_ops cuda_ops = {
-    cuda_workspace_bytes, cuda_forward, cuda_backward, cuda_destroy, cuda_device_status,
-};
-
-/* The cuBLAS handle and the report record, on the layer's device (current). */
-static smoe_status state_make(cuda_state *st, const char *fn)
-{
-    cublasStatus_t cs = cublasCreate(&st->cublas);
-    if (cs == CUBLAS_STATUS_SUCCESS) cs = cublasSetMathMode(st->cublas, CUBLAS_DEFAULT_MATH);
-    SMOE_RETURN_ERROR_IF(cs != CUBLAS_STATUS_SUCCESS, SMOE_ERROR_BACKEND,
-                         "%s: cublasCreate: cuBLAS status %d (%s)", fn, (int)cs,
-                         cublasGetStatusString(cs));
-    SMOE_CUDA_CHECK(cudaMalloc((void **)&st->claim, sizeof(int)));
-    SMOE_CUDA_CHECK(cudaMemset(st->claim, 0, sizeof(int)));
-    SMOE_CUDA_CHECK(cudaHostAlloc((void **)&st->rec_host, sizeof(smoe_dev_mapped),
-                                  cudaHostAllocMapped | cudaHostAllocPortable));
-    memset((void *)st->rec_host, 0, sizeof(smoe_dev_mapped));
-    SMOE_CUDA_CHECK(cudaHostGetDevicePointer((void **)&st->rec_dev, st->rec_host, 0));
-    return SMOE_SUCCESS;
-}
-
-smoe_status smoe_cuda_layer_init(smoe_layer *layer, int want_sm90)
-{
-    const smoe_layer_desc *d = &layer->desc;
-    const char *fn = want_sm90 ? "backend SM90" : "backend CUDA";
-    SMOE_RETURN_ERROR_IF(d->dtype != SMOE_DTYPE_BF16, SMOE_ERROR_UNSUPPORTED,
-                         "%s: desc.dtype = %s, but the CUDA backends store bf16 only (use "
-                         "SMOE_DTYPE_BF16, or SMOE_BACKEND_CPU for F32/F64)",
-                         fn, d->dtype == SMOE_DTYPE_F32 ? "F32" : "F64");
-    SMOE_RETURN_ERROR_IF(d->d % 8 != 0 || d->n % 8 != 0, SMOE_ERROR_UNSUPPORTED,
-                         "%s: d = %lld and n = %lld must be multiples of 8 (16-byte rows)", fn,
-                         (long long)d->d, (long long)d->n);
-    SMOE_RETURN_ERROR_IF(d->E > 4096, SMOE_ERROR_UNSUPPORTED,
-                         "%s: E = %lld, at most 4096 experts on the GPU", fn, (long long)d->E);
-    /* the portable GEMMs form row strides in int (grouped_gemm.cu) */
-    SMOE_RETURN_ERROR_IF(d->d > ((int64_t)1 << 28) || layer->h_cols > ((int64_t)1 << 28),
-                         SMOE_ERROR_UNSUPPORTED,
-                         "%s: d = %lld, h_cols = %lld: at most 2^28 on the GPU", fn,
-                         (long long)d->d, (long long)layer->h_cols);
-
-    int count = 0;
-    cudaError_t ce = cudaGetDeviceCount(&count);
-    if (ce != cudaSuccess || count == 0) {
-        cudaGetLastError();
-        return smoe_fail(SMOE_ERROR_NO_DEVICE, "%s: no CUDA device (%s)", fn,
-                         ce != cudaSuccess ? cudaGetErrorString(ce) : "device count 0");
-    }
-    SMOE_RETURN_ERROR_IF(d->device >= count, SMOE_ERROR_NO_DEVICE,
-                         "%s: desc.device = %d, but %d CUDA device(s) present", fn, d->device,
-                         count);
-    cudaDeviceProp prop;
-    SMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, d->device));
-    const int sm = prop.major * 10 + prop.minor;
-    SMOE_RETURN_ERROR_IF(sm < 80, SMOE_ERROR_NO_DEVICE,
-                         "%s: device %d (%s) is sm_%d; the CUDA kernels need sm_80 or later", fn,
-                         d->device, prop.name, sm);
-#ifdef SMOE_WITH_SM90
-    SMOE_RETURN_ERROR_IF(want_sm90 && sm != 90, SMOE_ERROR_NO_DEVICE,
-                         "%s: device %d (%s) is sm_%d; the Hopper kernels need sm_90", fn,
-                         d->device, prop.name, sm);
-#else
-    SMOE_RETURN_ERROR_IF(want_sm90, SMOE_ERROR_NO_DEVICE,
-                         "%s: smoe was built without the sm_90a kernels", fn);
-#endif
-
-    cuda_state *st = (cuda_state *)calloc(1, sizeof *st);
-    SMOE_RETURN_ERROR_IF(!st, SMOE_ERROR_OUT_OF_MEMORY, "%s: calloc failed", fn);
-    st->device = d->device;
-    st->sm = sm;
-    st->num_sms = prop.multiProcessorCount;
-    pthread_mutex_init(&st->cublas_lock, NULL);
-#ifdef SMOE_WITH_SM90
-    st->tab90 = want_sm90 ? &smoe_gemm_ops_sm90 : NULL;
-#endif
-    layer->state = st;
-    int prev = 0;
-    cudaGetDevice(&prev);
-    cudaError_t se = cudaSetDevice(d->device);
-    smoe_status r = se == cudaSuccess
-                        ? state_make(st, fn)
-                        : smoe_fail(SMOE_ERROR_BACKEND, "%s: cudaSetDevice(%d): %s", fn,
-                                    d->device, cudaGetErrorString(se));
-    if (prev != d->device) cudaSetDevice(prev);
-    if (r == SMOE_SUCCESS) r = plans_make(layer, fn);
-    if (r != SMOE_SUCCESS) {
-        cuda_destroy(layer);
-        return r;
-    }
-    layer->ops = &cuda_ops;
-    layer->vec_align = 16; /* the kernels load and store 16-byte vectors */
-    const char *tenv = getenv("SMOE_CUDA_TIMING");
-    if (tenv && tenv[0] == '1') {
-        st->timer = (stage_timer *)calloc(1, sizeof *st->timer);
-        if (st->timer) {
-            cudaGetDevice(&prev);
-            if (prev != d->device) cudaSetDevice(d->device);
-            for (int i = 0; i <= MAX_STAGES; ++i) cudaEventCreate(&st->timer->ev[i]);
-            if (prev != d->device) cudaSetDevice(prev);
-        }
-    }
-    path_name_make(layer);
-    return SMOE_SUCCESS;
 }

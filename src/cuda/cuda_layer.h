@@ -1,8 +1,9 @@
 /*
- * cuda_layer.h -- what the CUDA backend's layer (cuda_layer.cu) offers the
- * expert-parallel layer's CUDA path (ep_cuda.cu): the router of a whole
- * layer without its experts, and the GEMM launchers of a layer. For the
- * CUDA files (after cuda_common.h).
+ * cuda_layer.h -- what the CUDA backend's layer offers the expert-parallel
+ * layer's CUDA path (ep_cuda.cu) and the benchmark: the GEMM launchers of a
+ * layer (cuda_layer.cu), a GEMM's row chosen by name (cuda_layer_init.cu),
+ * the router of a whole layer without its experts (cuda_router.cu). For
+ * the CUDA files (after cuda_common.h).
  */
 #ifndef SMOE_CUDA_LAYER_H
 #define SMOE_CUDA_LAYER_H

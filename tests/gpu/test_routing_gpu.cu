@@ -1,5 +1,5 @@
 /*
- * test_routing_gpu.cu -- the device routing (routing.cu) and metadata
+ * test_routing_gpu.cu -- the device routing (routing*.cu) and metadata
  * (metadata.cu) kernels alone, at the grid's sizes, against the host
  * routing (smoe_route_cpu) on the same fp32 logits:
  *   - token choice (TOPK_SOFTMAX, SOFTMAX_TOPK with and without

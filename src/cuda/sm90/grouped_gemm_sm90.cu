@@ -84,7 +84,7 @@
  * is there) and the launchers, which run the row the layer's plan names.
  * Requirements (else the plan has no Hopper row, and the layer runs the
  * portable kernel): d % 64 == 0, n % 64 == 0, E <= 1024; 16-byte aligned
- * pointers (else SMOE_ERROR_UNSUPPORTED; smoe.c refuses them earlier).
+ * pointers (else SMOE_ERROR_UNSUPPORTED; validate.c refuses them earlier).
  */
 #include <cudaTypedefs.h>
 #include <stdint.h>

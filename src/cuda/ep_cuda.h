@@ -1,0 +1,132 @@
+/*
+ * ep_cuda.h -- what the expert-parallel layer's CUDA files share (for them
+ * only, after cuda_common.h): the layer's CUDA state (made at create in
+ * ep_nccl.cu, read by the schedule in ep_cuda.cu), NCCL's point-to-point
+ * groups (ep_nccl.cu), and the kernels (ep_kernels.cu) with the types they
+ * take. ep_cuda.cu's top comment says what the path computes.
+ */
+#ifndef SMOE_CUDA_EP_CUDA_H
+#define SMOE_CUDA_EP_CUDA_H
+
+#include "cuda/cuda_common.h"
+#include "cuda/cuda_layer.h"
+#include "ep_internal.h"
+
+/* ------------------------------------------------------------ NCCL (ep_nccl.cu) */
+
+/* The few NCCL entry points used, by their C ABI (nccl.h is not needed to
+ * build: libnccl is found at run time). ncclComm_t is an opaque pointer,
+ * ncclResult_t an int (0 = success), NCCL_UINT8 the data type 1. */
+typedef int nccl_result;
+typedef void *nccl_comm;
+enum { NCCL_OK = 0, NCCL_UINT8 = 1 };
+
+/* A buffer that travels in slices: `row` bytes per unit (a received row,
+ * or one rank's whole slice), sent from send and received into recv. */
+typedef struct cbuf {
+    const char *send;
+    char *recv;
+    size_t row;
+} cbuf;
+
+/* One NCCL group of point-to-point pairs: op i sends `bytes` from send to
+ * rank `to` and receives as many into recv from rank `from`. */
+typedef struct p2p_op {
+    const void *send;
+    void *recv;
+    size_t bytes;
+    int to, from;
+} p2p_op;
+
+/* One group of point-to-point pairs on stream s, over the layer's
+ * communicator; the exchange of n <= 2 buffers with every rank, itself
+ * included (rank r's slice q goes to rank q's slice r). */
+smoe_status smoe_ep_p2p_group(const smoe_ep_layer *ep, const p2p_op *op, int n, cudaStream_t s);
+smoe_status smoe_ep_alltoall(const smoe_ep_layer *ep, const cbuf *x, int n, cudaStream_t s);
+
+/* ------------------------------------------------------------ per layer */
+
+/* The layer's CUDA state, made at create: the stream the overlapping
+ * exchanges run on, its events, the chunking and the experts' GEMMs. One
+ * call at a time per layer (as NCCL allows one per communicator). */
+enum { EV_FORK, EV_JOIN, EV_X, EV_IN }; /* then EV_IN + k (k < P), then EV_IN + P + c */
+
+/* Chunk c holds the received rows [b[c], b[c+1]). */
+#define EP_MAX_CHUNKS 65 /* one per source rank, this rank's own in two */
+typedef struct ep_bounds {
+    int64_t b[EP_MAX_CHUNKS + 1];
+} ep_bounds;
+
+typedef struct ep_cuda {
+    nccl_comm comm;  /* with overlap: the layer's own (split from the caller's
+                        at create: clusters of one CTA, at most comm_sms CTAs);
+                        else the caller's */
+    int own_comm;
+    cudaStream_t cs;
+    cudaEvent_t *ev;
+    int n_ev;
+    int nc;          /* chunks of the received rows: one per source rank and
+                        this rank's own in two, or 1 (exchange, then compute) */
+    ep_bounds bd;    /* chunk c: received rows [bd.b[c], bd.b[c+1]) */
+    int *order;      /* the chunks in the order they run */
+    int sms_overlap; /* the GEMMs' SMs while an exchange is in flight */
+    smoe_cuda_gemms g;
+} ep_cuda;
+
+/* ------------------------------------------------------------ kernels (ep_kernels.cu) */
+
+/* The pairs message's entry, then the kernels (ep_kernels.cu says what
+ * each computes). */
+typedef struct pair_msg { /* one pair of a row: local expert (-1: none), score */
+    int32_t e;
+    float s;
+} pair_msg;
+
+__global__ void k_ep_entries(int T, int P, int64_t El, int Kq, const int32_t *__restrict__ toff,
+                             const int32_t *__restrict__ aexp, int32_t *dest, int32_t *tok,
+                             float *score, int32_t *ent_off, int32_t *ent_count,
+                             const int *abort);
+__global__ void k_ep_pack(int64_t n_ent, int Kq, int64_t C, int Km, int64_t El, int64_t d, int self,
+                          const bf16 *__restrict__ x, const int32_t *__restrict__ toff,
+                          const int32_t *__restrict__ aexp, const float *__restrict__ ascore,
+                          const int32_t *__restrict__ dest, const int32_t *__restrict__ ent_row,
+                          const int32_t *__restrict__ eoff, int32_t *pidx, bf16 *send_rows,
+                          bf16 *recv_rows, pair_msg *send_pairs, const int *abort);
+__global__ void k_ep_msg(int P, int64_t C, const int32_t *__restrict__ eoff, int32_t *msg,
+                         smoe_dev_status *st, smoe_dev_report rep);
+__global__ void k_ep_peers(int P, int self, const int32_t *__restrict__ msg, smoe_dev_status *st,
+                           smoe_dev_report rep);
+__global__ void k_ep_row_counts(int64_t Tv, int64_t C, int Km, const int32_t *__restrict__ msg,
+                                const pair_msg *__restrict__ pairs, int32_t *cnt,
+                                const int *abort);
+__global__ void k_ep_triples(int64_t Tv, int Km, int64_t rows, const pair_msg *__restrict__ pairs,
+                             const int32_t *__restrict__ off, int32_t *pt,
+                             int32_t *pe, float *ps, int32_t *tri_slot, const smoe_dev_status *st);
+__global__ void k_ep_rows_check(int P, int64_t rows, const int32_t *total, int32_t *msg,
+                                smoe_dev_status *st, smoe_dev_report rep);
+__global__ void k_ep_status_msg(int P, int32_t *msg, const smoe_dev_status *st);
+__global__ void k_ep_rows_final(int32_t *total, const smoe_dev_status *st);
+__global__ void k_ep_chunk_off(int El, int nc, ep_bounds bd, const int32_t *__restrict__ off,
+                               const int32_t *__restrict__ row_token, int32_t *off2,
+                               const int *abort);
+__global__ void k_ep_iota(int64_t n, int32_t *v, const int *abort);
+__global__ void k_ep_outputs(int T, int E, const int32_t *__restrict__ toff,
+                             const int32_t *__restrict__ aexp, int32_t *counts,
+                             const float *__restrict__ lg, float *lg_out, const int *abort);
+__global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, int64_t C, int self,
+                           const bf16 *__restrict__ x, const bf16 *__restrict__ dout,
+                           const int32_t *__restrict__ pidx, bf16 *sx, bf16 *sdo, bf16 *rx,
+                           bf16 *rdo, const int *abort);
+__global__ void k_ep_ds_scatter(int64_t v0, int64_t v1, int64_t own0, int64_t own1, int Km,
+                                const int32_t *__restrict__ toff,
+                                const int32_t *__restrict__ tri_slot,
+                                const int32_t *__restrict__ arow, const float *__restrict__ ds,
+                                float *send_ds, float *recv_ds, const int *abort);
+__global__ void k_ep_ds_gather(int T, int Kq, int Km, int64_t El, const int32_t *__restrict__ toff,
+                               const int32_t *__restrict__ aexp,
+                               const int32_t *__restrict__ pidx,
+                               const float *__restrict__ recv_ds, float *ds, const int *abort);
+__global__ void k_ep_dps_out(int64_t A, const float *__restrict__ ds, float *out, int accumulate,
+                             const int *abort);
+
+#endif /* SMOE_CUDA_EP_CUDA_H */

@@ -1,0 +1,329 @@
+/*
+ * ep_nccl.cu -- the expert-parallel layer's CUDA path and NCCL: the library
+ * loaded at run time (dlopen, the process's libnccl first; nccl.h is not
+ * needed to build), the point-to-point groups every exchange is made of,
+ * and the layer's CUDA state, made at create and freed: the caller's
+ * communicator checked against rank and nranks, every rank's description
+ * compared over it, the chunks and their order, the overlap's stream,
+ * events and own communicator (split from the caller's).
+ */
+#include <dlfcn.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda/ep_cuda.h"
+
+/* ------------------------------------------------------------ NCCL */
+
+typedef struct nccl_api {
+    nccl_result (*GroupStart)(void);
+    nccl_result (*GroupEnd)(void);
+    nccl_result (*Send)(const void *, size_t, int, int, nccl_comm, cudaStream_t);
+    nccl_result (*Recv)(void *, size_t, int, int, nccl_comm, cudaStream_t);
+    nccl_result (*AllGather)(const void *, void *, size_t, int, nccl_comm, cudaStream_t);
+    nccl_result (*CommCount)(const nccl_comm, int *);
+    nccl_result (*CommUserRank)(const nccl_comm, int *);
+    nccl_result (*CommSplit)(nccl_comm, int, int, nccl_comm *, void *);
+    nccl_result (*CommDestroy)(nccl_comm);
+    const char *(*GetErrorString)(nccl_result);
+} nccl_api;
+
+static nccl_api g_nccl;
+static int g_nccl_state; /* 0 not tried, 1 loaded, -1 failed */
+static char g_nccl_why[512];
+static pthread_mutex_t g_nccl_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* The process's libnccl if one is loaded (PyTorch's), else
+ * $SMOE_NCCL_LIBRARY, else libnccl.so.2 by the loader's search. */
+static int nccl_load(void)
+{
+    pthread_mutex_lock(&g_nccl_lock);
+    if (g_nccl_state == 0) {
+        const char *env = getenv("SMOE_NCCL_LIBRARY");
+        void *h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD);
+        if (!h && env && *env) h = dlopen(env, RTLD_NOW | RTLD_GLOBAL);
+        if (!h) h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_GLOBAL);
+        if (!h) {
+            snprintf(g_nccl_why, sizeof g_nccl_why,
+                     "dlopen(%s): %s (set SMOE_NCCL_LIBRARY to libnccl.so.2's path)",
+                     env && *env ? env : "libnccl.so.2", dlerror());
+            g_nccl_state = -1;
+        } else {
+#define NCCL_SYM(f)                                                                \
+    do {                                                                           \
+        *(void **)&g_nccl.f = dlsym(h, "nccl" #f);                                 \
+        if (!g_nccl.f && g_nccl_state == 0) {                                      \
+            snprintf(g_nccl_why, sizeof g_nccl_why, "libnccl has no nccl%s", #f);  \
+            g_nccl_state = -1;                                                     \
+        }                                                                          \
+    } while (0)
+            NCCL_SYM(GroupStart);
+            NCCL_SYM(GroupEnd);
+            NCCL_SYM(Send);
+            NCCL_SYM(Recv);
+            NCCL_SYM(AllGather);
+            NCCL_SYM(CommCount);
+            NCCL_SYM(CommUserRank);
+            NCCL_SYM(CommSplit);
+            NCCL_SYM(CommDestroy);
+            NCCL_SYM(GetErrorString);
+#undef NCCL_SYM
+            if (g_nccl_state == 0) g_nccl_state = 1;
+        }
+    }
+    const int ok = g_nccl_state == 1;
+    pthread_mutex_unlock(&g_nccl_lock);
+    return ok;
+}
+
+#define NCCL_CHECK(expr)                                                                  \
+    do {                                                                                  \
+        nccl_result smoe_nr_ = (expr);                                                   \
+        if (smoe_nr_ != NCCL_OK)                                                      \
+            return smoe_fail(SMOE_ERROR_BACKEND, "%s:%d: %s: %s", __FILE__, __LINE__, #expr, \
+                             g_nccl.GetErrorString(smoe_nr_));                            \
+    } while (0)
+
+/* ncclConfig_t as NCCL 2.18 laid it out (NCCL reads a config by its size
+ * and version, so a newer library takes this one): what the layer's own
+ * communicator asks for. */
+typedef struct nccl_config {
+    size_t size;
+    unsigned int magic;   /* 0xcafebeef */
+    unsigned int version; /* NCCL_VERSION(2, 18, 0) */
+    int blocking, cgaClusterSize, minCTAs, maxCTAs;
+    const char *netName;
+    int splitShare;
+} nccl_config;
+
+static nccl_comm comm_of(const smoe_ep_layer *ep)
+{
+    return ep->cuda && ep->cuda->comm ? ep->cuda->comm : (nccl_comm)ep->desc.nccl_comm;
+}
+
+smoe_status smoe_ep_p2p_group(const smoe_ep_layer *ep, const p2p_op *op, int n, cudaStream_t s)
+{
+    nccl_comm comm = comm_of(ep);
+    NCCL_CHECK(g_nccl.GroupStart());
+    for (int i = 0; i < n; i++) {
+        if (!op[i].bytes) continue;
+        nccl_result r1 = g_nccl.Send(op[i].send, op[i].bytes, NCCL_UINT8, op[i].to, comm, s);
+        nccl_result r2 = g_nccl.Recv(op[i].recv, op[i].bytes, NCCL_UINT8, op[i].from, comm, s);
+        if (r1 != NCCL_OK || r2 != NCCL_OK) {
+            g_nccl.GroupEnd();
+            return smoe_fail(SMOE_ERROR_BACKEND, "expert parallelism: ncclSend/Recv: %s",
+                             g_nccl.GetErrorString(r1 != NCCL_OK ? r1 : r2));
+        }
+    }
+    NCCL_CHECK(g_nccl.GroupEnd());
+    return SMOE_SUCCESS;
+}
+
+/* The exchange of several buffers with every rank, itself included (n <= 2):
+ * rank r's slice q (x[b].row bytes) goes to rank q's slice r. */
+smoe_status smoe_ep_alltoall(const smoe_ep_layer *ep, const cbuf *x, int n, cudaStream_t s)
+{
+    p2p_op op[2 * 64];
+    int k = 0;
+    for (int b = 0; b < n && b < 2; b++)
+        for (int q = 0; q < ep->P; q++) {
+            op[k].send = x[b].send + (size_t)q * x[b].row;
+            op[k].recv = x[b].recv + (size_t)q * x[b].row;
+            op[k].bytes = x[b].row;
+            op[k].to = op[k].from = q;
+            k++;
+        }
+    return smoe_ep_p2p_group(ep, op, k, s);
+}
+
+/* ------------------------------------------------------------ create */
+
+void smoe_ep_cuda_free(smoe_ep_layer *ep)
+{
+    ep_cuda *X = ep ? ep->cuda : NULL;
+    if (!X) return;
+    int prev = 0;
+    const int have = cudaGetDevice(&prev) == cudaSuccess;
+    if (have) cudaSetDevice(ep->desc.layer.device);
+    for (int i = 0; i < X->n_ev; i++)
+        if (X->ev[i]) cudaEventDestroy(X->ev[i]);
+    if (X->cs) cudaStreamDestroy(X->cs);
+    if (X->own_comm && X->comm) g_nccl.CommDestroy(X->comm);
+    if (have) cudaSetDevice(prev);
+    free(X->ev);
+    free(X->order);
+    free(X);
+    ep->cuda = NULL;
+}
+
+/* The chunks, their order and the stream and events of the overlap: the
+ * first half of this rank's own rows while the peers' rows travel, then
+ * the peers' in the order they arrive, each one's partial sums sent back
+ * while the next computes, and the second half of this rank's own last
+ * (forward and backward alike; the backward's weight gradients follow,
+ * beside the last partial sums). */
+static smoe_status cuda_state_make(smoe_ep_layer *ep)
+{
+    const char *fn = "smoe_ep_layer_create";
+    ep_cuda *X = (ep_cuda *)calloc(1, sizeof *X);
+    SMOE_RETURN_ERROR_IF(!X, SMOE_ERROR_OUT_OF_MEMORY, "%s: allocation", fn);
+    ep->cuda = X;
+    const int P = ep->P, r = ep->r;
+    X->g = smoe_cuda_layer_gemms(ep->experts, ep->rows);
+    SMOE_RETURN_ERROR_IF(ep->desc.overlap == 1 && !X->g.views, SMOE_ERROR_UNSUPPORTED,
+                         "%s: overlap = 1, but this layer's expert GEMMs (%s) take no view of "
+                         "their rows (the Hopper GEMMs do)",
+                         fn, smoe_layer_path_name(ep->experts));
+    const int split = ep->C >= 2 ? 1 : 0; /* this rank's own rows in two */
+    /* overlap = 0: on where each exchange sends at least 128 MiB to a peer.
+     * Measured on 2 H100s (bench/RESULTS.md, "Expert parallelism"): with
+     * 256 MiB slices (30B-n512, 120B-n1024) the overlap gains 2.5-2.7 points
+     * of per-GPU throughput; with 64 MiB slices (Qwen3-30B-A3B-like,
+     * Mixtral-like) the chunks and the SMs left to NCCL cost more than the
+     * exchanges they hide (1.5-9 points lost). */
+    const double slice = (double)ep->C * (double)ep->desc.layer.d * 2.0;
+    const int want = ep->desc.overlap == 1 || (ep->desc.overlap == 0 && slice >= 128.0 * 1048576.0);
+    X->nc = want && X->g.views && P > 1 ? P + split : 1;
+    if (X->nc == 1) {
+        X->bd.b[0] = 0;
+        X->bd.b[1] = (int64_t)P * ep->C;
+    } else {
+        int c = 0;
+        for (int q = 0; q < P; q++) {
+            X->bd.b[c++] = (int64_t)q * ep->C;
+            if (q == r && split) X->bd.b[c++] = (int64_t)q * ep->C + ep->C / 2;
+        }
+        X->bd.b[c] = (int64_t)P * ep->C;
+    }
+    /* 0: four SMs per rank, 8 to 32 (best measured: 8 at P = 2, 16 at P = 4;
+     * more peers want more of NCCL's channels at once) */
+    const int r_auto = 4 * P < 8 ? 8 : 4 * P > 32 ? 32 : 4 * P;
+    int R = ep->desc.comm_sms == 0 ? r_auto : ep->desc.comm_sms < 0 ? 0 : ep->desc.comm_sms;
+    if (R > X->g.num_sms / 2) R = X->g.num_sms / 2;
+    X->sms_overlap = X->g.num_sms - R;
+    X->order = (int *)malloc(sizeof(int) * (size_t)X->nc);
+    X->n_ev = EV_IN + P + X->nc;
+    X->ev = (cudaEvent_t *)calloc((size_t)X->n_ev, sizeof(cudaEvent_t));
+    SMOE_RETURN_ERROR_IF(!X->order || !X->ev, SMOE_ERROR_OUT_OF_MEMORY,
+                         "%s: allocation", fn);
+    if (X->nc == 1) {
+        X->order[0] = 0;
+    } else {
+        /* chunk of source q: q, or q + 1 past this rank's split rows */
+        int i = 0;
+        X->order[i++] = r;
+        for (int k = 1; k < P; k++) {
+            const int q = (r - k + P) % P;
+            X->order[i++] = q < r || !split ? q : q + 1;
+        }
+        if (split) X->order[i++] = r + 1;
+    }
+    int lo = 0, hi = 0;
+    SMOE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    SMOE_CUDA_CHECK(cudaStreamCreateWithPriority(&X->cs, cudaStreamNonBlocking, hi));
+    for (int i = 0; i < X->n_ev; i++)
+        SMOE_CUDA_CHECK(cudaEventCreateWithFlags(&X->ev[i], cudaEventDisableTiming));
+    /* The overlap's exchanges run beside GEMMs that leave R SMs free: NCCL's
+     * kernels must fit there, so the layer splits a communicator of its own
+     * whose kernels launch one CTA per cluster (the default, clusters of
+     * four, finds no room among scattered free SMs and waits for the GEMM;
+     * bench/nccl_overlap_probe.cu measures it) and at most R of them. */
+    if (X->nc > 1 && P > 1) {
+        nccl_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.size = sizeof cfg;
+        cfg.magic = 0xcafebeef;
+        cfg.version = 21800;
+        cfg.blocking = 1;
+        cfg.cgaClusterSize = 1;
+        cfg.minCTAs = INT_MIN; /* NCCL's "unset" */
+        cfg.maxCTAs = R > 0 ? R : INT_MIN;
+        cfg.netName = NULL;
+        cfg.splitShare = 0;
+        nccl_comm mine = NULL;
+        nccl_result nr = g_nccl.CommSplit((nccl_comm)ep->desc.nccl_comm, 0, r, &mine, &cfg);
+        SMOE_RETURN_ERROR_IF(nr != NCCL_OK || !mine, SMOE_ERROR_BACKEND,
+                             "%s: ncclCommSplit (the overlap's communicator): %s", fn,
+                             g_nccl.GetErrorString(nr));
+        X->comm = mine;
+        X->own_comm = 1;
+    }
+    if (X->nc > 1)
+        snprintf(ep->path, sizeof ep->path,
+                 "%s; ep: overlap, %d chunks, %d SMs left to NCCL beside the GEMMs",
+                 smoe_layer_path_name(ep->experts), X->nc, X->g.num_sms - X->sms_overlap);
+    else
+        snprintf(ep->path, sizeof ep->path, "%s; ep: no overlap (exchange, then compute)",
+                 smoe_layer_path_name(ep->experts));
+    return SMOE_SUCCESS;
+}
+
+smoe_status smoe_ep_cuda_init(smoe_ep_layer *ep)
+{
+    const char *fn = "smoe_ep_layer_create";
+    SMOE_RETURN_ERROR_IF(!nccl_load(), SMOE_ERROR_NO_DEVICE, "%s: NCCL: %s", fn, g_nccl_why);
+    nccl_comm comm = (nccl_comm)ep->desc.nccl_comm;
+    int count = 0, rank = -1;
+    NCCL_CHECK(g_nccl.CommCount(comm, &count));
+    NCCL_CHECK(g_nccl.CommUserRank(comm, &rank));
+    SMOE_RETURN_ERROR_IF(count != ep->P || rank != ep->r, SMOE_ERROR_INVALID_VALUE,
+                         "%s: the NCCL communicator has %d ranks and this is rank %d; the "
+                         "description says rank %d of %d",
+                         fn, count, rank, ep->r, ep->P);
+    SMOE_RETURN_ERROR_IF(ep->P > 64, SMOE_ERROR_UNSUPPORTED,
+                         "%s: nranks = %d, at most 64 ranks on the CUDA path", fn, ep->P);
+    SMOE_RETURN_ERROR_IF(ep->desc.layer.d % 8 != 0, SMOE_ERROR_UNSUPPORTED,
+                         "%s: d = %lld, a multiple of 8 on the GPU", fn,
+                         (long long)ep->desc.layer.d);
+    /* every rank's description, compared (a synchronisation: create time) */
+    smoe_ep_desc mine = ep->desc;
+    mine.rank = 0;
+    mine.group = NULL;
+    mine.nccl_comm = NULL;
+    mine.layer.device = 0; /* each rank's own GPU */
+    const size_t b = sizeof mine;
+    void *dev = NULL;
+    cudaStream_t s = NULL;
+    int prev = 0;
+    SMOE_CUDA_CHECK(cudaGetDevice(&prev));
+    SMOE_CUDA_CHECK(cudaSetDevice(ep->desc.layer.device));
+    smoe_status r = SMOE_SUCCESS;
+    unsigned char *all = (unsigned char *)malloc(b * (size_t)ep->P);
+    if (!all) r = smoe_fail(SMOE_ERROR_OUT_OF_MEMORY, "%s: allocation", fn);
+    if (r == SMOE_SUCCESS && cudaMalloc(&dev, b * (size_t)(ep->P + 1)) != cudaSuccess)
+        r = smoe_fail(SMOE_ERROR_BACKEND, "%s: cudaMalloc for the description check", fn);
+    if (r == SMOE_SUCCESS && cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess)
+        r = smoe_fail(SMOE_ERROR_BACKEND, "%s: cudaStreamCreate", fn);
+    if (r == SMOE_SUCCESS &&
+        cudaMemcpy((char *)dev + b * (size_t)ep->P, &mine, b, cudaMemcpyHostToDevice) != cudaSuccess)
+        r = smoe_fail(SMOE_ERROR_BACKEND, "%s: cudaMemcpy", fn);
+    if (r == SMOE_SUCCESS) {
+        nccl_result nr = g_nccl.AllGather((char *)dev + b * (size_t)ep->P, dev, b, NCCL_UINT8,
+                                           comm, s);
+        if (nr != NCCL_OK)
+            r = smoe_fail(SMOE_ERROR_BACKEND, "%s: ncclAllGather: %s", fn,
+                          g_nccl.GetErrorString(nr));
+    }
+    if (r == SMOE_SUCCESS && (cudaStreamSynchronize(s) != cudaSuccess ||
+                              cudaMemcpy(all, dev, b * (size_t)ep->P, cudaMemcpyDeviceToHost) !=
+                                  cudaSuccess))
+        r = smoe_fail(SMOE_ERROR_BACKEND, "%s: the description check's copy", fn);
+    for (int q = 0; q < ep->P && r == SMOE_SUCCESS; q++)
+        if (memcmp(all + b * (size_t)q, &mine, b) != 0)
+            r = smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                          "%s: rank %d's description differs from rank %d's (every field but "
+                          "rank, nccl_comm and layer.device must match)",
+                          fn, q, ep->r);
+    if (s) cudaStreamDestroy(s);
+    if (dev) cudaFree(dev);
+    free(all);
+    if (r == SMOE_SUCCESS) {
+        SMOE_CUDA_CHECK(cudaSetDevice(ep->desc.layer.device));
+        r = cuda_state_make(ep);
+    }
+    cudaSetDevice(prev);
+    return r;
+}
