@@ -67,6 +67,21 @@ static __device__ __forceinline__ void smoe_cp_async_wait(void)
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+/* A 4-byte global load where pred holds, 0 elsewhere, as one predicated
+ * ld.global: the address is formed whatever pred says (a C++ conditional
+ * load becomes a branch around the load and its address arithmetic).
+ * Unordered against the thread's own stores: for data the kernel does not
+ * write. */
+static __device__ __forceinline__ int32_t smoe_ld_global_s32_pred(const int32_t *src, bool pred)
+{
+    int32_t v;
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\tmov.b32 %0, 0;\n\t"
+                 "@p ld.global.b32 %0, [%1];\n\t}\n"
+                 : "=r"(v)
+                 : "l"(src), "r"((int)pred));
+    return v;
+}
+
 /* Four 8x8 b16 matrices from shared memory (lane i gives the row address
  * of matrix i / 8), fragments in mma.sync's layout; _trans transposes each,
  * for operands stored MN-major. */

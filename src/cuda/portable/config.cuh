@@ -83,7 +83,7 @@ struct gg_cfg {
  * shared by its parts. The hint is a compile-time constant of the row: as a
  * run-time value ptxas if-converts its branch into predicated copies in the
  * main loop (both hints issued, one predicated off, around every copy),
- * which cost the persistent dw2 37% (notes/portable_log.md, session 13). */
+ * which cost dw1 14% (notes/portable_log.md, session 13). */
 #define GG_TPARAMS                                                                             \
     int BM, int BN, int BK, int WM, int WN, int STAGES, int FA, int A_KM, int B_KM, int A_MAP, \
         int B_MAP, int EPI, int L2

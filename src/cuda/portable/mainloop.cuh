@@ -81,9 +81,12 @@ struct gg_loader {
  * rows are fixed, K advances along them (a chunk past K: no row is read).
  * MN-major: the owned rows are k indices of this k-tile, memory rows
  * k itself (IDENT) or tokn, mapped here a k-tile ahead of their use so that
- * the token loads overlap the MMAs. Copies that read nothing still name a
- * valid address (the operand's start or a row inside). k indices fit in
- * int (gg_check_problem), row byte offsets are 32x32 -> 64-bit products. */
+ * the token loads overlap the MMAs (gathered rows: after this k-tile's
+ * copies, as predicated loads straight into tokn, so that no instruction
+ * of the k-tile waits for them; notes/portable_log.md, session 15).
+ * Copies that read nothing still name a valid address (the operand's
+ * start or a row inside). k indices fit in int (gg_check_problem), row
+ * byte offsets are 32x32 -> 64-bit products. */
 template <int L2, int ROWS, int COLS, int NT, bool KMAJ, int MAP>
 static __device__ __forceinline__ void gg_issue(const gg_args &p,
                                                   gg_loader<ROWS, COLS, NT, KMAJ, MAP> &l,
@@ -114,13 +117,20 @@ static __device__ __forceinline__ void gg_issue(const gg_args &p,
             const int row = L::TOKN ? l.tokn[i] : (v ? k0 + r : 0);
             const bf16 *src = (const bf16 *)((const char *)l.cb + (int64_t)row * ldb);
             gg_cp_async16_h<L2>(dst + gg_swz<L::CPR>(r, l.col), src, v);
-            if (L::TOKN) {
-                if (MAP == GG_MAP_TOKEN) {
-                    const int32_t *tp = p.tok + k0 + ROWS + l.row0; /* read below rem only */
-                    l.tokn[i] = ROWS + r < rem ? tp[i * L::RPP] : 0;
-                } else {
-                    l.tokn[i] = ROWS + r < rem ? (int32_t)gg_map_c<MAP>(p, k0 + ROWS + r) : 0;
-                }
+            if (L::TOKN && MAP != GG_MAP_TOKEN)
+                l.tokn[i] = ROWS + r < rem ? (int32_t)gg_map_c<MAP>(p, k0 + ROWS + r) : 0;
+        }
+        /* Gathered rows: the next k-tile's tokens after every copy has read
+         * tokn, with predicated loads. A conditional C++ load (a branch
+         * around it) let ptxas load a token into a spare register and copy
+         * it into tokn at the end of the issue, a copy that waits for the
+         * load before the warp's MMAs (dw2 3.2 -> 4.4 ms). */
+        if (L::TOKN && MAP == GG_MAP_TOKEN) {
+            const int32_t *tp = p.tok + k0 + ROWS + l.row0; /* read below rem only */
+#pragma unroll
+            for (int i = 0; i < L::IPT; i++) {
+                const int r = l.row0 + i * L::RPP;
+                l.tokn[i] = smoe_ld_global_s32_pred(tp + i * L::RPP, ROWS + r < rem);
             }
         }
     }
