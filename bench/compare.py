@@ -47,6 +47,8 @@ for the torch layer's, 8 ms for ScatterMoE's: hence the 10 ms default.
 Implementations (--impls):
   smoe-sm90, smoe-cuda  smoe.moe() with $SMOE_TORCH_BACKEND forcing the
                         backend (the Hopper kernels; the portable CUDA ones)
+  smoe-sm90-consume     smoe-sm90 with consume_saved=True (the backward
+                        writes dH over the saved H: the smaller workspace)
   smoe-cpu              smoe.moe() on CPU tensors (--device cpu)
   torch                 bench/torch_baseline.py's layer (router, index gather,
                         torch.nn.functional.grouped_mm, SwiGLU, index_add)
@@ -316,9 +318,10 @@ def import_smoe():
 
 
 class SmoeImpl(Impl):
-    def __init__(self, backend):
+    def __init__(self, backend, consume_saved=False):
         self.backend = backend            # 'sm90', 'cuda' or 'cpu'
-        self.name = "smoe-" + backend
+        self.consume_saved = consume_saved  # dH written over the saved H
+        self.name = "smoe-" + backend + ("-consume" if consume_saved else "")
 
     def available(self, device):
         want_cpu = self.backend == "cpu"
@@ -348,7 +351,8 @@ class SmoeImpl(Impl):
         x, wr, w1, w2 = self.leaves
         out, counts, logits = self.smoe.moe(x, wr, w1, w2, top_k=self.prob.K,
                                             routing="topk_softmax", activation="swiglu",
-                                            w1_layout="interleaved")
+                                            w1_layout="interleaved",
+                                            consume_saved=self.consume_saved)
         self.out_extra = (counts, logits)
         return out
 
@@ -356,7 +360,7 @@ class SmoeImpl(Impl):
         counts, logits = self.out_extra
         layers = list(self.smoe.functional._layers.values())
         if layers:
-            self.path = layers[-1].path_name
+            self.path = layers[-1].path_name + (" consume_saved" if self.consume_saved else "")
         mism = routing_mismatch(self.prob, logits)
         want = torch.bincount(self.prob.top_i.reshape(-1), minlength=self.prob.E)
         note = "" if torch.equal(counts.long().cpu(), want.cpu()) else "expert counts differ"
@@ -493,6 +497,7 @@ class SonicMoEImpl(Impl):
 IMPLS = {
     "smoe-sm90": lambda: SmoeImpl("sm90"),
     "smoe-cuda": lambda: SmoeImpl("cuda"),
+    "smoe-sm90-consume": lambda: SmoeImpl("sm90", consume_saved=True),
     "smoe-cpu": lambda: SmoeImpl("cpu"),
     "torch": TorchImpl,
     "scattermoe": ScatterMoEImpl,
