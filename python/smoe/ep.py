@@ -708,6 +708,82 @@ def _register_ordered():
 _ORDERED = _register_ordered()
 
 
+def check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who):
+    """The exchange's options as smoe.EPMoE takes them (smoe_ep_desc's):
+    max_tokens, capacity, expert_rows ints >= 0, overlap -1, 0 or 1,
+    comm_sms an int >= -1; a SmoeValueError naming the one that is not."""
+    for name, v in (("max_tokens", max_tokens), ("capacity", capacity),
+                    ("expert_rows", expert_rows)):
+        _check_int(v, who + ": " + name, 0)
+    if overlap not in (-1, 0, 1):
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "%s: overlap = %r, must be -1, 0 or 1"
+                             % (who, overlap))
+    _check_int(comm_sms, who + ": comm_sms", -1)
+
+
+def _ep_layer_config(group, d, n, E, K, activation, w1_layout, has_bias, routing, renormalize,
+                     n_group, topk_group, routed_scaling, max_tokens, capacity, expert_rows,
+                     overlap, comm_sms):
+    """(options, cfg) of a layer on `group` (enums as smoe_* codes): the
+    operators' config (_EP_OPTIONS, without save or needs) and the key of
+    the group's handle (EPGroup._layer)."""
+    options = [group._id, K, activation, w1_layout, routing, int(renormalize), n_group,
+               topk_group, max_tokens, capacity, expert_rows, overlap, comm_sms]
+    cfg = (d, n, E, K, activation, w1_layout, bool(has_bias), routing, bool(renormalize),
+           n_group, topk_group, float(routed_scaling), max_tokens, capacity, expert_rows,
+           overlap, comm_sms)
+    return options, cfg
+
+
+def _ep_run(group, options, cfg, routed_scaling, x, router_w, w1, w2, b1, b2, expert_bias):
+    """The layer on checked tensors, x (T, d) this rank's tokens: (out (T,
+    d), expert_counts (E,), router_logits (T, E)), through the eager path
+    when functional._direct allows, else the operators (smoe.EPMoE's
+    forward and smoe.hf's expert-parallel blocks)."""
+    w = (router_w, w1, w2, b1, b2)
+    # Without a gradient to compute (torch.no_grad(), inference_mode(),
+    # nothing requiring one) the forward keeps nothing for backward: the
+    # library's inference forward, with no saved block.
+    save = _wants_grad(x, *w)
+    if _direct(x.device, x, *w, expert_bias):
+        layer = group._layer(cfg, x.device, x.dtype)
+        if save:
+            return _EPFunction.apply(x, *w, expert_bias, layer, options, routed_scaling)
+        return _ep_forward_core(layer, x, *w, expert_bias, 0)[:3]
+    if not _ORDERED and torch.compiler.is_compiling():
+        raise SmoeError(L.SMOE_ERROR_UNSUPPORTED, "smoe.EPMoE under torch.compile needs "
+                        "PyTorch's effect tokens (torch._higher_order_ops.effects), which keep "
+                        "the collective operators in order on every rank; this PyTorch has none")
+    return torch.ops.smoe.ep_forward(x, *w, expert_bias, options + [int(save)],
+                                     routed_scaling)[:3]
+
+
+def _ep_moe(group, x, router_w, w1, w2, *, top_k, routing, renormalize, activation, w1_layout,
+            expert_bias, n_group, topk_group, routed_scaling, max_tokens, capacity, expert_rows,
+            overlap, comm_sms, who):
+    """The layer on x (..., d), this rank's tokens, with router_w (E, d) and
+    this rank's experts w1, w2 (no biases; enums as smoe_* codes; the
+    routing options checked by the caller): (out (..., d), expert_counts
+    (E,), router_logits (T, E)). smoe.hf's expert-parallel blocks call it
+    with their Hugging Face parameters; `who` names the caller in errors."""
+    x2 = x.reshape(-1, x.shape[-1])
+    _check_backend(group, x2.device, x2.dtype)
+    for name, t in (("the router weight", router_w), ("w1", w1), ("w2", w2)):
+        if t.device != x.device or t.dtype != x.dtype:
+            raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "%s: x is %s %s but %s is %s %s"
+                                 % (who, x.device, x.dtype, name, t.device, t.dtype))
+    if x2.shape[0] > max_tokens:
+        raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "%s: %d tokens, more than max_tokens = %d"
+                        % (who, x2.shape[0], max_tokens))
+    options, cfg = _ep_layer_config(group, x2.shape[1], w2.shape[2], router_w.shape[0], top_k,
+                                    activation, w1_layout, False, routing, renormalize, n_group,
+                                    topk_group, routed_scaling, max_tokens, capacity,
+                                    expert_rows, overlap, comm_sms)
+    out, counts, logits = _ep_run(group, options, cfg, routed_scaling, x2, router_w, w1, w2,
+                                  None, None, expert_bias)
+    return out.reshape(x.shape), counts, logits
+
+
 _AUX_LOSS_SCOPES = ("local", "group")
 
 
@@ -790,13 +866,7 @@ class EPMoE(nn.Module):
             routing, n_group, topk_group, routed_scaling, E, K, who,
             "the C API's smoe_ep_layer takes them, smoe.EPMoE does not")
         self.w1_layout = _enum(W1_LAYOUTS, w1_layout, who + ": w1_layout")
-        for name, v in (("max_tokens", max_tokens), ("capacity", capacity),
-                        ("expert_rows", expert_rows)):
-            _check_int(v, who + ": " + name, 0)
-        if overlap not in (-1, 0, 1):
-            raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.EPMoE: overlap = %r, must be "
-                                 "-1, 0 or 1" % (overlap,))
-        _check_int(comm_sms, who + ": comm_sms", -1)
+        check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who)
         if aux_loss_scope not in _AUX_LOSS_SCOPES:
             raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.EPMoE: aux_loss_scope = %r, "
                                  "must be 'local' (this rank's tokens) or 'group' (the group's)"
@@ -829,13 +899,10 @@ class EPMoE(nn.Module):
         self.last_expert_counts = None
         # The operators' config (_EP_OPTIONS) and the group's layer handle's
         # key (EPGroup._layer): this layer's options, nothing of its own.
-        self._options = [self.group._id, K, self.activation, self.w1_layout, self.routing,
-                         int(self.renormalize), self.n_group, self.topk_group, self.max_tokens,
-                         self.capacity, self.expert_rows, self.overlap, self.comm_sms]
-        self._cfg = (d, n, E, K, self.activation, self.w1_layout, bool(add_bias), self.routing,
-                     self.renormalize, self.n_group, self.topk_group, float(self.routed_scaling),
-                     self.max_tokens, self.capacity, self.expert_rows, self.overlap,
-                     self.comm_sms)
+        self._options, self._cfg = _ep_layer_config(
+            self.group, d, n, E, K, self.activation, self.w1_layout, add_bias, self.routing,
+            self.renormalize, self.n_group, self.topk_group, self.routed_scaling,
+            self.max_tokens, self.capacity, self.expert_rows, self.overlap, self.comm_sms)
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
@@ -886,30 +953,12 @@ class EPMoE(nn.Module):
         if x.shape[0] > self.max_tokens:
             raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "smoe.EPMoE: %d tokens, more than "
                             "max_tokens = %d" % (x.shape[0], self.max_tokens))
-        w = (self.router.weight, self.c_fc.weight, self.c_proj.weight, self.c_fc.bias,
-             self.c_proj.bias)
         bias = self.expert_bias
         if bias is not None:
             bias = bias.detach()
-        # Without a gradient to compute (torch.no_grad(), inference_mode(),
-        # nothing requiring one) the forward keeps nothing for backward: the
-        # library's inference forward, with no saved block.
-        save = _wants_grad(x, *w)
-        if _direct(x.device, x, *w, bias):
-            layer = self.group._layer(self._cfg, x.device, x.dtype)
-            if save:
-                out, counts, logits = _EPFunction.apply(x, *w, bias, layer, self._options,
-                                                        self.routed_scaling)
-            else:
-                out, counts, logits, _ = _ep_forward_core(layer, x, *w, bias, 0)
-        else:
-            if not _ORDERED and torch.compiler.is_compiling():
-                raise SmoeError(L.SMOE_ERROR_UNSUPPORTED, "smoe.EPMoE under torch.compile needs "
-                                "PyTorch's effect tokens (torch._higher_order_ops.effects), "
-                                "which keep the collective operators in order on every rank; "
-                                "this PyTorch has none")
-            out, counts, logits, _ = torch.ops.smoe.ep_forward(
-                x, *w, bias, self._options + [int(save)], self.routed_scaling)
+        out, counts, logits = _ep_run(self.group, self._options, self._cfg, self.routed_scaling,
+                                      x, self.router.weight, self.c_fc.weight,
+                                      self.c_proj.weight, self.c_fc.bias, self.c_proj.bias, bias)
         self.last_expert_counts = counts
         aux = _switch_loss(logits, counts,
                            self._group_sums if self.aux_loss_scope == "group" else None)
