@@ -19,9 +19,12 @@ dynamic shapes): output, router logits, expert counts and every gradient
 of a loss on the output and the logits bit for bit; the aux loss (the
 group's, 'sigmoid_topk' with a bias) and the gradients of a loss with it
 within 1e-2 of their scale (inductor's float32 reductions round a
-bfloat16 gradient's last bit otherwise); the same forward under torch.no_grad()
-(the library's inference forward, no saved block) eager and compiled, bit
-for bit. tests/test_ep_compile.py checks the same on the CPU."""
+bfloat16 gradient's last bit otherwise); the same forward under
+torch.no_grad() (the library's inference forward, no saved block) eager
+and compiled, bit for bit. test_ep_compile_cuda_graph (a spawn of its
+own): a compiled layer's forward and backward captured in a CUDA graph
+replay the eager layer's bits. tests/test_ep_compile.py checks the rest
+on the CPU."""
 import os
 import tempfile
 
@@ -390,3 +393,71 @@ def test_ep_compile(world):
                         where, k, err, scale)
                 else:
                     assert torch.equal(comp[k], eager[k]), "%s: %s differs" % (where, k)
+
+
+def _graph_worker(rank, world, init_file, out_file):
+    """A compiled EPMoE's forward and backward captured in a CUDA graph,
+    replayed twice against the eager layer."""
+    import torch.distributed as dist
+    import smoe
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method="file://" + init_file, rank=rank,
+                            world_size=world)
+    try:
+        torch._dynamo.reset()
+        wr, w1, w2, x_all, do_all, _, _ = _inputs(world, "topk_softmax")
+        El = E // world
+        m = smoe.EPMoE(E, 2, D, N, ep_group=smoe.EPGroup(), max_tokens=T).cuda().to(w1.dtype)
+        with torch.no_grad():
+            m.router.weight.copy_(wr)
+            m.c_fc.weight.copy_(w1[rank * El:(rank + 1) * El])
+            m.c_proj.weight.copy_(w2[rank * El:(rank + 1) * El])
+        x = x_all[rank * T:(rank + 1) * T].cuda()
+        do = do_all[rank * T:(rank + 1) * T].cuda()
+        params = [m.c_fc.weight, m.c_proj.weight, m.router.weight]
+
+        def step(f, xs):
+            out = f(xs)[0]
+            return [out] + list(torch.autograd.grad(out, [xs] + params, do))
+
+        want = [t.detach().clone() for t in step(m, x.clone().requires_grad_())]
+        compiled = torch.compile(m, fullgraph=True)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s):
+            for _ in range(2):   # compiles, then runs once more, before the capture
+                step(compiled, x.clone().requires_grad_())
+            xs = x.clone().requires_grad_()
+            with torch.cuda.graph(gr, stream=s, capture_error_mode="thread_local"):
+                got = step(compiled, xs)
+        torch.cuda.current_stream().wait_stream(s)
+        same = []
+        for _ in range(2):
+            gr.replay()
+            torch.cuda.synchronize()
+            same.append([torch.equal(a, b) for a, b in zip(got, want)])
+        m.check_device()
+        gathered = [None] * world
+        dist.all_gather_object(gathered, same)
+        if rank == 0:
+            torch.save(gathered, out_file)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ep_compile_cuda_graph(world):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip("needs %d GPU%s" % (world, "s" if world > 1 else ""))
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        out_file = os.path.join(tmp, "res.pt")
+        mp.spawn(_graph_worker, args=(world, init_file, out_file), nprocs=world, join=True)
+        res = torch.load(out_file)
+    for rank, replays in enumerate(res):
+        for i, same in enumerate(replays):
+            # out, dx, dw1, dw2, drouter_w
+            assert all(same), "rank %d replay %d: %s" % (rank, i, same)
