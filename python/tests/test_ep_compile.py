@@ -18,7 +18,7 @@ with token counts that change (a rank with none) under dynamic=True;
 with inductor the output, the expert counts, the router logits and every
 gradient of a loss on the output and the logits bit for bit, the Switch
 aux loss (inductor's own float32 reductions) and the gradients through it
-within 1e-6. Inductor costs ~50 s a case on two cores: one case here, the
+within 1e-6. Inductor costs 20-50 s a case on two cores: one case here, the
 GPU tests compile with it at WORLD 1 and 2. Also: the collectives of the
 compiled graphs ordered by effect tokens, blocks compiled one by one
 sharing one graph, the operators' path run eagerly (the same bits as the
@@ -56,7 +56,7 @@ CASES = {
     # inductor: the layers' results bitwise, the aux loss within rounding
     "P2_sigmoid_group_inductor": (2, 3, dict(SIGMOID, aux_loss_scope="group"), 21, True,
                                   "inductor", False),
-    # aot_eager: every bit (inductor takes ~40 s a case on two cores: the
+    # aot_eager: every bit (inductor takes 20-50 s a case on two cores: the
     # GPU tests compile with it at WORLD 1 and 2)
     "P1_topk_softmax": (1, 2, {}, None, False, "aot_eager", False),
     "P2_softmax_topk_bias_dynamic": (2, 2, dict(routing="softmax_topk"), None, True,
