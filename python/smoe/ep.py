@@ -20,23 +20,47 @@ together (T may differ per rank, at most max_tokens). The router weight is
 replicated: its gradient here is this rank's share, to be summed over the
 group like any replicated parameter's (DDP does; or layer.reduce_router_grad()).
 The expert weights are this rank's own: do not average them over the group.
-CUDA tensors, bfloat16. Eager autograd (torch.compile: not yet).
+CUDA tensors, bfloat16.
+
+Autograd, torch.compile and CUDA graphs: as smoe.moe, a plain eager call
+runs the library through an autograd.Function; every other call (under
+torch.compile, export, a dispatch mode...) through the custom operators
+torch.ops.smoe.ep_forward and ep_backward (and ep_group_sums,
+ep_all_reduce for aux_loss_scope='group'), with fake implementations and
+an autograd formula, the same bits either way. The operators cannot take
+the library's handle: they take the group's id and the layer's options
+(config: List[int]), and find the handle in the group (EPGroup._layer),
+which keeps one per configuration, device and dtype, made by the first
+real call (collective). Nothing in their arguments is particular to one
+layer, so layers of one configuration share a compiled graph. The saved
+block's size at trace time is a Python bound (_ep_saved_bound; checked
+against the library at every call). The four operators are registered as
+ordered side effects (PyTorch's effect tokens), so a compiled graph runs
+the collectives in program order on every rank. A forward without
+gradients (torch.no_grad(), inference_mode(), nothing requiring one) is
+the library's inference forward: no saved block.
 
 EPGroup.in_process(P) gives P groups for P threads of one process instead:
 the library's in-process transport on its CPU backend (float32, float64 or
 bfloat16 CPU tensors), for tests and simulation without GPUs.
 """
 import ctypes
+import itertools
 import os
 import threading
+import weakref
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 
 from . import _lib as L
 from ._lib import SmoeError
-from .functional import (_DTYPES, ACTIVATIONS, GATED, W1_LAYOUTS, SmoeValueError, _aligned,
-                         _enum)
+from .functional import (_DTYPES, _NEED_B1, _NEED_B2, _NEED_ROUTER, _NEED_W1, _NEED_W2, _NEED_X,
+                         _SAVED_HEADER, _SIZE_CACHE_ENTRIES, ACTIVATIONS, GATED, W1_LAYOUTS,
+                         SmoeValueError, _align, _aligned, _direct, _enum, _grad_ptr, _ptr,
+                         _wants_grad, saved_bytes)
 from .module import (Experts, _check_int, _switch_loss, check_layer_sizes, check_routing,
                      keep_expert_bias_float32)
 
@@ -96,6 +120,17 @@ def _nccl_check(r, what):
                         % (what, _nccl_lib().ncclGetErrorString(r).decode(errors="replace")))
 
 
+class _NcclComm:
+    """An ncclComm_t, destroyed with the object (which the group and every
+    layer handle made over it hold)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __del__(self):
+        L.release(self, "handle", lambda c: _nccl_lib().ncclCommDestroy(c))
+
+
 class _Threads:
     """What the P threads of an in-process group share: the library's
     smoe_ep_group (freed with this object) and the slots of all_reduce."""
@@ -125,11 +160,23 @@ class _Threads:
         L.release(self, "handle", lambda h: self._lib.smoe_ep_group_free(h))
 
 
+# The live groups by id: the custom operators take a group's id (an int)
+# and find it, and its layer handles, here.
+_EP_GROUPS = weakref.WeakValueDictionary()
+_EP_GROUP_IDS = itertools.count(1)
+
+
 class EPGroup:
     """The library's NCCL communicator over a torch.distributed process group
     (default: the world), on this process's current CUDA device. Collective:
     every rank of the group constructs it together. (EPGroup.in_process(P):
-    P groups for P threads of this process, on the CPU.)"""
+    P groups for P threads of this process, on the CPU.)
+
+    The group also keeps the library's layer handles of its smoe.EPMoE
+    layers, one per configuration, device and dtype (shared by the layers
+    that have the same one, as smoe.moe shares its layers' handles): each
+    is created by the first call that needs it, collectively, and freed
+    with the group."""
 
     def __init__(self, group=None, device=None):
         import torch.distributed as dist
@@ -151,7 +198,19 @@ class EPGroup:
         with torch.cuda.device(self.device):
             _nccl_check(nccl.ncclCommInitRank(ctypes.byref(comm), self.size, uid, self.rank),
                         "ncclCommInitRank")
-        self.comm = comm
+        self._comm = _NcclComm(comm)
+        self._register()
+
+    def _register(self):
+        self._layers = {}
+        self._layers_lock = threading.Lock()
+        self._id = next(_EP_GROUP_IDS)
+        _EP_GROUPS[self._id] = self
+
+    @property
+    def comm(self):
+        """The ncclComm_t (a ctypes c_void_p); None for an in-process group."""
+        return self._comm.handle if self._comm is not None else None
 
     @classmethod
     def in_process(cls, nranks):
@@ -165,8 +224,9 @@ class EPGroup:
         for r in range(nranks):
             g = cls.__new__(cls)
             g._threads = shared
-            g.group, g.rank, g.size, g.comm = None, r, nranks, None
+            g.group, g.rank, g.size, g._comm = None, r, nranks, None
             g.device = torch.device("cpu")
+            g._register()
             groups.append(g)
         return groups
 
@@ -182,18 +242,69 @@ class EPGroup:
             dist.all_reduce(t, group=self.group)
         return t
 
-    def __del__(self):
-        L.release(self, "comm", lambda c: _nccl_lib().ncclCommDestroy(c))
+    def _layer(self, cfg, device, dtype):
+        """The layer handle of configuration `cfg` (EPMoE._cfg) for tensors on
+        `device` of `dtype`: cached, or created now (collective: every rank
+        gets here together, as every rank calls its layers together)."""
+        key = (cfg, device.type, device.index, dtype)
+        layer = self._layers.get(key)
+        if layer is not None:
+            return layer
+        with self._layers_lock:
+            layer = self._layers.get(key)
+            if layer is None:
+                layer = self._layers[key] = _EPLayer(self._desc(cfg, device, dtype),
+                                                     self._threads or self._comm)
+            return layer
+
+    def _desc(self, cfg, device, dtype):
+        (d, n, E, K, act, layout, has_bias, routing, renorm, n_group, topk_group, scaling,
+         max_tokens, capacity, expert_rows, overlap, comm_sms) = cfg
+        _check_backend(self, device, dtype)
+        if self._threads is None:
+            backend = L.SMOE_BACKEND_AUTO
+            index = device.index if device.index is not None else torch.cuda.current_device()
+        else:
+            backend, index = L.SMOE_BACKEND_CPU, 0
+        ed = L.lib().smoe_ep_desc_default()
+        D = ed.layer
+        D.d, D.n, D.E, D.K = d, n, E, K
+        D.activation, D.w1_layout, D.has_bias = act, layout, int(has_bias)
+        D.routing, D.renormalize = routing, int(renorm)
+        D.n_group, D.topk_group, D.routed_scaling = n_group, topk_group, scaling
+        D.dtype, D.backend, D.device = _DTYPES[dtype], backend, index
+        ed.layer = D
+        ed.rank, ed.nranks = self.rank, self.size
+        if self._threads is None:
+            ed.nccl_comm = self.comm
+        else:
+            ed.group = self._threads.handle
+        ed.max_tokens, ed.capacity, ed.expert_rows = max_tokens, capacity, expert_rows
+        ed.overlap, ed.comm_sms = overlap, comm_sms
+        return ed
+
+
+def _check_backend(group, device, dtype):
+    """The tensors' device and dtype against the group's transport (also
+    under torch.compile: comparisons only)."""
+    if group._threads is None:
+        if dtype != torch.bfloat16 or device.type != "cuda":
+            raise SmoeError(L.SMOE_ERROR_UNSUPPORTED, "smoe.EPMoE: CUDA bfloat16 tensors "
+                            "(got %s %s)" % (device, dtype))
+    elif device.type != "cpu" or dtype not in _DTYPES:
+        raise SmoeError(L.SMOE_ERROR_UNSUPPORTED, "smoe.EPMoE: an in-process group's "
+                        "layer takes CPU float32, float64 or bfloat16 tensors (got %s %s)"
+                        % (device, dtype))
 
 
 class _EPLayer:
     """One smoe_ep_layer handle (freed with the object) and its sizes per T."""
 
-    def __init__(self, desc, group):
+    def __init__(self, desc, transport):
         lib = L.lib()
         ptr = ctypes.c_void_p()
         L.check(lib.smoe_ep_layer_create(ctypes.byref(desc), ctypes.byref(ptr)))
-        self._group = group   # its communicator (or threads) outlives the handle
+        self._transport = transport   # its communicator (or threads) outlives the handle
         self._lib = lib
         self.ptr = ptr
         self.desc = desc
@@ -210,10 +321,16 @@ class _EPLayer:
             sv = self._lib.smoe_ep_layer_saved_bytes(self.ptr, T)
             if ws == 0 or sv == 0:
                 raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, L.last_error())
+            if len(self._sizes) >= _SIZE_CACHE_ENTRIES:
+                self._sizes.clear()
             s = self._sizes[T] = (ws, sv)
         return s
 
     def call(self, fn, args, saved, ws, stream):
+        """fn (smoe_ep_layer_forward or _backward) with the saved block (a
+        uint8 tensor, or None: an inference forward's NULL) and the
+        workspace; on CUDA, first raises what an earlier call of the layer
+        met on the device."""
         lib = self._lib
         if stream is not None:
             st = lib.smoe_ep_layer_device_status(self.ptr, stream, 0)
@@ -221,77 +338,450 @@ class _EPLayer:
                 raise SmoeError(st, "%s (found on the device in an earlier call of this layer; "
                                 "this call was not run)" % L.last_error())
         ptype = fn.argtypes[1]  # POINTER(smoe_forward_args) or (smoe_backward_args)
-        L.check(fn(self.ptr, ctypes.cast(ctypes.pointer(args), ptype), saved.data_ptr(),
-                   saved.numel(), ws.data_ptr(), ws.numel(), stream))
+        sp, sn = (None, 0) if saved is None else (saved.data_ptr(), saved.numel())
+        L.check(fn(self.ptr, ctypes.cast(ctypes.pointer(args), ptype), sp, sn, ws.data_ptr(),
+                   ws.numel(), stream))
 
 
-def _p(t):
-    return t.data_ptr() if t is not None else None
+# ------------------------------------------------------------ the calls
+
+def _stream(x):
+    return torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
+
+
+def _ep_forward_core(layer, x, router_w, w1, w2, b1, b2, expert_bias, saved_nbytes):
+    """smoe_ep_layer_forward on real tensors: (out, expert_counts (E,) int32,
+    router_logits (T, E) fp32, the saved block or None). saved_nbytes: None
+    for the library's size at this T, 0 for an inference forward (no saved
+    block: args.inference = 1), or a size at least the library's (the
+    custom operator's, _ep_saved_bound)."""
+    va = 16 if x.is_cuda else x.element_size()
+    x, router_w, w1, w2, b1, b2 = (_aligned(t, va) for t in (x, router_w, w1, w2, b1, b2))
+    if expert_bias is not None:
+        expert_bias = _aligned(expert_bias, 4)
+    T, E = x.shape[0], layer.desc.layer.E
+    ws_n, saved_n = layer.sizes(T)
+    if saved_nbytes:
+        if saved_nbytes < saved_n:
+            raise SmoeError(L.SMOE_ERROR_INTERNAL,
+                            "smoe_ep_layer_saved_bytes(T = %d) = %d but smoe.ep._ep_saved_bound()"
+                            " = %d: the Python bound of the saved layout is out of date"
+                            % (T, saved_n, saved_nbytes))
+        saved_n = saved_nbytes
+    out = torch.empty_like(x)
+    counts = torch.empty(E, dtype=torch.int32, device=x.device)
+    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    inference = saved_nbytes == 0
+    saved = None if inference else torch.empty(saved_n, dtype=torch.uint8, device=x.device)
+    ws = torch.empty(ws_n, dtype=torch.uint8, device=x.device)
+    args = L.forward_args_raw(T, x.data_ptr(), router_w.data_ptr(), 0, None, None, None,
+                              w1.data_ptr(), _ptr(b1), w2.data_ptr(), _ptr(b2), out.data_ptr(),
+                              logits.data_ptr(), counts.data_ptr(), int(inference),
+                              _ptr(expert_bias))
+    layer.call(layer._lib.smoe_ep_layer_forward, args, saved, ws, _stream(x))
+    return out, counts, logits, saved
+
+
+def _ep_backward_core(layer, dout, dlogits, x, router_w, w1, w2, b2, saved, needs):
+    """smoe_ep_layer_backward on real tensors: (dx, drouter_w, dw1, db1,
+    dw2, db2), None for a gradient not asked for in `needs` (smoe.moe's
+    bits) or not part of the layer. Gradients overwrite."""
+    va = 16 if x.is_cuda else x.element_size()
+    if dout.dtype != x.dtype:
+        dout = dout.to(x.dtype)
+    x, router_w, w1, w2, b2, dout = (_aligned(t, va) for t in (x, router_w, w1, w2, b2, dout))
+    if dlogits is not None:
+        dlogits = _aligned(dlogits.to(torch.float32), 4)
+    saved = _aligned(saved, 16)
+    T = x.shape[0]
+    has_bias = layer.desc.layer.has_bias
+
+    def empty(shape, need):
+        return torch.empty(shape, dtype=x.dtype, device=x.device) if needs & need else None
+
+    dx = empty(x.shape, _NEED_X)
+    dwr = empty(router_w.shape, _NEED_ROUTER)
+    dw1 = empty(w1.shape, _NEED_W1)
+    db1 = empty(w1.shape[:2], _NEED_B1) if has_bias else None
+    dw2 = empty(w2.shape, _NEED_W2)
+    db2 = empty((w2.shape[0], x.shape[1]), _NEED_B2) if has_bias else None
+    ws = torch.empty(layer.sizes(T)[0], dtype=torch.uint8, device=x.device)
+    dt = layer.desc.layer.dtype
+    args = L.backward_args_raw(T, x.data_ptr(), router_w.data_ptr(), 0, w1.data_ptr(),
+                               w2.data_ptr(), _ptr(b2), dout.data_ptr(), _ptr(dlogits),
+                               _grad_ptr(dx), dt, 0, _grad_ptr(dwr), dt, 0, _grad_ptr(dw1), dt,
+                               0, _grad_ptr(db1), dt, 0, _grad_ptr(dw2), dt, 0, _grad_ptr(db2),
+                               dt, 0, None, L.SMOE_DTYPE_F32, 0)
+    layer.call(layer._lib.smoe_ep_layer_backward, args, saved, ws, _stream(x))
+    return dx, dwr, dw1, db1, dw2, db2
+
+
+# ------------------------------------------------------------ custom operators
+
+# The operators' `config`: the group's id and the layer's options, in this
+# order (ints; enums as smoe_* codes), then forward's `save` or backward's
+# `needs`. With the tensors' shapes and routed_scaling they name the
+# layer handle (EPGroup._layer). Nothing in them is particular to one
+# smoe.EPMoE: layers with the same options share one compiled graph (a
+# model whose blocks are compiled one by one compiles once).
+_EP_OPTIONS = ("group", "top_k", "activation", "w1_layout", "routing", "renormalize", "n_group",
+               "topk_group", "max_tokens", "capacity", "expert_rows", "overlap", "comm_sms")
+_N_EP_OPTIONS = len(_EP_OPTIONS)
+
+
+def _ep_unpack(config, last, op):
+    if len(config) != _N_EP_OPTIONS + 1:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "%s: config has %d entries, must have %d "
+                        "(%s, %s)" % (op, len(config), _N_EP_OPTIONS + 1,
+                                      ", ".join(_EP_OPTIONS), last))
+    return config
+
+
+def _ep_group(group_id, op):
+    g = _EP_GROUPS.get(group_id)
+    if g is None:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "%s: no live smoe.EPGroup has id %d (the "
+                        "group was freed)" % (op, group_id))
+    return g
+
+
+def _ep_cfg(config, routed_scaling, x, router_w, w2, has_bias):
+    """The layer configuration (EPGroup._layer's key, as EPMoE._cfg) from an
+    operator's config, routed_scaling and tensors."""
+    (_, K, act, layout, routing, renorm, n_group, topk_group, max_tokens, capacity, expert_rows,
+     overlap, comm_sms) = config[:_N_EP_OPTIONS]
+    # (d from x, n from w2, E from the router: w1 has this rank's E/P.)
+    return (int(x.shape[1]), int(w2.shape[2]), int(router_w.shape[0]), int(K), int(act),
+            int(layout), bool(has_bias), int(routing), bool(renorm), int(n_group),
+            int(topk_group), float(routed_scaling), int(max_tokens), int(capacity),
+            int(expert_rows), int(overlap), int(comm_sms))
+
+
+def _ep_saved_bound(T, P, E, K, d, n, activation, routing, dtype, max_tokens, capacity,
+                    expert_rows):
+    """A saved-block size, in bytes, at least smoe_ep_layer_saved_bytes(T) of
+    such a layer (E the whole layer's experts, P ranks, dtype a torch
+    dtype), computed in Python: also for a symbolic T under torch.compile,
+    and before the handle exists (creating it is collective: the first
+    real call does). It is the sum of every section of both backends'
+    layouts (src/ep.c's saved_make and src/cuda/ep_cuda.cu's gsaved_make),
+    each at its larger size, the experts' part being
+    smoe.functional.saved_bytes() of their GENERAL layer; the operator
+    checks the library's size against it at every call."""
+    El = E // P
+    C = capacity or max_tokens
+    worst = P * C * min(K, El)
+    rows = expert_rows if expert_rows and expert_rows < worst else worst
+    code = _DTYPES[dtype]
+    fs = 8 if code == L.SMOE_DTYPE_F64 else 4
+    A = T * K
+    logits = T * E * fs if routing in (L.SMOE_ROUTING_SOFTMAX_TOPK,
+                                       L.SMOE_ROUTING_SIGMOID_TOPK) else 0
+    sections = (_SAVED_HEADER,            # header
+                (T + 1) * 4,              # token_offset
+                A * 4, A * 4, A * fs,     # assign_expert, assign_row, scores
+                logits,                   # logits (SOFTMAX_TOPK, SIGMOID_TOPK)
+                T * P * 4,                # slot (CPU); pidx (CUDA: T min(K, P))
+                2 * P * 8 + 8,            # counts (CPU)
+                (T + 1) * 4,              # ent_off (CUDA)
+                rows * 4,                 # tri_slot
+                (El * (P + 1) + 1) * 4)   # off2 (CUDA: El nc + 1, nc <= P + 1 chunks)
+    total = 0
+    for size in sections:
+        total = total + _align(size)
+    experts = saved_bytes(P * C, rows, d=d, n=n, E=El, K=0, activation=activation,
+                          routing=L.SMOE_ROUTING_GENERAL, rounding=L.SMOE_ROUND_OFF,
+                          round_tile=128, dtype=code)
+    return total + _align(experts)
+
+
+def _ep_op_saved_bound(T, config, x, router_w, w2, op):
+    g = _ep_group(config[0], op)
+    (_, K, act, _, routing, _, _, _, max_tokens, capacity, expert_rows, _, _) = \
+        config[:_N_EP_OPTIONS]
+    return _ep_saved_bound(T, g.size, router_w.shape[0], K, x.shape[1], w2.shape[2], act,
+                           routing, x.dtype, max_tokens, capacity, expert_rows)
+
+
+@torch.library.custom_op("smoe::ep_forward", mutates_args=())
+def _ep_forward(x: Tensor, router_w: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor],
+                b2: Optional[Tensor], expert_bias: Optional[Tensor], config: List[int],
+                routed_scaling: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """smoe.EPMoE's forward on this rank's tokens x (T, d): (out (T, d),
+    expert_counts (E,) int32, router_logits (T, E) fp32, saved uint8 block,
+    (0,) when save is 0: the library's inference forward, nothing kept).
+    config: _EP_OPTIONS then save. Collective, as the layer's calls are."""
+    op = "smoe::ep_forward"
+    config = _ep_unpack(config, "save", op)
+    g = _ep_group(config[0], op)
+    cfg = _ep_cfg(config, routed_scaling, x, router_w, w2, b1 is not None)
+    layer = g._layer(cfg, x.device, x.dtype)
+    nbytes = _ep_op_saved_bound(x.shape[0], config, x, router_w, w2, op) if config[-1] else 0
+    out, counts, logits, saved = _ep_forward_core(layer, x, router_w, w1, w2, b1, b2,
+                                                  expert_bias, nbytes)
+    if saved is None:
+        saved = torch.empty(0, dtype=torch.uint8, device=x.device)
+    return out, counts, logits, saved
+
+
+@_ep_forward.register_fake
+def _ep_forward_fake(x, router_w, w1, w2, b1, b2, expert_bias, config, routed_scaling):
+    op = "smoe::ep_forward"
+    config = _ep_unpack(config, "save", op)
+    T, E = x.shape[0], router_w.shape[0]
+    nbytes = _ep_op_saved_bound(T, config, x, router_w, w2, op) if config[-1] else 0
+    return (x.new_empty(x.shape), x.new_empty((E,), dtype=torch.int32),
+            x.new_empty((T, E), dtype=torch.float32), x.new_empty((nbytes,), dtype=torch.uint8))
+
+
+@torch.library.custom_op("smoe::ep_backward", mutates_args=())
+def _ep_backward(dout: Tensor, dlogits: Optional[Tensor], x: Tensor, router_w: Tensor,
+                 w1: Tensor, w2: Tensor, b2: Optional[Tensor], saved: Tensor, config: List[int],
+                 routed_scaling: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, drouter_w, dw1, db1, dw2, db2) of the ep_forward that filled
+    `saved` (config: _EP_OPTIONS, the forward's, then needs: smoe.moe's
+    bits); a gradient not asked for or not part of the layer is an empty
+    tensor. Collective."""
+    op = "smoe::ep_backward"
+    config = _ep_unpack(config, "needs", op)
+    if saved.numel() == 0:
+        raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "%s: backward through a forward that kept "
+                        "nothing for it (it ran without gradients)" % op)
+    g = _ep_group(config[0], op)
+    cfg = _ep_cfg(config, routed_scaling, x, router_w, w2, b2 is not None)
+    layer = g._layer(cfg, x.device, x.dtype)
+    grads = _ep_backward_core(layer, dout, dlogits, x, router_w, w1, w2, b2, saved, config[-1])
+    return tuple(t if t is not None else x.new_empty((0,)) for t in grads)
+
+
+@_ep_backward.register_fake
+def _ep_backward_fake(dout, dlogits, x, router_w, w1, w2, b2, saved, config, routed_scaling):
+    needs = _ep_unpack(config, "needs", "smoe::ep_backward")[-1]
+    has_bias = b2 is not None
+
+    def buf(need, shape):
+        return x.new_empty(shape if need else (0,))
+
+    return (buf(needs & _NEED_X, x.shape), buf(needs & _NEED_ROUTER, router_w.shape),
+            buf(needs & _NEED_W1, w1.shape), buf(has_bias and needs & _NEED_B1, w1.shape[:2]),
+            buf(needs & _NEED_W2, w2.shape),
+            buf(has_bias and needs & _NEED_B2, (w2.shape[0], x.shape[1])))
+
+
+# ep_forward's differentiable inputs (x, router_w, w1, w2, b1, b2) with their
+# `needs` bits, and where ep_backward returns each one's gradient.
+_EP_NEEDS = (_NEED_X, _NEED_ROUTER, _NEED_W1, _NEED_W2, _NEED_B1, _NEED_B2)
+_EP_GRAD_AT = (0, 1, 2, 4, 3, 5)
+
+
+def _ep_save_context(ctx, x, router_w, w1, w2, b2, saved, options, routed_scaling, layer):
+    ctx.save_for_backward(x, router_w, w1, w2, b2, saved)
+    ctx.options = options          # the forward config's _EP_OPTIONS
+    ctx.routed_scaling = routed_scaling
+    ctx.layer = layer              # None: backward through the operator
+
+
+def _ep_setup_context(ctx, inputs, output):
+    x, router_w, w1, w2, b1, b2, _, config, routed_scaling = inputs
+    _ep_save_context(ctx, x, router_w, w1, w2, b2, output[3], list(config[:_N_EP_OPTIONS]),
+                     routed_scaling, None)
+
+
+def _ep_input_grads(ctx, dout, dlogits):
+    """The gradients of ep_forward's six differentiable inputs."""
+    x, router_w, w1, w2, b2, saved = ctx.saved_tensors
+    needs = 0
+    for need, bit in zip(ctx.needs_input_grad, _EP_NEEDS):
+        if need:
+            needs |= bit
+    if needs == 0 or (dout is None and dlogits is None):
+        return [None] * 6
+    if dout is None:
+        dout = torch.zeros_like(x)
+    layer = ctx.layer
+    if (layer is not None and not torch.is_grad_enabled()
+            and _direct(x.device, dout, dlogits, x, router_w, w1, w2, b2, saved)):
+        out = _ep_backward_core(layer, dout, dlogits, x, router_w, w1, w2, b2, saved, needs)
+    else:
+        out = torch.ops.smoe.ep_backward(dout, dlogits, x, router_w, w1, w2, b2, saved,
+                                         ctx.options + [needs], ctx.routed_scaling)
+    return [out[i] if needs & bit else None for i, bit in zip(_EP_GRAD_AT, _EP_NEEDS)]
+
+
+def _ep_backward_formula(ctx, dout, dcounts, dlogits, dsaved):
+    # none for expert_bias, config, routed_scaling
+    return tuple(_ep_input_grads(ctx, dout, dlogits)) + (None, None, None)
+
+
+_ep_forward.register_autograd(_ep_backward_formula, setup_context=_ep_setup_context)
 
 
 class _EPFunction(torch.autograd.Function):
+    """ep_forward's autograd formula for plain eager calls (functional's
+    _direct), without the dispatcher: the same implementation and saved
+    tensors, the backward called directly when it can be."""
+
     @staticmethod
-    def forward(ctx, x, router_w, w1, w2, b1, b2, expert_bias, layer):
-        stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
-        T, E = x.shape[0], layer.desc.layer.E
-        ws_n, saved_n = layer.sizes(T)
-        out = torch.empty_like(x)
-        counts = torch.empty(E, dtype=torch.int32, device=x.device)
-        logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
-        saved = torch.empty(saved_n, dtype=torch.uint8, device=x.device)
-        ws = torch.empty(ws_n, dtype=torch.uint8, device=x.device)
-        args = L.forward_args_raw(T, x.data_ptr(), router_w.data_ptr(), 0, None, None, None,
-                                  w1.data_ptr(), _p(b1), w2.data_ptr(), _p(b2), out.data_ptr(),
-                                  logits.data_ptr(), counts.data_ptr(), 0, _p(expert_bias))
-        layer.call(layer._lib.smoe_ep_layer_forward, args, saved, ws, stream)
-        ctx.layer = layer
-        ctx.has_bias = b1 is not None
-        ctx.save_for_backward(x, router_w, w1, w2, b2, saved)
+    def forward(ctx, x, router_w, w1, w2, b1, b2, expert_bias, layer, options, routed_scaling):
+        out, counts, logits, saved = _ep_forward_core(layer, x, router_w, w1, w2, b1, b2,
+                                                      expert_bias, None)
+        ctx.set_materialize_grads(False)   # an unused output's gradient stays None
         ctx.mark_non_differentiable(counts)
+        _ep_save_context(ctx, x, router_w, w1, w2, b2, saved, options, routed_scaling, layer)
         return out, counts, logits
 
     @staticmethod
     def backward(ctx, dout, dcounts, dlogits):
-        x, router_w, w1, w2, b2, saved = ctx.saved_tensors
-        layer = ctx.layer
-        stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
-        T = x.shape[0]
-        ws_n, _ = layer.sizes(T)
-        ws = torch.empty(ws_n, dtype=torch.uint8, device=x.device)
-        dout = _aligned(dout.to(x.dtype), 16 if x.is_cuda else x.element_size())
-        if dlogits is not None:
-            dlogits = _aligned(dlogits.to(torch.float32), 4)
-        needs = ctx.needs_input_grad
-        dx = torch.empty_like(x) if needs[0] else None
-        dwr = torch.empty_like(router_w) if needs[1] else None
-        dw1 = torch.empty_like(w1) if needs[2] else None
-        dw2 = torch.empty_like(w2) if needs[3] else None
-        db1 = (torch.empty(w1.shape[:2], dtype=w1.dtype, device=w1.device)
-               if ctx.has_bias and needs[4] else None)
-        db2 = torch.empty_like(b2) if ctx.has_bias and needs[5] else None
-        dt = layer.desc.layer.dtype
-        args = L.backward_args_raw(T, x.data_ptr(), router_w.data_ptr(), 0, w1.data_ptr(),
-                                   w2.data_ptr(), _p(b2), dout.data_ptr(), _p(dlogits),
-                                   _p(dx), dt, 0, _p(dwr), dt, 0, _p(dw1), dt, 0, _p(db1), dt, 0,
-                                   _p(dw2), dt, 0, _p(db2), dt, 0, None, L.SMOE_DTYPE_F32, 0)
-        layer.call(layer._lib.smoe_ep_layer_backward, args, saved, ws, stream)
-        return dx, dwr, dw1, dw2, db1, db2, None, None
+        # none for expert_bias, layer, options, routed_scaling
+        return tuple(_ep_input_grads(ctx, dout, dlogits)) + (None, None, None, None)
 
 
-class _GroupSum(torch.autograd.Function):
-    """t (a tensor of this rank) summed over an EPGroup, differentiable with
-    the group's objective the sum of every rank's loss (as
-    torch.distributed.nn.functional.all_reduce): t's gradient on each rank
-    is the sum over the ranks of the result's gradient, the same all_reduce."""
+@torch.library.custom_op("smoe::ep_group_sums", mutates_args=())
+def _ep_group_sums(prob_sums: Tensor, counts: Tensor, group_id: int) -> Tuple[Tensor, Tensor]:
+    """The Switch loss's per-expert probability sums (E,) fp32 and counts
+    (E,) summed over the EPGroup `group_id`: the counts first, then the
+    sums, one collective each (EPGroup.all_reduce). The sums are
+    differentiable: their gradient is summed over the group the same way
+    (smoe::ep_all_reduce)."""
+    group = _ep_group(group_id, "smoe::ep_group_sums")
+    counts = group.all_reduce(counts.clone(memory_format=torch.contiguous_format))
+    return group.all_reduce(prob_sums.clone(memory_format=torch.contiguous_format)), counts
 
-    @staticmethod
-    def forward(ctx, t, group):
-        ctx.group = group
-        return group.all_reduce(t.clone(memory_format=torch.contiguous_format))
 
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.group.all_reduce(grad.clone(memory_format=torch.contiguous_format)), None
+@_ep_group_sums.register_fake
+def _ep_group_sums_fake(prob_sums, counts, group_id):
+    return (torch.empty_like(prob_sums, memory_format=torch.contiguous_format),
+            torch.empty_like(counts, memory_format=torch.contiguous_format))
+
+
+@torch.library.custom_op("smoe::ep_all_reduce", mutates_args=())
+def _ep_all_reduce(t: Tensor, group_id: int) -> Tensor:
+    """t summed over the EPGroup `group_id` (a new tensor). Collective."""
+    group = _ep_group(group_id, "smoe::ep_all_reduce")
+    return group.all_reduce(t.clone(memory_format=torch.contiguous_format))
+
+
+@_ep_all_reduce.register_fake
+def _ep_all_reduce_fake(t, group_id):
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+def _ep_sum_setup(ctx, inputs, output):
+    ctx.group_id = inputs[-1]
+
+
+def _ep_group_sums_backward(ctx, dsums, dcounts):
+    # The group's objective is the sum of every rank's loss (as
+    # torch.distributed.nn.functional.all_reduce's): each rank's sums get
+    # the gradient summed over the ranks.
+    if dsums is None:
+        return None, None, None
+    return torch.ops.smoe.ep_all_reduce(dsums, ctx.group_id), None, None
+
+
+def _ep_all_reduce_backward(ctx, grad):
+    return torch.ops.smoe.ep_all_reduce(grad, ctx.group_id), None
+
+
+_ep_group_sums.register_autograd(_ep_group_sums_backward, setup_context=_ep_sum_setup)
+_ep_all_reduce.register_autograd(_ep_all_reduce_backward, setup_context=_ep_sum_setup)
+
+
+def _register_ordered():
+    """Registers the four collective operators as ordered side effects
+    (PyTorch's effect tokens, as for aten::_print): AOTAutograd threads a
+    token through them, forward and backward, so a compiled graph runs them
+    in program order. Without it inductor may order two independent ones
+    (one layer's ep_group_sums and the next layer's ep_forward) differently
+    on ranks whose graphs differ (other token counts), and the ranks would
+    wait in different collectives. Returns False where this PyTorch has no
+    such registry (EPMoE then refuses torch.compile)."""
+    try:
+        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+    except ImportError:
+        return False
+    for name in ("ep_forward", "ep_backward", "ep_group_sums", "ep_all_reduce"):
+        _register_effectful_op(getattr(torch.ops.smoe, name).default, _EffectType.ORDERED)
+    return True
+
+
+_ORDERED = _register_ordered()
+
+
+def check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who):
+    """The exchange's options as smoe.EPMoE takes them (smoe_ep_desc's):
+    max_tokens, capacity, expert_rows ints >= 0, overlap -1, 0 or 1,
+    comm_sms an int >= -1; a SmoeValueError naming the one that is not."""
+    for name, v in (("max_tokens", max_tokens), ("capacity", capacity),
+                    ("expert_rows", expert_rows)):
+        _check_int(v, who + ": " + name, 0)
+    if overlap not in (-1, 0, 1):
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "%s: overlap = %r, must be -1, 0 or 1"
+                             % (who, overlap))
+    _check_int(comm_sms, who + ": comm_sms", -1)
+
+
+def _ep_layer_config(group, d, n, E, K, activation, w1_layout, has_bias, routing, renormalize,
+                     n_group, topk_group, routed_scaling, max_tokens, capacity, expert_rows,
+                     overlap, comm_sms):
+    """(options, cfg) of a layer on `group` (enums as smoe_* codes): the
+    operators' config (_EP_OPTIONS, without save or needs) and the key of
+    the group's handle (EPGroup._layer)."""
+    options = [group._id, K, activation, w1_layout, routing, int(renormalize), n_group,
+               topk_group, max_tokens, capacity, expert_rows, overlap, comm_sms]
+    cfg = (d, n, E, K, activation, w1_layout, bool(has_bias), routing, bool(renormalize),
+           n_group, topk_group, float(routed_scaling), max_tokens, capacity, expert_rows,
+           overlap, comm_sms)
+    return options, cfg
+
+
+def _ep_run(group, options, cfg, routed_scaling, x, router_w, w1, w2, b1, b2, expert_bias):
+    """The layer on checked tensors, x (T, d) this rank's tokens: (out (T,
+    d), expert_counts (E,), router_logits (T, E)), through the eager path
+    when functional._direct allows, else the operators (smoe.EPMoE's
+    forward and smoe.hf's expert-parallel blocks)."""
+    w = (router_w, w1, w2, b1, b2)
+    # Without a gradient to compute (torch.no_grad(), inference_mode(),
+    # nothing requiring one) the forward keeps nothing for backward: the
+    # library's inference forward, with no saved block.
+    save = _wants_grad(x, *w)
+    if _direct(x.device, x, *w, expert_bias):
+        layer = group._layer(cfg, x.device, x.dtype)
+        if save:
+            return _EPFunction.apply(x, *w, expert_bias, layer, options, routed_scaling)
+        return _ep_forward_core(layer, x, *w, expert_bias, 0)[:3]
+    if not _ORDERED and torch.compiler.is_compiling():
+        raise SmoeError(L.SMOE_ERROR_UNSUPPORTED, "smoe.EPMoE under torch.compile needs "
+                        "PyTorch's effect tokens (torch._higher_order_ops.effects), which keep "
+                        "the collective operators in order on every rank; this PyTorch has none")
+    return torch.ops.smoe.ep_forward(x, *w, expert_bias, options + [int(save)],
+                                     routed_scaling)[:3]
+
+
+def _ep_moe(group, x, router_w, w1, w2, *, top_k, routing, renormalize, activation, w1_layout,
+            expert_bias, n_group, topk_group, routed_scaling, max_tokens, capacity, expert_rows,
+            overlap, comm_sms, who):
+    """The layer on x (..., d), this rank's tokens, with router_w (E, d) and
+    this rank's experts w1, w2 (no biases; enums as smoe_* codes; the
+    routing options checked by the caller): (out (..., d), expert_counts
+    (E,), router_logits (T, E)). smoe.hf's expert-parallel blocks call it
+    with their Hugging Face parameters; `who` names the caller in errors."""
+    x2 = x.reshape(-1, x.shape[-1])
+    _check_backend(group, x2.device, x2.dtype)
+    for name, t in (("the router weight", router_w), ("w1", w1), ("w2", w2)):
+        if t.device != x.device or t.dtype != x.dtype:
+            raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "%s: x is %s %s but %s is %s %s"
+                                 % (who, x.device, x.dtype, name, t.device, t.dtype))
+    if x2.shape[0] > max_tokens:
+        raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "%s: %d tokens, more than max_tokens = %d"
+                        % (who, x2.shape[0], max_tokens))
+    options, cfg = _ep_layer_config(group, x2.shape[1], w2.shape[2], router_w.shape[0], top_k,
+                                    activation, w1_layout, False, routing, renormalize, n_group,
+                                    topk_group, routed_scaling, max_tokens, capacity,
+                                    expert_rows, overlap, comm_sms)
+    out, counts, logits = _ep_run(group, options, cfg, routed_scaling, x2, router_w, w1, w2,
+                                  None, None, expert_bias)
+    return out.reshape(x.shape), counts, logits
 
 
 _AUX_LOSS_SCOPES = ("local", "group")
@@ -346,6 +836,17 @@ class EPMoE(nn.Module):
     single-GPU layer's gradient of that loss, averaged (DDP) it is that
     gradient. With 'group' its backward is collective: every rank
     backpropagates the aux loss, or none does.
+
+    Autograd, torch.compile (fullgraph=True, static or dynamic token
+    counts; each rank compiles its own model) and CUDA graphs, as
+    smoe.MoE; every option, aux_loss_scope='group' included (its
+    all-reduces are operators too). Under torch.no_grad() or
+    torch.inference_mode() (or with nothing requiring a gradient) the
+    forward keeps nothing for backward (the library's inference forward,
+    args.inference = 1: no saved block). The layer's C handle belongs to
+    the group (one per configuration, device and dtype, shared by its
+    layers of that configuration), made by the first call on that device
+    and dtype, collectively.
     """
 
     def __init__(self, num_experts, num_experts_per_tok, hidden_size, intermediate_size,
@@ -365,13 +866,7 @@ class EPMoE(nn.Module):
             routing, n_group, topk_group, routed_scaling, E, K, who,
             "the C API's smoe_ep_layer takes them, smoe.EPMoE does not")
         self.w1_layout = _enum(W1_LAYOUTS, w1_layout, who + ": w1_layout")
-        for name, v in (("max_tokens", max_tokens), ("capacity", capacity),
-                        ("expert_rows", expert_rows)):
-            _check_int(v, who + ": " + name, 0)
-        if overlap not in (-1, 0, 1):
-            raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.EPMoE: overlap = %r, must be "
-                                 "-1, 0 or 1" % (overlap,))
-        _check_int(comm_sms, who + ": comm_sms", -1)
+        check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who)
         if aux_loss_scope not in _AUX_LOSS_SCOPES:
             raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.EPMoE: aux_loss_scope = %r, "
                                  "must be 'local' (this rank's tokens) or 'group' (the group's)"
@@ -402,63 +897,30 @@ class EPMoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32)
                              if self.routing == L.SMOE_ROUTING_SIGMOID_TOPK else None)
         self.last_expert_counts = None
-        self._layer = None
-        self._layer_on = None
+        # The operators' config (_EP_OPTIONS) and the group's layer handle's
+        # key (EPGroup._layer): this layer's options, nothing of its own.
+        self._options, self._cfg = _ep_layer_config(
+            self.group, d, n, E, K, self.activation, self.w1_layout, add_bias, self.routing,
+            self.renormalize, self.n_group, self.topk_group, self.routed_scaling,
+            self.max_tokens, self.capacity, self.expert_rows, self.overlap, self.comm_sms)
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)
         keep_expert_bias_float32(self)
         return out
 
-    def _get_layer(self, device, dtype):
-        if self._layer is not None:
-            if (device, dtype) != self._layer_on:
-                raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.EPMoE: x is %s %s, but "
-                                     "this layer runs on %s %s (its first call's)"
-                                     % ((device, dtype) + self._layer_on))
-            return self._layer
-        threads = self.group._threads
-        if threads is None:
-            if dtype != torch.bfloat16 or device.type != "cuda":
-                raise SmoeError(L.SMOE_ERROR_UNSUPPORTED, "smoe.EPMoE: CUDA bfloat16 tensors "
-                                "(got %s %s)" % (device, dtype))
-            backend = L.SMOE_BACKEND_AUTO
-            index = device.index if device.index is not None else torch.cuda.current_device()
-        else:
-            if device.type != "cpu" or dtype not in _DTYPES:
-                raise SmoeError(L.SMOE_ERROR_UNSUPPORTED, "smoe.EPMoE: an in-process group's "
-                                "layer takes CPU float32, float64 or bfloat16 tensors (got %s %s)"
-                                % (device, dtype))
-            backend, index = L.SMOE_BACKEND_CPU, 0
-        lib = L.lib()
-        ed = lib.smoe_ep_desc_default()
-        D = ed.layer
-        D.d, D.n, D.E, D.K = (self.hidden_size, self.intermediate_size, self.num_experts,
-                              self.top_k)
-        D.activation, D.w1_layout = self.activation, self.w1_layout
-        D.has_bias = int(self.c_fc.bias is not None)
-        D.routing, D.renormalize = self.routing, int(self.renormalize)
-        D.n_group, D.topk_group, D.routed_scaling = (self.n_group, self.topk_group,
-                                                     self.routed_scaling)
-        D.dtype = _DTYPES[dtype]
-        D.backend = backend
-        D.device = index
-        ed.layer = D
-        ed.rank, ed.nranks = self.group.rank, self.group.size
-        if threads is None:
-            ed.nccl_comm = self.group.comm
-        else:
-            ed.group = threads.handle
-        ed.max_tokens, ed.capacity, ed.expert_rows = (self.max_tokens, self.capacity,
-                                                      self.expert_rows)
-        ed.overlap, ed.comm_sms = self.overlap, self.comm_sms
-        self._layer = _EPLayer(ed, self.group)
-        self._layer_on = (device, dtype)
-        return self._layer
+    def _handle(self):
+        """The group's layer handle for this layer on its parameters' device
+        and dtype, if a call has created it (else None)."""
+        w = self.c_fc.weight
+        return self.group._layers.get((self._cfg, w.device.type, w.device.index, w.dtype))
 
     @property
     def path_name(self):
-        return self._layer.path_name if self._layer is not None else None
+        """The kernel path of this rank's experts (smoe_ep_layer_path_name),
+        once a call has created the layer's handle; None before."""
+        layer = self._handle()
+        return layer.path_name if layer is not None else None
 
     def _check_input(self, x):
         """x against the layer: hidden size, and the device and dtype of the
@@ -487,18 +949,16 @@ class EPMoE(nn.Module):
         self._check_input(hidden_states)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        layer = self._get_layer(x.device, x.dtype)
+        _check_backend(self.group, x.device, x.dtype)
         if x.shape[0] > self.max_tokens:
             raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "smoe.EPMoE: %d tokens, more than "
                             "max_tokens = %d" % (x.shape[0], self.max_tokens))
-        align = 16 if x.is_cuda else x.element_size()
-        x, *w = [_aligned(t, align) if t is not None else None for t in (
-            x, self.router.weight, self.c_fc.weight, self.c_proj.weight, self.c_fc.bias,
-            self.c_proj.bias)]
         bias = self.expert_bias
         if bias is not None:
-            bias = _aligned(bias.detach(), 4)
-        out, counts, logits = _EPFunction.apply(x, *w, bias, layer)
+            bias = bias.detach()
+        out, counts, logits = _ep_run(self.group, self._options, self._cfg, self.routed_scaling,
+                                      x, self.router.weight, self.c_fc.weight,
+                                      self.c_proj.weight, self.c_fc.bias, self.c_proj.bias, bias)
         self.last_expert_counts = counts
         aux = _switch_loss(logits, counts,
                            self._group_sums if self.aux_loss_scope == "group" else None)
@@ -510,9 +970,8 @@ class EPMoE(nn.Module):
 
     def _group_sums(self, prob_sums, counts):
         """The Switch loss's per-expert probability sums (differentiable) and
-        counts, summed over the group."""
-        counts = self.group.all_reduce(counts.clone())
-        return _GroupSum.apply(prob_sums, self.group), counts
+        counts, summed over the group (smoe::ep_group_sums)."""
+        return torch.ops.smoe.ep_group_sums(prob_sums, counts, self.group._id)
 
     def reduce_router_grad(self):
         """Sums the router weight's gradient over the group (the rank's
@@ -523,11 +982,14 @@ class EPMoE(nn.Module):
 
     def check_device(self):
         """Waits for the current stream and raises what the GPU found in this
-        layer's calls (an exchange over capacity, another rank's failure).
-        (On an in-process group every refusal is raised by the call.)"""
-        if self._layer is None or self.group._threads is not None:
+        layer's calls (an exchange over capacity, another rank's failure;
+        the handle is shared by the group's layers of the same
+        configuration, so theirs too). (On an in-process group every
+        refusal is raised by the call.)"""
+        layer = self._handle()
+        if layer is None or self.group._threads is not None:
             return
         stream = torch.cuda.current_stream().cuda_stream
-        st = self._layer._lib.smoe_ep_layer_device_status(self._layer.ptr, stream, 1)
+        st = layer._lib.smoe_ep_layer_device_status(layer.ptr, stream, 1)
         if st != L.SMOE_SUCCESS:
             raise SmoeError(st, L.last_error())

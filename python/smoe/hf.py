@@ -33,6 +33,14 @@ replacement and any other layout is refused, not guessed):
                             gate.routed_scaling_factor); shared_experts
                             stay the HF MLP
 
+Expert parallelism: replace_moe_blocks(model, ep_group=group,
+max_tokens=T) on every rank runs each block on smoe.EPMoE's layer over the
+group, each rank keeping only its experts' slice, [r E/P, (r+1) E/P), of
+experts.gate_up_proj and experts.down_proj (new Parameters: the state dict
+keeps its keys, this rank's shard in those two); the router and the
+shared experts stay replicated. Load the HF model on every rank, then
+replace: the other ranks' experts are freed.
+
 Refused with an error naming why: gpt-oss (GptOssMLP; its experts use a
 clamped SwiGLU, which smoe has no activation for) and every block of a
 supported class whose structure is not the one above.
@@ -61,8 +69,10 @@ e_score_correction_bias is used as float32 (converted if the model was cast).
 import torch
 import torch.nn as nn
 
-from ._lib import SMOE_ROUTING_SIGMOID_TOPK
-from .functional import check_sigmoid_options, moe
+from ._lib import (SMOE_ACT_SWIGLU, SMOE_ERROR_INVALID_SIZE, SMOE_ROUTING_SIGMOID_TOPK,
+                   SMOE_W1_CONCATENATED, SmoeError)
+from .ep import EPGroup, _ep_moe, check_ep_options
+from .functional import ROUTINGS, check_sigmoid_options, moe
 
 __all__ = ["replace_moe_blocks", "restore_moe_blocks", "SmoeSparseMoeBlock", "SmoeDeepseekV3MoE",
            "TESTED_TRANSFORMERS_VERSIONS"]
@@ -233,11 +243,37 @@ def _remove_tap(router):
 
 # ------------------------------------------------------------ the blocks
 
+class _ExpertParallel:
+    """An expert-parallel block's group, its share of the experts,
+    [expert_start, expert_start + local_experts) of E, and the exchange's
+    options (smoe.EPMoE's). A plain object, not a module: nothing of it is
+    in the state dict. Called as smoe.moe is, it runs smoe.EPMoE's layer."""
+
+    def __init__(self, group, E, max_tokens, capacity, expert_rows, overlap, comm_sms):
+        self.group = group
+        self.local_experts = E // group.size
+        self.expert_start = group.rank * self.local_experts
+        self.max_tokens, self.capacity, self.expert_rows = max_tokens, capacity, expert_rows
+        self.overlap, self.comm_sms = overlap, comm_sms
+
+    def __call__(self, x, router_w, w1, w2, *, top_k, routing, renormalize, expert_bias=None,
+                 n_group=0, topk_group=0, routed_scaling=1.0):
+        return _ep_moe(self.group, x, router_w, w1, w2, top_k=top_k, routing=ROUTINGS[routing],
+                       renormalize=renormalize, activation=SMOE_ACT_SWIGLU,
+                       w1_layout=SMOE_W1_CONCATENATED, expert_bias=expert_bias,
+                       n_group=n_group, topk_group=topk_group, routed_scaling=routed_scaling,
+                       max_tokens=self.max_tokens, capacity=self.capacity,
+                       expert_rows=self.expert_rows, overlap=self.overlap,
+                       comm_sms=self.comm_sms, who="smoe.hf")
+
+
 class _SmoeBlock(nn.Module):
     """Adopts the HF block's children under their names (so the state dict
-    is the HF block's), remembers the HF class, and taps the router."""
+    is the HF block's), remembers the HF class, and taps the router. With
+    `ep` (an _ExpertParallel) the experts' two parameters are replaced by
+    this rank's slices of them."""
 
-    def __init__(self, hf_block, kind):
+    def __init__(self, hf_block, kind, ep=None):
         super().__init__()
         for child_name, child in hf_block.named_children():
             self.add_module(child_name, child)
@@ -247,13 +283,35 @@ class _SmoeBlock(nn.Module):
         self.hf_class = type(hf_block)
         self.kind = kind
         self.last_expert_counts = None
+        self.ep = ep
+        if ep is not None:
+            lo, hi = ep.expert_start, ep.expert_start + ep.local_experts
+            for name in ("gate_up_proj", "down_proj"):
+                p = getattr(self.experts, name)
+                # A copy, so that the other ranks' experts are freed.
+                self.experts.register_parameter(name, nn.Parameter(
+                    p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
         _install_tap(self.gate)   # smoe's router logits reach the router's hooks
 
     def _experts_weights(self):
         return self.experts.gate_up_proj, self.experts.down_proj
 
+    def _moe(self, x, router_w, **routing):
+        """The experts (this rank's, exchanging tokens with the group's
+        other ranks, when expert-parallel): (out, expert_counts, router_logits)."""
+        w1, w2 = self._experts_weights()
+        if self.ep is None:
+            return moe(x, router_w, w1, w2, activation="swiglu", w1_layout="concatenated",
+                       **routing)
+        return self.ep(x, router_w, w1, w2, **routing)
+
     def extra_repr(self):
-        return "hf_class=%s, routing=%s" % (self.hf_class.__name__, self.kind)
+        text = "hf_class=%s, routing=%s" % (self.hf_class.__name__, self.kind)
+        if self.ep is not None:
+            text += ", ep_rank=%d of %d, experts=[%d, %d)" % (
+                self.ep.group.rank, self.ep.group.size, self.ep.expert_start,
+                self.ep.expert_start + self.ep.local_experts)
+        return text
 
 
 class SmoeSparseMoeBlock(_SmoeBlock):
@@ -268,11 +326,9 @@ class SmoeSparseMoeBlock(_SmoeBlock):
             # Mixtral's jitter: the same draw as HF's (which scales its input
             # in place; here a new tensor).
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-        w1, w2 = self._experts_weights()
         renorm = True if self.kind == "topk_softmax" else bool(self.gate.norm_topk_prob)
-        out, counts, logits = moe(x, self.gate.weight, w1, w2, top_k=self.gate.top_k,
-                                  routing=self.kind, renormalize=renorm, activation="swiglu",
-                                  w1_layout="concatenated")
+        out, counts, logits = self._moe(x, self.gate.weight, top_k=self.gate.top_k,
+                                        routing=self.kind, renormalize=renorm)
         self.last_expert_counts = counts.detach()
         x2 = x.reshape(-1, x.shape[-1])
         self.gate(x2, _smoe_router_outputs=(logits.reshape(x2.shape[0], -1).to(x.dtype),
@@ -297,12 +353,10 @@ class SmoeDeepseekV3MoE(_SmoeBlock):
         bias = gate.e_score_correction_bias
         if bias.dtype != torch.float32:
             bias = bias.float()
-        w1, w2 = self._experts_weights()
-        out, counts, logits = moe(x, router_w, w1, w2, top_k=gate.top_k, routing="sigmoid_topk",
-                                  renormalize=bool(gate.norm_topk_prob), expert_bias=bias,
-                                  n_group=gate.num_group, topk_group=gate.topk_group,
-                                  routed_scaling=float(gate.routed_scaling_factor),
-                                  activation="swiglu", w1_layout="concatenated")
+        out, counts, logits = self._moe(x, router_w, top_k=gate.top_k, routing="sigmoid_topk",
+                                        renormalize=bool(gate.norm_topk_prob), expert_bias=bias,
+                                        n_group=gate.num_group, topk_group=gate.topk_group,
+                                        routed_scaling=float(gate.routed_scaling_factor))
         self.last_expert_counts = counts.detach()
         x2 = x.reshape(-1, x.shape[-1])
         gate(x2, _smoe_router_outputs=(logits.reshape(x2.shape[0], -1), None, None))
@@ -321,7 +375,8 @@ def _set_child(model, name, module):
     setattr(parent, attr, module)
 
 
-def replace_moe_blocks(model):
+def replace_moe_blocks(model, ep_group=None, *, max_tokens=None, capacity=0, expert_rows=0,
+                       overlap=0, comm_sms=0):
     """Replaces, in place, every MoE block of `model` (an nn.Module holding
     transformers MoE blocks, e.g. a Qwen3MoeForCausalLM) that smoe.hf
     supports by its smoe-backed counterpart, which adopts the block's
@@ -332,11 +387,34 @@ def replace_moe_blocks(model):
     replaced are left as they are. Raises ValueError if the model has no MoE
     block smoe.hf knows.
 
+    Expert parallelism: with ep_group (a smoe.EPGroup, or a
+    torch.distributed group to make one from; every rank calls this
+    together, on its copy of the model) each block runs smoe.EPMoE's layer
+    over the group and keeps only this rank's experts: experts.gate_up_proj
+    and experts.down_proj become new Parameters holding their slices
+    [r E/P, (r+1) E/P) (rank r of P; E must divide; the rest is freed), so
+    build the optimizer after the swap; the state dict keeps its keys, with
+    E/P experts in those two (this rank's shard). The router, the shared
+    experts and everything else stay replicated (their gradients are each
+    rank's share: sum or average them over the group, as DDP does).
+    max_tokens (required: the most tokens, batch x sequence, any rank's
+    block will see), capacity, expert_rows, overlap and comm_sms are
+    smoe.EPMoE's. The models' load-balancing loss is then each rank's
+    tokens' (transformers computes it from the router logits). Such a block
+    cannot be restored (its other experts are gone): reload the model.
+
     Returns {qualified name: the original HF block}, for
-    restore_moe_blocks()."""
+    restore_moe_blocks() (with ep_group: for reference only, its experts
+    are the sliced ones)."""
+    who = "smoe.hf.replace_moe_blocks"
     if isinstance(model, _SmoeBlock) or _hf_name(type(model)) in _BLOCKS:
         raise ValueError("smoe.hf.replace_moe_blocks: pass the model (or a module holding the "
                          "blocks), not a block: a block cannot replace itself in place")
+    if ep_group is not None:
+        check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who)
+    elif max_tokens is not None or (capacity, expert_rows, overlap, comm_sms) != (0, 0, 0, 0):
+        raise ValueError("%s: max_tokens, capacity, expert_rows, overlap and comm_sms are "
+                         "expert parallelism's: pass ep_group too" % who)
     found, done = [], 0
     for name, module in model.named_modules():
         cls = _hf_name(type(module))
@@ -345,16 +423,27 @@ def replace_moe_blocks(model):
         elif cls in _REFUSED:
             raise ValueError("smoe.hf: cannot replace %s (%s): %s" % (name, cls, _REFUSED[cls]))
         elif cls in _BLOCKS:
-            found.append((name, module, _check_block(name, module)[0]))
+            found.append((name, module, _check_block(name, module)))
     if not found and not done:
         raise ValueError("smoe.hf.replace_moe_blocks: %s has no MoE block smoe.hf knows "
                          "(supported: %s)" % (type(model).__name__, ", ".join(
                              sorted(c.rsplit(".", 1)[1] for c in _BLOCKS))))
+    group = None
+    if ep_group is not None and found:
+        group = ep_group if isinstance(ep_group, EPGroup) else EPGroup(ep_group)
+        for name, block, (_, E, _, _) in found:
+            if E % group.size:
+                raise SmoeError(SMOE_ERROR_INVALID_SIZE, "smoe.hf: cannot replace %s (%s): its "
+                                "E = %d experts cannot be split evenly over %d ranks"
+                                % (name, _hf_name(type(block)), E, group.size))
     replaced, made = {}, {}
-    for name, block, kind in found:
+    for name, block, (kind, E, _, _) in found:
         new = made.get(id(block))
         if new is None:
-            new = made[id(block)] = _CLASSES[kind](block, kind)
+            ep = None if group is None else _ExpertParallel(group, E, int(max_tokens),
+                                                            int(capacity), int(expert_rows),
+                                                            int(overlap), int(comm_sms))
+            new = made[id(block)] = _CLASSES[kind](block, kind, ep)
             new.train(block.training)
         _set_child(model, name, new)
         replaced[name] = block
@@ -363,12 +452,20 @@ def replace_moe_blocks(model):
 
 def restore_moe_blocks(model, replaced):
     """Puts back the HF blocks replace_moe_blocks() returned (their
-    parameters are the ones the smoe blocks trained: they were shared)."""
-    for name, block in replaced.items():
+    parameters are the ones the smoe blocks trained: they were shared).
+    Everything is checked first: nothing is restored if a block cannot be
+    (an expert-parallel one)."""
+    for name in replaced:
         current = model.get_submodule(name)
         if not isinstance(current, _SmoeBlock):
             raise ValueError("smoe.hf.restore_moe_blocks: %s is a %s, not a smoe.hf block"
                              % (name, type(current).__name__))
+        if current.ep is not None:
+            raise ValueError("smoe.hf.restore_moe_blocks: %s is expert-parallel: it kept only "
+                             "this rank's experts, the HF block cannot be restored (reload the "
+                             "model)" % name)
+    for name, block in replaced.items():
+        current = model.get_submodule(name)
         if "gate" in block._modules:
             _remove_tap(block.gate)
         block.train(current.training)

@@ -391,7 +391,11 @@ def _take(state_dict, key, used):
 
 
 def load_hf_moe_weights(module, state_dict, prefix="", *, transposed=None):
-    """Copies one Hugging Face MoE block's weights into a smoe.MoE.
+    """Copies one Hugging Face MoE block's weights into a smoe.MoE, or into
+    a smoe.EPMoE: then the router (replicated) and only this rank's experts,
+    [module.expert_start, module.expert_start + module.local_experts) of
+    the checkpoint's E (rank r of P: [r E/P, (r+1) E/P)); the other ranks'
+    expert tensors are neither read nor copied.
 
     `state_dict` is the model's state dict (or any mapping of name ->
     tensor); `prefix` names the MoE block in it, e.g.
@@ -424,16 +428,22 @@ def load_hf_moe_weights(module, state_dict, prefix="", *, transposed=None):
       OLMoE       routing='softmax_topk', renormalize=False (norm_topk_prob)
     Blocks smoe.MoE cannot compute are refused (ValueError): gpt-oss, DeepSeek-V3
     and any router with a bias (see _HF_REFUSED; smoe.hf runs DeepSeek-V3).
-    Returns the list of state-dict keys it used.
+    Returns the list of state-dict keys it used (a smoe.EPMoE: the router's
+    and this rank's experts').
     """
     for name, why in _HF_REFUSED:
         if prefix + name in state_dict:
             raise ValueError("load_hf_moe_weights: the state dict has %s%s: %s"
                              % (prefix, name, why))
-    if module._act not in GATED:
+    # smoe.MoE keeps its activation code in _act, smoe.EPMoE in activation.
+    act = module._act if isinstance(module, MoE) else module.activation
+    if act not in GATED:
         raise ValueError("load_hf_moe_weights: the module's activation %r is not gated; "
-                         "Hugging Face MoE experts are SwiGLU" % (module.activation_function,))
+                         "Hugging Face MoE experts are SwiGLU" % (_ACT_NAMES[act],))
     E, n, d = module.num_experts, module.intermediate_size, module.hidden_size
+    # This rank's experts [lo, hi) of the checkpoint's E (all of them for smoe.MoE).
+    lo = getattr(module, "expert_start", 0)
+    hi = lo + getattr(module, "local_experts", E)
     has_bias = module.c_fc.bias is not None
     used = []
 
@@ -470,6 +480,7 @@ def load_hf_moe_weights(module, state_dict, prefix="", *, transposed=None):
             raise ValueError("fused experts have shapes %s and %s, the module wants (%d, %d, %d) "
                              "and (%d, %d, %d)" % (tuple(gate_up.shape), tuple(down.shape),
                                                    E, 2 * n, d, E, d, n))
+        gate_up, down = gate_up[lo:hi], down[lo:hi]
         gate, up = gate_up[:, :n], gate_up[:, n:]
         if has_bias:
             gub = get("experts.gate_up_proj_bias")
@@ -477,6 +488,7 @@ def load_hf_moe_weights(module, state_dict, prefix="", *, transposed=None):
             if gub is None or down_bias is None:
                 raise KeyError("load_hf_moe_weights: the module has biases but the state dict "
                                "has no %sexperts.gate_up_proj_bias/down_proj_bias" % prefix)
+            gub, down_bias = gub[lo:hi], down_bias[lo:hi]
             gate_bias, up_bias = gub[:, :n], gub[:, n:]
     else:
         pattern = re.compile(re.escape(prefix) + r"experts\.(\d+)\.(\w+)\.weight$")
@@ -492,7 +504,7 @@ def load_hf_moe_weights(module, state_dict, prefix="", *, transposed=None):
 
         def stack(name, kind, shape):
             out = []
-            for e in range(E):
+            for e in range(lo, hi):
                 t = get("experts.%d.%s.%s" % (e, name, kind))
                 if t is None:
                     raise KeyError("load_hf_moe_weights: missing %sexperts.%d.%s.%s"
@@ -535,5 +547,7 @@ def load_hf_moe_weights(module, state_dict, prefix="", *, transposed=None):
 
 
 def _enum_layout(layout):
-    from .functional import W1_LAYOUTS
+    """A w1_layout name (smoe.MoE keeps the name) or code (smoe.EPMoE) as its code."""
+    if layout in W1_LAYOUTS.values() and not isinstance(layout, (bool, str)):
+        return layout
     return _enum(W1_LAYOUTS, layout, "w1_layout")

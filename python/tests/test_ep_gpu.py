@@ -9,7 +9,22 @@ scaling and a non-zero expert bias; the router logits returned (and a loss
 on them); the load-balancing loss over the group (every rank's equal to the
 single-GPU layer's on the gathered batch, and its gradient). Two steps give
 the same bits; the layer's forward and backward captured in a CUDA graph
-replay them bit for bit. tests/test_ep.py checks the same on the CPU."""
+replay them bit for bit. tests/test_ep.py checks the same on the CPU.
+
+torch.compile (test_ep_compile, one more spawn per world): a model of two
+EPMoE layers with a residual between them, compiled with fullgraph=True
+(inductor) on every rank, against the eager model on the same weights and
+tokens, two steps with other token counts (the second recompiles with
+dynamic shapes): output, router logits, expert counts and every gradient
+of a loss on the output and the logits bit for bit; the aux loss (the
+group's, 'sigmoid_topk' with a bias) and the gradients of a loss with it
+within 1e-2 of their scale (inductor's float32 reductions round a
+bfloat16 gradient's last bit otherwise); the same forward under
+torch.no_grad() (the library's inference forward, no saved block) eager
+and compiled, bit for bit. test_ep_compile_cuda_graph (a spawn of its
+own): a compiled layer's forward and backward captured in a CUDA graph
+replay the eager layer's bits. tests/test_ep_compile.py checks the rest
+on the CPU."""
 import os
 import tempfile
 
@@ -244,3 +259,205 @@ def test_ep(world, case):
         assert abs(aux[0].item() - single["aux"].item()) <= 1e-4 * abs(single["aux"].item()), (
             "aux_loss %r, the single-GPU layer's %r" % (aux[0].item(), single["aux"].item()))
         _fa3(aux[0], single["aux"], ref["aux"], "aux_loss")
+
+
+# ------------------------------------------------------------ torch.compile
+
+# Token counts per rank at the two steps of the compile test.
+COMPILE_STEPS = {1: [[96], [61]], 2: [[96, 80], [57, 96]]}
+
+
+class _TwoLayers(torch.nn.Module):
+    """h = x + moe1(x); y = h + moe2(h): two layers' collectives in one graph."""
+
+    def __init__(self, first, second):
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, x):
+        o1, a1, l1 = self.first(x, output_router_logits=True)
+        h = x + o1
+        o2, a2, l2 = self.second(h, output_router_logits=True)
+        return h + o2, a1 + a2, l1, l2
+
+
+def _compile_model(rank, world, group):
+    import smoe
+    El = E // world
+    layers = []
+    for i in range(2):
+        g = torch.Generator().manual_seed(40 + i)
+        bf = torch.bfloat16
+        wr = (torch.randn(E, D, generator=g) * 0.1).to(bf)
+        w1 = (torch.randn(E, 2 * N, D, generator=g) * 0.1).to(bf)
+        w2 = (torch.randn(E, D, N, generator=g) * 0.1).to(bf)
+        bias = torch.randn(E, generator=g) * 0.3
+        m = smoe.EPMoE(E, 3, D, N, ep_group=group, max_tokens=T, aux_loss_scope="group",
+                       **SIGMOID).cuda().to(bf)
+        with torch.no_grad():
+            m.router.weight.copy_(wr)
+            m.c_fc.weight.copy_(w1[rank * El:(rank + 1) * El])
+            m.c_proj.weight.copy_(w2[rank * El:(rank + 1) * El])
+            m.expert_bias.copy_(bias)
+        layers.append(m)
+    return _TwoLayers(*layers)
+
+
+def _compile_step(fn, model, x, dout, dlog, coef):
+    model.zero_grad()
+    x = x.clone().requires_grad_()
+    y, aux, l1, l2 = fn(x)
+    loss = (y.float() * dout).sum() + (l1 * dlog).sum() + (l2 * dlog).sum() + coef * aux
+    loss.backward()
+    res = {"y": y.detach(), "aux": aux.detach(), "l1": l1.detach(), "l2": l2.detach(),
+           "dx": x.grad, "c1": model.first.last_expert_counts.clone(),
+           "c2": model.second.last_expert_counts.clone()}
+    for name, p in model.named_parameters():
+        res["d" + name] = p.grad.clone()
+    return {k: v.cpu() for k, v in res.items()}
+
+
+def _compile_worker(rank, world, init_file, out_file):
+    import torch.distributed as dist
+    import smoe
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method="file://" + init_file, rank=rank,
+                            world_size=world)
+    try:
+        torch._dynamo.reset()
+        group = smoe.EPGroup()
+        model = _compile_model(rank, world, group)
+        compiled = torch.compile(model, fullgraph=True)
+        g = torch.Generator().manual_seed(50)
+        steps = []
+        for i, split in enumerate(COMPILE_STEPS[world]):
+            x_all = torch.randn(sum(split), D, generator=g).to(torch.bfloat16)
+            dout_all = torch.randn(sum(split), D, generator=g)
+            dlog_all = torch.randn(sum(split), E, generator=g) * 0.3
+            lo = sum(split[:rank])
+            s = slice(lo, lo + split[rank])
+            x, dout, dlog = x_all[s].cuda(), dout_all[s].cuda(), dlog_all[s].cuda()
+            for coef in (0.0, 0.5):
+                eager = _compile_step(model, model, x, dout, dlog, coef)
+                comp = _compile_step(compiled, model, x, dout, dlog, coef)
+                steps.append((i, coef, eager, comp))
+            with torch.no_grad():   # the inference forward: no saved block
+                ne, nc = model(x), compiled(x)
+            steps.append((i, None, {"y": ne[0].cpu(), "l1": ne[2].cpu()},
+                          {"y": nc[0].cpu(), "l1": nc[2].cpu()}))
+        model.first.check_device()
+        gathered = [None] * world
+        dist.all_gather_object(gathered, steps)
+        if rank == 0:
+            torch.save(gathered, out_file)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+_COMPILE_RESULTS = {}
+
+
+def _compile_results(world):
+    if world not in _COMPILE_RESULTS:
+        import torch.multiprocessing as mp
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                init_file = os.path.join(tmp, "init")
+                out_file = os.path.join(tmp, "res.pt")
+                mp.spawn(_compile_worker, args=(world, init_file, out_file), nprocs=world,
+                         join=True)
+                _COMPILE_RESULTS[world] = torch.load(out_file)
+        except Exception as e:
+            _COMPILE_RESULTS[world] = e
+    if isinstance(_COMPILE_RESULTS[world], Exception):
+        raise _COMPILE_RESULTS[world]
+    return _COMPILE_RESULTS[world]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ep_compile(world):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip("needs %d GPU%s" % (world, "s" if world > 1 else ""))
+    for rank, steps in enumerate(_compile_results(world)):
+        for i, coef, eager, comp in steps:
+            where = "rank %d step %d aux coef %s" % (rank, i, coef)
+            assert eager.keys() == comp.keys()
+            for k in eager:
+                if k == "aux" or (k.startswith("d") and coef):
+                    # through the aux loss: inductor's float32 reductions, whose last
+                    # bit may round a bfloat16 gradient the other way (2^-8 relative)
+                    scale = eager[k].float().abs().max().item() + 1e-6
+                    err = (comp[k].float() - eager[k].float()).abs().max().item()
+                    assert err <= 1e-2 * scale, "%s: %s err %.3g, scale %.3g" % (
+                        where, k, err, scale)
+                else:
+                    assert torch.equal(comp[k], eager[k]), "%s: %s differs" % (where, k)
+
+
+def _graph_worker(rank, world, init_file, out_file):
+    """A compiled EPMoE's forward and backward captured in a CUDA graph,
+    replayed twice against the eager layer."""
+    import torch.distributed as dist
+    import smoe
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method="file://" + init_file, rank=rank,
+                            world_size=world)
+    try:
+        torch._dynamo.reset()
+        wr, w1, w2, x_all, do_all, _, _ = _inputs(world, "topk_softmax")
+        El = E // world
+        m = smoe.EPMoE(E, 2, D, N, ep_group=smoe.EPGroup(), max_tokens=T).cuda().to(w1.dtype)
+        with torch.no_grad():
+            m.router.weight.copy_(wr)
+            m.c_fc.weight.copy_(w1[rank * El:(rank + 1) * El])
+            m.c_proj.weight.copy_(w2[rank * El:(rank + 1) * El])
+        x = x_all[rank * T:(rank + 1) * T].cuda()
+        do = do_all[rank * T:(rank + 1) * T].cuda()
+        params = [m.c_fc.weight, m.c_proj.weight, m.router.weight]
+
+        def step(f, xs):
+            out = f(xs)[0]
+            return [out] + list(torch.autograd.grad(out, [xs] + params, do))
+
+        want = [t.detach().clone() for t in step(m, x.clone().requires_grad_())]
+        compiled = torch.compile(m, fullgraph=True)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s):
+            for _ in range(2):   # compiles, then runs once more, before the capture
+                step(compiled, x.clone().requires_grad_())
+            xs = x.clone().requires_grad_()
+            with torch.cuda.graph(gr, stream=s, capture_error_mode="thread_local"):
+                got = step(compiled, xs)
+        torch.cuda.current_stream().wait_stream(s)
+        same = []
+        for _ in range(2):
+            gr.replay()
+            torch.cuda.synchronize()
+            same.append([torch.equal(a, b) for a, b in zip(got, want)])
+        m.check_device()
+        gathered = [None] * world
+        dist.all_gather_object(gathered, same)
+        if rank == 0:
+            torch.save(gathered, out_file)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ep_compile_cuda_graph(world):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip("needs %d GPU%s" % (world, "s" if world > 1 else ""))
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        out_file = os.path.join(tmp, "res.pt")
+        mp.spawn(_graph_worker, args=(world, init_file, out_file), nprocs=world, join=True)
+        res = torch.load(out_file)
+    for rank, replays in enumerate(res):
+        for i, same in enumerate(replays):
+            # out, dx, dw1, dw2, drouter_w
+            assert all(same), "rank %d replay %d: %s" % (rank, i, same)
