@@ -39,6 +39,9 @@ ordered side effects (PyTorch's effect tokens), so a compiled graph runs
 the collectives in program order on every rank. A forward without
 gradients (torch.no_grad(), inference_mode(), nothing requiring one) is
 the library's inference forward: no saved block.
+Not yet: a compiled EPMoE captured in a CUDA graph (the eager layer's
+capture replays bit for bit; the compiled one's capture hung on an H100
+with torch 2.11, notes/ep_design.md).
 
 EPGroup.in_process(P) gives P groups for P threads of one process instead:
 the library's in-process transport on its CPU backend (float32, float64 or
@@ -838,8 +841,8 @@ class EPMoE(nn.Module):
     backpropagates the aux loss, or none does.
 
     Autograd, torch.compile (fullgraph=True, static or dynamic token
-    counts; each rank compiles its own model) and CUDA graphs, as
-    smoe.MoE; every option, aux_loss_scope='group' included (its
+    counts; each rank compiles its own model) and CUDA graphs (of the
+    eager layer; not yet of a compiled one), as smoe.MoE; every option, aux_loss_scope='group' included (its
     all-reduces are operators too). Under torch.no_grad() or
     torch.inference_mode() (or with nothing requiring a gradient) the
     forward keeps nothing for backward (the library's inference forward,
