@@ -39,9 +39,9 @@
  *    the saved block or the workspace may share a byte with another of
  *    them or with an input. Inputs may overlap each other. The one
  *    in-place mode is desc.consume_saved (the backward writes into its
- *    saved block, which then counts as an output). An overlap is SMOE_ERROR_INVALID_VALUE. The extent of
- *    saved and workspace is what the call uses (the *_bytes() size), not
- *    the capacity given.
+ *    saved block, which then counts as an output). An overlap is
+ *    SMOE_ERROR_INVALID_VALUE. The extent of saved and workspace is what
+ *    the call uses (the *_bytes() size), not the capacity given.
  * Refusals name the argument, and give the sizes or addresses involved.
  *
  * Non-finite values follow PyTorch. A NaN or an infinity in x, a weight or
@@ -344,7 +344,7 @@ typedef struct smoe_backward_args {
 
 /* `saved` is the block a training forward of this layer with the same T
  * (and pairs) filled. It is only read, unless desc.consume_saved is set:
- * then the backward writes dH (and scratch) over its H and marks its
+ * then the backward writes dH over its H and marks its
  * header consumed (see smoe_layer_desc). Its header is checked: a block of
  * another layer, of another T or pairs, never filled, of a forward that
  * failed a device-side check, or already consumed by a backward is
