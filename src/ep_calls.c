@@ -217,6 +217,32 @@ static smoe_saved_view source_view(const ep_saved *s, char *base)
     return v;
 }
 
+/* What the single layer's checks of a call need to know of this one: the
+ * rank's experts, T = 0 allowed, the saved block's and workspace's sizes
+ * (the backend's) and the functions that give them; S and W are the CPU
+ * path's layouts. */
+static smoe_call_shape ep_call_shape(const smoe_ep_layer *ep, int64_t T, int64_t pairs,
+                                     ep_saved *S, ep_ws *W)
+{
+    smoe_call_shape cs;
+    saved_make(ep, T, pairs, S);
+    ws_make(ep, T, pairs, W);
+    memset(&cs, 0, sizeof cs);
+    cs.E_experts = ep->El;
+    cs.empty_ok = 1;
+    cs.saved_need = S->total;
+    cs.ws_need = W->total;
+#ifdef SMOE_WITH_CUDA
+    if (ep->desc.layer.backend != SMOE_BACKEND_CPU) {
+        cs.saved_need = smoe_ep_cuda_saved_bytes(ep, T, pairs);
+        cs.ws_need = smoe_ep_cuda_workspace_bytes(ep, T, pairs);
+    }
+#endif
+    cs.saved_query = "smoe_ep_layer_saved_bytes";
+    cs.ws_query = "smoe_ep_layer_workspace_bytes";
+    return cs;
+}
+
 /* ------------------------------------------------------------ forward */
 
 smoe_status smoe_ep_layer_forward(smoe_ep_layer *ep, const smoe_forward_args *args, void *saved,
@@ -244,23 +270,8 @@ smoe_status smoe_ep_layer_forward(smoe_ep_layer *ep, const smoe_forward_args *ar
                        args->inference);
     else st = ep_sizes(ep, fn, args->T, general ? args->pairs : 0);
     if (st == SMOE_SUCCESS) {
-        const int64_t pairs = general ? args->pairs : 0;
-        saved_make(ep, args->T, pairs, &S);
-        ws_make(ep, args->T, pairs, &W);
-        smoe_call_shape cs;
-        memset(&cs, 0, sizeof cs);
-        cs.E_experts = El;
-        cs.empty_ok = 1;
-        cs.saved_need = S.total;
-        cs.ws_need = W.total;
-#ifdef SMOE_WITH_CUDA
-        if (L->backend != SMOE_BACKEND_CPU) {
-            cs.saved_need = smoe_ep_cuda_saved_bytes(ep, args->T, pairs);
-            cs.ws_need = smoe_ep_cuda_workspace_bytes(ep, args->T, pairs);
-        }
-#endif
-        cs.saved_query = "smoe_ep_layer_saved_bytes";
-        cs.ws_query = "smoe_ep_layer_workspace_bytes";
+        const smoe_call_shape cs =
+            ep_call_shape(ep, args->T, general ? args->pairs : 0, &S, &W);
         st = smoe_forward_validate(ep->full, fn, args, &cs, saved, saved_bytes, workspace,
                                    workspace_bytes);
     }
@@ -464,23 +475,8 @@ smoe_status smoe_ep_layer_backward(smoe_ep_layer *ep, const smoe_backward_args *
     if (!args) st = smoe_fail(SMOE_ERROR_NULL_POINTER, "%s: args is NULL", fn);
     else st = ep_sizes(ep, fn, args->T, general ? args->pairs : 0);
     if (st == SMOE_SUCCESS) {
-        const int64_t pairs = general ? args->pairs : 0;
-        saved_make(ep, args->T, pairs, &S);
-        ws_make(ep, args->T, pairs, &W);
-        smoe_call_shape cs;
-        memset(&cs, 0, sizeof cs);
-        cs.E_experts = ep->El;
-        cs.empty_ok = 1;
-        cs.saved_need = S.total;
-        cs.ws_need = W.total;
-#ifdef SMOE_WITH_CUDA
-        if (L->backend != SMOE_BACKEND_CPU) {
-            cs.saved_need = smoe_ep_cuda_saved_bytes(ep, args->T, pairs);
-            cs.ws_need = smoe_ep_cuda_workspace_bytes(ep, args->T, pairs);
-        }
-#endif
-        cs.saved_query = "smoe_ep_layer_saved_bytes";
-        cs.ws_query = "smoe_ep_layer_workspace_bytes";
+        const smoe_call_shape cs =
+            ep_call_shape(ep, args->T, general ? args->pairs : 0, &S, &W);
         st = smoe_backward_validate(ep->full, fn, args, &cs, saved, saved_bytes, workspace,
                                     workspace_bytes, 0);
     }
