@@ -134,15 +134,24 @@ static smoe_status ep_sizes(const smoe_ep_layer *ep, const char *fn, int64_t T, 
     return SMOE_SUCCESS;
 }
 
-size_t smoe_ep_layer_workspace_bytes(const smoe_ep_layer *ep, int64_t T)
+/* The size queries' common part: the layer and T checked (0 with the
+ * reason recorded otherwise), and the pairs they size for: GENERAL's worst
+ * case (T*E), else 0. */
+static int ep_size_query(const smoe_ep_layer *ep, const char *fn, int64_t T, int64_t *pairs)
 {
     if (!ep) {
-        smoe_fail(SMOE_ERROR_NULL_POINTER, "smoe_ep_layer_workspace_bytes: layer is NULL");
+        smoe_fail(SMOE_ERROR_NULL_POINTER, "%s: layer is NULL", fn);
         return 0;
     }
-    if (ep_sizes(ep, "smoe_ep_layer_workspace_bytes", T, 0) != SMOE_SUCCESS) return 0;
-    /* GENERAL: the worst case of pairs (T*E) */
-    const int64_t pairs = ep->desc.layer.routing == SMOE_ROUTING_GENERAL ? T * ep->desc.layer.E : 0;
+    if (ep_sizes(ep, fn, T, 0) != SMOE_SUCCESS) return 0;
+    *pairs = ep->desc.layer.routing == SMOE_ROUTING_GENERAL ? T * ep->desc.layer.E : 0;
+    return 1;
+}
+
+size_t smoe_ep_layer_workspace_bytes(const smoe_ep_layer *ep, int64_t T)
+{
+    int64_t pairs;
+    if (!ep_size_query(ep, "smoe_ep_layer_workspace_bytes", T, &pairs)) return 0;
 #ifdef SMOE_WITH_CUDA
     if (ep->desc.layer.backend != SMOE_BACKEND_CPU)
         return smoe_ep_cuda_workspace_bytes(ep, T, pairs);
@@ -154,12 +163,8 @@ size_t smoe_ep_layer_workspace_bytes(const smoe_ep_layer *ep, int64_t T)
 
 size_t smoe_ep_layer_saved_bytes(const smoe_ep_layer *ep, int64_t T)
 {
-    if (!ep) {
-        smoe_fail(SMOE_ERROR_NULL_POINTER, "smoe_ep_layer_saved_bytes: layer is NULL");
-        return 0;
-    }
-    if (ep_sizes(ep, "smoe_ep_layer_saved_bytes", T, 0) != SMOE_SUCCESS) return 0;
-    const int64_t pairs = ep->desc.layer.routing == SMOE_ROUTING_GENERAL ? T * ep->desc.layer.E : 0;
+    int64_t pairs;
+    if (!ep_size_query(ep, "smoe_ep_layer_saved_bytes", T, &pairs)) return 0;
 #ifdef SMOE_WITH_CUDA
     if (ep->desc.layer.backend != SMOE_BACKEND_CPU) return smoe_ep_cuda_saved_bytes(ep, T, pairs);
 #endif
