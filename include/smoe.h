@@ -229,10 +229,11 @@ typedef struct smoe_layer_desc {
     int device;                  /* CUDA device ordinal (CUDA backends) */
     /* 1: the backward consumes its saved block: it writes dH (R x h_cols,
      * the dtype) over the block's H, which the backward no longer needs
-     * once dH is computed. The backward's part of the workspace loses its
-     * dH (up to R x h_cols elements; smoe_layer_workspace_bytes, which
-     * covers forward and backward, says what is needed, and is never less
-     * than the forward's part), and the block's header is marked consumed,
+     * once dH is computed. The backward's workspace loses its dH (up to
+     * R x h_cols elements) and takes the dense router term of dx (T x d
+     * fp32, routings with a dense router gradient) in up to 8 chunks of
+     * tokens; smoe_layer_call_workspace_bytes(SMOE_CALL_BACKWARD) says what
+     * it needs. The block's header is marked consumed,
      * so a second backward with it is refused (SMOE_ERROR_INVALID_VALUE; on
      * the CUDA backends through the device status word). A new training
      * forward fills the block again. Results are those of 0, bit for bit.
@@ -260,10 +261,29 @@ SMOE_API smoe_layer_desc smoe_layer_get_desc(const smoe_layer *layer);
 
 /* ------------------------------------------------------------ memory */
 
-/* Bytes of scratch one forward or backward call with T tokens needs.
- * `pairs` is the number of GENERAL triples (ignored by other modes; pass 0).
- * Returns 0 (and sets smoe_last_error) on invalid sizes. */
+/* Bytes of scratch one forward or backward call with T tokens needs: the
+ * larger of the two, so one buffer serves both calls. `pairs` is the number
+ * of GENERAL triples (ignored by other modes; pass 0). Returns 0 (and sets
+ * smoe_last_error) on invalid sizes. */
 SMOE_API size_t smoe_layer_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t pairs);
+
+/* Which call a workspace is sized for (smoe_layer_call_workspace_bytes). */
+typedef enum smoe_call {
+    SMOE_CALL_ANY = 0,      /* forward or backward: smoe_layer_workspace_bytes */
+    SMOE_CALL_FORWARD = 1,  /* a forward, training or inference */
+    SMOE_CALL_BACKWARD = 2  /* a backward */
+} smoe_call;
+
+/* Bytes of scratch one call of that kind needs, at most
+ * smoe_layer_workspace_bytes(). A forward takes a workspace of at least the
+ * FORWARD size and a backward one of at least the BACKWARD size, so a caller
+ * that allocates the workspace per call (PyTorch's caching allocator does)
+ * holds only what each call uses: where the forward's part is the larger
+ * (Y and A, R (n + d) elements, against the backward's dX~), the backward's
+ * peak is lower by the difference. Returns 0 (and sets smoe_last_error) on
+ * invalid sizes or an unknown `call`. */
+SMOE_API size_t smoe_layer_call_workspace_bytes(const smoe_layer *layer, smoe_call call,
+                                                int64_t T, int64_t pairs);
 
 /* Bytes of state a training forward leaves for backward: a 256-byte header
  * (which layer filled it, T, pairs, whether the forward succeeded), H

@@ -399,15 +399,32 @@ smoe_layer_desc smoe_layer_get_desc(const smoe_layer *layer)
 
 /* ------------------------------------------------------------ memory */
 
-size_t smoe_layer_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t pairs)
+size_t smoe_layer_call_workspace_bytes(const smoe_layer *layer, smoe_call call, int64_t T,
+                                       int64_t pairs)
 {
     int64_t cap;
+    if (!layer) {
+        smoe_fail(SMOE_ERROR_NULL_POINTER, "smoe_layer_call_workspace_bytes: layer is NULL");
+        return 0;
+    }
+    if (call != SMOE_CALL_ANY && call != SMOE_CALL_FORWARD && call != SMOE_CALL_BACKWARD) {
+        smoe_fail(SMOE_ERROR_INVALID_VALUE,
+                  "smoe_layer_call_workspace_bytes: call = %d, must be SMOE_CALL_ANY (0), "
+                  "SMOE_CALL_FORWARD (1) or SMOE_CALL_BACKWARD (2)",
+                  (int)call);
+        return 0;
+    }
+    if (check_sizes(layer, T, pairs, 0, &cap) != SMOE_SUCCESS) return 0;
+    return layer->ops->workspace_bytes(layer, T, cap, (int)call);
+}
+
+size_t smoe_layer_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t pairs)
+{
     if (!layer) {
         smoe_fail(SMOE_ERROR_NULL_POINTER, "smoe_layer_workspace_bytes: layer is NULL");
         return 0;
     }
-    if (check_sizes(layer, T, pairs, 0, &cap) != SMOE_SUCCESS) return 0;
-    return layer->ops->workspace_bytes(layer, T, cap);
+    return smoe_layer_call_workspace_bytes(layer, SMOE_CALL_ANY, T, pairs);
 }
 
 size_t smoe_layer_saved_bytes(const smoe_layer *layer, int64_t T, int64_t pairs)
@@ -437,8 +454,9 @@ smoe_status smoe_layer_device_status(smoe_layer *layer, void *stream, int wait)
 
 /* A call's T and pairs checked, its saved block's layout, and the shape its
  * other arguments are checked against (validate.c). */
-static smoe_status call_shape_make(const smoe_layer *layer, int64_t T, int64_t pairs,
-                                   int inference, smoe_saved_layout *l, smoe_call_shape *cs)
+static smoe_status call_shape_make(const smoe_layer *layer, smoe_call call, int64_t T,
+                                   int64_t pairs, int inference, smoe_saved_layout *l,
+                                   smoe_call_shape *cs)
 {
     int64_t cap;
     SMOE_FORWARD_IF_ERROR(check_sizes(layer, T, pairs, inference, &cap));
@@ -446,9 +464,11 @@ static smoe_status call_shape_make(const smoe_layer *layer, int64_t T, int64_t p
     memset(cs, 0, sizeof *cs);
     cs->E_experts = layer->desc.E;
     cs->saved_need = l->total;
-    cs->ws_need = layer->ops->workspace_bytes(layer, T, cap);
+    cs->ws_need = layer->ops->workspace_bytes(layer, T, cap, (int)call);
     cs->saved_query = "smoe_layer_saved_bytes";
-    cs->ws_query = "smoe_layer_workspace_bytes";
+    cs->ws_query = call == SMOE_CALL_FORWARD
+                       ? "smoe_layer_call_workspace_bytes(SMOE_CALL_FORWARD)"
+                       : "smoe_layer_call_workspace_bytes(SMOE_CALL_BACKWARD)";
     return SMOE_SUCCESS;
 }
 
@@ -465,7 +485,7 @@ smoe_status smoe_layer_forward(smoe_layer *layer, const smoe_forward_args *args,
     const int64_t T = args->T, pairs = general ? args->pairs : 0;
     smoe_saved_layout l;
     smoe_call_shape cs;
-    SMOE_FORWARD_IF_ERROR(call_shape_make(layer, T, pairs, args->inference, &l, &cs));
+    SMOE_FORWARD_IF_ERROR(call_shape_make(layer, SMOE_CALL_FORWARD, T, pairs, args->inference, &l, &cs));
     SMOE_FORWARD_IF_ERROR(smoe_forward_validate(layer, fn, args, &cs, saved, saved_bytes,
                                                 workspace, workspace_bytes));
     return layer->ops->forward(layer, args, &l, args->inference ? NULL : saved, workspace,
@@ -483,7 +503,7 @@ smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *arg
     const int64_t T = args->T, pairs = general ? args->pairs : 0;
     smoe_saved_layout l;
     smoe_call_shape cs;
-    SMOE_FORWARD_IF_ERROR(call_shape_make(layer, T, pairs, 0, &l, &cs));
+    SMOE_FORWARD_IF_ERROR(call_shape_make(layer, SMOE_CALL_BACKWARD, T, pairs, 0, &l, &cs));
     SMOE_FORWARD_IF_ERROR(smoe_backward_validate(layer, fn, args, &cs, saved, saved_bytes,
                                                  workspace, workspace_bytes,
                                                  layer->desc.consume_saved));

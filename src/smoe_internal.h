@@ -215,9 +215,11 @@ smoe_status smoe_backward_validate(const smoe_layer *layer, const char *fn,
 /* ------------------------------------------------------------ backends */
 
 struct smoe_backend_ops {
-    /* Scratch for one forward or backward with T tokens and a row capacity
-     * of `cap`, the larger of the two. */
-    size_t (*workspace_bytes)(const smoe_layer *layer, int64_t T, int64_t cap);
+    /* Scratch for one call of the kind `call` (smoe_call) with T tokens and
+     * a row capacity of `cap`; SMOE_CALL_ANY: the larger of the two. A
+     * call's workspace layout is the same whatever size it was asked for:
+     * each call's buffers lie below its own size. */
+    size_t (*workspace_bytes)(const smoe_layer *layer, int64_t T, int64_t cap, int call);
     smoe_status (*forward)(smoe_layer *layer, const smoe_forward_args *args,
                            const smoe_saved_layout *saved_layout, void *saved,
                            void *workspace, void *stream);

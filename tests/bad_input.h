@@ -101,7 +101,7 @@ typedef struct bi_fix {
     float *logits, *ps, *dle;
     int32_t *counts, *pt, *pe;
     void *saved, *ws;
-    size_t saved_b, ws_b;
+    size_t saved_b, ws_b, ws_fb, ws_bb; /* ws_b: either call's; ws_fb / ws_bb each call's own */
     void *g[TU_NGRAD];               /* F32 gradients */
     size_t gn[TU_NGRAD];             /* bytes */
     float *hps;                      /* host copy of the scores */
@@ -160,6 +160,8 @@ static int fix_make(bi_fix *F, const smoe_layer_desc *D, int64_t T, tu_rng *rng)
     }
     F->saved_b = smoe_layer_saved_bytes(F->L, T, np);
     F->ws_b = smoe_layer_workspace_bytes(F->L, T, np);
+    F->ws_fb = smoe_layer_call_workspace_bytes(F->L, SMOE_CALL_FORWARD, T, np);
+    F->ws_bb = smoe_layer_call_workspace_bytes(F->L, SMOE_CALL_BACKWARD, T, np);
     F->saved = M->alloc(F->saved_b);
     F->ws = M->alloc(F->ws_b);
     const size_t ge[TU_NGRAD] = {(size_t)(T * d), F->general ? 0 : (size_t)(E * d),
@@ -431,6 +433,33 @@ static void test_create(void) {
     }
     CHECK(smoe_layer_saved_bytes(NULL, 4, 0) == 0 && smoe_last_error()[0], "saved_bytes(NULL)");
     CHECK(smoe_layer_workspace_bytes(NULL, 4, 0) == 0 && smoe_last_error()[0], "workspace_bytes(NULL)");
+    CHECK(smoe_layer_call_workspace_bytes(NULL, SMOE_CALL_BACKWARD, 4, 0) == 0 &&
+              smoe_last_error()[0],
+          "call_workspace_bytes(NULL)");
+
+    tu_case("sizes: each call's workspace");
+    D = good_desc();
+    L = NULL;
+    CHECK_OK(smoe_layer_create(&D, &L));
+    if (L) {
+        for (int64_t T = 1; T <= 4096; T *= 8) {
+            const size_t any = smoe_layer_workspace_bytes(L, T, 0);
+            const size_t f = smoe_layer_call_workspace_bytes(L, SMOE_CALL_FORWARD, T, 0);
+            const size_t b = smoe_layer_call_workspace_bytes(L, SMOE_CALL_BACKWARD, T, 0);
+            CHECK(f > 0 && b > 0 && any == (f > b ? f : b) &&
+                      smoe_layer_call_workspace_bytes(L, SMOE_CALL_ANY, T, 0) == any,
+                  "T = %lld: any %zu, forward %zu, backward %zu", (long long)T, any, f, b);
+        }
+        const int bad_call[3] = {3, -1, 1 << 20};
+        for (int i = 0; i < 3; i++)
+            CHECK(smoe_layer_call_workspace_bytes(L, (smoe_call)bad_call[i], 4, 0) == 0 &&
+                      strstr(smoe_last_error(), "call ="),
+                  "call %d: \"%s\"", bad_call[i], smoe_last_error());
+        CHECK(smoe_layer_call_workspace_bytes(L, SMOE_CALL_FORWARD, -6, 0) == 0 &&
+                  strstr(smoe_last_error(), "-6"),
+              "call_workspace_bytes(T=-6): \"%s\"", smoe_last_error());
+        smoe_layer_free(L);
+    }
 }
 
 /* ------------------------------------------------------------ forward */
@@ -538,8 +567,8 @@ static void test_forward_args(tu_rng *rng) {
                      SMOE_ERROR_INVALID_SIZE, "saved_bytes");
         fwd_case_buf(&F, "saved_bytes 0", g, F.saved, 0, F.ws, F.ws_b, SMOE_ERROR_INVALID_SIZE,
                      "saved_bytes = 0");
-        fwd_case_buf(&F, "workspace_bytes one short", g, F.saved, F.saved_b, F.ws, F.ws_b - 1,
-                     SMOE_ERROR_INVALID_SIZE, "workspace_bytes");
+        fwd_case_buf(&F, "workspace_bytes one short", g, F.saved, F.saved_b, F.ws, F.ws_fb - 1,
+                     SMOE_ERROR_INVALID_SIZE, "SMOE_CALL_FORWARD");
         a = g; a.inference = 1;
         fwd_case_buf(&F, "inference, workspace_bytes 1", a, NULL, 0, F.ws, 1,
                      SMOE_ERROR_INVALID_SIZE, "workspace_bytes = 1");
@@ -747,8 +776,8 @@ static void test_backward_args(tu_rng *rng) {
                 SMOE_ERROR_NULL_POINTER, "workspace");
         BWD_BUF("saved_bytes one short", (void)0, F.saved, F.saved_b - 1, F.ws, F.ws_b,
                 SMOE_ERROR_INVALID_SIZE, "saved_bytes");
-        BWD_BUF("workspace_bytes one short", (void)0, F.saved, F.saved_b, F.ws, F.ws_b - 1,
-                SMOE_ERROR_INVALID_SIZE, "workspace_bytes");
+        BWD_BUF("workspace_bytes one short", (void)0, F.saved, F.saved_b, F.ws, F.ws_bb - 1,
+                SMOE_ERROR_INVALID_SIZE, "SMOE_CALL_BACKWARD");
         BWD("dw1 dtype 17", a.dw1.dtype = (smoe_dtype)17, SMOE_ERROR_INVALID_VALUE, "dw1");
         BWD("dw2 dtype F64", a.dw2.dtype = SMOE_DTYPE_F64, SMOE_ERROR_INVALID_VALUE, "dw2");
         BWD("dx dtype 17", a.dx.dtype = (smoe_dtype)17, SMOE_ERROR_INVALID_VALUE, "17");

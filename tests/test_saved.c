@@ -300,19 +300,34 @@ static void test_consume(tu_rng *rng) {
         tu_grads_alloc(&g0, &F.P, wdt);
         tu_grads_alloc(&g1, &F.P, wdt);
         tu_run_backward(F.L, &F.P, &F.B, G, G2, &g0, 0);
-        /* the consuming layer: its own saved block, a workspace of exactly wb */
+        /* the consuming layer: its own saved block; odd cases give forward
+         * and backward workspaces of exactly each call's own size
+         * (smoe_layer_call_workspace_bytes), even ones one of exactly wb,
+         * the larger of the two */
+        const size_t wbf = smoe_layer_call_workspace_bytes(L1, SMOE_CALL_FORWARD, T, np);
+        const size_t wbb = smoe_layer_call_workspace_bytes(L1, SMOE_CALL_BACKWARD, T, np);
+        CHECK(wbf > 0 && wbb > 0 && wb == (wbf > wbb ? wbf : wbb),
+              "workspace %zu, forward's %zu, backward's %zu", wb, wbf, wbb);
+        const int own = it % 2;
         tu_bufs B1 = F.B;
         B1.saved = malloc(F.B.saved_bytes);
-        B1.ws = malloc(wb + GUARD);
-        B1.ws_bytes = wb;
-        memset(B1.ws, PAT, wb + GUARD);
+        B1.ws_bytes = own ? wbb : wb;
+        B1.ws = malloc(B1.ws_bytes + GUARD);
+        memset(B1.ws, PAT, B1.ws_bytes + GUARD);
+        if (own) {
+            B1.ws_fwd_bytes = wbf;
+            B1.ws_fwd = malloc(wbf + GUARD);
+            memset(B1.ws_fwd, PAT, wbf + GUARD);
+        }
         if (tu_run_backward(L1, &F.P, &B1, G, G2, &g1, 0)) {
             int which = -1;
             CHECK(grads_equal(&g0, &g1, &which), "%s of the consuming backward differs",
                   which >= 0 ? tu_grad_name[which] : "?");
         }
-        CHECK(all_pat((char *)B1.ws + wb, GUARD), "the backward wrote past workspace_bytes = %zu",
-              wb);
+        CHECK(all_pat((char *)B1.ws + B1.ws_bytes, GUARD),
+              "the backward wrote past workspace_bytes = %zu", B1.ws_bytes);
+        CHECK(!own || all_pat((char *)B1.ws_fwd + wbf, GUARD),
+              "the forward wrote past workspace_bytes = %zu", wbf);
         /* a second backward: refused, nothing written */
         unsigned char *copy = (unsigned char *)malloc(F.B.saved_bytes);
         memcpy(copy, B1.saved, F.B.saved_bytes);
@@ -321,7 +336,8 @@ static void test_consume(tu_rng *rng) {
         tu_grads_alloc(&g2, &F.P, wdt);
         grads_fill(&g2, 0x3C);
         smoe_backward_args ba = bwd_args(&F.P, &B1, G, G2, &g1);
-        smoe_status st = smoe_layer_backward(L1, &ba, B1.saved, F.B.saved_bytes, B1.ws, wb, NULL);
+        smoe_status st =
+            smoe_layer_backward(L1, &ba, B1.saved, F.B.saved_bytes, B1.ws, B1.ws_bytes, NULL);
         CHECK(st == SMOE_ERROR_INVALID_VALUE && strstr(smoe_last_error(), "consumed"),
               "second backward -> %s (%s)", smoe_status_string(st), smoe_last_error());
         int which = -1;
@@ -333,7 +349,7 @@ static void test_consume(tu_rng *rng) {
         if (T * D.d * (int64_t)tu_dtype_size(D.dtype) <= (int64_t)F.B.saved_bytes) {
             smoe_backward_args bo = ba;
             bo.dout = B1.saved;
-            st = smoe_layer_backward(L1, &bo, B1.saved, F.B.saved_bytes, B1.ws, wb, NULL);
+            st = smoe_layer_backward(L1, &bo, B1.saved, F.B.saved_bytes, B1.ws, B1.ws_bytes, NULL);
             CHECK(st == SMOE_ERROR_INVALID_VALUE && strstr(smoe_last_error(), "overlaps"),
                   "saved over dout -> %s (%s)", smoe_status_string(st), smoe_last_error());
             CHECK(grads_equal(&g1, &g2, &which) && memcmp(copy, B1.saved, F.B.saved_bytes) == 0,
@@ -347,6 +363,7 @@ static void test_consume(tu_rng *rng) {
         free(copy);
         free(B1.saved);
         free(B1.ws);
+        free(B1.ws_fwd);
         tu_grads_free(&g0); tu_grads_free(&g1); tu_grads_free(&g2);
         free(gd); free(G); free(G2);
         smoe_layer_free(L1);

@@ -700,6 +700,10 @@ typedef struct tu_bufs {
     float *ebias;  /* SIGMOID_TOPK's expert bias or NULL */
     void *saved, *ws;
     size_t saved_bytes, ws_bytes;
+    /* tu_run_backward's forward: ws_fwd (NULL: ws) of ws_fwd_bytes (0:
+     * ws_bytes); its backward: ws of ws_bwd_bytes (0: ws_bytes) */
+    void *ws_fwd;
+    size_t ws_fwd_bytes, ws_bwd_bytes;
 } tu_bufs;
 
 static TU_UNUSED void tu_bufs_make(tu_bufs *B, const tu_problem *P, smoe_layer *L, int inference) {
@@ -945,7 +949,9 @@ static TU_UNUSED double *tu_grad_d(const tu_grads *g, int i) { return tu_from_dt
 static TU_UNUSED int tu_run_backward(smoe_layer *L, const tu_problem *P, tu_bufs *B, const void *G,
                         const float *G2, tu_grads *g, int accumulate) {
     smoe_forward_args fa = tu_fwd_args(P, B, 0);
-    smoe_status st = smoe_layer_forward(L, &fa, B->saved, B->saved_bytes, B->ws, B->ws_bytes, NULL);
+    smoe_status st = smoe_layer_forward(L, &fa, B->saved, B->saved_bytes,
+                                        B->ws_fwd ? B->ws_fwd : B->ws,
+                                        B->ws_fwd_bytes ? B->ws_fwd_bytes : B->ws_bytes, NULL);
     if (!CHECK(st == SMOE_SUCCESS, "forward -> %s (%s)", smoe_status_string(st), smoe_last_error()))
         return 0;
     smoe_backward_args ba;
@@ -963,7 +969,8 @@ static TU_UNUSED int tu_run_backward(smoe_layer *L, const tu_problem *P, tu_bufs
         slot[i]->dtype = g->dt[i];
         slot[i]->accumulate = accumulate;
     }
-    st = smoe_layer_backward(L, &ba, B->saved, B->saved_bytes, B->ws, B->ws_bytes, NULL);
+    st = smoe_layer_backward(L, &ba, B->saved, B->saved_bytes, B->ws,
+                             B->ws_bwd_bytes ? B->ws_bwd_bytes : B->ws_bytes, NULL);
     return CHECK(st == SMOE_SUCCESS, "backward -> %s (%s)", smoe_status_string(st), smoe_last_error());
 }
 

@@ -57,6 +57,10 @@ SMOE_BACKEND_CPU = 1
 SMOE_BACKEND_CUDA = 2
 SMOE_BACKEND_SM90 = 3
 
+SMOE_CALL_ANY = 0
+SMOE_CALL_FORWARD = 1
+SMOE_CALL_BACKWARD = 2
+
 # Every enum of the header, by its C type name: {constant name: value}.
 ENUMS = {
     "smoe_status": {
@@ -105,6 +109,11 @@ ENUMS = {
         "SMOE_BACKEND_CPU": SMOE_BACKEND_CPU,
         "SMOE_BACKEND_CUDA": SMOE_BACKEND_CUDA,
         "SMOE_BACKEND_SM90": SMOE_BACKEND_SM90,
+    },
+    "smoe_call": {
+        "SMOE_CALL_ANY": SMOE_CALL_ANY,
+        "SMOE_CALL_FORWARD": SMOE_CALL_FORWARD,
+        "SMOE_CALL_BACKWARD": SMOE_CALL_BACKWARD,
     },
 }
 
@@ -271,6 +280,8 @@ _FUNCTIONS = {
     "smoe_layer_path_name": (c_char_p, [c_void_p]),
     "smoe_layer_get_desc": (smoe_layer_desc, [c_void_p]),
     "smoe_layer_workspace_bytes": (c_size_t, [c_void_p, c_int64, c_int64]),
+    # (layer, call, T, pairs); call: SMOE_CALL_*
+    "smoe_layer_call_workspace_bytes": (c_size_t, [c_void_p, c_enum, c_int64, c_int64]),
     "smoe_layer_saved_bytes": (c_size_t, [c_void_p, c_int64, c_int64]),
     # (layer, args, saved, saved_bytes, workspace, workspace_bytes, stream)
     "smoe_layer_forward": (c_enum, [c_void_p, POINTER(smoe_forward_args), c_void_p, c_size_t,

@@ -138,8 +138,10 @@ class _Layer:
     def __del__(self):
         L.release(self, "ptr", lambda p: self._lib.smoe_layer_free(p))
 
-    def workspace_bytes(self, T, pairs):
-        n = self._lib.smoe_layer_workspace_bytes(self.ptr, T, pairs)
+    def workspace_bytes(self, T, pairs, call=0):
+        """The library's workspace size for a call of the kind `call`
+        (L.SMOE_CALL_FORWARD / _BACKWARD; 0, SMOE_CALL_ANY: the larger)."""
+        n = self._lib.smoe_layer_call_workspace_bytes(self.ptr, call, T, pairs)
         if n == 0:
             raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, L.last_error())
         return n
@@ -150,12 +152,14 @@ class _Layer:
             raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, L.last_error())
         return n
 
-    def workspace_nbytes(self, T, pairs):
-        """workspace_bytes(), asked of the library once per (T, pairs)."""
-        key = (T, pairs)
+    def workspace_nbytes(self, T, pairs, call):
+        """workspace_bytes(), asked of the library once per (T, pairs, call):
+        each call allocates its own kind's size, so the backward does not
+        hold the forward's Y and A (or the forward the backward's dX~)."""
+        key = (T, pairs, call)
         n = self._ws.get(key)
         if n is None:
-            n = self.workspace_bytes(T, pairs)
+            n = self.workspace_bytes(T, pairs, call)
             if len(self._ws) >= _SIZE_CACHE_ENTRIES:
                 self._ws.clear()
             self._ws[key] = n
@@ -472,7 +476,8 @@ def _forward_core(layer, x, router_w, pair_token, pair_expert, pair_score, w1, w
         saved = None
     else:
         saved = torch.empty(layer.saved_nbytes(T, pairs), dtype=torch.uint8, device=dev)
-    ws = torch.empty(layer.workspace_nbytes(T, pairs), dtype=torch.uint8, device=dev)
+    ws = torch.empty(layer.workspace_nbytes(T, pairs, L.SMOE_CALL_FORWARD), dtype=torch.uint8,
+                     device=dev)
     args = L.forward_args_raw(T, x.data_ptr(), _ptr(router_w), pairs, pt, pe, ps,
                               w1.data_ptr(), _ptr(b1), w2.data_ptr(), _ptr(b2), out.data_ptr(),
                               None if general else logits.data_ptr(), counts.data_ptr(),
@@ -516,7 +521,8 @@ def _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, p
     dw2 = empty(w2.shape) if needs & _NEED_W2 else None
     db2 = empty((E, x.shape[1])) if has_bias and needs & _NEED_B2 else None
     dscore = empty((pairs,), torch.float32) if general and needs & _NEED_SCORE else None
-    ws = torch.empty(layer.workspace_nbytes(T, pairs), dtype=torch.uint8, device=dev)
+    ws = torch.empty(layer.workspace_nbytes(T, pairs, L.SMOE_CALL_BACKWARD), dtype=torch.uint8,
+                     device=dev)
     ld, f32 = layer.dtype, L.SMOE_DTYPE_F32
     # Gradients overwrite (accumulate = 0).
     args = L.backward_args_raw(T, x.data_ptr(), _ptr(router_w), pairs, w1.data_ptr(),

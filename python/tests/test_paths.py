@@ -221,15 +221,18 @@ def test_sizes_asked_once_per_token_count(monkeypatch):
     asked = []
     for name in ("workspace_bytes", "saved_bytes"):
         real = getattr(layer, name)
-        monkeypatch.setattr(layer, name, lambda T, p, _r=real, _n=name: asked.append((_n, T)) or
-                            _r(T, p))
+        monkeypatch.setattr(layer, name, lambda T, p, *c, _r=real, _n=name:
+                            asked.append((_n, T)) or _r(T, p, *c))
     for T in (9, 9, 4, 9, 4):
         x, r, w1, w2 = leaves(t[0][:T], *t[1:])
         out, _, _ = smoe.moe(x, r, w1, w2, top_k=2, routing="softmax_topk")
         out.sum().backward()
+    # the workspace once per token count and call (forward, backward)
     assert sorted(asked) == [("saved_bytes", 4), ("saved_bytes", 9), ("workspace_bytes", 4),
+                             ("workspace_bytes", 4), ("workspace_bytes", 9),
                              ("workspace_bytes", 9)]
-    assert layer._ws == {(9, 0): layer.workspace_bytes(9, 0), (4, 0): layer.workspace_bytes(4, 0)}
+    F, B = L.SMOE_CALL_FORWARD, L.SMOE_CALL_BACKWARD
+    assert layer._ws == {(T, 0, c): layer.workspace_bytes(T, 0, c) for T in (4, 9) for c in (F, B)}
     assert layer._saved == {(9, 0): layer.saved_bytes(9, 0), (4, 0): layer.saved_bytes(4, 0)}
 
 

@@ -288,11 +288,13 @@ static void ws_plan(const smoe_layer *layer, int64_t T, int64_t cap, int backwar
     w->total = b.off;
 }
 
-static size_t cpu_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t cap)
+static size_t cpu_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t cap, int call)
 {
     cpu_ws f, b;
     ws_plan(layer, T, cap, 0, NULL, &f);
     ws_plan(layer, T, cap, 1, NULL, &b);
+    if (call == SMOE_CALL_FORWARD) return f.total;
+    if (call == SMOE_CALL_BACKWARD) return b.total;
     return f.total > b.total ? f.total : b.total;
 }
 

@@ -215,10 +215,12 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
     w->total = w->fwd_end > w->bwd_end ? w->fwd_end : w->bwd_end;
 }
 
-size_t smoe_cuda_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t cap)
+size_t smoe_cuda_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t cap, int call)
 {
     ws_layout w;
     ws_make(layer, T, cap, &w);
+    if (call == SMOE_CALL_FORWARD) return w.fwd_end;
+    if (call == SMOE_CALL_BACKWARD) return w.bwd_end;
     return w.total;
 }
 

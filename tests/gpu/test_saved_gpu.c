@@ -14,7 +14,8 @@
  *   - forward, each layer into its own block (the header names the layer):
  *     out, router logits and expert counts bit for bit equal, the blocks
  *     equal past the header; L1's saved block and workspace exactly
- *     smoe_layer_saved_bytes and smoe_layer_workspace_bytes, each followed
+ *     smoe_layer_saved_bytes and each call's own workspace size
+ *     (smoe_layer_call_workspace_bytes), each followed
  *     by a guard that must stay as it was;
  *   - backward: every gradient bit for bit equal; L0's block unchanged;
  *     L1's header marked consumed;
@@ -182,7 +183,8 @@ typedef struct dev_run {
     void *out, *saved, *ws;
     float *logits;
     int32_t *counts;
-    size_t sb, wb;
+    size_t sb, wb;   /* the buffers' sizes (wb: either call's workspace) */
+    size_t wbf, wbb; /* the workspace_bytes each call is given: forward, backward */
 } dev_run;
 
 static void dev_run_make(dev_run *r, const tu_problem *P, size_t sb, size_t wb)
@@ -190,7 +192,7 @@ static void dev_run_make(dev_run *r, const tu_problem *P, size_t sb, size_t wb)
     const int64_t T = P->T, d = P->desc.d, E = P->desc.E;
     memset(r, 0, sizeof *r);
     r->sb = sb;
-    r->wb = wb;
+    r->wb = r->wbf = r->wbb = wb;
     r->out = tu_dev_alloc((size_t)(T * d) * 2);
     r->logits = (float *)tu_dev_alloc((size_t)(T * E) * 4);
     r->counts = (int32_t *)tu_dev_alloc((size_t)E * 4);
@@ -209,6 +211,10 @@ static void dev_run_free(dev_run *r)
     CUDA_OK(cudaFree(r->saved));
     CUDA_OK(cudaFree(r->ws));
 }
+
+/* r's whole workspace and its guard back to PAT (before a call whose
+ * guard, at that call's own size, is checked after it) */
+static void ws_reset(dev_run *r) { CUDA_OK(cudaMemset(r->ws, PAT, r->wb + GUARD)); }
 
 /* the GUARD bytes after `bytes` of the device buffer p are all PAT */
 static int guard_ok(const void *p, size_t bytes)
@@ -376,7 +382,7 @@ static smoe_status forward(smoe_layer *L, const tu_problem *P, const dev_in *in,
                            void *stream)
 {
     smoe_forward_args a = fwd_args(P, in, r);
-    return smoe_layer_forward(L, &a, r->saved, r->sb, r->ws, r->wb, stream);
+    return smoe_layer_forward(L, &a, r->saved, r->sb, r->ws, r->wbf, stream);
 }
 
 /* backward of L with the saved block `saved` (sb bytes) and r's workspace */
@@ -385,7 +391,7 @@ static smoe_status backward(smoe_layer *L, const tu_problem *P, const dev_in *in
                             void *stream)
 {
     smoe_backward_args b = bwd_args(P, in, g, acc);
-    return smoe_layer_backward(L, &b, saved, sb, r->ws, r->wb, stream);
+    return smoe_layer_backward(L, &b, saved, sb, r->ws, r->wbb, stream);
 }
 
 /* The call's status, then (waiting) the device's; a failure's message is
@@ -490,10 +496,21 @@ static void run_case(const gcase *c, smoe_backend be, uint64_t seed)
           wb0, wb1, dh_region, c->big_save ? " and at least half of it" : "");
     printf("  %-52s %-4s R cap %6lld, workspace %8zu -> %8zu (dH region %8zu)\n", c->name,
            backend_name(be), (long long)cap, wb0, wb1, dh_region);
+    printf("  %-52s      consuming: forward's workspace %8zu, backward's %8zu\n", "",
+           smoe_layer_call_workspace_bytes(L1, SMOE_CALL_FORWARD, T, np),
+           smoe_layer_call_workspace_bytes(L1, SMOE_CALL_BACKWARD, T, np));
 
+    /* the consuming layer's calls get each call's own size
+     * (smoe_layer_call_workspace_bytes), the reading layer's the larger */
+    const size_t wb1f = smoe_layer_call_workspace_bytes(L1, SMOE_CALL_FORWARD, T, np);
+    const size_t wb1b = smoe_layer_call_workspace_bytes(L1, SMOE_CALL_BACKWARD, T, np);
+    CHECK(wb1f > 0 && wb1b > 0 && wb1 == (wb1f > wb1b ? wb1f : wb1b),
+          "consuming layer: workspace %zu, forward's %zu, backward's %zu", wb1, wb1f, wb1b);
     dev_run r0, r1;
     dev_run_make(&r0, &P, sb0, wb0);
     dev_run_make(&r1, &P, sb1, wb1);
+    r1.wbf = wb1f;
+    r1.wbb = wb1b;
     dev_grads g0, g1;
     grads_make(&g0, &P, c);
     grads_make(&g1, &P, c);
@@ -520,9 +537,9 @@ static void run_case(const gcase *c, smoe_backend be, uint64_t seed)
               "forward: the saved blocks differ past the header");
         free(b0);
         free(b1);
-        CHECK(guard_ok(r1.saved, sb1) && guard_ok(r1.ws, wb1),
+        CHECK(guard_ok(r1.saved, sb1) && guard_ok(r1.ws, wb1f),
               "forward: the consuming layer wrote past saved_bytes %zu or workspace_bytes %zu",
-              sb1, wb1);
+              sb1, wb1f);
     }
 
     /* backward: the same gradients; the reading layer's block unchanged,
@@ -530,6 +547,7 @@ static void run_case(const gcase *c, smoe_backend be, uint64_t seed)
     void *blk0 = tu_dev_fetch(r0.saved, sb0 + GUARD);
     grads_set(&g0);
     grads_set(&g1);
+    ws_reset(&r1);
     s0 = settle(L0, backward(L0, &P, &in, &g0, c->acc, r0.saved, sb0, &r0, NULL),
                 "backward (reading)");
     s1 = settle(L1, backward(L1, &P, &in, &g1, c->acc, r1.saved, sb1, &r1, NULL),
@@ -547,9 +565,9 @@ static void run_case(const gcase *c, smoe_backend be, uint64_t seed)
         smoe_saved_header h;
         tu_dev_get(&h, r1.saved, sizeof h);
         CHECK(h.consumed == 1 && h.status == 0 && guard_ok(r1.saved, sb1) &&
-                  guard_ok(r1.ws, wb1),
+                  guard_ok(r1.ws, wb1b),
               "after the consuming backward: header consumed %d status %d; guards %d %d",
-              (int)h.consumed, (int)h.status, guard_ok(r1.saved, sb1), guard_ok(r1.ws, wb1));
+              (int)h.consumed, (int)h.status, guard_ok(r1.saved, sb1), guard_ok(r1.ws, wb1b));
     }
 
     /* a second backward with the consumed block: refused on the device,
@@ -563,7 +581,7 @@ static void run_case(const gcase *c, smoe_backend be, uint64_t seed)
         which = grads_touched(&g1);
         CHECK(which < 0, "the refused second backward wrote %s", grad_name(which));
         void *now = tu_dev_fetch(r1.saved, sb1 + GUARD);
-        CHECK(!memcmp(now, blk1, sb1 + GUARD) && guard_ok(r1.ws, wb1),
+        CHECK(!memcmp(now, blk1, sb1 + GUARD) && guard_ok(r1.ws, wb1b),
               "the refused second backward wrote into the saved block (or past the workspace)");
         free(now);
         free(blk1);
