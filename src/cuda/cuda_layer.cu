@@ -111,11 +111,15 @@ typedef struct ws_layout {
     /* backward (overlaps the forward region) */
     size_t dh, a_scaled, ds, dxt, split, wr2, dwr2, dxr, tc, dla, wr_nf, b_gemm;
     int dh_in_saved;     /* consume_saved: dH over the saved block's H (dh unused) */
+    int64_t dxr_tokens;  /* the dense router term of dX in chunks of this many tokens */
     size_t bwd_end;
     size_t total;
 } ws_layout;
 
 static size_t al(size_t x) { return (x + SMOE_ALIGN - 1) / SMOE_ALIGN * SMOE_ALIGN; }
+
+/* consume_saved's dense router term of dX: at most this many chunks */
+#define DXR_CHUNKS 8
 
 static size_t gemm_scratch(const smoe_layer *layer, const smoe_gemm_problem *p)
 {
@@ -193,14 +197,27 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
      * status word says, so in a call whose saved block the device refused
      * (another layer's, another T's, a consumed one) they would write into
      * that block, which may be another call's live one. */
+    /* The dense router term of dX (dXr, T x d fp32: cuBLAS, then the dx
+     * aggregation) fits dH's dead region whole in a reading backward. With
+     * consume_saved that region is the saved block's, so dXr goes in
+     * chunks of at most ceil(T / DXR_CHUNKS) tokens (a multiple of 64, at
+     * least 256): T d / 2 bytes at most instead of 4 T d, for DXR_CHUNKS
+     * cuBLAS calls and aggregations instead of one each. */
     o = base;
     w->dh = o;
     w->dh_in_saved = d->consume_saved != 0;
+    w->dxr_tokens = T > 0 ? T : 1;
+    if (w->dh_in_saved) {
+        int64_t tc = (T + DXR_CHUNKS - 1) / DXR_CHUNKS;
+        tc = (tc + 63) / 64 * 64;
+        if (tc < 256) tc = 256;
+        if (tc < w->dxr_tokens) w->dxr_tokens = tc;
+    }
     size_t r = o; /* the router's buffers from the same start */
     w->split = r; r += al(t * 2 * E * 2);
     w->wr2 = r; r += al(2 * E * dd * 2);
     w->dwr2 = r; r += al(2 * E * dd * 4);
-    w->dxr = r; r += al(t * dd * 4);
+    w->dxr = r; r += al((size_t)w->dxr_tokens * dd * 4);
     w->tc = r; r += al(t * K * 4);
     w->dla = r; r += al(c * 4);
     if (!w->dh_in_saved) o += al(c * hc * 2);
@@ -494,16 +511,27 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
             dxr = (float *)(ws + w.dxr);
             SMOE_FORWARD_IF_ERROR(
                 smoe_cuda_stack_twice((const bf16 *)args->router_w, d->E, d->d, wr2, s));
-            /* dXr (T x d row-major = d x T col-major) = wr2^T-view . split^T-view */
-            SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_N,
-                                                          CUBLAS_OP_N, d->d, T, E2, wr2, d->d,
-                                                          split, E2, dxr, d->d));
-            timer_mark(st, 1, "dXr gemm", s);
+            /* dXr (T x d row-major = d x T col-major) = wr2^T-view . split^T-view,
+             * then dx, a chunk of w.dxr_tokens tokens at a time (one chunk
+             * but with consume_saved) */
+            const size_t dx_es = smoe_dtype_size(args->dx.dtype);
+            for (int64_t t0 = 0; t0 < T; t0 += w.dxr_tokens) {
+                const int64_t tn = T - t0 < w.dxr_tokens ? T - t0 : w.dxr_tokens;
+                SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32(
+                    st, ws + w.cublas, s, CUBLAS_OP_N, CUBLAS_OP_N, d->d, tn, E2, wr2, d->d,
+                    split + t0 * E2, E2, dxr, d->d));
+                SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(
+                    tn, d->d, v.token_offset + t0, v.assign_row, dxt, dxr, NULL,
+                    v.assign_expert, NULL, NULL,
+                    (char *)args->dx.ptr + (size_t)t0 * (size_t)d->d * dx_es, args->dx.dtype,
+                    args->dx.accumulate, abort, s));
+            }
+            timer_mark(st, 1, "dXr gemm + aggregate dx", s);
         }
     }
-    if (want_dx)
+    if (want_dx && !dxr)
         SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(
-            T, d->d, v.token_offset, v.assign_row, dxt, dxr, dla, v.assign_expert,
+            T, d->d, v.token_offset, v.assign_row, dxt, NULL, dla, v.assign_expert,
             dla ? (const bf16 *)args->router_w : NULL, wr_nf, args->dx.ptr, args->dx.dtype,
             args->dx.accumulate, abort, s));
     timer_mark(st, 1, "aggregate dx", s);

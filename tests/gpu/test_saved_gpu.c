@@ -119,6 +119,14 @@ static const gcase g_cases[] = {
      "256x4 tma-store grouped", 0, 0},
     {"several tiles per expert", 700, 256, 256, 12, 3, SMOE_ACT_SWIGLU, SMOE_W1_INTERLEAVED, 1, 0,
      128, 0, F32, 0, 0, 0, NULL, NULL, 0, 0},
+    /* T > 256: the consuming backward's dense router term of dx in chunks
+     * (of 256 tokens here; one call in the reading backward) */
+    {"dense router dx in chunks: softmax-topk T=1100, extra", 1100, 128, 64, 8, 2,
+     SMOE_ACT_SWIGLU, SMOE_W1_INTERLEAVED, 0, 1, 128, 0, BF, 0, 1, 0, NULL, NULL, 0, 0},
+    {"dense router dx in chunks: sigmoid T=600, acc, graph", 600, 64, 128, 6, 2, SMOE_ACT_GEGLU,
+     SMOE_W1_CONCATENATED, 1, 9, 128, 0, F32, 1, 0, 0, NULL, NULL, 0, 1},
+    {"topk-softmax with extra (dense) T=520, only dx", 520, 64, 64, 4, 2, SMOE_ACT_SWIGLU,
+     SMOE_W1_INTERLEAVED, 0, 0, 128, 0, BF, 0, 1, W(TU_GX), NULL, NULL, 0, 0},
 };
 #define NCASES ((int)(sizeof g_cases / sizeof g_cases[0]))
 
@@ -489,11 +497,14 @@ static void run_case(const gcase *c, smoe_backend be, uint64_t seed)
     const size_t dh_region = al256((size_t)(cap > 0 ? cap : 1) * (size_t)P.hc * 2);
     CHECK(sb0 == sb1 && sb1 == sl.total && sb1 > 0, "saved bytes %zu (reading), %zu (consuming), "
           "layout %zu", sb0, sb1, sl.total);
-    CHECK(wb0 > 0 && wb1 > 0 && wb1 <= wb0 && wb0 - wb1 <= dh_region &&
+    /* the consuming backward also takes the dense router term of dx (T x d
+     * fp32) in chunks: smaller by at most that buffer too */
+    const size_t dxr_full = al256((size_t)(T * c->d) * 4);
+    CHECK(wb0 > 0 && wb1 > 0 && wb1 <= wb0 && wb0 - wb1 <= dh_region + dxr_full &&
               (!c->big_save || wb0 - wb1 >= dh_region / 2),
           "workspace %zu (reading), %zu (consuming): want smaller by at most the dH region "
-          "%zu%s",
-          wb0, wb1, dh_region, c->big_save ? " and at least half of it" : "");
+          "%zu and the router's dx term %zu%s",
+          wb0, wb1, dh_region, dxr_full, c->big_save ? ", by at least half the dH region" : "");
     printf("  %-52s %-4s R cap %6lld, workspace %8zu -> %8zu (dH region %8zu)\n", c->name,
            backend_name(be), (long long)cap, wb0, wb1, dh_region);
     printf("  %-52s      consuming: forward's workspace %8zu, backward's %8zu\n", "",
