@@ -28,7 +28,9 @@
  * device-side checks, GENERAL triples and the saved block's header, are in
  * test_bad_input_gpu.)
  *
- * Usage: test_layer_gpu [seed] [--small] [--sm80|--sm90]
+ * Usage: test_layer_gpu [seed] [--small] [--sm80|--sm90] [--only-case N [--repeat R]]
+ * (--only-case N: only the N-th random case, drawn as in a full run, R
+ * times: a case that failed once, run alone or under load.)
  * (--small: small shapes only, for compute-sanitizer; every row of the
  * Hopper tile tables is tested on its own in test_gemm_sm90). Exit code 0
  * when every check passed; a GPU-less machine skips (exit 0, says so).
@@ -768,8 +770,11 @@ static case_cfg sigmoid_case(tu_rng *r, int i)
 int main(int argc, char **argv)
 {
     uint64_t seed = 20261121;
+    int only = -1, repeat = 1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--small")) g_small = 1;
+        else if (!strcmp(argv[i], "--only-case") && i + 1 < argc) only = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--repeat") && i + 1 < argc) repeat = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--sm80")) g_backend = SMOE_BACKEND_CUDA;
         else if (!strcmp(argv[i], "--sm90")) g_backend = SMOE_BACKEND_SM90;
         else seed = strtoull(argv[i], NULL, 0);
@@ -797,6 +802,17 @@ int main(int argc, char **argv)
 
     tu_rng r = tu_rng_make(seed);
     const int ncases = g_small ? 12 : 70;
+    if (only >= 0) { /* every case before it drawn, so that it is the same case */
+        for (int i = 0; i <= only && i < ncases; i++) {
+            case_cfg c = random_case(&r, i);
+            if (i < only) continue;
+            for (int k = 0; k < repeat; k++) {
+                run_case(&c, seed * 1000 + (uint64_t)i);
+                g_cases++;
+            }
+        }
+        return tu_summary("test_layer_gpu");
+    }
     for (int i = 0; i < ncases; i++) {
         case_cfg c = random_case(&r, i);
         uint64_t cs = seed * 1000 + (uint64_t)i;
