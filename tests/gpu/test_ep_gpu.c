@@ -154,6 +154,8 @@ static void *rank_main(void *arg) {
         gh[i] = (float *)malloc(gn[i] * 4 + 4);
     }
     unsigned char *oh = (unsigned char *)malloc(out_b + 1);
+    /* the uploads above ran on the legacy stream, which s does not wait for */
+    CUDA_OK(cudaDeviceSynchronize());
     /* run 0 eager; then eager again, or (c->graph) forward + backward
      * captured once into a CUDA graph and replayed twice */
     const int runs = c->graph ? 3 : 2;

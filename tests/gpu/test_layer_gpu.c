@@ -270,6 +270,11 @@ static void run_layer(smoe_layer *L, const tu_problem *P, const double *dout, co
         cudaGraph_t graph;
         cudaGraphExec_t exec;
         CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+        /* the uploads and the poison above ran on the legacy stream, which a
+         * non-blocking stream does not wait for (cudaMemset returns at once,
+         * a pageable cudaMemcpy before its DMA ends): without this the graph
+         * raced them whenever the GPU was busy (another process on it) */
+        CUDA_OK(cudaDeviceSynchronize());
         CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
         st = smoe_layer_forward(L, &fa, saved, saved_b, ws, ws_b, s);
         if (st == SMOE_SUCCESS) st = smoe_layer_backward(L, &ba, saved, saved_b, ws, ws_b, s);

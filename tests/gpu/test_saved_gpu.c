@@ -655,6 +655,9 @@ static void run_case(const gcase *c, smoe_backend be, uint64_t seed)
             which = -1;
             if (exec) {
                 grads_set(&g1);
+                /* grads_set's copies ran on the legacy stream, which s does
+                 * not wait for */
+                CUDA_OK(cudaDeviceSynchronize());
                 CUDA_OK(cudaGraphLaunch(exec, s));
                 gs = smoe_layer_device_status(L1, s, 1);
                 host_grads h = grads_fetch(&g1);

@@ -134,6 +134,7 @@ static void test_backend(smoe_backend backend, smoe_routing routing, tu_rng *rng
             CUDA_OK(cudaMalloc(&j->g[i], gb[i]));
         }
         tu_case("threads %s %s: job %d alone", name, mode, t);
+        CUDA_OK(cudaDeviceSynchronize()); /* the uploads ran on the legacy stream */
         poison(j);
         CHECK(run_once(j), "%s", j->msg);
         j->ref_out = (unsigned char *)malloc(j->out_b);
