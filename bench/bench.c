@@ -16,6 +16,12 @@
  *            dw2, dxt, dw1, runs row NAME of its tile table instead of the
  *            plan's, e.g. "down=256x4"; the path name then says so)
  *            --timing queued|synced (queued)  --gpu-delay-ms X (0)
+ *            --skew S (GENERAL routing from the benchmark's own triples:
+ *            each token's K distinct experts drawn from a Zipf(S) law over
+ *            the E experts, in a random order of the experts, scores 1/K;
+ *            S = 0 draws them uniformly, the baseline to compare with:
+ *            issue 20's skewed loads, max / mean expert load about 16 at
+ *            S = 1.5, E = 128, K = 8)
  *
  * Setting: bf16, SwiGLU, TOPK_SOFTMAX routing (the grid's), random inputs
  * (router weights random, so routing is near uniform), every gradient
@@ -58,6 +64,7 @@ static int g_nrows;
 #define FLUSH_BYTES ((size_t)256 << 20)
 static double g_delay_ms = 0.0; /* --gpu-delay-ms */
 static int g_queued = 1;        /* --timing queued|synced */
+static double g_skew = -1.0;    /* --skew S: GENERAL triples, Zipf(S) (0: uniform); < 0: off */
 static int g_delay_n = -1;      /* memsets of FLUSH_BYTES per delay, calibrated once */
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
@@ -111,6 +118,59 @@ static int fill_random(void *dst, size_t count, float scale, uint16_t *pool)
             return 0;
         done += n;
     }
+    return 1;
+}
+
+/* --skew: T x K triples (token, expert, score), sorted by token, each
+ * token's K experts distinct, drawn from p(e) ~ 1 / (rank(e) + 1)^S with a
+ * random order of the experts (S = 0: uniform); the largest expert load
+ * over the mean goes to *imbalance. */
+static int make_triples(int64_t T, int64_t E, int64_t K, double S, int32_t *pt, int32_t *pe,
+                        float *ps, double *imbalance)
+{
+    double *cdf = (double *)malloc((size_t)E * sizeof(double));
+    int32_t *perm = (int32_t *)malloc((size_t)E * sizeof(int32_t));
+    int64_t *load = (int64_t *)calloc((size_t)E, sizeof(int64_t));
+    if (!cdf || !perm || !load) {
+        free(cdf); free(perm); free(load);
+        return 0;
+    }
+    double acc = 0;
+    for (int64_t e = 0; e < E; e++) {
+        acc += pow((double)(e + 1), -S);
+        cdf[e] = acc;
+        perm[e] = (int32_t)e;
+    }
+    for (int64_t e = E - 1; e > 0; e--) {
+        const int64_t j = (int64_t)(rng_next() % (uint64_t)(e + 1));
+        const int32_t t = perm[e]; perm[e] = perm[j]; perm[j] = t;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        int32_t *row = pe + t * K;
+        for (int64_t k = 0; k < K; k++) {
+            int32_t e;
+            int dup;
+            do { /* redraw an expert the token already has */
+                const double u = (double)(rng_next() >> 11) * (1.0 / 9007199254740992.0) * acc;
+                int64_t lo = 0, hi = E - 1;
+                while (lo < hi) {
+                    const int64_t mid = (lo + hi) / 2;
+                    if (cdf[mid] > u) hi = mid; else lo = mid + 1;
+                }
+                e = perm[lo];
+                dup = 0;
+                for (int64_t j = 0; j < k; j++) dup |= row[j] == e;
+            } while (dup);
+            row[k] = e;
+            pt[t * K + k] = (int32_t)t;
+            ps[t * K + k] = 1.0f / (float)K;
+            load[e]++;
+        }
+    }
+    int64_t mx = 0;
+    for (int64_t e = 0; e < E; e++) mx = load[e] > mx ? load[e] : mx;
+    *imbalance = (double)mx * (double)E / ((double)T * (double)K);
+    free(cdf); free(perm); free(load);
     return 1;
 }
 
@@ -190,6 +250,12 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
     smoe_layer_desc D = smoe_layer_desc_default();
     D.d = d; D.n = n; D.E = E; D.K = K;
     D.backend = backend;
+    const int skew = g_skew >= 0.0;
+    const int64_t np = skew ? T * K : 0;
+    if (skew) {
+        D.routing = SMOE_ROUTING_GENERAL;
+        D.K = 0;
+    }
     smoe_layer *L = NULL;
     smoe_status st = smoe_layer_create(&D, &L);
     if (st != SMOE_SUCCESS) {
@@ -223,11 +289,12 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
         snprintf(res->path + used, sizeof res->path - used, " {%s}", g_rows[i]);
     }
 
-    const size_t saved_b = smoe_layer_saved_bytes(L, T, 0);
-    const size_t ws_b = smoe_layer_workspace_bytes(L, T, 0);
+    const size_t saved_b = smoe_layer_saved_bytes(L, T, np);
+    const size_t ws_b = smoe_layer_workspace_bytes(L, T, np);
     void *x = NULL, *wr = NULL, *w1 = NULL, *w2 = NULL, *out = NULL, *dout = NULL;
     void *dx = NULL, *dwr = NULL, *dw1 = NULL, *dw2 = NULL, *saved = NULL, *ws = NULL;
     void *flush = NULL;
+    void *tri = NULL; /* --skew: the triples on the device (token, expert, score) */
     uint16_t *pool = NULL;
     const int nit = warmup + reps;
     cudaEvent_t *ev = (cudaEvent_t *)calloc((size_t)(4 * nit), sizeof(cudaEvent_t));
@@ -259,6 +326,19 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
         goto out;
     for (int i = 0; i < 4 * nit; i++)
         if (!cuda_ok(cudaEventCreate(&ev[i]), "cudaEventCreate")) goto out;
+    if (skew) {
+        DMALLOC(tri, (size_t)np * 12);
+        int32_t *h = (int32_t *)malloc((size_t)np * 12);
+        double imb = 0;
+        const int made = h && make_triples(T, E, K, g_skew, h, h + np, (float *)(h + 2 * np), &imb);
+        const int up = made && cuda_ok(cudaMemcpy(tri, h, (size_t)np * 12,
+                                                  cudaMemcpyHostToDevice), "cudaMemcpy (triples)");
+        free(h);
+        if (!up) goto out;
+        const size_t used = strlen(res->path);
+        snprintf(res->path + used, sizeof res->path - used, " {general, zipf %.2g, max/mean %.1f}",
+                 g_skew, imb);
+    }
 
     smoe_forward_args fa;
     memset(&fa, 0, sizeof fa);
@@ -268,6 +348,16 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
     ba.T = T; ba.x = x; ba.router_w = wr; ba.w1 = w1; ba.w2 = w2; ba.dout = dout;
     ba.dx = (smoe_grad){dx, SMOE_DTYPE_BF16, 0};
     ba.drouter_w = (smoe_grad){dwr, SMOE_DTYPE_BF16, 0};
+    if (skew) { /* GENERAL: the triples instead of the router (no dWr, no dscore) */
+        fa.router_w = NULL;
+        fa.pairs = np;
+        fa.pair_token = (const int32_t *)tri;
+        fa.pair_expert = (const int32_t *)tri + np;
+        fa.pair_score = (const float *)((const int32_t *)tri + 2 * np);
+        ba.router_w = NULL;
+        ba.pairs = np;
+        ba.drouter_w = (smoe_grad){NULL, SMOE_DTYPE_BF16, 0};
+    }
     ba.dw1 = (smoe_grad){dw1, SMOE_DTYPE_BF16, 0};
     ba.dw2 = (smoe_grad){dw2, SMOE_DTYPE_BF16, 0};
 
@@ -354,6 +444,7 @@ out:
     cudaFree(x); cudaFree(wr); cudaFree(w1); cudaFree(w2); cudaFree(out); cudaFree(dout);
     cudaFree(dx); cudaFree(dwr); cudaFree(dw1); cudaFree(dw2); cudaFree(saved); cudaFree(ws);
     cudaFree(flush);
+    cudaFree(tri);
     free(pool);
     free(tf);
     free(tb);
@@ -464,7 +555,7 @@ static void usage(void)
     printf("usage: smoe_bench [--rows NAME[,NAME...]|all|models] [--shape T,d,n,E,K]\n"
            "                  [--backend auto|cuda|sm90] [--reps N] [--warmup N] [--csv FILE] "
            "[--list] [--stages] [--gemm-row GEMM=NAME] [--gpu-delay-ms X]\n"
-           "                  [--timing queued|synced]\n");
+           "                  [--timing queued|synced] [--skew S]\n");
 }
 
 int main(int argc, char **argv)
@@ -487,6 +578,7 @@ int main(int argc, char **argv)
             i++;
         }
         else if (!strcmp(a, "--gemm-row") && v && g_nrows < 6) { g_rows[g_nrows++] = v; i++; }
+        else if (!strcmp(a, "--skew") && v && atof(v) >= 0.0) { g_skew = atof(v); i++; }
         else if (!strcmp(a, "--backend") && v) {
             if (!strcmp(v, "cuda")) backend = SMOE_BACKEND_CUDA;
             else if (!strcmp(v, "sm90")) backend = SMOE_BACKEND_SM90;
