@@ -484,7 +484,11 @@ SMOE_API smoe_ep_desc smoe_ep_desc_default(void);
 
 typedef struct smoe_ep_layer smoe_ep_layer; /* opaque */
 SMOE_API smoe_status smoe_ep_layer_create(const smoe_ep_desc *desc, smoe_ep_layer **out);
-SMOE_API void smoe_ep_layer_free(smoe_ep_layer *layer); /* NULL is fine */
+/* NULL is fine. With desc.overlap the layer owns a communicator split from
+ * the caller's, destroyed here: ncclCommDestroy waits until every CUDA
+ * graph that captured this layer's calls is destroyed, so destroy those
+ * graphs first (or free the layer where a wait does no harm). */
+SMOE_API void smoe_ep_layer_free(smoe_ep_layer *layer);
 
 /* Bytes of a call with T tokens on this rank (T in [0, max_tokens]). The
  * workspace holds the send and receive buffers: about 4 P capacity d

@@ -39,9 +39,10 @@ ordered side effects (PyTorch's effect tokens), so a compiled graph runs
 the collectives in program order on every rank. A forward without
 gradients (torch.no_grad(), inference_mode(), nothing requiring one) is
 the library's inference forward: no saved block.
-Not yet: a compiled EPMoE captured in a CUDA graph (the eager layer's
-capture replays bit for bit; the compiled one's capture hung on an H100
-with torch 2.11, notes/ep_design.md).
+A compiled EPMoE captured in a CUDA graph replays the eager layer's bits
+too. The library's NCCL communicators are freed beside the caller
+(ncclCommDestroy waits for every graph that captured an operation on
+them, and a graph may outlive its module).
 
 EPGroup.in_process(P) gives P groups for P threads of one process instead:
 the library's in-process transport on its CPU backend (float32, float64 or
@@ -50,6 +51,7 @@ bfloat16 CPU tensors), for tests and simulation without GPUs.
 import ctypes
 import itertools
 import os
+import sys
 import threading
 import weakref
 from typing import List, Optional, Tuple
@@ -123,15 +125,45 @@ def _nccl_check(r, what):
                         % (what, _nccl_lib().ncclGetErrorString(r).decode(errors="replace")))
 
 
+def _free_beside(obj, attr, free, keep=None):
+    """For __del__ of an object over an NCCL communicator: takes obj.attr
+    (a ctypes handle), sets it to None and runs free(handle) in a daemon
+    thread, which holds `keep` (what must outlive the free) until it is
+    done. ncclCommDestroy waits until every CUDA graph that captured an
+    operation on the communicator is destroyed (NCCL counts them), and a
+    graph may well outlive the module whose calls it replays (torch's
+    CUDAGraph and torch.compile's caches hold them): a free inline would
+    then block the thread that dropped the last reference, or the
+    interpreter's exit, for good. In a thread it ends when the last such
+    graph goes, or with the process. At interpreter shutdown nothing is
+    freed (the process is ending; no thread can start)."""
+    handle = getattr(obj, attr, None)
+    setattr(obj, attr, None)
+    if handle is None or not handle.value or sys.is_finalizing():
+        return
+
+    def run(h=handle, k=keep):
+        try:
+            free(h)
+        except Exception:
+            pass
+        del k
+
+    try:
+        threading.Thread(target=run, name="smoe-nccl-free", daemon=True).start()
+    except RuntimeError:   # no new threads (shutdown): leave it to the process's end
+        pass
+
+
 class _NcclComm:
     """An ncclComm_t, destroyed with the object (which the group and every
-    layer handle made over it hold)."""
+    layer handle made over it hold), beside the caller (_free_beside)."""
 
     def __init__(self, handle):
         self.handle = handle
 
     def __del__(self):
-        L.release(self, "handle", lambda c: _nccl_lib().ncclCommDestroy(c))
+        _free_beside(self, "handle", lambda c: _nccl_lib().ncclCommDestroy(c))
 
 
 class _Threads:
@@ -315,7 +347,11 @@ class _EPLayer:
         self._sizes = {}
 
     def __del__(self):
-        L.release(self, "ptr", lambda p: self._lib.smoe_ep_layer_free(p))
+        # the layer's own communicator (the overlap's) is destroyed with it:
+        # beside the caller too, the group's communicator kept until then
+        lib = getattr(self, "_lib", None)
+        _free_beside(self, "ptr", lambda p: lib.smoe_ep_layer_free(p),
+                     keep=getattr(self, "_transport", None))
 
     def sizes(self, T):
         s = self._sizes.get(T)
@@ -842,7 +878,7 @@ class EPMoE(nn.Module):
 
     Autograd, torch.compile (fullgraph=True, static or dynamic token
     counts; each rank compiles its own model) and CUDA graphs (of the
-    eager layer; not yet of a compiled one), as smoe.MoE; every option, aux_loss_scope='group' included (its
+    eager or the compiled layer), as smoe.MoE; every option, aux_loss_scope='group' included (its
     all-reduces are operators too). Under torch.no_grad() or
     torch.inference_mode() (or with nothing requiring a gradient) the
     forward keeps nothing for backward (the library's inference forward,
