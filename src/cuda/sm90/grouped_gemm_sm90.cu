@@ -323,6 +323,8 @@ enum {
  *        with 6 stages and a producer warp per stage.
  *  down  ping-pong 128 x 192 where the reduction n is short (n <= 512:
  *        +1-4% at 30B-n512 and 120B-n512 over the TMA-store tile, 2026-11-27;
+ *        n < 1024 where d <= 2048: Qwen3-30B-A3B's n = 768 +3% forward in
+ *        the layer, OLMoE-1B-7B's n = 1024 0.99x, 3 rounds, session 16;
  *        or n <= 1024 where d % 192 == 0: d = 4096 leaves a 64-column last
  *        n-tile) or where d is a multiple of 192 but not of 256 (gpt-oss's
  *        2880, grouped from 8 MiB: 128 x 256 would leave a quarter-full last
@@ -487,7 +489,8 @@ static void sm90_plan(const smoe_gemm_problem *p, smoe_gemm_plan *plan)
         plan->row[SMOE_GEMM_DOWN] = 6;
     } else {
         const int gr = sm90_grouped(n, d, 16);
-        if (n <= 512 || (n <= 1024 && d % 192 == 0)) plan->row[SMOE_GEMM_DOWN] = gr;
+        if (n <= 512 || (n < 1024 && d <= 2048) || (n <= 1024 && d % 192 == 0))
+            plan->row[SMOE_GEMM_DOWN] = gr;
         else if (d % 256 != 0 && d % 192 == 0) plan->row[SMOE_GEMM_DOWN] = sm90_grouped(n, d, 8);
         else if (E <= 256 && n <= 1024) plan->row[SMOE_GEMM_DOWN] = 2 + gr;
         else if (d > 4096) plan->row[SMOE_GEMM_DOWN] = sm90_grouped(n, d, 8);
