@@ -193,11 +193,27 @@ smoe_status smoe_cuda_status_reset(smoe_dev_status *status, cudaStream_t stream)
  * The sparse router backward adds wr_nf to dx, which gives what the dense
  * product dlogits Wr gives (as PyTorch computes it): 0 * inf = NaN from the
  * experts a token did not pick. */
+/* The device-side pointers of one cuBLAS call (the dense router term of
+ * dX, cuda_layer.cu): with slots set, the prologue writes slots[0] = a,
+ * slots[1] = b and slots[2] = c where the saved block passes its check,
+ * else the sink (a buffer of this call's workspace as large as c), so
+ * that a call the device refused writes nothing outside its workspace. */
+typedef struct smoe_dxr_slots {
+    void **slots;
+    void *a, *b, *c, *sink;
+} smoe_dxr_slots;
+
+static inline smoe_dxr_slots smoe_dxr_slots_none(void)
+{
+    smoe_dxr_slots z = {NULL, NULL, NULL, NULL, NULL};
+    return z;
+}
+
 smoe_status smoe_cuda_backward_prologue(smoe_saved_header *header, smoe_saved_header want,
                                         int consume, smoe_dev_status *status,
                                         smoe_dev_report report,
                                         const bf16 *wr, int64_t E, int64_t d, float *wr_nf,
-                                        cudaStream_t stream);
+                                        smoe_dxr_slots slots, cudaStream_t stream);
 
 
 /* ------------------------------------------------------------ metadata.cu */

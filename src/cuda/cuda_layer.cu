@@ -112,6 +112,9 @@ typedef struct ws_layout {
     size_t dh, a_scaled, ds, dxt, split, wr2, dwr2, dxr, tc, dla, wr_nf, b_gemm;
     int dh_in_saved;     /* consume_saved: dH over the saved block's H (dh unused) */
     int64_t dxr_tokens;  /* the dense router term of dX in chunks of this many tokens */
+    int router_in_saved; /* split, tc, dla, dxr: offsets in the saved block's (dead) H */
+    int dxr_slots;       /* dXr by one cuBLAS call whose pointers the prologue writes */
+    size_t slots;        /* those pointers: wr2, split, dxr (or the sink, dxt's region) */
     size_t bwd_end;
     size_t total;
 } ws_layout;
@@ -192,34 +195,60 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
      * dh's (dead once db1 has run). */
     /* With consume_saved, dH is written over the saved block's H (the same
      * lifetime: H is dead once the dh GEMM has read it), so the region
-     * holds the router's buffers alone. They stay in the workspace, not in
-     * the saved H: stack_twice and cuBLAS (wr2, dwr2, dxr) run whatever the
-     * status word says, so in a call whose saved block the device refused
-     * (another layer's, another T's, a consumed one) they would write into
-     * that block, which may be another call's live one. */
+     * holds the router's buffers alone. stack_twice and cuBLAS (wr2, dwr2,
+     * dxr) run whatever the status word says, so in a call whose saved
+     * block the device refused (another layer's, another T's, a consumed
+     * one) they would write into that block, which may be another call's
+     * live one: wr2 and dwr2 stay in the workspace, and dxr goes to the
+     * saved H only through the prologue's pointers (below). */
     /* The dense router term of dX (dXr, T x d fp32: cuBLAS, then the dx
      * aggregation) fits dH's dead region whole in a reading backward. With
      * consume_saved that region is the saved block's, so dXr goes in
      * chunks of at most ceil(T / DXR_CHUNKS) tokens (a multiple of 64, at
      * least 256): T d / 2 bytes at most instead of 4 T d, for DXR_CHUNKS
      * cuBLAS calls and aggregations instead of one each. */
+    /* Where the router's split, tc, dla and a whole dXr fit in dH's region
+     * (cap x h_cols bf16, dead once db1 has run) and dXr in dX~'s, dXr is
+     * one cuBLAS call whose pointers are read on the device (batched, with
+     * one matrix), written by the backward's prologue after the saved
+     * block's check: the region, or, where the device refused the call,
+     * dX~'s region of this call's own workspace (the sink). With
+     * consume_saved the four buffers then lie in the saved block's H, the
+     * other writers there being kernels that read the status word, and
+     * the workspace keeps only wr2 and dwr2. The same shapes take the same
+     * dXr call with or without consume_saved, so their gradients agree bit
+     * for bit. */
+    const size_t hreg = al(c * hc * 2), sink = al(c * (dd > n ? dd : n) * 2);
+    const size_t rs_split = 0, rs_tc = rs_split + al(t * 2 * E * 2), rs_dla = rs_tc + al(t * K * 4),
+                 rs_dxr = rs_dla + al(c * 4), rs_end = rs_dxr + al(t * dd * 4);
+    const int fits = rs_end <= hreg && t * dd * 4 <= sink;
     o = base;
     w->dh = o;
     w->dh_in_saved = d->consume_saved != 0;
     w->dxr_tokens = T > 0 ? T : 1;
-    if (w->dh_in_saved) {
+    w->dxr_slots = fits;
+    w->router_in_saved = fits && w->dh_in_saved;
+    if (w->dh_in_saved && !fits) {
         int64_t tc = (T + DXR_CHUNKS - 1) / DXR_CHUNKS;
         tc = (tc + 63) / 64 * 64;
         if (tc < 256) tc = 256;
         if (tc < w->dxr_tokens) w->dxr_tokens = tc;
     }
     size_t r = o; /* the router's buffers from the same start */
-    w->split = r; r += al(t * 2 * E * 2);
     w->wr2 = r; r += al(2 * E * dd * 2);
     w->dwr2 = r; r += al(2 * E * dd * 4);
-    w->dxr = r; r += al((size_t)w->dxr_tokens * dd * 4);
-    w->tc = r; r += al(t * K * 4);
-    w->dla = r; r += al(c * 4);
+    w->slots = r; r += al(3 * sizeof(void *));
+    if (w->router_in_saved) { /* offsets from the saved block's H */
+        w->split = rs_split;
+        w->tc = rs_tc;
+        w->dla = rs_dla;
+        w->dxr = rs_dxr;
+    } else {
+        w->split = r; r += al(t * 2 * E * 2);
+        w->dxr = r; r += al((size_t)w->dxr_tokens * dd * 4);
+        w->tc = r; r += al(t * K * 4);
+        w->dla = r; r += al(c * 4);
+    }
     if (!w->dh_in_saved) o += al(c * hc * 2);
     if (r > o) o = r;
     w->ds = o; o += al(c * 4);
@@ -411,12 +440,25 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     const int want_router = !general && (args->drouter_w.ptr || want_dx);
     const int sparse = want_router && smoe_cuda_router_sparse(d, rounding, args->dlogits_extra);
     float *wr_nf = sparse && want_dx ? (float *)(ws + w.wr_nf) : NULL;
+    /* the router's split, tc, dla, dxr: in the saved block's H or here */
+    char *rbase = w.router_in_saved ? (char *)v.h : ws;
+    const int dense_dx = want_router && want_dx && !sparse;
+    smoe_dxr_slots sl3;
+    memset(&sl3, 0, sizeof sl3);
+    if (dense_dx && w.dxr_slots) {
+        sl3.slots = (void **)(ws + w.slots);
+        sl3.a = ws + w.wr2;
+        sl3.b = rbase + w.split;
+        sl3.c = rbase + w.dxr;
+        sl3.sink = ws + w.dxt;
+    }
     /* first: is the saved block this call's? (every later kernel reads
-     * abort); and the router weight's non-finite columns */
+     * abort); and the router weight's non-finite columns; dXr's pointers */
     SMOE_FORWARD_IF_ERROR(smoe_cuda_backward_prologue(
         v.header, smoe_saved_header_make(layer, T, general ? args->pairs : 0),
         d->consume_saved, dst,
-        report_make(st, 1), wr_nf ? (const bf16 *)args->router_w : NULL, d->E, d->d, wr_nf, s));
+        report_make(st, 1), wr_nf ? (const bf16 *)args->router_w : NULL, d->E, d->d, wr_nf,
+        sl3, s));
 
     const int want_ds = want_router || (general && args->dpair_score.ptr);
     const int want_dh = want_dx || args->dw1.ptr || args->db1.ptr;
@@ -487,11 +529,12 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
 
     float *dxr = NULL, *dla = NULL;
     if (want_router) {
-        bf16 *split = (bf16 *)(ws + w.split);
-        if (sparse && want_dx) dla = (float *)(ws + w.dla);
+        bf16 *split = (bf16 *)(rbase + w.split);
+        if (sparse && want_dx) dla = (float *)(rbase + w.dla);
         SMOE_FORWARD_IF_ERROR(smoe_cuda_router_dlogits(
             d, T, rounding, v.logits, v.token_offset, v.assign_expert, v.assign_row,
-            v.row_score, ds, args->dlogits_extra, split, (int32_t *)(ws + w.tc), dla, abort, s));
+            v.row_score, ds, args->dlogits_extra, split, (int32_t *)(rbase + w.tc), dla, abort,
+            s));
         timer_mark(st, 1, "router dlogits", s);
         const int64_t E2 = 2 * d->E;
         if (args->drouter_w.ptr) {
@@ -506,16 +549,27 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
                 args->drouter_w.accumulate, abort, s));
             timer_mark(st, 1, "dWr gemm", s);
         }
-        if (want_dx && !sparse) {
+        if (dense_dx) {
             bf16 *wr2 = (bf16 *)(ws + w.wr2);
-            dxr = (float *)(ws + w.dxr);
+            dxr = (float *)(rbase + w.dxr);
             SMOE_FORWARD_IF_ERROR(
                 smoe_cuda_stack_twice((const bf16 *)args->router_w, d->E, d->d, wr2, s));
             /* dXr (T x d row-major = d x T col-major) = wr2^T-view . split^T-view,
-             * then dx, a chunk of w.dxr_tokens tokens at a time (one chunk
-             * but with consume_saved) */
+             * then dx: one call through the prologue's pointers where it
+             * fits (ws_make), else a chunk of w.dxr_tokens tokens at a time
+             * (one chunk but with consume_saved) */
             const size_t dx_es = smoe_dtype_size(args->dx.dtype);
-            for (int64_t t0 = 0; t0 < T; t0 += w.dxr_tokens) {
+            if (w.dxr_slots && T > 0) {
+                void **sp = (void **)(ws + w.slots);
+                SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32_dev(
+                    st, ws + w.cublas, s, CUBLAS_OP_N, CUBLAS_OP_N, d->d, T, E2,
+                    (const void *const *)sp, d->d, (const void *const *)(sp + 1), E2, sp + 2,
+                    d->d));
+                SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(
+                    T, d->d, v.token_offset, v.assign_row, dxt, dxr, NULL, v.assign_expert, NULL,
+                    NULL, args->dx.ptr, args->dx.dtype, args->dx.accumulate, abort, s));
+            }
+            for (int64_t t0 = 0; !w.dxr_slots && t0 < T; t0 += w.dxr_tokens) {
                 const int64_t tn = T - t0 < w.dxr_tokens ? T - t0 : w.dxr_tokens;
                 SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32(
                     st, ws + w.cublas, s, CUBLAS_OP_N, CUBLAS_OP_N, d->d, tn, E2, wr2, d->d,

@@ -85,6 +85,11 @@ void smoe_cuda_timer_report(const smoe_layer *layer, stage_timer *tm);
 
 /* C (m x n, col-major, ldc) = op(A) op(B) on cuBLAS, bf16 in, fp32 out
  * (cuda_router.cu says more). */
+smoe_status smoe_cuda_gemm_bf16_f32_dev(cuda_state *st, void *cublas_ws, cudaStream_t s,
+                                        cublasOperation_t ta, cublasOperation_t tb, int64_t m,
+                                        int64_t n, int64_t k, const void *const *A, int64_t lda,
+                                        const void *const *B, int64_t ldb, void *const *C,
+                                        int64_t ldc);
 smoe_status smoe_cuda_gemm_bf16_f32(cuda_state *st, void *cublas_ws, cudaStream_t s,
                                     cublasOperation_t ta, cublasOperation_t tb, int64_t m,
                                     int64_t n, int64_t k, const bf16 *A, int64_t lda,

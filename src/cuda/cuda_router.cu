@@ -49,6 +49,32 @@ smoe_status smoe_cuda_gemm_bf16_f32(cuda_state *st, void *cublas_ws, cudaStream_
     return r;
 }
 
+/* The same with A, B and C read from device memory when the GEMM runs
+ * (cublasGemmBatchedEx with one matrix): A[0], B[0], C[0] are device
+ * pointers that a kernel before it on s writes (smoe_dxr_slots). */
+smoe_status smoe_cuda_gemm_bf16_f32_dev(cuda_state *st, void *cublas_ws, cudaStream_t s,
+                                        cublasOperation_t ta, cublasOperation_t tb, int64_t m,
+                                        int64_t n, int64_t k, const void *const *A, int64_t lda,
+                                        const void *const *B, int64_t ldb, void *const *C,
+                                        int64_t ldc)
+{
+    const float one = 1.0f, zero = 0.0f;
+    smoe_status r = SMOE_SUCCESS;
+    pthread_mutex_lock(&st->cublas_lock);
+    cublasStatus_t cs = cublasSetStream(st->cublas, s);
+    if (cs == CUBLAS_STATUS_SUCCESS)
+        cs = cublasSetWorkspace(st->cublas, cublas_ws, CUBLAS_WS_BYTES);
+    if (cs == CUBLAS_STATUS_SUCCESS)
+        cs = cublasGemmBatchedEx(st->cublas, ta, tb, (int)m, (int)n, (int)k, &one, A,
+                                 CUDA_R_16BF, (int)lda, B, CUDA_R_16BF, (int)ldb, &zero, C,
+                                 CUDA_R_32F, (int)ldc, 1, CUBLAS_COMPUTE_32F,
+                                 CUBLAS_GEMM_DEFAULT);
+    if (cs != CUBLAS_STATUS_SUCCESS)
+        r = smoe_fail(SMOE_ERROR_BACKEND, "cublasGemmBatchedEx (dXr): cuBLAS status %d", (int)cs);
+    pthread_mutex_unlock(&st->cublas_lock);
+    return r;
+}
+
 static size_t al(size_t x) { return (x + SMOE_ALIGN - 1) / SMOE_ALIGN * SMOE_ALIGN; }
 
 /* ------------------------------------------------------------ the router alone */

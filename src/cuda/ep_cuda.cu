@@ -646,7 +646,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         /* the saved block's header: this layer's, this T and pairs */
         TRY(smoe_cuda_backward_prologue((smoe_saved_header *)(sb + S.header),
                                         smoe_saved_header_make(ep->full, T, pairs), 0, st,
-                                        rep, NULL, 0, d, NULL, s));
+                                        rep, NULL, 0, d, NULL, smoe_dxr_slots_none(), s));
         const int32_t *pidx = (const int32_t *)(sb + S.pidx);
         const int32_t *ent_off = (const int32_t *)(sb + S.ent_off);
         const int32_t *toff = (const int32_t *)(sb + S.token_offset);

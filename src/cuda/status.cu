@@ -21,7 +21,7 @@
 #include "cuda/cuda_common.h"
 #include "cuda/cuda_layer_state.h"
 
-static __device__ void saved_check(smoe_saved_header *__restrict__ h,
+static __device__ int saved_check(smoe_saved_header *__restrict__ h,
                                    const smoe_saved_header &want, bool consume,
                                    smoe_dev_status *st, smoe_dev_report rep)
 {
@@ -55,6 +55,7 @@ static __device__ void saved_check(smoe_saved_header *__restrict__ h,
     if (s.code == SMOE_DEV_OK && consume) h->consumed = 1;
     *st = s;
     smoe_dev_report_error(rep, st);
+    return s.code;
 }
 
 /* Thread (0, 0): the header. Thread i of the grid, i < d: column i of the
@@ -63,10 +64,17 @@ static __device__ void saved_check(smoe_saved_header *__restrict__ h,
 __global__ void k_backward_prologue(smoe_saved_header *__restrict__ h,
                                     smoe_saved_header want, int consume, smoe_dev_status *st,
                                     smoe_dev_report rep, const bf16 *__restrict__ wr, int E,
-                                    int64_t d, float *wr_nf)
+                                    int64_t d, float *wr_nf, smoe_dxr_slots sl)
 {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i == 0) saved_check(h, want, consume != 0, st, rep);
+    if (i == 0) {
+        const int code = saved_check(h, want, consume != 0, st, rep);
+        if (sl.slots) {
+            sl.slots[0] = sl.a;
+            sl.slots[1] = sl.b;
+            sl.slots[2] = code == SMOE_DEV_OK ? sl.c : sl.sink;
+        }
+    }
     if (!wr || i >= d) return;
     bool finite = true;
     for (int e = 0; e < E; ++e) finite &= isfinite(__bfloat162float(wr[(int64_t)e * d + i]));
@@ -86,12 +94,12 @@ smoe_status smoe_cuda_backward_prologue(smoe_saved_header *header, smoe_saved_he
                                         int consume, smoe_dev_status *status,
                                         smoe_dev_report report,
                                         const bf16 *wr, int64_t E, int64_t d, float *wr_nf,
-                                        cudaStream_t stream)
+                                        smoe_dxr_slots slots, cudaStream_t stream)
 {
     const int threads = 256;
     const unsigned blocks = wr ? (unsigned)smoe_cdiv(d, threads) : 1;
     k_backward_prologue<<<blocks, threads, 0, stream>>>(header, want, consume, status, report, wr,
-                                                        (int)E, d, wr_nf);
+                                                        (int)E, d, wr_nf, slots);
     SMOE_CUDA_LAUNCH_CHECK("k_backward_prologue");
     return SMOE_SUCCESS;
 }
