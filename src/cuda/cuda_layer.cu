@@ -221,7 +221,9 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
     const size_t hreg = al(c * hc * 2), sink = al(c * (dd > n ? dd : n) * 2);
     const size_t rs_split = 0, rs_tc = rs_split + al(t * 2 * E * 2), rs_dla = rs_tc + al(t * K * 4),
                  rs_dxr = rs_dla + al(c * 4), rs_end = rs_dxr + al(t * dd * 4);
-    const int fits = rs_end <= hreg && t * dd * 4 <= sink;
+    /* cap > 0: the saved block's H is then exactly hreg bytes (the saved
+     * layout's 256-byte alignment is al's); with cap = 0 it has none */
+    const int fits = cap > 0 && rs_end <= hreg && t * dd * 4 <= sink;
     o = base;
     w->dh = o;
     w->dh_in_saved = d->consume_saved != 0;
