@@ -112,7 +112,8 @@ typedef struct ws_layout {
     size_t dh, a_scaled, ds, dxt, split, wr2, dwr2, dxr, tc, dla, wr_nf, b_gemm;
     int dh_in_saved;     /* consume_saved: dH over the saved block's H (dh unused) */
     int64_t dxr_tokens;  /* the dense router term of dX in chunks of this many tokens */
-    int router_in_saved; /* split, tc, dla, dxr: offsets in the saved block's (dead) H */
+    int dxr_in_saved;    /* dxr: an offset in the saved block's (dead) H */
+    int small_in_saved;  /* split, tc, dla: offsets there too */
     int dxr_slots;       /* dXr by one cuBLAS call whose pointers the prologue writes */
     size_t slots;        /* those pointers: wr2, split, dxr (or the sink, dxt's region) */
     size_t bwd_end;
@@ -164,6 +165,7 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
     memset(w, 0, sizeof *w);
     w->status = o; o += SMOE_DEV_STATUS_BYTES;
     w->cublas = o; o += CUBLAS_WS_BYTES;
+    w->slots = o; o += al(3 * sizeof(void *)); /* written at the backward's start, read by dXr */
     const size_t base = o;
 
     w->logits = o; o += al(t * E * 4);
@@ -207,29 +209,30 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
      * chunks of at most ceil(T / DXR_CHUNKS) tokens (a multiple of 64, at
      * least 256): T d / 2 bytes at most instead of 4 T d, for DXR_CHUNKS
      * cuBLAS calls and aggregations instead of one each. */
-    /* Where the router's split, tc, dla and a whole dXr fit in dH's region
-     * (cap x h_cols bf16, dead once db1 has run) and dXr in dX~'s, dXr is
-     * one cuBLAS call whose pointers are read on the device (batched, with
-     * one matrix), written by the backward's prologue after the saved
-     * block's check: the region, or, where the device refused the call,
-     * dX~'s region of this call's own workspace (the sink). With
-     * consume_saved the four buffers then lie in the saved block's H, the
-     * other writers there being kernels that read the status word, and
-     * the workspace keeps only wr2 and dwr2. The same shapes take the same
-     * dXr call with or without consume_saved, so their gradients agree bit
-     * for bit. */
+    /* Where a whole dXr (T x d fp32) fits in dH's region (cap x h_cols
+     * bf16, dead once db1 has run) and in dX~'s, dXr is one cuBLAS call
+     * whose pointers are read on the device (batched, with one matrix),
+     * written by the backward's prologue after the saved block's check:
+     * dH's region, or, where the device refused the call, dX~'s region of
+     * this call's own workspace (the sink). With consume_saved dXr then
+     * lies in the saved block's H, and split, tc and dla after it where
+     * they fit too (their writer reads the status word); wr2 and dwr2 stay
+     * here. The same shapes take the same dXr call with or without
+     * consume_saved, so their gradients agree bit for bit. cap > 0: the
+     * saved block's H is then exactly hreg bytes (the saved layout's
+     * 256-byte alignment is al's); with cap = 0 it has none. */
     const size_t hreg = al(c * hc * 2), sink = al(c * (dd > n ? dd : n) * 2);
-    const size_t rs_split = 0, rs_tc = rs_split + al(t * 2 * E * 2), rs_dla = rs_tc + al(t * K * 4),
-                 rs_dxr = rs_dla + al(c * 4), rs_end = rs_dxr + al(t * dd * 4);
-    /* cap > 0: the saved block's H is then exactly hreg bytes (the saved
-     * layout's 256-byte alignment is al's); with cap = 0 it has none */
-    const int fits = cap > 0 && rs_end <= hreg && t * dd * 4 <= sink;
+    const size_t rs_dxr = 0, rs_split = rs_dxr + al(t * dd * 4),
+                 rs_tc = rs_split + al(t * 2 * E * 2), rs_dla = rs_tc + al(t * K * 4),
+                 rs_end = rs_dla + al(c * 4);
+    const int fits = cap > 0 && rs_split <= hreg && t * dd * 4 <= sink;
     o = base;
     w->dh = o;
     w->dh_in_saved = d->consume_saved != 0;
     w->dxr_tokens = T > 0 ? T : 1;
     w->dxr_slots = fits;
-    w->router_in_saved = fits && w->dh_in_saved;
+    w->dxr_in_saved = fits && w->dh_in_saved;
+    w->small_in_saved = w->dxr_in_saved && rs_end <= hreg;
     if (w->dh_in_saved && !fits) {
         int64_t tc = (T + DXR_CHUNKS - 1) / DXR_CHUNKS;
         tc = (tc + 63) / 64 * 64;
@@ -239,15 +242,17 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
     size_t r = o; /* the router's buffers from the same start */
     w->wr2 = r; r += al(2 * E * dd * 2);
     w->dwr2 = r; r += al(2 * E * dd * 4);
-    w->slots = r; r += al(3 * sizeof(void *));
-    if (w->router_in_saved) { /* offsets from the saved block's H */
+    if (w->dxr_in_saved) { /* offsets from the saved block's H */
+        w->dxr = rs_dxr;
+    } else {
+        w->dxr = r; r += al((size_t)w->dxr_tokens * dd * 4);
+    }
+    if (w->small_in_saved) {
         w->split = rs_split;
         w->tc = rs_tc;
         w->dla = rs_dla;
-        w->dxr = rs_dxr;
     } else {
         w->split = r; r += al(t * 2 * E * 2);
-        w->dxr = r; r += al((size_t)w->dxr_tokens * dd * 4);
         w->tc = r; r += al(t * K * 4);
         w->dla = r; r += al(c * 4);
     }
@@ -442,16 +447,18 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     const int want_router = !general && (args->drouter_w.ptr || want_dx);
     const int sparse = want_router && smoe_cuda_router_sparse(d, rounding, args->dlogits_extra);
     float *wr_nf = sparse && want_dx ? (float *)(ws + w.wr_nf) : NULL;
-    /* the router's split, tc, dla, dxr: in the saved block's H or here */
-    char *rbase = w.router_in_saved ? (char *)v.h : ws;
+    /* the router's split, tc, dla (sbase) and dxr (xbase): in the saved
+     * block's H or here */
+    char *sbase = w.small_in_saved ? (char *)v.h : ws;
+    char *xbase = w.dxr_in_saved ? (char *)v.h : ws;
     const int dense_dx = want_router && want_dx && !sparse;
     smoe_dxr_slots sl3;
     memset(&sl3, 0, sizeof sl3);
     if (dense_dx && w.dxr_slots) {
         sl3.slots = (void **)(ws + w.slots);
         sl3.a = ws + w.wr2;
-        sl3.b = rbase + w.split;
-        sl3.c = rbase + w.dxr;
+        sl3.b = sbase + w.split;
+        sl3.c = xbase + w.dxr;
         sl3.sink = ws + w.dxt;
     }
     /* first: is the saved block this call's? (every later kernel reads
@@ -531,11 +538,11 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
 
     float *dxr = NULL, *dla = NULL;
     if (want_router) {
-        bf16 *split = (bf16 *)(rbase + w.split);
-        if (sparse && want_dx) dla = (float *)(rbase + w.dla);
+        bf16 *split = (bf16 *)(sbase + w.split);
+        if (sparse && want_dx) dla = (float *)(sbase + w.dla);
         SMOE_FORWARD_IF_ERROR(smoe_cuda_router_dlogits(
             d, T, rounding, v.logits, v.token_offset, v.assign_expert, v.assign_row,
-            v.row_score, ds, args->dlogits_extra, split, (int32_t *)(rbase + w.tc), dla, abort,
+            v.row_score, ds, args->dlogits_extra, split, (int32_t *)(sbase + w.tc), dla, abort,
             s));
         timer_mark(st, 1, "router dlogits", s);
         const int64_t E2 = 2 * d->E;
@@ -553,7 +560,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
         }
         if (dense_dx) {
             bf16 *wr2 = (bf16 *)(ws + w.wr2);
-            dxr = (float *)(rbase + w.dxr);
+            dxr = (float *)(xbase + w.dxr);
             SMOE_FORWARD_IF_ERROR(
                 smoe_cuda_stack_twice((const bf16 *)args->router_w, d->E, d->d, wr2, s));
             /* dXr (T x d row-major = d x T col-major) = wr2^T-view . split^T-view,
