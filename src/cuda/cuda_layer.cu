@@ -204,12 +204,7 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
      * live one: wr2 and dwr2 stay in the workspace, and dxr goes to the
      * saved H only through the prologue's pointers (below). */
     /* The dense router term of dX (dXr, T x d fp32: cuBLAS, then the dx
-     * aggregation) fits dH's dead region whole in a reading backward. With
-     * consume_saved that region is the saved block's, so dXr goes in
-     * chunks of at most ceil(T / DXR_CHUNKS) tokens (a multiple of 64, at
-     * least 256): T d / 2 bytes at most instead of 4 T d, for DXR_CHUNKS
-     * cuBLAS calls and aggregations instead of one each. */
-    /* Where a whole dXr (T x d fp32) fits in dH's region (cap x h_cols
+     * aggregation). Where a whole dXr fits in dH's region (cap x h_cols
      * bf16, dead once db1 has run) and in dX~'s, dXr is one cuBLAS call
      * whose pointers are read on the device (batched, with one matrix),
      * written by the backward's prologue after the saved block's check:
@@ -220,7 +215,12 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
      * here. The same shapes take the same dXr call with or without
      * consume_saved, so their gradients agree bit for bit. cap > 0: the
      * saved block's H is then exactly hreg bytes (the saved layout's
-     * 256-byte alignment is al's); with cap = 0 it has none. */
+     * 256-byte alignment is al's); with cap = 0 it has none. Where dXr
+     * does not fit (d > K n, or K = 1 with n < 2d), a reading backward
+     * keeps it whole in the workspace and a consuming one takes it in
+     * chunks of at most ceil(T / DXR_CHUNKS) tokens (a multiple of 64, at
+     * least 256): T d / 2 bytes at most instead of 4 T d, for DXR_CHUNKS
+     * cuBLAS calls and aggregations instead of one each. */
     const size_t hreg = al(c * hc * 2), sink = al(c * (dd > n ? dd : n) * 2);
     const size_t rs_dxr = 0, rs_split = rs_dxr + al(t * dd * 4),
                  rs_tc = rs_split + al(t * 2 * E * 2), rs_dla = rs_tc + al(t * K * 4),
