@@ -125,34 +125,29 @@ def _nccl_check(r, what):
                         % (what, _nccl_lib().ncclGetErrorString(r).decode(errors="replace")))
 
 
-def _free_beside(obj, attr, free, keep=None):
-    """For __del__ of an object over an NCCL communicator: takes obj.attr
-    (a ctypes handle), sets it to None and runs free(handle) in a daemon
-    thread, which holds `keep` (what must outlive the free) until it is
-    done. ncclCommDestroy waits until every CUDA graph that captured an
-    operation on the communicator is destroyed (NCCL counts them), and a
-    graph may well outlive the module whose calls it replays (torch's
-    CUDAGraph and torch.compile's caches hold them): a free inline would
-    then block the thread that dropped the last reference, or the
-    interpreter's exit, for good. In a thread it ends when the last such
-    graph goes, or with the process. At interpreter shutdown nothing is
-    freed (the process is ending; no thread can start)."""
-    handle = getattr(obj, attr, None)
-    setattr(obj, attr, None)
-    if handle is None or not handle.value or sys.is_finalizing():
-        return
-
-    def run(h=handle, k=keep):
-        try:
-            free(h)
-        except Exception:
-            pass
-        del k
-
+def _free_quietly(free, handle, keep):
     try:
-        threading.Thread(target=run, name="smoe-nccl-free", daemon=True).start()
-    except RuntimeError:   # no new threads (shutdown): leave it to the process's end
+        free(handle)
+    except Exception:
         pass
+
+
+def _free_beside(obj, attr, free, keep=None):
+    """For __del__ of an object over an NCCL communicator: L.release, with
+    free(handle) run in a daemon thread, which holds `keep` (what must
+    outlive the free) until it is done. ncclCommDestroy waits until every
+    CUDA graph that captured an operation on the communicator is destroyed
+    (NCCL counts them), and a graph may well outlive the module whose calls
+    it replays (torch's CUDAGraph and torch.compile's caches hold them): a
+    free inline would then block the thread that dropped the last
+    reference, or the interpreter's exit, for good. In a thread it ends when
+    the last such graph goes, or with the process. At interpreter shutdown
+    nothing is freed (the process is ending; no thread can start)."""
+    if sys.is_finalizing():
+        setattr(obj, attr, None)
+        return
+    L.release(obj, attr, lambda h: threading.Thread(
+        target=_free_quietly, args=(free, h, keep), name="smoe-nccl-free", daemon=True).start())
 
 
 class _NcclComm:
