@@ -14,6 +14,17 @@
 
 /* ------------------------------------------------------------ cuBLAS */
 
+/* The layer's cuBLAS handle bound to this call (under its mutex): its
+ * stream, and after SetStream (which resets it) cuBLAS's scratch from the
+ * call's workspace, so it never allocates (graph capture) and two calls in
+ * flight never share it. */
+static smoe_status cublas_bind_locked(cuda_state *st, void *cublas_ws, cudaStream_t s)
+{
+    SMOE_CUBLAS_CHECK(cublasSetStream(st->cublas, s));
+    SMOE_CUBLAS_CHECK(cublasSetWorkspace(st->cublas, cublas_ws, CUBLAS_WS_BYTES));
+    return SMOE_SUCCESS;
+}
+
 /* The cuBLAS part of smoe_cuda_gemm_bf16_f32, with the handle bound to this call. */
 static smoe_status gemm_bf16_f32_locked(cuda_state *st, void *cublas_ws, cudaStream_t s,
                                         cublasOperation_t ta,
@@ -22,15 +33,29 @@ static smoe_status gemm_bf16_f32_locked(cuda_state *st, void *cublas_ws, cudaStr
                                         float *C, int64_t ldc)
 {
     const float one = 1.0f, zero = 0.0f;
-    SMOE_CUBLAS_CHECK(cublasSetStream(st->cublas, s));
-    /* after SetStream (which resets it): cuBLAS's scratch from the call's
-     * workspace, so it never allocates (graph capture) and two calls in
-     * flight never share it */
-    SMOE_CUBLAS_CHECK(cublasSetWorkspace(st->cublas, cublas_ws, CUBLAS_WS_BYTES));
+    SMOE_FORWARD_IF_ERROR(cublas_bind_locked(st, cublas_ws, s));
     SMOE_CUBLAS_CHECK(cublasGemmEx(st->cublas, ta, tb, (int)m, (int)n, (int)k, &one, A,
                                    CUDA_R_16BF, (int)lda, B, CUDA_R_16BF, (int)ldb, &zero, C,
                                    CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F,
                                    CUBLAS_GEMM_DEFAULT));
+    return SMOE_SUCCESS;
+}
+
+/* The same with A, B and C read from device memory when the GEMM runs
+ * (cublasGemmBatchedEx with one matrix). */
+static smoe_status gemm_bf16_f32_dev_locked(cuda_state *st, void *cublas_ws, cudaStream_t s,
+                                            cublasOperation_t ta, cublasOperation_t tb,
+                                            int64_t m, int64_t n, int64_t k,
+                                            const void *const *A, int64_t lda,
+                                            const void *const *B, int64_t ldb, void *const *C,
+                                            int64_t ldc)
+{
+    const float one = 1.0f, zero = 0.0f;
+    SMOE_FORWARD_IF_ERROR(cublas_bind_locked(st, cublas_ws, s));
+    SMOE_CUBLAS_CHECK(cublasGemmBatchedEx(st->cublas, ta, tb, (int)m, (int)n, (int)k, &one, A,
+                                          CUDA_R_16BF, (int)lda, B, CUDA_R_16BF, (int)ldb, &zero,
+                                          C, CUDA_R_32F, (int)ldc, 1, CUBLAS_COMPUTE_32F,
+                                          CUBLAS_GEMM_DEFAULT));
     return SMOE_SUCCESS;
 }
 
@@ -49,28 +74,17 @@ smoe_status smoe_cuda_gemm_bf16_f32(cuda_state *st, void *cublas_ws, cudaStream_
     return r;
 }
 
-/* The same with A, B and C read from device memory when the GEMM runs
- * (cublasGemmBatchedEx with one matrix): A[0], B[0], C[0] are device
- * pointers that a kernel before it on s writes (smoe_dxr_slots). */
+/* The same with A[0], B[0], C[0] device pointers that a kernel before it
+ * on s writes (smoe_dxr_slots), read when the GEMM runs. */
 smoe_status smoe_cuda_gemm_bf16_f32_dev(cuda_state *st, void *cublas_ws, cudaStream_t s,
                                         cublasOperation_t ta, cublasOperation_t tb, int64_t m,
                                         int64_t n, int64_t k, const void *const *A, int64_t lda,
                                         const void *const *B, int64_t ldb, void *const *C,
                                         int64_t ldc)
 {
-    const float one = 1.0f, zero = 0.0f;
-    smoe_status r = SMOE_SUCCESS;
     pthread_mutex_lock(&st->cublas_lock);
-    cublasStatus_t cs = cublasSetStream(st->cublas, s);
-    if (cs == CUBLAS_STATUS_SUCCESS)
-        cs = cublasSetWorkspace(st->cublas, cublas_ws, CUBLAS_WS_BYTES);
-    if (cs == CUBLAS_STATUS_SUCCESS)
-        cs = cublasGemmBatchedEx(st->cublas, ta, tb, (int)m, (int)n, (int)k, &one, A,
-                                 CUDA_R_16BF, (int)lda, B, CUDA_R_16BF, (int)ldb, &zero, C,
-                                 CUDA_R_32F, (int)ldc, 1, CUBLAS_COMPUTE_32F,
-                                 CUBLAS_GEMM_DEFAULT);
-    if (cs != CUBLAS_STATUS_SUCCESS)
-        r = smoe_fail(SMOE_ERROR_BACKEND, "cublasGemmBatchedEx (dXr): cuBLAS status %d", (int)cs);
+    smoe_status r =
+        gemm_bf16_f32_dev_locked(st, cublas_ws, s, ta, tb, m, n, k, A, lda, B, ldb, C, ldc);
     pthread_mutex_unlock(&st->cublas_lock);
     return r;
 }
