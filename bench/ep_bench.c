@@ -8,10 +8,12 @@
  *                 [-K] [-c capacity] [-x expert_rows] [-i iterations]
  *                 [-b cuda|sm90] [-m comm_sms] [-o overlap]
  *
- * The EP layer runs twice: with its default schedule (the exchanges beside
- * the expert GEMMs where the kernels allow it; -m sets comm_sms) and with
- * overlap = -1 (exchange, then compute): what the overlap buys. -o 1 asks
- * for the overlap where the default would not take it.
+ * The EP layer runs three times: with its default schedule (the exchanges
+ * beside the expert GEMMs where the kernels allow it; -m sets comm_sms),
+ * with overlap = -1 (exchange, then compute): what the overlap buys, and
+ * with the default schedule and keep_x = 1 (x's received rows kept for the
+ * backward: one exchange fewer there). -o 1 asks for the overlap where the
+ * default would not take it.
  *
  * -r takes T, d, n, E, K from a row of bench/grid.h (T then per GPU). Per
  * GPU TFLOPS count 6TKdn (forward) and 12TKdn (backward) of the rank's own
@@ -78,7 +80,7 @@ typedef struct rank_ctx {
     const cfg *c;
     void *comm;
     int ep; /* 2: NCCL all-to-all alone; 1: the EP layer; 3: the EP layer, no
-               overlap; 0: the single layer */
+               overlap; 4: the EP layer, keep_x; 0: the single layer */
     pthread_barrier_t *bar;
     float fwd[MAXI], bwd[MAXI];
     char path[256];
@@ -176,6 +178,7 @@ static void *rank_main(void *arg) {
         ed.expert_rows = c->expert_rows;
         ed.overlap = R->ep == 3 ? -1 : R->c->overlap;
         ed.comm_sms = c->comm_sms;
+        ed.keep_x = R->ep == 4;
         SMOE_OK(smoe_ep_layer_create(&ed, &EPL));
         sb = smoe_ep_layer_saved_bytes(EPL, T);
         wb = smoe_ep_layer_workspace_bytes(EPL, T);
@@ -345,10 +348,11 @@ int main(int argc, char **argv) {
         fprintf(stderr, "ncclCommInitAll failed\n");
         return 3;
     }
-    float ef, eb, nf, nb, sf, sbw, af, ab;
-    char epath[256], npath[256], spath[256], apath[256];
+    float ef, eb, nf, nb, kf, kb, sf, sbw, af, ab;
+    char epath[256], npath[256], kpath[256], spath[256], apath[256];
     run(&c, 1, comms, &ef, &eb, epath);
     run(&c, 3, comms, &nf, &nb, npath);
+    run(&c, 4, comms, &kf, &kb, kpath);
     run(&c, 2, comms, &af, &ab, apath);
     run(&c, 0, NULL, &sf, &sbw, spath);
     for (int q = 0; q < c.P; q++) destroy(comms[q]);
@@ -363,20 +367,26 @@ int main(int argc, char **argv) {
            (long long)c.E, (long long)c.K, (long long)C, (long long)c.expert_rows, c.iters);
     printf("%-52s %8s %8s %8s %8s %8s\n", "layer (kernel path)", "fwd ms", "bwd ms", "fwd TF",
            "bwd TF", "total TF");
-    char a[400], a2[400], b[400];
+    char a[400], a2[400], a3[400], b[400];
     snprintf(a, sizeof a, "EP P=%d, E/P=%lld (%s)", c.P, (long long)(c.E / c.P), epath);
     snprintf(a2, sizeof a2, "EP P=%d, E/P=%lld (%s)", c.P, (long long)(c.E / c.P), npath);
+    snprintf(a3, sizeof a3, "EP P=%d, E/P=%lld, keep_x (%s)", c.P, (long long)(c.E / c.P),
+             kpath);
     snprintf(b, sizeof b, "single GPU, E=%lld (%s)", (long long)c.E, spath);
     printf("%-52s %8.3f %8.3f %8.1f %8.1f %8.1f\n", a, ef, eb, fl / ef * 1e-9, 2 * fl / eb * 1e-9,
            3 * fl / (ef + eb) * 1e-9);
     printf("%-52s %8.3f %8.3f %8.1f %8.1f %8.1f\n", a2, nf, nb, fl / nf * 1e-9,
            2 * fl / nb * 1e-9, 3 * fl / (nf + nb) * 1e-9);
+    printf("%-52s %8.3f %8.3f %8.1f %8.1f %8.1f\n", a3, kf, kb, fl / kf * 1e-9,
+           2 * fl / kb * 1e-9, 3 * fl / (kf + kb) * 1e-9);
     printf("%-52s %8.3f %8.3f %8.1f %8.1f %8.1f\n", b, sf, sbw, fl / sf * 1e-9,
            2 * fl / sbw * 1e-9, 3 * fl / (sf + sbw) * 1e-9);
     printf("per-GPU EP / single: fwd %.1f%%, bwd %.1f%%, total %.1f%% (no overlap: %.1f%%, "
            "%.1f%%, %.1f%%)\n",
            100 * sf / ef, 100 * sbw / eb, 100 * (sf + sbw) / (ef + eb), 100 * sf / nf,
            100 * sbw / nb, 100 * (sf + sbw) / (nf + nb));
+    printf("per-GPU EP keep_x / single: fwd %.1f%%, bwd %.1f%%, total %.1f%%\n", 100 * sf / kf,
+           100 * sbw / kb, 100 * (sf + sbw) / (kf + kb));
     const double peers = (double)(c.P - 1) * slice;
     printf("nccl all-to-all of %d x %.1f MiB per rank (peers): %.3f ms (%.0f GB/s per rank); "
            "no-overlap comm floor fwd %.3f ms, bwd %.3f ms; no-overlap EP beyond single + "

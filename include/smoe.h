@@ -477,11 +477,19 @@ typedef struct smoe_ep_desc {
                                layer's own NCCL communicator launches): 0 =
                                4 per rank within [8, 32] (8 at P = 2, 16 at
                                P = 4: measured best), -1 = none */
+    int keep_x;             /* 1: the forward keeps the rows of x this rank
+                               received in the saved block, and the backward
+                               sends only dout (one exchange of the three
+                               fewer); it costs P capacity d elements of the
+                               dtype more saved per rank (512 MiB at P = 2,
+                               capacity 32768, d 4096, bf16): above the
+                               single-GPU floor, so off by default. 0 = x
+                               travels again in the backward */
 } smoe_ep_desc;
 
 /* Defaults: layer as smoe_layer_desc_default(), rank 0 of 1, no group,
- * max_tokens 0 (the caller must set it), capacity, expert_rows, overlap
- * and comm_sms 0. */
+ * max_tokens 0 (the caller must set it), capacity, expert_rows, overlap,
+ * comm_sms and keep_x 0. */
 SMOE_API smoe_ep_desc smoe_ep_desc_default(void);
 
 typedef struct smoe_ep_layer smoe_ep_layer; /* opaque */
@@ -496,7 +504,8 @@ SMOE_API void smoe_ep_layer_free(smoe_ep_layer *layer);
  * workspace holds the send and receive buffers: about 4 P capacity d
  * elements of the dtype, plus the expert computation's own workspace. The
  * saved block holds H of the rows this rank computes (expert_rows of them
- * at most), the routing of its own tokens and O(P capacity K) indices. */
+ * at most), the routing of its own tokens and O(P capacity K) indices;
+ * with keep_x also the received rows of x (P capacity d elements). */
 SMOE_API size_t smoe_ep_layer_workspace_bytes(const smoe_ep_layer *layer, int64_t T);
 SMOE_API size_t smoe_ep_layer_saved_bytes(const smoe_ep_layer *layer, int64_t T);
 

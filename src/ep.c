@@ -18,7 +18,8 @@
  *   5. exchange of the partials back; each token's output is the sum of its
  *      partials in rank order.
  * Backward: x and dout go out again by the same slots (the expert side keeps
- * no copy of x), the GENERAL layer's backward gives each virtual token's dx
+ * no copy of x; with desc.keep_x it does, in the saved block, and only dout
+ * travels), the GENERAL layer's backward gives each virtual token's dx
  * partial and each pair's score gradient dS, which come back; the token's
  * rank sums dx partials in rank order, gathers its dS and runs the router's
  * backward (dlogits, its share of dWr, dx += dlogits Wr).
@@ -92,6 +93,9 @@ static smoe_status desc_checks(const smoe_ep_desc *desc, int P, const char *fn)
     else if (desc->comm_sms < -1 || desc->comm_sms > 1024)
         st = smoe_fail(SMOE_ERROR_INVALID_VALUE, "%s: comm_sms = %d, must be in [-1, 1024]", fn,
                        desc->comm_sms);
+    else if (desc->keep_x < 0 || desc->keep_x > 1)
+        st = smoe_fail(SMOE_ERROR_INVALID_VALUE, "%s: keep_x = %d, must be 0 or 1", fn,
+                       desc->keep_x);
     else if (desc->overlap == 1 && L->backend == SMOE_BACKEND_CPU)
         st = smoe_fail(SMOE_ERROR_UNSUPPORTED,
                        "%s: overlap = 1 (required): the CPU backend exchanges, then computes",

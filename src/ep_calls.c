@@ -40,7 +40,7 @@ typedef struct ep_pair {
 /* The saved block: source side (this rank's tokens), expert side. */
 typedef struct ep_saved {
     size_t header, token_offset, assign_expert, assign_row, score, logits, slot, counts,
-        tri_slot, experts;
+        tri_slot, experts, xkeep;
     size_t total;
     int64_t A;             /* assignments of this rank's tokens (capacity) */
     smoe_saved_layout ex;  /* the GENERAL layer's block, at `experts` */
@@ -72,6 +72,8 @@ static void saved_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, ep_sav
     s->experts = o;
     smoe_saved_layout_make(ep->experts, P * (size_t)ep->C, ep->rows, &s->ex);
     o += al(s->ex.total);
+    /* keep_x: the received rows of x, (P C, d) */
+    s->xkeep = o; o += al(ep->desc.keep_x ? P * (size_t)ep->C * (size_t)L->d * smoe_dtype_size(L->dtype) : 0);
     s->total = o;
 }
 
@@ -449,6 +451,17 @@ smoe_status smoe_ep_layer_forward(smoe_ep_layer *ep, const smoe_forward_args *ar
         for (int64_t a = 0; a < A; a++) args->expert_counts[v.assign_expert[a]]++;
     }
     if (training) {
+        /* keep_x: the received rows of x (zeros past each source's count,
+         * as the backward's own copy has them) */
+        for (int s = 0; s < P && ep->desc.keep_x; s++)
+            for (int64_t j = 0; j < C; j++) {
+                char *dst = (char *)saved + S.xkeep + ((size_t)s * C + (size_t)j) * d * es;
+                if (j < recvd[s])
+                    memcpy(dst, ws + W.recv_rows + ((size_t)s * C + (size_t)j) * d * es,
+                           (size_t)d * es);
+                else
+                    memset(dst, 0, (size_t)d * es);
+            }
         /* the source side's sections, then the header last */
         memcpy((char *)saved + S.token_offset, meta + S.token_offset, S.experts - S.token_offset);
         *(smoe_saved_header *)((char *)saved + S.header) =
@@ -506,32 +519,34 @@ smoe_status smoe_ep_layer_backward(smoe_ep_layer *ep, const smoe_backward_args *
     const int32_t *tri_slot = (const int32_t *)(sb + S.tri_slot);
     const int64_t Tv = (int64_t)P * C;
 
-    /* 1. [x | dout] out again, by the forward's slots */
+    /* 1. [x | dout] out again, by the forward's slots (keep_x: dout alone,
+     *    x' is the saved block's) */
+    const int kx = ep->desc.keep_x;
     char *srows = ws + W.send_rows, *rrows = ws + W.recv_rows;
-    const size_t row2 = 2 * (size_t)d * es;
+    const size_t row = (size_t)d * es, row2 = (kx ? 1 : 2) * row;
     memset(srows, 0, (size_t)Tv * row2);
     for (int64_t t = 0; t < T; t++)
         for (int q = 0; q < P; q++) {
             const int32_t j = slot[t * P + q];
             if (j < 0) continue;
             char *dst = srows + ((size_t)q * C + (size_t)j) * row2;
-            memcpy(dst, (const char *)args->x + (size_t)t * d * es, (size_t)d * es);
-            memcpy(dst + (size_t)d * es, (const char *)args->dout + (size_t)t * d * es,
-                   (size_t)d * es);
+            if (!kx) memcpy(dst, (const char *)args->x + (size_t)t * row, row);
+            memcpy(dst + row2 - row, (const char *)args->dout + (size_t)t * row, row);
         }
     smoe_ep_group_alltoall(g, r, srows, rrows, (size_t)C * row2);
     /* split into x' (Tv, d) and dout' (Tv, d): the GENERAL layer reads rows */
-    char *xv = ws + W.send_rows, *dov = ws + W.send_rows + (size_t)Tv * d * es;
+    char *xv = kx ? sb + S.xkeep : ws + W.send_rows;
+    char *dov = ws + W.send_rows + (size_t)Tv * row;
     for (int s = 0; s < P; s++)
         for (int64_t j = 0; j < C; j++) {
             const size_t vt = (size_t)s * C + (size_t)j;
             const char *src = rrows + vt * row2;
             if (j < recvd[s]) {
-                memcpy(xv + vt * d * es, src, (size_t)d * es);
-                memcpy(dov + vt * d * es, src + (size_t)d * es, (size_t)d * es);
+                if (!kx) memcpy(xv + vt * row, src, row);
+                memcpy(dov + vt * row, src + row2 - row, row);
             } else {
-                memset(xv + vt * d * es, 0, (size_t)d * es);
-                memset(dov + vt * d * es, 0, (size_t)d * es);
+                if (!kx) memset(xv + vt * row, 0, row);
+                memset(dov + vt * row, 0, row);
             }
         }
 

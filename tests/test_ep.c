@@ -13,8 +13,9 @@
  *    rank's experts, each routing mode EP takes, biases, activations, both
  *    W1 layouts, fp32 gradients accumulated;
  *  - two runs bitwise equal; an inference forward (no saved block) between
- *    forward and backward gives the same out bit for bit;
- *  - overlap = 1 (CUDA only), overlap or comm_sms out of range refused;
+ *    forward and backward gives the same out bit for bit; keep_x (x's
+ *    received rows kept for the backward) bitwise equal to x sent again;
+ *  - overlap = 1 (CUDA only), overlap, comm_sms or keep_x out of range refused;
  *  - refusals on every rank at once: E not a multiple of P, token
  *    rounding, a description that differs between ranks, a capacity too
  *    small (the sender's overflow), a bad argument on one rank only.
@@ -35,7 +36,7 @@ typedef struct ep_case {
     int one_rank;      /* GENERAL: every pair on rank 0's experts */
     int accumulate;    /* gradients accumulated onto a known start */
     int mismatch_rank; /* this rank's description differs (d + 8); -1: none */
-    int overlap, comm_sms; /* smoe_ep_desc's */
+    int overlap, comm_sms, keep_x; /* smoe_ep_desc's */
     int bad_rank;      /* this rank passes out = NULL; -1: none */
 } ep_case;
 
@@ -75,6 +76,7 @@ static void *rank_main(void *arg) {
     ed.capacity = c->capacity;
     ed.overlap = c->overlap;
     ed.comm_sms = c->comm_sms;
+    ed.keep_x = c->keep_x;
     smoe_ep_layer *L = NULL;
     R->st_create = smoe_ep_layer_create(&ed, &L);
     if (R->st_create != SMOE_SUCCESS) {
@@ -212,10 +214,16 @@ static void run_case(const char *name, const ep_case *c, tu_rng *rng, int expect
         R[q].np = p - R[q].p0;
         t0 += c->Tr[q];
     }
-    uint64_t hashes[2][MAXP];
-    for (int run = 0; run < (expect_ok ? 2 : 1); run++) {
+    /* keep_x: a first run without it, bitwise the same; the checks read
+     * the last run's results */
+    ep_case c0 = *c;
+    c0.keep_x = 0;
+    const int runs = expect_ok ? (c->keep_x ? 3 : 2) : 1;
+    uint64_t hashes[3][MAXP];
+    for (int run = 0; run < runs; run++) {
         pthread_t th[MAXP];
         for (int q = 0; q < NP; q++) {
+            R[q].c = runs == 3 && run == 0 ? &c0 : c;
             if (run) {
                 free(R[q].out); free(R[q].dx); free(R[q].dwr); free(R[q].dw1); free(R[q].db1);
                 free(R[q].dw2); free(R[q].db2); free(R[q].dps);
@@ -244,7 +252,10 @@ static void run_case(const char *name, const ep_case *c, tu_rng *rng, int expect
                             R[q].st_bwd == SMOE_SUCCESS,
                         "rank %d: %s", q, R[q].msg);
         for (int q = 0; q < NP; q++)
-            CHECK(hashes[0][q] == hashes[1][q], "rank %d: two runs differ", q);
+            CHECK(hashes[runs - 2][q] == hashes[runs - 1][q], "rank %d: two runs differ", q);
+        for (int q = 0; q < NP && runs == 3; q++)
+            CHECK(hashes[0][q] == hashes[1][q],
+                  "rank %d: keep_x = 1 and keep_x = 0 differ (out or a gradient)", q);
         for (int q = 0; q < NP; q++)
             CHECK(R[q].inf_same, "rank %d: the inference forward's out differs from training's",
                   q);
@@ -311,10 +322,22 @@ int main(int argc, char **argv) {
                 run_case("balanced", &c, &rng, 1, SMOE_SUCCESS, NULL);
             }
     }
+    /* keep_x: each routing mode, P = 1, 2, 4, both dtypes */
+    for (int P = 1; P <= MAXP; P *= 2)
+        for (int m = 0; m < 3; m++) {
+            ep_case c = base_case(P, modes[m], m == 1 ? SMOE_DTYPE_F64 : SMOE_DTYPE_BF16);
+            c.D.has_bias = m != 0;
+            c.accumulate = m == 2;
+            c.keep_x = 1;
+            run_case("keep_x", &c, &rng, 1, SMOE_SUCCESS, NULL);
+        }
     {
         ep_case c = base_case(4, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_DTYPE_F64);
         c.Tr[0] = 7; c.Tr[1] = 0; c.Tr[2] = 1; c.Tr[3] = 12;
         run_case("uneven, a rank without tokens", &c, &rng, 1, SMOE_SUCCESS, NULL);
+        c.keep_x = 1;
+        run_case("uneven, a rank without tokens, keep_x", &c, &rng, 1, SMOE_SUCCESS, NULL);
+        c.keep_x = 0;
         c.D.routing = SMOE_ROUTING_SOFTMAX_TOPK;
         c.D.renormalize = 0;
         run_case("uneven, softmax-topk not renormalised", &c, &rng, 1, SMOE_SUCCESS, NULL);
@@ -368,6 +391,10 @@ int main(int argc, char **argv) {
         c.overlap = -1;
         c.comm_sms = -2;
         run_case("comm_sms out of range", &c, &rng, 0, SMOE_ERROR_INVALID_VALUE, "comm_sms");
+        c.comm_sms = 0;
+        c.keep_x = 2;
+        run_case("keep_x out of range", &c, &rng, 0, SMOE_ERROR_INVALID_VALUE, "keep_x");
+        c.keep_x = 0;
         c.comm_sms = 8; /* CUDA-only settings, no effect on the CPU */
         run_case("overlap off, comm_sms set", &c, &rng, 1, SMOE_SUCCESS, NULL);
     }

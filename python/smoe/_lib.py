@@ -220,6 +220,7 @@ class smoe_ep_desc(Structure):
         ("expert_rows", c_int64),
         ("overlap", c_int),
         ("comm_sms", c_int),
+        ("keep_x", c_int),
     ]
 
 

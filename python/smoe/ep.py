@@ -289,7 +289,7 @@ class EPGroup:
 
     def _desc(self, cfg, device, dtype):
         (d, n, E, K, act, layout, has_bias, routing, renorm, n_group, topk_group, scaling,
-         max_tokens, capacity, expert_rows, overlap, comm_sms) = cfg
+         max_tokens, capacity, expert_rows, overlap, comm_sms, keep_x) = cfg
         _check_backend(self, device, dtype)
         if self._threads is None:
             backend = L.SMOE_BACKEND_AUTO
@@ -310,7 +310,7 @@ class EPGroup:
         else:
             ed.group = self._threads.handle
         ed.max_tokens, ed.capacity, ed.expert_rows = max_tokens, capacity, expert_rows
-        ed.overlap, ed.comm_sms = overlap, comm_sms
+        ed.overlap, ed.comm_sms, ed.keep_x = overlap, comm_sms, int(keep_x)
         return ed
 
 
@@ -459,7 +459,8 @@ def _ep_backward_core(layer, dout, dlogits, x, router_w, w1, w2, b2, saved, need
 # smoe.EPMoE: layers with the same options share one compiled graph (a
 # model whose blocks are compiled one by one compiles once).
 _EP_OPTIONS = ("group", "top_k", "activation", "w1_layout", "routing", "renormalize", "n_group",
-               "topk_group", "max_tokens", "capacity", "expert_rows", "overlap", "comm_sms")
+               "topk_group", "max_tokens", "capacity", "expert_rows", "overlap", "comm_sms",
+               "keep_x")
 _N_EP_OPTIONS = len(_EP_OPTIONS)
 
 
@@ -483,16 +484,16 @@ def _ep_cfg(config, routed_scaling, x, router_w, w2, has_bias):
     """The layer configuration (EPGroup._layer's key, as EPMoE._cfg) from an
     operator's config, routed_scaling and tensors."""
     (_, K, act, layout, routing, renorm, n_group, topk_group, max_tokens, capacity, expert_rows,
-     overlap, comm_sms) = config[:_N_EP_OPTIONS]
+     overlap, comm_sms, keep_x) = config[:_N_EP_OPTIONS]
     # (d from x, n from w2, E from the router: w1 has this rank's E/P.)
     return (int(x.shape[1]), int(w2.shape[2]), int(router_w.shape[0]), int(K), int(act),
             int(layout), bool(has_bias), int(routing), bool(renorm), int(n_group),
             int(topk_group), float(routed_scaling), int(max_tokens), int(capacity),
-            int(expert_rows), int(overlap), int(comm_sms))
+            int(expert_rows), int(overlap), int(comm_sms), bool(keep_x))
 
 
 def _ep_saved_bound(T, P, E, K, d, n, activation, routing, dtype, max_tokens, capacity,
-                    expert_rows):
+                    expert_rows, keep_x=False):
     """A saved-block size, in bytes, at least smoe_ep_layer_saved_bytes(T) of
     such a layer (E the whole layer's experts, P ranks, dtype a torch
     dtype), computed in Python: also for a symbolic T under torch.compile,
@@ -501,7 +502,8 @@ def _ep_saved_bound(T, P, E, K, d, n, activation, routing, dtype, max_tokens, ca
     layouts (src/ep.c's saved_make and src/cuda/ep_cuda.cu's gsaved_make),
     each at its larger size, the experts' part being
     smoe.functional.saved_bytes() of their GENERAL layer; the operator
-    checks the library's size against it at every call."""
+    checks the library's size against it at every call; keep_x adds the
+    received rows of x (P C, d)."""
     El = E // P
     C = capacity or max_tokens
     worst = P * C * min(K, El)
@@ -526,15 +528,16 @@ def _ep_saved_bound(T, P, E, K, d, n, activation, routing, dtype, max_tokens, ca
     experts = saved_bytes(P * C, rows, d=d, n=n, E=El, K=0, activation=activation,
                           routing=L.SMOE_ROUTING_GENERAL, rounding=L.SMOE_ROUND_OFF,
                           round_tile=128, dtype=code)
-    return total + _align(experts)
+    xkeep = P * C * d * torch.empty(0, dtype=dtype).element_size() if keep_x else 0
+    return total + _align(experts) + _align(xkeep)
 
 
 def _ep_op_saved_bound(T, config, x, router_w, w2, op):
     g = _ep_group(config[0], op)
-    (_, K, act, _, routing, _, _, _, max_tokens, capacity, expert_rows, _, _) = \
+    (_, K, act, _, routing, _, _, _, max_tokens, capacity, expert_rows, _, _, keep_x) = \
         config[:_N_EP_OPTIONS]
     return _ep_saved_bound(T, g.size, router_w.shape[0], K, x.shape[1], w2.shape[2], act,
-                           routing, x.dtype, max_tokens, capacity, expert_rows)
+                           routing, x.dtype, max_tokens, capacity, expert_rows, keep_x)
 
 
 @torch.library.custom_op("smoe::ep_forward", mutates_args=())
@@ -742,10 +745,11 @@ def _register_ordered():
 _ORDERED = _register_ordered()
 
 
-def check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who):
+def check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who, keep_x=False):
     """The exchange's options as smoe.EPMoE takes them (smoe_ep_desc's):
     max_tokens, capacity, expert_rows ints >= 0, overlap -1, 0 or 1,
-    comm_sms an int >= -1; a SmoeValueError naming the one that is not."""
+    comm_sms an int >= -1, keep_x a bool; a SmoeValueError naming the one
+    that is not."""
     for name, v in (("max_tokens", max_tokens), ("capacity", capacity),
                     ("expert_rows", expert_rows)):
         _check_int(v, who + ": " + name, 0)
@@ -753,19 +757,22 @@ def check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who):
         raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "%s: overlap = %r, must be -1, 0 or 1"
                              % (who, overlap))
     _check_int(comm_sms, who + ": comm_sms", -1)
+    if keep_x not in (False, True):  # (0 and 1 compare equal to them)
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "%s: keep_x = %r, must be a bool"
+                             % (who, keep_x))
 
 
 def _ep_layer_config(group, d, n, E, K, activation, w1_layout, has_bias, routing, renormalize,
                      n_group, topk_group, routed_scaling, max_tokens, capacity, expert_rows,
-                     overlap, comm_sms):
+                     overlap, comm_sms, keep_x=False):
     """(options, cfg) of a layer on `group` (enums as smoe_* codes): the
     operators' config (_EP_OPTIONS, without save or needs) and the key of
     the group's handle (EPGroup._layer)."""
     options = [group._id, K, activation, w1_layout, routing, int(renormalize), n_group,
-               topk_group, max_tokens, capacity, expert_rows, overlap, comm_sms]
+               topk_group, max_tokens, capacity, expert_rows, overlap, comm_sms, int(keep_x)]
     cfg = (d, n, E, K, activation, w1_layout, bool(has_bias), routing, bool(renormalize),
            n_group, topk_group, float(routed_scaling), max_tokens, capacity, expert_rows,
-           overlap, comm_sms)
+           overlap, comm_sms, bool(keep_x))
     return options, cfg
 
 
@@ -794,7 +801,7 @@ def _ep_run(group, options, cfg, routed_scaling, x, router_w, w1, w2, b1, b2, ex
 
 def _ep_moe(group, x, router_w, w1, w2, *, top_k, routing, renormalize, activation, w1_layout,
             expert_bias, n_group, topk_group, routed_scaling, max_tokens, capacity, expert_rows,
-            overlap, comm_sms, who):
+            overlap, comm_sms, who, keep_x=False):
     """The layer on x (..., d), this rank's tokens, with router_w (E, d) and
     this rank's experts w1, w2 (no biases; enums as smoe_* codes; the
     routing options checked by the caller): (out (..., d), expert_counts
@@ -812,7 +819,7 @@ def _ep_moe(group, x, router_w, w1, w2, *, top_k, routing, renormalize, activati
     options, cfg = _ep_layer_config(group, x2.shape[1], w2.shape[2], router_w.shape[0], top_k,
                                     activation, w1_layout, False, routing, renormalize, n_group,
                                     topk_group, routed_scaling, max_tokens, capacity,
-                                    expert_rows, overlap, comm_sms)
+                                    expert_rows, overlap, comm_sms, keep_x)
     out, counts, logits = _ep_run(group, options, cfg, routed_scaling, x2, router_w, w1, w2,
                                   None, None, expert_bias)
     return out.reshape(x.shape), counts, logits
@@ -834,6 +841,10 @@ class EPMoE(nn.Module):
     rank, raised by the layer's next call or smoe.EPMoE.check_device().
     overlap (0 = the library decides, 1 = on, -1 = off) and comm_sms (SMs
     left to NCCL beside the GEMMs, 0 = 4 per rank within [8, 32]) as in smoe_ep_desc.
+    keep_x=True keeps the rows of x this rank received for the backward,
+    which then sends only the output gradient (one exchange of the three
+    fewer) for P * capacity * d elements more in the saved activation per
+    rank (smoe_ep_desc.keep_x; off: x travels again, the memory floor).
 
     routing: 'topk_softmax', 'softmax_topk' (with `renormalize`) or
     'sigmoid_topk' with n_group, topk_group and routed_scaling, as
@@ -888,7 +899,7 @@ class EPMoE(nn.Module):
                  max_tokens, capacity=0, expert_rows=0, routing="topk_softmax",
                  renormalize=True, w1_layout="interleaved", overlap=0, comm_sms=0, n_group=0,
                  topk_group=0, routed_scaling=1.0, output_router_logits=False,
-                 aux_loss_scope="local"):
+                 aux_loss_scope="local", keep_x=False):
         super().__init__()
         # Every argument is checked before the group is touched: a refused
         # layer makes no communicator.
@@ -900,7 +911,7 @@ class EPMoE(nn.Module):
             routing, n_group, topk_group, routed_scaling, E, K, who,
             "the C API's smoe_ep_layer takes them, smoe.EPMoE does not")
         self.w1_layout = _enum(W1_LAYOUTS, w1_layout, who + ": w1_layout")
-        check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who)
+        check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who, keep_x)
         if aux_loss_scope not in _AUX_LOSS_SCOPES:
             raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.EPMoE: aux_loss_scope = %r, "
                                  "must be 'local' (this rank's tokens) or 'group' (the group's)"
@@ -917,7 +928,7 @@ class EPMoE(nn.Module):
         self.renormalize = bool(renormalize)
         self.max_tokens, self.capacity, self.expert_rows = (int(max_tokens), int(capacity),
                                                             int(expert_rows))
-        self.overlap, self.comm_sms = int(overlap), int(comm_sms)
+        self.overlap, self.comm_sms, self.keep_x = int(overlap), int(comm_sms), bool(keep_x)
         self.output_router_logits = bool(output_router_logits)
         self.aux_loss_scope = aux_loss_scope
         self.local_experts = E // P
@@ -936,7 +947,8 @@ class EPMoE(nn.Module):
         self._options, self._cfg = _ep_layer_config(
             self.group, d, n, E, K, self.activation, self.w1_layout, add_bias, self.routing,
             self.renormalize, self.n_group, self.topk_group, self.routed_scaling,
-            self.max_tokens, self.capacity, self.expert_rows, self.overlap, self.comm_sms)
+            self.max_tokens, self.capacity, self.expert_rows, self.overlap, self.comm_sms,
+            self.keep_x)
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)

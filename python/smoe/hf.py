@@ -249,12 +249,13 @@ class _ExpertParallel:
     options (smoe.EPMoE's). A plain object, not a module: nothing of it is
     in the state dict. Called as smoe.moe is, it runs smoe.EPMoE's layer."""
 
-    def __init__(self, group, E, max_tokens, capacity, expert_rows, overlap, comm_sms):
+    def __init__(self, group, E, max_tokens, capacity, expert_rows, overlap, comm_sms,
+                 keep_x=False):
         self.group = group
         self.local_experts = E // group.size
         self.expert_start = group.rank * self.local_experts
         self.max_tokens, self.capacity, self.expert_rows = max_tokens, capacity, expert_rows
-        self.overlap, self.comm_sms = overlap, comm_sms
+        self.overlap, self.comm_sms, self.keep_x = overlap, comm_sms, keep_x
 
     def __call__(self, x, router_w, w1, w2, *, top_k, routing, renormalize, expert_bias=None,
                  n_group=0, topk_group=0, routed_scaling=1.0):
@@ -264,7 +265,7 @@ class _ExpertParallel:
                        n_group=n_group, topk_group=topk_group, routed_scaling=routed_scaling,
                        max_tokens=self.max_tokens, capacity=self.capacity,
                        expert_rows=self.expert_rows, overlap=self.overlap,
-                       comm_sms=self.comm_sms, who="smoe.hf")
+                       comm_sms=self.comm_sms, who="smoe.hf", keep_x=self.keep_x)
 
 
 class _SmoeBlock(nn.Module):
@@ -376,7 +377,7 @@ def _set_child(model, name, module):
 
 
 def replace_moe_blocks(model, ep_group=None, *, max_tokens=None, capacity=0, expert_rows=0,
-                       overlap=0, comm_sms=0):
+                       overlap=0, comm_sms=0, keep_x=False):
     """Replaces, in place, every MoE block of `model` (an nn.Module holding
     transformers MoE blocks, e.g. a Qwen3MoeForCausalLM) that smoe.hf
     supports by its smoe-backed counterpart, which adopts the block's
@@ -398,8 +399,8 @@ def replace_moe_blocks(model, ep_group=None, *, max_tokens=None, capacity=0, exp
     experts and everything else stay replicated (their gradients are each
     rank's share: sum or average them over the group, as DDP does).
     max_tokens (required: the most tokens, batch x sequence, any rank's
-    block will see), capacity, expert_rows, overlap and comm_sms are
-    smoe.EPMoE's. The models' load-balancing loss is then each rank's
+    block will see), capacity, expert_rows, overlap, comm_sms and keep_x
+    are smoe.EPMoE's. The models' load-balancing loss is then each rank's
     tokens' (transformers computes it from the router logits). Such a block
     cannot be restored (its other experts are gone): reload the model.
 
@@ -411,10 +412,11 @@ def replace_moe_blocks(model, ep_group=None, *, max_tokens=None, capacity=0, exp
         raise ValueError("smoe.hf.replace_moe_blocks: pass the model (or a module holding the "
                          "blocks), not a block: a block cannot replace itself in place")
     if ep_group is not None:
-        check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who)
-    elif max_tokens is not None or (capacity, expert_rows, overlap, comm_sms) != (0, 0, 0, 0):
-        raise ValueError("%s: max_tokens, capacity, expert_rows, overlap and comm_sms are "
-                         "expert parallelism's: pass ep_group too" % who)
+        check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who, keep_x)
+    elif max_tokens is not None or (capacity, expert_rows, overlap, comm_sms, keep_x) != (
+            0, 0, 0, 0, False):
+        raise ValueError("%s: max_tokens, capacity, expert_rows, overlap, comm_sms and keep_x "
+                         "are expert parallelism's: pass ep_group too" % who)
     found, done = [], 0
     for name, module in model.named_modules():
         cls = _hf_name(type(module))
@@ -442,7 +444,8 @@ def replace_moe_blocks(model, ep_group=None, *, max_tokens=None, capacity=0, exp
         if new is None:
             ep = None if group is None else _ExpertParallel(group, E, int(max_tokens),
                                                             int(capacity), int(expert_rows),
-                                                            int(overlap), int(comm_sms))
+                                                            int(overlap), int(comm_sms),
+                                                            bool(keep_x))
             new = made[id(block)] = _CLASSES[kind](block, kind, ep)
             new.train(block.training)
         _set_child(model, name, new)

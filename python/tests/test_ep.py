@@ -163,6 +163,17 @@ def test_matches_reference(P, routing):
 
 
 @pytest.mark.parametrize("P", [1, 2, 4])
+def test_keep_x_same_bits(P):
+    # keep_x keeps the received rows of x for the backward instead of
+    # sending them again: the same computation, so the same bits.
+    ep, ref = run_case(P, 2, dict(routing="softmax_topk", keep_x=True))
+    check(ep, ref)
+    ep0, _ = run_case(P, 2, dict(routing="softmax_topk"))
+    for k in ("out", "dx", "dwr", "dw1", "dw2", "db1", "db2"):
+        assert torch.equal(ep[k], ep0[k]), k
+
+
+@pytest.mark.parametrize("P", [1, 2, 4])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_sigmoid_topk_groups_scaling_bias(P, renormalize):
     # DeepSeek-V3's shape of options, a non-zero bias replicated on every
@@ -362,6 +373,7 @@ def test_routing_options_refused_as_smoe_moe_refuses_them(kw):
     (dict(aux_loss_scope="global"), r"smoe.EPMoE: aux_loss_scope = 'global', must be 'local'"),
     (dict(overlap=2), r"smoe.EPMoE: overlap = 2, must be -1, 0 or 1"),
     (dict(comm_sms=-2), r"smoe.EPMoE: comm_sms = -2, must be >= -1"),
+    (dict(keep_x=2), r"smoe.EPMoE: keep_x = 2, must be a bool"),
     (dict(max_tokens=-1), r"smoe.EPMoE: max_tokens = -1, must be >= 0"),
     (dict(max_tokens=8.0), r"smoe.EPMoE: max_tokens = 8.0, must be an int"),
     (dict(capacity=-3), r"smoe.EPMoE: capacity = -3, must be >= 0"),

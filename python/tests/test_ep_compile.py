@@ -338,7 +338,7 @@ def test_operators_refuse_a_freed_group_and_a_bad_config():
                        r"123456"):
         torch.ops.smoe.ep_forward(x, *w, [123456] + m._options[1:] + [1], 1.0)
     with pytest.raises(smoe.SmoeError, match=r"smoe::ep_forward: config has 3 entries, must "
-                       r"have 14 \(group, top_k, .*, comm_sms, save\)"):
+                       r"have 15 \(group, top_k, .*, comm_sms, keep_x, save\)"):
         torch.ops.smoe.ep_forward(x, *w, [g._id, 2, 0], 1.0)
     saved = torch.empty(0, dtype=torch.uint8)
     with pytest.raises(smoe.SmoeError, match=r"backward through a forward that kept nothing"):
@@ -354,17 +354,20 @@ def test_saved_bound_covers_the_library(P):
                for routing in ("topk_softmax", "softmax_topk", "sigmoid_topk")
                for dtype in (torch.float32, torch.float64, torch.bfloat16)
                for cap, rows in ((0, 0), (3, 0), (0, 7), (5, 10 ** 6))]
+    configs += [("topk_softmax", dtype, cap, 0, True)
+                for dtype in (torch.float32, torch.float64, torch.bfloat16) for cap in (0, 3)]
 
     def rank(r, group):
         out = []
-        for routing, dtype, cap, rows in configs:
+        for routing, dtype, cap, rows, *keep in configs:
+            keep_x = bool(keep and keep[0])
             m = smoe.EPMoE(E, 3, D, N, ep_group=group, max_tokens=9, routing=routing,
-                           capacity=cap, expert_rows=rows).to(dtype)
+                           capacity=cap, expert_rows=rows, keep_x=keep_x).to(dtype)
             layer = group._layer(m._cfg, torch.device("cpu"), dtype)
             for T in range(10):
                 bound = smoe_ep._ep_saved_bound(T, P, E, 3, D, N, m.activation, m.routing,
-                                                dtype, 9, cap, rows)
-                out.append((routing, dtype, cap, rows, T, bound, layer.sizes(T)[1]))
+                                                dtype, 9, cap, rows, keep_x)
+                out.append((routing, dtype, cap, rows, keep_x, T, bound, layer.sizes(T)[1]))
         return out
 
     for rows in run_ranks(P, rank):

@@ -6,7 +6,8 @@ weight gradient, gathered, against the plain PyTorch reference
 with the single-GPU smoe layer's error as the bar; the expert counts
 against the reference's. Cases: top-k softmax; sigmoid_topk with groups,
 scaling and a non-zero expert bias; the router logits returned (and a loss
-on them); the load-balancing loss over the group (every rank's equal to the
+on them); keep_x (the received rows of x kept for the backward); the
+load-balancing loss over the group (every rank's equal to the
 single-GPU layer's on the gathered batch, and its gradient). Two steps give
 the same bits; the layer's forward and backward captured in a CUDA graph
 replay them bit for bit. tests/test_ep.py checks the same on the CPU.
@@ -44,6 +45,7 @@ CASES = {
     # choice is the bias's and the scores', not rounding's)
     "sigmoid_topk": (3, SIGMOID, 0.1, 31, 0.0),
     "router_logits": (2, dict(output_router_logits=True), 0.5, None, 0.0),
+    "keep_x": (2, dict(keep_x=True), 0.5, None, 0.0),
     "group_loss": (3, dict(SIGMOID, aux_loss_scope="group", output_router_logits=True), 0.1,
                    32, 0.5),
 }

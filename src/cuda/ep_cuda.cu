@@ -18,7 +18,8 @@
  *           done, beside the next chunk's GEMMs -> the aggregation over the
  *           entries (rank order) writes out and the saved block's header.
  * backward  header check -> x and dout packed by entry -> NCCL (layer's
- *           stream): dout with every rank's status, then x -> per chunk:
+ *           stream): dout with every rank's status, then x (with keep_x
+ *           the forward received x into the saved block: dout only) -> per chunk:
  *           dH and dS, dX~, the chunk's dx partial sums and dS back to the
  *           source -> dW2, dW1 and the biases over all rows (x must have
  *           arrived; the last partials travel meanwhile) -> dS to the
@@ -75,10 +76,11 @@ static int64_t assignments(const smoe_ep_layer *ep, int64_t T, int64_t pairs)
 
 /* The saved block: this rank's routing and entries (source side), the
  * triples' slots and the chunk offsets, then the experts' part (H and
- * their metadata, smoe_saved_layout over P C received rows). */
+ * their metadata, smoe_saved_layout over P C received rows), then with
+ * keep_x the received rows of x. */
 typedef struct gsaved {
     size_t header, token_offset, assign_expert, assign_row, row_score, logits, pidx, ent_off,
-        tri_slot, off2, experts;
+        tri_slot, off2, experts, xkeep;
     smoe_saved_layout ex;
     size_t total;
 } gsaved;
@@ -102,6 +104,8 @@ static void gsaved_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gsave
     s->experts = o;
     smoe_saved_layout_make(ep->experts, (int64_t)ep->P * ep->C, ep->rows, &s->ex);
     o += al(s->ex.total);
+    /* keep_x: the received rows of x (P C, d), where the forward receives them */
+    s->xkeep = o; o += al(ep->desc.keep_x ? (size_t)ep->P * (size_t)ep->C * (size_t)L->d * 2 : 0);
     s->total = o;
 }
 
@@ -466,7 +470,10 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         /* 2. entries, their slots, the pack */
         int32_t *dest = (int32_t *)(ws + W.ent_dest), *pidx = (int32_t *)(sb + S.pidx);
         int32_t *ent_off = (int32_t *)(sb + S.ent_off), *eoff = (int32_t *)(ws + W.eoff);
-        bf16 *recv_rows = (bf16 *)(ws + W.recv_rows);
+        /* keep_x: the rows of x arrive in the saved block, for the backward
+         * (a refused call's header says so: no backward reads them) */
+        bf16 *recv_rows = training && ep->desc.keep_x ? (bf16 *)(sb + S.xkeep)
+                                                      : (bf16 *)(ws + W.recv_rows);
         if (T > 0) {
             k_ep_entries<<<blocks_for(T, 128), 128, 0, s>>>(
                 (int)T, P, El, (int)Kq, toff, aexp, dest, (int32_t *)(ws + W.ent_token),
@@ -513,7 +520,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         z.rounds_left = P - 1;
         if (P > 1) {
             TRY(fork_streams(ep, s));
-            const cbuf rb[1] = {{ws + W.send_rows, ws + W.recv_rows, (size_t)d * 2}};
+            const cbuf rb[1] = {{ws + W.send_rows, (char *)recv_rows, (size_t)d * 2}};
             TRY(rounds(ep, rb, 1, NULL, NULL, EV_IN));
         }
         /* 4. the expert side's triples and metadata */
@@ -653,8 +660,11 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         const int32_t *aexp = (const int32_t *)(sb + S.assign_expert);
         const int32_t *off2 = (const int32_t *)(sb + S.off2);
         smoe_saved_view v = smoe_saved_view_make(&S.ex, sb + S.experts);
-        bf16 *sx = (bf16 *)(ws + W.send_rows), *sdo = (bf16 *)(ws + W.send_do);
-        bf16 *rx = (bf16 *)(ws + W.recv_rows), *rdo = (bf16 *)(ws + W.recv_do);
+        /* keep_x: x's rows are in the saved block, only dout travels */
+        const int keep = ep->desc.keep_x;
+        bf16 *sx = keep ? NULL : (bf16 *)(ws + W.send_rows), *sdo = (bf16 *)(ws + W.send_do);
+        bf16 *rx = keep ? (bf16 *)(sb + S.xkeep) : (bf16 *)(ws + W.recv_rows);
+        bf16 *rdo = (bf16 *)(ws + W.recv_do);
         if (n_ent > 0) {
             k_ep_pack2<<<blocks_for(n_ent * 32, 256), 256, 0, s>>>(
                 n_ent, (int)Kq, d, C, self, (const bf16 *)args->x, (const bf16 *)args->dout,
@@ -676,8 +686,10 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             /* dout with the status message, then x */
             const cbuf db[1] = {{(const char *)sdo, (char *)rdo, (size_t)d * 2}};
             TRY(rounds(ep, db, 1, msg_send, msg_recv, EV_IN));
-            const cbuf xb[1] = {{(const char *)sx, (char *)rx, (size_t)d * 2}};
-            TRY(rounds(ep, xb, 1, NULL, NULL, -1));
+            if (!keep) {
+                const cbuf xb[1] = {{(const char *)sx, (char *)rx, (size_t)d * 2}};
+                TRY(rounds(ep, xb, 1, NULL, NULL, -1));
+            }
             TRYC(cudaEventRecord(X->ev[EV_X], X->cs));
         }
         /* per chunk: dH, dS and dX~, the chunk's dx partials and dS back */

@@ -248,7 +248,7 @@ __global__ void k_ep_outputs(int T, int E, const int32_t *__restrict__ toff,
 }
 
 /* Backward: x and dout rows to the entries' partial rows (this rank's own
- * straight into the receive buffers). */
+ * straight into the receive buffers); dout alone where sx is NULL (keep_x). */
 __global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, int64_t C, int self,
                            const bf16 *__restrict__ x, const bf16 *__restrict__ dout,
                            const int32_t *__restrict__ pidx, bf16 *sx, bf16 *sdo, bf16 *rx,
@@ -260,11 +260,15 @@ __global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, int64_t C, int self
     if (e >= n_ent) return;
     const int64_t p = pidx[e], t = e / Kq;
     if (p < 0) return;
-    const uint4 *a = reinterpret_cast<const uint4 *>(x + t * d);
     const uint4 *b = reinterpret_cast<const uint4 *>(dout + t * d);
     const bool own = p / C == self;
-    uint4 *da = reinterpret_cast<uint4 *>((own ? rx : sx) + p * d);
     uint4 *db = reinterpret_cast<uint4 *>((own ? rdo : sdo) + p * d);
+    if (!sx) { /* keep_x: the received x rows are the saved block's */
+        for (int64_t i = lane; i < d / 8; i += 32) db[i] = b[i];
+        return;
+    }
+    const uint4 *a = reinterpret_cast<const uint4 *>(x + t * d);
+    uint4 *da = reinterpret_cast<uint4 *>((own ? rx : sx) + p * d);
     for (int64_t i = lane; i < d / 8; i += 32) {
         da[i] = a[i];
         db[i] = b[i];

@@ -11,6 +11,9 @@
  *    accumulated onto a known start; biases, activations, both W1 layouts;
  *  - an inference forward (no saved block) between forward and backward
  *    gives the same out bit for bit;
+ *  - keep_x (the received rows of x kept for the backward, which then
+ *    sends dout alone): bitwise equal to the same case without it, on
+ *    both GEMM families, with and without overlap, in a CUDA graph;
  *  - two runs bitwise equal; forward + backward captured in a CUDA graph
  *    (every rank's stream) replay bit for bit like the eager call (no host
  *    synchronisation: a capture would fail on one);
@@ -62,6 +65,7 @@ typedef struct gcase {
     const char *refused; /* create must fail on every rank with this text */
     int graph;         /* forward + backward captured in a CUDA graph, replayed twice */
     int overlap;       /* smoe_ep_desc.overlap */
+    int keep_x;        /* smoe_ep_desc.keep_x (the case runs without it first) */
 } gcase;
 
 typedef struct grank {
@@ -103,6 +107,7 @@ static void *rank_main(void *arg) {
     ed.max_tokens = tmax;
     ed.capacity = c->capacity;
     ed.overlap = c->overlap;
+    ed.keep_x = c->keep_x;
     smoe_ep_layer *L = NULL;
     R->st_create = smoe_ep_layer_create(&ed, &L);
     if (R->st_create != SMOE_SUCCESS) {
@@ -300,31 +305,49 @@ static void run_case(const char *name, const gcase *c, tu_rng *rng) {
     double *dout = tu_alloc_d((size_t)(T * D.d) + 1);
     tu_fill_normal(rng, dout, (size_t)(T * D.d), 1.0);
     tu_round_array(D.dtype, dout, (size_t)(T * D.d));
-    void *comms[MAXP] = {0};
-    int devs[MAXP];
-    for (int q = 0; q < NP; q++) devs[q] = q;
-    const int nr = nccl_init_all(comms, NP, devs);
     tu_case("ep-gpu %s (P = %d, %s, backend %d)", name, NP, tu_mode_name(&D), (int)D.backend);
-    if (!CHECK(nr == 0, "ncclCommInitAll -> %d", nr)) {
-        free(dout);
-        tu_problem_free(&P);
-        return;
-    }
     grank R[MAXP];
-    memset(R, 0, sizeof R);
-    int64_t t0 = 0, p = 0;
-    for (int q = 0; q < NP; q++) {
-        R[q].r = q; R[q].c = c; R[q].comm = comms[q]; R[q].Pb = &P; R[q].dout = dout;
-        R[q].t0 = t0; R[q].T = c->Tr[q];
-        R[q].p0 = p;
-        while (p < P.pairs && P.pt[p] < t0 + c->Tr[q]) p++;
-        R[q].np = p - R[q].p0;
-        t0 += c->Tr[q];
+    /* keep_x: the case without it first (its hashes kept), then with it */
+    gcase c0 = *c;
+    c0.keep_x = 0;
+    uint64_t h0[MAXP] = {0};
+    for (int pass = c->keep_x ? 0 : 1; pass < 2; pass++) {
+        void *comms[MAXP] = {0};
+        int devs[MAXP];
+        for (int q = 0; q < NP; q++) devs[q] = q;
+        const int nr = nccl_init_all(comms, NP, devs);
+        if (!CHECK(nr == 0, "ncclCommInitAll -> %d", nr)) {
+            free(dout);
+            tu_problem_free(&P);
+            return;
+        }
+        memset(R, 0, sizeof R);
+        int64_t t0 = 0, p = 0;
+        for (int q = 0; q < NP; q++) {
+            R[q].r = q; R[q].c = pass ? c : &c0; R[q].comm = comms[q]; R[q].Pb = &P;
+            R[q].dout = dout;
+            R[q].t0 = t0; R[q].T = c->Tr[q];
+            R[q].p0 = p;
+            while (p < P.pairs && P.pt[p] < t0 + c->Tr[q]) p++;
+            R[q].np = p - R[q].p0;
+            t0 += c->Tr[q];
+        }
+        pthread_t th[MAXP];
+        for (int q = 0; q < NP; q++) pthread_create(&th[q], NULL, rank_main, &R[q]);
+        for (int q = 0; q < NP; q++) pthread_join(th[q], NULL);
+        for (int q = 0; q < NP; q++) nccl_destroy(comms[q]);
+        if (pass == 0)
+            for (int q = 0; q < NP; q++) {
+                CHECK(R[q].st_fwd == SMOE_SUCCESS && R[q].st_bwd == SMOE_SUCCESS &&
+                          R[q].st_dev == SMOE_SUCCESS,
+                      "rank %d, keep_x = 0: %s", q, R[q].msg);
+                h0[q] = R[q].hash[0];
+                free(R[q].out);
+                for (int i = 0; i < 7; i++) free(R[q].g[i]);
+            }
     }
-    pthread_t th[MAXP];
-    for (int q = 0; q < NP; q++) pthread_create(&th[q], NULL, rank_main, &R[q]);
-    for (int q = 0; q < NP; q++) pthread_join(th[q], NULL);
-    for (int q = 0; q < NP; q++) nccl_destroy(comms[q]);
+    for (int q = 0; q < NP && c->keep_x; q++)
+        CHECK(R[q].hash[0] == h0[q], "rank %d: keep_x = 1 and 0 differ (out or a gradient)", q);
 
     if (c->refused) {
         for (int q = 0; q < NP; q++)
@@ -462,6 +485,19 @@ int main(int argc, char **argv) {
             c.graph = 1;
             c.accumulate = 1;
             run_case("Hopper, overlap, CUDA graph replays", &c, &rng);
+            c.keep_x = 1;
+            run_case("Hopper, overlap, keep_x, CUDA graph replays", &c, &rng);
+            c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_SM90);
+            c.D.d = 128; c.D.n = 64;
+            c.overlap = -1;
+            c.keep_x = 1;
+            run_case("Hopper, overlap off, keep_x", &c, &rng);
+        }
+        {
+            gcase c = base_case(P, SMOE_ROUTING_SOFTMAX_TOPK, SMOE_BACKEND_CUDA);
+            c.keep_x = 1;
+            c.accumulate = 1;
+            run_case("keep_x", &c, &rng);
         }
         if (P < 2) continue;
         gcase c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_CUDA);
