@@ -125,8 +125,9 @@ def _is_expert(name):
     return name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj")
 
 
+@pytest.mark.parametrize("keep_x", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_replace_blocks_expert_parallel_matches_the_hf_model(family):
+def test_replace_blocks_expert_parallel_matches_the_hf_model(family, keep_x):
     pytest.importorskip("transformers")
     from test_hf import tiny_model
     P = 2
@@ -149,7 +150,8 @@ def test_replace_blocks_expert_parallel_matches_the_hf_model(family):
 
     def rank(r, group):
         model = models[r]
-        replaced = smoe.hf.replace_moe_blocks(model, ep_group=group, max_tokens=ROWS * SEQ)
+        replaced = smoe.hf.replace_moe_blocks(model, ep_group=group, max_tokens=ROWS * SEQ,
+                                              keep_x=keep_x)
         assert sorted(replaced) == ["model.layers.0.mlp", "model.layers.1.mlp"]
         lo, hi = r * E // P, (r + 1) * E // P
         sd = model.state_dict()
@@ -159,6 +161,8 @@ def test_replace_blocks_expert_parallel_matches_the_hf_model(family):
         rows = slice(r * ROWS, (r + 1) * ROWS)
         out = model(ids[rows], labels=labels[rows], output_router_logits=True)
         out.loss.backward()
+        # the layer handles' configurations (EPGroup._layer's keys) end with keep_x
+        assert {key[0][-1] for key in group._layers} == {keep_x}
         return out, {k: p.grad for k, p in model.named_parameters()}
 
     import smoe.hf   # noqa: F401
@@ -224,8 +228,12 @@ def test_replace_blocks_expert_parallel_refusals():
         smoe.hf.replace_moe_blocks(model, ep_group=g1)
     with pytest.raises(ValueError, match=r"overlap = 3, must be -1, 0 or 1"):
         smoe.hf.replace_moe_blocks(model, ep_group=g1, max_tokens=8, overlap=3)
+    with pytest.raises(ValueError, match=r"keep_x = 2, must be a bool"):
+        smoe.hf.replace_moe_blocks(model, ep_group=g1, max_tokens=8, keep_x=2)
     with pytest.raises(ValueError, match=r"expert parallelism's: pass ep_group too"):
         smoe.hf.replace_moe_blocks(model, max_tokens=8)
+    with pytest.raises(ValueError, match=r"expert parallelism's: pass ep_group too"):
+        smoe.hf.replace_moe_blocks(model, keep_x=True)
     g3 = smoe.EPGroup.in_process(3)[0]
     with pytest.raises(smoe.SmoeError, match=r"E = 8 experts cannot be split evenly over 3"):
         smoe.hf.replace_moe_blocks(model, ep_group=g3, max_tokens=8)
