@@ -73,7 +73,8 @@ static void saved_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, ep_sav
     smoe_saved_layout_make(ep->experts, P * (size_t)ep->C, ep->rows, &s->ex);
     o += al(s->ex.total);
     /* keep_x: the received rows of x, (P C, d) */
-    s->xkeep = o; o += al(ep->desc.keep_x ? P * (size_t)ep->C * (size_t)L->d * smoe_dtype_size(L->dtype) : 0);
+    const size_t xrow = (size_t)L->d * smoe_dtype_size(L->dtype);
+    s->xkeep = o; o += al(ep->desc.keep_x ? P * (size_t)ep->C * xrow : 0);
     s->total = o;
 }
 
