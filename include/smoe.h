@@ -518,7 +518,9 @@ SMOE_API size_t smoe_ep_layer_saved_bytes(const smoe_ep_layer *layer, int64_t T)
  * rank whose tokens need more than `capacity` rows to one rank, or more
  * than expert_rows on one rank, fails on every rank with
  * SMOE_ERROR_INVALID_SIZE and a message naming the ranks and counts;
- * nothing is written. */
+ * no output is written (on the CUDA backends the device finds it: the
+ * saved block's sections may be, and its header then records the failure,
+ * so a backward refuses it). */
 SMOE_API smoe_status smoe_ep_layer_forward(smoe_ep_layer *layer, const smoe_forward_args *args,
                                            void *saved, size_t saved_bytes, void *workspace,
                                            size_t workspace_bytes, void *stream);
