@@ -204,6 +204,20 @@ static void st_val(void *p, smoe_dtype t, int64_t i, double v)
     }
 }
 
+/* The received rows (P slices of C slots; slice s holds recvd[s] real
+ * ones) into dst, `row` bytes each, read at byte `off` of each src_row-byte
+ * received row; the slots past a slice's count zeroed. */
+static void slots_copy(char *dst, const char *src, size_t src_row, size_t off, int P, int64_t C,
+                       const int64_t *recvd, size_t row)
+{
+    for (int s = 0; s < P; s++)
+        for (int64_t j = 0; j < C; j++) {
+            const size_t vt = (size_t)s * (size_t)C + (size_t)j;
+            if (j < recvd[s]) memcpy(dst + vt * row, src + vt * src_row + off, row);
+            else memset(dst + vt * row, 0, row);
+        }
+}
+
 static void put_f(const smoe_ep_layer *ep, void *p, int64_t i, double v)
 {
     if (fsize(ep) == 8) ((double *)p)[i] = v;
@@ -452,17 +466,10 @@ smoe_status smoe_ep_layer_forward(smoe_ep_layer *ep, const smoe_forward_args *ar
         for (int64_t a = 0; a < A; a++) args->expert_counts[v.assign_expert[a]]++;
     }
     if (training) {
-        /* keep_x: the received rows of x (zeros past each source's count,
-         * as the backward's own copy has them) */
-        for (int s = 0; s < P && ep->desc.keep_x; s++)
-            for (int64_t j = 0; j < C; j++) {
-                char *dst = (char *)saved + S.xkeep + ((size_t)s * C + (size_t)j) * d * es;
-                if (j < recvd[s])
-                    memcpy(dst, ws + W.recv_rows + ((size_t)s * C + (size_t)j) * d * es,
-                           (size_t)d * es);
-                else
-                    memset(dst, 0, (size_t)d * es);
-            }
+        /* keep_x: the received rows of x, as the backward's own copy has them */
+        if (ep->desc.keep_x)
+            slots_copy((char *)saved + S.xkeep, ws + W.recv_rows, (size_t)d * es, 0, P, C, recvd,
+                       (size_t)d * es);
         /* the source side's sections, then the header last */
         memcpy((char *)saved + S.token_offset, meta + S.token_offset, S.experts - S.token_offset);
         *(smoe_saved_header *)((char *)saved + S.header) =
@@ -538,18 +545,8 @@ smoe_status smoe_ep_layer_backward(smoe_ep_layer *ep, const smoe_backward_args *
     /* split into x' (Tv, d) and dout' (Tv, d): the GENERAL layer reads rows */
     char *xv = kx ? sb + S.xkeep : ws + W.send_rows;
     char *dov = ws + W.send_rows + (size_t)Tv * row;
-    for (int s = 0; s < P; s++)
-        for (int64_t j = 0; j < C; j++) {
-            const size_t vt = (size_t)s * C + (size_t)j;
-            const char *src = rrows + vt * row2;
-            if (j < recvd[s]) {
-                if (!kx) memcpy(xv + vt * row, src, row);
-                memcpy(dov + vt * row, src + row2 - row, row);
-            } else {
-                if (!kx) memset(xv + vt * row, 0, row);
-                memset(dov + vt * row, 0, row);
-            }
-        }
+    if (!kx) slots_copy(xv, rrows, row2, 0, P, C, recvd, row);
+    slots_copy(dov, rrows, row2, row2 - row, P, C, recvd, row);
 
     /* 2. the expert side's backward: dx' per virtual token, dS per pair,
      *    this rank's weight gradients */

@@ -18,8 +18,8 @@
  *           done, beside the next chunk's GEMMs -> the aggregation over the
  *           entries (rank order) writes out and the saved block's header.
  * backward  header check -> x and dout packed by entry -> NCCL (layer's
- *           stream): dout with every rank's status, then x (with keep_x
- *           the forward received x into the saved block: dout only) -> per chunk:
+ *           stream): dout with every rank's status, then x (keep_x: the
+ *           forward received x into the saved block, dout alone) -> per chunk:
  *           dH and dS, dX~, the chunk's dx partial sums and dS back to the
  *           source -> dW2, dW1 and the biases over all rows (x must have
  *           arrived; the last partials travel meanwhile) -> dS to the
@@ -105,7 +105,8 @@ static void gsaved_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gsave
     smoe_saved_layout_make(ep->experts, (int64_t)ep->P * ep->C, ep->rows, &s->ex);
     o += al(s->ex.total);
     /* keep_x: the received rows of x (P C, d), where the forward receives them */
-    s->xkeep = o; o += al(ep->desc.keep_x ? (size_t)ep->P * (size_t)ep->C * (size_t)L->d * 2 : 0);
+    const size_t xrows = ep->desc.keep_x ? (size_t)ep->P * (size_t)ep->C : 0;
+    s->xkeep = o; o += al(xrows * (size_t)L->d * 2);
     s->total = o;
 }
 
@@ -683,7 +684,8 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         z.rounds_left = P - 1;
         if (P > 1) {
             TRY(fork_streams(ep, s));
-            /* dout with the status message, then x */
+            /* dout with the status message, then x (keep_x: none); EV_X
+             * marks the end of what the backward receives */
             const cbuf db[1] = {{(const char *)sdo, (char *)rdo, (size_t)d * 2}};
             TRY(rounds(ep, db, 1, msg_send, msg_recv, EV_IN));
             if (!keep) {
