@@ -156,6 +156,11 @@ $(BUILD)/smoe_ep_bench: bench/ep_bench.c bench/grid.h $(LIB_A)
 $(BUILD)/nccl_overlap_probe: bench/nccl_overlap_probe.cu
 	$(NVCC) -O2 $(CUDA_ARCH_PORTABLE) $< -o $@ -ldl -lpthread
 
+# NCCL's copy-engine all-to-all beside cuBLAS GEMMs (not in `all`: it
+# needs nccl.h, NCCL >= 2.28 and cuBLAS)
+$(BUILD)/nccl_ce_probe: bench/nccl_ce_probe.cu
+	$(NVCC) -O2 $(CUDA_ARCH_PORTABLE) $< -o $@ -lcublas -ldl -lpthread
+
 $(BUILD)/example: examples/example.c $(LIB_A)
 	$(CC) $(CFLAGS) $< -o $@ $(LIB_A) $(LDLIBS)
 
