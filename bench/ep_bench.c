@@ -6,14 +6,16 @@
  *
  *   smoe_ep_bench [-r grid row] [-P ranks] [-T tokens per rank] [-d] [-n] [-E]
  *                 [-K] [-c capacity] [-x expert_rows] [-i iterations]
- *                 [-b cuda|sm90] [-m comm_sms] [-o overlap]
+ *                 [-b cuda|sm90] [-m comm_sms] [-o overlap] [-g 1]
  *
  * The EP layer runs three times: with its default schedule (the exchanges
  * beside the expert GEMMs where the kernels allow it; -m sets comm_sms),
  * with overlap = -1 (exchange, then compute): what the overlap buys, and
  * with the default schedule and keep_x = 1 (x's received rows kept for the
  * backward: one exchange fewer there). -o 1 asks for the overlap where the
- * default would not take it.
+ * default would not take it. -g 1 adds two runs with copy_engines = 1
+ * (NCCL's copy-engine all-to-all, comm_sms at its default), without and
+ * with keep_x.
  *
  * -r takes T, d, n, E, K from a row of bench/grid.h (T then per GPU). Per
  * GPU TFLOPS count 6TKdn (forward) and 12TKdn (backward) of the rank's own
@@ -63,7 +65,7 @@
     } while (0)
 
 typedef struct cfg {
-    int P, iters, comm_sms, overlap;
+    int P, iters, comm_sms, overlap, ce;
     int64_t T, d, n, E, K, capacity, expert_rows;
     smoe_backend backend;
     const char *row;
@@ -80,7 +82,8 @@ typedef struct rank_ctx {
     const cfg *c;
     void *comm;
     int ep; /* 2: NCCL all-to-all alone; 1: the EP layer; 3: the EP layer, no
-               overlap; 4: the EP layer, keep_x; 0: the single layer */
+               overlap; 4: the EP layer, keep_x; 5, 6: copy engines (6: keep_x);
+               0: the single layer */
     pthread_barrier_t *bar;
     float fwd[MAXI], bwd[MAXI];
     char path[256];
@@ -177,8 +180,9 @@ static void *rank_main(void *arg) {
         ed.capacity = c->capacity;
         ed.expert_rows = c->expert_rows;
         ed.overlap = R->ep == 3 ? -1 : R->c->overlap;
-        ed.comm_sms = c->comm_sms;
-        ed.keep_x = R->ep == 4;
+        ed.comm_sms = R->ep >= 5 ? 0 : c->comm_sms;
+        ed.keep_x = R->ep == 4 || R->ep == 6;
+        ed.copy_engines = R->ep >= 5;
         SMOE_OK(smoe_ep_layer_create(&ed, &EPL));
         sb = smoe_ep_layer_saved_bytes(EPL, T);
         wb = smoe_ep_layer_workspace_bytes(EPL, T);
@@ -286,7 +290,7 @@ static void run(const cfg *c, int ep, void **comms, float *f, float *b, char *pa
 }
 
 int main(int argc, char **argv) {
-    cfg c = {2, 20, 0, 0, 8192, 1536, 256, 128, 8, 0, 0, SMOE_BACKEND_AUTO, NULL};
+    cfg c = {2, 20, 0, 0, 0, 8192, 1536, 256, 128, 8, 0, 0, SMOE_BACKEND_AUTO, NULL};
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *k = argv[i], *v = argv[i + 1];
         if (!strcmp(k, "-r")) {
@@ -311,6 +315,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(k, "-i")) c.iters = atoi(v);
         else if (!strcmp(k, "-m")) c.comm_sms = atoi(v);
         else if (!strcmp(k, "-o")) c.overlap = atoi(v);
+        else if (!strcmp(k, "-g")) c.ce = atoi(v);
         else if (!strcmp(k, "-b")) c.backend = !strcmp(v, "cuda") ? SMOE_BACKEND_CUDA : SMOE_BACKEND_SM90;
         else {
             fprintf(stderr, "unknown option %s\n", k);
@@ -353,6 +358,12 @@ int main(int argc, char **argv) {
     run(&c, 1, comms, &ef, &eb, epath);
     run(&c, 3, comms, &nf, &nb, npath);
     run(&c, 4, comms, &kf, &kb, kpath);
+    float gf = 0, gb = 0, hf = 0, hb = 0;
+    char gpath[256] = "", hpath[256] = "";
+    if (c.ce && c.P > 1) {
+        run(&c, 5, comms, &gf, &gb, gpath);
+        run(&c, 6, comms, &hf, &hb, hpath);
+    }
     run(&c, 2, comms, &af, &ab, apath);
     run(&c, 0, NULL, &sf, &sbw, spath);
     for (int q = 0; q < c.P; q++) destroy(comms[q]);
@@ -379,6 +390,16 @@ int main(int argc, char **argv) {
            2 * fl / nb * 1e-9, 3 * fl / (nf + nb) * 1e-9);
     printf("%-52s %8.3f %8.3f %8.1f %8.1f %8.1f\n", a3, kf, kb, fl / kf * 1e-9,
            2 * fl / kb * 1e-9, 3 * fl / (kf + kb) * 1e-9);
+    if (c.ce && c.P > 1) {
+        char g[400], g2[400];
+        snprintf(g, sizeof g, "EP P=%d, E/P=%lld (%s)", c.P, (long long)(c.E / c.P), gpath);
+        snprintf(g2, sizeof g2, "EP P=%d, E/P=%lld, keep_x (%s)", c.P, (long long)(c.E / c.P),
+                 hpath);
+        printf("%-52s %8.3f %8.3f %8.1f %8.1f %8.1f\n", g, gf, gb, fl / gf * 1e-9,
+               2 * fl / gb * 1e-9, 3 * fl / (gf + gb) * 1e-9);
+        printf("%-52s %8.3f %8.3f %8.1f %8.1f %8.1f\n", g2, hf, hb, fl / hf * 1e-9,
+               2 * fl / hb * 1e-9, 3 * fl / (hf + hb) * 1e-9);
+    }
     printf("%-52s %8.3f %8.3f %8.1f %8.1f %8.1f\n", b, sf, sbw, fl / sf * 1e-9,
            2 * fl / sbw * 1e-9, 3 * fl / (sf + sbw) * 1e-9);
     printf("per-GPU EP / single: fwd %.1f%%, bwd %.1f%%, total %.1f%% (no overlap: %.1f%%, "
@@ -387,6 +408,11 @@ int main(int argc, char **argv) {
            100 * sbw / nb, 100 * (sf + sbw) / (nf + nb));
     printf("per-GPU EP keep_x / single: fwd %.1f%%, bwd %.1f%%, total %.1f%%\n", 100 * sf / kf,
            100 * sbw / kb, 100 * (sf + sbw) / (kf + kb));
+    if (c.ce && c.P > 1)
+        printf("per-GPU EP copy engines / single: fwd %.1f%%, bwd %.1f%%, total %.1f%% "
+               "(keep_x: %.1f%%, %.1f%%, %.1f%%)\n",
+               100 * sf / gf, 100 * sbw / gb, 100 * (sf + sbw) / (gf + gb), 100 * sf / hf,
+               100 * sbw / hb, 100 * (sf + sbw) / (hf + hb));
     const double peers = (double)(c.P - 1) * slice;
     printf("nccl all-to-all of %d x %.1f MiB per rank (peers): %.3f ms (%.0f GB/s per rank); "
            "no-overlap comm floor fwd %.3f ms, bwd %.3f ms; no-overlap EP beyond single + "

@@ -485,11 +485,27 @@ typedef struct smoe_ep_desc {
                                capacity 32768, d 4096, bf16): above the
                                single-GPU floor, so off by default. 0 = x
                                travels again in the backward */
+    int copy_engines;       /* CUDA, P > 1: 1 = the rows and partial sums
+                               travel by the GPU's copy engines (NCCL >= 2.28's
+                               ncclAlltoAll from symmetric memory, on a
+                               communicator of NCCL's zero-CTA policy split
+                               at create), in two parts per exchange, beside
+                               GEMMs that leave comm_sms SMs (0 = 8) for
+                               NCCL's own small messages. The layer then holds its
+                               exchange buffers itself (ncclMemAlloc,
+                               registered at create: (6 P + 3) capacity d
+                               bf16 elements, while the workspace drops
+                               6 P capacity d of them; per layer, not yet
+                               shared between layers). Needs the Hopper GEMMs and
+                               overlap >= 0 (else SMOE_ERROR_UNSUPPORTED);
+                               the CPU backend refuses it. 0 = NCCL's
+                               kernels move them (the workspace holds the
+                               buffers) */
 } smoe_ep_desc;
 
 /* Defaults: layer as smoe_layer_desc_default(), rank 0 of 1, no group,
  * max_tokens 0 (the caller must set it), capacity, expert_rows, overlap,
- * comm_sms and keep_x 0. */
+ * comm_sms, keep_x and copy_engines 0. */
 SMOE_API smoe_ep_desc smoe_ep_desc_default(void);
 
 typedef struct smoe_ep_layer smoe_ep_layer; /* opaque */

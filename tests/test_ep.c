@@ -15,7 +15,8 @@
  *  - two runs bitwise equal; an inference forward (no saved block) between
  *    forward and backward gives the same out bit for bit; keep_x (x's
  *    received rows kept for the backward) bitwise equal to x sent again;
- *  - overlap = 1 (CUDA only), overlap, comm_sms or keep_x out of range refused;
+ *  - overlap = 1 (CUDA only), overlap, comm_sms, keep_x or copy_engines out of
+ *    range refused; copy engines refused on the CPU;
  *  - refusals on every rank at once: E not a multiple of P, token
  *    rounding, a description that differs between ranks, a capacity too
  *    small (the sender's overflow), a bad argument on one rank only.
@@ -36,7 +37,7 @@ typedef struct ep_case {
     int one_rank;      /* GENERAL: every pair on rank 0's experts */
     int accumulate;    /* gradients accumulated onto a known start */
     int mismatch_rank; /* this rank's description differs (d + 8); -1: none */
-    int overlap, comm_sms, keep_x; /* smoe_ep_desc's */
+    int overlap, comm_sms, keep_x, copy_engines; /* smoe_ep_desc's */
     int bad_rank;      /* this rank passes out = NULL; -1: none */
 } ep_case;
 
@@ -77,6 +78,7 @@ static void *rank_main(void *arg) {
     ed.overlap = c->overlap;
     ed.comm_sms = c->comm_sms;
     ed.keep_x = c->keep_x;
+    ed.copy_engines = c->copy_engines;
     smoe_ep_layer *L = NULL;
     R->st_create = smoe_ep_layer_create(&ed, &L);
     if (R->st_create != SMOE_SUCCESS) {
@@ -395,6 +397,14 @@ int main(int argc, char **argv) {
         c.keep_x = 2;
         run_case("keep_x out of range", &c, &rng, 0, SMOE_ERROR_INVALID_VALUE, "keep_x");
         c.keep_x = 0;
+        c.copy_engines = 2;
+        run_case("copy_engines out of range", &c, &rng, 0, SMOE_ERROR_INVALID_VALUE,
+                 "copy_engines");
+        c.copy_engines = 1;
+        c.overlap = 0;
+        run_case("copy engines on the CPU", &c, &rng, 0, SMOE_ERROR_UNSUPPORTED, "copy_engines");
+        c.copy_engines = 0;
+        c.overlap = -1;
         c.comm_sms = 8; /* CUDA-only settings, no effect on the CPU */
         run_case("overlap off, comm_sms set", &c, &rng, 1, SMOE_SUCCESS, NULL);
     }

@@ -221,6 +221,7 @@ class smoe_ep_desc(Structure):
         ("overlap", c_int),
         ("comm_sms", c_int),
         ("keep_x", c_int),
+        ("copy_engines", c_int),
     ]
 
 

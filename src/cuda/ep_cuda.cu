@@ -21,10 +21,19 @@
  *           stream): dout with every rank's status, then x (keep_x: the
  *           forward received x into the saved block, dout alone) -> per chunk:
  *           dH and dS, dX~, the chunk's dx partial sums and dS back to the
- *           source -> dW2, dW1 and the biases over all rows (x must have
- *           arrived; the last partials travel meanwhile) -> dS to the
- *           assignments -> the router's backward (dense) -> dx: the
- *           aggregation over the entries plus the router's term.
+ *           source -> dW2 and db2 over all rows (beside the last partials
+ *           still in flight), the exchanges joined, dW1 and db1 (x must
+ *           have arrived) -> dS to the assignments -> the router's
+ *           backward (dense) -> dx: the aggregation over the entries plus
+ *           the router's term.
+ * copy_engines  the rows, dout and x and the partial sums travel by NCCL's
+ *           copy-engine all-to-all (ncclAlltoAll on a zero-CTA
+ *           communicator, from the layer's symmetric window) in H = 2
+ *           parts: the received rows are laid out part by part (ep_slots,
+ *           this rank's own after them), chunk h is part h of every peer's
+ *           rows, between this rank's own two halves; part h's partial
+ *           sums go back by one all-to-all after its chunk. The counts,
+ *           pairs, status and dS messages stay NCCL's kernels' (small).
  *
  * The chunks are views of the experts' rows, which stay sorted by expert
  * then by received row (so dW sums each expert's rows in the same order as
@@ -102,10 +111,12 @@ static void gsaved_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gsave
     s->tri_slot = o; o += al((size_t)ep->rows * 4);
     s->off2 = o; o += al(((size_t)ep->El * (size_t)ep->cuda->nc + 1) * 4);
     s->experts = o;
-    smoe_saved_layout_make(ep->experts, (int64_t)ep->P * ep->C, ep->rows, &s->ex);
+    const int64_t Tv = ep_slots_total(ep->cuda->sl);
+    smoe_saved_layout_make(ep->experts, Tv, ep->rows, &s->ex);
     o += al(s->ex.total);
-    /* keep_x: the received rows of x (P C, d), where the forward receives them */
-    const size_t xrows = ep->desc.keep_x ? (size_t)ep->P * (size_t)ep->C : 0;
+    /* keep_x: the received rows of x (every slot, d), where the forward
+     * receives them (copy engines: copied there from the window) */
+    const size_t xrows = ep->desc.keep_x ? (size_t)Tv : 0;
     s->xkeep = o; o += al(xrows * (size_t)L->d * 2);
     s->total = o;
 }
@@ -131,7 +142,9 @@ static void gws_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gws *w)
     const size_t A = (size_t)assignments(ep, T, pairs), rows = (size_t)ep->rows;
     const size_t n = (size_t)L->n, hc = (size_t)ep->cuda->g.problem.h_cols;
     const size_t El = (size_t)ep->El;
-    const size_t ent = t * Kq, Tv = P * C;
+    const size_t ent = t * Kq, Tv = (size_t)ep_slots_total(ep->cuda->sl), Tu = P * C;
+    /* with copy engines the rows travel in the layer's window */
+    const size_t Tw = ep->cuda->ce ? 0 : Tv;
     size_t o = 0;
     memset(w, 0, sizeof *w);
     w->status = o; o += SMOE_DEV_STATUS_BYTES;
@@ -152,19 +165,19 @@ static void gws_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gws *w)
     w->msg_recv = o; o += al(P * 8);
     w->msg2_send = o; o += al(P * 8);
     w->msg2_recv = o; o += al(P * 8);
-    w->send_rows = o; o += al(Tv * d * 2);
-    w->recv_rows = o; o += al(Tv * d * 2);
-    w->send_do = o; o += al(Tv * d * 2);
-    w->recv_do = o; o += al(Tv * d * 2);
-    w->send_pairs = o; o += al(Tv * Km * sizeof(pair_msg));
-    w->recv_pairs = o; o += al(Tv * Km * sizeof(pair_msg));
+    w->send_rows = o; o += al(Tw * d * 2);
+    w->recv_rows = o; o += al(Tw * d * 2);
+    w->send_do = o; o += al(Tw * d * 2);
+    w->recv_do = o; o += al(Tw * d * 2);
+    w->send_pairs = o; o += al(Tu * Km * sizeof(pair_msg));
+    w->recv_pairs = o; o += al(Tu * Km * sizeof(pair_msg));
     w->vt_cnt = o; o += al(Tv * 4);
     w->pt = o; o += al(rows * 4);
     w->ps = o; o += al(rows * 4);
-    w->part = o; o += al(Tv * d * 2);
-    w->part_recv = o; o += al(Tv * d * 2);
-    w->send_ds = o; o += al(Tv * Km * 4);
-    w->recv_ds = o; o += al(Tv * Km * 4);
+    w->part = o; o += al(Tw * d * 2);
+    w->part_recv = o; o += al(Tw * d * 2);
+    w->send_ds = o; o += al(Tu * Km * 4);
+    w->recv_ds = o; o += al(Tu * Km * 4);
     w->ds_assign = o; o += al(A * 4);
     w->dxr = o; o += al(t * d * 4);
     w->m_row_score = o; o += al(rows * 4);
@@ -213,6 +226,7 @@ static unsigned blocks_for(int64_t n, int threads)
 }
 
 /* ------------------------------------------------------------ the schedule */
+
 
 #define TRY(expr)                                                         \
     do {                                                                  \
@@ -424,8 +438,9 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
     const int training = !args->inference;
     const int P = ep->P, self = ep->r;
     const int64_t T = args->T, d = L->d, E = L->E, El = ep->El, C = ep->C, Km = ep->Kmax;
-    const int64_t Kq = kq_of(ep), Tv = (int64_t)P * C, pairs = general ? args->pairs : 0;
+    const int64_t Kq = kq_of(ep), Tv = ep_slots_total(X->sl), pairs = general ? args->pairs : 0;
     const int64_t A = assignments(ep, T, pairs), n_ent = T * Kq;
+    const size_t row = (size_t)d * 2;
     gsaved S;
     gws W;
     gsaved_make(ep, T, pairs, &S);
@@ -473,8 +488,10 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         int32_t *ent_off = (int32_t *)(sb + S.ent_off), *eoff = (int32_t *)(ws + W.eoff);
         /* keep_x: the rows of x arrive in the saved block, for the backward
          * (a refused call's header says so: no backward reads them) */
-        bf16 *recv_rows = training && ep->desc.keep_x ? (bf16 *)(sb + S.xkeep)
-                                                      : (bf16 *)(ws + W.recv_rows);
+        bf16 *recv_rows = X->ce ? (bf16 *)X->rows_recv
+                          : training && ep->desc.keep_x ? (bf16 *)(sb + S.xkeep)
+                                                        : (bf16 *)(ws + W.recv_rows);
+        bf16 *send_rows = X->ce ? (bf16 *)X->rows_send : (bf16 *)(ws + W.send_rows);
         if (T > 0) {
             k_ep_entries<<<blocks_for(T, 128), 128, 0, s>>>(
                 (int)T, P, El, (int)Kq, toff, aexp, dest, (int32_t *)(ws + W.ent_token),
@@ -493,9 +510,9 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
                                    (int32_t *)(ws + W.rtok), (float *)(ws + W.rsc), NULL,
                                    ws + W.md, s));
             k_ep_pack<<<blocks_for(n_ent * 32, 256), 256, 0, s>>>(
-                n_ent, (int)Kq, C, (int)Km, El, d, self, (const bf16 *)args->x, toff, aexp,
-                ascore, dest, (int32_t *)(ws + W.ent_row), eoff, pidx,
-                (bf16 *)(ws + W.send_rows), recv_rows, (pair_msg *)(ws + W.send_pairs), abort);
+                n_ent, (int)Kq, X->sl, (int)Km, El, d, (const bf16 *)args->x, toff, aexp,
+                ascore, dest, (int32_t *)(ws + W.ent_row), eoff, pidx, send_rows, recv_rows,
+                (pair_msg *)(ws + W.send_pairs), abort);
             TRYL("k_ep_pack");
         } else {
             TRYC(cudaMemsetAsync(eoff, 0, (size_t)(P + 1) * 4, s));
@@ -519,9 +536,22 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         sched z;
         memset(&z, 0, sizeof z);
         z.rounds_left = P - 1;
-        if (P > 1) {
+        if (P > 1 && X->ce) {
+            /* copy engines: part h of every slice, one all-to-all each */
             TRY(fork_streams(ep, s));
-            const cbuf rb[1] = {{ws + W.send_rows, (char *)recv_rows, (size_t)d * 2}};
+            const size_t part_bytes = (size_t)X->sl.Ch * row;
+            for (int h = 0; h < X->sl.H; h++) {
+                const size_t o = (size_t)h * (size_t)P * part_bytes;
+                TRY(smoe_ep_ce_alltoall(ep, (const char *)send_rows + o, (char *)recv_rows + o,
+                                        part_bytes, X->cs));
+                TRYC(cudaEventRecord(X->ev[EV_IN + h], X->cs));
+            }
+            if (training && ep->desc.keep_x)
+                TRYC(cudaMemcpyAsync(sb + S.xkeep, recv_rows, (size_t)Tv * row,
+                                     cudaMemcpyDeviceToDevice, X->cs));
+        } else if (P > 1) {
+            TRY(fork_streams(ep, s));
+            const cbuf rb[1] = {{(const char *)send_rows, (char *)recv_rows, row}};
             TRY(rounds(ep, rb, 1, NULL, NULL, EV_IN));
         }
         /* 4. the expert side's triples and metadata */
@@ -540,11 +570,11 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         int32_t *vt_cnt = (int32_t *)(ws + W.vt_cnt), *total = (int32_t *)(ws + W.as_count);
         int32_t *off2 = (int32_t *)(sb + S.off2);
         k_ep_row_counts<<<blocks_for(Tv, 256), 256, 0, s>>>(
-            Tv, C, (int)Km, msg_recv, (const pair_msg *)(ws + W.recv_pairs), vt_cnt, abort);
+            Tv, X->sl, (int)Km, msg_recv, (const pair_msg *)(ws + W.recv_pairs), vt_cnt, abort);
         TRYL("k_ep_row_counts");
         TRY(smoe_cuda_exclusive_scan(vt_cnt, Tv, v.token_offset, total, s));
         k_ep_triples<<<blocks_for(Tv, 256), 256, 0, s>>>(
-            Tv, (int)Km, ep->rows, (const pair_msg *)(ws + W.recv_pairs), v.token_offset,
+            Tv, X->sl, (int)Km, ep->rows, (const pair_msg *)(ws + W.recv_pairs), v.token_offset,
             (int32_t *)(ws + W.pt), v.assign_expert, (float *)(ws + W.ps),
             (int32_t *)(sb + S.tri_slot), st);
         TRYL("k_ep_triples");
@@ -571,9 +601,41 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         /* 5. the experts, chunk by chunk; each chunk's partial sums to their
          * sources (this rank's own straight into part_recv) */
         bf16 *a = (bf16 *)(ws + W.a), *y = (bf16 *)(ws + W.y);
-        char *part = ws + W.part, *part_recv = ws + W.part_recv;
+        char *part = X->ce ? X->part_send : ws + W.part;
+        char *part_recv = X->ce ? X->part_recv : ws + W.part_recv;
         const smoe_saved_header hdr = smoe_saved_header_make(ep->full, T, pairs);
-        for (int i = 0; i < X->nc; i++) {
+        for (int i = 0; X->ce && i < X->nc; i++) {
+            /* copy engines: chunk c < H is part c of the peers' rows, the
+             * others this rank's own; a part's partial sums go back by one
+             * all-to-all while the next chunk computes */
+            const int c = X->order[i];
+            const int64_t v0 = X->bd.b[c], v1 = X->bd.b[c + 1];
+            const int peers = c < X->sl.H;
+            if (peers) TRYC(cudaStreamWaitEvent(s, X->ev[EV_IN + c], 0));
+            smoe_gemm_problem p = chunk_problem(ep, &v, off2, c, X->sms_overlap, abort);
+            TRY(gemm_ran(X->g.ops.up(&p, recv_rows, (const bf16 *)args->w1,
+                                     (const bf16 *)args->b1, training ? (bf16 *)v.h : NULL, a,
+                                     ws + W.gemm, s),
+                         "up"));
+            TRY(gemm_ran(X->g.ops.down(&p, a, (const bf16 *)args->w2, (const bf16 *)args->b2, y,
+                                       ws + W.gemm, s),
+                         "down"));
+            bf16 *out = (bf16 *)((peers ? part : part_recv) + (size_t)v0 * row);
+            TRY(smoe_cuda_aggregate_forward(v1 - v0, d, v.token_offset + v0, v.assign_row,
+                                            v.row_score, y, out, NULL, hdr, abort, s));
+            if (peers) {
+                TRYC(cudaEventRecord(X->ev[EV_IN + P + c], s));
+                TRYC(cudaStreamWaitEvent(X->cs, X->ev[EV_IN + P + c], 0));
+                TRY(smoe_ep_ce_alltoall(ep, part + (size_t)v0 * row, part_recv + (size_t)v0 * row,
+                                        (size_t)X->sl.Ch * row, X->cs));
+            }
+        }
+        if (X->ce && P > 1) {
+            /* every rank's status after its row check, with the partials */
+            const cbuf m2[1] = {{(const char *)msg2_send, (char *)msg2_recv, 8}};
+            TRY(smoe_ep_alltoall(ep, m2, 1, X->cs));
+        }
+        for (int i = 0; !X->ce && i < X->nc; i++) {
             const int c = X->order[i];
             TRY(chunk_wait(ep, &z, c, s));
             smoe_gemm_problem p = chunk_problem(ep, &v, off2, c, sms_now(ep, &z), abort);
@@ -635,8 +697,9 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
     const int general = L->routing == SMOE_ROUTING_GENERAL;
     const int P = ep->P, self = ep->r;
     const int64_t T = args->T, d = L->d, El = ep->El, C = ep->C, Km = ep->Kmax;
-    const int64_t Kq = kq_of(ep), Tv = (int64_t)P * C, pairs = general ? args->pairs : 0;
+    const int64_t Kq = kq_of(ep), Tu = (int64_t)P * C, pairs = general ? args->pairs : 0;
     const int64_t A = assignments(ep, T, pairs), n_ent = T * Kq;
+    const size_t row = (size_t)d * 2;
     gsaved S;
     gws W;
     gsaved_make(ep, T, pairs, &S);
@@ -663,12 +726,14 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         smoe_saved_view v = smoe_saved_view_make(&S.ex, sb + S.experts);
         /* keep_x: x's rows are in the saved block, only dout travels */
         const int keep = ep->desc.keep_x;
-        bf16 *sx = keep ? NULL : (bf16 *)(ws + W.send_rows), *sdo = (bf16 *)(ws + W.send_do);
-        bf16 *rx = keep ? (bf16 *)(sb + S.xkeep) : (bf16 *)(ws + W.recv_rows);
-        bf16 *rdo = (bf16 *)(ws + W.recv_do);
+        bf16 *sx = keep ? NULL : X->ce ? (bf16 *)X->rows_send : (bf16 *)(ws + W.send_rows);
+        bf16 *sdo = X->ce ? (bf16 *)X->do_send : (bf16 *)(ws + W.send_do);
+        bf16 *rx = keep ? (bf16 *)(sb + S.xkeep)
+                   : X->ce ? (bf16 *)X->rows_recv : (bf16 *)(ws + W.recv_rows);
+        bf16 *rdo = X->ce ? (bf16 *)X->do_recv : (bf16 *)(ws + W.recv_do);
         if (n_ent > 0) {
             k_ep_pack2<<<blocks_for(n_ent * 32, 256), 256, 0, s>>>(
-                n_ent, (int)Kq, d, C, self, (const bf16 *)args->x, (const bf16 *)args->dout,
+                n_ent, (int)Kq, d, X->sl, (const bf16 *)args->x, (const bf16 *)args->dout,
                 pidx, sx, sdo, rx, rdo, abort);
             TRYL("k_ep_pack2");
         }
@@ -677,12 +742,30 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         k_ep_status_msg<<<1, 32, 0, s>>>(P, msg_send, st);
         TRYL("k_ep_status_msg");
         float *send_ds = (float *)(ws + W.send_ds), *recv_ds = (float *)(ws + W.recv_ds);
-        TRYC(cudaMemsetAsync(send_ds, 0, (size_t)Tv * (size_t)Km * 4, s));
-        TRYC(cudaMemsetAsync(recv_ds, 0, (size_t)Tv * (size_t)Km * 4, s));
+        TRYC(cudaMemsetAsync(send_ds, 0, (size_t)Tu * (size_t)Km * 4, s));
+        TRYC(cudaMemsetAsync(recv_ds, 0, (size_t)Tu * (size_t)Km * 4, s));
         sched z;
         memset(&z, 0, sizeof z);
         z.rounds_left = P - 1;
-        if (P > 1) {
+        if (P > 1 && X->ce) {
+            /* the status messages, then dout part by part, then x */
+            TRY(fork_streams(ep, s));
+            const cbuf mb[1] = {{(const char *)msg_send, (char *)msg_recv, 8}};
+            TRY(smoe_ep_alltoall(ep, mb, 1, X->cs));
+            const size_t part_bytes = (size_t)X->sl.Ch * row;
+            for (int h = 0; h < X->sl.H; h++) {
+                const size_t o = (size_t)h * (size_t)P * part_bytes;
+                TRY(smoe_ep_ce_alltoall(ep, (const char *)sdo + o, (char *)rdo + o, part_bytes,
+                                        X->cs));
+                TRYC(cudaEventRecord(X->ev[EV_IN + h], X->cs));
+            }
+            for (int h = 0; !keep && h < X->sl.H; h++) {
+                const size_t o = (size_t)h * (size_t)P * part_bytes;
+                TRY(smoe_ep_ce_alltoall(ep, (const char *)sx + o, (char *)rx + o, part_bytes,
+                                        X->cs));
+            }
+            TRYC(cudaEventRecord(X->ev[EV_X], X->cs));
+        } else if (P > 1) {
             TRY(fork_streams(ep, s));
             /* dout with the status message, then x (keep_x: none); EV_X
              * marks the end of what the backward receives */
@@ -698,8 +781,54 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         bf16 *dh = (bf16 *)(ws + W.dh), *a_scaled = (bf16 *)(ws + W.a_scaled);
         bf16 *dxt = (bf16 *)(ws + W.dxt);
         float *ds = (float *)(ws + W.ds);
-        char *part = ws + W.part, *part_recv = ws + W.part_recv;
-        for (int i = 0; i < X->nc; i++) {
+        char *part = X->ce ? X->part_send : ws + W.part;
+        char *part_recv = X->ce ? X->part_recv : ws + W.part_recv;
+        for (int i = 0; X->ce && i < X->nc; i++) {
+            /* copy engines: as the forward's chunks; dS of own rows straight
+             * to recv_ds, the peers' after the last chunk */
+            const int c = X->order[i];
+            const int64_t v0 = X->bd.b[c], v1 = X->bd.b[c + 1];
+            const int peers = c < X->sl.H;
+            if (peers) TRYC(cudaStreamWaitEvent(s, X->ev[EV_IN + c], 0));
+            smoe_gemm_problem p = chunk_problem(ep, &v, off2, c, X->sms_overlap, abort);
+            TRY(gemm_ran(X->g.ops.dh(&p, rdo, (const bf16 *)args->w2, (const bf16 *)args->b2,
+                                     (const bf16 *)v.h, dh, a_scaled, ds, ws + W.gemm, s),
+                         "dh"));
+            TRY(gemm_ran(X->g.ops.dxt(&p, dh, (const bf16 *)args->w1, dxt, ws + W.gemm, s),
+                         "dxt"));
+            char *out = (peers ? part : part_recv) + (size_t)v0 * row;
+            TRY(smoe_cuda_aggregate_backward(v1 - v0, d, v.token_offset + v0, v.assign_row, dxt,
+                                             NULL, NULL, NULL, NULL, NULL, out, SMOE_DTYPE_BF16,
+                                             0, abort, s));
+            k_ep_ds_scatter<<<blocks_for(ep->rows, 256), 256, 0, s>>>(
+                v0, v1, (int64_t)self * C, (int64_t)(self + 1) * C, (int)Km, v.token_offset,
+                (const int32_t *)(sb + S.tri_slot), v.assign_row, ds, send_ds, recv_ds, abort);
+            TRYL("k_ep_ds_scatter");
+            if (peers) {
+                TRYC(cudaEventRecord(X->ev[EV_IN + P + c], s));
+                TRYC(cudaStreamWaitEvent(X->cs, X->ev[EV_IN + P + c], 0));
+                TRY(smoe_ep_ce_alltoall(ep, part + (size_t)v0 * row, part_recv + (size_t)v0 * row,
+                                        (size_t)X->sl.Ch * row, X->cs));
+            }
+        }
+        if (X->ce && P > 1) {
+            /* the peers' dS (the plain layout; this rank's own stays) */
+            TRYC(cudaEventRecord(X->ev[EV_IN + P + X->nc - 1], s));
+            TRYC(cudaStreamWaitEvent(X->cs, X->ev[EV_IN + P + X->nc - 1], 0));
+            p2p_op op[64];
+            int n = 0;
+            for (int q = 0; q < P; q++) {
+                if (q == self) continue;
+                op[n].send = send_ds + (size_t)q * (size_t)C * (size_t)Km;
+                op[n].recv = recv_ds + (size_t)q * (size_t)C * (size_t)Km;
+                op[n].bytes = (size_t)C * (size_t)Km * 4;
+                op[n].to = op[n].from = q;
+                n++;
+            }
+            TRY(smoe_ep_p2p_group(ep, op, n, X->cs));
+            z.rounds_left = 0;
+        }
+        for (int i = 0; !X->ce && i < X->nc; i++) {
             const int c = X->order[i];
             TRY(chunk_wait(ep, &z, c, s));
             /* with chunks x travels until dW1; without, everything has
@@ -731,21 +860,28 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
                 TRY(chunk_send(ep, &z, c, pb, 2, NULL, NULL, s));
             }
         }
-        /* Every exchange done (x arrived, the last partials gone: by now,
-         * with overlap, as the last chunk was this rank's own), then every
-         * peer's header check before any weight gradient is written; the
-         * weight gradients take every SM. */
-        if (P > 1) {
+        /* dW2 needs dout and the peers' status (their header checks, which
+         * came with dout) before any weight gradient is written. With
+         * chunks it runs beside the last partial sums still in flight
+         * (leaving their SMs), then every exchange done (x arrived, the
+         * partials through) and dW1 on every SM. Without, the exchanges end
+         * first: a persistent GEMM beside NCCL's kernel on its SMs would
+         * wait for them with its share of the tiles. */
+        const int tail = P > 1 && X->nc > 1;
+        if (P > 1 && !tail) {
             TRY(join_streams(ep, s));
             z.sending = 0;
-            TRY(wait_all(ep, &z, s));
+        }
+        if (P > 1) {
+            if (!X->ce) TRY(wait_all(ep, &z, s));
+            TRYC(cudaStreamWaitEvent(s, X->ev[EV_X], 0));
             k_ep_peers<<<1, 32, 0, s>>>(P, self, msg_recv, st, rep);
             TRYL("k_ep_peers");
         }
-        /* the weight gradients over all rows (no view) */
+        const smoe_gemm_problem *g = &X->g.problem;
         {
-            smoe_gemm_problem p = chunk_problem(ep, &v, off2, -1, sms_now(ep, &z), abort);
-            const smoe_gemm_problem *g = &X->g.problem;
+            smoe_gemm_problem p = chunk_problem(ep, &v, off2, -1,
+                                                tail ? X->sms_overlap : X->g.num_sms, abort);
             if (args->dw2.ptr)
                 TRY(gemm_ran(X->g.ops.dw2(&p, rdo, a_scaled, args->dw2.ptr, args->dw2.dtype,
                                           args->dw2.accumulate, ws + W.gemm, s),
@@ -755,6 +891,13 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
                                             v.row_score, g->n, g->gated, g->w1_layout, 0,
                                             args->db2.ptr, args->db2.dtype, args->db2.accumulate,
                                             abort, s));
+        }
+        if (tail) {
+            TRY(join_streams(ep, s));
+            z.sending = 0;
+        }
+        {
+            smoe_gemm_problem p = chunk_problem(ep, &v, off2, -1, X->g.num_sms, abort);
             if (args->dw1.ptr)
                 TRY(gemm_ran(X->g.ops.dw1(&p, dh, rx, args->dw1.ptr, args->dw1.dtype,
                                           args->dw1.accumulate, ws + W.gemm, s),
@@ -767,8 +910,8 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         /* this rank's tokens: dS per assignment, the router, dx */
         float *dsa = (float *)(ws + W.ds_assign);
         if (T > 0) {
-            k_ep_ds_gather<<<blocks_for(T, 128), 128, 0, s>>>((int)T, (int)Kq, (int)Km, El, toff,
-                                                              aexp, pidx, recv_ds, dsa, abort);
+            k_ep_ds_gather<<<blocks_for(T, 128), 128, 0, s>>>(
+                (int)T, (int)Kq, (int)Km, El, X->sl, toff, aexp, pidx, recv_ds, dsa, abort);
             TRYL("k_ep_ds_gather");
         }
         float *dxr = NULL;

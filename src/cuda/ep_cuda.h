@@ -43,6 +43,64 @@ typedef struct p2p_op {
  * included (rank r's slice q goes to rank q's slice r). */
 smoe_status smoe_ep_p2p_group(const smoe_ep_layer *ep, const p2p_op *op, int n, cudaStream_t s);
 smoe_status smoe_ep_alltoall(const smoe_ep_layer *ep, const cbuf *x, int n, cudaStream_t s);
+/* Copy engines: ncclAlltoAll of `bytes` per rank from send to recv (both in
+ * the layer's symmetric window) on the layer's zero-CTA communicator. */
+smoe_status smoe_ep_ce_alltoall(const smoe_ep_layer *ep, const char *send, char *recv, size_t bytes,
+                                cudaStream_t s);
+
+/* ------------------------------------------------------------ row slots */
+
+/* Where a received row lives. Position i of source q's rows (i < C) has
+ * the slot ep_slot(q, i) in the receive buffers (and the same in the send
+ * buffers of the rank that sent it). The exchanged region holds H parts,
+ * each [P][Ch] (rank q's slice of part h: its positions [h Ch, (h+1) Ch)),
+ * so that an all-to-all per part moves it; with own_end this rank's own
+ * rows follow the exchanged region (they never travel, and the slice an
+ * all-to-all copies to itself stays unused). H = 1 and own_end = 0 is the
+ * plain [P][C] layout of the point-to-point exchanges. The pairs and dS
+ * messages keep the plain layout: index q C + i. */
+typedef struct ep_slots {
+    int64_t C, Ch;
+    int P, H, self, own_end;
+} ep_slots;
+
+__host__ __device__ static inline int64_t ep_slots_exchanged(ep_slots s)
+{
+    return (int64_t)s.P * s.H * s.Ch;
+}
+
+__host__ __device__ static inline int64_t ep_slots_total(ep_slots s)
+{
+    return ep_slots_exchanged(s) + (s.own_end ? s.C : 0);
+}
+
+__host__ __device__ static inline int64_t ep_slot(ep_slots s, int q, int64_t i)
+{
+    if (s.own_end && q == s.self) return ep_slots_exchanged(s) + i;
+    const int64_t h = i / s.Ch;
+    return (h * s.P + q) * s.Ch + (i - h * s.Ch);
+}
+
+/* The source of slot v and its position there; -1: an unused slot (this
+ * rank's slice of the exchanged region when own_end). */
+__host__ __device__ static inline int ep_slot_src(ep_slots s, int64_t v, int64_t *i)
+{
+    const int64_t X = ep_slots_exchanged(s);
+    if (v >= X) {
+        *i = v - X;
+        return s.self;
+    }
+    const int64_t h = v / ((int64_t)s.P * s.Ch), rem = v - h * s.P * s.Ch;
+    const int q = (int)(rem / s.Ch);
+    *i = h * s.Ch + (rem - (int64_t)q * s.Ch);
+    return s.own_end && q == s.self ? -1 : q;
+}
+
+__host__ __device__ static inline int ep_slot_is_own(ep_slots s, int64_t v)
+{
+    int64_t i;
+    return ep_slot_src(s, v, &i) == s.self;
+}
 
 /* ------------------------------------------------------------ per layer */
 
@@ -71,7 +129,16 @@ typedef struct ep_cuda {
     int *order;      /* the chunks in the order they run */
     int sms_overlap; /* the GEMMs' SMs while an exchange is in flight */
     smoe_cuda_gemms g;
+    ep_slots sl;     /* the received rows' layout */
+    /* copy engines (sl.H parts, own_end): the zero-CTA communicator, the
+     * symmetric window and its buffers (send: the exchanged region; recv:
+     * every slot) */
+    int ce;
+    nccl_comm ce_comm;
+    void *win, *win_mem;
+    char *rows_send, *rows_recv, *do_send, *do_recv, *part_send, *part_recv;
 } ep_cuda;
+
 
 /* ------------------------------------------------------------ kernels (ep_kernels.cu) */
 
@@ -86,7 +153,7 @@ __global__ void k_ep_entries(int T, int P, int64_t El, int Kq, const int32_t *__
                              const int32_t *__restrict__ aexp, int32_t *dest, int32_t *tok,
                              float *score, int32_t *ent_off, int32_t *ent_count,
                              const int *abort);
-__global__ void k_ep_pack(int64_t n_ent, int Kq, int64_t C, int Km, int64_t El, int64_t d, int self,
+__global__ void k_ep_pack(int64_t n_ent, int Kq, ep_slots sl, int Km, int64_t El, int64_t d,
                           const bf16 *__restrict__ x, const int32_t *__restrict__ toff,
                           const int32_t *__restrict__ aexp, const float *__restrict__ ascore,
                           const int32_t *__restrict__ dest, const int32_t *__restrict__ ent_row,
@@ -96,10 +163,11 @@ __global__ void k_ep_msg(int P, int64_t C, const int32_t *__restrict__ eoff, int
                          smoe_dev_status *st, smoe_dev_report rep);
 __global__ void k_ep_peers(int P, int self, const int32_t *__restrict__ msg, smoe_dev_status *st,
                            smoe_dev_report rep);
-__global__ void k_ep_row_counts(int64_t Tv, int64_t C, int Km, const int32_t *__restrict__ msg,
+__global__ void k_ep_row_counts(int64_t Tv, ep_slots sl, int Km, const int32_t *__restrict__ msg,
                                 const pair_msg *__restrict__ pairs, int32_t *cnt,
                                 const int *abort);
-__global__ void k_ep_triples(int64_t Tv, int Km, int64_t rows, const pair_msg *__restrict__ pairs,
+__global__ void k_ep_triples(int64_t Tv, ep_slots sl, int Km, int64_t rows,
+                             const pair_msg *__restrict__ pairs,
                              const int32_t *__restrict__ off, int32_t *pt,
                              int32_t *pe, float *ps, int32_t *tri_slot, const smoe_dev_status *st);
 __global__ void k_ep_rows_check(int P, int64_t rows, const int32_t *total, int32_t *msg,
@@ -113,7 +181,7 @@ __global__ void k_ep_iota(int64_t n, int32_t *v, const int *abort);
 __global__ void k_ep_outputs(int T, int E, const int32_t *__restrict__ toff,
                              const int32_t *__restrict__ aexp, int32_t *counts,
                              const float *__restrict__ lg, float *lg_out, const int *abort);
-__global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, int64_t C, int self,
+__global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, ep_slots sl,
                            const bf16 *__restrict__ x, const bf16 *__restrict__ dout,
                            const int32_t *__restrict__ pidx, bf16 *sx, bf16 *sdo, bf16 *rx,
                            bf16 *rdo, const int *abort);
@@ -122,7 +190,8 @@ __global__ void k_ep_ds_scatter(int64_t v0, int64_t v1, int64_t own0, int64_t ow
                                 const int32_t *__restrict__ tri_slot,
                                 const int32_t *__restrict__ arow, const float *__restrict__ ds,
                                 float *send_ds, float *recv_ds, const int *abort);
-__global__ void k_ep_ds_gather(int T, int Kq, int Km, int64_t El, const int32_t *__restrict__ toff,
+__global__ void k_ep_ds_gather(int T, int Kq, int Km, int64_t El, ep_slots sl,
+                               const int32_t *__restrict__ toff,
                                const int32_t *__restrict__ aexp,
                                const int32_t *__restrict__ pidx,
                                const float *__restrict__ recv_ds, float *ds, const int *abort);

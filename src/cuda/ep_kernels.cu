@@ -44,11 +44,11 @@ __global__ void k_ep_entries(int T, int P, int64_t El, int Kq, const int32_t *__
     ent_off[t] = t * Kq;
 }
 
-/* One warp per entry: its partial row pidx = q C + slot (-1: none, or the
- * slot past capacity), x's row to send[pidx] (recv[pidx] for this rank's
- * own experts: no exchange), the token's pairs on q (pick order) to
- * pairs[pidx Km ...]. */
-__global__ void k_ep_pack(int64_t n_ent, int Kq, int64_t C, int Km, int64_t El, int64_t d, int self,
+/* One warp per entry: its partial row pidx = ep_slot(q, i) of its
+ * position i among the rows for q (-1: none, or i past capacity), x's row
+ * to send[pidx] (recv[pidx] for this rank's own experts: no exchange), the
+ * token's pairs on q (pick order) to pairs[(q C + i) Km ...]. */
+__global__ void k_ep_pack(int64_t n_ent, int Kq, ep_slots sl, int Km, int64_t El, int64_t d,
                           const bf16 *__restrict__ x, const int32_t *__restrict__ toff,
                           const int32_t *__restrict__ aexp, const float *__restrict__ ascore,
                           const int32_t *__restrict__ dest, const int32_t *__restrict__ ent_row,
@@ -61,15 +61,18 @@ __global__ void k_ep_pack(int64_t n_ent, int Kq, int64_t C, int Km, int64_t El, 
     if (e >= n_ent) return;
     const int q = dest[e];
     const int t = (int)(e / Kq);
-    int64_t p = -1;
+    int64_t p = -1, u = -1;
     if (q >= 0) {
-        const int64_t slot = (int64_t)ent_row[e] - eoff[q];
-        if (slot < C) p = (int64_t)q * C + slot;
+        const int64_t i = (int64_t)ent_row[e] - eoff[q];
+        if (i < sl.C) {
+            p = ep_slot(sl, q, i);
+            u = (int64_t)q * sl.C + i;
+        }
     }
     if (lane == 0) pidx[e] = (int32_t)p;
     if (p < 0) return;
     const uint4 *src = reinterpret_cast<const uint4 *>(x + (int64_t)t * d);
-    uint4 *dst = reinterpret_cast<uint4 *>((q == self ? recv_rows : send_rows) + p * d);
+    uint4 *dst = reinterpret_cast<uint4 *>((q == sl.self ? recv_rows : send_rows) + p * d);
     for (int64_t i = lane; i < d / 8; i += 32) dst[i] = src[i];
     if (lane == 0) {
         int k = 0;
@@ -79,13 +82,13 @@ __global__ void k_ep_pack(int64_t n_ent, int Kq, int64_t C, int Km, int64_t El, 
             pair_msg m;
             m.e = (int32_t)(ex - (int64_t)q * El);
             m.s = ascore[a];
-            send_pairs[p * Km + k++] = m;
+            send_pairs[u * Km + k++] = m;
         }
         for (; k < Km; ++k) {
             pair_msg m;
             m.e = -1;
             m.s = 0.0f;
-            send_pairs[p * Km + k] = m;
+            send_pairs[u * Km + k] = m;
         }
     }
 }
@@ -129,38 +132,45 @@ __global__ void k_ep_peers(int P, int self, const int32_t *__restrict__ msg, smo
         }
 }
 
-/* Expert side: pairs per received row (0 past the source's count or after
- * a failure). */
-__global__ void k_ep_row_counts(int64_t Tv, int64_t C, int Km, const int32_t *__restrict__ msg,
+/* Expert side: pairs per received row slot (0 past the source's count, in
+ * an unused slot or after a failure). */
+__global__ void k_ep_row_counts(int64_t Tv, ep_slots sl, int Km, const int32_t *__restrict__ msg,
                                 const pair_msg *__restrict__ pairs, int32_t *cnt,
                                 const int *abort)
 {
     const int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (v >= Tv) return;
-    const int s = (int)(v / C);
-    const int64_t j = v % C;
+    int64_t j = 0;
+    const int s = ep_slot_src(sl, v, &j);
     int c = 0;
-    if (!*abort && j < msg[2 * s])
-        for (int k = 0; k < Km; ++k) c += pairs[v * Km + k].e >= 0;
+    if (!*abort && s >= 0 && j < sl.C && j < msg[2 * s]) {
+        const int64_t u = (int64_t)s * sl.C + j;
+        for (int k = 0; k < Km; ++k) c += pairs[u * Km + k].e >= 0;
+    }
     cnt[v] = c;
 }
 
 /* The triples in token-major order (none when more than `rows`: the
  * check after this sets the status). */
-__global__ void k_ep_triples(int64_t Tv, int Km, int64_t rows, const pair_msg *__restrict__ pairs,
+__global__ void k_ep_triples(int64_t Tv, ep_slots sl, int Km, int64_t rows,
+                             const pair_msg *__restrict__ pairs,
                              const int32_t *__restrict__ off, int32_t *pt,
                              int32_t *pe, float *ps, int32_t *tri_slot, const smoe_dev_status *st)
 {
     const int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (v >= Tv || st->code != SMOE_DEV_OK || off[Tv] > rows) return;
     int64_t i = off[v];
+    if (i >= off[v + 1]) return;
+    int64_t j = 0;
+    const int s = ep_slot_src(sl, v, &j);
+    const int64_t u = (int64_t)s * sl.C + j;
     for (int k = 0; k < Km; ++k) {
-        const pair_msg m = pairs[v * Km + k];
+        const pair_msg m = pairs[u * Km + k];
         if (m.e < 0 || i >= off[v + 1]) continue;
         pt[i] = (int32_t)v;
         pe[i] = m.e;
         ps[i] = m.s;
-        tri_slot[i] = (int32_t)(v * Km + k);
+        tri_slot[i] = (int32_t)(u * Km + k);
         ++i;
     }
 }
@@ -249,7 +259,7 @@ __global__ void k_ep_outputs(int T, int E, const int32_t *__restrict__ toff,
 
 /* Backward: x and dout rows to the entries' partial rows (this rank's own
  * straight into the receive buffers); dout alone where sx is NULL (keep_x). */
-__global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, int64_t C, int self,
+__global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, ep_slots sl,
                            const bf16 *__restrict__ x, const bf16 *__restrict__ dout,
                            const int32_t *__restrict__ pidx, bf16 *sx, bf16 *sdo, bf16 *rx,
                            bf16 *rdo, const int *abort)
@@ -261,7 +271,7 @@ __global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, int64_t C, int self
     const int64_t p = pidx[e], t = e / Kq;
     if (p < 0) return;
     const uint4 *b = reinterpret_cast<const uint4 *>(dout + t * d);
-    const bool own = p / C == self;
+    const bool own = ep_slot_is_own(sl, p);
     uint4 *db = reinterpret_cast<uint4 *>((own ? rdo : sdo) + p * d);
     if (!sx) { /* keep_x: the received x rows are the saved block's */
         for (int64_t i = lane; i < d / 8; i += 32) db[i] = b[i];
@@ -275,8 +285,9 @@ __global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, int64_t C, int self
     }
 }
 
-/* dS of the triples of received rows [v0, v1) to their slots: this
- * rank's own rows [own0, own1) into recv_ds, the others' into send_ds. */
+/* dS of the triples of received row slots [v0, v1) to their places in the
+ * pairs' layout: this rank's own rows (there [own0, own1)) into recv_ds,
+ * the others' into send_ds. */
 __global__ void k_ep_ds_scatter(int64_t v0, int64_t v1, int64_t own0, int64_t own1, int Km,
                                 const int32_t *__restrict__ toff,
                                 const int32_t *__restrict__ tri_slot,
@@ -292,7 +303,8 @@ __global__ void k_ep_ds_scatter(int64_t v0, int64_t v1, int64_t own0, int64_t ow
 
 /* Each assignment's dS: the k-th of the token's pairs on rank q is pair k of
  * its row there. */
-__global__ void k_ep_ds_gather(int T, int Kq, int Km, int64_t El, const int32_t *__restrict__ toff,
+__global__ void k_ep_ds_gather(int T, int Kq, int Km, int64_t El, ep_slots sl,
+                               const int32_t *__restrict__ toff,
                                const int32_t *__restrict__ aexp,
                                const int32_t *__restrict__ pidx,
                                const float *__restrict__ recv_ds, float *ds, const int *abort)
@@ -316,7 +328,9 @@ __global__ void k_ep_ds_gather(int T, int Kq, int Km, int64_t El, const int32_t 
             }
         }
         const int64_t p = pidx[(int64_t)t * Kq + j];
-        ds[a] = p >= 0 ? recv_ds[p * Km + seen[q]] : 0.0f;
+        int64_t i = 0;
+        const int64_t u = p >= 0 ? (int64_t)ep_slot_src(sl, p, &i) * sl.C + i : -1;
+        ds[a] = u >= 0 ? recv_ds[u * Km + seen[q]] : 0.0f;
         ++seen[q];
     }
 }

@@ -29,6 +29,13 @@ typedef struct nccl_api {
     nccl_result (*CommSplit)(nccl_comm, int, int, nccl_comm *, void *);
     nccl_result (*CommDestroy)(nccl_comm);
     const char *(*GetErrorString)(nccl_result);
+    /* NCCL >= 2.28 (copy-engine all-to-all): NULL where the library lacks them */
+    nccl_result (*GetVersion)(int *);
+    nccl_result (*MemAlloc)(void **, size_t);
+    nccl_result (*MemFree)(void *);
+    nccl_result (*CommWindowRegister)(nccl_comm, void *, size_t, void **, int);
+    nccl_result (*CommWindowDeregister)(nccl_comm, void *);
+    nccl_result (*AlltoAll)(const void *, void *, size_t, int, nccl_comm, cudaStream_t);
 } nccl_api;
 
 static nccl_api g_nccl;
@@ -71,6 +78,12 @@ static int nccl_load(void)
             NCCL_SYM(CommDestroy);
             NCCL_SYM(GetErrorString);
 #undef NCCL_SYM
+            *(void **)&g_nccl.GetVersion = dlsym(h, "ncclGetVersion");
+            *(void **)&g_nccl.MemAlloc = dlsym(h, "ncclMemAlloc");
+            *(void **)&g_nccl.MemFree = dlsym(h, "ncclMemFree");
+            *(void **)&g_nccl.CommWindowRegister = dlsym(h, "ncclCommWindowRegister");
+            *(void **)&g_nccl.CommWindowDeregister = dlsym(h, "ncclCommWindowDeregister");
+            *(void **)&g_nccl.AlltoAll = dlsym(h, "ncclAlltoAll");
             if (g_nccl_state == 0) g_nccl_state = 1;
         }
     }
@@ -98,6 +111,20 @@ typedef struct nccl_config {
     const char *netName;
     int splitShare;
 } nccl_config;
+
+/* ncclConfig_t as NCCL 2.28 laid it out: the copy engines' communicator
+ * (CTAPolicy NCCL_CTA_POLICY_ZERO = 2); INT_MIN / NULL are "unset". */
+typedef struct nccl_config28 {
+    size_t size;
+    unsigned int magic;
+    unsigned int version; /* NCCL_VERSION(2, 28, 0) */
+    int blocking, cgaClusterSize, minCTAs, maxCTAs;
+    const char *netName;
+    int splitShare, trafficClass;
+    const char *commName;
+    int collnetEnable, CTAPolicy, shrinkShare, nvlsCTAs, nChannelsPerNetPeer,
+        nvlinkCentricSched;
+} nccl_config28;
 
 static nccl_comm comm_of(const smoe_ep_layer *ep)
 {
@@ -139,6 +166,16 @@ smoe_status smoe_ep_alltoall(const smoe_ep_layer *ep, const cbuf *x, int n, cuda
     return smoe_ep_p2p_group(ep, op, k, s);
 }
 
+smoe_status smoe_ep_ce_alltoall(const smoe_ep_layer *ep, const char *send, char *recv, size_t bytes,
+                                cudaStream_t s)
+{
+    nccl_result nr = g_nccl.AlltoAll(send, recv, bytes, NCCL_UINT8, ep->cuda->ce_comm, s);
+    SMOE_RETURN_ERROR_IF(nr != NCCL_OK, SMOE_ERROR_BACKEND,
+                         "expert parallelism: ncclAlltoAll (copy engines): %s",
+                         g_nccl.GetErrorString(nr));
+    return SMOE_SUCCESS;
+}
+
 /* ------------------------------------------------------------ create */
 
 void smoe_ep_cuda_free(smoe_ep_layer *ep)
@@ -151,6 +188,9 @@ void smoe_ep_cuda_free(smoe_ep_layer *ep)
     for (int i = 0; i < X->n_ev; i++)
         if (X->ev[i]) cudaEventDestroy(X->ev[i]);
     if (X->cs) cudaStreamDestroy(X->cs);
+    if (X->win) g_nccl.CommWindowDeregister(X->ce_comm, X->win);
+    if (X->win_mem) g_nccl.MemFree(X->win_mem);
+    if (X->ce_comm) g_nccl.CommDestroy(X->ce_comm);
     if (X->own_comm && X->comm) g_nccl.CommDestroy(X->comm);
     if (have) cudaSetDevice(prev);
     free(X->ev);
@@ -186,8 +226,29 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep)
      * exchanges they hide (1.5-9 points lost). */
     const double slice = (double)ep->C * (double)ep->desc.layer.d * 2.0;
     const int want = ep->desc.overlap == 1 || (ep->desc.overlap == 0 && slice >= 128.0 * 1048576.0);
-    X->nc = want && X->g.views && P > 1 ? P + split : 1;
-    if (X->nc == 1) {
+    /* copy engines: each exchange in H parts (2 measured better than 4 at
+     * P = 4, bench/RESULTS.md "copy engines") */
+    const int H = 2;
+    SMOE_RETURN_ERROR_IF(ep->desc.copy_engines && !X->g.views, SMOE_ERROR_UNSUPPORTED,
+                         "%s: copy_engines = 1, but this layer's expert GEMMs (%s) take no view "
+                         "of their rows (the Hopper GEMMs do)",
+                         fn, smoe_layer_path_name(ep->experts));
+    X->ce = ep->desc.copy_engines && P > 1 && ep->C > 0;
+    X->sl.C = ep->C;
+    X->sl.P = P;
+    X->sl.self = r;
+    X->sl.H = X->ce ? H : 1;
+    X->sl.Ch = X->ce ? (ep->C + H - 1) / H : ep->C;
+    X->sl.own_end = X->ce;
+    X->nc = X->ce ? H + 1 + split : want && X->g.views && P > 1 ? P + split : 1;
+    if (X->ce) {
+        const int64_t Xr = ep_slots_exchanged(X->sl);
+        int c = 0;
+        for (int h = 0; h < H; h++) X->bd.b[c++] = (int64_t)h * P * X->sl.Ch;
+        X->bd.b[c++] = Xr;
+        if (split) X->bd.b[c++] = Xr + ep->C / 2;
+        X->bd.b[c] = Xr + ep->C;
+    } else if (X->nc == 1) {
         X->bd.b[0] = 0;
         X->bd.b[1] = (int64_t)P * ep->C;
     } else {
@@ -199,8 +260,10 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep)
         X->bd.b[c] = (int64_t)P * ep->C;
     }
     /* 0: four SMs per rank, 8 to 32 (best measured: 8 at P = 2, 16 at P = 4;
-     * more peers want more of NCCL's channels at once) */
-    const int r_auto = 4 * P < 8 ? 8 : 4 * P > 32 ? 32 : 4 * P;
+     * more peers want more of NCCL's channels at once); copy engines: 8 (the
+     * rows need none; the counts, pairs and dS messages go faster with 8
+     * than with 2 at P = 4) */
+    const int r_auto = X->ce ? 8 : 4 * P < 8 ? 8 : 4 * P > 32 ? 32 : 4 * P;
     int R = ep->desc.comm_sms == 0 ? r_auto : ep->desc.comm_sms < 0 ? 0 : ep->desc.comm_sms;
     if (R > X->g.num_sms / 2) R = X->g.num_sms / 2;
     X->sms_overlap = X->g.num_sms - R;
@@ -209,7 +272,13 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep)
     X->ev = (cudaEvent_t *)calloc((size_t)X->n_ev, sizeof(cudaEvent_t));
     SMOE_RETURN_ERROR_IF(!X->order || !X->ev, SMOE_ERROR_OUT_OF_MEMORY,
                          "%s: allocation", fn);
-    if (X->nc == 1) {
+    if (X->ce) {
+        /* this rank's first half, the parts as they arrive, its second half */
+        int i = 0;
+        X->order[i++] = H;
+        for (int h = 0; h < H; h++) X->order[i++] = h;
+        if (split) X->order[i++] = H + 1;
+    } else if (X->nc == 1) {
         X->order[0] = 0;
     } else {
         /* chunk of source q: q, or q + 1 past this rank's split rows */
@@ -251,7 +320,53 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep)
         X->comm = mine;
         X->own_comm = 1;
     }
-    if (X->nc > 1)
+    if (X->ce) {
+        SMOE_RETURN_ERROR_IF(!g_nccl.AlltoAll || !g_nccl.MemAlloc || !g_nccl.CommWindowRegister,
+                             SMOE_ERROR_UNSUPPORTED,
+                             "%s: copy engines: this libnccl has no ncclAlltoAll / ncclMemAlloc "
+                             "/ ncclCommWindowRegister (NCCL 2.28 or later)",
+                             fn);
+        nccl_config28 cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.size = sizeof cfg;
+        cfg.magic = 0xcafebeef;
+        cfg.version = 22800;
+        cfg.blocking = 1;
+        cfg.cgaClusterSize = cfg.minCTAs = cfg.maxCTAs = INT_MIN;
+        cfg.splitShare = cfg.trafficClass = cfg.collnetEnable = INT_MIN;
+        cfg.shrinkShare = cfg.nvlsCTAs = cfg.nChannelsPerNetPeer = INT_MIN;
+        cfg.nvlinkCentricSched = INT_MIN;
+        cfg.CTAPolicy = 2; /* NCCL_CTA_POLICY_ZERO */
+        nccl_comm ce = NULL;
+        nccl_result nr = g_nccl.CommSplit((nccl_comm)ep->desc.nccl_comm, 0, r, &ce, &cfg);
+        SMOE_RETURN_ERROR_IF(nr != NCCL_OK || !ce, SMOE_ERROR_BACKEND,
+                             "%s: ncclCommSplit (copy engines): %s", fn,
+                             g_nccl.GetErrorString(nr));
+        X->ce_comm = ce;
+        const size_t row = (size_t)ep->desc.layer.d * 2, A = 4096;
+        const size_t sx = ((size_t)ep_slots_exchanged(X->sl) * row + A - 1) / A * A;
+        const size_t sv = ((size_t)ep_slots_total(X->sl) * row + A - 1) / A * A;
+        const size_t total = 3 * (sx + sv);
+        nr = g_nccl.MemAlloc(&X->win_mem, total);
+        SMOE_RETURN_ERROR_IF(nr != NCCL_OK || !X->win_mem, SMOE_ERROR_OUT_OF_MEMORY,
+                             "%s: ncclMemAlloc of %zu bytes (copy engines' window): %s", fn,
+                             total, g_nccl.GetErrorString(nr));
+        nr = g_nccl.CommWindowRegister(ce, X->win_mem, total, &X->win, 1 /* symmetric */);
+        SMOE_RETURN_ERROR_IF(nr != NCCL_OK, SMOE_ERROR_BACKEND,
+                             "%s: ncclCommWindowRegister: %s", fn, g_nccl.GetErrorString(nr));
+        char *m = (char *)X->win_mem;
+        X->rows_send = m; m += sx;
+        X->rows_recv = m; m += sv;
+        X->do_send = m; m += sx;
+        X->do_recv = m; m += sv;
+        X->part_send = m; m += sx;
+        X->part_recv = m;
+    }
+    if (X->ce)
+        snprintf(ep->path, sizeof ep->path,
+                 "%s; ep: copy engines, %d parts, %d chunks, %d SMs left to NCCL beside the GEMMs",
+                 smoe_layer_path_name(ep->experts), H, X->nc, X->g.num_sms - X->sms_overlap);
+    else if (X->nc > 1)
         snprintf(ep->path, sizeof ep->path,
                  "%s; ep: overlap, %d chunks, %d SMs left to NCCL beside the GEMMs",
                  smoe_layer_path_name(ep->experts), X->nc, X->g.num_sms - X->sms_overlap);

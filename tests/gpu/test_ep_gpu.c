@@ -23,6 +23,10 @@
  *    (overlap = 1: chunks, two streams, the layer's own communicator), once
  *    more with overlap = -1;
  *    overlap = 1 on the portable GEMMs is refused on every rank;
+ *  - copy_engines (P >= 2, Hopper): the three routing modes, a CUDA graph,
+ *    keep_x (bitwise against the same case without it), an odd capacity
+ *    and a rank without tokens, every pair on one rank, a capacity too
+ *    small; refused on the portable GEMMs and with overlap = -1;
  *  - refused at create on every rank: descriptions that differ (compared
  *    over NCCL), E not a multiple of P (each rank's own check).
  * Needs libnccl (the loader's libnccl.so.2 or $SMOE_NCCL_LIBRARY); skips
@@ -66,6 +70,7 @@ typedef struct gcase {
     int graph;         /* forward + backward captured in a CUDA graph, replayed twice */
     int overlap;       /* smoe_ep_desc.overlap */
     int keep_x;        /* smoe_ep_desc.keep_x (the case runs without it first) */
+    int ce;            /* smoe_ep_desc.copy_engines */
 } gcase;
 
 typedef struct grank {
@@ -108,6 +113,7 @@ static void *rank_main(void *arg) {
     ed.capacity = c->capacity;
     ed.overlap = c->overlap;
     ed.keep_x = c->keep_x;
+    ed.copy_engines = c->ce;
     smoe_ep_layer *L = NULL;
     R->st_create = smoe_ep_layer_create(&ed, &L);
     if (R->st_create != SMOE_SUCCESS) {
@@ -549,6 +555,53 @@ int main(int argc, char **argv) {
         c.overflow = 1;
         c.overlap = 1;
         run_case("Hopper, overlap, capacity too small", &c, &rng);
+        /* copy engines (W1 interleaved: the Hopper dX~ GEMM's view) */
+        for (int m = 0; m < 3; m++) {
+            c = base_case(P, modes[m], SMOE_BACKEND_SM90);
+            c.D.d = 128; c.D.n = 64;
+            c.D.w1_layout = SMOE_W1_INTERLEAVED;
+            c.D.activation = (smoe_activation)((P + m + 1) % 7);
+            c.D.has_bias = (P + m) % 2;
+            c.accumulate = m == 1;
+            for (int q = 0; q < P; q++) c.Tr[q] = 40 + 14 * q;
+            c.ce = 1;
+            run_case("copy engines, balanced", &c, &rng);
+        }
+        c = base_case(P, SMOE_ROUTING_GENERAL, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 64;
+        c.ce = 1;
+        c.graph = 1;
+        c.accumulate = 1;
+        run_case("copy engines, CUDA graph replays", &c, &rng);
+        c.keep_x = 1;
+        run_case("copy engines, keep_x, CUDA graph replays", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 64;
+        c.Tr[1] = 0;
+        c.Tr[0] = 57; /* capacity 57: the two parts of 29 rows, one padded */
+        c.ce = 1;
+        run_case("copy engines, odd capacity, rank 1 without tokens", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_GENERAL, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 64;
+        c.one_rank = 1;
+        c.ce = 1;
+        run_case("copy engines, every pair on rank 0's experts", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 64;
+        c.capacity = 4;
+        c.overflow = 1;
+        c.ce = 1;
+        run_case("copy engines, capacity too small", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_CUDA);
+        c.ce = 1;
+        c.refused = "no view";
+        run_case("copy engines on the portable GEMMs", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 64;
+        c.ce = 1;
+        c.overlap = -1;
+        c.refused = "overlap = -1";
+        run_case("copy engines with overlap = -1", &c, &rng);
     }
     return tu_summary("test_ep_gpu");
 }
