@@ -491,12 +491,15 @@ typedef struct smoe_ep_desc {
                                communicator of NCCL's zero-CTA policy split
                                at create), in two parts per exchange, beside
                                GEMMs that leave comm_sms SMs (0 = 8) for
-                               NCCL's own small messages. The layer then holds its
-                               exchange buffers itself (ncclMemAlloc,
+                               NCCL's own small messages. The exchange
+                               buffers then live in a window (ncclMemAlloc,
                                registered at create: (6 P + 3) capacity d
-                               bf16 elements, while the workspace drops
-                               6 P capacity d of them; per layer, not yet
-                               shared between layers). Needs the Hopper GEMMs and
+                               bf16 elements; the workspace drops 6 P
+                               capacity d of them) that the copy-engine
+                               layers of one communicator and device share
+                               when it holds them: create and free them in
+                               the same order on every rank, run them one
+                               at a time (one stream). Needs the Hopper GEMMs and
                                overlap >= 0 (else SMOE_ERROR_UNSUPPORTED);
                                the CPU backend refuses it. 0 = NCCL's
                                kernels move them (the workspace holds the

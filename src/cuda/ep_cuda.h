@@ -131,11 +131,13 @@ typedef struct ep_cuda {
     smoe_cuda_gemms g;
     ep_slots sl;     /* the received rows' layout */
     /* copy engines (sl.H parts, own_end): the zero-CTA communicator, the
-     * symmetric window and its buffers (send: the exchanged region; recv:
-     * every slot) */
+     * symmetric window and this layer's buffers in it (send: the exchanged
+     * region; recv: every slot) */
     int ce;
-    nccl_comm ce_comm;
-    void *win, *win_mem;
+    nccl_comm ce_comm; /* shared by the communicator's layers (ep_nccl.cu) */
+    void *ce_group;    /* the shared communicator and windows; ce_win: ours */
+    int ce_win;
+    void *win_mem;
     char *rows_send, *rows_recv, *do_send, *do_recv, *part_send, *part_recv;
 } ep_cuda;
 

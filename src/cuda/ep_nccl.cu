@@ -176,6 +176,145 @@ smoe_status smoe_ep_ce_alltoall(const smoe_ep_layer *ep, const char *send, char 
     return SMOE_SUCCESS;
 }
 
+/* ------------------------------------------------------------ copy engines' windows */
+
+/* The layers of one communicator (the caller's, on one device) share the
+ * copy engines' communicator and their windows: a layer takes the smallest
+ * window that holds its buffers, or registers a new one of its size (a
+ * collective, as is create itself: every rank creates and frees its layers
+ * in the same order, so every rank finds or makes the same window). A
+ * window is freed with its last layer, the communicator with its last
+ * window. The layers sharing a window must run one at a time (one stream,
+ * as a model's layers do); a CUDA graph keeps working, as no window moves
+ * while a layer holds it. */
+#define CE_MAX_WINDOWS 8
+typedef struct ce_window {
+    void *mem, *win;
+    size_t bytes;
+    int refs;
+} ce_window;
+
+typedef struct ce_group {
+    nccl_comm key;
+    int device;
+    nccl_comm comm;
+    ce_window w[CE_MAX_WINDOWS];
+    struct ce_group *next;
+} ce_group;
+
+static ce_group *g_ce; /* under g_nccl_lock, never held across a collective */
+
+static ce_group *ce_find(nccl_comm key, int device)
+{
+    for (ce_group *g = g_ce; g; g = g->next)
+        if (g->key == key && g->device == device) return g;
+    return NULL;
+}
+
+static smoe_status ce_acquire(smoe_ep_layer *ep, size_t need)
+{
+    const char *fn = "smoe_ep_layer_create";
+    ep_cuda *X = ep->cuda;
+    nccl_comm key = (nccl_comm)ep->desc.nccl_comm;
+    const int dev = ep->desc.layer.device;
+    pthread_mutex_lock(&g_nccl_lock);
+    ce_group *g = ce_find(key, dev);
+    pthread_mutex_unlock(&g_nccl_lock);
+    if (!g) {
+        nccl_config28 cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.size = sizeof cfg;
+        cfg.magic = 0xcafebeef;
+        cfg.version = 22800;
+        cfg.blocking = 1;
+        cfg.cgaClusterSize = cfg.minCTAs = cfg.maxCTAs = INT_MIN;
+        cfg.splitShare = cfg.trafficClass = cfg.collnetEnable = INT_MIN;
+        cfg.shrinkShare = cfg.nvlsCTAs = cfg.nChannelsPerNetPeer = INT_MIN;
+        cfg.nvlinkCentricSched = INT_MIN;
+        cfg.CTAPolicy = 2; /* NCCL_CTA_POLICY_ZERO */
+        nccl_comm ce = NULL;
+        nccl_result nr = g_nccl.CommSplit(key, 0, ep->r, &ce, &cfg);
+        SMOE_RETURN_ERROR_IF(nr != NCCL_OK || !ce, SMOE_ERROR_BACKEND,
+                             "%s: ncclCommSplit (copy engines): %s", fn,
+                             g_nccl.GetErrorString(nr));
+        g = (ce_group *)calloc(1, sizeof *g);
+        if (!g) {
+            g_nccl.CommDestroy(ce);
+            return smoe_fail(SMOE_ERROR_OUT_OF_MEMORY, "%s: allocation", fn);
+        }
+        g->key = key;
+        g->device = dev;
+        g->comm = ce;
+        pthread_mutex_lock(&g_nccl_lock);
+        g->next = g_ce;
+        g_ce = g;
+        pthread_mutex_unlock(&g_nccl_lock);
+    }
+    int best = -1, freew = -1;
+    for (int i = 0; i < CE_MAX_WINDOWS; i++) {
+        if (!g->w[i].mem) {
+            if (freew < 0) freew = i;
+        } else if (g->w[i].bytes >= need && (best < 0 || g->w[i].bytes < g->w[best].bytes)) {
+            best = i;
+        }
+    }
+    if (best < 0) {
+        SMOE_RETURN_ERROR_IF(freew < 0, SMOE_ERROR_UNSUPPORTED,
+                             "%s: copy engines: %d windows of different sizes on this "
+                             "communicator already (the most)",
+                             fn, CE_MAX_WINDOWS);
+        ce_window *w = &g->w[freew];
+        nccl_result nr = g_nccl.MemAlloc(&w->mem, need);
+        if (nr != NCCL_OK || !w->mem) {
+            w->mem = NULL;
+            return smoe_fail(SMOE_ERROR_OUT_OF_MEMORY,
+                             "%s: ncclMemAlloc of %zu bytes (copy engines' window): %s", fn,
+                             need, g_nccl.GetErrorString(nr));
+        }
+        nr = g_nccl.CommWindowRegister(g->comm, w->mem, need, &w->win, 1 /* symmetric */);
+        if (nr != NCCL_OK) {
+            g_nccl.MemFree(w->mem);
+            w->mem = NULL;
+            return smoe_fail(SMOE_ERROR_BACKEND, "%s: ncclCommWindowRegister: %s", fn,
+                             g_nccl.GetErrorString(nr));
+        }
+        w->bytes = need;
+        best = freew;
+    }
+    g->w[best].refs++;
+    X->ce_group = g;
+    X->ce_win = best;
+    X->ce_comm = g->comm;
+    X->win_mem = g->w[best].mem;
+    return SMOE_SUCCESS;
+}
+
+static void ce_release(ep_cuda *X)
+{
+    ce_group *g = (ce_group *)X->ce_group;
+    if (!g) return;
+    ce_window *w = &g->w[X->ce_win];
+    if (--w->refs == 0) {
+        g_nccl.CommWindowDeregister(g->comm, w->win);
+        g_nccl.MemFree(w->mem);
+        memset(w, 0, sizeof *w);
+    }
+    int any = 0;
+    for (int i = 0; i < CE_MAX_WINDOWS; i++) any |= g->w[i].mem != NULL;
+    if (!any) {
+        pthread_mutex_lock(&g_nccl_lock);
+        for (ce_group **p = &g_ce; *p; p = &(*p)->next)
+            if (*p == g) {
+                *p = g->next;
+                break;
+            }
+        pthread_mutex_unlock(&g_nccl_lock);
+        g_nccl.CommDestroy(g->comm);
+        free(g);
+    }
+    X->ce_group = NULL;
+}
+
 /* ------------------------------------------------------------ create */
 
 void smoe_ep_cuda_free(smoe_ep_layer *ep)
@@ -188,9 +327,7 @@ void smoe_ep_cuda_free(smoe_ep_layer *ep)
     for (int i = 0; i < X->n_ev; i++)
         if (X->ev[i]) cudaEventDestroy(X->ev[i]);
     if (X->cs) cudaStreamDestroy(X->cs);
-    if (X->win) g_nccl.CommWindowDeregister(X->ce_comm, X->win);
-    if (X->win_mem) g_nccl.MemFree(X->win_mem);
-    if (X->ce_comm) g_nccl.CommDestroy(X->ce_comm);
+    ce_release(X);
     if (X->own_comm && X->comm) g_nccl.CommDestroy(X->comm);
     if (have) cudaSetDevice(prev);
     free(X->ev);
@@ -326,34 +463,10 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep)
                              "%s: copy engines: this libnccl has no ncclAlltoAll / ncclMemAlloc "
                              "/ ncclCommWindowRegister (NCCL 2.28 or later)",
                              fn);
-        nccl_config28 cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.size = sizeof cfg;
-        cfg.magic = 0xcafebeef;
-        cfg.version = 22800;
-        cfg.blocking = 1;
-        cfg.cgaClusterSize = cfg.minCTAs = cfg.maxCTAs = INT_MIN;
-        cfg.splitShare = cfg.trafficClass = cfg.collnetEnable = INT_MIN;
-        cfg.shrinkShare = cfg.nvlsCTAs = cfg.nChannelsPerNetPeer = INT_MIN;
-        cfg.nvlinkCentricSched = INT_MIN;
-        cfg.CTAPolicy = 2; /* NCCL_CTA_POLICY_ZERO */
-        nccl_comm ce = NULL;
-        nccl_result nr = g_nccl.CommSplit((nccl_comm)ep->desc.nccl_comm, 0, r, &ce, &cfg);
-        SMOE_RETURN_ERROR_IF(nr != NCCL_OK || !ce, SMOE_ERROR_BACKEND,
-                             "%s: ncclCommSplit (copy engines): %s", fn,
-                             g_nccl.GetErrorString(nr));
-        X->ce_comm = ce;
         const size_t row = (size_t)ep->desc.layer.d * 2, A = 4096;
         const size_t sx = ((size_t)ep_slots_exchanged(X->sl) * row + A - 1) / A * A;
         const size_t sv = ((size_t)ep_slots_total(X->sl) * row + A - 1) / A * A;
-        const size_t total = 3 * (sx + sv);
-        nr = g_nccl.MemAlloc(&X->win_mem, total);
-        SMOE_RETURN_ERROR_IF(nr != NCCL_OK || !X->win_mem, SMOE_ERROR_OUT_OF_MEMORY,
-                             "%s: ncclMemAlloc of %zu bytes (copy engines' window): %s", fn,
-                             total, g_nccl.GetErrorString(nr));
-        nr = g_nccl.CommWindowRegister(ce, X->win_mem, total, &X->win, 1 /* symmetric */);
-        SMOE_RETURN_ERROR_IF(nr != NCCL_OK, SMOE_ERROR_BACKEND,
-                             "%s: ncclCommWindowRegister: %s", fn, g_nccl.GetErrorString(nr));
+        SMOE_FORWARD_IF_ERROR(ce_acquire(ep, 3 * (sx + sv)));
         char *m = (char *)X->win_mem;
         X->rows_send = m; m += sx;
         X->rows_recv = m; m += sv;

@@ -26,7 +26,9 @@
  *  - copy_engines (P >= 2, Hopper): the three routing modes, a CUDA graph,
  *    keep_x (bitwise against the same case without it), an odd capacity
  *    and a rank without tokens, every pair on one rank, a capacity too
- *    small; refused on the portable GEMMs and with overlap = -1;
+ *    small, a second layer sharing the first's window (its run bitwise
+ *    equal to the first's); refused on the portable GEMMs and with
+ *    overlap = -1;
  *  - refused at create on every rank: descriptions that differ (compared
  *    over NCCL), E not a multiple of P (each rank's own check).
  * Needs libnccl (the loader's libnccl.so.2 or $SMOE_NCCL_LIBRARY); skips
@@ -71,6 +73,8 @@ typedef struct gcase {
     int overlap;       /* smoe_ep_desc.overlap */
     int keep_x;        /* smoe_ep_desc.keep_x (the case runs without it first) */
     int ce;            /* smoe_ep_desc.copy_engines */
+    int share;         /* a second layer of the same description (copy engines:
+                          it shares the first's window) runs the second run */
 } gcase;
 
 typedef struct grank {
@@ -119,6 +123,15 @@ static void *rank_main(void *arg) {
     if (R->st_create != SMOE_SUCCESS) {
         snprintf(R->msg, sizeof R->msg, "create: %s", smoe_last_error());
         return NULL;
+    }
+    smoe_ep_layer *L1 = L, *L2 = NULL;
+    if (c->share) {
+        R->st_create = smoe_ep_layer_create(&ed, &L2);
+        if (R->st_create != SMOE_SUCCESS) {
+            snprintf(R->msg, sizeof R->msg, "create (second layer): %s", smoe_last_error());
+            smoe_ep_layer_free(L);
+            return NULL;
+        }
     }
     const smoe_dtype bf = SMOE_DTYPE_BF16;
     void *x = tu_dev_to_dtype(bf, P->x + R->t0 * d, (size_t)(T * d));
@@ -173,6 +186,7 @@ static void *rank_main(void *arg) {
     cudaGraph_t graph = NULL;
     cudaGraphExec_t exec = NULL;
     for (int run = 0; run < runs; run++) {
+        L = c->share && run == 1 ? L2 : L1;
         CUDA_OK(cudaMemsetAsync(out, 0xC3, out_b, s));
         for (int i = 0; i < 7; i++) {
             for (size_t j = 0; j < gn[i]; j++) gh[i][j] = c->accumulate ? 0.25f : 0.0f;
@@ -280,7 +294,8 @@ static void *rank_main(void *arg) {
     if (exec) cudaGraphExecDestroy(exec);
     if (graph) cudaGraphDestroy(graph);
     cudaStreamDestroy(s);
-    smoe_ep_layer_free(L);
+    smoe_ep_layer_free(L2); /* NULL is fine; the same order on every rank */
+    smoe_ep_layer_free(L1);
     return NULL;
 }
 
@@ -586,6 +601,11 @@ int main(int argc, char **argv) {
         c.one_rank = 1;
         c.ce = 1;
         run_case("copy engines, every pair on rank 0's experts", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_SOFTMAX_TOPK, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 64;
+        c.ce = 1;
+        c.share = 1;
+        run_case("copy engines, two layers sharing a window", &c, &rng);
         c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_SM90);
         c.D.d = 128; c.D.n = 64;
         c.capacity = 4;
