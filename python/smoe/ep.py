@@ -289,7 +289,7 @@ class EPGroup:
 
     def _desc(self, cfg, device, dtype):
         (d, n, E, K, act, layout, has_bias, routing, renorm, n_group, topk_group, scaling,
-         max_tokens, capacity, expert_rows, overlap, comm_sms, keep_x) = cfg
+         max_tokens, capacity, expert_rows, overlap, comm_sms, keep_x, copy_engines) = cfg
         _check_backend(self, device, dtype)
         if self._threads is None:
             backend = L.SMOE_BACKEND_AUTO
@@ -311,6 +311,7 @@ class EPGroup:
             ed.group = self._threads.handle
         ed.max_tokens, ed.capacity, ed.expert_rows = max_tokens, capacity, expert_rows
         ed.overlap, ed.comm_sms, ed.keep_x = overlap, comm_sms, int(keep_x)
+        ed.copy_engines = int(copy_engines)
         return ed
 
 
@@ -460,7 +461,7 @@ def _ep_backward_core(layer, dout, dlogits, x, router_w, w1, w2, b2, saved, need
 # model whose blocks are compiled one by one compiles once).
 _EP_OPTIONS = ("group", "top_k", "activation", "w1_layout", "routing", "renormalize", "n_group",
                "topk_group", "max_tokens", "capacity", "expert_rows", "overlap", "comm_sms",
-               "keep_x")
+               "keep_x", "copy_engines")
 _N_EP_OPTIONS = len(_EP_OPTIONS)
 
 
@@ -484,16 +485,16 @@ def _ep_cfg(config, routed_scaling, x, router_w, w2, has_bias):
     """The layer configuration (EPGroup._layer's key, as EPMoE._cfg) from an
     operator's config, routed_scaling and tensors."""
     (_, K, act, layout, routing, renorm, n_group, topk_group, max_tokens, capacity, expert_rows,
-     overlap, comm_sms, keep_x) = config[:_N_EP_OPTIONS]
+     overlap, comm_sms, keep_x, copy_engines) = config[:_N_EP_OPTIONS]
     # (d from x, n from w2, E from the router: w1 has this rank's E/P.)
     return (int(x.shape[1]), int(w2.shape[2]), int(router_w.shape[0]), int(K), int(act),
             int(layout), bool(has_bias), int(routing), bool(renorm), int(n_group),
             int(topk_group), float(routed_scaling), int(max_tokens), int(capacity),
-            int(expert_rows), int(overlap), int(comm_sms), bool(keep_x))
+            int(expert_rows), int(overlap), int(comm_sms), bool(keep_x), bool(copy_engines))
 
 
 def _ep_saved_bound(T, P, E, K, d, n, activation, routing, dtype, max_tokens, capacity,
-                    expert_rows, keep_x=False):
+                    expert_rows, keep_x=False, copy_engines=False):
     """A saved-block size, in bytes, at least smoe_ep_layer_saved_bytes(T) of
     such a layer (E the whole layer's experts, P ranks, dtype a torch
     dtype), computed in Python: also for a symbolic T under torch.compile,
@@ -503,9 +504,15 @@ def _ep_saved_bound(T, P, E, K, d, n, activation, routing, dtype, max_tokens, ca
     each at its larger size, the experts' part being
     smoe.functional.saved_bytes() of their GENERAL layer; the operator
     checks the library's size against it at every call; keep_x adds the
-    received rows of x (P C, d)."""
+    received rows of x (one per received-row slot, d). With copy_engines
+    (P > 1) the received rows have P (C + 1) + C slots at most (two parts
+    of ceil(C / 2) per peer, this rank's own after them) and up to 4
+    chunks."""
     El = E // P
     C = capacity or max_tokens
+    ce = bool(copy_engines) and P > 1
+    slots = P * (C + 1) + C if ce else P * C
+    chunks = max(P + 1, 4) if ce else P + 1
     worst = P * C * min(K, El)
     rows = expert_rows if expert_rows and expert_rows < worst else worst
     code = _DTYPES[dtype]
@@ -521,23 +528,24 @@ def _ep_saved_bound(T, P, E, K, d, n, activation, routing, dtype, max_tokens, ca
                 2 * P * 8 + 8,            # counts (CPU)
                 (T + 1) * 4,              # ent_off (CUDA)
                 rows * 4,                 # tri_slot
-                (El * (P + 1) + 1) * 4)   # off2 (CUDA: El nc + 1, nc <= P + 1 chunks)
+                (El * chunks + 1) * 4)    # off2 (CUDA: El nc + 1)
     total = 0
     for size in sections:
         total = total + _align(size)
-    experts = saved_bytes(P * C, rows, d=d, n=n, E=El, K=0, activation=activation,
+    experts = saved_bytes(slots, rows, d=d, n=n, E=El, K=0, activation=activation,
                           routing=L.SMOE_ROUTING_GENERAL, rounding=L.SMOE_ROUND_OFF,
                           round_tile=128, dtype=code)
-    xkeep = P * C * d * torch.empty(0, dtype=dtype).element_size() if keep_x else 0
+    xkeep = slots * d * torch.empty(0, dtype=dtype).element_size() if keep_x else 0
     return total + _align(experts) + _align(xkeep)
 
 
 def _ep_op_saved_bound(T, config, x, router_w, w2, op):
     g = _ep_group(config[0], op)
-    (_, K, act, _, routing, _, _, _, max_tokens, capacity, expert_rows, _, _, keep_x) = \
-        config[:_N_EP_OPTIONS]
+    (_, K, act, _, routing, _, _, _, max_tokens, capacity, expert_rows, _, _, keep_x,
+     copy_engines) = config[:_N_EP_OPTIONS]
     return _ep_saved_bound(T, g.size, router_w.shape[0], K, x.shape[1], w2.shape[2], act,
-                           routing, x.dtype, max_tokens, capacity, expert_rows, keep_x)
+                           routing, x.dtype, max_tokens, capacity, expert_rows, keep_x,
+                           copy_engines)
 
 
 @torch.library.custom_op("smoe::ep_forward", mutates_args=())
@@ -745,11 +753,12 @@ def _register_ordered():
 _ORDERED = _register_ordered()
 
 
-def check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who, keep_x=False):
+def check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who, keep_x=False,
+                     copy_engines=False):
     """The exchange's options as smoe.EPMoE takes them (smoe_ep_desc's):
     max_tokens, capacity, expert_rows ints >= 0, overlap -1, 0 or 1,
-    comm_sms an int >= -1, keep_x a bool; a SmoeValueError naming the one
-    that is not."""
+    comm_sms an int >= -1, keep_x and copy_engines bools; a SmoeValueError
+    naming the one that is not."""
     for name, v in (("max_tokens", max_tokens), ("capacity", capacity),
                     ("expert_rows", expert_rows)):
         _check_int(v, who + ": " + name, 0)
@@ -760,19 +769,23 @@ def check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who, 
     if keep_x not in (False, True):  # (0 and 1 compare equal to them)
         raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "%s: keep_x = %r, must be a bool"
                              % (who, keep_x))
+    if copy_engines not in (False, True):
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "%s: copy_engines = %r, must be a "
+                             "bool" % (who, copy_engines))
 
 
 def _ep_layer_config(group, d, n, E, K, activation, w1_layout, has_bias, routing, renormalize,
                      n_group, topk_group, routed_scaling, max_tokens, capacity, expert_rows,
-                     overlap, comm_sms, keep_x=False):
+                     overlap, comm_sms, keep_x=False, copy_engines=False):
     """(options, cfg) of a layer on `group` (enums as smoe_* codes): the
     operators' config (_EP_OPTIONS, without save or needs) and the key of
     the group's handle (EPGroup._layer)."""
     options = [group._id, K, activation, w1_layout, routing, int(renormalize), n_group,
-               topk_group, max_tokens, capacity, expert_rows, overlap, comm_sms, int(keep_x)]
+               topk_group, max_tokens, capacity, expert_rows, overlap, comm_sms, int(keep_x),
+               int(copy_engines)]
     cfg = (d, n, E, K, activation, w1_layout, bool(has_bias), routing, bool(renormalize),
            n_group, topk_group, float(routed_scaling), max_tokens, capacity, expert_rows,
-           overlap, comm_sms, bool(keep_x))
+           overlap, comm_sms, bool(keep_x), bool(copy_engines))
     return options, cfg
 
 
@@ -801,7 +814,7 @@ def _ep_run(group, options, cfg, routed_scaling, x, router_w, w1, w2, b1, b2, ex
 
 def _ep_moe(group, x, router_w, w1, w2, *, top_k, routing, renormalize, activation, w1_layout,
             expert_bias, n_group, topk_group, routed_scaling, max_tokens, capacity, expert_rows,
-            overlap, comm_sms, who, keep_x=False):
+            overlap, comm_sms, who, keep_x=False, copy_engines=False):
     """The layer on x (..., d), this rank's tokens, with router_w (E, d) and
     this rank's experts w1, w2 (no biases; enums as smoe_* codes; the
     routing options checked by the caller): (out (..., d), expert_counts
@@ -819,7 +832,7 @@ def _ep_moe(group, x, router_w, w1, w2, *, top_k, routing, renormalize, activati
     options, cfg = _ep_layer_config(group, x2.shape[1], w2.shape[2], router_w.shape[0], top_k,
                                     activation, w1_layout, False, routing, renormalize, n_group,
                                     topk_group, routed_scaling, max_tokens, capacity,
-                                    expert_rows, overlap, comm_sms, keep_x)
+                                    expert_rows, overlap, comm_sms, keep_x, copy_engines)
     out, counts, logits = _ep_run(group, options, cfg, routed_scaling, x2, router_w, w1, w2,
                                   None, None, expert_bias)
     return out.reshape(x.shape), counts, logits
@@ -845,6 +858,11 @@ class EPMoE(nn.Module):
     which then sends only the output gradient (one exchange of the three
     fewer) for P * capacity * d elements more in the saved activation per
     rank (smoe_ep_desc.keep_x; off: x travels again, the memory floor).
+    copy_engines=True moves the rows by the GPU's copy engines (NCCL >=
+    2.28's all-to-all from a window the group's copy-engine layers share,
+    (6 P + 3) * capacity * d elements; Hopper GEMMs, P > 1; faster at P = 4
+    on large exchanges, slower at P = 2: bench/RESULTS.md;
+    smoe_ep_desc.copy_engines). The CPU group refuses it.
 
     routing: 'topk_softmax', 'softmax_topk' (with `renormalize`) or
     'sigmoid_topk' with n_group, topk_group and routed_scaling, as
@@ -899,7 +917,7 @@ class EPMoE(nn.Module):
                  max_tokens, capacity=0, expert_rows=0, routing="topk_softmax",
                  renormalize=True, w1_layout="interleaved", overlap=0, comm_sms=0, n_group=0,
                  topk_group=0, routed_scaling=1.0, output_router_logits=False,
-                 aux_loss_scope="local", keep_x=False):
+                 aux_loss_scope="local", keep_x=False, copy_engines=False):
         super().__init__()
         # Every argument is checked before the group is touched: a refused
         # layer makes no communicator.
@@ -911,7 +929,8 @@ class EPMoE(nn.Module):
             routing, n_group, topk_group, routed_scaling, E, K, who,
             "the C API's smoe_ep_layer takes them, smoe.EPMoE does not")
         self.w1_layout = _enum(W1_LAYOUTS, w1_layout, who + ": w1_layout")
-        check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who, keep_x)
+        check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who, keep_x,
+                         copy_engines)
         if aux_loss_scope not in _AUX_LOSS_SCOPES:
             raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.EPMoE: aux_loss_scope = %r, "
                                  "must be 'local' (this rank's tokens) or 'group' (the group's)"
@@ -929,6 +948,7 @@ class EPMoE(nn.Module):
         self.max_tokens, self.capacity, self.expert_rows = (int(max_tokens), int(capacity),
                                                             int(expert_rows))
         self.overlap, self.comm_sms, self.keep_x = int(overlap), int(comm_sms), bool(keep_x)
+        self.copy_engines = bool(copy_engines)
         self.output_router_logits = bool(output_router_logits)
         self.aux_loss_scope = aux_loss_scope
         self.local_experts = E // P
@@ -948,7 +968,7 @@ class EPMoE(nn.Module):
             self.group, d, n, E, K, self.activation, self.w1_layout, add_bias, self.routing,
             self.renormalize, self.n_group, self.topk_group, self.routed_scaling,
             self.max_tokens, self.capacity, self.expert_rows, self.overlap, self.comm_sms,
-            self.keep_x)
+            self.keep_x, self.copy_engines)
 
     def _apply(self, fn, *args, **kwargs):
         out = super()._apply(fn, *args, **kwargs)

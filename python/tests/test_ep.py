@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import smoe
+from smoe import _lib as L
 import reference as R
 from test_functional import assert_close, make
 
@@ -374,6 +375,7 @@ def test_routing_options_refused_as_smoe_moe_refuses_them(kw):
     (dict(overlap=2), r"smoe.EPMoE: overlap = 2, must be -1, 0 or 1"),
     (dict(comm_sms=-2), r"smoe.EPMoE: comm_sms = -2, must be >= -1"),
     (dict(keep_x=2), r"smoe.EPMoE: keep_x = 2, must be a bool"),
+    (dict(copy_engines=2), r"smoe.EPMoE: copy_engines = 2, must be a bool"),
     (dict(max_tokens=-1), r"smoe.EPMoE: max_tokens = -1, must be >= 0"),
     (dict(max_tokens=8.0), r"smoe.EPMoE: max_tokens = 8.0, must be an int"),
     (dict(capacity=-3), r"smoe.EPMoE: capacity = -3, must be >= 0"),
@@ -384,6 +386,17 @@ def test_constructor_refuses_before_the_group(kw, match):
     with pytest.raises(ValueError, match=match) as e:
         smoe.EPMoE(E, 2, D, N, ep_group=object(), **kw)
     assert isinstance(e.value, smoe.SmoeError)
+
+
+def test_copy_engines_refused_on_the_cpu():
+    # the in-process group's layer exchanges by host copies: the library
+    # refuses the option at create (the first call), on every rank
+    def rank(r, g):
+        m = smoe.EPMoE(E, 2, D, N, ep_group=g, max_tokens=4, copy_engines=True).double()
+        with pytest.raises(smoe.SmoeError, match=r"copy_engines = 1: the CPU backend") as e:
+            m(torch.randn(4, D, dtype=torch.float64))
+        return e.value.status
+    assert run_ranks(2, rank) == [L.SMOE_ERROR_UNSUPPORTED] * 2
 
 
 def test_experts_must_split_over_the_ranks():

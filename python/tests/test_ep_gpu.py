@@ -46,6 +46,8 @@ CASES = {
     "sigmoid_topk": (3, SIGMOID, 0.1, 31, 0.0),
     "router_logits": (2, dict(output_router_logits=True), 0.5, None, 0.0),
     "keep_x": (2, dict(keep_x=True), 0.5, None, 0.0),
+    # (the Hopper GEMMs on d, n multiples of 64; P = 1 exchanges nothing)
+    "copy_engines": (2, dict(copy_engines=True), 0.5, None, 0.0),
     "group_loss": (3, dict(SIGMOID, aux_loss_scope="group", output_router_logits=True), 0.1,
                    32, 0.5),
 }

@@ -161,8 +161,9 @@ def test_replace_blocks_expert_parallel_matches_the_hf_model(family, keep_x):
         rows = slice(r * ROWS, (r + 1) * ROWS)
         out = model(ids[rows], labels=labels[rows], output_router_logits=True)
         out.loss.backward()
-        # the layer handles' configurations (EPGroup._layer's keys) end with keep_x
-        assert {key[0][-1] for key in group._layers} == {keep_x}
+        # the layer handles' configurations (EPGroup._layer's keys) end with
+        # keep_x, copy_engines
+        assert {key[0][-2:] for key in group._layers} == {(keep_x, False)}
         return out, {k: p.grad for k, p in model.named_parameters()}
 
     import smoe.hf   # noqa: F401
