@@ -476,7 +476,8 @@ typedef struct smoe_ep_desc {
                                an exchange is in flight (and the most CTAs the
                                layer's own NCCL communicator launches): 0 =
                                4 per rank within [8, 32] (8 at P = 2, 16 at
-                               P = 4: measured best), -1 = none */
+                               P = 4: measured best; 8 with copy_engines),
+                               -1 = none */
     int keep_x;             /* 1: the forward keeps the rows of x this rank
                                received in the saved block, and the backward
                                sends only dout (one exchange of the three

@@ -853,7 +853,8 @@ class EPMoE(nn.Module):
     the worst case) as in smoe_ep_desc: a call beyond them fails on every
     rank, raised by the layer's next call or smoe.EPMoE.check_device().
     overlap (0 = the library decides, 1 = on, -1 = off) and comm_sms (SMs
-    left to NCCL beside the GEMMs, 0 = 4 per rank within [8, 32]) as in smoe_ep_desc.
+    left to NCCL beside the GEMMs, 0 = 4 per rank within [8, 32], 8 with
+    copy_engines) as in smoe_ep_desc.
     keep_x=True keeps the rows of x this rank received for the backward,
     which then sends only the output gradient (one exchange of the three
     fewer) for P * capacity * d elements more in the saved activation per
