@@ -137,7 +137,6 @@ typedef struct ep_cuda {
     nccl_comm ce_comm; /* shared by the communicator's layers (ep_nccl.cu) */
     void *ce_group;    /* the shared communicator and windows; ce_win: ours */
     int ce_win;
-    void *win_mem;
     char *rows_send, *rows_recv, *do_send, *do_recv, *part_send, *part_recv;
 } ep_cuda;
 

@@ -211,7 +211,8 @@ static ce_group *ce_find(nccl_comm key, int device)
     return NULL;
 }
 
-static smoe_status ce_acquire(smoe_ep_layer *ep, size_t need)
+/* A window of `need` bytes or more for this layer: its memory in *mem. */
+static smoe_status ce_acquire(smoe_ep_layer *ep, size_t need, char **mem)
 {
     const char *fn = "smoe_ep_layer_create";
     ep_cuda *X = ep->cuda;
@@ -285,7 +286,7 @@ static smoe_status ce_acquire(smoe_ep_layer *ep, size_t need)
     X->ce_group = g;
     X->ce_win = best;
     X->ce_comm = g->comm;
-    X->win_mem = g->w[best].mem;
+    *mem = (char *)g->w[best].mem;
     return SMOE_SUCCESS;
 }
 
@@ -466,8 +467,8 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep)
         const size_t row = (size_t)ep->desc.layer.d * 2, A = 4096;
         const size_t sx = ((size_t)ep_slots_exchanged(X->sl) * row + A - 1) / A * A;
         const size_t sv = ((size_t)ep_slots_total(X->sl) * row + A - 1) / A * A;
-        SMOE_FORWARD_IF_ERROR(ce_acquire(ep, 3 * (sx + sv)));
-        char *m = (char *)X->win_mem;
+        char *m = NULL;
+        SMOE_FORWARD_IF_ERROR(ce_acquire(ep, 3 * (sx + sv), &m));
         X->rows_send = m; m += sx;
         X->rows_recv = m; m += sv;
         X->do_send = m; m += sx;
