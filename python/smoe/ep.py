@@ -42,17 +42,21 @@ the library's inference forward: no saved block.
 A compiled EPMoE captured in a CUDA graph replays the eager layer's bits
 too. The library's NCCL communicators are freed beside the caller
 (ncclCommDestroy waits for every graph that captured an operation on
-them, and a graph may outlive its module).
+them, and a graph may outlive its module): a group's layers and then its
+communicator in one thread, which the process waits for at exit (20 s at
+most).
 
 EPGroup.in_process(P) gives P groups for P threads of one process instead:
 the library's in-process transport on its CPU backend (float32, float64 or
 bfloat16 CPU tensors), for tests and simulation without GPUs.
 """
+import atexit
 import ctypes
 import itertools
 import os
 import sys
 import threading
+import time
 import weakref
 from typing import List, Optional, Tuple
 
@@ -125,29 +129,73 @@ def _nccl_check(r, what):
                         % (what, _nccl_lib().ncclGetErrorString(r).decode(errors="replace")))
 
 
-def _free_quietly(free, handle, keep):
-    try:
-        free(handle)
-    except Exception:
-        pass
+def _free_in_order(jobs, keep):
+    for free, handle in jobs:
+        try:
+            free(handle)
+        except Exception:
+            pass
+    with _PENDING_LOCK:
+        _PENDING.discard(threading.current_thread())
+
+
+# The threads freeing NCCL resources (_free_beside): joined at exit, so
+# that no NCCL teardown is still running while the process ends (a rank
+# then died of SIGSEGV after its work was done, now and then).
+_PENDING = set()
+_PENDING_LOCK = threading.Lock()
+_EXIT_WAIT_S = 20.0
+
+
+def _join_pending():
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    with _PENDING_LOCK:
+        threads = list(_PENDING)
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_join_pending)
+
+
+def _free_jobs_beside(jobs, keep=None):
+    """Runs free(handle) for each (free, handle) of jobs, in order, in one
+    daemon thread, which holds `keep` (what must outlive the frees) until
+    they are done. ncclCommDestroy waits until every CUDA graph that
+    captured an operation on the communicator is destroyed (NCCL counts
+    them), and a graph may well outlive the module whose calls it replays
+    (torch's CUDAGraph and torch.compile's caches hold them): a free inline
+    would then block the thread that dropped the last reference, or the
+    interpreter's exit, for good. In a thread it ends when the last such
+    graph goes, or with the process; at exit the process waits up to
+    _EXIT_WAIT_S for these threads. One thread runs a group's frees in
+    order (its layers in the order they were made, then its communicator),
+    as the collective parts of smoe_ep_layer_free need the same order on
+    every rank."""
+    if not jobs:
+        return
+    t = threading.Thread(target=_free_in_order, args=(jobs, keep), name="smoe-nccl-free",
+                         daemon=True)
+    with _PENDING_LOCK:
+        _PENDING.add(t)
+    t.start()
+
+
+def _take(obj, attr):
+    """obj.attr (a ctypes handle) or None when unset; obj.attr becomes None."""
+    handle = getattr(obj, attr, None)
+    setattr(obj, attr, None)
+    return handle if handle is not None and handle.value else None
 
 
 def _free_beside(obj, attr, free, keep=None):
-    """For __del__ of an object over an NCCL communicator: L.release, with
-    free(handle) run in a daemon thread, which holds `keep` (what must
-    outlive the free) until it is done. ncclCommDestroy waits until every
-    CUDA graph that captured an operation on the communicator is destroyed
-    (NCCL counts them), and a graph may well outlive the module whose calls
-    it replays (torch's CUDAGraph and torch.compile's caches hold them): a
-    free inline would then block the thread that dropped the last
-    reference, or the interpreter's exit, for good. In a thread it ends when
-    the last such graph goes, or with the process. At interpreter shutdown
+    """For __del__ of an object over an NCCL communicator: takes obj.attr
+    and frees it in a thread (_free_jobs_beside). At interpreter shutdown
     nothing is freed (the process is ending; no thread can start)."""
-    if sys.is_finalizing():
-        setattr(obj, attr, None)
+    handle = _take(obj, attr)
+    if handle is None or sys.is_finalizing():
         return
-    L.release(obj, attr, lambda h: threading.Thread(
-        target=_free_quietly, args=(free, h, keep), name="smoe-nccl-free", daemon=True).start())
+    _free_jobs_beside([(free, handle)], keep)
 
 
 class _NcclComm:
@@ -236,6 +284,23 @@ class EPGroup:
         self._layers_lock = threading.Lock()
         self._id = next(_EP_GROUP_IDS)
         _EP_GROUPS[self._id] = self
+
+    def __del__(self):
+        # every layer of the group, in the order they were made, then the
+        # communicator, in one thread (_free_jobs_beside); an in-process
+        # group's layers go with their own objects
+        if getattr(self, "_threads", None) is not None or sys.is_finalizing():
+            return
+        jobs = []
+        for layer in list(getattr(self, "_layers", {}).values()):
+            h = _take(layer, "ptr")
+            if h is not None:
+                jobs.append((layer._lib.smoe_ep_layer_free, h))
+        comm = getattr(self, "_comm", None)
+        h = _take(comm, "handle") if comm is not None else None
+        if h is not None:
+            jobs.append((lambda c: _nccl_lib().ncclCommDestroy(c), h))
+        _free_jobs_beside(jobs)
 
     @property
     def comm(self):

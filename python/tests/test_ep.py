@@ -425,3 +425,26 @@ def test_calls_refused():
     with pytest.raises(ValueError, match=r"expert_bias is cpu torch.float64 \(8,\), must be "
                        r"float32"):
         s(x.float())
+
+
+def test_nccl_frees_in_order_in_one_thread_and_joined_at_exit():
+    # An NCCL group's teardown (EPGroup.__del__): its layers in the order
+    # they were made, then its communicator, in one thread that exit waits
+    # for (a rank died of SIGSEGV at exit with the frees still running).
+    import threading
+    import time
+    from smoe import ep as E_
+    seen, gate = [], threading.Event()
+
+    def free(tag):
+        gate.wait(5)
+        time.sleep(0.05)
+        seen.append((tag, threading.current_thread().name))
+
+    keep = object()
+    E_._free_jobs_beside([(free, "layer a"), (free, "layer b"), (free, "comm")], keep)
+    assert len(E_._PENDING) == 1 and seen == []
+    gate.set()
+    E_._join_pending()
+    assert [t for t, _ in seen] == ["layer a", "layer b", "comm"]
+    assert {n for _, n in seen} == {"smoe-nccl-free"} and not E_._PENDING
