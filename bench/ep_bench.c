@@ -8,14 +8,16 @@
  *                 [-K] [-c capacity] [-x expert_rows] [-i iterations]
  *                 [-b cuda|sm90] [-m comm_sms] [-o overlap] [-g 1]
  *
- * The EP layer runs three times: with its default schedule (the exchanges
+ * The EP layer runs three times on NCCL's kernels (copy_engines = -1):
+ * with its default schedule (the exchanges
  * beside the expert GEMMs where the kernels allow it; -m sets comm_sms),
  * with overlap = -1 (exchange, then compute): what the overlap buys, and
  * with the default schedule and keep_x = 1 (x's received rows kept for the
  * backward: one exchange fewer there). -o 1 asks for the overlap where the
  * default would not take it. -g 1 adds two runs with copy_engines = 1
  * (NCCL's copy-engine all-to-all, comm_sms at its default), without and
- * with keep_x.
+ * with keep_x: the layer's default (copy_engines = 0) takes them from P =
+ * 4.
  *
  * -r takes T, d, n, E, K from a row of bench/grid.h (T then per GPU). Per
  * GPU TFLOPS count 6TKdn (forward) and 12TKdn (backward) of the rank's own
@@ -182,7 +184,7 @@ static void *rank_main(void *arg) {
         ed.overlap = R->ep == 3 ? -1 : R->c->overlap;
         ed.comm_sms = R->ep >= 5 ? 0 : c->comm_sms;
         ed.keep_x = R->ep == 4 || R->ep == 6;
-        ed.copy_engines = R->ep >= 5;
+        ed.copy_engines = R->ep >= 5 ? 1 : -1;
         SMOE_OK(smoe_ep_layer_create(&ed, &EPL));
         sb = smoe_ep_layer_saved_bytes(EPL, T);
         wb = smoe_ep_layer_workspace_bytes(EPL, T);

@@ -500,16 +500,22 @@ typedef struct smoe_ep_desc {
                                layers of one communicator and device share
                                when it holds them: create and free them in
                                the same order on every rank, run them one
-                               at a time (one stream). Needs the Hopper GEMMs and
-                               overlap >= 0 (else SMOE_ERROR_UNSUPPORTED);
-                               the CPU backend refuses it. 0 = NCCL's
-                               kernels move them (the workspace holds the
-                               buffers) */
+                               at a time (one stream). Needs the Hopper GEMMs,
+                               overlap >= 0 and ranks whose GPUs reach each
+                               other's memory (one NVLink domain: NCCL
+                               registers the window) (else
+                               SMOE_ERROR_UNSUPPORTED); the CPU backend
+                               refuses it. -1 = NCCL's kernels move them
+                               (the workspace holds the buffers). 0 = copy
+                               engines from P = 4 where all of that holds
+                               (measured faster there on every shape; slower
+                               at P = 2 on most), else NCCL's kernels;
+                               smoe_ep_layer_path_name says which */
 } smoe_ep_desc;
 
 /* Defaults: layer as smoe_layer_desc_default(), rank 0 of 1, no group,
  * max_tokens 0 (the caller must set it), capacity, expert_rows, overlap,
- * comm_sms, keep_x and copy_engines 0. */
+ * comm_sms, keep_x and copy_engines 0 (copy engines: automatic). */
 SMOE_API smoe_ep_desc smoe_ep_desc_default(void);
 
 typedef struct smoe_ep_layer smoe_ep_layer; /* opaque */

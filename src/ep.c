@@ -96,13 +96,13 @@ static smoe_status desc_checks(const smoe_ep_desc *desc, int P, const char *fn)
     else if (desc->keep_x < 0 || desc->keep_x > 1)
         st = smoe_fail(SMOE_ERROR_INVALID_VALUE, "%s: keep_x = %d, must be 0 or 1", fn,
                        desc->keep_x);
-    else if (desc->copy_engines < 0 || desc->copy_engines > 1)
-        st = smoe_fail(SMOE_ERROR_INVALID_VALUE, "%s: copy_engines = %d, must be 0 or 1", fn,
+    else if (desc->copy_engines < -1 || desc->copy_engines > 1)
+        st = smoe_fail(SMOE_ERROR_INVALID_VALUE, "%s: copy_engines = %d, must be -1, 0 or 1", fn,
                        desc->copy_engines);
-    else if (desc->copy_engines && L->backend == SMOE_BACKEND_CPU)
+    else if (desc->copy_engines == 1 && L->backend == SMOE_BACKEND_CPU)
         st = smoe_fail(SMOE_ERROR_UNSUPPORTED,
                        "%s: copy_engines = 1: the CPU backend's exchanges are host copies", fn);
-    else if (desc->copy_engines && desc->overlap == -1)
+    else if (desc->copy_engines == 1 && desc->overlap == -1)
         st = smoe_fail(SMOE_ERROR_UNSUPPORTED,
                        "%s: copy_engines = 1 with overlap = -1: the copy engines' exchanges "
                        "run beside the expert GEMMs (overlap 0 or 1)",

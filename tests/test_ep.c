@@ -400,9 +400,14 @@ int main(int argc, char **argv) {
         c.copy_engines = 2;
         run_case("copy_engines out of range", &c, &rng, 0, SMOE_ERROR_INVALID_VALUE,
                  "copy_engines");
+        c.copy_engines = -2;
+        run_case("copy_engines below -1", &c, &rng, 0, SMOE_ERROR_INVALID_VALUE,
+                 "copy_engines");
         c.copy_engines = 1;
         c.overlap = 0;
         run_case("copy engines on the CPU", &c, &rng, 0, SMOE_ERROR_UNSUPPORTED, "copy_engines");
+        c.copy_engines = -1; /* NCCL's kernels asked for: the CPU's host copies */
+        run_case("copy engines off on the CPU", &c, &rng, 1, SMOE_SUCCESS, NULL);
         c.copy_engines = 0;
         c.overlap = -1;
         c.comm_sms = 8; /* CUDA-only settings, no effect on the CPU */

@@ -555,11 +555,11 @@ def _ep_cfg(config, routed_scaling, x, router_w, w2, has_bias):
     return (int(x.shape[1]), int(w2.shape[2]), int(router_w.shape[0]), int(K), int(act),
             int(layout), bool(has_bias), int(routing), bool(renorm), int(n_group),
             int(topk_group), float(routed_scaling), int(max_tokens), int(capacity),
-            int(expert_rows), int(overlap), int(comm_sms), bool(keep_x), bool(copy_engines))
+            int(expert_rows), int(overlap), int(comm_sms), bool(keep_x), int(copy_engines))
 
 
 def _ep_saved_bound(T, P, E, K, d, n, activation, routing, dtype, max_tokens, capacity,
-                    expert_rows, keep_x=False, copy_engines=False):
+                    expert_rows, keep_x=False, copy_engines=-1):
     """A saved-block size, in bytes, at least smoe_ep_layer_saved_bytes(T) of
     such a layer (E the whole layer's experts, P ranks, dtype a torch
     dtype), computed in Python: also for a symbolic T under torch.compile,
@@ -570,12 +570,14 @@ def _ep_saved_bound(T, P, E, K, d, n, activation, routing, dtype, max_tokens, ca
     smoe.functional.saved_bytes() of their GENERAL layer; the operator
     checks the library's size against it at every call; keep_x adds the
     received rows of x (one per received-row slot, d). With copy_engines
-    (P > 1) the received rows have P (C + 1) + C slots at most (two parts
-    of ceil(C / 2) per peer, this rank's own after them) and up to 4
+    (smoe_ep_desc's code: 1, or 0 at P >= 4, where the library may take
+    them)
+    the received rows have P (C + 1) + C slots at most (two parts of
+    ceil(C / 2) per peer, this rank's own after them) and up to 4
     chunks."""
     El = E // P
     C = capacity or max_tokens
-    ce = bool(copy_engines) and P > 1
+    ce = P > 1 and (copy_engines == 1 or (copy_engines == 0 and P >= 4))
     slots = P * (C + 1) + C if ce else P * C
     chunks = max(P + 1, 4) if ce else P + 1
     worst = P * C * min(K, El)
@@ -610,7 +612,7 @@ def _ep_op_saved_bound(T, config, x, router_w, w2, op):
      copy_engines) = config[:_N_EP_OPTIONS]
     return _ep_saved_bound(T, g.size, router_w.shape[0], K, x.shape[1], w2.shape[2], act,
                            routing, x.dtype, max_tokens, capacity, expert_rows, keep_x,
-                           copy_engines)
+                           copy_engines if x.is_cuda else -1)
 
 
 @torch.library.custom_op("smoe::ep_forward", mutates_args=())
@@ -819,11 +821,11 @@ _ORDERED = _register_ordered()
 
 
 def check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who, keep_x=False,
-                     copy_engines=False):
+                     copy_engines=None):
     """The exchange's options as smoe.EPMoE takes them (smoe_ep_desc's):
     max_tokens, capacity, expert_rows ints >= 0, overlap -1, 0 or 1,
-    comm_sms an int >= -1, keep_x and copy_engines bools; a SmoeValueError
-    naming the one that is not."""
+    comm_sms an int >= -1, keep_x a bool, copy_engines None (the library
+    decides) or a bool; a SmoeValueError naming the one that is not."""
     for name, v in (("max_tokens", max_tokens), ("capacity", capacity),
                     ("expert_rows", expert_rows)):
         _check_int(v, who + ": " + name, 0)
@@ -834,23 +836,29 @@ def check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who, 
     if keep_x not in (False, True):  # (0 and 1 compare equal to them)
         raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "%s: keep_x = %r, must be a bool"
                              % (who, keep_x))
-    if copy_engines not in (False, True):
-        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "%s: copy_engines = %r, must be a "
-                             "bool" % (who, copy_engines))
+    if copy_engines is not None and copy_engines not in (False, True):
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "%s: copy_engines = %r, must be None "
+                             "(automatic) or a bool" % (who, copy_engines))
+
+
+def _ce_code(copy_engines):
+    """smoe_ep_desc.copy_engines of the option: None 0 (the library
+    decides), True 1, False -1."""
+    return 0 if copy_engines is None else 1 if copy_engines else -1
 
 
 def _ep_layer_config(group, d, n, E, K, activation, w1_layout, has_bias, routing, renormalize,
                      n_group, topk_group, routed_scaling, max_tokens, capacity, expert_rows,
-                     overlap, comm_sms, keep_x=False, copy_engines=False):
+                     overlap, comm_sms, keep_x=False, copy_engines=None):
     """(options, cfg) of a layer on `group` (enums as smoe_* codes): the
     operators' config (_EP_OPTIONS, without save or needs) and the key of
     the group's handle (EPGroup._layer)."""
     options = [group._id, K, activation, w1_layout, routing, int(renormalize), n_group,
                topk_group, max_tokens, capacity, expert_rows, overlap, comm_sms, int(keep_x),
-               int(copy_engines)]
+               _ce_code(copy_engines)]
     cfg = (d, n, E, K, activation, w1_layout, bool(has_bias), routing, bool(renormalize),
            n_group, topk_group, float(routed_scaling), max_tokens, capacity, expert_rows,
-           overlap, comm_sms, bool(keep_x), bool(copy_engines))
+           overlap, comm_sms, bool(keep_x), _ce_code(copy_engines))
     return options, cfg
 
 
@@ -879,7 +887,7 @@ def _ep_run(group, options, cfg, routed_scaling, x, router_w, w1, w2, b1, b2, ex
 
 def _ep_moe(group, x, router_w, w1, w2, *, top_k, routing, renormalize, activation, w1_layout,
             expert_bias, n_group, topk_group, routed_scaling, max_tokens, capacity, expert_rows,
-            overlap, comm_sms, who, keep_x=False, copy_engines=False):
+            overlap, comm_sms, who, keep_x=False, copy_engines=None):
     """The layer on x (..., d), this rank's tokens, with router_w (E, d) and
     this rank's experts w1, w2 (no biases; enums as smoe_* codes; the
     routing options checked by the caller): (out (..., d), expert_counts
@@ -926,9 +934,12 @@ class EPMoE(nn.Module):
     rank (smoe_ep_desc.keep_x; off: x travels again, the memory floor).
     copy_engines=True moves the rows by the GPU's copy engines (NCCL >=
     2.28's all-to-all from a window the group's copy-engine layers share,
-    (6 P + 3) * capacity * d elements; Hopper GEMMs, P > 1; faster at P = 4
-    on large exchanges, slower at P = 2: bench/RESULTS.md;
-    smoe_ep_desc.copy_engines). The CPU group refuses it.
+    (6 P + 3) * capacity * d elements; Hopper GEMMs, P > 1, GPUs in one
+    NVLink domain; faster at P = 4, slower at P = 2 on most shapes:
+    bench/RESULTS.md; smoe_ep_desc.copy_engines); False keeps NCCL's
+    kernels; None (the default) lets the library take them from P = 4
+    where they can run (the path name says which). The CPU group refuses
+    True.
 
     routing: 'topk_softmax', 'softmax_topk' (with `renormalize`) or
     'sigmoid_topk' with n_group, topk_group and routed_scaling, as
@@ -983,7 +994,7 @@ class EPMoE(nn.Module):
                  max_tokens, capacity=0, expert_rows=0, routing="topk_softmax",
                  renormalize=True, w1_layout="interleaved", overlap=0, comm_sms=0, n_group=0,
                  topk_group=0, routed_scaling=1.0, output_router_logits=False,
-                 aux_loss_scope="local", keep_x=False, copy_engines=False):
+                 aux_loss_scope="local", keep_x=False, copy_engines=None):
         super().__init__()
         # Every argument is checked before the group is touched: a refused
         # layer makes no communicator.
@@ -1014,7 +1025,7 @@ class EPMoE(nn.Module):
         self.max_tokens, self.capacity, self.expert_rows = (int(max_tokens), int(capacity),
                                                             int(expert_rows))
         self.overlap, self.comm_sms, self.keep_x = int(overlap), int(comm_sms), bool(keep_x)
-        self.copy_engines = bool(copy_engines)
+        self.copy_engines = None if copy_engines is None else bool(copy_engines)
         self.output_router_logits = bool(output_router_logits)
         self.aux_loss_scope = aux_loss_scope
         self.local_experts = E // P

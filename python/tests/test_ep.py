@@ -375,7 +375,8 @@ def test_routing_options_refused_as_smoe_moe_refuses_them(kw):
     (dict(overlap=2), r"smoe.EPMoE: overlap = 2, must be -1, 0 or 1"),
     (dict(comm_sms=-2), r"smoe.EPMoE: comm_sms = -2, must be >= -1"),
     (dict(keep_x=2), r"smoe.EPMoE: keep_x = 2, must be a bool"),
-    (dict(copy_engines=2), r"smoe.EPMoE: copy_engines = 2, must be a bool"),
+    (dict(copy_engines=2), r"smoe.EPMoE: copy_engines = 2, must be None \(automatic\) or a "
+     r"bool"),
     (dict(max_tokens=-1), r"smoe.EPMoE: max_tokens = -1, must be >= 0"),
     (dict(max_tokens=8.0), r"smoe.EPMoE: max_tokens = 8.0, must be an int"),
     (dict(capacity=-3), r"smoe.EPMoE: capacity = -3, must be >= 0"),
@@ -395,6 +396,11 @@ def test_copy_engines_refused_on_the_cpu():
         m = smoe.EPMoE(E, 2, D, N, ep_group=g, max_tokens=4, copy_engines=True).double()
         with pytest.raises(smoe.SmoeError, match=r"copy_engines = 1: the CPU backend") as e:
             m(torch.randn(4, D, dtype=torch.float64))
+        # None (automatic: never on the CPU) and False (NCCL's kernels
+        # asked for) take the host copies
+        outs = [smoe.EPMoE(E, 2, D, N, ep_group=g, max_tokens=4, copy_engines=ce).double()
+                (torch.randn(4, D, dtype=torch.float64))[0] for ce in (None, False)]
+        assert all(o.shape == (4, D) for o in outs)
         return e.value.status
     assert run_ranks(2, rank) == [L.SMOE_ERROR_UNSUPPORTED] * 2
 

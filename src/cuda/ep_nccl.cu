@@ -211,8 +211,27 @@ static ce_group *ce_find(nccl_comm key, int device)
     return NULL;
 }
 
-/* A window of `need` bytes or more for this layer: its memory in *mem. */
-static smoe_status ce_acquire(smoe_ep_layer *ep, size_t need, char **mem)
+/* The group without windows goes: out of the list, its communicator
+ * destroyed. */
+static void ce_drop_if_empty(ce_group *g)
+{
+    int any = 0;
+    for (int i = 0; i < CE_MAX_WINDOWS; i++) any |= g->w[i].mem != NULL;
+    if (any) return;
+    pthread_mutex_lock(&g_nccl_lock);
+    for (ce_group **p = &g_ce; *p; p = &(*p)->next)
+        if (*p == g) {
+            *p = g->next;
+            break;
+        }
+    pthread_mutex_unlock(&g_nccl_lock);
+    g_nccl.CommDestroy(g->comm);
+    free(g);
+}
+
+/* A window of `need` bytes or more for this layer: its memory in *mem;
+ * *nowin = 1 where NCCL has no symmetric windows on this communicator. */
+static smoe_status ce_acquire(smoe_ep_layer *ep, size_t need, char **mem, int *nowin)
 {
     const char *fn = "smoe_ep_layer_create";
     ep_cuda *X = ep->cuda;
@@ -273,9 +292,22 @@ static smoe_status ce_acquire(smoe_ep_layer *ep, size_t need, char **mem)
                              need, g_nccl.GetErrorString(nr));
         }
         nr = g_nccl.CommWindowRegister(g->comm, w->mem, need, &w->win, 1 /* symmetric */);
-        if (nr != NCCL_OK) {
+        if (nr != NCCL_OK || !w->win) {
+            /* NCCL registers nothing (and says success) where the ranks'
+             * GPUs cannot all reach each other's memory by load and store:
+             * every rank of the communicator finds the same */
             g_nccl.MemFree(w->mem);
-            w->mem = NULL;
+            memset(w, 0, sizeof *w);
+            ce_drop_if_empty(g);
+            if (nr == NCCL_OK) {
+                *nowin = 1;
+                return smoe_fail(SMOE_ERROR_UNSUPPORTED,
+                                 "%s: copy_engines = 1, but NCCL registered no symmetric window "
+                                 "on this communicator (its ranks' GPUs do not all reach each "
+                                 "other's memory: across nodes, or over PCIe); copy_engines = "
+                                 "-1 or 0 uses NCCL's kernels",
+                                 fn);
+            }
             return smoe_fail(SMOE_ERROR_BACKEND, "%s: ncclCommWindowRegister: %s", fn,
                              g_nccl.GetErrorString(nr));
         }
@@ -300,19 +332,7 @@ static void ce_release(ep_cuda *X)
         g_nccl.MemFree(w->mem);
         memset(w, 0, sizeof *w);
     }
-    int any = 0;
-    for (int i = 0; i < CE_MAX_WINDOWS; i++) any |= g->w[i].mem != NULL;
-    if (!any) {
-        pthread_mutex_lock(&g_nccl_lock);
-        for (ce_group **p = &g_ce; *p; p = &(*p)->next)
-            if (*p == g) {
-                *p = g->next;
-                break;
-            }
-        pthread_mutex_unlock(&g_nccl_lock);
-        g_nccl.CommDestroy(g->comm);
-        free(g);
-    }
+    ce_drop_if_empty(g);
     X->ce_group = NULL;
 }
 
@@ -343,7 +363,7 @@ void smoe_ep_cuda_free(smoe_ep_layer *ep)
  * while the next computes, and the second half of this rank's own last
  * (forward and backward alike; the backward's weight gradients follow,
  * beside the last partial sums). */
-static smoe_status cuda_state_make(smoe_ep_layer *ep)
+static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
 {
     const char *fn = "smoe_ep_layer_create";
     ep_cuda *X = (ep_cuda *)calloc(1, sizeof *X);
@@ -367,11 +387,21 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep)
     /* copy engines: each exchange in H parts (2 measured better than 4 at
      * P = 4, bench/RESULTS.md "copy engines") */
     const int H = 2;
-    SMOE_RETURN_ERROR_IF(ep->desc.copy_engines && !X->g.views, SMOE_ERROR_UNSUPPORTED,
+    SMOE_RETURN_ERROR_IF(ep->desc.copy_engines == 1 && !X->g.views, SMOE_ERROR_UNSUPPORTED,
                          "%s: copy_engines = 1, but this layer's expert GEMMs (%s) take no view "
                          "of their rows (the Hopper GEMMs do)",
                          fn, smoe_layer_path_name(ep->experts));
-    X->ce = ep->desc.copy_engines && P > 1 && ep->C > 0;
+    /* copy_engines = 0: on from P = 4, where they measured faster on every
+     * shape (4 x H200: 30B-n512 77.5% of the single layer per GPU against
+     * 74.4% on NCCL's kernels, 120B-n1024 86.5 / 83.0, Qwen3-like 73.2 /
+     * 53.3, Mixtral-like 93.5 / 87.9), off at P = 2 (slower on three shapes
+     * of four there); where NCCL has them and registers symmetric windows
+     * (else NCCL's kernels, and the path name says why) */
+    const int ce_syms = g_nccl.AlltoAll && g_nccl.MemAlloc && g_nccl.MemFree &&
+                        g_nccl.CommWindowRegister && g_nccl.CommWindowDeregister;
+    const int ce_auto = ep->desc.copy_engines == 0 && !no_ce && P >= 4 && X->g.views &&
+                        ep->desc.overlap >= 0 && ce_syms;
+    X->ce = (ep->desc.copy_engines == 1 || ce_auto) && P > 1 && ep->C > 0;
     X->sl.C = ep->C;
     X->sl.P = P;
     X->sl.self = r;
@@ -459,7 +489,7 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep)
         X->own_comm = 1;
     }
     if (X->ce) {
-        SMOE_RETURN_ERROR_IF(!g_nccl.AlltoAll || !g_nccl.MemAlloc || !g_nccl.CommWindowRegister,
+        SMOE_RETURN_ERROR_IF(!ce_syms,
                              SMOE_ERROR_UNSUPPORTED,
                              "%s: copy engines: this libnccl has no ncclAlltoAll / ncclMemAlloc "
                              "/ ncclCommWindowRegister (NCCL 2.28 or later)",
@@ -468,7 +498,7 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep)
         const size_t sx = ((size_t)ep_slots_exchanged(X->sl) * row + A - 1) / A * A;
         const size_t sv = ((size_t)ep_slots_total(X->sl) * row + A - 1) / A * A;
         char *m = NULL;
-        SMOE_FORWARD_IF_ERROR(ce_acquire(ep, 3 * (sx + sv), &m));
+        SMOE_FORWARD_IF_ERROR(ce_acquire(ep, 3 * (sx + sv), &m, nowin));
         X->rows_send = m; m += sx;
         X->rows_recv = m; m += sv;
         X->do_send = m; m += sx;
@@ -487,6 +517,11 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep)
     else
         snprintf(ep->path, sizeof ep->path, "%s; ep: no overlap (exchange, then compute)",
                  smoe_layer_path_name(ep->experts));
+    if (no_ce) {
+        const size_t k = strlen(ep->path);
+        snprintf(ep->path + k, sizeof ep->path - k,
+                 "; not the copy engines: NCCL registered no symmetric window");
+    }
     return SMOE_SUCCESS;
 }
 
@@ -551,7 +586,15 @@ smoe_status smoe_ep_cuda_init(smoe_ep_layer *ep)
     free(all);
     if (r == SMOE_SUCCESS) {
         SMOE_CUDA_CHECK(cudaSetDevice(ep->desc.layer.device));
-        r = cuda_state_make(ep);
+        int nowin = 0;
+        r = cuda_state_make(ep, 0, &nowin);
+        if (r != SMOE_SUCCESS && nowin && ep->desc.copy_engines == 0) {
+            /* copy_engines = 0 and no symmetric window on any rank: NCCL's
+             * kernels (every rank finds the same, so every rank makes the
+             * same communicators again) */
+            smoe_ep_cuda_free(ep);
+            r = cuda_state_make(ep, 1, &nowin);
+        }
     }
     cudaSetDevice(prev);
     return r;

@@ -72,7 +72,8 @@ typedef struct gcase {
     int graph;         /* forward + backward captured in a CUDA graph, replayed twice */
     int overlap;       /* smoe_ep_desc.overlap */
     int keep_x;        /* smoe_ep_desc.keep_x (the case runs without it first) */
-    int ce;            /* smoe_ep_desc.copy_engines */
+    int ce;            /* smoe_ep_desc.copy_engines (base_case: -1) */
+    int path_ce;       /* 1: the path name must say copy engines, 2: must not */
     int share;         /* a second layer of the same description (copy engines:
                           it shares the first's window) runs the second run */
 } gcase;
@@ -90,6 +91,7 @@ typedef struct grank {
     int32_t counts[64];
     uint64_t hash[3];
     int untouched; /* overflow: out still the poison */
+    int ce_on;     /* the path name says copy engines */
     int inf_same;  /* an inference forward gave the training forward's out */
 } grank;
 
@@ -124,6 +126,7 @@ static void *rank_main(void *arg) {
         snprintf(R->msg, sizeof R->msg, "create: %s", smoe_last_error());
         return NULL;
     }
+    R->ce_on = strstr(smoe_ep_layer_path_name(L), "ep: copy engines") != NULL;
     smoe_ep_layer *L1 = L, *L2 = NULL;
     if (c->share) {
         R->st_create = smoe_ep_layer_create(&ed, &L2);
@@ -392,6 +395,9 @@ static void run_case(const char *name, const gcase *c, tu_rng *rng) {
             ok &= CHECK(R[q].st_create == SMOE_SUCCESS && R[q].st_fwd == SMOE_SUCCESS &&
                             R[q].st_bwd == SMOE_SUCCESS && R[q].st_dev == SMOE_SUCCESS,
                         "rank %d: %s", q, R[q].msg);
+        for (int q = 0; q < NP && ok && c->path_ce; q++)
+            CHECK(R[q].ce_on == (c->path_ce == 1), "rank %d: the path %s copy engines", q,
+                  c->path_ce == 1 ? "does not say" : "says");
         for (int q = 0; q < NP && ok; q++)
             CHECK(R[q].inf_same, "rank %d: the inference forward's out differs from training's",
                   q);
@@ -436,6 +442,7 @@ static gcase base_case(int P, smoe_routing routing, smoe_backend be) {
     c.D.backend = be;
     if (routing == SMOE_ROUTING_GENERAL) c.D.K = 0;
     c.P = P;
+    c.ce = -1; /* NCCL's kernels; the copy-engine cases ask for them */
     for (int q = 0; q < P; q++) c.Tr[q] = 40 + 13 * q;
     return c;
 }
@@ -622,6 +629,20 @@ int main(int argc, char **argv) {
         c.overlap = -1;
         c.refused = "overlap = -1";
         run_case("copy engines with overlap = -1", &c, &rng);
+        /* copy_engines = 0: copy engines from P = 4 on the Hopper GEMMs
+         * with overlap >= 0, NCCL's kernels otherwise */
+        c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 64;
+        c.ce = 0;
+        c.path_ce = P >= 4 ? 1 : 2;
+        run_case("copy engines automatic", &c, &rng);
+        c.overlap = -1;
+        c.path_ce = 2;
+        run_case("copy engines automatic, overlap = -1", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_GENERAL, SMOE_BACKEND_CUDA);
+        c.ce = 0;
+        c.path_ce = 2;
+        run_case("copy engines automatic, portable GEMMs", &c, &rng);
     }
     return tu_summary("test_ep_gpu");
 }
