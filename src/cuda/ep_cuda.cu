@@ -426,6 +426,61 @@ static smoe_gemm_problem chunk_problem(const smoe_ep_layer *ep, const smoe_saved
     return p;
 }
 
+/* Chunk c's up and down GEMMs (both schedules): the rows from `rows`,
+ * H saved in training, A and Y in the workspace. */
+static smoe_status chunk_forward(const smoe_ep_layer *ep, const smoe_saved_view *v,
+                                 const int32_t *off2, int c, int sms, const int *abort,
+                                 const bf16 *rows, const smoe_forward_args *args, int training,
+                                 bf16 *a, bf16 *y, char *scratch, cudaStream_t s)
+{
+    const ep_cuda *X = ep->cuda;
+    smoe_gemm_problem p = chunk_problem(ep, v, off2, c, sms, abort);
+    SMOE_FORWARD_IF_ERROR(gemm_ran(X->g.ops.up(&p, rows, (const bf16 *)args->w1,
+                                               (const bf16 *)args->b1,
+                                               training ? (bf16 *)v->h : NULL, a, scratch, s),
+                                   "up"));
+    return gemm_ran(X->g.ops.down(&p, a, (const bf16 *)args->w2, (const bf16 *)args->b2, y,
+                                  scratch, s),
+                    "down");
+}
+
+/* Chunk c's dH (with dS and A scaled) and dX~ GEMMs (both schedules). */
+static smoe_status chunk_backward(const smoe_ep_layer *ep, const smoe_saved_view *v,
+                                  const int32_t *off2, int c, int sms, const int *abort,
+                                  const bf16 *rdo, const smoe_backward_args *args, bf16 *dh,
+                                  bf16 *a_scaled, float *ds, bf16 *dxt, char *scratch,
+                                  cudaStream_t s)
+{
+    const ep_cuda *X = ep->cuda;
+    smoe_gemm_problem p = chunk_problem(ep, v, off2, c, sms, abort);
+    SMOE_FORWARD_IF_ERROR(gemm_ran(X->g.ops.dh(&p, rdo, (const bf16 *)args->w2,
+                                               (const bf16 *)args->b2, (const bf16 *)v->h, dh,
+                                               a_scaled, ds, scratch, s),
+                                   "dh"));
+    return gemm_ran(X->g.ops.dxt(&p, dh, (const bf16 *)args->w1, dxt, scratch, s), "dxt");
+}
+
+/* Received slots [v0, v1) after their chunk's dX~: each slot's dx partial
+ * (its pairs' dX~ rows summed in pair order) into out, its pairs' dS into
+ * send_ds (this rank's own slots' straight into recv_ds). */
+static smoe_status piece_backward(const smoe_ep_layer *ep, const smoe_saved_view *v, int64_t v0,
+                                  int64_t v1, const int32_t *tri_slot, const bf16 *dxt,
+                                  const float *ds, char *out, float *send_ds, float *recv_ds,
+                                  const int *abort, cudaStream_t s)
+{
+    const int64_t C = ep->C;
+    SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(
+        v1 - v0, ep->desc.layer.d, v->token_offset + v0, v->assign_row, dxt, NULL, NULL, NULL,
+        NULL, NULL, out, SMOE_DTYPE_BF16, 0, abort, s));
+    k_ep_ds_scatter<<<blocks_for(ep->rows, 256), 256, 0, s>>>(
+        v0, v1, (int64_t)ep->r * C, (int64_t)(ep->r + 1) * C, (int)ep->Kmax, v->token_offset,
+        tri_slot, v->assign_row, ds, send_ds, recv_ds, abort);
+    const cudaError_t e = cudaGetLastError();
+    return e == cudaSuccess ? SMOE_SUCCESS
+                            : smoe_fail(SMOE_ERROR_BACKEND, "k_ep_ds_scatter: %s",
+                                        cudaGetErrorString(e));
+}
+
 /* ------------------------------------------------------------ forward */
 
 smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *args, void *saved,
@@ -612,14 +667,8 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             const int64_t v0 = X->bd.b[c], v1 = X->bd.b[c + 1];
             const int peers = c < X->sl.H;
             if (peers) TRYC(cudaStreamWaitEvent(s, X->ev[EV_IN + c], 0));
-            smoe_gemm_problem p = chunk_problem(ep, &v, off2, c, X->sms_overlap, abort);
-            TRY(gemm_ran(X->g.ops.up(&p, recv_rows, (const bf16 *)args->w1,
-                                     (const bf16 *)args->b1, training ? (bf16 *)v.h : NULL, a,
-                                     ws + W.gemm, s),
-                         "up"));
-            TRY(gemm_ran(X->g.ops.down(&p, a, (const bf16 *)args->w2, (const bf16 *)args->b2, y,
-                                       ws + W.gemm, s),
-                         "down"));
+            TRY(chunk_forward(ep, &v, off2, c, X->sms_overlap, abort, recv_rows, args, training,
+                              a, y, ws + W.gemm, s));
             bf16 *out = (bf16 *)((peers ? part : part_recv) + (size_t)v0 * row);
             TRY(smoe_cuda_aggregate_forward(v1 - v0, d, v.token_offset + v0, v.assign_row,
                                             v.row_score, y, out, NULL, hdr, abort, s));
@@ -638,14 +687,8 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         for (int i = 0; !X->ce && i < X->nc; i++) {
             const int c = X->order[i];
             TRY(chunk_wait(ep, &z, c, s));
-            smoe_gemm_problem p = chunk_problem(ep, &v, off2, c, sms_now(ep, &z), abort);
-            TRY(gemm_ran(X->g.ops.up(&p, recv_rows, (const bf16 *)args->w1,
-                                     (const bf16 *)args->b1, training ? (bf16 *)v.h : NULL, a,
-                                     ws + W.gemm, s),
-                         "up"));
-            TRY(gemm_ran(X->g.ops.down(&p, a, (const bf16 *)args->w2, (const bf16 *)args->b2, y,
-                                       ws + W.gemm, s),
-                         "down"));
+            TRY(chunk_forward(ep, &v, off2, c, sms_now(ep, &z), abort, recv_rows, args, training,
+                              a, y, ws + W.gemm, s));
             for (int q = 0; q < P; q++) {
                 int64_t v0, v1;
                 if (!piece(ep, c, q, &v0, &v1)) continue;
@@ -790,20 +833,11 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             const int64_t v0 = X->bd.b[c], v1 = X->bd.b[c + 1];
             const int peers = c < X->sl.H;
             if (peers) TRYC(cudaStreamWaitEvent(s, X->ev[EV_IN + c], 0));
-            smoe_gemm_problem p = chunk_problem(ep, &v, off2, c, X->sms_overlap, abort);
-            TRY(gemm_ran(X->g.ops.dh(&p, rdo, (const bf16 *)args->w2, (const bf16 *)args->b2,
-                                     (const bf16 *)v.h, dh, a_scaled, ds, ws + W.gemm, s),
-                         "dh"));
-            TRY(gemm_ran(X->g.ops.dxt(&p, dh, (const bf16 *)args->w1, dxt, ws + W.gemm, s),
-                         "dxt"));
-            char *out = (peers ? part : part_recv) + (size_t)v0 * row;
-            TRY(smoe_cuda_aggregate_backward(v1 - v0, d, v.token_offset + v0, v.assign_row, dxt,
-                                             NULL, NULL, NULL, NULL, NULL, out, SMOE_DTYPE_BF16,
-                                             0, abort, s));
-            k_ep_ds_scatter<<<blocks_for(ep->rows, 256), 256, 0, s>>>(
-                v0, v1, (int64_t)self * C, (int64_t)(self + 1) * C, (int)Km, v.token_offset,
-                (const int32_t *)(sb + S.tri_slot), v.assign_row, ds, send_ds, recv_ds, abort);
-            TRYL("k_ep_ds_scatter");
+            TRY(chunk_backward(ep, &v, off2, c, X->sms_overlap, abort, rdo, args, dh, a_scaled,
+                               ds, dxt, ws + W.gemm, s));
+            TRY(piece_backward(ep, &v, v0, v1, (const int32_t *)(sb + S.tri_slot), dxt, ds,
+                               (peers ? part : part_recv) + (size_t)v0 * row, send_ds, recv_ds,
+                               abort, s));
             if (peers) {
                 TRYC(cudaEventRecord(X->ev[EV_IN + P + c], s));
                 TRYC(cudaStreamWaitEvent(X->cs, X->ev[EV_IN + P + c], 0));
@@ -835,24 +869,14 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
              * arrived before the GEMMs */
             if (X->nc == 1 && P > 1) TRYC(cudaStreamWaitEvent(s, X->ev[EV_X], 0));
             const int sms = X->nc > 1 && P > 1 ? X->sms_overlap : X->g.num_sms;
-            smoe_gemm_problem p = chunk_problem(ep, &v, off2, c, sms, abort);
-            TRY(gemm_ran(X->g.ops.dh(&p, rdo, (const bf16 *)args->w2, (const bf16 *)args->b2,
-                                     (const bf16 *)v.h, dh, a_scaled, ds, ws + W.gemm, s),
-                         "dh"));
-            TRY(gemm_ran(X->g.ops.dxt(&p, dh, (const bf16 *)args->w1, dxt, ws + W.gemm, s),
-                         "dxt"));
+            TRY(chunk_backward(ep, &v, off2, c, sms, abort, rdo, args, dh, a_scaled, ds, dxt,
+                               ws + W.gemm, s));
             for (int q = 0; q < P; q++) {
                 int64_t v0, v1;
                 if (!piece(ep, c, q, &v0, &v1)) continue;
-                char *out = (q == self ? part_recv : part) + (size_t)v0 * (size_t)d * 2;
-                TRY(smoe_cuda_aggregate_backward(v1 - v0, d, v.token_offset + v0, v.assign_row,
-                                                 dxt, NULL, NULL, NULL, NULL, NULL, out,
-                                                 SMOE_DTYPE_BF16, 0, abort, s));
-                k_ep_ds_scatter<<<blocks_for(ep->rows, 256), 256, 0, s>>>(
-                    v0, v1, (int64_t)self * C, (int64_t)(self + 1) * C, (int)Km, v.token_offset,
-                    (const int32_t *)(sb + S.tri_slot), v.assign_row, ds, send_ds, recv_ds,
-                    abort);
-                TRYL("k_ep_ds_scatter");
+                TRY(piece_backward(ep, &v, v0, v1, (const int32_t *)(sb + S.tri_slot), dxt, ds,
+                                   (q == self ? part_recv : part) + (size_t)v0 * (size_t)d * 2,
+                                   send_ds, recv_ds, abort, s));
             }
             if (P > 1) {
                 const cbuf pb[2] = {{part, part_recv, (size_t)d * 2},
