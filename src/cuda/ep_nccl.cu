@@ -299,8 +299,8 @@ static smoe_status ce_acquire(smoe_ep_layer *ep, size_t need, char **mem, int *n
             g_nccl.MemFree(w->mem);
             memset(w, 0, sizeof *w);
             ce_drop_if_empty(g);
+            *nowin = 1; /* copy_engines = 0 then takes NCCL's kernels */
             if (nr == NCCL_OK) {
-                *nowin = 1;
                 return smoe_fail(SMOE_ERROR_UNSUPPORTED,
                                  "%s: copy_engines = 1, but NCCL registered no symmetric window "
                                  "on this communicator (its ranks' GPUs do not all reach each "
@@ -589,9 +589,10 @@ smoe_status smoe_ep_cuda_init(smoe_ep_layer *ep)
         int nowin = 0;
         r = cuda_state_make(ep, 0, &nowin);
         if (r != SMOE_SUCCESS && nowin && ep->desc.copy_engines == 0) {
-            /* copy_engines = 0 and no symmetric window on any rank: NCCL's
-             * kernels (every rank finds the same, so every rank makes the
-             * same communicators again) */
+            /* copy_engines = 0 and no symmetric window (none registered,
+             * or the registration failed): NCCL's kernels. Where NCCL
+             * has no symmetric memory every rank finds the same, so every
+             * rank makes the same communicators again. */
             smoe_ep_cuda_free(ep);
             r = cuda_state_make(ep, 1, &nowin);
         }
