@@ -481,6 +481,20 @@ static smoe_status piece_backward(const smoe_ep_layer *ep, const smoe_saved_view
                                         cudaGetErrorString(e));
 }
 
+/* Copy engines: part c's partial sums (rows [v0, v0 + P Ch) of the
+ * exchanged slots) back to their sources by one all-to-all on the
+ * exchange stream, once this stream has written them. */
+static smoe_status ce_partials_back(const smoe_ep_layer *ep, int c, char *part, char *part_recv,
+                                    int64_t v0, size_t row, cudaStream_t s)
+{
+    const ep_cuda *X = ep->cuda;
+    cudaEvent_t done = X->ev[EV_IN + ep->P + c];
+    SMOE_CUDA_CHECK(cudaEventRecord(done, s));
+    SMOE_CUDA_CHECK(cudaStreamWaitEvent(X->cs, done, 0));
+    return smoe_ep_ce_alltoall(ep, part + (size_t)v0 * row, part_recv + (size_t)v0 * row,
+                               (size_t)X->sl.Ch * row, X->cs);
+}
+
 /* ------------------------------------------------------------ forward */
 
 smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *args, void *saved,
@@ -672,12 +686,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             bf16 *out = (bf16 *)((peers ? part : part_recv) + (size_t)v0 * row);
             TRY(smoe_cuda_aggregate_forward(v1 - v0, d, v.token_offset + v0, v.assign_row,
                                             v.row_score, y, out, NULL, hdr, abort, s));
-            if (peers) {
-                TRYC(cudaEventRecord(X->ev[EV_IN + P + c], s));
-                TRYC(cudaStreamWaitEvent(X->cs, X->ev[EV_IN + P + c], 0));
-                TRY(smoe_ep_ce_alltoall(ep, part + (size_t)v0 * row, part_recv + (size_t)v0 * row,
-                                        (size_t)X->sl.Ch * row, X->cs));
-            }
+            if (peers) TRY(ce_partials_back(ep, c, part, part_recv, v0, row, s));
         }
         if (X->ce && P > 1) {
             /* every rank's status after its row check, with the partials */
@@ -838,12 +847,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             TRY(piece_backward(ep, &v, v0, v1, (const int32_t *)(sb + S.tri_slot), dxt, ds,
                                (peers ? part : part_recv) + (size_t)v0 * row, send_ds, recv_ds,
                                abort, s));
-            if (peers) {
-                TRYC(cudaEventRecord(X->ev[EV_IN + P + c], s));
-                TRYC(cudaStreamWaitEvent(X->cs, X->ev[EV_IN + P + c], 0));
-                TRY(smoe_ep_ce_alltoall(ep, part + (size_t)v0 * row, part_recv + (size_t)v0 * row,
-                                        (size_t)X->sl.Ch * row, X->cs));
-            }
+            if (peers) TRY(ce_partials_back(ep, c, part, part_recv, v0, row, s));
         }
         if (X->ce && P > 1) {
             /* the peers' dS (the plain layout; this rank's own stays) */
