@@ -149,16 +149,16 @@ $(BUILD)/smoe_run: bench/run.c bench/grid.h $(LIB_A)
 $(BUILD)/smoe_bench: bench/bench.c bench/grid.h $(LIB_A)
 	$(CC) $(CFLAGS) $< -o $@ $(LIB_A) $(LDLIBS)
 
-$(BUILD)/smoe_ep_bench: bench/ep_bench.c bench/grid.h $(LIB_A)
+$(BUILD)/smoe_ep_bench: bench/ep_bench.c bench/grid.h bench/cuda_ok.h $(LIB_A)
 	$(CC) $(CFLAGS) $< -o $@ $(LIB_A) $(LDLIBS)
 
 # NCCL beside a kernel that holds most SMs (what the EP overlap needs)
-$(BUILD)/nccl_overlap_probe: bench/nccl_overlap_probe.cu
+$(BUILD)/nccl_overlap_probe: bench/nccl_overlap_probe.cu bench/cuda_ok.h
 	$(NVCC) -O2 $(CUDA_ARCH_PORTABLE) $< -o $@ -ldl -lpthread
 
 # NCCL's copy-engine all-to-all beside cuBLAS GEMMs (not in `all`: it
 # needs nccl.h, NCCL >= 2.28 and cuBLAS)
-$(BUILD)/nccl_ce_probe: bench/nccl_ce_probe.cu
+$(BUILD)/nccl_ce_probe: bench/nccl_ce_probe.cu bench/cuda_ok.h
 	$(NVCC) -O2 $(CUDA_ARCH_PORTABLE) $< -o $@ -lcublas -ldl -lpthread
 
 $(BUILD)/example: examples/example.c $(LIB_A)

@@ -42,20 +42,12 @@
 #include <string.h>
 
 #include "smoe.h"
+#include "cuda_ok.h"
 #include "grid.h"
 
 #define MAXP 8
 #define MAXI 64
 
-#define CUDA_OK(call)                                                                      \
-    do {                                                                                   \
-        cudaError_t e_ = (call);                                                           \
-        if (e_ != cudaSuccess) {                                                           \
-            fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
-                    cudaGetErrorString(e_));                                               \
-            exit(3);                                                                       \
-        }                                                                                  \
-    } while (0)
 #define SMOE_OK(call)                                                                      \
     do {                                                                                   \
         smoe_status s_ = (call);                                                           \

@@ -28,15 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define OK(call)                                                                      \
-    do {                                                                              \
-        cudaError_t e_ = (call);                                                      \
-        if (e_ != cudaSuccess) {                                                      \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call,              \
-                    cudaGetErrorString(e_));                                          \
-            exit(3);                                                                  \
-        }                                                                             \
-    } while (0)
+#include "cuda_ok.h"
 #define NOK(call)                                                                     \
     do {                                                                              \
         ncclResult_t n_ = (call);                                                     \
@@ -92,7 +84,7 @@ typedef struct ctx {
 static void *rank_main(void *arg)
 {
     ctx *c = (ctx *)arg;
-    OK(cudaSetDevice(c->r));
+    CUDA_OK(cudaSetDevice(c->r));
     ncclConfig_t k8 = NCCL_CONFIG_INITIALIZER, ce = NCCL_CONFIG_INITIALIZER;
     k8.cgaClusterSize = 1;
     k8.maxCTAs = 8;
@@ -104,35 +96,35 @@ static void *rank_main(void *arg)
     const size_t all = c->bytes * (size_t)c->P;
     NOK(f.MemAlloc((void **)&sb, all));
     NOK(f.MemAlloc((void **)&rb, all));
-    OK(cudaMemset(sb, 1, all));
-    OK(cudaMemset(rb, 0, all));
+    CUDA_OK(cudaMemset(sb, 1, all));
+    CUDA_OK(cudaMemset(rb, 0, all));
     ncclWindow_t ws = NULL, wr = NULL;
     NOK(f.CommWindowRegister(cce, sb, all, &ws, NCCL_WIN_COLL_SYMMETRIC));
     NOK(f.CommWindowRegister(cce, rb, all, &wr, NCCL_WIN_COLL_SYMMETRIC));
     const int G = 8192;
     __nv_bfloat16 *A, *B, *Cm;
-    OK(cudaMalloc(&A, (size_t)G * G * 2));
-    OK(cudaMalloc(&B, (size_t)G * G * 2));
-    OK(cudaMalloc(&Cm, (size_t)G * G * 2));
-    OK(cudaMemset(A, 0, (size_t)G * G * 2));
-    OK(cudaMemset(B, 0, (size_t)G * G * 2));
+    CUDA_OK(cudaMalloc(&A, (size_t)G * G * 2));
+    CUDA_OK(cudaMalloc(&B, (size_t)G * G * 2));
+    CUDA_OK(cudaMalloc(&Cm, (size_t)G * G * 2));
+    CUDA_OK(cudaMemset(A, 0, (size_t)G * G * 2));
+    CUDA_OK(cudaMemset(B, 0, (size_t)G * G * 2));
     cudaStream_t s, cs;
-    OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     int lo, hi;
-    OK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
-    OK(cudaStreamCreateWithPriority(&cs, cudaStreamNonBlocking, hi));
+    CUDA_OK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    CUDA_OK(cudaStreamCreateWithPriority(&cs, cudaStreamNonBlocking, hi));
     cublasHandle_t hb;
     if (cublasCreate(&hb) != CUBLAS_STATUS_SUCCESS || cublasSetStream(hb, s)) exit(4);
     const float one = 1.0f, zero = 0.0f;
     cudaEvent_t e0, ex, eg;
-    OK(cudaEventCreate(&e0));
-    OK(cudaEventCreate(&ex));
-    OK(cudaEventCreate(&eg));
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&ex));
+    CUDA_OK(cudaEventCreate(&eg));
     for (int it = -1; it < c->rounds; it++) /* one warm-up round */
         for (int m = 0; m < NM; m++) {
             pthread_barrier_wait(c->bar);
-            OK(cudaEventRecord(e0, s));
-            OK(cudaStreamWaitEvent(cs, e0, 0));
+            CUDA_OK(cudaEventRecord(e0, s));
+            CUDA_OK(cudaStreamWaitEvent(cs, e0, 0));
             const int x = modes[m].x;
             ncclComm_t cm = x == X_P2P_DEFAULT ? c->base
                             : (x == X_P2P_K8 || x == X_A2A_K8) ? ck8 : cce;
@@ -148,7 +140,7 @@ static void *rank_main(void *arg)
                                      CUDA_R_16BF, G, CUBLAS_COMPUTE_32F,
                                      CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
                         exit(4);
-            OK(cudaEventRecord(eg, s));
+            CUDA_OK(cudaEventRecord(eg, s));
             if (modes[m].gemm == 2) {
             } else if (x == X_A2A_K8 || x == X_A2A_CE) {
                 for (int k = 0; k < modes[m].parts; k++)
@@ -163,34 +155,34 @@ static void *rank_main(void *arg)
                 }
                 NOK(f.GroupEnd());
             }
-            OK(cudaEventRecord(ex, cs));
-            OK(cudaEventSynchronize(ex));
-            OK(cudaEventSynchronize(eg));
+            CUDA_OK(cudaEventRecord(ex, cs));
+            CUDA_OK(cudaEventSynchronize(ex));
+            CUDA_OK(cudaEventSynchronize(eg));
             if (it >= 0) {
-                OK(cudaEventElapsedTime(&c->x_end[m][it], e0, ex));
-                OK(cudaEventElapsedTime(&c->g_end[m][it], e0, eg));
+                CUDA_OK(cudaEventElapsedTime(&c->x_end[m][it], e0, ex));
+                CUDA_OK(cudaEventElapsedTime(&c->g_end[m][it], e0, eg));
             }
         }
     /* the data arrived: rank q's slice r of sb (ones) is in rb's slice q */
     unsigned char probe = 0;
     const int q = (c->r + 1) % c->P;
-    OK(cudaMemcpy(&probe, rb + (size_t)q * c->bytes + c->bytes - 1, 1, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(&probe, rb + (size_t)q * c->bytes + c->bytes - 1, 1, cudaMemcpyDeviceToHost));
     if (probe != 1) fprintf(stderr, "rank %d: slice %d not received\n", c->r, q);
     /* the CE all-to-all in a CUDA graph: captured, replayed, the data there */
-    OK(cudaMemset(sb, 2, all));
-    OK(cudaMemset(rb, 0, all));
-    OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaMemset(sb, 2, all));
+    CUDA_OK(cudaMemset(rb, 0, all));
+    CUDA_OK(cudaDeviceSynchronize());
     pthread_barrier_wait(c->bar);
     cudaGraph_t gr;
     cudaGraphExec_t ge;
-    OK(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal));
+    CUDA_OK(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal));
     NOK(f.AlltoAll(sb, rb, c->bytes, ncclUint8, cce, cs));
-    OK(cudaStreamEndCapture(cs, &gr));
-    OK(cudaGraphInstantiate(&ge, gr, 0));
+    CUDA_OK(cudaStreamEndCapture(cs, &gr));
+    CUDA_OK(cudaGraphInstantiate(&ge, gr, 0));
     pthread_barrier_wait(c->bar);
-    for (int k = 0; k < 3; k++) OK(cudaGraphLaunch(ge, cs));
-    OK(cudaStreamSynchronize(cs));
-    OK(cudaMemcpy(&probe, rb + (size_t)q * c->bytes + c->bytes / 2, 1, cudaMemcpyDeviceToHost));
+    for (int k = 0; k < 3; k++) CUDA_OK(cudaGraphLaunch(ge, cs));
+    CUDA_OK(cudaStreamSynchronize(cs));
+    CUDA_OK(cudaMemcpy(&probe, rb + (size_t)q * c->bytes + c->bytes / 2, 1, cudaMemcpyDeviceToHost));
     printf("rank %d: CE all-to-all in a CUDA graph: %s\n", c->r,
            probe == 2 ? "data arrived" : "DATA MISSING");
     return NULL;
@@ -228,7 +220,7 @@ int main(int argc, char **argv)
     int ver = 0;
     f.GetVersion(&ver);
     int P = 0;
-    OK(cudaGetDeviceCount(&P));
+    CUDA_OK(cudaGetDeviceCount(&P));
     if (P > 8) P = 8;
     ncclComm_t comm[8];
     int dev[8];
@@ -245,7 +237,7 @@ int main(int argc, char **argv)
     }
     for (int q = 0; q < P; q++) pthread_join(th[q], NULL);
     cudaDeviceProp pr;
-    OK(cudaGetDeviceProperties(&pr, 0));
+    CUDA_OK(cudaGetDeviceProperties(&pr, 0));
     printf("# %s x %d, NCCL %d; %.0f MiB to each other rank; %d bf16 GEMMs of 8192^3; "
            "median of %d rounds, slowest rank\n",
            pr.name, P, ver, mib, gemms, rounds);

@@ -20,15 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#define OK(call)                                                                      \
-    do {                                                                              \
-        cudaError_t e_ = (call);                                                      \
-        if (e_ != cudaSuccess) {                                                      \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call,              \
-                    cudaGetErrorString(e_));                                          \
-            exit(3);                                                                  \
-        }                                                                             \
-    } while (0)
+#include "cuda_ok.h"
 
 static int (*g_start)(void), (*g_end)(void);
 static int (*g_send)(const void *, size_t, int, int, void *, cudaStream_t);
@@ -58,35 +50,35 @@ typedef struct ctx {
 static void *rank_main(void *arg)
 {
     ctx *c = (ctx *)arg;
-    OK(cudaSetDevice(c->r));
+    CUDA_OK(cudaSetDevice(c->r));
     int sms = 0, clk = 0;
-    OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c->r));
-    OK(cudaDeviceGetAttribute(&clk, cudaDevAttrClockRate, c->r)); /* kHz */
+    CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c->r));
+    CUDA_OK(cudaDeviceGetAttribute(&clk, cudaDevAttrClockRate, c->r)); /* kHz */
     const int smem = 227 * 1024;
-    OK(cudaFuncSetAttribute(busy, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CUDA_OK(cudaFuncSetAttribute(busy, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     cudaStream_t s, cs;
-    OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     int lo, hi;
-    OK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
-    OK(cudaStreamCreateWithPriority(&cs, cudaStreamNonBlocking, hi));
+    CUDA_OK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    CUDA_OK(cudaStreamCreateWithPriority(&cs, cudaStreamNonBlocking, hi));
     char *sb, *rb;
     int *sink;
-    OK(cudaMalloc(&sb, c->bytes * c->P));
-    OK(cudaMalloc(&rb, c->bytes * c->P));
-    OK(cudaMalloc(&sink, 4));
+    CUDA_OK(cudaMalloc(&sb, c->bytes * c->P));
+    CUDA_OK(cudaMalloc(&rb, c->bytes * c->P));
+    CUDA_OK(cudaMalloc(&sink, 4));
     cudaEvent_t e0, ex, ek;
-    OK(cudaEventCreate(&e0));
-    OK(cudaEventCreate(&ex));
-    OK(cudaEventCreate(&ek));
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&ex));
+    CUDA_OK(cudaEventCreate(&ek));
     for (int it = 0; it < 3; it++) /* warm-up, then the measured round */
         for (int i = 0; i < NR; i++) {
             pthread_barrier_wait(c->bar);
-            OK(cudaEventRecord(e0, s));
-            OK(cudaStreamWaitEvent(cs, e0, 0));
+            CUDA_OK(cudaEventRecord(e0, s));
+            CUDA_OK(cudaStreamWaitEvent(cs, e0, 0));
             if (reserve[i] >= 0)
                 busy<<<sms - reserve[i], 256, smem, s>>>((long long)(c->ms * clk), sink);
-            OK(cudaGetLastError());
-            OK(cudaEventRecord(ek, s));
+            CUDA_OK(cudaGetLastError());
+            CUDA_OK(cudaEventRecord(ek, s));
             int e = g_start();
             for (int q = 0; q < c->P; q++) {
                 if (q == c->r) continue;
@@ -98,11 +90,11 @@ static void *rank_main(void *arg)
                 fprintf(stderr, "nccl error %d\n", e);
                 exit(3);
             }
-            OK(cudaEventRecord(ex, cs));
-            OK(cudaEventSynchronize(ex));
-            OK(cudaEventSynchronize(ek));
-            OK(cudaEventElapsedTime(&c->x_end[i], e0, ex));
-            OK(cudaEventElapsedTime(&c->k_end[i], e0, ek));
+            CUDA_OK(cudaEventRecord(ex, cs));
+            CUDA_OK(cudaEventSynchronize(ex));
+            CUDA_OK(cudaEventSynchronize(ek));
+            CUDA_OK(cudaEventElapsedTime(&c->x_end[i], e0, ex));
+            CUDA_OK(cudaEventElapsedTime(&c->k_end[i], e0, ek));
         }
     return NULL;
 }
@@ -124,7 +116,7 @@ int main(int argc, char **argv)
     *(void **)&g_send = dlsym(h, "ncclSend");
     *(void **)&g_recv = dlsym(h, "ncclRecv");
     int P = 0;
-    OK(cudaGetDeviceCount(&P));
+    CUDA_OK(cudaGetDeviceCount(&P));
     if (P > 8) P = 8;
     void *comm[8];
     int dev[8];
@@ -144,7 +136,7 @@ int main(int argc, char **argv)
     }
     for (int q = 0; q < P; q++) pthread_join(th[q], NULL);
     int sms = 0;
-    OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     printf("# %d GPUs, %d SMs; %.0f MiB to each other rank beside a kernel of ~%.1f ms\n", P,
            sms, mib, ms);
     printf("%-28s %12s %12s\n", "SMs left free", "exchange end", "kernel end");

@@ -1,0 +1,19 @@
+/* cuda_ok.h -- CUDA_OK(call): a benchmark or probe stops (exit 3) on a CUDA
+ * error, naming the call. Shared by bench/ep_bench.c and the NCCL probes. */
+#ifndef SMOE_BENCH_CUDA_OK_H
+#define SMOE_BENCH_CUDA_OK_H
+#include <cuda_runtime_api.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#define CUDA_OK(call)                                                                      \
+    do {                                                                                   \
+        cudaError_t e_ = (call);                                                           \
+        if (e_ != cudaSuccess) {                                                           \
+            fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
+                    cudaGetErrorString(e_));                                               \
+            exit(3);                                                                       \
+        }                                                                                  \
+    } while (0)
+
+#endif
