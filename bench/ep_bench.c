@@ -6,7 +6,7 @@
  *
  *   smoe_ep_bench [-r grid row] [-P ranks] [-T tokens per rank] [-d] [-n] [-E]
  *                 [-K] [-c capacity] [-x expert_rows] [-i iterations]
- *                 [-b cuda|sm90] [-m comm_sms] [-o overlap] [-g 1]
+ *                 [-b cuda|sm90] [-m comm_sms] [-o overlap] [-g 1] [-q 1]
  *
  * The EP layer runs three times on NCCL's kernels (copy_engines = -1):
  * with its default schedule (the exchanges
@@ -17,7 +17,9 @@
  * default would not take it. -g 1 adds two runs with copy_engines = 1
  * (NCCL's copy-engine all-to-all, comm_sms at its default), without and
  * with keep_x: the layer's default (copy_engines = 0) takes them from P =
- * 4.
+ * 4. -q 1 runs the layer's defaults alone (copy_engines = 0: the layer
+ * picks) and the single layer: the quick line for an A/B of two builds;
+ * -q 2 the layer's defaults without the single layer.
  *
  * -r takes T, d, n, E, K from a row of bench/grid.h (T then per GPU). Per
  * GPU TFLOPS count 6TKdn (forward) and 12TKdn (backward) of the rank's own
@@ -59,7 +61,7 @@
     } while (0)
 
 typedef struct cfg {
-    int P, iters, comm_sms, overlap, ce;
+    int P, iters, comm_sms, overlap, ce, quick;
     int64_t T, d, n, E, K, capacity, expert_rows;
     smoe_backend backend;
     const char *row;
@@ -77,7 +79,7 @@ typedef struct rank_ctx {
     void *comm;
     int ep; /* 2: NCCL all-to-all alone; 1: the EP layer; 3: the EP layer, no
                overlap; 4: the EP layer, keep_x; 5, 6: copy engines (6: keep_x);
-               0: the single layer */
+               7: the EP layer's defaults (copy_engines = 0); 0: the single layer */
     pthread_barrier_t *bar;
     float fwd[MAXI], bwd[MAXI];
     char path[256];
@@ -176,7 +178,7 @@ static void *rank_main(void *arg) {
         ed.overlap = R->ep == 3 ? -1 : R->c->overlap;
         ed.comm_sms = R->ep >= 5 ? 0 : c->comm_sms;
         ed.keep_x = R->ep == 4 || R->ep == 6;
-        ed.copy_engines = R->ep >= 5 ? 1 : -1;
+        ed.copy_engines = R->ep == 7 ? 0 : R->ep >= 5 ? 1 : -1;
         SMOE_OK(smoe_ep_layer_create(&ed, &EPL));
         sb = smoe_ep_layer_saved_bytes(EPL, T);
         wb = smoe_ep_layer_workspace_bytes(EPL, T);
@@ -250,19 +252,23 @@ static int cmp_f(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-/* median over iterations of the slowest rank */
+/* median over iterations of the slowest rank: forward (bwd = 0), backward
+ * (1) or both (2: a rank's backward starts when its own forward ends, so the
+ * sum of the first two also counts the ranks' skew at that point) */
 static float med_max(const rank_ctx *R, int P, int iters, int bwd) {
     float m[MAXI];
     for (int i = 0; i < iters; i++) {
         m[i] = 0.0f;
         for (int q = 0; q < P; q++) {
-            const float v = bwd ? R[q].bwd[i] : R[q].fwd[i];
+            const float v = bwd == 2 ? R[q].fwd[i] + R[q].bwd[i] : bwd ? R[q].bwd[i] : R[q].fwd[i];
             m[i] = v > m[i] ? v : m[i];
         }
     }
     qsort(m, (size_t)iters, sizeof m[0], cmp_f);
     return m[iters / 2];
 }
+
+static float g_last_total; /* run()'s fwd+bwd median (med_max mode 2) */
 
 static void run(const cfg *c, int ep, void **comms, float *f, float *b, char *path) {
     const int P = ep ? c->P : 1;
@@ -280,11 +286,12 @@ static void run(const cfg *c, int ep, void **comms, float *f, float *b, char *pa
     pthread_barrier_destroy(&bar);
     *f = med_max(R, P, c->iters, 0);
     *b = med_max(R, P, c->iters, 1);
+    g_last_total = med_max(R, P, c->iters, 2);
     snprintf(path, 256, "%s", R[0].path);
 }
 
 int main(int argc, char **argv) {
-    cfg c = {2, 20, 0, 0, 0, 8192, 1536, 256, 128, 8, 0, 0, SMOE_BACKEND_AUTO, NULL};
+    cfg c = {2, 20, 0, 0, 0, 0, 8192, 1536, 256, 128, 8, 0, 0, SMOE_BACKEND_AUTO, NULL};
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *k = argv[i], *v = argv[i + 1];
         if (!strcmp(k, "-r")) {
@@ -310,6 +317,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(k, "-m")) c.comm_sms = atoi(v);
         else if (!strcmp(k, "-o")) c.overlap = atoi(v);
         else if (!strcmp(k, "-g")) c.ce = atoi(v);
+        else if (!strcmp(k, "-q")) c.quick = atoi(v);
         else if (!strcmp(k, "-b")) c.backend = !strcmp(v, "cuda") ? SMOE_BACKEND_CUDA : SMOE_BACKEND_SM90;
         else {
             fprintf(stderr, "unknown option %s\n", k);
@@ -349,6 +357,22 @@ int main(int argc, char **argv) {
     }
     float ef, eb, nf, nb, kf, kb, sf, sbw, af, ab;
     char epath[256], npath[256], kpath[256], spath[256], apath[256];
+    if (c.quick) {
+        run(&c, 7, comms, &ef, &eb, epath);
+        const float et = g_last_total;
+        for (int q = 0; q < c.P; q++) destroy(comms[q]);
+        if (c.quick == 2) {
+            printf("quick %s P=%d T=%lld: EP fwd %.3f bwd %.3f ms, fwd+bwd %.3f ms (%s)\n",
+                   c.row ? c.row : "", c.P, (long long)c.T, ef, eb, et, epath);
+            return 0;
+        }
+        run(&c, 0, NULL, &sf, &sbw, spath);
+        printf("quick %s P=%d T=%lld: EP fwd %.3f bwd %.3f ms, fwd+bwd %.3f ms, single fwd %.3f "
+               "bwd %.3f ms; per-GPU EP / single fwd %.1f%% bwd %.1f%% total %.1f%% (%s)\n",
+               c.row ? c.row : "", c.P, (long long)c.T, ef, eb, et, sf, sbw, 100 * sf / ef,
+               100 * sbw / eb, 100 * (sf + sbw) / et, epath);
+        return 0;
+    }
     run(&c, 1, comms, &ef, &eb, epath);
     run(&c, 3, comms, &nf, &nb, npath);
     run(&c, 4, comms, &kf, &kb, kpath);
