@@ -129,8 +129,8 @@ typedef struct gws {
         ent_count, eoff, ent_row, rtok, rsc, md, msg_send, msg_recv, msg2_send, msg2_recv,
         send_rows, recv_rows, send_do, recv_do, send_pairs, recv_pairs, vt_cnt, pt, ps, part,
         part_recv, send_ds, recv_ds, ds_assign, dxr, m_row_score, m_row_token, m_assign_row,
-        m_assign_expert, m_token_offset, m_expert_offset, xmd, gemm, a, y, dh, a_scaled, dxt,
-        ds;
+        m_assign_expert, m_token_offset, m_expert_offset, xmd, off2f, gemm, a, y, dh, a_scaled,
+        dxt, ds;
     size_t total;
 } gws;
 
@@ -187,6 +187,7 @@ static void gws_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gws *w)
     w->m_token_offset = o; o += al((Tv + 1) * 4);
     w->m_expert_offset = o; o += al((El + 1) * 4);
     w->xmd = o; o += al(smoe_cuda_metadata_scratch_bytes((int64_t)El, (int64_t)rows));
+    w->off2f = o; o += al((El * (size_t)ep->cuda->nc + 1) * 4);
     w->gemm = o; o += al(ep->cuda->g.scratch_bytes);
     const size_t base = o;
     w->a = o; o += al(rows * n * 2);
@@ -271,6 +272,19 @@ static int piece(const smoe_ep_layer *ep, int c, int q, int64_t *v0, int64_t *v1
     *v0 = a > lo ? a : lo;
     *v1 = b < hi ? b : hi;
     return *v1 > *v0;
+}
+
+/* The forward's own chunks split at a bound found on the device (own_b):
+ * the first's partial sums wait for the second, which sums both's (slots
+ * [bd.b[own_b - 1], bd.b[own_b + 1])). Chunk c's slots to sum are [*v0,
+ * *v1); 0: none now. */
+static int own_rows_sum(const smoe_ep_layer *ep, int c, int64_t *v0, int64_t *v1)
+{
+    const ep_cuda *X = ep->cuda;
+    if (X->own_b < 0) return 1;
+    if (c == X->own_b - 1) return 0;
+    if (c == X->own_b) *v0 = X->bd.b[c - 1];
+    return 1;
 }
 
 /* Where the run stands: rounds of the first exchange not yet waited for,
@@ -637,7 +651,9 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             v.expert_offset = (int32_t *)(ws + W.m_expert_offset);
         }
         int32_t *vt_cnt = (int32_t *)(ws + W.vt_cnt), *total = (int32_t *)(ws + W.as_count);
-        int32_t *off2 = (int32_t *)(sb + S.off2);
+        /* the chunks' offsets: the forward's (its own split found on the
+         * device) and, for the backward, bd's in the saved block */
+        int32_t *off2 = (int32_t *)(ws + W.off2f);
         k_ep_row_counts<<<blocks_for(Tv, 256), 256, 0, s>>>(
             Tv, X->sl, (int)Km, msg_recv, (const pair_msg *)(ws + W.recv_pairs), vt_cnt, abort);
         TRYL("k_ep_row_counts");
@@ -664,8 +680,15 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
                                       v.row_token, v.row_score, NULL, ws + W.xmd, 1, s));
         if (X->nc > 1) {
             k_ep_chunk_off<<<blocks_for(El * X->nc + 1, 256), 256, 0, s>>>(
-                (int)El, X->nc, X->bd, v.expert_offset, v.row_token, off2, abort);
+                (int)El, X->nc, X->bd, v.expert_offset, v.row_token, off2, X->own_b, eoff,
+                self, C, X->own_share, abort);
             TRYL("k_ep_chunk_off");
+            if (training) {
+                k_ep_chunk_off<<<blocks_for(El * X->nc + 1, 256), 256, 0, s>>>(
+                    (int)El, X->nc, X->bd, v.expert_offset, v.row_token,
+                    (int32_t *)(sb + S.off2), -1, eoff, self, C, 0, abort);
+                TRYL("k_ep_chunk_off");
+            }
         }
         /* 5. the experts, chunk by chunk; each chunk's partial sums to their
          * sources (this rank's own straight into part_recv) */
@@ -683,8 +706,10 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             if (peers) TRYC(cudaStreamWaitEvent(s, X->ev[EV_IN + c], 0));
             TRY(chunk_forward(ep, &v, off2, c, X->sms_overlap, abort, recv_rows, args, training,
                               a, y, ws + W.gemm, s));
-            bf16 *out = (bf16 *)((peers ? part : part_recv) + (size_t)v0 * row);
-            TRY(smoe_cuda_aggregate_forward(v1 - v0, d, v.token_offset + v0, v.assign_row,
+            int64_t w0 = v0, w1 = v1;
+            if (!own_rows_sum(ep, c, &w0, &w1)) continue;
+            bf16 *out = (bf16 *)((peers ? part : part_recv) + (size_t)w0 * row);
+            TRY(smoe_cuda_aggregate_forward(w1 - w0, d, v.token_offset + w0, v.assign_row,
                                             v.row_score, y, out, NULL, hdr, abort, s));
             if (peers) TRY(ce_partials_back(ep, c, part, part_recv, v0, row, s));
         }
@@ -701,6 +726,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             for (int q = 0; q < P; q++) {
                 int64_t v0, v1;
                 if (!piece(ep, c, q, &v0, &v1)) continue;
+                if (q == self && !own_rows_sum(ep, c, &v0, &v1)) continue;
                 bf16 *out = (bf16 *)((q == self ? part_recv : part) + (size_t)v0 * (size_t)d * 2);
                 TRY(smoe_cuda_aggregate_forward(v1 - v0, d, v.token_offset + v0, v.assign_row,
                                                 v.row_score, y, out, NULL, hdr, abort, s));

@@ -127,6 +127,11 @@ typedef struct ep_cuda {
                         this rank's own in two, or 1 (exchange, then compute) */
     ep_bounds bd;    /* chunk c: received rows [bd.b[c], bd.b[c+1]) */
     int *order;      /* the chunks in the order they run */
+    int own_b;       /* the forward's second chunk of this rank's own rows
+                        (-1: none): it starts own_share percent into the own
+                        rows, a bound found on the device; the backward's
+                        own chunks split the own slots at bd's C / 2 */
+    int own_share;
     int sms_overlap; /* the GEMMs' SMs while an exchange is in flight */
     smoe_cuda_gemms g;
     ep_slots sl;     /* the received rows' layout */
@@ -176,7 +181,8 @@ __global__ void k_ep_rows_check(int P, int64_t rows, const int32_t *total, int32
 __global__ void k_ep_status_msg(int P, int32_t *msg, const smoe_dev_status *st);
 __global__ void k_ep_rows_final(int32_t *total, const smoe_dev_status *st);
 __global__ void k_ep_chunk_off(int El, int nc, ep_bounds bd, const int32_t *__restrict__ off,
-                               const int32_t *__restrict__ row_token, int32_t *off2,
+                               const int32_t *__restrict__ row_token, int32_t *off2, int cs,
+                               const int32_t *__restrict__ eoff, int self, int64_t C, int share,
                                const int *abort);
 __global__ void k_ep_iota(int64_t n, int32_t *v, const int *abort);
 __global__ void k_ep_outputs(int T, int E, const int32_t *__restrict__ toff,

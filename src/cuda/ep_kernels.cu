@@ -212,9 +212,13 @@ __global__ void k_ep_rows_final(int32_t *total, const smoe_dev_status *st)
 
 /* Each chunk's rows of each expert: off2[e nc + c] = the first of expert
  * e's rows [off[e], off[e+1]) whose received row is b[c] or later (its
- * rows ascend by received row), off2[El nc] = off[El]. */
+ * rows ascend by received row), off2[El nc] = off[El]. Chunk cs >= 0 (the
+ * forward's second chunk of this rank's own rows) starts on the device
+ * instead: share percent into the own rows this rank sent itself
+ * (eoff[self+1] - eoff[self], at most C), from b[cs - 1]. */
 __global__ void k_ep_chunk_off(int El, int nc, ep_bounds bd, const int32_t *__restrict__ off,
-                               const int32_t *__restrict__ row_token, int32_t *off2,
+                               const int32_t *__restrict__ row_token, int32_t *off2, int cs,
+                               const int32_t *__restrict__ eoff, int self, int64_t C, int share,
                                const int *abort)
 {
     SMOE_DEV_RETURN_IF_ABORTED(abort);
@@ -226,7 +230,12 @@ __global__ void k_ep_chunk_off(int El, int nc, ep_bounds bd, const int32_t *__re
     }
     const int e = (int)(i / nc), c = (int)(i % nc);
     int lo = off[e], hi = off[e + 1];
-    const int64_t want = bd.b[c];
+    int64_t want = bd.b[c];
+    if (c == cs) {
+        int64_t own = (int64_t)eoff[self + 1] - eoff[self];
+        if (own > C) own = C;
+        want = bd.b[c - 1] + (own * share + 99) / 100;
+    }
     while (lo < hi) {
         const int mid = lo + (hi - lo) / 2;
         if (row_token[mid] < want) lo = mid + 1;

@@ -427,6 +427,19 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
         }
         X->bd.b[c] = (int64_t)P * ep->C;
     }
+    /* The forward's own chunks split at a share of this rank's own rows
+     * (found on the device), not of the C slots as the backward's (bd's C /
+     * 2: Mixtral-like at P = 4 fills about 46% of them, so there the
+     * second chunk was empty): a third first at P >= 4, since the last
+     * chunk hides the last part's partial sums, which take longer beside
+     * the GEMMs than the first part's rows do alone (4 x H200, same call:
+     * forward 0.13-0.55 ms faster on four shapes, fwd+bwd 0.13-0.38 ms on
+     * three; a quarter no better); half at P = 2. The backward measured
+     * best with bd's halves (bench/RESULTS.md session 20): split by rows,
+     * its first own chunk's dx partials wait for the second, where they
+     * no longer fill the wait for dout's first part. */
+    X->own_b = !split || X->nc == 1 ? -1 : X->ce ? H + 1 : r + 1;
+    X->own_share = P >= 4 ? 33 : 50;
     /* 0: four SMs per rank, 8 to 32 (best measured: 8 at P = 2, 16 at P = 4;
      * more peers want more of NCCL's channels at once); copy engines: 8 (the
      * rows need none; the counts, pairs and dS messages go faster with 8
