@@ -1,5 +1,6 @@
 /* cuda_ok.h -- CUDA_OK(call): a benchmark or probe stops (exit 3) on a CUDA
- * error, naming the call. Shared by bench/ep_bench.c and the NCCL probes. */
+ * error, naming the call. Shared by bench/ep_bench.c, the NCCL probes and the
+ * GPU tests (tests/gpu/testutil_cuda.h). */
 #ifndef SMOE_BENCH_CUDA_OK_H
 #define SMOE_BENCH_CUDA_OK_H
 #include <cuda_runtime_api.h>

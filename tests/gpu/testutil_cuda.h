@@ -23,15 +23,7 @@
 
 #include <cuda_runtime_api.h>
 
-#define CUDA_OK(call)                                                                      \
-    do {                                                                                   \
-        cudaError_t e_ = (call);                                                           \
-        if (e_ != cudaSuccess) {                                                           \
-            fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
-                    cudaGetErrorString(e_));                                               \
-            exit(3);                                                                       \
-        }                                                                                  \
-    } while (0)
+#include "../../bench/cuda_ok.h" /* CUDA_OK, shared with the benchmarks */
 
 /* SMOE_OK_OR_EXIT(call): a call that must succeed for the test to go on */
 #define SMOE_OK_OR_EXIT(call)                                                              \
