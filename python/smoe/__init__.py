@@ -14,7 +14,10 @@ algorithm), over the C library libsmoe through ctypes.
                                                    device-side error at once ($SMOE_DEBUG=1)
     smoe.check_device()                            CUDA: waits, raises an error the GPU found
     smoe.EPGroup(group), smoe.EPMoE(..., ep_group, max_tokens)
-                                                   expert parallelism over torch.distributed
+                                                   expert parallelism over torch.distributed;
+                                                   smoe.MoE(..., ep_group=..., max_tokens=...)
+                                                   makes an EPMoE, smoe.moe(..., ep_group=...)
+                                                   runs this rank's experts
 """
 from ._lib import SmoeError, library_path
 from ._lib import version as library_version

@@ -67,9 +67,10 @@ from torch import Tensor
 from . import _lib as L
 from ._lib import SmoeError
 from .functional import (_DTYPES, _NEED_B1, _NEED_B2, _NEED_ROUTER, _NEED_W1, _NEED_W2, _NEED_X,
-                         _SAVED_HEADER, _SIZE_CACHE_ENTRIES, ACTIVATIONS, GATED, W1_LAYOUTS,
-                         SmoeValueError, _align, _aligned, _direct, _enum, _grad_ptr, _ptr,
-                         _wants_grad, saved_bytes)
+                         _SAVED_HEADER, _SIZE_CACHE_ENTRIES, ACTIVATIONS, GATED, ROUNDINGS,
+                         W1_LAYOUTS, SmoeValueError, _align, _aligned, _autocast,
+                         _check_expert_bias, _check_experts, _check_shape, _check_tensor, _direct,
+                         _enum, _grad_ptr, _ptr, _wants_grad, saved_bytes)
 from .module import (Experts, _check_int, _switch_loss, check_layer_sizes, check_routing,
                      keep_expert_bias_float32)
 
@@ -887,28 +888,126 @@ def _ep_run(group, options, cfg, routed_scaling, x, router_w, w1, w2, b1, b2, ex
 
 def _ep_moe(group, x, router_w, w1, w2, *, top_k, routing, renormalize, activation, w1_layout,
             expert_bias, n_group, topk_group, routed_scaling, max_tokens, capacity, expert_rows,
-            overlap, comm_sms, who, keep_x=False, copy_engines=None):
+            overlap, comm_sms, who, keep_x=False, copy_engines=None, b1=None, b2=None):
     """The layer on x (..., d), this rank's tokens, with router_w (E, d) and
-    this rank's experts w1, w2 (no biases; enums as smoe_* codes; the
-    routing options checked by the caller): (out (..., d), expert_counts
-    (E,), router_logits (T, E)). smoe.hf's expert-parallel blocks call it
-    with their Hugging Face parameters; `who` names the caller in errors."""
+    this rank's experts w1, w2 (and biases b1, b2, both or neither; enums
+    as smoe_* codes; the routing options checked by the caller): (out (...,
+    d), expert_counts (E,), router_logits (T, E)). smoe.hf's expert-parallel
+    blocks call it with their Hugging Face parameters, smoe.moe with
+    ep_group through _moe_ep; `who` names the caller in errors."""
     x2 = x.reshape(-1, x.shape[-1])
     _check_backend(group, x2.device, x2.dtype)
-    for name, t in (("the router weight", router_w), ("w1", w1), ("w2", w2)):
-        if t.device != x.device or t.dtype != x.dtype:
+    for name, t in (("the router weight", router_w), ("w1", w1), ("w2", w2), ("b1", b1),
+                    ("b2", b2)):
+        if t is not None and (t.device != x.device or t.dtype != x.dtype):
             raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "%s: x is %s %s but %s is %s %s"
                                  % (who, x.device, x.dtype, name, t.device, t.dtype))
     if x2.shape[0] > max_tokens:
         raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "%s: %d tokens, more than max_tokens = %d"
                         % (who, x2.shape[0], max_tokens))
     options, cfg = _ep_layer_config(group, x2.shape[1], w2.shape[2], router_w.shape[0], top_k,
-                                    activation, w1_layout, False, routing, renormalize, n_group,
-                                    topk_group, routed_scaling, max_tokens, capacity,
+                                    activation, w1_layout, b1 is not None, routing, renormalize,
+                                    n_group, topk_group, routed_scaling, max_tokens, capacity,
                                     expert_rows, overlap, comm_sms, keep_x, copy_engines)
     out, counts, logits = _ep_run(group, options, cfg, routed_scaling, x2, router_w, w1, w2,
-                                  None, None, expert_bias)
+                                  b1, b2, expert_bias)
     return out.reshape(x.shape), counts, logits
+
+
+def _refuse_under_ep(who, token_rounding, consume_saved):
+    """What the expert-parallel layer does not take (smoe_ep_desc refuses
+    them too): a SmoeValueError saying why."""
+    if _enum(ROUNDINGS, token_rounding, who + ": token_rounding") != L.SMOE_ROUND_OFF:
+        raise SmoeValueError(L.SMOE_ERROR_UNSUPPORTED,
+                             "%s: token_rounding = %r with ep_group: token rounding ranks the "
+                             "tokens of every rank per expert, a count over the group the "
+                             "expert-parallel layer does not make; not supported"
+                             % (who, token_rounding))
+    if consume_saved is not False:
+        raise SmoeValueError(L.SMOE_ERROR_UNSUPPORTED,
+                             "%s: consume_saved = %r with ep_group: the expert-parallel "
+                             "backward reads what its forward saved and writes over none of "
+                             "it; not supported" % (who, consume_saved))
+
+
+def _moe_ep(group, x, router_w, w1, w2, b1, b2, *, top_k, routing, renormalize, activation,
+            w1_layout, token_rounding, inference, expert_bias, n_group, topk_group,
+            routed_scaling, consume_saved, max_tokens, capacity, expert_rows, overlap,
+            comm_sms, keep_x, copy_engines):
+    """smoe.moe with ep_group (its docstring says what): the checks, then
+    _ep_moe."""
+    who = "smoe.moe (ep_group)"
+    if not isinstance(group, EPGroup):
+        raise TypeError("%s: ep_group must be an smoe.EPGroup, got %s: make one per "
+                        "torch.distributed group, smoe.EPGroup(group), and pass it to every "
+                        "call (it holds the group's communicator and layers)"
+                        % (who, type(group).__name__))
+    _refuse_under_ep(who, token_rounding, consume_saved)
+    if max_tokens is None:
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                             "%s: max_tokens is required: the largest token count any rank of "
+                             "the group passes, the same on every rank (it sizes the "
+                             "exchange)" % who)
+    check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who, keep_x,
+                     copy_engines)
+    act = _enum(ACTIVATIONS, activation, who + ": activation")
+    layout = _enum(W1_LAYOUTS, w1_layout, who + ": w1_layout")
+    x, router_w, w1, w2, b1, b2 = _autocast(x.device, x, router_w, w1, w2, b1, b2)
+    if x.dim() < 1:
+        raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "%s: x must have a hidden dimension" % who)
+    d, n, El, b1, b2 = _check_experts(x, w1, w2, b1, b2, act)
+    P = group.size
+    E = El * P
+    _check_tensor(router_w, "router_w", 2, x.device, x.dtype)
+    _check_shape(router_w, "router_w", (E, d),
+                 "E = %d: w1 and w2 hold this rank's %d experts of %d ranks; d = %d", E, El, P,
+                 d)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise SmoeError(L.SMOE_ERROR_INVALID_SIZE,
+                        "%s: top_k = %r, must be an int in [1, E = %d]" % (who, top_k, E))
+    routing_c, n_group, topk_group, routed_scaling = check_routing(
+        routing, n_group, topk_group, routed_scaling, E, top_k, who,
+        "smoe.moe_general has no expert-parallel form")
+    expert_bias = _check_expert_bias(expert_bias, routing_c, x, E)
+    kw = dict(top_k=int(top_k), routing=routing_c, renormalize=bool(renormalize),
+              activation=act, w1_layout=layout, expert_bias=expert_bias, n_group=n_group,
+              topk_group=topk_group, routed_scaling=routed_scaling,
+              max_tokens=int(max_tokens), capacity=int(capacity),
+              expert_rows=int(expert_rows), overlap=int(overlap), comm_sms=int(comm_sms),
+              who=who, keep_x=bool(keep_x), copy_engines=copy_engines, b1=b1, b2=b2)
+    if inference:
+        with torch.no_grad():
+            out, counts, logits = _ep_moe(group, x, router_w, w1, w2, **kw)
+    else:
+        out, counts, logits = _ep_moe(group, x, router_w, w1, w2, **kw)
+    return out, counts, logits.reshape(*x.shape[:-1], E)
+
+
+# smoe.MoE's keywords that smoe.EPMoE takes as they are
+_MOE_EP_SHARED = ("routing", "renormalize", "w1_layout", "output_router_logits", "n_group",
+                  "topk_group", "routed_scaling")
+# smoe.EPMoE's keywords that smoe.MoE takes only with ep_group
+EP_ONLY = ("max_tokens", "capacity", "expert_rows", "overlap", "comm_sms", "aux_loss_scope",
+           "keep_x", "copy_engines")
+
+
+def _epmoe_from_moe(args, ep_group, kwargs):
+    """smoe.MoE(..., ep_group=g, ...): the EPMoE of those arguments, with
+    what only smoe.MoE takes refused under expert parallelism."""
+    who = "smoe.MoE (ep_group)"
+    kw = dict(kwargs)
+    _refuse_under_ep(who, kw.pop("token_rounding", None), kw.pop("consume_saved", False))
+    kw.pop("round_tile", None)  # (token rounding's, which is refused)
+    act = kw.pop("activation", None)
+    if act is not None:  # smoe.MoE's alias of activation_function
+        if len(args) > 4 or "activation_function" in kw:
+            raise TypeError("%s: activation and activation_function both given" % who)
+        kw["activation_function"] = act
+    unknown = sorted(k for k in kw if k not in _MOE_EP_SHARED + EP_ONLY +
+                     ("activation_function", "add_bias", "std"))
+    if unknown:
+        raise TypeError("%s: unexpected keyword argument(s) %s" % (who, ", ".join(unknown)))
+    return EPMoE(*args, ep_group=ep_group, **kw)
 
 
 _AUX_LOSS_SCOPES = ("local", "group")

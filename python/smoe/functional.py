@@ -1038,7 +1038,8 @@ def _check_expert_bias(expert_bias, routing, x, E):
 def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
         renormalize=True, activation="swiglu", w1_layout="interleaved", token_rounding=None,
         round_tile=128, inference=False, expert_bias=None, n_group=0, topk_group=0,
-        routed_scaling=1.0, consume_saved=False):
+        routed_scaling=1.0, consume_saved=False, ep_group=None, max_tokens=None, capacity=0,
+        expert_rows=0, overlap=0, comm_sms=0, keep_x=False, copy_engines=None):
     """The MoE feed-forward layer (token-choice routing), differentiable.
 
     Shapes (T tokens: x may have any leading dimensions, flattened to T):
@@ -1075,6 +1076,18 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
     Inside torch.autocast (for x's device) the inputs are cast to the
     autocast dtype first, differentiably (expert_bias stays float32).
 
+    Expert parallelism: with ep_group (an smoe.EPGroup, made once per
+      torch.distributed group: smoe.EPGroup(group)) x is this rank's tokens,
+      router_w (E, d) the whole router, w1, w2, b1, b2 this rank's experts
+      [rank E/P, (rank+1) E/P) (E/P rows of the shapes above), and every
+      rank of the group calls together, with the same options. max_tokens
+      (required: the largest token count any rank passes) and capacity,
+      expert_rows, overlap, comm_sms, keep_x, copy_engines are
+      smoe.EPMoE's. The gradient of router_w is this rank's share: sum it
+      over the group (ep_group.all_reduce) as for any replicated
+      parameter. token_rounding and consume_saved are refused under it
+      (see smoe.h's smoe_ep_desc); expert_counts are this rank's tokens'.
+
     Returns (out (..., d), expert_counts (E,) int32, router_logits (..., E)
     float32). Gradients reach x, router_w, w1, w2, b1, b2; a loss computed
     from router_logits (an auxiliary load-balancing loss) sends its gradient
@@ -1082,6 +1095,25 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
     """
     if not isinstance(x, torch.Tensor):
         raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "x must be a torch.Tensor")
+    if ep_group is not None:
+        from .ep import _moe_ep  # (smoe.ep imports this module)
+        return _moe_ep(ep_group, x, router_w, w1, w2, b1, b2, top_k=top_k, routing=routing,
+                       renormalize=renormalize, activation=activation, w1_layout=w1_layout,
+                       token_rounding=token_rounding, inference=inference,
+                       expert_bias=expert_bias, n_group=n_group, topk_group=topk_group,
+                       routed_scaling=routed_scaling, consume_saved=consume_saved,
+                       max_tokens=max_tokens, capacity=capacity, expert_rows=expert_rows,
+                       overlap=overlap, comm_sms=comm_sms, keep_x=keep_x,
+                       copy_engines=copy_engines)
+    if (max_tokens is not None or copy_engines is not None or keep_x or capacity or expert_rows
+            or overlap or comm_sms):
+        ep_only = [name for name, v in (
+            ("max_tokens", max_tokens is not None), ("capacity", capacity),
+            ("expert_rows", expert_rows), ("overlap", overlap), ("comm_sms", comm_sms),
+            ("keep_x", keep_x), ("copy_engines", copy_engines is not None)) if v]
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                             "smoe.moe: %s: options of expert parallelism, which ep_group "
+                             "turns on (ep_group is None)" % ", ".join(ep_only))
     routing_c = _enum(ROUTINGS, routing, "routing")
     if routing_c == L.SMOE_ROUTING_GENERAL:
         raise SmoeError(L.SMOE_ERROR_INVALID_VALUE,

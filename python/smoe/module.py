@@ -217,17 +217,37 @@ class MoE(nn.Module):
     or 'relu_sq', 'relu', 'silu', 'gelu') or an enum whose value or name is
     one ('activation' is accepted as the keyword too).
 
+    ep_group (an smoe.EPGroup or a torch.distributed group) makes the layer
+    expert-parallel: smoe.MoE(..., ep_group=g, max_tokens=T) returns an
+    smoe.EPMoE (its docstring: this rank's experts, max_tokens required,
+    its options capacity, expert_rows, overlap, comm_sms, aux_loss_scope,
+    keep_x, copy_engines); token_rounding and consume_saved are refused
+    under it.
+
     The constructor checks every argument (sizes positive, num_experts_per_tok
     <= num_experts, names known) and forward checks x against the layer
     (hidden size, device, dtype outside autocast), raising ValueError (also a
     smoe.SmoeError) with a message naming the argument or tensor.
     """
 
+    def __new__(cls, *args, ep_group=None, **kwargs):
+        if ep_group is not None and cls is MoE:
+            from .ep import _epmoe_from_moe  # (smoe.ep imports this module)
+            return _epmoe_from_moe(args, ep_group, kwargs)
+        from .ep import EP_ONLY
+        given = sorted(k for k in kwargs if k in EP_ONLY)
+        if given:
+            raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                                 "smoe.MoE: %s: options of expert parallelism, which ep_group "
+                                 "turns on (ep_group is None)" % ", ".join(given))
+        return super().__new__(cls)
+
     def __init__(self, num_experts, num_experts_per_tok, hidden_size, intermediate_size,
                  activation_function="swiglu", add_bias=False, std=0.02, *,
                  routing="topk_softmax", renormalize=True, token_rounding=None, round_tile=128,
                  w1_layout="interleaved", activation=None, output_router_logits=False,
-                 n_group=0, topk_group=0, routed_scaling=1.0, consume_saved=False):
+                 n_group=0, topk_group=0, routed_scaling=1.0, consume_saved=False,
+                 ep_group=None):
         super().__init__()
         if activation is not None:
             activation_function = activation

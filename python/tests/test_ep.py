@@ -454,3 +454,151 @@ def test_nccl_frees_in_order_in_one_thread_and_joined_at_exit():
     E_._join_pending()
     assert [t for t, _ in seen] == ["layer a", "layer b", "comm"]
     assert {n for _, n in seen} == {"smoe-nccl-free"} and not E_._PENDING
+
+
+# ------------------------------------------------------------ smoe.moe and smoe.MoE with ep_group
+
+def run_functional(P, K, kw, seed=21, act_bias=True):
+    """smoe.moe(..., ep_group=g) on each rank (its tokens, the whole router,
+    its experts' slices), differentiating sum(out * dout) + sum(logits *
+    dlog); the router's gradient summed over the group. Returns (ep, ref)
+    as run_case does, the reference's loss the same without aux."""
+    split = SPLITS[P]
+    T = sum(split)
+    offs = [sum(split[:r]) for r in range(P + 1)]
+    t = make(T, D, N, E, "swiglu", act_bias, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(T, D, generator=g, dtype=torch.float64)
+    dlog = torch.randn(T, E, generator=g, dtype=torch.float64) * 0.3
+
+    def rank(r, group):
+        El = E // P
+        lo, hi = r * El, (r + 1) * El
+        x = t[0][offs[r]:offs[r + 1]].clone().requires_grad_()
+        ws = [None if v is None else v[lo:hi].clone().requires_grad_() for v in
+              (t[2], t[3], t[4], t[5])]
+        wr = t[1].clone().requires_grad_()
+        out, counts, logits = smoe.moe(x, wr, *ws, top_k=K, ep_group=group,
+                                       max_tokens=max(split), **kw)
+        s = slice(offs[r], offs[r + 1])
+        ((out * dout[s]).sum() + (logits.double() * dlog[s]).sum()).backward()
+        group.all_reduce(wr.grad)
+        return dict(out=out.detach(), dx=x.grad, logits=logits.detach(), counts=counts,
+                    dwr=wr.grad, dw1=ws[0].grad, dw2=ws[1].grad,
+                    db1=ws[2].grad if act_bias else None, db2=ws[3].grad if act_bias else None)
+
+    res = run_ranks(P, rank)
+    ep = {k: torch.cat([v[k] for v in res]) for k in ("out", "dx", "logits", "dw1", "dw2")}
+    if act_bias:
+        ep["db1"] = torch.cat([v["db1"] for v in res])
+        ep["db2"] = torch.cat([v["db2"] for v in res])
+    ep["dwr"] = res[0]["dwr"]
+    for v in res[1:]:
+        assert torch.equal(v["dwr"], ep["dwr"])
+    ep["counts"] = sum(v["counts"] for v in res)
+    ins = [None if v is None else v.clone().requires_grad_() for v in t]
+    out, counts, logits = R.moe_ref(*ins, top_k=K, routing=kw.get("routing", "topk_softmax"),
+                                    renormalize=kw.get("renormalize", True))
+    ((out * dout).sum() + (logits * dlog).sum()).backward()
+    ref = dict(out=out.detach(), dx=ins[0].grad, logits=logits.detach(), counts=counts,
+               dwr=ins[1].grad, dw1=ins[2].grad, dw2=ins[3].grad)
+    if act_bias:
+        ref["db1"], ref["db2"] = ins[4].grad, ins[5].grad
+    return ep, ref
+
+
+@pytest.mark.parametrize("P", [1, 2, 4])
+@pytest.mark.parametrize("routing", ["topk_softmax", "softmax_topk"])
+def test_functional_with_ep_group_matches_reference(P, routing):
+    # smoe.moe's expert-parallel form: this rank's tokens and experts, the
+    # whole batch's reference (biases included, one rank with no tokens at
+    # P = 4)
+    ep, ref = run_functional(P, 2, dict(routing=routing))
+    check(ep, ref)
+
+
+def test_functional_with_ep_group_inference_and_leading_dims():
+    # inference=True keeps nothing for backward (no grad_fn); x (a, b, d)
+    # gives out (a, b, d) and router_logits (a, b, E), as without ep_group
+    t = make(6, D, N, E, "swiglu", False, seed=3)
+
+    def rank(r, group):
+        x = t[0][3 * r:3 * r + 3].reshape(1, 3, D).clone().requires_grad_()
+        lo, hi = r * E // 2, (r + 1) * E // 2
+        out, counts, logits = smoe.moe(x, t[1], t[2][lo:hi], t[3][lo:hi], top_k=2,
+                                       ep_group=group, max_tokens=3, inference=True)
+        return out, counts, logits
+
+    res = run_ranks(2, rank)
+    out_ref, counts_ref, logits_ref = R.moe_ref(*t, top_k=2)
+    out = torch.cat([o.reshape(3, D) for o, _, _ in res])
+    assert all(o.shape == (1, 3, D) and o.grad_fn is None for o, _, _ in res)
+    assert all(lg.shape == (1, 3, E) for _, _, lg in res)
+    assert torch.equal(sum(c for _, c, _ in res), counts_ref)
+    assert_close(out, out_ref, 1e-6, "out")
+    assert_close(torch.cat([lg.reshape(3, E) for _, _, lg in res]).double(), logits_ref, 1e-6,
+                 "router_logits")
+
+
+def test_functional_ep_group_refusals():
+    (g,) = smoe.EPGroup.in_process(1)
+    t = make(4, D, N, E, "swiglu", False, seed=4)
+    x, wr, w1, w2 = t[:4]
+    cases = [
+        (dict(ep_group=g, max_tokens=4, token_rounding="up"), "token_rounding = 'up'"),
+        (dict(ep_group=g, max_tokens=4, consume_saved=True), "consume_saved = True"),
+        (dict(ep_group=g), "max_tokens is required"),
+        (dict(ep_group=g, max_tokens=4, overlap=2), "overlap = 2"),
+        (dict(max_tokens=4), "max_tokens: options of expert parallelism"),
+        (dict(keep_x=True, copy_engines=False), "keep_x, copy_engines: options of expert"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(smoe.SmoeError, match=msg):
+            smoe.moe(x, wr, w1, w2, top_k=2, **kw)
+    with pytest.raises(TypeError, match="must be an smoe.EPGroup"):
+        smoe.moe(x, wr, w1, w2, top_k=2, ep_group=object(), max_tokens=4)
+    # the router must hold P times this rank's experts
+    (g2a, g2b) = smoe.EPGroup.in_process(2)
+    with pytest.raises(smoe.SmoeError, match="router_w"):
+        smoe.moe(x, wr, w1, w2, top_k=2, ep_group=g2a, max_tokens=4)
+
+
+def test_module_with_ep_group_is_epmoe_same_bits():
+    # smoe.MoE(..., ep_group=g) is an smoe.EPMoE: the same layer (same
+    # weights, same bits) as the one made directly
+    P, split = 2, SPLITS[2]
+    t = make(sum(split), D, N, E, "swiglu", True, seed=8)
+
+    def rank(r, group):
+        a = smoe.MoE(E, 2, D, N, "swiglu", True, ep_group=group, max_tokens=max(split),
+                     routing="softmax_topk").double()
+        b = ep_layer(group, 2, t, None, max_tokens=max(split), routing="softmax_topk")
+        assert isinstance(a, smoe.EPMoE) and not isinstance(a, smoe.MoE)
+        a.load_state_dict(b.state_dict())
+        x = t[0][:split[0]] if r == 0 else t[0][split[0]:]
+        outs = []
+        for m in (a, b):
+            xr = x.clone().requires_grad_()
+            out, aux = m(xr)
+            (out.square().sum() + aux).backward()
+            outs.append((out.detach(), xr.grad, m.c_fc.weight.grad, m.router.weight.grad))
+        return outs
+
+    for oa, ob in run_ranks(P, rank):
+        for u, v in zip(oa, ob):
+            assert torch.equal(u, v)
+
+
+def test_module_ep_group_refusals():
+    (g,) = smoe.EPGroup.in_process(1)
+    with pytest.raises(smoe.SmoeError, match="token_rounding = 'nearest' with ep_group"):
+        smoe.MoE(E, 2, D, N, ep_group=g, max_tokens=4, token_rounding="nearest")
+    with pytest.raises(smoe.SmoeError, match="consume_saved = True with ep_group"):
+        smoe.MoE(E, 2, D, N, ep_group=g, max_tokens=4, consume_saved=True)
+    with pytest.raises(smoe.SmoeError, match="capacity, keep_x: options of expert parallelism"):
+        smoe.MoE(E, 2, D, N, capacity=8, keep_x=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        smoe.MoE(E, 2, D, N, ep_group=g, max_tokens=4, no_such_option=1)
+    # the alias activation= works as in smoe.MoE
+    m = smoe.MoE(E, 2, D, N, ep_group=g, max_tokens=4, activation="geglu")
+    assert isinstance(m, smoe.EPMoE) and m.c_fc.weight.shape == (E, 2 * N, D)
