@@ -284,6 +284,11 @@ class EPGroup:
         self._layers = {}
         self._layers_lock = threading.Lock()
         self._id = next(_EP_GROUP_IDS)
+        # The id as a string too: torch.compile guards on a string's value,
+        # while an int attribute that differs between two compilations of
+        # the same code (two groups through one function) turns into a
+        # SymInt there, which the operators cannot look a group up by.
+        self._id_key = str(self._id)
         _EP_GROUPS[self._id] = self
 
     def __del__(self):
@@ -854,7 +859,7 @@ def _ep_layer_config(group, d, n, E, K, activation, w1_layout, has_bias, routing
     """(options, cfg) of a layer on `group` (enums as smoe_* codes): the
     operators' config (_EP_OPTIONS, without save or needs) and the key of
     the group's handle (EPGroup._layer)."""
-    options = [group._id, K, activation, w1_layout, routing, int(renormalize), n_group,
+    options = [int(group._id_key), K, activation, w1_layout, routing, int(renormalize), n_group,
                topk_group, max_tokens, capacity, expert_rows, overlap, comm_sms, int(keep_x),
                _ce_code(copy_engines)]
     cfg = (d, n, E, K, activation, w1_layout, bool(has_bias), routing, bool(renormalize),
@@ -1213,7 +1218,7 @@ class EPMoE(nn.Module):
     def _group_sums(self, prob_sums, counts):
         """The Switch loss's per-expert probability sums (differentiable) and
         counts, summed over the group (smoe::ep_group_sums)."""
-        return torch.ops.smoe.ep_group_sums(prob_sums, counts, self.group._id)
+        return torch.ops.smoe.ep_group_sums(prob_sums, counts, int(self.group._id_key))
 
     def reduce_router_grad(self):
         """Sums the router weight's gradient over the group (the rank's

@@ -23,8 +23,10 @@ GPU tests compile with it at WORLD 1 and 2. Also: the collectives of the
 compiled graphs ordered by effect tokens, blocks compiled one by one
 sharing one graph, the operators' path run eagerly (the same bits as the
 direct path), forward without gradients (no saved block: the library's
-inference forward), torch.library.opcheck, the operators' refusals, and
-the Python bound of the saved block against the library."""
+inference forward), torch.library.opcheck, the operators' refusals, the
+Python bound of the saved block against the library, and smoe.moe(...,
+ep_group=g) compiled against eager (one function compiled for two groups:
+the group's id reaches the operators as a constant, not a SymInt)."""
 import operator
 
 import pytest
@@ -373,3 +375,36 @@ def test_saved_bound_covers_the_library(P):
     for rows in run_ranks(P, rank):
         for *case, bound, need in rows:
             assert need <= bound <= need + 512, (case, bound, need)
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_functional_with_ep_group_compiled_matches_eager(P):
+    # smoe.moe(..., ep_group=g) inside torch.compile(fullgraph=True): the
+    # same bits as eager, output and every gradient (biases included)
+    torch._dynamo.reset()
+    split = SPLITS[P]
+    offs = [sum(split[:r]) for r in range(P + 1)]
+    t = make(sum(split), D, N, E, "swiglu", True, seed=31)
+
+    def rank(r, group):
+        El = E // P
+        ws = [v[r * El:(r + 1) * El] for v in (t[2], t[3], t[4], t[5])]
+
+        def f(x, wr, w1, w2, b1, b2):
+            out, counts, logits = smoe.moe(x, wr, w1, w2, b1, b2, top_k=2, ep_group=group,
+                                           max_tokens=max(split), routing="softmax_topk")
+            return out, logits
+
+        res = []
+        for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+            ins = [t[0][offs[r]:offs[r + 1]].clone(), t[1].clone()] + [w.clone() for w in ws]
+            for v in ins:
+                v.requires_grad_()
+            out, logits = fn(*ins)
+            (out.square().sum() + logits.double().sum()).backward()
+            res.append([out.detach()] + [v.grad for v in ins])
+        return res
+
+    for eager, compiled in run_ranks(P, rank):
+        for i, (a, b) in enumerate(zip(eager, compiled)):
+            assert torch.equal(a, b), i
