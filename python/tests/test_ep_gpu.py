@@ -8,7 +8,9 @@ against the reference's. Cases: top-k softmax; sigmoid_topk with groups,
 scaling and a non-zero expert bias; the router logits returned (and a loss
 on them); keep_x (the received rows of x kept for the backward); the
 load-balancing loss over the group (every rank's equal to the
-single-GPU layer's on the gathered batch, and its gradient). Two steps give
+single-GPU layer's on the gathered batch, and its gradient); the layer made
+as smoe.MoE(..., ep_group=...), and run as smoe.moe(..., ep_group=...) with
+this rank's experts. Two steps give
 the same bits; the layer's forward and backward captured in a CUDA graph
 replay them bit for bit. tests/test_ep.py checks the same on the CPU.
 
@@ -50,7 +52,41 @@ CASES = {
     "copy_engines": (2, dict(copy_engines=True), 0.5, None, 0.0),
     "group_loss": (3, dict(SIGMOID, aux_loss_scope="group", output_router_logits=True), 0.1,
                    32, 0.5),
+    # the same layer made as smoe.MoE(..., ep_group=...), and run through
+    # smoe.moe(..., ep_group=...) with this rank's experts (_Functional)
+    "moe_ep_group": (2, dict(via="module"), 0.5, None, 0.0),
+    "functional": (2, dict(via="functional"), 0.5, None, 0.0),
 }
+
+
+class _Functional(torch.nn.Module):
+    """smoe.moe(..., ep_group=...) with EPMoE's parameters and the methods
+    _run_case calls (the aux loss of this rank's tokens, as EPMoE's
+    default)."""
+
+    def __init__(self, group, K, routing):
+        import smoe
+        super().__init__()
+        P = group.size
+        self.group, self.K, self.routing = group, K, routing
+        self.router = torch.nn.Linear(D, E, bias=False)
+        self.c_fc = smoe.Experts(E // P, D, 2 * N)
+        self.c_proj = smoe.Experts(E // P, N, D)
+        self.expert_bias, self.last_expert_counts, self.path_name = None, None, "smoe.moe"
+
+    def forward(self, x):
+        import smoe
+        out, counts, logits = smoe.moe(x, self.router.weight, self.c_fc.weight,
+                                       self.c_proj.weight, top_k=self.K, routing=self.routing,
+                                       ep_group=self.group, max_tokens=T)
+        self.last_expert_counts = counts
+        return out, smoe.switch_load_balancing_loss(logits, counts)
+
+    def reduce_router_grad(self):
+        self.group.all_reduce(self.router.weight.grad)
+
+    def check_device(self):
+        torch.cuda.synchronize()
 
 
 def _inputs(world, case):
@@ -90,7 +126,16 @@ def _run_case(rank, world, group, case):
     K, opts, _, _, coef = CASES[case]
     wr, w1, w2, x_all, do_all, dlog_all, bias = _inputs(world, case)
     El = E // world
-    m = smoe.EPMoE(E, K, D, N, ep_group=group, max_tokens=T, **opts).cuda().to(torch.bfloat16)
+    opts = dict(opts)
+    via = opts.pop("via", None)
+    if via == "functional":
+        m = _Functional(group, K, "topk_softmax")
+    elif via == "module":
+        m = smoe.MoE(E, K, D, N, ep_group=group, max_tokens=T, **opts)
+        assert isinstance(m, smoe.EPMoE)
+    else:
+        m = smoe.EPMoE(E, K, D, N, ep_group=group, max_tokens=T, **opts)
+    m = m.cuda().to(torch.bfloat16)
     with torch.no_grad():
         m.router.weight.copy_(wr)
         m.c_fc.weight.copy_(w1[rank * El:(rank + 1) * El])
