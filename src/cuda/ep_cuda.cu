@@ -276,9 +276,9 @@ static int piece(const smoe_ep_layer *ep, int c, int q, int64_t *v0, int64_t *v1
 
 /* The forward's own chunks split at a bound found on the device (own_b):
  * the first's partial sums wait for the second, which sums both's (slots
- * [bd.b[own_b - 1], bd.b[own_b + 1])). Chunk c's slots to sum are [*v0,
- * *v1); 0: none now. */
-static int own_rows_sum(const smoe_ep_layer *ep, int c, int64_t *v0, int64_t *v1)
+ * [bd.b[own_b - 1], bd.b[own_b + 1])). Chunk c's slots to sum start at
+ * *v0 (moved back for the second); 0: none now. */
+static int own_rows_sum(const smoe_ep_layer *ep, int c, int64_t *v0)
 {
     const ep_cuda *X = ep->cuda;
     if (X->own_b < 0) return 1;
@@ -706,10 +706,10 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             if (peers) TRYC(cudaStreamWaitEvent(s, X->ev[EV_IN + c], 0));
             TRY(chunk_forward(ep, &v, off2, c, X->sms_overlap, abort, recv_rows, args, training,
                               a, y, ws + W.gemm, s));
-            int64_t w0 = v0, w1 = v1;
-            if (!own_rows_sum(ep, c, &w0, &w1)) continue;
+            int64_t w0 = v0;
+            if (!own_rows_sum(ep, c, &w0)) continue;
             bf16 *out = (bf16 *)((peers ? part : part_recv) + (size_t)w0 * row);
-            TRY(smoe_cuda_aggregate_forward(w1 - w0, d, v.token_offset + w0, v.assign_row,
+            TRY(smoe_cuda_aggregate_forward(v1 - w0, d, v.token_offset + w0, v.assign_row,
                                             v.row_score, y, out, NULL, hdr, abort, s));
             if (peers) TRY(ce_partials_back(ep, c, part, part_recv, v0, row, s));
         }
@@ -726,7 +726,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             for (int q = 0; q < P; q++) {
                 int64_t v0, v1;
                 if (!piece(ep, c, q, &v0, &v1)) continue;
-                if (q == self && !own_rows_sum(ep, c, &v0, &v1)) continue;
+                if (q == self && !own_rows_sum(ep, c, &v0)) continue;
                 bf16 *out = (bf16 *)((q == self ? part_recv : part) + (size_t)v0 * (size_t)d * 2);
                 TRY(smoe_cuda_aggregate_forward(v1 - v0, d, v.token_offset + v0, v.assign_row,
                                                 v.row_score, y, out, NULL, hdr, abort, s));

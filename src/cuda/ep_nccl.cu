@@ -433,7 +433,7 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
      * second chunk was empty): a third first at P >= 4, since the last
      * chunk hides the last part's partial sums, which take longer beside
      * the GEMMs than the first part's rows do alone (4 x H200, same call:
-     * forward 0.13-0.55 ms faster on four shapes, fwd+bwd 0.13-0.38 ms on
+     * forward 0.14-0.55 ms faster on four shapes, fwd+bwd 0.11-0.37 ms on
      * three; a quarter no better); half at P = 2. The backward measured
      * best with bd's halves (bench/RESULTS.md session 20): split by rows,
      * its first own chunk's dx partials wait for the second, where they
