@@ -79,10 +79,9 @@ def ep_layer(group, K, t, bias, **kw):
     return m
 
 
-def run_case(P, K, kw, bias=None, act_bias=True, aux_coef=0.5, seed=0):
-    """The layer over P ranks and the reference on the whole batch, each
-    differentiating sum(out * dout) + sum(logits * dlog) + aux_coef * (each
-    rank's aux_loss); returns (ep results, reference results)."""
+def batch(P, act_bias, seed):
+    """The whole batch over P ranks: (split, offsets, the layer's tensors t =
+    (x, router, w1, w2, b1, b2) float64, dout, dlog)."""
     split = SPLITS[P]
     T = sum(split)
     offs = [sum(split[:r]) for r in range(P + 1)]
@@ -90,6 +89,29 @@ def run_case(P, K, kw, bias=None, act_bias=True, aux_coef=0.5, seed=0):
     g = torch.Generator().manual_seed(seed + 1)
     dout = torch.randn(T, D, generator=g, dtype=torch.float64)
     dlog = torch.randn(T, E, generator=g, dtype=torch.float64) * 0.3
+    return split, offs, t, dout, dlog
+
+
+def gather(res, act_bias):
+    """The ranks' results as the whole batch's: tokens' and experts' rows
+    concatenated in rank order, the router's gradient (summed over the
+    group, so the same on every rank), the counts summed."""
+    ep = {k: torch.cat([v[k] for v in res]) for k in ("out", "dx", "logits", "dw1", "dw2")}
+    if act_bias:
+        ep["db1"] = torch.cat([v["db1"] for v in res])
+        ep["db2"] = torch.cat([v["db2"] for v in res])
+    ep["dwr"] = res[0]["dwr"]
+    for v in res[1:]:
+        assert torch.equal(v["dwr"], ep["dwr"])
+    ep["counts"] = sum(v["counts"] for v in res)
+    return ep
+
+
+def run_case(P, K, kw, bias=None, act_bias=True, aux_coef=0.5, seed=0):
+    """The layer over P ranks and the reference on the whole batch, each
+    differentiating sum(out * dout) + sum(logits * dlog) + aux_coef * (each
+    rank's aux_loss); returns (ep results, reference results)."""
+    split, offs, t, dout, dlog = batch(P, act_bias, seed)
     routing = kw.get("routing", "topk_softmax")
     scope = kw.get("aux_loss_scope", "local")
 
@@ -107,14 +129,7 @@ def run_case(P, K, kw, bias=None, act_bias=True, aux_coef=0.5, seed=0):
                     dw1=m.c_fc.weight.grad, dw2=m.c_proj.weight.grad, db1=bs[0], db2=bs[1])
 
     res = run_ranks(P, rank)
-    ep = {k: torch.cat([v[k] for v in res]) for k in ("out", "dx", "logits", "dw1", "dw2")}
-    if act_bias:
-        ep["db1"] = torch.cat([v["db1"] for v in res])
-        ep["db2"] = torch.cat([v["db2"] for v in res])
-    ep["dwr"] = res[0]["dwr"]
-    for v in res[1:]:   # the summed router gradient, the same on every rank
-        assert torch.equal(v["dwr"], ep["dwr"])
-    ep["counts"] = sum(v["counts"] for v in res)
+    ep = gather(res, act_bias)
     ep["aux"] = [v["aux"] for v in res]
 
     if routing == "sigmoid_topk":
@@ -463,13 +478,7 @@ def run_functional(P, K, kw, seed=21, act_bias=True):
     its experts' slices), differentiating sum(out * dout) + sum(logits *
     dlog); the router's gradient summed over the group. Returns (ep, ref)
     as run_case does, the reference's loss the same without aux."""
-    split = SPLITS[P]
-    T = sum(split)
-    offs = [sum(split[:r]) for r in range(P + 1)]
-    t = make(T, D, N, E, "swiglu", act_bias, seed=seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    dout = torch.randn(T, D, generator=g, dtype=torch.float64)
-    dlog = torch.randn(T, E, generator=g, dtype=torch.float64) * 0.3
+    split, offs, t, dout, dlog = batch(P, act_bias, seed)
 
     def rank(r, group):
         El = E // P
@@ -488,14 +497,7 @@ def run_functional(P, K, kw, seed=21, act_bias=True):
                     db1=ws[2].grad if act_bias else None, db2=ws[3].grad if act_bias else None)
 
     res = run_ranks(P, rank)
-    ep = {k: torch.cat([v[k] for v in res]) for k in ("out", "dx", "logits", "dw1", "dw2")}
-    if act_bias:
-        ep["db1"] = torch.cat([v["db1"] for v in res])
-        ep["db2"] = torch.cat([v["db2"] for v in res])
-    ep["dwr"] = res[0]["dwr"]
-    for v in res[1:]:
-        assert torch.equal(v["dwr"], ep["dwr"])
-    ep["counts"] = sum(v["counts"] for v in res)
+    ep = gather(res, act_bias)
     ins = [None if v is None else v.clone().requires_grad_() for v in t]
     out, counts, logits = R.moe_ref(*ins, top_k=K, routing=kw.get("routing", "topk_softmax"),
                                     renormalize=kw.get("renormalize", True))
