@@ -6,6 +6,8 @@
 #   test_ep_gpu  P = 1, 2 and every GPU up to 4
 #   MEMCHECK=1   test_ep_gpu under compute-sanitizer memcheck (SMOE_EP_QUICK:
 #                the largest P alone; API errors off: NCCL probes kernels)
+#   PYTESTS=1    python/tests/test_ep_gpu.py (WORLD 1 and 2 over NCCL, the
+#                machine's torch) on the staged libsmoe.so
 #   the benchmark: each of SHAPES (';'-separated smoe_ep_bench options) at
 #                every P of PS (default "2 <every GPU>"), BENCH_ARGS added
 # Logs under $OUT (the device tool) or /tmp/ep_out; a short table last.
@@ -39,6 +41,11 @@ grep -E "FAIL" "$o/test_ep_gpu.log" | head -5
 if [ "${MEMCHECK:-0}" = 1 ]; then
   SMOE_EP_QUICK=1 timeout ${MEMCHECK_S:-280} compute-sanitizer --tool memcheck --report-api-errors no $d/tests/gpu/test_ep_gpu > "$o/memcheck.log" 2>&1
   echo "memcheck rc=$? $(grep -E 'ERROR SUMMARY|passed' "$o/memcheck.log" | tr '\n' ' ') $(el)"
+fi
+if [ "${PYTESTS:-0}" = 1 ]; then
+  PYTHONPATH=$PWD/python SMOE_LIBRARY=$d/libsmoe.so timeout ${PYTESTS_S:-600} python3 -m pytest -q \
+    -p no:cacheprovider python/tests/test_ep_gpu.py > "$o/pytest_ep_gpu.log" 2>&1
+  echo "pytest test_ep_gpu.py rc=$? $(tail -1 "$o/pytest_ep_gpu.log") $(el)"
 fi
 IFS=';' read -ra SH <<< "${SHAPES:--r 30B-n512 -x 524288;-r 120B-n1024 -x 524288;-T 16384 -d 2048 -n 768 -E 128 -K 8 -x 262144;-T 8192 -d 4096 -n 14336 -E 8 -K 2 -x 32768}"
 for s in "${SH[@]}"; do
