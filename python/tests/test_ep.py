@@ -551,6 +551,8 @@ def test_functional_ep_group_refusals():
         (dict(ep_group=g, max_tokens=4, consume_saved=True), "consume_saved = True"),
         (dict(ep_group=g), "max_tokens is required"),
         (dict(ep_group=g, max_tokens=4, overlap=2), "overlap = 2"),
+        (dict(ep_group=g, max_tokens=3), "4 tokens, more than max_tokens = 3"),
+        (dict(ep_group=g, max_tokens=4, routing="general"), "no expert-parallel form"),
         (dict(max_tokens=4), "max_tokens: options of expert parallelism"),
         (dict(keep_x=True, copy_engines=False), "keep_x, copy_engines: options of expert"),
     ]
