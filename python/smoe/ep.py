@@ -243,6 +243,9 @@ class _Threads:
 # and find it, and its layer handles, here.
 _EP_GROUPS = weakref.WeakValueDictionary()
 _EP_GROUP_IDS = itertools.count(1)
+# EPGroup.of's: (id of a torch.distributed group, device) -> its EPGroup,
+# which holds the group (so the id stays that group's), kept for the process
+_EP_OF = {}
 
 
 class EPGroup:
@@ -312,6 +315,26 @@ class EPGroup:
     def comm(self):
         """The ncclComm_t (a ctypes c_void_p); None for an in-process group."""
         return self._comm.handle if self._comm is not None else None
+
+    @classmethod
+    def of(cls, group=None, device=None):
+        """The EPGroup of a torch.distributed group (default: the world) on
+        `device` (default: the current CUDA device): made, collectively, by
+        the first use in this process, then the same object, kept until the
+        process ends. smoe.MoE / smoe.EPMoE / smoe.moe / smoe.hf take a
+        torch.distributed group through it, so the layers that name one
+        group share one communicator (and its copy engines' windows)
+        instead of making one each."""
+        import torch.distributed as dist
+        g = group if group is not None else dist.group.WORLD
+        dev = torch.device(device) if device is not None else \
+            torch.device("cuda", torch.cuda.current_device())
+        key = (id(g), dev)
+        hit = _EP_OF.get(key)
+        if hit is None:
+            hit = cls(g, dev)
+            _EP_OF[key] = hit
+        return hit
 
     @classmethod
     def in_process(cls, nranks):
@@ -919,6 +942,18 @@ def _ep_moe(group, x, router_w, w1, w2, *, top_k, routing, renormalize, activati
     return out.reshape(x.shape), counts, logits
 
 
+def _as_group(ep_group, who):
+    """An EPGroup as given, or a torch.distributed group's (EPGroup.of);
+    TypeError for anything else."""
+    if isinstance(ep_group, EPGroup):
+        return ep_group
+    import torch.distributed as dist
+    if dist.is_available() and isinstance(ep_group, dist.ProcessGroup):
+        return EPGroup.of(ep_group)
+    raise TypeError("%s: ep_group must be an smoe.EPGroup or a torch.distributed process "
+                    "group, got %s" % (who, type(ep_group).__name__))
+
+
 def _refuse_under_ep(who, token_rounding, consume_saved):
     """What the expert-parallel layer does not take (smoe_ep_desc refuses
     them too): a SmoeValueError saying why."""
@@ -942,11 +977,7 @@ def _moe_ep(group, x, router_w, w1, w2, b1, b2, *, top_k, routing, renormalize, 
     """smoe.moe with ep_group (its docstring says what): the checks, then
     _ep_moe."""
     who = "smoe.moe (ep_group)"
-    if not isinstance(group, EPGroup):
-        raise TypeError("%s: ep_group must be an smoe.EPGroup, got %s: make one per "
-                        "torch.distributed group, smoe.EPGroup(group), and pass it to every "
-                        "call (it holds the group's communicator and layers)"
-                        % (who, type(group).__name__))
+    group = _as_group(group, who)
     _refuse_under_ep(who, token_rounding, consume_saved)
     if max_tokens is None:
         raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
@@ -1020,7 +1051,9 @@ _AUX_LOSS_SCOPES = ("local", "group")
 
 class EPMoE(nn.Module):
     """smoe.MoE's layer, expert-parallel over `ep_group` (an EPGroup, or a
-    torch.distributed group to make one from). Parameters on this rank:
+    torch.distributed group: EPGroup.of(group), the one EPGroup of that
+    group in this process, so layers naming one group share its
+    communicator; None: the world's). Parameters on this rank:
     router (E, d) replicated; c_fc (E/P, 2n|n, d) and c_proj (E/P, d, n)
     this rank's experts, [rank E/P, (rank+1) E/P) of the whole layer.
 
@@ -1116,7 +1149,7 @@ class EPMoE(nn.Module):
             raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.EPMoE: aux_loss_scope = %r, "
                                  "must be 'local' (this rank's tokens) or 'group' (the group's)"
                                  % (aux_loss_scope,))
-        self.group = ep_group if isinstance(ep_group, EPGroup) else EPGroup(ep_group)
+        self.group = EPGroup.of() if ep_group is None else _as_group(ep_group, who)
         P, r = self.group.size, self.group.rank
         if num_experts % P:
             raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "smoe.EPMoE: num_experts = %d cannot be "

@@ -1076,8 +1076,9 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
     Inside torch.autocast (for x's device) the inputs are cast to the
     autocast dtype first, differentiably (expert_bias stays float32).
 
-    Expert parallelism: with ep_group (an smoe.EPGroup, made once per
-      torch.distributed group: smoe.EPGroup(group)) x is this rank's tokens,
+    Expert parallelism: with ep_group (a torch.distributed group, whose one
+      smoe.EPGroup of this process smoe.EPGroup.of makes at the first call,
+      or an smoe.EPGroup) x is this rank's tokens,
       router_w (E, d) the whole router, w1, w2, b1, b2 this rank's experts
       [rank E/P, (rank+1) E/P) (E/P rows of the shapes above), and every
       rank of the group calls together, with the same options. max_tokens

@@ -71,7 +71,7 @@ import torch.nn as nn
 
 from ._lib import (SMOE_ACT_SWIGLU, SMOE_ERROR_INVALID_SIZE, SMOE_ROUTING_SIGMOID_TOPK,
                    SMOE_W1_CONCATENATED, SmoeError)
-from .ep import EPGroup, _ep_moe, check_ep_options
+from .ep import _as_group, _ep_moe, check_ep_options
 from .functional import ROUTINGS, check_sigmoid_options, moe
 
 __all__ = ["replace_moe_blocks", "restore_moe_blocks", "SmoeSparseMoeBlock", "SmoeDeepseekV3MoE",
@@ -389,7 +389,7 @@ def replace_moe_blocks(model, ep_group=None, *, max_tokens=None, capacity=0, exp
     block smoe.hf knows.
 
     Expert parallelism: with ep_group (a smoe.EPGroup, or a
-    torch.distributed group to make one from; every rank calls this
+    torch.distributed group: smoe.EPGroup.of's; every rank calls this
     together, on its copy of the model) each block runs smoe.EPMoE's layer
     over the group and keeps only this rank's experts: experts.gate_up_proj
     and experts.down_proj become new Parameters holding their slices
@@ -432,7 +432,7 @@ def replace_moe_blocks(model, ep_group=None, *, max_tokens=None, capacity=0, exp
                              sorted(c.rsplit(".", 1)[1] for c in _BLOCKS))))
     group = None
     if ep_group is not None and found:
-        group = ep_group if isinstance(ep_group, EPGroup) else EPGroup(ep_group)
+        group = _as_group(ep_group, "smoe.hf.replace_moe_blocks")
         for name, block, (_, E, _, _) in found:
             if E % group.size:
                 raise SmoeError(SMOE_ERROR_INVALID_SIZE, "smoe.hf: cannot replace %s (%s): its "

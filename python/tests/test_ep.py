@@ -606,3 +606,44 @@ def test_module_ep_group_refusals():
     # the alias activation= works as in smoe.MoE
     m = smoe.MoE(E, 2, D, N, ep_group=g, max_tokens=4, activation="geglu")
     assert isinstance(m, smoe.EPMoE) and m.c_fc.weight.shape == (E, 2 * N, D)
+
+
+def test_torch_group_maps_to_one_epgroup(monkeypatch, tmp_path):
+    # A torch.distributed group given as ep_group becomes its one EPGroup
+    # of this process (EPGroup.of): layers naming the same group share it,
+    # another group gets its own. (gloo, one rank; EPGroup's NCCL
+    # construction is replaced by an in-process group's state, so the
+    # layers run here.)
+    import torch.distributed as dist
+    from smoe import ep as smoe_ep
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    made, keep = [], []
+
+    def fake_init(self, group=None, device=None):
+        made.append(group)
+        (g,) = smoe.EPGroup.in_process(1)
+        keep.append(g)          # (its handles stay alive with it)
+        self.__dict__.update(g.__dict__)
+        self._register()        # an id of its own, for the operators' lookup
+
+    monkeypatch.setattr(smoe_ep.EPGroup, "__init__", fake_init)
+    monkeypatch.setattr(smoe_ep, "_EP_OF", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "init"), rank=0,
+                            world_size=1)
+    try:
+        world, other = dist.group.WORLD, dist.new_group([0])
+        a = smoe.MoE(E, 2, D, N, ep_group=world, max_tokens=4).double()
+        b = smoe.EPMoE(E, 2, D, N, ep_group=world, max_tokens=4).double()
+        c = smoe.EPMoE(E, 2, D, N, ep_group=other, max_tokens=4).double()
+        assert a.group is b.group and c.group is not a.group
+        assert made == [world, other]
+        t = make(4, D, N, E, "swiglu", False, seed=9)
+        out, _, _ = smoe.moe(*t[:4], top_k=2, ep_group=world, max_tokens=4)
+        assert made == [world, other]
+        assert_close(out, R.moe_ref(*t[:4], top_k=2)[0], 1e-6, "out")
+        with pytest.raises(TypeError, match="must be an smoe.EPGroup or a torch.distributed"):
+            smoe.moe(*t[:4], top_k=2, ep_group="world", max_tokens=4)
+    finally:
+        dist.destroy_process_group()

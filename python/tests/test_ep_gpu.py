@@ -52,7 +52,7 @@ CASES = {
     "copy_engines": (2, dict(copy_engines=True), 0.5, None, 0.0),
     "group_loss": (3, dict(SIGMOID, aux_loss_scope="group", output_router_logits=True), 0.1,
                    32, 0.5),
-    # the same layer made as smoe.MoE(..., ep_group=...), and run through
+    # the same layer made as smoe.MoE(..., ep_group=<the torch group>), and run through
     # smoe.moe(..., ep_group=...) with this rank's experts (_Functional)
     "moe_ep_group": (2, dict(via="module"), 0.5, None, 0.0),
     "functional": (2, dict(via="functional"), 0.5, None, 0.0),
@@ -131,8 +131,9 @@ def _run_case(rank, world, group, case):
     if via == "functional":
         m = _Functional(group, K, "topk_softmax")
     elif via == "module":
-        m = smoe.MoE(E, K, D, N, ep_group=group, max_tokens=T, **opts)
-        assert isinstance(m, smoe.EPMoE)
+        # (the torch.distributed group itself: EPGroup.of makes its EPGroup)
+        m = smoe.MoE(E, K, D, N, ep_group=dist.group.WORLD, max_tokens=T, **opts)
+        assert isinstance(m, smoe.EPMoE) and m.group is smoe.EPGroup.of()
     else:
         m = smoe.EPMoE(E, K, D, N, ep_group=group, max_tokens=T, **opts)
     m = m.cuda().to(torch.bfloat16)
