@@ -1085,8 +1085,8 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
       (required: the largest token count any rank passes) and capacity,
       expert_rows, overlap, comm_sms, keep_x, copy_engines are
       smoe.EPMoE's. The gradient of router_w is this rank's share: sum it
-      over the group (ep_group.all_reduce) as for any replicated
-      parameter. token_rounding and consume_saved are refused under it
+      over the group (torch.distributed.all_reduce, or EPGroup.all_reduce)
+      as for any replicated parameter. token_rounding and consume_saved are refused under it
       (see smoe.h's smoe_ep_desc); expert_counts are this rank's tokens'.
 
     Returns (out (..., d), expert_counts (E,) int32, router_logits (..., E)
