@@ -268,9 +268,9 @@ static float med_max(const rank_ctx *R, int P, int iters, int bwd) {
     return m[iters / 2];
 }
 
-static float g_last_total; /* run()'s fwd+bwd median (med_max mode 2) */
-
-static void run(const cfg *c, int ep, void **comms, float *f, float *b, char *path) {
+/* ep (rank_ctx's) on the ranks: the medians of the slowest rank's forward,
+ * backward and (t, when given) whole iteration, and the path name */
+static void run(const cfg *c, int ep, void **comms, float *f, float *b, float *t, char *path) {
     const int P = ep ? c->P : 1;
     (void)P;
     rank_ctx R[MAXP];
@@ -286,7 +286,7 @@ static void run(const cfg *c, int ep, void **comms, float *f, float *b, char *pa
     pthread_barrier_destroy(&bar);
     *f = med_max(R, P, c->iters, 0);
     *b = med_max(R, P, c->iters, 1);
-    g_last_total = med_max(R, P, c->iters, 2);
+    if (t) *t = med_max(R, P, c->iters, 2);
     snprintf(path, 256, "%s", R[0].path);
 }
 
@@ -358,32 +358,32 @@ int main(int argc, char **argv) {
     float ef, eb, nf, nb, kf, kb, sf, sbw, af, ab;
     char epath[256], npath[256], kpath[256], spath[256], apath[256];
     if (c.quick) {
-        run(&c, 7, comms, &ef, &eb, epath);
-        const float et = g_last_total;
+        float et;
+        run(&c, 7, comms, &ef, &eb, &et, epath);
         for (int q = 0; q < c.P; q++) destroy(comms[q]);
         if (c.quick == 2) {
             printf("quick %s P=%d T=%lld: EP fwd %.3f bwd %.3f ms, fwd+bwd %.3f ms (%s)\n",
                    c.row ? c.row : "", c.P, (long long)c.T, ef, eb, et, epath);
             return 0;
         }
-        run(&c, 0, NULL, &sf, &sbw, spath);
+        run(&c, 0, NULL, &sf, &sbw, NULL, spath);
         printf("quick %s P=%d T=%lld: EP fwd %.3f bwd %.3f ms, fwd+bwd %.3f ms, single fwd %.3f "
                "bwd %.3f ms; per-GPU EP / single fwd %.1f%% bwd %.1f%% total %.1f%% (%s)\n",
                c.row ? c.row : "", c.P, (long long)c.T, ef, eb, et, sf, sbw, 100 * sf / ef,
                100 * sbw / eb, 100 * (sf + sbw) / et, epath);
         return 0;
     }
-    run(&c, 1, comms, &ef, &eb, epath);
-    run(&c, 3, comms, &nf, &nb, npath);
-    run(&c, 4, comms, &kf, &kb, kpath);
+    run(&c, 1, comms, &ef, &eb, NULL, epath);
+    run(&c, 3, comms, &nf, &nb, NULL, npath);
+    run(&c, 4, comms, &kf, &kb, NULL, kpath);
     float gf = 0, gb = 0, hf = 0, hb = 0;
     char gpath[256] = "", hpath[256] = "";
     if (c.ce && c.P > 1) {
-        run(&c, 5, comms, &gf, &gb, gpath);
-        run(&c, 6, comms, &hf, &hb, hpath);
+        run(&c, 5, comms, &gf, &gb, NULL, gpath);
+        run(&c, 6, comms, &hf, &hb, NULL, hpath);
     }
-    run(&c, 2, comms, &af, &ab, apath);
-    run(&c, 0, NULL, &sf, &sbw, spath);
+    run(&c, 2, comms, &af, &ab, NULL, apath);
+    run(&c, 0, NULL, &sf, &sbw, NULL, spath);
     for (int q = 0; q < c.P; q++) destroy(comms[q]);
     struct cudaDeviceProp prop;
     CUDA_OK(cudaGetDeviceProperties(&prop, 0));
