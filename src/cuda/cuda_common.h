@@ -193,19 +193,22 @@ smoe_status smoe_cuda_status_reset(smoe_dev_status *status, cudaStream_t stream)
  * The sparse router backward adds wr_nf to dx, which gives what the dense
  * product dlogits Wr gives (as PyTorch computes it): 0 * inf = NaN from the
  * experts a token did not pick. */
-/* The device-side pointers of one cuBLAS call (the dense router term of
- * dX, cuda_layer.cu): with slots set, the prologue writes slots[0] = a,
- * slots[1] = b and slots[2] = c where the saved block passes its check,
- * else the sink (a buffer of this call's workspace as large as c), so
+/* The device-side pointers of n cuBLAS calls (the dense router term of dX
+ * in n token chunks, cuda_layer.cu): with slots set, the prologue writes
+ * triple i: slots[3i] = a, slots[3i + 1] = b + i b_step (bytes) and
+ * slots[3i + 2] = c where the saved block passes its check, else the sink
+ * (a buffer of this call's workspace as large as c) if one is given, so
  * that a call the device refused writes nothing outside its workspace. */
 typedef struct smoe_dxr_slots {
     void **slots;
+    int n;
     void *a, *b, *c, *sink;
+    size_t b_step;
 } smoe_dxr_slots;
 
 static inline smoe_dxr_slots smoe_dxr_slots_none(void)
 {
-    smoe_dxr_slots z = {NULL, NULL, NULL, NULL, NULL};
+    smoe_dxr_slots z = {NULL, 0, NULL, NULL, NULL, NULL, 0};
     return z;
 }
 
@@ -285,9 +288,10 @@ smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int
  * dX GEMM. Otherwise assign_dl must be NULL. */
 int smoe_cuda_router_sparse(const smoe_layer_desc *desc, int rounding, const float *dlogits_extra);
 
-/* wr2 (2E, d) = [wr; wr]: the B operand of dX += split * wr2. */
+/* wr2 (2E, d) = [wr; wr]: the B operand of dX += split * wr2; nothing
+ * written when *abort is set (wr2 may lie in the saved block's dead H). */
 smoe_status smoe_cuda_stack_twice(const bf16 *wr, int64_t E, int64_t d, bf16 *wr2,
-                                  cudaStream_t stream);
+                                  const int *abort, cudaStream_t stream);
 
 /* dwr (E, d) (op)= dwr2[0:E] + dwr2[E:2E] (fp32 (2E, d)). */
 smoe_status smoe_cuda_combine_halves(const float *dwr2, int64_t E, int64_t d, void *dwr,

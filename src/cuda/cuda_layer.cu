@@ -101,21 +101,27 @@ void smoe_cuda_timer_report(const smoe_layer *layer, stage_timer *tm)
 /* ------------------------------------------------------------ workspace */
 
 typedef struct ws_layout {
-    size_t status, cublas;
+    size_t status;
     /* forward */
     size_t logits, assign_token, assign_score, assign_count;
     size_t m_h_unused, m_row_score, m_row_token, m_assign_row, m_assign_expert, m_token_offset,
         m_expert_offset; /* the metadata of an inference forward (no saved block) */
-    size_t route_scratch, md_scratch, a, y, f_gemm;
+    size_t route_scratch, md_scratch, a, y, f_gemm; /* f_gemm: cuBLAS's scratch too */
     size_t fwd_end;
     /* backward (overlaps the forward region) */
-    size_t dh, a_scaled, ds, dxt, split, wr2, dwr2, dxr, tc, dla, wr_nf, b_gemm;
+    size_t dh, a_scaled, ds, dxt, wr_nf, b_gemm; /* b_gemm: cuBLAS's scratch and dwr2 too */
+    size_t dwr2;         /* an offset in b_gemm's region */
     int dh_in_saved;     /* consume_saved: dH over the saved block's H (dh unused) */
+    /* the router's buffers: offsets from the router region's start, which
+     * is the dH region (the saved H with consume_saved) where rtr_in_h, else
+     * dh's offset in this workspace */
+    size_t split, tc, dla, wr2;
+    int rtr_in_h;
+    size_t dxr;          /* the dXr chunk: in the router region where dxr_in_h,
+                            else an offset in this workspace */
+    int dxr_in_h;
     int64_t dxr_tokens;  /* the dense router term of dX in chunks of this many tokens */
-    int dxr_in_saved;    /* dxr: an offset in the saved block's (dead) H */
-    int small_in_saved;  /* split, tc, dla: offsets there too */
-    int dxr_slots;       /* dXr by one cuBLAS call whose pointers the prologue writes */
-    size_t slots;        /* those pointers: wr2, split, dxr (or the sink, dxt's region) */
+    size_t slots;        /* dXr's cuBLAS pointers, DXR_CHUNKS triples */
     size_t bwd_end;
     size_t total;
 } ws_layout;
@@ -164,8 +170,7 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
     size_t o = 0;
     memset(w, 0, sizeof *w);
     w->status = o; o += SMOE_DEV_STATUS_BYTES;
-    w->cublas = o; o += CUBLAS_WS_BYTES;
-    w->slots = o; o += al(3 * sizeof(void *)); /* written at the backward's start, read by dXr */
+    w->slots = o; o += al(3 * DXR_CHUNKS * sizeof(void *)); /* the backward's prologue writes */
     const size_t base = o;
 
     w->logits = o; o += al(t * E * 4);
@@ -182,7 +187,9 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
     w->md_scratch = o; o += al(smoe_cuda_metadata_scratch_bytes(d->E, cap));
     w->a = o; o += al(c * n * 2);
     w->y = o; o += al(c * dd * 2);
-    w->f_gemm = o; o += gs;
+    /* the expert GEMMs' scratch, and before them the router GEMM's cuBLAS
+     * scratch (one stream: the router GEMM is done when up starts) */
+    w->f_gemm = o; o += gs > CUBLAS_WS_BYTES ? gs : CUBLAS_WS_BYTES;
     w->fwd_end = o;
 
     /* The backward's buffers, by lifetime (one stream, so in this order):
@@ -191,79 +198,76 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
      *   ds:        written by the dh GEMM; read by the router backward and
      *              the pair-score gradient (to the end)
      *   dxt:       written by dxt (after dw2); read by the dx aggregation
-     *   router:    split, tc, dla, wr2, dwr2, dxr: written after db1, read
-     *              up to the dx aggregation
+     *   b_gemm:    the expert GEMMs' scratch (dh's dS partials); after db1
+     *              cuBLAS's scratch and dwr2 (the router's weight gradient,
+     *              both halves, fp32)
+     *   router:    split, tc, dla, wr2, the dXr chunk: written after db1,
+     *              read up to the dx aggregation
      * so a_scaled and dxt share one region, and the router's buffers share
-     * dh's (dead once db1 has run). */
-    /* With consume_saved, dH is written over the saved block's H (the same
-     * lifetime: H is dead once the dh GEMM has read it), so the region
-     * holds the router's buffers alone. stack_twice and cuBLAS (wr2, dwr2,
-     * dxr) run whatever the status word says, so in a call whose saved
-     * block the device refused (another layer's, another T's, a consumed
-     * one) they would write into that block, which may be another call's
-     * live one: wr2 and dwr2 stay in the workspace, and dxr goes to the
-     * saved H only through the prologue's pointers (below). */
-    /* The dense router term of dX (dXr, T x d fp32: cuBLAS, then the dx
-     * aggregation). Where a whole dXr fits in dH's region (cap x h_cols
-     * bf16, dead once db1 has run) and in dX~'s, dXr is one cuBLAS call
-     * whose pointers are read on the device (batched, with one matrix),
-     * written by the backward's prologue after the saved block's check:
-     * dH's region, or, where the device refused the call, dX~'s region of
-     * this call's own workspace (the sink). With consume_saved dXr then
-     * lies in the saved block's H, and split, tc and dla after it where
-     * they fit too (their writer reads the status word); wr2 and dwr2 stay
-     * here. The same shapes take the same dXr call with or without
-     * consume_saved, so their gradients agree bit for bit. cap > 0: the
-     * saved block's H is then exactly hreg bytes (the saved layout's
-     * 256-byte alignment is al's); with cap = 0 it has none. Where dXr
-     * does not fit (d > K n, or K = 1 with n < 2d), a reading backward
-     * keeps it whole in the workspace and a consuming one takes it in
-     * chunks of at most ceil(T / DXR_CHUNKS) tokens (a multiple of 64, at
-     * least 256): T d / 2 bytes at most instead of 4 T d, for DXR_CHUNKS
-     * cuBLAS calls and aggregations instead of one each. */
+     * dh's (dead once db1 has run). With consume_saved, dH is written over
+     * the saved block's H (the same lifetime: H is dead once the dh GEMM
+     * has read it), so the router's buffers go there and this workspace
+     * has no dH region. Their layout from the region's start is the same
+     * either way, so a reading and a consuming layer make the same calls
+     * and their gradients agree bit for bit.
+     * A call whose saved block the device refused (another layer's,
+     * another T's, a consumed one) must write nothing into that block,
+     * which may be another call's live one: the dlogits kernel and
+     * stack_twice read the status word, and dXr's cuBLAS calls (which do
+     * not) take their pointers from the slots the backward's prologue
+     * writes after the block's check: the router region, or in a refused
+     * call dX~'s region of this workspace (the sink). dwr2 and cuBLAS's
+     * scratch stay in this workspace (b_gemm).
+     * dXr (T x d fp32, only for a dense router gradient: a dlogits_extra,
+     * or a router whose gradient is dense) runs in chunks of dxr_tokens
+     * tokens (a multiple of 64), as many as fit in the region after the
+     * other buffers and in the sink; where that would take more than
+     * DXR_CHUNKS chunks, the chunk (ceil(T / DXR_CHUNKS) tokens, at least
+     * 256) is this workspace's. cap > 0: the saved block's H is then
+     * exactly hreg bytes (the saved layout's 256-byte alignment is al's). */
     const size_t hreg = al(c * hc * 2), sink = al(c * (dd > n ? dd : n) * 2);
-    const size_t rs_dxr = 0, rs_split = rs_dxr + al(t * dd * 4),
-                 rs_tc = rs_split + al(t * 2 * E * 2), rs_dla = rs_tc + al(t * K * 4),
-                 rs_end = rs_dla + al(c * 4);
-    const int fits = cap > 0 && rs_split <= hreg && t * dd * 4 <= sink;
+    w->split = 0;
+    w->tc = w->split + al(t * 2 * E * 2);
+    w->dla = w->tc + al(t * K * 4);
+    w->wr2 = w->dla + al(c * 4);
+    const size_t small_end = w->wr2 + al(2 * E * dd * 2);
+    w->dh_in_saved = d->consume_saved != 0;
+    w->rtr_in_h = cap > 0 && small_end <= hreg;
+    int64_t tcnt = 0;
+    if (w->rtr_in_h && T > 0) {
+        size_t fit = (hreg - small_end) / (dd * 4), fs = sink / (dd * 4);
+        if (fs < fit) fit = fs;
+        tcnt = fit >= t ? T : (int64_t)(fit / 64 * 64);
+        if (tcnt > 0 && (T + tcnt - 1) / tcnt > DXR_CHUNKS) tcnt = 0;
+    }
+    w->dxr_in_h = tcnt > 0;
+    if (!w->dxr_in_h) {
+        tcnt = (T + DXR_CHUNKS - 1) / DXR_CHUNKS;
+        tcnt = (tcnt + 63) / 64 * 64;
+        if (tcnt < 256) tcnt = 256;
+        if (tcnt > T) tcnt = T > 0 ? T : 1;
+    }
+    w->dxr_tokens = tcnt;
     o = base;
     w->dh = o;
-    w->dh_in_saved = d->consume_saved != 0;
-    w->dxr_tokens = T > 0 ? T : 1;
-    w->dxr_slots = fits;
-    w->dxr_in_saved = fits && w->dh_in_saved;
-    w->small_in_saved = w->dxr_in_saved && rs_end <= hreg;
-    if (w->dh_in_saved && !fits) {
-        int64_t tc = (T + DXR_CHUNKS - 1) / DXR_CHUNKS;
-        tc = (tc + 63) / 64 * 64;
-        if (tc < 256) tc = 256;
-        if (tc < w->dxr_tokens) w->dxr_tokens = tc;
-    }
-    size_t r = o; /* the router's buffers from the same start */
-    w->wr2 = r; r += al(2 * E * dd * 2);
-    w->dwr2 = r; r += al(2 * E * dd * 4);
-    if (w->dxr_in_saved) { /* offsets from the saved block's H */
-        w->dxr = rs_dxr;
+    if (w->dxr_in_h) w->dxr = small_end;
+    if (w->rtr_in_h) {
+        if (!w->dh_in_saved) o += hreg;
     } else {
-        w->dxr = r; r += al((size_t)w->dxr_tokens * dd * 4);
+        o += small_end; /* larger than dH's region (or cap = 0: no dh GEMM) */
     }
-    if (w->small_in_saved) {
-        w->split = rs_split;
-        w->tc = rs_tc;
-        w->dla = rs_dla;
-    } else {
-        w->split = r; r += al(t * 2 * E * 2);
-        w->tc = r; r += al(t * K * 4);
-        w->dla = r; r += al(c * 4);
-    }
-    if (!w->dh_in_saved) o += al(c * hc * 2);
-    if (r > o) o = r;
+    if (!w->dxr_in_h) { w->dxr = o; o += al((size_t)tcnt * dd * 4); }
     w->ds = o; o += al(c * 4);
     w->wr_nf = o; o += al(dd * 4);
     w->a_scaled = o;
     w->dxt = o;
-    o += al(c * (dd > n ? dd : n) * 2);
-    w->b_gemm = o; o += gs;
+    o += sink;
+    w->b_gemm = o;
+    w->dwr2 = o + CUBLAS_WS_BYTES;
+    {
+        const size_t rb = CUBLAS_WS_BYTES + al(2 * E * dd * 4);
+        o += gs > rb ? gs : rb;
+    }
     w->bwd_end = o;
     w->total = w->fwd_end > w->bwd_end ? w->fwd_end : w->bwd_end;
 }
@@ -385,7 +389,7 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
                     : args->router_logits  ? args->router_logits
                                            : (float *)(ws + w.logits);
         /* logits^T (E x T, col-major) = Wr (E x d) . X^T */
-        SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_T,
+        SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32(st, ws + w.f_gemm, s, CUBLAS_OP_T,
                                                       CUBLAS_OP_N, d->E, T, d->d,
                                                       (const bf16 *)args->router_w, d->d,
                                                       (const bf16 *)args->x, d->d, lg, d->E));
@@ -447,19 +451,21 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     const int want_router = !general && (args->drouter_w.ptr || want_dx);
     const int sparse = want_router && smoe_cuda_router_sparse(d, rounding, args->dlogits_extra);
     float *wr_nf = sparse && want_dx ? (float *)(ws + w.wr_nf) : NULL;
-    /* the router's split, tc, dla (sbase) and dxr (xbase): in the saved
-     * block's H or here */
-    char *sbase = w.small_in_saved ? (char *)v.h : ws;
-    char *xbase = w.dxr_in_saved ? (char *)v.h : ws;
+    /* the router's buffers (rbase) and the dXr chunk (xbase): in the saved
+     * block's H, in this workspace's dH region, or after it (ws_make) */
+    char *rbase = (w.rtr_in_h && w.dh_in_saved) ? (char *)v.h : ws + w.dh;
+    char *xbase = w.dxr_in_h ? rbase : ws;
     const int dense_dx = want_router && want_dx && !sparse;
-    smoe_dxr_slots sl3;
-    memset(&sl3, 0, sizeof sl3);
-    if (dense_dx && w.dxr_slots) {
+    const int64_t nchunks = T > 0 ? (T + w.dxr_tokens - 1) / w.dxr_tokens : 0;
+    smoe_dxr_slots sl3 = smoe_dxr_slots_none();
+    if (dense_dx && nchunks > 0) {
         sl3.slots = (void **)(ws + w.slots);
-        sl3.a = ws + w.wr2;
-        sl3.b = sbase + w.split;
+        sl3.n = (int)nchunks;
+        sl3.a = rbase + w.wr2;
+        sl3.b = rbase + w.split;
+        sl3.b_step = (size_t)w.dxr_tokens * 2 * (size_t)d->E * 2;
         sl3.c = xbase + w.dxr;
-        sl3.sink = ws + w.dxt;
+        sl3.sink = xbase == (char *)v.h ? ws + w.dxt : NULL;
     }
     /* first: is the saved block this call's? (every later kernel reads
      * abort); and the router weight's non-finite columns; dXr's pointers */
@@ -538,18 +544,18 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
 
     float *dxr = NULL, *dla = NULL;
     if (want_router) {
-        bf16 *split = (bf16 *)(sbase + w.split);
-        if (sparse && want_dx) dla = (float *)(sbase + w.dla);
+        bf16 *split = (bf16 *)(rbase + w.split);
+        if (sparse && want_dx) dla = (float *)(rbase + w.dla);
         SMOE_FORWARD_IF_ERROR(smoe_cuda_router_dlogits(
             d, T, rounding, v.logits, v.token_offset, v.assign_expert, v.assign_row,
-            v.row_score, ds, args->dlogits_extra, split, (int32_t *)(sbase + w.tc), dla, abort,
+            v.row_score, ds, args->dlogits_extra, split, (int32_t *)(rbase + w.tc), dla, abort,
             s));
         timer_mark(st, 1, "router dlogits", s);
         const int64_t E2 = 2 * d->E;
         if (args->drouter_w.ptr) {
             float *dwr2 = (float *)(ws + w.dwr2);
             /* dWr2 (2E x d row-major = d x 2E col-major) = X^T . split */
-            SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_N,
+            SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32(st, ws + w.b_gemm, s, CUBLAS_OP_N,
                                                           CUBLAS_OP_T, d->d, E2, T,
                                                           (const bf16 *)args->x, d->d, split,
                                                           E2, dwr2, d->d));
@@ -559,30 +565,22 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
             timer_mark(st, 1, "dWr gemm", s);
         }
         if (dense_dx) {
-            bf16 *wr2 = (bf16 *)(ws + w.wr2);
             dxr = (float *)(xbase + w.dxr);
-            SMOE_FORWARD_IF_ERROR(
-                smoe_cuda_stack_twice((const bf16 *)args->router_w, d->E, d->d, wr2, s));
+            SMOE_FORWARD_IF_ERROR(smoe_cuda_stack_twice((const bf16 *)args->router_w, d->E,
+                                                        d->d, (bf16 *)(rbase + w.wr2), abort,
+                                                        s));
             /* dXr (T x d row-major = d x T col-major) = wr2^T-view . split^T-view,
-             * then dx: one call through the prologue's pointers where it
-             * fits (ws_make), else a chunk of w.dxr_tokens tokens at a time
-             * (one chunk but with consume_saved) */
+             * a chunk of w.dxr_tokens tokens at a time through the prologue's
+             * pointers (slot triple i: chunk i), each chunk then into dx */
             const size_t dx_es = smoe_dtype_size(args->dx.dtype);
-            if (w.dxr_slots && T > 0) {
-                void **sp = (void **)(ws + w.slots);
-                SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32_dev(
-                    st, ws + w.cublas, s, CUBLAS_OP_N, CUBLAS_OP_N, d->d, T, E2,
-                    (const void *const *)sp, d->d, (const void *const *)(sp + 1), E2, sp + 2,
-                    d->d));
-                SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(
-                    T, d->d, v.token_offset, v.assign_row, dxt, dxr, NULL, v.assign_expert, NULL,
-                    NULL, args->dx.ptr, args->dx.dtype, args->dx.accumulate, abort, s));
-            }
-            for (int64_t t0 = 0; !w.dxr_slots && t0 < T; t0 += w.dxr_tokens) {
+            void **sp = (void **)(ws + w.slots);
+            for (int64_t i = 0; i < nchunks; i++) {
+                const int64_t t0 = i * w.dxr_tokens;
                 const int64_t tn = T - t0 < w.dxr_tokens ? T - t0 : w.dxr_tokens;
-                SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32(
-                    st, ws + w.cublas, s, CUBLAS_OP_N, CUBLAS_OP_N, d->d, tn, E2, wr2, d->d,
-                    split + t0 * E2, E2, dxr, d->d));
+                SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32_dev(
+                    st, ws + w.b_gemm, s, CUBLAS_OP_N, CUBLAS_OP_N, d->d, tn, E2,
+                    (const void *const *)(sp + 3 * i), d->d, (const void *const *)(sp + 3 * i + 1),
+                    E2, sp + 3 * i + 2, d->d));
                 SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(
                     tn, d->d, v.token_offset + t0, v.assign_row, dxt, dxr, NULL,
                     v.assign_expert, NULL, NULL,

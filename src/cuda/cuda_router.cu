@@ -179,7 +179,7 @@ smoe_status smoe_cuda_router_backward(smoe_layer *layer, int64_t T, const smoe_s
     }
     if (r == SMOE_SUCCESS && dxr && T > 0) {
         bf16 *wr2 = (bf16 *)(ws + w.wr2);
-        r = smoe_cuda_stack_twice((const bf16 *)router_w, d->E, d->d, wr2, s);
+        r = smoe_cuda_stack_twice((const bf16 *)router_w, d->E, d->d, wr2, abort, s);
         if (r == SMOE_SUCCESS)
             r = smoe_cuda_gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_N, CUBLAS_OP_N, d->d,
                                         T, E2, wr2, d->d, split, E2, dxr, d->d);

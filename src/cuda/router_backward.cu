@@ -228,8 +228,10 @@ k_router_dlogits_topk_warp(int T, int E, const int32_t *__restrict__ token_offse
 
 /* ------------------------------------------------------------ small kernels */
 
-__global__ void k_stack_twice(const bf16 *__restrict__ wr, int64_t n, bf16 *__restrict__ wr2)
+__global__ void k_stack_twice(const bf16 *__restrict__ wr, int64_t n, bf16 *__restrict__ wr2,
+                              const int *abort)
 {
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
         const bf16 v = wr[i];
@@ -364,9 +366,9 @@ static unsigned grid_for(int64_t n, int threads)
 }
 
 smoe_status smoe_cuda_stack_twice(const bf16 *wr, int64_t E, int64_t d, bf16 *wr2,
-                                  cudaStream_t stream)
+                                  const int *abort, cudaStream_t stream)
 {
-    k_stack_twice<<<grid_for(E * d, 256), 256, 0, stream>>>(wr, E * d, wr2);
+    k_stack_twice<<<grid_for(E * d, 256), 256, 0, stream>>>(wr, E * d, wr2, abort);
     SMOE_CUDA_LAUNCH_CHECK("k_stack_twice");
     return SMOE_SUCCESS;
 }

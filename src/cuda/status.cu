@@ -69,10 +69,10 @@ __global__ void k_backward_prologue(smoe_saved_header *__restrict__ h,
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i == 0) {
         const int code = saved_check(h, want, consume != 0, st, rep);
-        if (sl.slots) {
-            sl.slots[0] = sl.a;
-            sl.slots[1] = sl.b;
-            sl.slots[2] = code == SMOE_DEV_OK ? sl.c : sl.sink;
+        for (int k = 0; sl.slots && k < sl.n; k++) {
+            sl.slots[3 * k] = sl.a;
+            sl.slots[3 * k + 1] = (char *)sl.b + (size_t)k * sl.b_step;
+            sl.slots[3 * k + 2] = code != SMOE_DEV_OK && sl.sink ? sl.sink : sl.c;
         }
     }
     if (!wr || i >= d) return;
