@@ -692,9 +692,17 @@ def measure(impl, prob, ref, args, timer):
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
+            if args.peak_detail:
+                torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
             g = fwd_bwd()
             torch.cuda.synchronize()
             rec["peak_gib"] = "%.3f" % ((torch.cuda.max_memory_allocated() - before) / 2 ** 30)
+            if args.peak_detail:
+                snap = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                with open(args.peak_detail, "a") as f:
+                    f.write(peak_detail(snap, "%s %s" % (impl.name, prob_name(prob)),
+                                        float(rec["peak_gib"])))
             del g
         rec["status"] = "ok"
         return rec
@@ -703,6 +711,50 @@ def measure(impl, prob, ref, args, timer):
 
 
 # ---------------------------------------------------------------------- main
+
+def prob_name(prob):
+    return "T=%d d=%d n=%d E=%d K=%d" % (prob.T, prob.d, prob.n, prob.E, prob.K)
+
+
+def peak_detail(snap, title, peak_gib, top=14):
+    """The allocations live at the peak of a recorded forward+backward
+    (torch.cuda.memory._snapshot() with history on from its start): replays
+    the allocator's alloc / free events, finds the largest live total and
+    lists what was live then, largest first, each named by its innermost
+    Python frame outside torch (file:line function). Text for --peak-detail."""
+    live, total, best, best_set = {}, 0, -1, {}
+    for ev in (t for dev in snap.get("device_traces", []) for t in dev):
+        a = ev.get("action")
+        if a == "alloc":
+            live[ev["addr"]] = ev
+            total += ev["size"]
+        elif a in ("free_requested", "free") and ev["addr"] in live:
+            total -= live.pop(ev["addr"])["size"]
+        else:
+            continue
+        if total > best:
+            best, best_set = total, dict(live)
+
+    def where(ev):
+        for fr in ev.get("frames", []):
+            fn = fr.get("filename", "")
+            if "/torch/" in fn or fn.startswith("<") or fn.endswith("compare.py") and \
+                    fr.get("name") in ("fwd_bwd", "measure"):
+                continue
+            return "%s:%s %s" % (os.path.basename(fn), fr.get("line"), fr.get("name"))
+        return "?"
+    groups = {}
+    for ev in best_set.values():
+        k = where(ev)
+        n, b = groups.get(k, (0, 0))
+        groups[k] = (n + 1, b + ev["size"])
+    lines = ["## %s: peak %.3f GiB (max_memory_allocated above before); replayed live "
+             "total at its peak %.1f MiB in %d allocations" % (title, peak_gib, best / 2 ** 20,
+                                                               len(best_set))]
+    for k, (n, b) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append("  %10.2f MiB  %3d x  %s" % (b / 2 ** 20, n, k))
+    return "\n".join(lines) + "\n"
+
 
 def git_commit():
     try:
@@ -903,6 +955,9 @@ def main():
                     "earlier run's CSV and exit; no device needed")
     ap.add_argument("--csv", help="write the results here (written row by row)")
     ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD, if any)")
+    ap.add_argument("--peak-detail", metavar="FILE",
+                    help="append, per implementation and row, the allocations live at the "
+                    "forward+backward's peak (allocator history replayed; slower)")
     ap.add_argument("--time-budget", type=float, default=0,
                     help="seconds; configurations not started by then are skipped (0: none)")
     args = ap.parse_args()
