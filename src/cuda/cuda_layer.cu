@@ -109,8 +109,9 @@ typedef struct ws_layout {
     size_t route_scratch, md_scratch, a, y, f_gemm; /* f_gemm: cuBLAS's scratch too */
     size_t fwd_end;
     /* backward (overlaps the forward region) */
-    size_t dh, a_scaled, ds, dxt, wr_nf, b_gemm; /* b_gemm: cuBLAS's scratch and dwr2 too */
-    size_t dwr2;         /* an offset in b_gemm's region */
+    size_t dh, a_scaled, ds, dxt, wr_nf, b_gemm;
+    size_t rscr, dwr2;   /* the router weight's GEMM: cuBLAS's scratch, then dwr2
+                            (in dX~'s region, dead by then, where it fits) */
     int dh_in_saved;     /* consume_saved: dH over the saved block's H (dh unused) */
     /* the router's buffers: offsets from the router region's start, which
      * is the dH region (the saved H with consume_saved) where rtr_in_h, else
@@ -198,13 +199,15 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
      *   ds:        written by the dh GEMM; read by the router backward and
      *              the pair-score gradient (to the end)
      *   dxt:       written by dxt (after dw2); read by the dx aggregation
-     *   b_gemm:    the expert GEMMs' scratch (dh's dS partials); after db1
-     *              cuBLAS's scratch and dwr2 (the router's weight gradient,
-     *              both halves, fp32)
+     *   b_gemm:    the expert GEMMs' scratch (dh's dS partials)
      *   router:    split, tc, dla, wr2, the dXr chunk: written after db1,
-     *              read up to the dx aggregation
-     * so a_scaled and dxt share one region, and the router's buffers share
-     * dh's (dead once db1 has run). With consume_saved, dH is written over
+     *              read up to the dx aggregation (split: to the end)
+     *   rscr:      the router weight's GEMM, after the dx aggregation:
+     *              cuBLAS's scratch, then dwr2 (both halves, fp32)
+     * so a_scaled, dxt and rscr share one region (rscr goes to b_gemm's
+     * where it does not fit), and the router's buffers share dh's (dead
+     * once db1 has run). dXr's cuBLAS calls run with no scratch (K = 2E:
+     * no split of K to sum). With consume_saved, dH is written over
      * the saved block's H (the same lifetime: H is dead once the dh GEMM
      * has read it), so the router's buffers go there and this workspace
      * has no dH region. Their layout from the region's start is the same
@@ -217,7 +220,7 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
      * not) take their pointers from the slots the backward's prologue
      * writes after the block's check: the router region, or in a refused
      * call dX~'s region of this workspace (the sink). dwr2 and cuBLAS's
-     * scratch stay in this workspace (b_gemm).
+     * scratch stay in this workspace (rscr).
      * dXr (T x d fp32, only for a dense router gradient: a dlogits_extra,
      * or a router whose gradient is dense) runs in chunks of dxr_tokens
      * tokens (a multiple of 64), as many as fit in the region after the
@@ -263,10 +266,16 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
     w->dxt = o;
     o += sink;
     w->b_gemm = o;
-    w->dwr2 = o + CUBLAS_WS_BYTES;
     {
         const size_t rb = CUBLAS_WS_BYTES + al(2 * E * dd * 4);
-        o += gs > rb ? gs : rb;
+        if (rb <= sink) {
+            w->rscr = w->dxt;
+            o += gs;
+        } else {
+            w->rscr = w->b_gemm;
+            o += gs > rb ? gs : rb;
+        }
+        w->dwr2 = w->rscr + CUBLAS_WS_BYTES;
     }
     w->bwd_end = o;
     w->total = w->fwd_end > w->bwd_end ? w->fwd_end : w->bwd_end;
@@ -552,18 +561,6 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
             s));
         timer_mark(st, 1, "router dlogits", s);
         const int64_t E2 = 2 * d->E;
-        if (args->drouter_w.ptr) {
-            float *dwr2 = (float *)(ws + w.dwr2);
-            /* dWr2 (2E x d row-major = d x 2E col-major) = X^T . split */
-            SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32(st, ws + w.b_gemm, s, CUBLAS_OP_N,
-                                                          CUBLAS_OP_T, d->d, E2, T,
-                                                          (const bf16 *)args->x, d->d, split,
-                                                          E2, dwr2, d->d));
-            SMOE_FORWARD_IF_ERROR(smoe_cuda_combine_halves(
-                dwr2, d->E, d->d, args->drouter_w.ptr, args->drouter_w.dtype,
-                args->drouter_w.accumulate, abort, s));
-            timer_mark(st, 1, "dWr gemm", s);
-        }
         if (dense_dx) {
             dxr = (float *)(xbase + w.dxr);
             SMOE_FORWARD_IF_ERROR(smoe_cuda_stack_twice((const bf16 *)args->router_w, d->E,
@@ -578,7 +575,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
                 const int64_t t0 = i * w.dxr_tokens;
                 const int64_t tn = T - t0 < w.dxr_tokens ? T - t0 : w.dxr_tokens;
                 SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32_dev(
-                    st, ws + w.b_gemm, s, CUBLAS_OP_N, CUBLAS_OP_N, d->d, tn, E2,
+                    st, NULL, s, CUBLAS_OP_N, CUBLAS_OP_N, d->d, tn, E2,
                     (const void *const *)(sp + 3 * i), d->d, (const void *const *)(sp + 3 * i + 1),
                     E2, sp + 3 * i + 2, d->d));
                 SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(
@@ -596,6 +593,19 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
             dla ? (const bf16 *)args->router_w : NULL, wr_nf, args->dx.ptr, args->dx.dtype,
             args->dx.accumulate, abort, s));
     timer_mark(st, 1, "aggregate dx", s);
+    if (want_router && args->drouter_w.ptr) {
+        /* after the dx aggregation: dX~'s region is dead (rscr) */
+        const int64_t E2 = 2 * d->E;
+        float *dwr2 = (float *)(ws + w.dwr2);
+        /* dWr2 (2E x d row-major = d x 2E col-major) = X^T . split */
+        SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32(
+            st, ws + w.rscr, s, CUBLAS_OP_N, CUBLAS_OP_T, d->d, E2, T, (const bf16 *)args->x,
+            d->d, (const bf16 *)(rbase + w.split), E2, dwr2, d->d));
+        SMOE_FORWARD_IF_ERROR(smoe_cuda_combine_halves(dwr2, d->E, d->d, args->drouter_w.ptr,
+                                                       args->drouter_w.dtype,
+                                                       args->drouter_w.accumulate, abort, s));
+        timer_mark(st, 1, "dWr gemm", s);
+    }
     if (general && args->dpair_score.ptr)
         SMOE_FORWARD_IF_ERROR(smoe_cuda_pair_score_grad(
             args->pairs, v.token_offset + T, v.assign_row, ds, (float *)args->dpair_score.ptr,

@@ -21,7 +21,7 @@
 static smoe_status cublas_bind_locked(cuda_state *st, void *cublas_ws, cudaStream_t s)
 {
     SMOE_CUBLAS_CHECK(cublasSetStream(st->cublas, s));
-    SMOE_CUBLAS_CHECK(cublasSetWorkspace(st->cublas, cublas_ws, CUBLAS_WS_BYTES));
+    SMOE_CUBLAS_CHECK(cublasSetWorkspace(st->cublas, cublas_ws, cublas_ws ? CUBLAS_WS_BYTES : 0));
     return SMOE_SUCCESS;
 }
 
@@ -75,7 +75,8 @@ smoe_status smoe_cuda_gemm_bf16_f32(cuda_state *st, void *cublas_ws, cudaStream_
 }
 
 /* The same with A[0], B[0], C[0] device pointers that a kernel before it
- * on s writes (smoe_dxr_slots), read when the GEMM runs. */
+ * on s writes (smoe_dxr_slots), read when the GEMM runs. cublas_ws NULL:
+ * cuBLAS runs with no scratch. */
 smoe_status smoe_cuda_gemm_bf16_f32_dev(cuda_state *st, void *cublas_ws, cudaStream_t s,
                                         cublasOperation_t ta, cublasOperation_t tb, int64_t m,
                                         int64_t n, int64_t k, const void *const *A, int64_t lda,
