@@ -199,14 +199,15 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
      *   ds:        written by the dh GEMM; read by the router backward and
      *              the pair-score gradient (to the end)
      *   dxt:       written by dxt (after dw2); read by the dx aggregation
-     *   b_gemm:    the expert GEMMs' scratch (dh's dS partials)
+     *   b_gemm:    the expert GEMMs' scratch (dh's dS partials, only in
+     *              the dh launch)
      *   router:    split, tc, dla, wr2, the dXr chunk: written after db1,
      *              read up to the dx aggregation (split: to the end)
      *   rscr:      the router weight's GEMM, after the dx aggregation:
      *              cuBLAS's scratch, then dwr2 (both halves, fp32)
-     * so a_scaled, dxt and rscr share one region (rscr goes to b_gemm's
-     * where it does not fit), and the router's buffers share dh's (dead
-     * once db1 has run). dXr's cuBLAS calls run with no scratch (K = 2E:
+     * so a_scaled (with b_gemm after it), dxt and rscr share one region
+     * (b_gemm and rscr go after it where they do not fit), and the router's
+     * buffers share dh's (dead once db1 has run). dXr's cuBLAS calls run with no scratch (K = 2E:
      * no split of K to sum). With consume_saved, dH is written over
      * the saved block's H (the same lifetime: H is dead once the dh GEMM
      * has read it), so the router's buffers go there and this workspace
@@ -265,17 +266,18 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
     w->a_scaled = o;
     w->dxt = o;
     o += sink;
-    w->b_gemm = o;
     {
-        const size_t rb = CUBLAS_WS_BYTES + al(2 * E * dd * 4);
-        if (rb <= sink) {
-            w->rscr = w->dxt;
-            o += gs;
-        } else {
-            w->rscr = w->b_gemm;
-            o += gs > rb ? gs : rb;
-        }
+        /* b_gemm (the dh launch alone uses it) after a_scaled in the same
+         * region, and rscr (after the dx aggregation) at its start, where
+         * they fit; else after it, b_gemm and rscr then sharing one place */
+        const size_t as_b = al(c * n * 2), rb = CUBLAS_WS_BYTES + al(2 * E * dd * 4);
+        const int gs_in = as_b + gs <= sink, r_in = rb <= sink;
+        size_t extra = gs_in ? 0 : gs;
+        if (!r_in && rb > extra) extra = rb;
+        w->b_gemm = gs_in ? w->dxt + as_b : o;
+        w->rscr = r_in ? w->dxt : o;
         w->dwr2 = w->rscr + CUBLAS_WS_BYTES;
+        o += extra;
     }
     w->bwd_end = o;
     w->total = w->fwd_end > w->bwd_end ? w->fwd_end : w->bwd_end;
