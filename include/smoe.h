@@ -232,9 +232,9 @@ typedef struct smoe_layer_desc {
      * once dH is computed. The backward's workspace loses its dH (up to
      * R x h_cols elements), and the router backward's buffers go to the
      * block's H too once dH is dead, where they fit (the dense router term
-     * of dx, T x d fp32, through pointers the backward sets on the device
-     * after checking the block; where it does not fit, in up to 8 chunks
-     * of tokens in the workspace); smoe_layer_call_workspace_bytes
+     * of dx, T x d fp32, in up to 8 chunks of tokens, through pointers the
+     * backward sets on the device after checking the block; where 8 chunks
+     * do not fit, a chunk in the workspace); smoe_layer_call_workspace_bytes
      * (SMOE_CALL_BACKWARD) says what it needs. The header is marked consumed,
      * so a second backward with it is refused (SMOE_ERROR_INVALID_VALUE; on
      * the CUDA backends through the device status word). A new training

@@ -119,8 +119,9 @@ static const gcase g_cases[] = {
      "256x4 tma-store grouped", 0, 0},
     {"several tiles per expert", 700, 256, 256, 12, 3, SMOE_ACT_SWIGLU, SMOE_W1_INTERLEAVED, 1, 0,
      128, 0, F32, 0, 0, 0, NULL, NULL, 0, 0},
-    /* T > 256: the consuming backward's dense router term of dx in chunks
-     * (of 256 tokens here; one call in the reading backward) */
+    /* the dense router term of dx in chunks, the same in both backwards:
+     * T = 1100 (K n = d) in two chunks of 960 tokens in the dead dH region
+     * after the router's other buffers; T = 600 and 520 in one */
     {"dense router dx in chunks: softmax-topk T=1100, extra", 1100, 128, 64, 8, 2,
      SMOE_ACT_SWIGLU, SMOE_W1_INTERLEAVED, 0, 1, 128, 0, BF, 0, 1, 0, NULL, NULL, 0, 0},
     {"dense router dx in chunks: sigmoid T=600, acc, graph", 600, 64, 128, 6, 2, SMOE_ACT_GEGLU,
