@@ -476,7 +476,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
         sl3.b = rbase + w.split;
         sl3.b_step = (size_t)w.dxr_tokens * 2 * (size_t)d->E * 2;
         sl3.c = xbase + w.dxr;
-        sl3.sink = xbase == (char *)v.h ? ws + w.dxt : NULL;
+        sl3.sink = (w.dxr_in_h && w.dh_in_saved) ? ws + w.dxt : NULL; /* in the saved H */
     }
     /* first: is the saved block this call's? (every later kernel reads
      * abort); and the router weight's non-finite columns; dXr's pointers */
