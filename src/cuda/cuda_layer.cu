@@ -553,7 +553,8 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
             d->w1_layout, 1, args->db1.ptr, args->db1.dtype, args->db1.accumulate, abort, s));
     timer_mark(st, 1, "db1", s);
 
-    float *dxr = NULL, *dla = NULL;
+    const int64_t E2 = 2 * d->E;
+    float *dla = NULL;
     if (want_router) {
         bf16 *split = (bf16 *)(rbase + w.split);
         if (sparse && want_dx) dla = (float *)(rbase + w.dla);
@@ -562,9 +563,8 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
             v.row_score, ds, args->dlogits_extra, split, (int32_t *)(rbase + w.tc), dla, abort,
             s));
         timer_mark(st, 1, "router dlogits", s);
-        const int64_t E2 = 2 * d->E;
         if (dense_dx) {
-            dxr = (float *)(xbase + w.dxr);
+            const float *dxr = (const float *)(xbase + w.dxr);
             SMOE_FORWARD_IF_ERROR(smoe_cuda_stack_twice((const bf16 *)args->router_w, d->E,
                                                         d->d, (bf16 *)(rbase + w.wr2), abort,
                                                         s));
@@ -589,7 +589,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
             timer_mark(st, 1, "dXr gemm + aggregate dx", s);
         }
     }
-    if (want_dx && !dxr)
+    if (want_dx && !dense_dx)
         SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(
             T, d->d, v.token_offset, v.assign_row, dxt, NULL, dla, v.assign_expert,
             dla ? (const bf16 *)args->router_w : NULL, wr_nf, args->dx.ptr, args->dx.dtype,
@@ -597,7 +597,6 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     timer_mark(st, 1, "aggregate dx", s);
     if (want_router && args->drouter_w.ptr) {
         /* after the dx aggregation: dX~'s region is dead (rscr) */
-        const int64_t E2 = 2 * d->E;
         float *dwr2 = (float *)(ws + w.dwr2);
         /* dWr2 (2E x d row-major = d x 2E col-major) = X^T . split */
         SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32(
