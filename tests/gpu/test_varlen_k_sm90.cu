@@ -627,6 +627,34 @@ int main(int argc, char **argv)
         routing_random(&P, &s, 700);
         determinism_case(&P, num_sms);
     }
+    {   /* 128 x 192 tiles (N % 256 != 0 == N % 192, gpt-oss-120b's n = 2880
+         * in small): dw2 N = n = 960, dw1 N = h_cols = 1920 (bf16, stored
+         * transposed) or d = 576 (fp32); M = 576 leaves a half m-tile */
+        problem P;
+        P.T = 700; P.d = 576; P.n = 960; P.E = 6; P.K = 2; P.gated = 1;
+        P.layout = SMOE_W1_CONCATENATED;
+        routing_random(&P, &s, 500);
+        correctness_case("192-wide d = 576, n = 960", &P, num_sms, 0);
+        routing_random(&P, &s, 500);
+        correctness_case("192-wide d = 576, n = 960, 8 SMs", &P, 8, 0);
+    }
+    {   /* d >= 2048: bf16 overwrite through the staged tile stored by TMA
+         * (varlen_k_sm90.cu's VK_F_TMA_ST), both W1 layouts: M = 2112 ends in
+         * a half m-tile; dw2 N = 320 in 192-wide tiles (the last one
+         * partial), dw1 N = 640 in 128-wide ones; N = 256 / 512 in 256-wide
+         * ones (3 stages); 8 SMs, so that a CTA's staging is reused */
+        const int dd[2] = {2112, 2048}, nn[2] = {320, 256};
+        for (int v = 0; v < 4; v++) {
+            problem P;
+            P.T = 400; P.d = dd[v / 2]; P.n = nn[v / 2]; P.E = 5; P.K = 2; P.gated = 1;
+            P.layout = (v & 1) ? SMOE_W1_CONCATENATED : SMOE_W1_INTERLEAVED;
+            routing_random(&P, &s, 300);
+            char nm[64];
+            snprintf(nm, sizeof nm, "staged d = %d n = %d %s", dd[v / 2], nn[v / 2],
+                     (v & 1) ? "concatenated" : "interleaved");
+            correctness_case(nm, &P, v < 2 ? 8 : num_sms, 0);
+        }
+    }
     {   /* 18 m-tiles: the grouped row's groups of 16 and a last one of 2 */
         problem P;
         P.T = 1024; P.d = 2304; P.n = 384; P.E = 4; P.K = 2; P.gated = 1;
@@ -639,6 +667,7 @@ int main(int argc, char **argv)
     if (!small) {
         balanced_case("7B", 24576, 1536, 256, 128, 8, num_sms);
         balanced_case("120B", 32768, 4096, 1024, 128, 8, num_sms);
+        balanced_case("gpt-oss-120b", 16384, 2880, 2880, 128, 4, num_sms);
     }
     for (size_t vi = 0; vi < g_variants.size(); vi++)
         printf("row %d: %d failed\n", g_variants[vi], g_var_fail[vi]);

@@ -19,7 +19,8 @@
  * Algorithm: a persistent, warp-specialised kernel. The tile scheduler
  * (scheduler_sm90.cuh's varlen-K one) walks the OUTPUT tiles (expert,
  * m-tile, n-tile), whose number the host knows (E * ceil(M/128) *
- * ceil(N/BN)), so the grid is static; the k-loop length of a tile,
+ * ceil(N/BN); BN = 256, or 192 or 128 where N % 256 != 0: vk_bn), so the
+ * grid is static; the k-loop length of a tile,
  * ceil(count_e / 64), is read on the device from expert_offset, and any
  * count (0 included) works: rows past the expert's end are zero-filled.
  *   - warpgroup 0 (producer, 56 registers): the gathered operand by 16-byte
@@ -106,11 +107,20 @@ using namespace smoe_sm90;
  * compile-time bit, as the run-time branch cost the row order 1-3% of the
  * layer's backward on every grid row. */
 #define VK_F_GROUPED 4
+/* bf16 overwrite (the layer's dW1 and dW2) through a staging copy of the
+ * whole tile stored by TMA (vk_stage_tile, vk_store_staged): the consumers
+ * round the tile into shared memory and go on to the next tile's MMAs
+ * while the TMA engine writes it out, where the other epilogues keep them
+ * storing; with 128 x 256 tiles the staging (64 KiB) leaves room for 3
+ * stages. Only with A gathered (the layer's bf16 dW1 is X^T dH). */
+#define VK_F_TMA_ST 8
 
-template <int CFG>
+template <int BN, int CFG>
 struct vk_cfg {
     static constexpr int BK = 64;                    /* k-rows per stage */
-    static constexpr int STAGES = 4;
+    static constexpr bool TMA_ST = (CFG & VK_F_TMA_ST) != 0;
+    static constexpr int STAGES = TMA_ST && BN == 256 ? 3 : 4;
+    static constexpr int STG_BYTES = TMA_ST ? VK_BM * BN * 2 : 0; /* the staged tile */
     static constexpr int RPT = BK / 16;              /* k-rows per producer thread */
     static constexpr int TOK_AHEAD = STAGES - 1;     /* k-iterations the row tokens run ahead */
     static constexpr int TOK_SLOTS = TOK_AHEAD + 1;
@@ -123,9 +133,10 @@ struct vk_cfg {
 template <int BN, int CFG>
 static constexpr size_t vk_smem_bytes()
 {
-    typedef vk_cfg<CFG> C;
+    typedef vk_cfg<BN, CFG> C;
     return (size_t)C::STAGES * (C::BK * VK_BM * 2 + C::BK * BN * 2) + 1024 + 128 +
-           (size_t)C::TOK_SLOTS * C::TOK_SLOT_BYTES + 8 * VK_EPI_BUF_BYTES;
+           (size_t)C::TOK_SLOTS * C::TOK_SLOT_BYTES +
+           (C::TMA_ST ? (size_t)C::STG_BYTES : 8 * VK_EPI_BUF_BYTES);
 }
 
 static_assert(VK_PRODUCER_REGS * 128 + 2 * VK_CONSUMER_REGS * 128 <= 65536, "register file");
@@ -153,6 +164,7 @@ static __device__ __forceinline__ void vk_wgmma_mn(float *d, uint64_t desc_a, ui
                                                    int scale_d)
 {
     if constexpr (BN == 256) wgmma_m64n256k16<1, 1>(d, desc_a, desc_b, scale_d);
+    else if constexpr (BN == 192) wgmma_m64n192k16<1, 1>(d, desc_a, desc_b, scale_d);
     else wgmma_m64n128k16<1, 1>(d, desc_a, desc_b, scale_d);
 }
 
@@ -483,6 +495,89 @@ static __device__ __forceinline__ void vk_store_tile_bf16_t(const vk_args &p, co
     }
 }
 
+/* VK_F_TMA_ST: a warpgroup's 64 x BN block of accumulators, rounded to
+ * bf16, into its staging (wst): BN / 64 pieces of 8 KiB, each 64 rows of
+ * 128 bytes in the 128-byte swizzle (16-byte chunk ch of row r at ch ^
+ * (r % 8)) that vk_store_staged's TMA boxes read. Not transposed: piece c
+ * holds the block's rows x columns 64 c .. 64 c + 63. Transposed
+ * (trans_out): piece c's row j is the block's column 64 c + j (stmatrix
+ * .trans), and with the concatenated W1 rows (map_rows) the even columns
+ * (gate rows of dW1) go to rows 0-31 and the odd ones to rows 32-63, so
+ * each half is one run of physical rows. */
+template <int BN>
+static __device__ __forceinline__ void vk_stage_tile(const vk_args &p, const float *acc,
+                                                     uint32_t wst, int warp, int lane, bool zero)
+{
+    constexpr int PIECES = BN / 64;
+    if (p.trans_out) {
+        const int mi = lane / 8, k = lane % 8; /* stmatrix: matrix, row */
+#pragma unroll
+        for (int c = 0; c < PIECES; c++) {
+#pragma unroll
+            for (int s4 = 0; s4 < 4; s4++) {
+                uint32_t r[4];
+#pragma unroll
+                for (int m = 0; m < 4; m++) {
+                    const int j = 8 * c + 2 * s4 + (m >> 1), h = m & 1;
+                    __nv_bfloat162 v = __floats2bfloat162_rn(zero ? 0.f : acc[4 * j + 2 * h],
+                                                             zero ? 0.f : acc[4 * j + 2 * h + 1]);
+                    r[m] = *(uint32_t *)&v;
+                }
+                const int jr = 8 * (2 * s4 + (mi >> 1)) + k;       /* block column */
+                const int row = p.map_rows ? (jr & 1) * 32 + (jr >> 1) : jr;
+                const int ch = 2 * warp + (mi & 1);                 /* 8 block rows */
+                stmatrix_x4_trans(wst + c * 8192 + row * 128 + ((ch ^ (row & 7)) << 4), r[0],
+                                  r[1], r[2], r[3]);
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int c = 0; c < PIECES; c++) {
+#pragma unroll
+        for (int jj = 0; jj < 8; jj++) {
+            const int j = 8 * c + jj;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = warp * 16 + lane / 4 + 8 * h;
+                const uint32_t a =
+                    wst + c * 8192 + r * 128 + (((jj ^ (r & 7)) << 4) | ((lane % 4) << 2));
+                __nv_bfloat162 v = __floats2bfloat162_rn(zero ? 0.f : acc[4 * j + 2 * h],
+                                                         zero ? 0.f : acc[4 * j + 2 * h + 1]);
+                st_shared_b32(a, *(uint32_t *)&v);
+            }
+        }
+    }
+}
+
+/* The staged block of expert e (rows m0 .. m0 + 63, columns n0 ..) to the
+ * output by TMA, in boxes of 32 rows x 64 columns (omap: vk_run's output
+ * map). Rows past M (M % 64 == 0: the whole block) and pieces past N (N %
+ * 64 == 0) are another expert's or outside: not stored; columns past the
+ * output's last are clipped by the TMA unit. */
+template <int BN>
+static __device__ __forceinline__ void vk_store_staged(const vk_args &p, const CUtensorMap *omap,
+                                                       uint32_t wst, int e, int m0, int n0)
+{
+    if (m0 >= p.M) return;
+#pragma unroll
+    for (int c = 0; c < BN / 64; c++) {
+        const int col = n0 + 64 * c;
+        if (col >= p.N) break;
+        const uint32_t src = wst + c * 8192;
+        if (!p.trans_out) { /* (E M, N): rows e M + m0 .., columns col .. */
+            tma_store_2d(omap, src, col, e * p.M + m0);
+            tma_store_2d(omap, src + 4096, col, e * p.M + m0 + 32);
+        } else if (!p.map_rows) { /* (E N, M): rows e N + col .., columns m0 .. */
+            tma_store_2d(omap, src, m0, e * p.N + col);
+            tma_store_2d(omap, src + 4096, m0, e * p.N + col + 32);
+        } else { /* logical rows col .. col + 63: gate rows col / 2 .., up rows n + col / 2 .. */
+            tma_store_2d(omap, src, m0, e * p.N + col / 2);
+            tma_store_2d(omap, src + 4096, m0, e * p.N + p.n_half + col / 2);
+        }
+    }
+}
+
 /* The producer: the tile/k-tile iterations (vk_cursor), the row tokens
  * TOK_AHEAD iterations ahead through the thread's ring slots, and the
  * per-tile work done once per tile (the first version, which redid it every
@@ -498,7 +593,7 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
                                                         uint32_t empty_bar, uint32_t tok_ring,
                                                         int t)
 {
-    typedef vk_cfg<CFG> C;
+    typedef vk_cfg<BN, CFG> C;
     constexpr int BK = C::BK, STAGES = C::STAGES, RPT = C::RPT;
     constexpr uint32_t A_BYTES = BK * VK_BM * 2;
     constexpr uint32_t STAGE_BYTES = A_BYTES + BK * BN * 2;
@@ -604,9 +699,10 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
 
 template <int BN, bool GATHER_A, int CFG>
 __global__ void __launch_bounds__(VK_THREADS, 1)
-    vk_varlen_k_kernel(const vk_args p, const __grid_constant__ CUtensorMap cmap)
+    vk_varlen_k_kernel(const vk_args p, const __grid_constant__ CUtensorMap cmap,
+                       const __grid_constant__ CUtensorMap omap)
 {
-    typedef vk_cfg<CFG> C;
+    typedef vk_cfg<BN, CFG> C;
     constexpr int BK = C::BK, STAGES = C::STAGES;
     constexpr uint32_t A_BYTES = BK * VK_BM * 2;
     constexpr uint32_t B_BYTES = BK * BN * 2;
@@ -617,7 +713,10 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
 
     extern __shared__ uint8_t vk_smem[];
     const uint32_t base = (smem_addr(vk_smem) + 1023u) & ~1023u;
-    const uint32_t full_bar = base + STAGES * STAGE_BYTES; /* + 8 s */
+    /* TMA_ST: the staged tile after the stages (1024-byte aligned, as the
+     * 128-byte swizzle of its TMA boxes needs) */
+    const uint32_t stg = base + STAGES * STAGE_BYTES;
+    const uint32_t full_bar = stg + C::STG_BYTES;          /* + 8 s */
     const uint32_t empty_bar = full_bar + 8 * STAGES;      /* + 8 s */
     const uint32_t tok_ring = full_bar + 128;              /* TOK_SLOTS x TOK_SLOT_BYTES */
     const uint32_t epi_buf = tok_ring + C::TOK_SLOTS * C::TOK_SLOT_BYTES; /* 8 x 2 KB */
@@ -688,6 +787,20 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
             wgmma_fence_regs<BN / 2>(acc);
             if (nk > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev_s);
             const bool zero = nk == 0;
+            if constexpr (C::TMA_ST) {
+                /* this warpgroup's 64 rows: BN / 64 pieces of 64 x 64 */
+                const uint32_t wst = stg + (uint32_t)cw * (64 * BN * 2);
+                if (t == 0) bulk_wait_read<0>(); /* the last tile's store has read it */
+                named_barrier_sync(1 + cw, 128);
+                vk_stage_tile<BN>(p, acc, wst, warp, lane, zero);
+                fence_proxy_async(); /* generic writes -> the TMA engine's reads */
+                named_barrier_sync(1 + cw, 128);
+                if (t == 0) {
+                    vk_store_staged<BN>(p, &omap, wst, e, mt * VK_BM + cw * 64, nt * BN);
+                    bulk_commit();
+                }
+                continue;
+            }
             const int row0_warp = mt * VK_BM + cw * 64 + warp * 16;
             const uint32_t buf = epi_buf + (uint32_t)(cw * 4 + warp) * VK_EPI_BUF_BYTES;
             if (p.out_f32) {
@@ -706,6 +819,8 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
             }
         }
     }
+    /* TMA_ST: the last tile's stores complete before the CTA exits */
+    if (C::TMA_ST && wg > 0 && t == 0) bulk_wait<0>();
     /* every stage the producer filled has been consumed: the barriers are
      * quiet and are invalidated before the CTA exits (ptx_sm90.cuh) */
     __syncthreads();
@@ -722,8 +837,8 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
  * row past R is read. */
 
 template <int BN, bool GATHER_A, int CFG>
-static smoe_status vk_launch(const vk_args *a, const CUtensorMap *map, int num_sms,
-                             cudaStream_t stream)
+static smoe_status vk_launch(const vk_args *a, const CUtensorMap *map, const CUtensorMap *omap,
+                             int num_sms, cudaStream_t stream)
 {
     const size_t smem = vk_smem_bytes<BN, CFG>();
     cudaError_t err = cudaFuncSetAttribute(vk_varlen_k_kernel<BN, GATHER_A, CFG>,
@@ -732,11 +847,44 @@ static smoe_status vk_launch(const vk_args *a, const CUtensorMap *map, int num_s
                          "sm90 varlen-K GEMM: cudaFuncSetAttribute(%zu bytes): %s", smem,
                          cudaGetErrorString(err));
     int grid = a->sched.total < num_sms ? a->sched.total : num_sms;
-    vk_varlen_k_kernel<BN, GATHER_A, CFG><<<grid, VK_THREADS, smem, stream>>>(*a, *map);
+    vk_varlen_k_kernel<BN, GATHER_A, CFG><<<grid, VK_THREADS, smem, stream>>>(*a, *map, *omap);
     err = cudaGetLastError();
     SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND,
                          "sm90 varlen-K GEMM: launch failed: %s", cudaGetErrorString(err));
     return SMOE_SUCCESS;
+}
+
+/* One tile width's kernels (tile order, gathered side; tma_st: the TMA-store
+ * epilogue, A gathered). */
+template <int BN>
+static smoe_status vk_launch_bn(const vk_args *a, const CUtensorMap *map,
+                                const CUtensorMap *omap, int gather_a, int grouped, int tma_st,
+                                int num_sms, cudaStream_t stream)
+{
+    constexpr int C0 = VK_DEFAULT_CFG, C1 = VK_DEFAULT_CFG | VK_F_GROUPED;
+    constexpr int C2 = C0 | VK_F_TMA_ST, C3 = C1 | VK_F_TMA_ST;
+    if (tma_st)
+        return grouped ? vk_launch<BN, true, C3>(a, map, omap, num_sms, stream)
+                       : vk_launch<BN, true, C2>(a, map, omap, num_sms, stream);
+    if (grouped)
+        return gather_a ? vk_launch<BN, true, C1>(a, map, omap, num_sms, stream)
+                        : vk_launch<BN, false, C1>(a, map, omap, num_sms, stream);
+    return gather_a ? vk_launch<BN, true, C0>(a, map, omap, num_sms, stream)
+                    : vk_launch<BN, false, C0>(a, map, omap, num_sms, stream);
+}
+
+/* The output tile's width for N columns (N % 64 == 0): 256 where it divides
+ * N, else 192 unless its tiles cover more than 9/8 of the columns 128's
+ * cover. 128 x 128 reads twice the shared memory per MMA of 128 x 256:
+ * gpt-oss-120b's N = 2880 and 5760 (192 divides both) took the backward
+ * from 416 to 448 TFLOPS, GLM-4.5-Air's dw2 (N = 1408, 8 tiles of 192
+ * against 11 of 128) +1% (H100, 3 interleaved rounds, notes/sm90_log.md
+ * rung 19). */
+static int vk_bn(int64_t N)
+{
+    if (N % 256 == 0) return 256;
+    const int64_t w192 = (N + 191) / 192 * 192, w128 = (N + 127) / 128 * 128;
+    return 8 * w192 <= 9 * w128 ? 192 : 128;
 }
 
 /* Shared checks and launch: C_e (M x N) = A_e^T B_e, A gathered if gather_a. */
@@ -762,7 +910,7 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
                          "sm90 %s: varlen-K takes no view of the rows (off_stride %d)", name,
                          p->off_stride);
     const int64_t tiles_m = (M + VK_BM - 1) / VK_BM;
-    const int bn = (N % 256 == 0) ? 256 : 128;
+    const int bn = vk_bn(N);
     const int64_t tiles_n = (N + bn - 1) / bn;
     const int64_t total = p->E * tiles_m * tiles_n;
     SMOE_RETURN_ERROR_IF(M > INT32_MAX / 2 || N > INT32_MAX / 2 || total > INT32_MAX,
@@ -811,23 +959,30 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     CUtensorMap map;
     memset(&map, 0, sizeof map);
     if ((cfg & VK_F_TMA) && p->cap > 0) {
-        const int box_rows = vk_cfg<0>::BK;
+        const int box_rows = vk_cfg<256, 0>::BK;
         SMOE_FORWARD_IF_ERROR(gather_a ? smoe_sm90_make_map(&map, b, p->cap, N, box_rows, name)
                                        : smoe_sm90_make_map(&map, a, p->cap, M, box_rows, name));
     }
-    constexpr int C0 = VK_DEFAULT_CFG, C1 = VK_DEFAULT_CFG | VK_F_GROUPED;
-    if (bn == 256) {
-        if (grouped)
-            return gather_a ? vk_launch<256, true, C1>(&args, &map, num_sms, stream)
-                            : vk_launch<256, false, C1>(&args, &map, num_sms, stream);
-        return gather_a ? vk_launch<256, true, C0>(&args, &map, num_sms, stream)
-                        : vk_launch<256, false, C0>(&args, &map, num_sms, stream);
-    }
-    if (grouped)
-        return gather_a ? vk_launch<128, true, C1>(&args, &map, num_sms, stream)
-                        : vk_launch<128, false, C1>(&args, &map, num_sms, stream);
-    return gather_a ? vk_launch<128, true, C0>(&args, &map, num_sms, stream)
-                    : vk_launch<128, false, C0>(&args, &map, num_sms, stream);
+    /* bf16 overwrite (A gathered: the layer's dW2 and dW1^T) leaves by TMA
+     * from a staged tile (VK_F_TMA_ST) where M = d >= 2048 and the output's
+     * rows have 32-bit coordinates; elsewhere, and for fp32 and accumulated
+     * outputs, through the warps' buffers. In the layer (H100, 3
+     * interleaved rounds, notes/sm90_log.md rung 19) the staged tile took
+     * the backward +1-4% on the rows with d >= 2048 (gpt-oss-120b +4%,
+     * Mixtral-8x7B +2%, DeepSeek-V3 even) and -1% at 1.4B-n256 and 7B-n256
+     * (d = 768, 1536), where its 3 stages of 128 x 256 cost more than the
+     * epilogue it hides. */
+    const int64_t out_rows = p->E * (trans_out ? N : M), out_cols = trans_out ? M : N;
+    const int tma_st = gather_a && out_dtype == SMOE_DTYPE_BF16 && !accumulate && M >= 2048 &&
+                       out_rows <= INT32_MAX;
+    CUtensorMap omap;
+    memset(&omap, 0, sizeof omap);
+    if (tma_st) SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&omap, out, out_rows, out_cols, 32, name));
+    if (bn == 256)
+        return vk_launch_bn<256>(&args, &map, &omap, gather_a, grouped, tma_st, num_sms, stream);
+    if (bn == 192)
+        return vk_launch_bn<192>(&args, &map, &omap, gather_a, grouped, tma_st, num_sms, stream);
+    return vk_launch_bn<128>(&args, &map, &omap, gather_a, grouped, tma_st, num_sms, stream);
 }
 
 /* The plan's row for a weight-gradient GEMM (grouped_gemm_sm90.cu's
