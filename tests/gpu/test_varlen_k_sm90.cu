@@ -17,10 +17,13 @@
  * on and off; dW1 for interleaved, concatenated and non-gated W1; the
  * rejected shapes; determinism (two runs, bitwise); then the 7B (T=24576,
  * d=1536, n=256, E=128, K=8) and 120B (T=32768, d=4096, n=1024, E=128,
- * K=8) shapes with balanced routing (fp32 overwrite, bf16 accumulate).
+ * K=8) shapes with balanced routing (fp32 overwrite, bf16 accumulate), and
+ * gpt-oss-120b's (128 x 192 tiles). The cases with d >= 2048 take the bf16
+ * overwrite through the staged tile stored by TMA.
  *
- * Usage: test_varlen_k_sm90 [--small] [seed]
- * (--small: the small and medium shapes only, for compute-sanitizer). Every
+ * Usage: test_varlen_k_sm90 [--small | --staged] [seed]
+ * (--small: the small and medium shapes only, for compute-sanitizer;
+ * --staged: the staged-tile cases only, for racecheck). Every
  * check runs each row of the weight gradients' tile table (one row today;
  * failed checks are counted per row at the end). The fp32 and accumulating
  * outputs run dw1 as dH^T X, bf16 overwrite as X^T dH stored transposed:
@@ -581,9 +584,10 @@ static void balanced_case(const char *name, int64_t T, int64_t d, int64_t n, int
 
 int main(int argc, char **argv)
 {
-    int small = 0;
+    int small = 0, staged = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--small")) small = 1;
+        else if (!strcmp(argv[i], "--staged")) staged = small = 1;
         else g_seed = strtoull(argv[i], NULL, 10);
     }
     tu_seed = g_seed;
@@ -603,7 +607,7 @@ int main(int argc, char **argv)
     set_variant(0);
     tu_rng s = tu_rng_make(g_seed);
 
-    {   /* small: partial M and N tiles (BN=128 path), host-checked reference */
+    if (!staged) {   /* small: partial M and N tiles (BN=128 path), host-checked reference */
         const smoe_w1_layout lay[3] = {SMOE_W1_INTERLEAVED, SMOE_W1_CONCATENATED,
                                        SMOE_W1_INTERLEAVED};
         const char *nm[3] = {"small gated interleaved", "small gated concatenated",
@@ -616,7 +620,7 @@ int main(int argc, char **argv)
             correctness_case(nm[v], &P, num_sms, 1);
         }
     }
-    {   /* medium: BN=256 path, few SMs so CTAs loop over many tiles */
+    if (!staged) {   /* medium: BN=256 path, few SMs so CTAs loop over many tiles */
         problem P;
         P.T = 2048; P.d = 512; P.n = 256; P.E = 16; P.K = 4; P.gated = 1;
         P.layout = SMOE_W1_CONCATENATED;
@@ -627,7 +631,7 @@ int main(int argc, char **argv)
         routing_random(&P, &s, 700);
         determinism_case(&P, num_sms);
     }
-    {   /* 128 x 192 tiles (N % 256 != 0 == N % 192, gpt-oss-120b's n = 2880
+    if (!staged) {   /* 128 x 192 tiles (N % 256 != 0 == N % 192, gpt-oss-120b's n = 2880
          * in small): dw2 N = n = 960, dw1 N = h_cols = 1920 (bf16, stored
          * transposed) or d = 576 (fp32); M = 576 leaves a half m-tile */
         problem P;
@@ -655,14 +659,14 @@ int main(int argc, char **argv)
             correctness_case(nm, &P, v < 2 ? 8 : num_sms, 0);
         }
     }
-    {   /* 18 m-tiles: the grouped row's groups of 16 and a last one of 2 */
+    if (!staged) {   /* 18 m-tiles: the grouped row's groups of 16 and a last one of 2 */
         problem P;
         P.T = 1024; P.d = 2304; P.n = 384; P.E = 4; P.K = 2; P.gated = 1;
         P.layout = SMOE_W1_INTERLEAVED;
         routing_random(&P, &s, 600);
         correctness_case("wide d = 2304", &P, num_sms, 0);
     }
-    rejection_cases(num_sms);
+    if (!staged) rejection_cases(num_sms);
 
     if (!small) {
         balanced_case("7B", 24576, 1536, 256, 128, 8, num_sms);
