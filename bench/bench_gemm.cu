@@ -6,6 +6,7 @@
  *   bench_gemm [--family sm80|sm90|all] [--shape NAME[,NAME...]] [--gemm NAME]
  *              [--all-rows] [--row GEMM=NAME ...] [--wgrad bf16|f32|f32-acc|all]
  *              [--reps N] [--warmup N] [--no-flush] [--no-cublas] [--csv FILE]
+ *              [--routing balanced|random]
  *
  * Shapes (T, d, n, E, K): 7B (24576, 1536, 256, 128, 8), 30B (32768, 4096,
  * 512, 128, 8), 120B (32768, 4096, 1024, 128, 8), 120B-n2048 (32768, 4096,
@@ -13,7 +14,12 @@
  * the public models' shapes of bench/grid.h by name (1.4B-n256, ...,
  * Mixtral-8x7B, ...) or all with --shape grid, --shape models. SwiGLU, interleaved W1, no bias;
  * balanced routing: token t goes to experts (p(t) K + k) mod E, k < K, for
- * a random permutation p, so every expert holds R / E = T K / E rows.
+ * a random permutation p, so every expert holds R / E = T K / E rows. Where
+ * E is a multiple of K, the experts K j .. K j + K - 1 then hold the same
+ * tokens, so the experts in flight gather the same rows, which stay in L2
+ * (notes/sm90_log.md rung 19); --routing random draws K distinct experts
+ * per token uniformly instead, as the layer's near-uniform router does
+ * (counts binomial around T K / E, every expert its own tokens).
  *
  * Each GEMM runs its family's plan row for the shape (the row the layer
  * would run; "plan" on its line), or --row's row, or with --all-rows every
@@ -83,6 +89,7 @@ static const char *const g_wg_name[NWG] = {"bf16", "f32", "f32-acc"};
 
 /* Options. */
 static int g_reps = 20, g_warmup = 3, g_all_rows = 0, g_cublas = 1, g_flush = 1;
+static int g_random_routing = 0; /* --routing random */
 static int g_gemm = -1;                  /* --gemm: this GEMM only */
 static int g_wg[NWG] = {1, 0, 0};        /* --wgrad: the modes timed */
 static int g_row[NFAM][SMOE_GEMM_COUNT]; /* --row: -1, the plan's */
@@ -200,6 +207,36 @@ static void route_balanced(const shape *S, tu_rng *r, int32_t *off, int32_t *tok
     free(fill);
 }
 
+/* Random routing (--routing random): K distinct experts per token, uniform;
+ * rows sorted by expert, then token. */
+static void route_random(const shape *S, tu_rng *r, int32_t *off, int32_t *tok)
+{
+    const int64_t T = S->T, E = S->E, K = S->K;
+    int32_t *pick = (int32_t *)malloc(sizeof(int32_t) * (size_t)(T * K));
+    int32_t *fill = (int32_t *)calloc((size_t)E, sizeof(int32_t));
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t k = 0; k < K; k++) {
+            int32_t e;
+            int again;
+            do { /* K <= E: redraw an expert this token already has */
+                e = (int32_t)tu_int(r, 0, E - 1);
+                again = 0;
+                for (int64_t j = 0; j < k; j++) again |= pick[t * K + j] == e;
+            } while (again);
+            pick[t * K + k] = e;
+            fill[e]++;
+        }
+    off[0] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        off[e + 1] = off[e] + fill[e];
+        fill[e] = off[e];
+    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t k = 0; k < K; k++) tok[fill[pick[t * K + k]]++] = (int32_t)t;
+    free(pick);
+    free(fill);
+}
+
 static smoe_gemm_problem problem_of(const bufs *B, int num_sms)
 {
     smoe_gemm_problem p;
@@ -230,7 +267,8 @@ static void bufs_make(bufs *B, const shape *S, const smoe_gemm_ops *const *ops, 
     int32_t *off = (int32_t *)malloc(sizeof(int32_t) * (size_t)(E + 1));
     int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)R);
     float *score = (float *)malloc(sizeof(float) * (size_t)R);
-    route_balanced(S, &r, off, tok);
+    if (g_random_routing) route_random(S, &r, off, tok);
+    else route_balanced(S, &r, off, tok);
     for (int64_t i = 0; i < R; i++) score[i] = 1.0f / (float)S->K;
     B->off = (int32_t *)tu_dev_put(off, sizeof(int32_t) * (size_t)(E + 1));
     B->tok = (int32_t *)tu_dev_put(tok, sizeof(int32_t) * (size_t)R);
@@ -379,9 +417,10 @@ static void bench_shape(const shape *S, const smoe_gemm_ops *const *ops, int num
 {
     bufs B;
     bufs_make(&B, S, ops, num_sms);
-    printf("\n%s: T=%lld d=%lld n=%lld E=%lld K=%lld, R=%lld rows (%lld per expert)\n", S->name,
-           (long long)S->T, (long long)S->d, (long long)S->n, (long long)S->E, (long long)S->K,
-           (long long)B.R, (long long)(B.R / B.E));
+    printf("\n%s: T=%lld d=%lld n=%lld E=%lld K=%lld, R=%lld rows (%s routing, %lld per expert"
+           "%s)\n", S->name, (long long)S->T, (long long)S->d, (long long)S->n, (long long)S->E,
+           (long long)S->K, (long long)B.R, g_random_routing ? "random" : "balanced",
+           (long long)(B.R / B.E), g_random_routing ? " on average" : "");
     float cb[SMOE_GEMM_COUNT];
     for (int g = 0; g < SMOE_GEMM_COUNT; g++)
         cb[g] = g_cublas && (g_gemm < 0 || g_gemm == g) ? cublas_ms(h, &B, g) : -1.0f;
@@ -492,7 +531,8 @@ static int usage(const char *argv0)
     fprintf(stderr,
             "usage: %s [--family sm80|sm90|all] [--shape NAME[,NAME...]] [--gemm NAME]\n"
             "       [--all-rows] [--row GEMM=NAME ...] [--wgrad bf16|f32|f32-acc|all]\n"
-            "       [--reps N] [--warmup N] [--no-flush] [--no-cublas] [--csv FILE]\n",
+            "       [--reps N] [--warmup N] [--no-flush] [--no-cublas] [--csv FILE]\n"
+            "       [--routing balanced|random]\n",
             argv0);
     return 2;
 }
@@ -534,6 +574,10 @@ int main(int argc, char **argv)
                 any |= g_wg[w];
             }
             if (!any) return usage(argv[0]);
+            i++;
+        } else if (!strcmp(a, "--routing")) {
+            if (strcmp(v, "balanced") && strcmp(v, "random")) return usage(argv[0]);
+            g_random_routing = !strcmp(v, "random");
             i++;
         } else if (!strcmp(a, "--reps")) g_reps = atoi(argv[++i]);
         else if (!strcmp(a, "--warmup")) g_warmup = atoi(argv[++i]);
