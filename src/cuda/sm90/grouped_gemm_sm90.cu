@@ -396,8 +396,9 @@ static const sm90_row sm90_dh_rows[] = {SM90_DH_ROWS(SM90_ROW)};
  * the tiles of an expert in row order, or grouped by 16 m-tiles where an
  * expert has many tiles (sm90_plan). */
 static const sm90_row sm90_vk_rows[] = {
-    {"128x256 tma (x192 or x128 where N % 256 != 0)", 0, 4, 0, 0},
-    {"128x256 tma grouped (x192 or x128 where N % 256 != 0)", 0, 4, 0, 0},
+    {"128x256 tma (x192 or x128 where N % 256 != 0; bf16 staged where d >= 2048)", 0, 4, 0, 0},
+    {"128x256 tma grouped (x192 or x128 where N % 256 != 0; bf16 staged where d >= 2048)", 0, 4,
+     0, 0},
 };
 
 /* GEMM g's table (NULL for dw1, dw2) and its length. */
@@ -462,12 +463,13 @@ static int sm90_row_fits(const smoe_gemm_problem *p, int g, int row)
 static int sm90_grouped(int64_t K, int64_t N, int mib) { return K * N * 2 >= ((int64_t)mib << 20); }
 
 /* Whether a weight gradient (M x N per expert; 128 x 256 tiles, 128 x 192
- * or 128 x 128 where N % 256 != 0: varlen_k_sm90.cu's vk_bn) takes its grouped row: where N >=
- * 8192, so that ~132 tiles in row order span one or two m-tiles and 32 or
- * more N-side slices of the expert's rows, which then do not stay in L2
- * (Mixtral-8x7B, 4096 rows per expert: 117 and 235 MiB; dw2 8.70 -> 5.76
- * ms, dw1 19.9 -> 11.9 ms). Elsewhere the grouped order measured 0.84-1.06x
- * of the row order (bench_gemm, 2026-11-27), so those keep row order. */
+ * or 128 x 128 where N % 256 != 0: varlen_k_sm90.cu's vk_bn) takes its
+ * grouped row: where N >= 8192, so that ~132 tiles in row order span one
+ * or two m-tiles and 32 or more N-side slices of the expert's rows, which
+ * then do not stay in L2 (Mixtral-8x7B, 4096 rows per expert: 117 and
+ * 235 MiB; dw2 8.70 -> 5.76 ms, dw1 19.9 -> 11.9 ms). Elsewhere the
+ * grouped order measured 0.84-1.06x of the row order (bench_gemm,
+ * 2026-11-27), so those keep row order. */
 static int sm90_vk_grouped(int64_t N) { return N >= 8192; }
 
 /* The tile table's choice for each GEMM at p's shape (the rows above say
