@@ -6,20 +6,23 @@
  *   bench_gemm [--family sm80|sm90|all] [--shape NAME[,NAME...]] [--gemm NAME]
  *              [--all-rows] [--row GEMM=NAME ...] [--wgrad bf16|f32|f32-acc|all]
  *              [--reps N] [--warmup N] [--no-flush] [--no-cublas] [--csv FILE]
- *              [--routing balanced|random]
+ *              [--routing random|balanced]
  *
  * Shapes (T, d, n, E, K): 7B (24576, 1536, 256, 128, 8), 30B (32768, 4096,
  * 512, 128, 8), 120B (32768, 4096, 1024, 128, 8), 120B-n2048 (32768, 4096,
  * 2048, 64, 4); all four by default. The benchmark grid's twelve rows and
  * the public models' shapes of bench/grid.h by name (1.4B-n256, ...,
- * Mixtral-8x7B, ...) or all with --shape grid, --shape models. SwiGLU, interleaved W1, no bias;
- * balanced routing: token t goes to experts (p(t) K + k) mod E, k < K, for
- * a random permutation p, so every expert holds R / E = T K / E rows. Where
- * E is a multiple of K, the experts K j .. K j + K - 1 then hold the same
- * tokens, so the experts in flight gather the same rows, which stay in L2
- * (notes/sm90_log.md rung 19); --routing random draws K distinct experts
- * per token uniformly instead, as the layer's near-uniform router does
- * (counts binomial around T K / E, every expert its own tokens).
+ * Mixtral-8x7B, ...) or all with --shape grid, --shape models. SwiGLU,
+ * interleaved W1, no bias. Routing (since 2026-11-27, session 22): K
+ * distinct experts per token drawn uniformly, as the layer's near-uniform
+ * router gives (counts binomial around T K / E, every expert its own
+ * tokens). --routing balanced is the earlier one: token t goes to experts
+ * (p(t) K + k) mod E, k < K, for a random permutation p, so every expert
+ * holds exactly T K / E rows, and where E is a multiple of K the experts
+ * K j .. K j + K - 1 hold the same tokens, so the experts in flight gather
+ * the same rows, which stay in L2: up to 2.3x faster than the layer runs
+ * the same GEMM (DeepSeek-V3's dh, notes/sm90_log.md rung 19). Results
+ * before that date are balanced.
  *
  * Each GEMM runs its family's plan row for the shape (the row the layer
  * would run; "plan" on its line), or --row's row, or with --all-rows every
@@ -89,7 +92,7 @@ static const char *const g_wg_name[NWG] = {"bf16", "f32", "f32-acc"};
 
 /* Options. */
 static int g_reps = 20, g_warmup = 3, g_all_rows = 0, g_cublas = 1, g_flush = 1;
-static int g_random_routing = 0; /* --routing random */
+static int g_random_routing = 1; /* --routing random (default) | balanced */
 static int g_gemm = -1;                  /* --gemm: this GEMM only */
 static int g_wg[NWG] = {1, 0, 0};        /* --wgrad: the modes timed */
 static int g_row[NFAM][SMOE_GEMM_COUNT]; /* --row: -1, the plan's */
@@ -181,7 +184,8 @@ typedef struct bufs {
     void *dw1, *dw2, *scratch; /* dw1, dw2: room for fp32 if an fp32 mode is timed */
 } bufs;
 
-/* Balanced routing (see the top): rows sorted by expert, then token. */
+/* Balanced routing (--routing balanced, see the top): rows sorted by
+ * expert, then token. */
 static void route_balanced(const shape *S, tu_rng *r, int32_t *off, int32_t *tok)
 {
     const int64_t T = S->T, E = S->E, K = S->K;
@@ -207,7 +211,7 @@ static void route_balanced(const shape *S, tu_rng *r, int32_t *off, int32_t *tok
     free(fill);
 }
 
-/* Random routing (--routing random): K distinct experts per token, uniform;
+/* Random routing (the default): K distinct experts per token, uniform;
  * rows sorted by expert, then token. */
 static void route_random(const shape *S, tu_rng *r, int32_t *off, int32_t *tok)
 {
@@ -532,7 +536,7 @@ static int usage(const char *argv0)
             "usage: %s [--family sm80|sm90|all] [--shape NAME[,NAME...]] [--gemm NAME]\n"
             "       [--all-rows] [--row GEMM=NAME ...] [--wgrad bf16|f32|f32-acc|all]\n"
             "       [--reps N] [--warmup N] [--no-flush] [--no-cublas] [--csv FILE]\n"
-            "       [--routing balanced|random]\n",
+            "       [--routing random|balanced]\n",
             argv0);
     return 2;
 }
