@@ -403,6 +403,55 @@ static __device__ __forceinline__ void vk_store_tile(const vk_args &p, const flo
     }
 }
 
+/* Piece c (64 columns) of a warp's 16 x BN accumulators, rounded to bf16,
+ * into rows r0 .. r0 + 15 (r0 % 8 == 0) of a buffer of 128-byte rows in the
+ * 128-byte swizzle (the 8-column group jj of row r at 16-byte chunk jj ^ (r
+ * % 8)). */
+static __device__ __forceinline__ void vk_round_piece(const float *acc, int c, uint32_t buf,
+                                                      int r0, int lane, bool zero)
+{
+#pragma unroll
+    for (int jj = 0; jj < 8; jj++) {
+        const int j = 8 * c + jj;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = r0 + lane / 4 + 8 * h;
+            const uint32_t a = buf + r * 128 + (((jj ^ (r & 7)) << 4) | ((lane % 4) << 2));
+            __nv_bfloat162 v = __floats2bfloat162_rn(zero ? 0.f : acc[4 * j + 2 * h],
+                                                     zero ? 0.f : acc[4 * j + 2 * h + 1]);
+            st_shared_b32(a, *(uint32_t *)&v);
+        }
+    }
+}
+
+/* Piece c (64 columns) of a warpgroup's 64 x BN accumulators, rounded to
+ * bf16, transposed into an 8 KiB buffer by stmatrix .trans (each warp its
+ * 16 rows): buffer row j is block column 64 c + j, or with split the even
+ * columns in rows 0-31 and the odd ones in rows 32-63; 16-byte chunk 2 warp
+ * + h holds the warp's 8 block rows h, at chunk position ch ^ (row % 8). */
+static __device__ __forceinline__ void vk_round_piece_t(const float *acc, int c, uint32_t buf,
+                                                        int warp, int lane, bool zero, bool split)
+{
+    const int mi = lane / 8, k = lane % 8; /* stmatrix: matrix, row */
+#pragma unroll
+    for (int s4 = 0; s4 < 4; s4++) {
+        /* matrices (jb, h): jb = 2 s4 + (m >> 1) is the 8-column group,
+         * h = m & 1 the 8-row half of the warp's 16 */
+        uint32_t r[4];
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+            const int j = 8 * c + 2 * s4 + (m >> 1), h = m & 1;
+            __nv_bfloat162 v = __floats2bfloat162_rn(zero ? 0.f : acc[4 * j + 2 * h],
+                                                     zero ? 0.f : acc[4 * j + 2 * h + 1]);
+            r[m] = *(uint32_t *)&v;
+        }
+        const int jr = 8 * (2 * s4 + (mi >> 1)) + k; /* block column */
+        const int row = split ? (jr & 1) * 32 + (jr >> 1) : jr;
+        const int ch = 2 * warp + (mi & 1);
+        stmatrix_x4_trans(buf + row * 128 + ((ch ^ (row & 7)) << 4), r[0], r[1], r[2], r[3]);
+    }
+}
+
 /* bf16 overwrite: the accumulators rounded to bf16 on their way into the
  * warp's 2 KB buffer, which then holds 16 rows x 64 columns, so each row
  * piece leaves as 128 contiguous bytes (8 threads x 16 B); the fp32 staging
@@ -419,19 +468,7 @@ static __device__ __forceinline__ void vk_store_tile_bf16(const vk_args &p, cons
     vk_epi_rows(p, e, row0_warp + rr0, rowoff, row_ok);
 #pragma unroll
     for (int c = 0; c < PIECES; c++) {
-        /* 8-column group jj of the piece is 16-byte chunk jj of a buffer row */
-#pragma unroll
-        for (int jj = 0; jj < 8; jj++) {
-            const int j = 8 * c + jj;
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = lane / 4 + 8 * h;
-                const uint32_t a = buf + r * 128 + (((jj ^ (r & 7)) << 4) | ((lane % 4) << 2));
-                __nv_bfloat162 v = __floats2bfloat162_rn(zero ? 0.f : acc[4 * j + 2 * h],
-                                                         zero ? 0.f : acc[4 * j + 2 * h + 1]);
-                st_shared_b32(a, *(uint32_t *)&v);
-            }
-        }
+        vk_round_piece(acc, c, buf, 0, lane, zero);
         __syncwarp();
         const int col = n0 + 64 * c + 8 * ch; /* N % 64 == 0: a chunk is all in or all out */
 #pragma unroll
@@ -461,26 +498,10 @@ static __device__ __forceinline__ void vk_store_tile_bf16_t(const vk_args &p, co
     constexpr int PIECES = BN / 64;
     const int tw = warp * 32 + lane;                /* thread in the warpgroup */
     const bool rows_ok = m0 < p.M;                  /* M % 64 == 0: all 64 or none */
-    const int mi = lane / 8, k = lane % 8;          /* stmatrix: matrix, row */
 #pragma unroll
     for (int c = 0; c < PIECES; c++) {
         if (n0 + 64 * c >= p.N) break;              /* N % 64 == 0 */
-#pragma unroll
-        for (int s4 = 0; s4 < 4; s4++) {
-            /* matrices (jb, h): jb = 2 s4 + (m >> 1) is the 8-column group,
-             * h = m & 1 the 8-row half of the warp's 16 */
-            uint32_t r[4];
-#pragma unroll
-            for (int m = 0; m < 4; m++) {
-                const int j = 8 * c + 2 * s4 + (m >> 1), h = m & 1;
-                __nv_bfloat162 v = __floats2bfloat162_rn(zero ? 0.f : acc[4 * j + 2 * h],
-                                                         zero ? 0.f : acc[4 * j + 2 * h + 1]);
-                r[m] = *(uint32_t *)&v;
-            }
-            const int jr = 8 * (2 * s4 + (mi >> 1)) + k;  /* buffer row: tile column */
-            const int ch = 2 * warp + (mi & 1);           /* 16-byte chunk: 8 tile rows */
-            stmatrix_x4_trans(wbuf + jr * 128 + ((ch ^ (jr & 7)) << 4), r[0], r[1], r[2], r[3]);
-        }
+        vk_round_piece_t(acc, c, wbuf, warp, lane, zero, false);
         named_barrier_sync(1 + cw, 128);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -510,44 +531,13 @@ static __device__ __forceinline__ void vk_stage_tile(const vk_args &p, const flo
 {
     constexpr int PIECES = BN / 64;
     if (p.trans_out) {
-        const int mi = lane / 8, k = lane % 8; /* stmatrix: matrix, row */
 #pragma unroll
-        for (int c = 0; c < PIECES; c++) {
-#pragma unroll
-            for (int s4 = 0; s4 < 4; s4++) {
-                uint32_t r[4];
-#pragma unroll
-                for (int m = 0; m < 4; m++) {
-                    const int j = 8 * c + 2 * s4 + (m >> 1), h = m & 1;
-                    __nv_bfloat162 v = __floats2bfloat162_rn(zero ? 0.f : acc[4 * j + 2 * h],
-                                                             zero ? 0.f : acc[4 * j + 2 * h + 1]);
-                    r[m] = *(uint32_t *)&v;
-                }
-                const int jr = 8 * (2 * s4 + (mi >> 1)) + k;       /* block column */
-                const int row = p.map_rows ? (jr & 1) * 32 + (jr >> 1) : jr;
-                const int ch = 2 * warp + (mi & 1);                 /* 8 block rows */
-                stmatrix_x4_trans(wst + c * 8192 + row * 128 + ((ch ^ (row & 7)) << 4), r[0],
-                                  r[1], r[2], r[3]);
-            }
-        }
+        for (int c = 0; c < PIECES; c++)
+            vk_round_piece_t(acc, c, wst + c * 8192, warp, lane, zero, p.map_rows);
         return;
     }
 #pragma unroll
-    for (int c = 0; c < PIECES; c++) {
-#pragma unroll
-        for (int jj = 0; jj < 8; jj++) {
-            const int j = 8 * c + jj;
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = warp * 16 + lane / 4 + 8 * h;
-                const uint32_t a =
-                    wst + c * 8192 + r * 128 + (((jj ^ (r & 7)) << 4) | ((lane % 4) << 2));
-                __nv_bfloat162 v = __floats2bfloat162_rn(zero ? 0.f : acc[4 * j + 2 * h],
-                                                         zero ? 0.f : acc[4 * j + 2 * h + 1]);
-                st_shared_b32(a, *(uint32_t *)&v);
-            }
-        }
-    }
+    for (int c = 0; c < PIECES; c++) vk_round_piece(acc, c, wst + c * 8192, warp * 16, lane, zero);
 }
 
 /* The staged block of expert e (rows m0 .. m0 + 63, columns n0 ..) to the
