@@ -188,8 +188,9 @@ smoe_status smoe_cuda_status_reset(smoe_dev_status *status, cudaStream_t stream)
 /* Backward's first kernel: the saved block's header against `want` (the
  * header this call's forward would have written), into *status (the whole
  * word) and the report; with consume, a header that passes is marked
- * consumed (desc.consume_saved: this call writes over the block); and, when wr (E, d) is given, wr_nf (d): NaN for
- * each column of wr that holds a NaN or an infinity, 0 for the others.
+ * consumed (desc.consume_saved: this call writes over the block); and,
+ * when wr (E, d) is given, wr_nf (d): NaN for each column of wr that holds
+ * a NaN or an infinity, 0 for the others.
  * The sparse router backward adds wr_nf to dx, which gives what the dense
  * product dlogits Wr gives (as PyTorch computes it): 0 * inf = NaN from the
  * experts a token did not pick. */

@@ -207,11 +207,11 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
      *              cuBLAS's scratch, then dwr2 (both halves, fp32)
      * so a_scaled (with b_gemm after it), dxt and rscr share one region
      * (b_gemm and rscr go after it where they do not fit), and the router's
-     * buffers share dh's (dead once db1 has run). dXr's cuBLAS calls run with no scratch (K = 2E:
-     * no split of K to sum). With consume_saved, dH is written over
-     * the saved block's H (the same lifetime: H is dead once the dh GEMM
-     * has read it), so the router's buffers go there and this workspace
-     * has no dH region. Their layout from the region's start is the same
+     * buffers share dh's (dead once db1 has run). dXr's cuBLAS calls run
+     * with no scratch (K = 2E: no split of K to sum). With consume_saved,
+     * dH is written over the saved block's H (the same lifetime: H is dead
+     * once the dh GEMM has read it), so the router's buffers go there and
+     * this workspace has no dH region. Their layout from the region's start is the same
      * either way, so a reading and a consuming layer make the same calls
      * and their gradients agree bit for bit.
      * A call whose saved block the device refused (another layer's,
