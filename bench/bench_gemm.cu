@@ -6,7 +6,7 @@
  *   bench_gemm [--family sm80|sm90|all] [--shape NAME[,NAME...]] [--gemm NAME]
  *              [--all-rows] [--row GEMM=NAME ...] [--wgrad bf16|f32|f32-acc|all]
  *              [--reps N] [--warmup N] [--no-flush] [--no-cublas] [--csv FILE]
- *              [--routing random|balanced]
+ *              [--routing random|balanced|even|hot]
  *
  * Shapes (T, d, n, E, K): 7B (24576, 1536, 256, 128, 8), 30B (32768, 4096,
  * 512, 128, 8), 120B (32768, 4096, 1024, 128, 8), 120B-n2048 (32768, 4096,
@@ -22,7 +22,13 @@
  * K j .. K j + K - 1 hold the same tokens, so the experts in flight gather
  * the same rows, which stay in L2: up to 2.3x faster than the layer runs
  * the same GEMM (DeepSeek-V3's dh, notes/sm90_log.md rung 19). Results
- * before that date are balanced.
+ * before that date are balanced. Two diagnostic routings separate the
+ * causes (rung 20): --routing even gives every expert T K / E rows (one
+ * more for some where E does not divide T K) of its own random tokens
+ * (for each k a random permutation p_k, token t to expert p_k(t) mod E; a
+ * token may meet an expert twice), --routing hot takes random's counts
+ * with every token index reduced mod 256 (the gathered rows then stay in
+ * L2).
  *
  * Each GEMM runs its family's plan row for the shape (the row the layer
  * would run; "plan" on its line), or --row's row, or with --all-rows every
@@ -92,7 +98,9 @@ static const char *const g_wg_name[NWG] = {"bf16", "f32", "f32-acc"};
 
 /* Options. */
 static int g_reps = 20, g_warmup = 3, g_all_rows = 0, g_cublas = 1, g_flush = 1;
-static int g_random_routing = 1; /* --routing random (default) | balanced */
+enum { ROUTE_RANDOM, ROUTE_BALANCED, ROUTE_EVEN, ROUTE_HOT, NROUTE };
+static const char *const g_route_name[NROUTE] = {"random", "balanced", "even", "hot"};
+static int g_routing = ROUTE_RANDOM; /* --routing */
 static int g_gemm = -1;                  /* --gemm: this GEMM only */
 static int g_wg[NWG] = {1, 0, 0};        /* --wgrad: the modes timed */
 static int g_row[NFAM][SMOE_GEMM_COUNT]; /* --row: -1, the plan's */
@@ -241,6 +249,40 @@ static void route_random(const shape *S, tu_rng *r, int32_t *off, int32_t *tok)
     free(fill);
 }
 
+/* Even routing (--routing even, diagnostic): for each k a random permutation
+ * p_k of the tokens, token t to expert p_k(t) mod E; rows sorted by expert,
+ * then token. */
+static void route_even(const shape *S, tu_rng *r, int32_t *off, int32_t *tok)
+{
+    const int64_t T = S->T, E = S->E, K = S->K;
+    int32_t *pick = (int32_t *)malloc(sizeof(int32_t) * (size_t)(T * K));
+    int32_t *perm = (int32_t *)malloc(sizeof(int32_t) * (size_t)T);
+    int32_t *fill = (int32_t *)calloc((size_t)E, sizeof(int32_t));
+    for (int64_t k = 0; k < K; k++) {
+        for (int64_t t = 0; t < T; t++) perm[t] = (int32_t)t;
+        for (int64_t t = T - 1; t > 0; t--) {
+            int64_t j = tu_int(r, 0, t);
+            int32_t v = perm[t];
+            perm[t] = perm[j];
+            perm[j] = v;
+        }
+        for (int64_t t = 0; t < T; t++) {
+            pick[t * K + k] = (int32_t)(perm[t] % E);
+            fill[perm[t] % E]++;
+        }
+    }
+    off[0] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        off[e + 1] = off[e] + fill[e];
+        fill[e] = off[e];
+    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t k = 0; k < K; k++) tok[fill[pick[t * K + k]]++] = (int32_t)t;
+    free(pick);
+    free(perm);
+    free(fill);
+}
+
 static smoe_gemm_problem problem_of(const bufs *B, int num_sms)
 {
     smoe_gemm_problem p;
@@ -271,8 +313,11 @@ static void bufs_make(bufs *B, const shape *S, const smoe_gemm_ops *const *ops, 
     int32_t *off = (int32_t *)malloc(sizeof(int32_t) * (size_t)(E + 1));
     int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)R);
     float *score = (float *)malloc(sizeof(float) * (size_t)R);
-    if (g_random_routing) route_random(S, &r, off, tok);
-    else route_balanced(S, &r, off, tok);
+    if (g_routing == ROUTE_BALANCED) route_balanced(S, &r, off, tok);
+    else if (g_routing == ROUTE_EVEN) route_even(S, &r, off, tok);
+    else route_random(S, &r, off, tok);
+    if (g_routing == ROUTE_HOT)
+        for (int64_t i = 0; i < B->R; i++) tok[i] %= (int32_t)(T < 256 ? T : 256);
     for (int64_t i = 0; i < R; i++) score[i] = 1.0f / (float)S->K;
     B->off = (int32_t *)tu_dev_put(off, sizeof(int32_t) * (size_t)(E + 1));
     B->tok = (int32_t *)tu_dev_put(tok, sizeof(int32_t) * (size_t)R);
@@ -423,8 +468,8 @@ static void bench_shape(const shape *S, const smoe_gemm_ops *const *ops, int num
     bufs_make(&B, S, ops, num_sms);
     printf("\n%s: T=%lld d=%lld n=%lld E=%lld K=%lld, R=%lld rows (%s routing, %lld per expert"
            "%s)\n", S->name, (long long)S->T, (long long)S->d, (long long)S->n, (long long)S->E,
-           (long long)S->K, (long long)B.R, g_random_routing ? "random" : "balanced",
-           (long long)(B.R / B.E), g_random_routing ? " on average" : "");
+           (long long)S->K, (long long)B.R, g_route_name[g_routing],
+           (long long)(B.R / B.E), g_routing == ROUTE_RANDOM || g_routing == ROUTE_HOT ? " on average" : "");
     float cb[SMOE_GEMM_COUNT];
     for (int g = 0; g < SMOE_GEMM_COUNT; g++)
         cb[g] = g_cublas && (g_gemm < 0 || g_gemm == g) ? cublas_ms(h, &B, g) : -1.0f;
@@ -536,7 +581,7 @@ static int usage(const char *argv0)
             "usage: %s [--family sm80|sm90|all] [--shape NAME[,NAME...]] [--gemm NAME]\n"
             "       [--all-rows] [--row GEMM=NAME ...] [--wgrad bf16|f32|f32-acc|all]\n"
             "       [--reps N] [--warmup N] [--no-flush] [--no-cublas] [--csv FILE]\n"
-            "       [--routing random|balanced]\n",
+            "       [--routing random|balanced|even|hot]\n",
             argv0);
     return 2;
 }
@@ -580,8 +625,10 @@ int main(int argc, char **argv)
             if (!any) return usage(argv[0]);
             i++;
         } else if (!strcmp(a, "--routing")) {
-            if (strcmp(v, "balanced") && strcmp(v, "random")) return usage(argv[0]);
-            g_random_routing = !strcmp(v, "random");
+            g_routing = -1;
+            for (int k = 0; k < NROUTE; k++)
+                if (!strcmp(v, g_route_name[k])) g_routing = k;
+            if (g_routing < 0) return usage(argv[0]);
             i++;
         } else if (!strcmp(a, "--reps")) g_reps = atoi(argv[++i]);
         else if (!strcmp(a, "--warmup")) g_warmup = atoi(argv[++i]);
