@@ -210,7 +210,7 @@ static void dev_alloc(problem_dev *D, const problem_host *P)
     CUDA_OK(cudaMalloc(&D->as_out, P->cap * P->n * 2 + 16));
     CUDA_OK(cudaMalloc(&D->score, P->cap * 4 + 16));
     CUDA_OK(cudaMalloc(&D->ds_out, P->cap * 4 + 16));
-    CUDA_OK(cudaMalloc(&D->scratch, P->cap * 4 * ((P->n + 127) / 128) + 16));
+    CUDA_OK(cudaMalloc(&D->scratch, P->cap * 4 * ((P->n + 127) / 128) + 32));
     {
         float *sc = (float *)malloc(P->cap * 4 + 4);
         for (int64_t r = 0; r < P->cap; r++) sc[r] = 0.05f + (rnd() % 1000) / 1000.0f;
@@ -596,7 +596,7 @@ static int run_case(int idx, int sms)
             CUDA_OK(cudaMemset(D.dh_out, 0xFF, P.cap * hc * 2));
             CUDA_OK(cudaMemset(D.as_out, 0xFF, P.cap * P.n * 2));
             CUDA_OK(cudaMemset(D.ds_out, 0xFF, P.cap * 4));
-            if (smoe_gemm_ops_sm90.scratch_bytes(&g) > (size_t)(P.cap * 4 * ((P.n + 127) / 128))) {
+            if (smoe_gemm_ops_sm90.scratch_bytes(&g) > (size_t)(P.cap * 4 * ((P.n + 127) / 128) + 32)) {
                 printf("  FAIL %s: scratch_bytes too large for the test buffer\n", tag);
                 ok = 0;
             }
@@ -702,7 +702,7 @@ static int grid_case(const shape *S, int sms)
     CUDA_OK(cudaMemset(D.dh_out, 0xFF, P.cap * hc * 2));
     CUDA_OK(cudaMemset(D.as_out, 0xFF, P.cap * P.n * 2));
     CUDA_OK(cudaMemset(D.ds_out, 0xFF, P.cap * 4));
-    if (smoe_gemm_ops_sm90.scratch_bytes(&g) > (size_t)(P.cap * 4 * ((P.n + 127) / 128))) {
+    if (smoe_gemm_ops_sm90.scratch_bytes(&g) > (size_t)(P.cap * 4 * ((P.n + 127) / 128) + 32)) {
         printf("  FAIL grid %s: scratch_bytes too large for the test buffer\n", S->name);
         dev_free(&D);
         free(P.offset); free(P.row_token); free(P.row_expert);

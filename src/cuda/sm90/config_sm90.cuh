@@ -58,6 +58,25 @@ using namespace smoe_sm90;
  *                  128 registers, too few for the m64n256 wgmma.) Two
  *                  mbarriers hand the staging over: full (256 consumer
  *                  arrivals), empty (64 epilogue arrivals).
+ *  SM90_FL_DYN     dh, cooperative: the CTA's next tile is claimed from a
+ *                  counter in global memory (sm90_dyn_counter, zeroed by
+ *                  the launcher before each launch) instead of taken as tile
+ *                  cid + j ncl, so the tiles start in index order whatever
+ *                  each tile cost, and the tiles that share an operand (an
+ *                  expert's m-tiles share its weight slice, its n-tiles
+ *                  the gathered rows) still run at the same time, which is
+ *                  what keeps that operand in L2. Under random routing
+ *                  some m-tiles hold a few rows and finish early; with the
+ *                  static order the CTAs then drift apart and DeepSeek-V3's
+ *                  dh read its operands from DRAM 2.3 times over
+ *                  (notes/sm90_log.md rung 20). The producer's thread 0
+ *                  claims (a few k-blocks before its tile's last) and
+ *                  passes the tile on through a ring of 8 slots in shared
+ *                  memory, written before the tile's first full-barrier
+ *                  arrival; a tile index >= total ends the CTA: the
+ *                  producer fills no stage for it but arrives on the next
+ *                  stage's full barrier, and the consumers read the slot,
+ *                  release that stage and leave.
  * Measured and retired (the numbers in notes/sm90_log.md; the code in git):
  * ping-pong 128 x 128 up and dh (rung 6), 2-CTA clusters with weight
  * multicast (rung 7), cooperative 128 x 192 down / dxt, the TMA-store
@@ -72,7 +91,8 @@ enum {
     SM90_FL_PP = 2,
     SM90_FL_RASTER = 16,
     SM90_FL_TMA_ST2 = 128,
-    SM90_FL_EPIWG = 512
+    SM90_FL_EPIWG = 512,
+    SM90_FL_DYN = 1024
 };
 
 /* 64 x 64 staging units (SM90_EP_BYTES each) of the padded staging: one per
@@ -82,6 +102,11 @@ __host__ __device__ constexpr int sm90_epu(int fl) { return (fl & SM90_FL_EPIWG)
 /* mbarriers besides the main loop's: the staging's full and empty
  * (SM90_FL_EPIWG) */
 __host__ __device__ constexpr int sm90_xbar(int fl) { return (fl & SM90_FL_EPIWG) ? 2 : 0; }
+
+/* The claimed tiles' ring (SM90_FL_DYN): 8 ints, counted in 8-byte words
+ * after the mbarriers. */
+#define SM90_DYN_SLOTS 8
+__host__ __device__ constexpr int sm90_dynw(int fl) { return (fl & SM90_FL_DYN) ? 4 : 0; }
 
 /* 8 KiB epilogue buffers per consumer warpgroup: two with SM90_FL_TMA_ST2,
  * none otherwise (the padded staging buffers). */
@@ -112,6 +137,16 @@ typedef struct sm90_gemm_params {
     const int *abort; /* smoe_gemm_problem.abort */
 } sm90_gemm_params;
 
+/* SM90_FL_DYN (dh): the claim counter, after the dS partials in dh's scratch,
+ * 16-byte aligned (sm90_scratch_bytes); zero at launch. (Not a field of its
+ * own: one more pointer in the parameters moved ptxas's register allocation
+ * in every kernel, spills included.) */
+__host__ __device__ __forceinline__ int *sm90_dyn_counter(const sm90_gemm_params &p)
+{
+    const int64_t ds = ((int64_t)((p.n + 127) / 128) * p.cap * 4 + 15) & ~(int64_t)15;
+    return (int *)((char *)p.dsp + ds);
+}
+
 /* Per consumer warpgroup: 64 rows x 64 bf16, rows padded to 144 bytes so the
  * accumulator-layout writes and the row-segment reads avoid bank conflicts. */
 #define SM90_EP_STRIDE 144
@@ -125,7 +160,7 @@ struct sm90_tile_cfg {
     /* epilogue buffers: two 64-column chunk buffers (one per consumer
      * warpgroup), or EPB 8 KiB buffers per warpgroup */
     static constexpr int EP_TOTAL = EPB ? 2 * EPB * 8192 : EPU * SM90_EP_BYTES;
-    static constexpr int HBAR_BYTES = XBAR * 8; /* sm90_xbar's */
+    static constexpr int HBAR_BYTES = XBAR * 8; /* sm90_xbar's and sm90_dynw's */
     /* EPB > 0: tile_start for E <= 256 and no WS token slots */
     static constexpr int SMEM_BYTES =
         EPB ? 1024 + STAGES * STAGE_BYTES + EP_TOTAL + 2 * STAGES * 8 + HBAR_BYTES + (256 + 1) * 4
@@ -138,7 +173,8 @@ struct sm90_tile_cfg {
 /* What a kernel <BN, STAGES, MODE, FL> is, at compile time. */
 template <int BN, int STAGES, int MODE, int FL>
 struct sm90_traits {
-    typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL), sm90_epu(FL), sm90_xbar(FL)> cfg;
+    typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL), sm90_epu(FL), sm90_xbar(FL) + sm90_dynw(FL)>
+        cfg;
     static constexpr bool GATHER = MODE == SM90_MODE_UP || MODE == SM90_MODE_DH;
     /* B stored K x N, N contiguous: W1 for dxt, W2 for dh */
     static constexpr bool TRANS_B = MODE == SM90_MODE_DXT || MODE == SM90_MODE_DH;
@@ -159,6 +195,10 @@ struct sm90_traits {
                   "the epilogue warps are for the cooperative 128 x 256 up");
     static_assert(!PP || (BN == 192 && !GATHER), "ping-pong tiles are 128 x 192, down / dxt");
     static_assert(!(WS && PP), "the warp-per-stage gather stands alone");
+    static constexpr bool DYN = (FL & SM90_FL_DYN) != 0;
+    static_assert(!DYN || (MODE == SM90_MODE_DH &&
+                           (FL & (SM90_FL_PP | SM90_FL_WS | SM90_FL_EPIWG)) == 0),
+                  "claimed tiles: dh (its scratch holds the counter), cooperative");
 };
 
 /* A CTA's shared memory and schedule, as the kernel lays them out. */
@@ -172,6 +212,7 @@ typedef struct sm90_ctx {
     int nt, kb_count, total; /* n-tiles, k-blocks per tile, tiles */
     int gm;                  /* the tile order's group (0: row-major) */
     int cid, ncl;            /* this CTA takes tiles cid, cid + ncl, ... */
+    int *dyn;                /* SM90_FL_DYN: the claimed tiles' ring */
 } sm90_ctx;
 
 /* ------------------------------------------------------------ bias */

@@ -126,7 +126,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     c.full = (uint64_t *)(c.ep_base + cfg::EP_TOTAL);
     c.empty = c.full + STAGES;
     c.stg = c.empty + STAGES; /* sm90_xbar's: EPIWG's staging full, empty */
-    int *tile_start = (int *)(c.stg + sm90_xbar(FL));
+    c.dyn = (int *)(c.stg + sm90_xbar(FL)); /* sm90_dynw's (SM90_FL_DYN) */
+    int *tile_start = (int *)(c.stg + sm90_xbar(FL) + sm90_dynw(FL));
     c.tile_start = tile_start;
     c.tok_slots = tile_start + SM90_MAX_EXPERTS + 1; /* WS: 2 x 128 tile tokens */
     c.nt = (p.N + BN - 1) / BN;
@@ -280,7 +281,7 @@ static smoe_status sm90_launch(const smoe_gemm_problem *p, const CUtensorMap *ma
                                const CUtensorMap *mb, const CUtensorMap *mc,
                                const sm90_gemm_params *prm, cudaStream_t s, const char *op)
 {
-    typedef sm90_tile_cfg<BN, STAGES, sm90_epb(FL), sm90_epu(FL), sm90_xbar(FL)> cfg;
+    typedef typename sm90_traits<BN, STAGES, MODE, FL>::cfg cfg;
     void (*kern)(const CUtensorMap, const CUtensorMap, const CUtensorMap,
                  const sm90_gemm_params) = sm90_grouped_gemm_kernel<BN, STAGES, MODE, FL>;
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -379,7 +380,12 @@ enum {
     X(2, "256x4", 256, 4, 0, SM90_NEED_N256)                                                     \
     X(3, "256x4 grouped", 256, 4, SM90_FL_RASTER, SM90_NEED_N256)                                \
     X(4, "128x6", 128, 6, 0, 0)                                                                  \
-    X(5, "192x4 grouped", 192, 4, SM90_FL_RASTER, SM90_NEED_N256)
+    X(5, "192x4 grouped", 192, 4, SM90_FL_RASTER, SM90_NEED_N256)                                \
+    X(6, "256x4 tma-store dynamic", 256, 4, SM90_FL_TMA_ST2 | SM90_FL_DYN,                       \
+      SM90_NEED_N256 | SM90_NEED_E256 | SM90_NEED_GATED)                                         \
+    X(7, "256x4 tma-store grouped dynamic", 256, 4,                                              \
+      SM90_FL_TMA_ST2 | SM90_FL_RASTER | SM90_FL_DYN,                                            \
+      SM90_NEED_N256 | SM90_NEED_E256 | SM90_NEED_GATED)
 
 typedef struct sm90_row {
     const char *name;
@@ -531,10 +537,12 @@ static smoe_status sm90_row_of(const smoe_gemm_problem *p, int g, const char *op
 }
 
 /* dh's partial dS sums: (ceil(n / BN), cap) fp32, sized for BN = 128 so that
- * every dh row fits. */
+ * every dh row fits; then, 16-byte aligned, the claim counter of the
+ * SM90_FL_DYN rows. */
 static size_t sm90_scratch_bytes(const smoe_gemm_problem *p)
 {
-    return (size_t)((p->n + 127) / 128) * (size_t)p->cap * sizeof(float);
+    return (((size_t)((p->n + 127) / 128) * (size_t)p->cap * sizeof(float) + 15) & ~(size_t)15) +
+           16;
 }
 
 /* The parameters every mode shares; the launchers fill in the rest. */
@@ -670,6 +678,13 @@ static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const b
     prm.h_in = h;
     prm.score = p->row_score;
     prm.dsp = (float *)scratch;
+    if (R->fl & SM90_FL_DYN) { /* the claim counter, zeroed for this launch */
+        int *tc = sm90_dyn_counter(prm);
+        const cudaError_t err = cudaMemsetAsync(tc, 0, sizeof(int), s);
+        if (err != cudaSuccess)
+            return smoe_fail(SMOE_ERROR_BACKEND, "sm90 dh: zeroing the tile counter: %s",
+                             cudaGetErrorString(err));
+    }
     /* map_a: A''s output map (TMA stores), map_b W2, map_c dH's */
     CUtensorMap ma, mb, mc;
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w2, p->E * p->d, p->n, 64, "w2"));

@@ -169,12 +169,22 @@ __device__ __forceinline__ void sm90_produce_tma(const CUtensorMap &map_a,
     /* rows rsub + RS i (i < PRT), 16-byte chunk: 128 gathering threads
      * take 8 rows each, EPIWG's 64 take 16 */
     constexpr int PRT = K::EPIWG ? 16 : 8, RS = 128 / PRT;
+    /* the threads running this loop: 128, or EPIWG's 64 gathering ones */
+    constexpr int NPROD = K::EPIWG ? 64 : 128;
+    constexpr bool DYN = K::DYN;
     const int chunk = tid & 7, rsub = tid >> 3;
     int stage = 0;
     uint32_t phase = 0;
-    for (int t = c.cid; t < c.total; t += c.ncl) {
+    /* SM90_FL_DYN: the next tile is claimed this many k-blocks before the
+     * tile's last, so the claim's latency is hidden and the claims still
+     * come in the order the CTAs reach their tiles' ends */
+    const int claim_kb = DYN ? (c.kb_count > 4 ? c.kb_count - 4 : 0) : 0;
+    int t = c.cid;
+    if (DYN && tid == 0) c.dyn[0] = t;
+    for (uint32_t j = 0; t < c.total; j++) {
         sm90_tile tl = sm90_tile_decode(t, c.tile_start, p.E, c.nt, p.expert_offset,
                                         p.off_stride, c.gm);
+        int nxt = 0; /* DYN: thread 0's claim */
         /* this thread's gather rows, for the whole tile */
         int32_t tok[PRT];
         if (GATHER) {
@@ -193,6 +203,8 @@ __device__ __forceinline__ void sm90_produce_tma(const CUtensorMap &map_a,
                 mbar_arrive_expect_tx(fb, tx_bytes);
                 sm90_load_b<BN, STAGES, MODE, FL>(map_b, p, tl, sb, fb, kb);
                 if (!GATHER) tma_load_2d(sa, &map_a, fb, kb * SM90_BK, tl.row0);
+                /* (the result is first used after the k-loop) */
+                if (DYN && kb == claim_kb) nxt = c.ncl + atomicAdd(sm90_dyn_counter(p), 1);
             }
             if (GATHER) {
                 const bf16 *src0 = p.a_src + kb * SM90_BK + chunk * 8;
@@ -203,6 +215,27 @@ __device__ __forceinline__ void sm90_produce_tma(const CUtensorMap &map_a,
             }
             if (++stage == STAGES) { stage = 0; phase ^= 1; }
         }
+        if constexpr (DYN) {
+            /* slot j + 1 was last read at tile j - 7's start, which the
+             * consumers are past: the stages they released let this thread
+             * reach here */
+            if (tid == 0) c.dyn[(j + 1) & (SM90_DYN_SLOTS - 1)] = nxt;
+            named_barrier_sync(3, NPROD);
+            t = c.dyn[(j + 1) & (SM90_DYN_SLOTS - 1)];
+        } else {
+            t += c.ncl;
+        }
+    }
+    if constexpr (DYN) {
+        /* the end (the slot holds t >= total): the next stage's full
+         * barrier completes with no data in it (every arrival it counts:
+         * thread 0's, and each gathering thread's), and the consumers,
+         * reading the slot there, release that stage and leave */
+        mbar_wait(smem_addr(empty + stage), phase ^ 1);
+        const uint32_t fb = smem_addr(full + stage);
+        if (GATHER || tid == 0) mbar_arrive(fb);
+        if (GATHER && tid == 0) mbar_arrive(fb);
+        if (++stage == STAGES) { stage = 0; phase ^= 1; }
     }
     sm90_producer_tail<STAGES>(empty, stage, phase);
 }
@@ -248,7 +281,14 @@ __device__ __forceinline__ void sm90_consume(const CUtensorMap &map_a, const CUt
     uint32_t pos = PP ? (uint32_t)(cw * kb_count) : 0u;
     uint32_t ep_it = 0; /* TMA_ST2: this warpgroup's chunks so far */
     uint32_t jt = 0;    /* EPIWG: this CTA's tiles so far */
-    for (int t = cid + (PP ? cw * ncl : 0); t < total; t += (PP ? 2 : 1) * ncl) {
+    constexpr bool DYN = K::DYN;
+    uint32_t jd = 0; /* DYN: this CTA's tiles so far (the ring's slot) */
+    int t0 = cid + (PP ? cw * ncl : 0);
+    if constexpr (DYN) { /* the first tile, as the producer wrote it before its first arrival */
+        mbar_wait(smem_addr(full + pos % STAGES), (pos / STAGES) & 1);
+        t0 = c.dyn[0];
+    }
+    for (int t = t0; t < total;) {
         sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
                                             p.off_stride, gm);
         int prev = 0;
@@ -301,6 +341,16 @@ __device__ __forceinline__ void sm90_consume(const CUtensorMap &map_a, const CUt
 
         sm90_epilogue_tile<BN, STAGES, MODE, FL>(acc, tl, p, &map_a, &map_c, ep_base, stg, tid,
                                                  cw, ep_it, jt);
+        if constexpr (DYN) {
+            /* the next tile's first stage (or the end's) holds its slot */
+            jd++;
+            mbar_wait(smem_addr(full + pos % STAGES), (pos / STAGES) & 1);
+            t = c.dyn[jd & (SM90_DYN_SLOTS - 1)];
+        } else {
+            t += (PP ? 2 : 1) * ncl;
+        }
     }
+    /* DYN: the end's stage, released (no wgmma read it) */
+    if (DYN && (tid & 127) == 0) mbar_arrive(smem_addr(empty + pos % STAGES));
 }
 #endif /* SMOE_MAINLOOP_SM90_CUH */
