@@ -119,6 +119,11 @@ static const gcase g_cases[] = {
      "256x4 tma-store grouped", 0, 0},
     {"several tiles per expert", 700, 256, 256, 12, 3, SMOE_ACT_SWIGLU, SMOE_W1_INTERLEAVED, 1, 0,
      128, 0, F32, 0, 0, 0, NULL, NULL, 0, 0},
+    /* dh's claimed tiles (SM90_FL_DYN) with more tiles than SMs (about
+     * 4 m-tiles x 2 n-tiles x 32 experts), in a CUDA graph too */
+    {"dh row forced: tma-store grouped dynamic, graph", 4000, 256, 512, 32, 4, SMOE_ACT_SWIGLU,
+     SMOE_W1_INTERLEAVED, 1, 0, 128, 0, BF, 0, 0, 0, "256x128x32 s3 dh",
+     "256x4 tma-store grouped dynamic", 0, 1},
     /* the dense router term of dx in chunks, the same in both backwards:
      * T = 1100 (K n = d) in two chunks of 960 tokens in the dead dH region
      * after the router's other buffers; T = 600 and 520 in one */

@@ -344,6 +344,14 @@ enum {
  *        256 (gpt-oss's 2880: the 256-wide tile leaves a quarter-full last
  *        n-tile; layer backward +5%, row order +3%, 256 grouped +1%:
  *        2026-11-27; alone it measured 2.44 ms against 2.52 and 2.34).
+ *        The TMA-store tile with claimed tiles (SM90_FL_DYN), grouped,
+ *        where d >= 4096 and one expert's W2 slice is 10 MiB or more
+ *        (random routing, bench_gemm: DeepSeek-V3 8.44 -> 4.43 ms,
+ *        GLM-4.5-Air 3.63 -> 3.25, Mixtral-8x7B 7.21 -> 6.86; layer
+ *        backward, 2 interleaved rounds: DeepSeek-V3 +13%, GLM-4.5,
+ *        GLM-4.5-Air, Qwen3-235B-A22B and 120B-n2048 +2%, Mixtral +1%;
+ *        below those sizes the claimed tiles measured 0.95-1.00x in the
+ *        layer: session 23, notes/sm90_log.md rung 20).
  *  every 128 x 256 (and 192) row has a "grouped" twin, taken where one
  *        expert's weight slice is 16 MiB or more: up, dxt, down and dh
  *        +3-12% at 120B-n2048 (W1 32 MiB, W2 16 MiB), up and dxt +3-7% at
@@ -513,10 +521,10 @@ static void sm90_plan(const smoe_gemm_problem *p, smoe_gemm_plan *plan)
     }
     /* dh (K = d, N = n) */
     {
-        const int gr = sm90_grouped(d, n, 16);
+        const int gr = sm90_grouped(d, n, 16), dyn = d >= 4096 && sm90_grouped(d, n, 10);
         plan->row[SMOE_GEMM_DH] = n < 256                      ? 4
                                   : (n % 256 != 0 && n % 192 == 0) ? 5
-                                  : (p->gated && E <= 256)         ? gr
+                                  : (p->gated && E <= 256)         ? (dyn ? 7 : gr)
                                                                    : 2 + gr;
     }
     /* dw2 (M = d, N = n), dw1 (M = d, N = h_cols) */
