@@ -336,7 +336,12 @@ enum {
  *        DeepSeek-V3 +1%; at d = 4096, GLM-4.5-Air and Qwen3-235B-A22B,
  *        it lost 2-3% to 128 x 256: 2026-11-27).
  *  dxt   as down's rule without the E <= 256 case (reduction h_cols), the
- *        plain 128 x 256 tile otherwise.
+ *        plain 128 x 256 tile otherwise; its ping-pong grouped from 4 MiB
+ *        (30B-n256: layer backward +3%, bench_gemm 4.15 -> 3.69 ms on
+ *        random routing, session 23; 1.4B and 7B keep row order). At
+ *        gpt-oss-120b's d = 2880 the ping-pong grouped measured 3.48 ms
+ *        against the 256-wide tile's 3.96 alone but only +1% in the layer
+ *        (ranges overlapping), and -8% at GLM-4.5-Air: not taken.
  *  dh    128 x 256 where n >= 256, its dH and A' stored by TMA where gated
  *        and E <= 256 (backward +1-3% on the 1.4B, 7B, 120B-n512 and
  *        120B-n2048 rows, the others even), ep_dh_direct otherwise; 128 x
@@ -512,11 +517,13 @@ static void sm90_plan(const smoe_gemm_problem *p, smoe_gemm_plan *plan)
         else if (d > 4096) plan->row[SMOE_GEMM_DOWN] = sm90_grouped(n, d, 8);
         else plan->row[SMOE_GEMM_DOWN] = 4 + gr;
     }
-    /* dxt (K = h_cols, N = d): W1's rows in dH's column order only */
+    /* dxt (K = h_cols, N = d): W1's rows in dH's column order only; the
+     * ping-pong grouped from 4 MiB (30B-n256: layer backward +3%, 3 rounds,
+     * session 23) */
     if (!(p->gated && p->w1_layout == SMOE_W1_CONCATENATED)) {
-        const int gr = sm90_grouped(hc, d, 16);
+        const int gr = sm90_grouped(hc, d, 16), pp_gr = sm90_grouped(hc, d, 4);
         plan->row[SMOE_GEMM_DXT] = d < 256 ? 4
-                                   : (hc <= 512 || (hc <= 1024 && d % 192 == 0)) ? gr
+                                   : (hc <= 512 || (hc <= 1024 && d % 192 == 0)) ? pp_gr
                                                                                  : 2 + gr;
     }
     /* dh (K = d, N = n) */
