@@ -192,13 +192,9 @@ typedef struct bufs {
     void *dw1, *dw2, *scratch; /* dw1, dw2: room for fp32 if an fp32 mode is timed */
 } bufs;
 
-/* Balanced routing (--routing balanced, see the top): rows sorted by
- * expert, then token. */
-static void route_balanced(const shape *S, tu_rng *r, int32_t *off, int32_t *tok)
+/* A random permutation of 0 .. T - 1 into perm. */
+static void shuffle(int32_t *perm, int64_t T, tu_rng *r)
 {
-    const int64_t T = S->T, E = S->E, K = S->K;
-    int32_t *perm = (int32_t *)malloc(sizeof(int32_t) * (size_t)T);
-    int32_t *fill = (int32_t *)calloc((size_t)E, sizeof(int32_t));
     for (int64_t t = 0; t < T; t++) perm[t] = (int32_t)t;
     for (int64_t t = T - 1; t > 0; t--) {
         int64_t j = tu_int(r, 0, t);
@@ -206,26 +202,40 @@ static void route_balanced(const shape *S, tu_rng *r, int32_t *off, int32_t *tok
         perm[t] = perm[j];
         perm[j] = v;
     }
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t k = 0; k < K; k++) fill[(perm[t] * K + k) % E]++;
+}
+
+/* Rows from each token's K expert picks (pick[t K + k]), sorted by expert,
+ * then token: the experts' offsets and each row's token. */
+static void rows_of_picks(const shape *S, const int32_t *pick, int32_t *off, int32_t *tok)
+{
+    const int64_t T = S->T, E = S->E, K = S->K;
+    int32_t *fill = (int32_t *)calloc((size_t)E, sizeof(int32_t));
+    for (int64_t i = 0; i < T * K; i++) fill[pick[i]]++;
     off[0] = 0;
     for (int64_t e = 0; e < E; e++) {
         off[e + 1] = off[e] + fill[e];
         fill[e] = off[e];
     }
     for (int64_t t = 0; t < T; t++)
-        for (int64_t k = 0; k < K; k++) tok[fill[(perm[t] * K + k) % E]++] = (int32_t)t;
-    free(perm);
+        for (int64_t k = 0; k < K; k++) tok[fill[pick[t * K + k]]++] = (int32_t)t;
     free(fill);
 }
 
-/* Random routing (the default): K distinct experts per token, uniform;
- * rows sorted by expert, then token. */
-static void route_random(const shape *S, tu_rng *r, int32_t *off, int32_t *tok)
+/* Balanced routing (--routing balanced, see the top). */
+static void route_balanced(const shape *S, tu_rng *r, int32_t *pick)
 {
     const int64_t T = S->T, E = S->E, K = S->K;
-    int32_t *pick = (int32_t *)malloc(sizeof(int32_t) * (size_t)(T * K));
-    int32_t *fill = (int32_t *)calloc((size_t)E, sizeof(int32_t));
+    int32_t *perm = (int32_t *)malloc(sizeof(int32_t) * (size_t)T);
+    shuffle(perm, T, r);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t k = 0; k < K; k++) pick[t * K + k] = (int32_t)((perm[t] * K + k) % E);
+    free(perm);
+}
+
+/* Random routing (the default): K distinct experts per token, uniform. */
+static void route_random(const shape *S, tu_rng *r, int32_t *pick)
+{
+    const int64_t T = S->T, E = S->E, K = S->K;
     for (int64_t t = 0; t < T; t++)
         for (int64_t k = 0; k < K; k++) {
             int32_t e;
@@ -236,51 +246,20 @@ static void route_random(const shape *S, tu_rng *r, int32_t *off, int32_t *tok)
                 for (int64_t j = 0; j < k; j++) again |= pick[t * K + j] == e;
             } while (again);
             pick[t * K + k] = e;
-            fill[e]++;
         }
-    off[0] = 0;
-    for (int64_t e = 0; e < E; e++) {
-        off[e + 1] = off[e] + fill[e];
-        fill[e] = off[e];
-    }
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t k = 0; k < K; k++) tok[fill[pick[t * K + k]]++] = (int32_t)t;
-    free(pick);
-    free(fill);
 }
 
 /* Even routing (--routing even, diagnostic): for each k a random permutation
- * p_k of the tokens, token t to expert p_k(t) mod E; rows sorted by expert,
- * then token. */
-static void route_even(const shape *S, tu_rng *r, int32_t *off, int32_t *tok)
+ * p_k of the tokens, token t to expert p_k(t) mod E. */
+static void route_even(const shape *S, tu_rng *r, int32_t *pick)
 {
     const int64_t T = S->T, E = S->E, K = S->K;
-    int32_t *pick = (int32_t *)malloc(sizeof(int32_t) * (size_t)(T * K));
     int32_t *perm = (int32_t *)malloc(sizeof(int32_t) * (size_t)T);
-    int32_t *fill = (int32_t *)calloc((size_t)E, sizeof(int32_t));
     for (int64_t k = 0; k < K; k++) {
-        for (int64_t t = 0; t < T; t++) perm[t] = (int32_t)t;
-        for (int64_t t = T - 1; t > 0; t--) {
-            int64_t j = tu_int(r, 0, t);
-            int32_t v = perm[t];
-            perm[t] = perm[j];
-            perm[j] = v;
-        }
-        for (int64_t t = 0; t < T; t++) {
-            pick[t * K + k] = (int32_t)(perm[t] % E);
-            fill[perm[t] % E]++;
-        }
+        shuffle(perm, T, r);
+        for (int64_t t = 0; t < T; t++) pick[t * K + k] = (int32_t)(perm[t] % E);
     }
-    off[0] = 0;
-    for (int64_t e = 0; e < E; e++) {
-        off[e + 1] = off[e] + fill[e];
-        fill[e] = off[e];
-    }
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t k = 0; k < K; k++) tok[fill[pick[t * K + k]]++] = (int32_t)t;
-    free(pick);
     free(perm);
-    free(fill);
 }
 
 static smoe_gemm_problem problem_of(const bufs *B, int num_sms)
@@ -313,9 +292,12 @@ static void bufs_make(bufs *B, const shape *S, const smoe_gemm_ops *const *ops, 
     int32_t *off = (int32_t *)malloc(sizeof(int32_t) * (size_t)(E + 1));
     int32_t *tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)R);
     float *score = (float *)malloc(sizeof(float) * (size_t)R);
-    if (g_routing == ROUTE_BALANCED) route_balanced(S, &r, off, tok);
-    else if (g_routing == ROUTE_EVEN) route_even(S, &r, off, tok);
-    else route_random(S, &r, off, tok);
+    int32_t *pick = (int32_t *)malloc(sizeof(int32_t) * (size_t)R);
+    if (g_routing == ROUTE_BALANCED) route_balanced(S, &r, pick);
+    else if (g_routing == ROUTE_EVEN) route_even(S, &r, pick);
+    else route_random(S, &r, pick);
+    rows_of_picks(S, pick, off, tok);
+    free(pick);
     if (g_routing == ROUTE_HOT)
         for (int64_t i = 0; i < B->R; i++) tok[i] %= (int32_t)(T < 256 ? T : 256);
     for (int64_t i = 0; i < R; i++) score[i] = 1.0f / (float)S->K;
