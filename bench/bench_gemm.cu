@@ -451,7 +451,8 @@ static void bench_shape(const shape *S, const smoe_gemm_ops *const *ops, int num
     printf("\n%s: T=%lld d=%lld n=%lld E=%lld K=%lld, R=%lld rows (%s routing, %lld per expert"
            "%s)\n", S->name, (long long)S->T, (long long)S->d, (long long)S->n, (long long)S->E,
            (long long)S->K, (long long)B.R, g_route_name[g_routing],
-           (long long)(B.R / B.E), g_routing == ROUTE_RANDOM || g_routing == ROUTE_HOT ? " on average" : "");
+           (long long)(B.R / B.E),
+           g_routing == ROUTE_RANDOM || g_routing == ROUTE_HOT ? " on average" : "");
     float cb[SMOE_GEMM_COUNT];
     for (int g = 0; g < SMOE_GEMM_COUNT; g++)
         cb[g] = g_cublas && (g_gemm < 0 || g_gemm == g) ? cublas_ms(h, &B, g) : -1.0f;

@@ -596,7 +596,8 @@ static int run_case(int idx, int sms)
             CUDA_OK(cudaMemset(D.dh_out, 0xFF, P.cap * hc * 2));
             CUDA_OK(cudaMemset(D.as_out, 0xFF, P.cap * P.n * 2));
             CUDA_OK(cudaMemset(D.ds_out, 0xFF, P.cap * 4));
-            if (smoe_gemm_ops_sm90.scratch_bytes(&g) > (size_t)(P.cap * 4 * ((P.n + 127) / 128) + 32)) {
+            if (smoe_gemm_ops_sm90.scratch_bytes(&g) >
+                (size_t)(P.cap * 4 * ((P.n + 127) / 128) + 32)) {
                 printf("  FAIL %s: scratch_bytes too large for the test buffer\n", tag);
                 ok = 0;
             }

@@ -287,7 +287,7 @@ __device__ __forceinline__ void sm90_consume(const CUtensorMap &map_a, const CUt
     if constexpr (DYN) { /* the first tile, as the producer wrote it before its first arrival */
         mbar_wait(smem_addr(full + pos % STAGES), (pos / STAGES) & 1);
         t0 = c.dyn[0];
-    }
+    } /* (the main loop's wait on that stage then passes at once) */
     for (int t = t0; t < total;) {
         sm90_tile tl = sm90_tile_decode(t, tile_start, p.E, nt, p.expert_offset,
                                             p.off_stride, gm);
