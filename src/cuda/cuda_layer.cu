@@ -211,9 +211,9 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
      * with no scratch (K = 2E: no split of K to sum). With consume_saved,
      * dH is written over the saved block's H (the same lifetime: H is dead
      * once the dh GEMM has read it), so the router's buffers go there and
-     * this workspace has no dH region. Their layout from the region's start is the same
-     * either way, so a reading and a consuming layer make the same calls
-     * and their gradients agree bit for bit.
+     * this workspace has no dH region. Their layout from the region's start
+     * is the same either way, so a reading and a consuming layer make the
+     * same calls and their gradients agree bit for bit.
      * A call whose saved block the device refused (another layer's,
      * another T's, a consumed one) must write nothing into that block,
      * which may be another call's live one: the dlogits kernel and
