@@ -17,11 +17,13 @@
  *                               names of grouped_gemm_sm90.cu's table, e.g.
  *                               --row "down=256x4 tma-store"), the table's
  *                               plan for the others; cases whose shape
- *                               the row cannot run are skipped;
+ *                               the row cannot run are skipped; every
+ *                               other case on a grid of 2-8 SMs;
  *                               --seed, --cases.
  *   Without --row, after the plan's cases: every row of every table on
- *   further random cases (at least 6 that the row can run), so each kernel
- *   the table holds stays tested.
+ *   further random cases (at least 6 that the row can run, every other one
+ *   on a grid of 2-8 SMs, so that each CTA runs several tiles),
+ *   so each kernel the table holds stays tested.
  *   test_gemm_sm90 --small      one small case (for compute-sanitizer).
  *   --trace                     each op synchronised and named as it ends.
  *   --only-case N               run only case N (as numbered in the output,
@@ -781,7 +783,9 @@ int main(int argc, char **argv)
     if (small) cases = 2;
     if (!grid) {
         for (int i = 0; i < cases; i++) {
-            const int r = run_case(i, sms);
+            /* a forced row: every other case on a grid of 2-8 SMs too (more
+             * tiles than CTAs, e.g. for the claimed tiles under racecheck) */
+            const int r = run_case(i, g_force_gemm >= 0 && i % 2 ? 2 + i % 7 : sms);
             total += r >= 0;
             failed += r == 0;
         }
@@ -805,7 +809,10 @@ int main(int argc, char **argv)
                      * allocates, which is slow under compute-sanitizer) */
                     for (; ran < want && tries < 80 && (g_only_case < 0 || next <= g_only_case);
                          tries++) {
-                        const int r = run_case(next++, sms);
+                        /* every other case on a grid of 2-8 SMs, so that each
+                         * CTA runs several tiles */
+                        const int r = run_case(next, next % 2 ? sms : 2 + next % 7);
+                        next++;
                         ran += r >= 0;
                         total += r >= 0;
                         failed += r == 0;

@@ -642,13 +642,31 @@ int main(int argc, char **argv)
         routing_random(&P, &s, 500);
         correctness_case("192-wide d = 576, n = 960, 8 SMs", &P, 8, 0);
     }
+    if (!staged) {   /* 256-wide tiles ending in a partial one, where 192's cover as
+         * many columns (GLM-4.5-Air's n = 1408 in small): dw2 N = n = 704,
+         * dw1 N = h_cols = 1408, both in 3 or 6 tiles of 256; on 6 SMs
+         * and on all of them the grid is a multiple of those, so the
+         * waves' tiles run rotated (varlen_k_sm90.cu's vk_slot_tile), on 8
+         * in the plain order */
+        problem P;
+        P.T = 600; P.d = 576; P.n = 704; P.E = 5; P.K = 2; P.gated = 1;
+        P.layout = SMOE_W1_INTERLEAVED;
+        routing_random(&P, &s, 400);
+        correctness_case("partial 256-wide d = 576, n = 704, 6 SMs", &P, 6, 0);
+        routing_random(&P, &s, 400);
+        correctness_case("partial 256-wide d = 576, n = 704, 8 SMs", &P, 8, 0);
+        routing_random(&P, &s, 400);
+        correctness_case("partial 256-wide d = 576, n = 704, all SMs", &P, num_sms, 0);
+    }
     {   /* d >= 2048: bf16 overwrite through the staged tile stored by TMA
          * (varlen_k_sm90.cu's VK_F_TMA_ST), both W1 layouts: M = 2112 ends in
          * a half m-tile; dw2 N = 320 in 192-wide tiles (the last one
-         * partial), dw1 N = 640 in 128-wide ones; N = 256 / 512 in 256-wide
-         * ones (3 stages); 8 SMs, so that a CTA's staging is reused */
-        const int dd[2] = {2112, 2048}, nn[2] = {320, 256};
-        for (int v = 0; v < 4; v++) {
+         * partial), dw1 N = 640 in 256-wide ones; N = 256 / 512 in 256-wide
+         * ones (3 stages), and n = 704 in 256-wide ones ending in a partial
+         * tile (on 6 SMs: rotated waves); 8 SMs, so that a CTA's staging is
+         * reused */
+        const int dd[3] = {2112, 2048, 2048}, nn[3] = {320, 256, 704};
+        for (int v = 0; v < 6; v++) {
             problem P;
             P.T = 400; P.d = dd[v / 2]; P.n = nn[v / 2]; P.E = 5; P.K = 2; P.gated = 1;
             P.layout = (v & 1) ? SMOE_W1_CONCATENATED : SMOE_W1_INTERLEAVED;
@@ -656,7 +674,7 @@ int main(int argc, char **argv)
             char nm[64];
             snprintf(nm, sizeof nm, "staged d = %d n = %d %s", dd[v / 2], nn[v / 2],
                      (v & 1) ? "concatenated" : "interleaved");
-            correctness_case(nm, &P, v < 2 ? 8 : num_sms, 0);
+            correctness_case(nm, &P, v < 2 ? 8 : v >= 4 ? 6 : num_sms, 0);
         }
     }
     if (!staged) {   /* 18 m-tiles: the grouped row's groups of 16 and a last one of 2 */

@@ -19,7 +19,7 @@
  * Algorithm: a persistent, warp-specialised kernel. The tile scheduler
  * (scheduler_sm90.cuh's varlen-K one) walks the OUTPUT tiles (expert,
  * m-tile, n-tile), whose number the host knows (E * ceil(M/128) *
- * ceil(N/BN); BN = 256, or 192 or 128 where N % 256 != 0: vk_bn), so the
+ * ceil(N/BN); BN = 256, 192 or 128: vk_bn), so the
  * grid is static; the k-loop length of a tile,
  * ceil(count_e / 64), is read on the device from expert_offset, and any
  * count (0 included) works: rows past the expert's end are zero-filled.
@@ -155,6 +155,7 @@ typedef struct vk_args {
     int trans_out;                 /* 1: out is (E, N, M), the tile stored transposed
                                     * (bf16 overwrite; map_rows then maps columns) */
     const int *abort;              /* smoe_gemm_problem.abort */
+    int rotate;                    /* 1: the waves' tiles rotated (vk_slot_tile) */
 } vk_args;
 
 /* ------------------------------------------------------------ wgmma, both operands MN-major */
@@ -170,11 +171,38 @@ static __device__ __forceinline__ void vk_wgmma_mn(float *d, uint64_t desc_a, ui
 
 /* ------------------------------------------------------------ kernel */
 
+/* A CTA's tiles: slots blockIdx.x + j gridDim.x, j = 0, 1, ... Slot s is
+ * tile s, or with p.rotate, in wave j, tile j G + (b + j) mod G (G =
+ * gridDim.x, b = s - j G): each wave still runs G consecutive tiles (the
+ * same operands in L2) but no CTA keeps the same place in the waves. In
+ * the plain order, where the last n-tile is partial and tiles_n divides G,
+ * the CTAs whose place is that cheap tile every time ran ahead of the
+ * others, and the tiles in flight spread over more experts (GLM-4.5-Air's
+ * dw2, 6 n-tiles of 256 for N = 1408 on 22 x 6 CTAs: L2 hit rate 78%
+ * against 86% at Qwen3-235B-A22B's N = 1536 with as many tiles, SMs idle
+ * 13% of the time, 2.99 against 2.57 ms; rotated 2.68: ncu and bench_gemm,
+ * notes/sm90_log.md rung 21). Everywhere else the rotation measured 1-15%
+ * slower (every other model's dw1 and dw2), so vk_run asks for it only
+ * there. The last wave's slots past the tiles hold none. */
+static __device__ __forceinline__ int vk_slot_tile(int s, int rotate)
+{
+    const int g = (int)gridDim.x, j = s / g;
+    return rotate ? j * g + (s - j * g + j) % g : s;
+}
+
+/* The end of the slots: whole waves covering the tiles. */
+static __device__ __forceinline__ int vk_slot_end(int total)
+{
+    const int g = (int)gridDim.x;
+    return (total + g - 1) / g * g;
+}
+
 /* The producer's walk over its (tile, k-tile) iterations, skipping tiles of
- * experts without rows; one cursor issues the copies, a second one runs
- * TOK_AHEAD iterations ahead fetching row tokens. */
+ * experts without rows (and the last wave's empty slots); one cursor issues
+ * the copies, a second one runs TOK_AHEAD iterations ahead fetching row
+ * tokens. */
 typedef struct vk_cursor {
-    int tile, kt, nk, row_begin, row_end;
+    int slot, tile, kt, nk, row_begin, row_end;
 } vk_cursor;
 
 template <int BK>
@@ -182,6 +210,7 @@ static __device__ __forceinline__ void vk_cursor_load(const vk_args &p, vk_curso
 {
     c->kt = 0;
     c->nk = 0;
+    c->tile = vk_slot_tile(c->slot, p.rotate);
     if (c->tile >= p.sched.total) return;
     const int e = sm90_vk_tile_decode(p.sched, c->tile, false).e; /* either order's */
     c->row_begin = __ldg(p.expert_offset + e);
@@ -193,8 +222,9 @@ static __device__ __forceinline__ void vk_cursor_load(const vk_args &p, vk_curso
 template <int BK>
 static __device__ __forceinline__ void vk_cursor_settle(const vk_args &p, vk_cursor *c)
 {
-    while (c->tile < p.sched.total && c->kt >= c->nk) {
-        c->tile += gridDim.x;
+    const int end = vk_slot_end(p.sched.total);
+    while (c->slot < end && c->kt >= c->nk) {
+        c->slot += gridDim.x;
         vk_cursor_load<BK>(p, c);
     }
 }
@@ -202,7 +232,7 @@ static __device__ __forceinline__ void vk_cursor_settle(const vk_args &p, vk_cur
 template <int BK>
 static __device__ __forceinline__ void vk_cursor_start(const vk_args &p, vk_cursor *c)
 {
-    c->tile = blockIdx.x;
+    c->slot = blockIdx.x;
     vk_cursor_load<BK>(p, c);
     vk_cursor_settle<BK>(p, c);
 }
@@ -606,18 +636,21 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
     const uint32_t gpitch = 2u * (uint32_t)gcols; /* bytes */
     const size_t cpitch = 2 * (size_t)ccols;
 
+    const int slot_end = vk_slot_end(p.sched.total);
     vk_cursor ahead;
     vk_cursor_start<BK>(p, &ahead);
 #pragma unroll 1
     for (int i = 0; i < C::TOK_AHEAD; i++) {
-        if (ahead.tile < p.sched.total) {
+        if (ahead.slot < slot_end) {
             vk_fetch_tokens<BK>(p, ahead, my_tok + i * C::TOK_SLOT_BYTES, g);
             vk_cursor_next<BK>(p, &ahead);
         }
         cp_async_commit();
     }
     uint32_t it = 0;
-    for (int tile = blockIdx.x; tile < p.sched.total; tile += gridDim.x) {
+    for (int slot = blockIdx.x; slot < slot_end; slot += gridDim.x) {
+        const int tile = vk_slot_tile(slot, p.rotate);
+        if (tile >= p.sched.total) continue;
         const sm90_vk_tile tl = sm90_vk_tile_decode(p.sched, tile, (CFG & VK_F_GROUPED) != 0);
         const int e = tl.e, mt = tl.m_tile, nt = tl.n_tile;
         const int row_begin = __ldg(p.expert_offset + e);
@@ -631,7 +664,7 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
             (const char *)(csrc + (size_t)(row_begin + RPT * g) * (size_t)ccols + ccol0 + 8 * q);
 #pragma unroll 1
         for (int kt = 0; kt < nk; kt++, it++, crow += BK * cpitch) {
-            if (ahead.tile < p.sched.total) {
+            if (ahead.slot < slot_end) {
                 vk_fetch_tokens<BK>(
                     p, ahead, my_tok + ((it + C::TOK_AHEAD) % C::TOK_SLOTS) * C::TOK_SLOT_BYTES, g);
                 vk_cursor_next<BK>(p, &ahead);
@@ -736,7 +769,10 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
 #pragma unroll
         for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
         uint32_t it = 0;
-        for (int tile = blockIdx.x; tile < p.sched.total; tile += gridDim.x) {
+        const int slot_end = vk_slot_end(p.sched.total);
+        for (int slot = blockIdx.x; slot < slot_end; slot += gridDim.x) {
+            const int tile = vk_slot_tile(slot, p.rotate);
+            if (tile >= p.sched.total) continue;
             const sm90_vk_tile tl = sm90_vk_tile_decode(p.sched, tile, (CFG & VK_F_GROUPED) != 0);
             const int e = tl.e, mt = tl.m_tile, nt = tl.n_tile;
             const int row_begin = __ldg(p.expert_offset + e);
@@ -863,17 +899,20 @@ static smoe_status vk_launch_bn(const vk_args *a, const CUtensorMap *map,
                     : vk_launch<BN, false, C0>(a, map, omap, num_sms, stream);
 }
 
-/* The output tile's width for N columns (N % 64 == 0): 256 where it divides
- * N, else 192 unless its tiles cover more than 9/8 of the columns 128's
- * cover. 128 x 128 reads twice the shared memory per MMA of 128 x 256:
+/* The output tile's width for N columns (N % 64 == 0): 256 where its tiles
+ * cover no more columns than 192's (where 256 divides N, and e.g. GLM-4.5-
+ * Air's dw2, N = 1408: 6 tiles of 256 or 8 of 192 both cover 1536), else
+ * 192 unless its tiles cover more than 9/8 of the columns 128's cover.
+ * 128 x 128 reads twice the shared memory per MMA of 128 x 256:
  * gpt-oss-120b's N = 2880 and 5760 (192 divides both) took the backward
- * from 416 to 448 TFLOPS, GLM-4.5-Air's dw2 (N = 1408, 8 tiles of 192
- * against 11 of 128) +1% (H100, 3 interleaved rounds, notes/sm90_log.md
- * rung 19). */
+ * from 416 to 448 TFLOPS, GLM-4.5-Air's dw2 +1% (H100, 3 interleaved
+ * rounds, notes/sm90_log.md rung 19); 256 there instead of 192: dw2 in the
+ * layer 3.38 ms against SonicMoE's 2.45 before it (rung 21). */
 static int vk_bn(int64_t N)
 {
-    if (N % 256 == 0) return 256;
-    const int64_t w192 = (N + 191) / 192 * 192, w128 = (N + 127) / 128 * 128;
+    const int64_t w256 = (N + 255) / 256 * 256, w192 = (N + 191) / 192 * 192,
+                  w128 = (N + 127) / 128 * 128;
+    if (w256 <= w192) return 256;
     return 8 * w192 <= 9 * w128 ? 192 : 128;
 }
 
@@ -944,6 +983,11 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     args.n_half = (int)p->n;
     args.trans_out = trans_out;
     args.abort = p->abort;
+    /* the rotated waves (vk_slot_tile) where the plain order pins CTAs to
+     * a cheap partial last n-tile: N not a multiple of the tile, row order,
+     * tiles_n dividing the grid (vk_launch's: min(total, num_sms)) */
+    const int64_t grid = total < num_sms ? total : num_sms;
+    args.rotate = N % bn != 0 && !grouped && grid % tiles_n == 0;
     const int cfg = VK_DEFAULT_CFG;
     /* the contiguous operand: B (a_scaled) when A is gathered, else A (dH) */
     CUtensorMap map;
