@@ -80,7 +80,8 @@ using namespace smoe_sm90;
  * Measured and retired (the numbers in notes/sm90_log.md; the code in git):
  * ping-pong 128 x 128 up and dh (rung 6), 2-CTA clusters with weight
  * multicast (rung 7; again in session 24 along N and along M for down /
- * dxt: even in the layer, rung 21, branch exp/cluster-pairs), cooperative 128 x 192 down / dxt, the TMA-store
+ * dxt: even in the layer, rung 21, branch exp/cluster-pairs), cooperative
+ * 128 x 192 down / dxt, the TMA-store
  * epilogue for dxt, ping-pong 192 in the grouped order, dh's H by TMA
  * through a slot ring (rung 12 item 9), dw1 gathered along N (rung 11):
  * all in the history up to commit 3a13394, behind the variant hook this
