@@ -651,12 +651,13 @@ int main(int argc, char **argv)
         problem P;
         P.T = 600; P.d = 576; P.n = 704; P.E = 5; P.K = 2; P.gated = 1;
         P.layout = SMOE_W1_INTERLEAVED;
-        routing_random(&P, &s, 400);
-        correctness_case("partial 256-wide d = 576, n = 704, 6 SMs", &P, 6, 0);
-        routing_random(&P, &s, 400);
-        correctness_case("partial 256-wide d = 576, n = 704, 8 SMs", &P, 8, 0);
-        routing_random(&P, &s, 400);
-        correctness_case("partial 256-wide d = 576, n = 704, all SMs", &P, num_sms, 0);
+        const int sms[3] = {6, 8, num_sms};
+        for (int v = 0; v < 3; v++) {
+            routing_random(&P, &s, 400);
+            char nm[64];
+            snprintf(nm, sizeof nm, "partial 256-wide d = 576, n = 704, %d SMs", sms[v]);
+            correctness_case(nm, &P, sms[v], 0);
+        }
     }
     {   /* d >= 2048: bf16 overwrite through the staged tile stored by TMA
          * (varlen_k_sm90.cu's VK_F_TMA_ST), both W1 layouts: M = 2112 ends in
