@@ -14,11 +14,18 @@ matches them to the six GEMMs of each row of bench/grid.h (up, down, dh, dxt,
 dw1, dw2 in our names) and prints the best config's median and the config
 (tile m x n, "pp" ping-pong, "c" cluster m n).
 
---ours takes bench_gemm --csv files: each GEMM's plan row (the bf16 weight
-gradients) goes beside SonicMoE's time, with SonicMoE's time over ours
-(> 1: ours faster). bench_gemm flushes L2 too; its routing is its own
-(random by default), not compare.py's router, so the two differ by the
-routing's draw as well.
+--stages takes the output (stdout and stderr together) of
+`smoe_bench --rows ... --stages`: the layer's own time for each stage, mean
+of 3 calls, the L2 flushed before each call but not between its stages;
+its up, down, dh, dxt, dw1 and dw2 go beside SonicMoE's (dh's stage holds
+the dS reduction too). This is the comparison to make: session 24 found
+bench_gemm's random routing reading dxt 15-20% slower than the same kernel
+runs in the layer (notes/sm90_log.md rung 21).
+
+--ours takes bench_gemm --csv files instead: each GEMM's plan row (the bf16
+weight gradients), with SonicMoE's time over ours (> 1: ours faster).
+bench_gemm flushes L2 too; its routing is its own (random by default), not
+compare.py's router. Where both are given, the stages win.
 """
 import argparse
 import csv
@@ -105,10 +112,31 @@ def ours_of(paths):
     return ours
 
 
+def stages_of(paths):
+    """{(row, gemm): ms} from smoe_bench --stages output: each block of stage
+    lines belongs to the row line that follows it ("NAME  T=...")."""
+    ours, pending = {}, {}
+    stage = re.compile(r"^\s+(up|down|dh|dxt|dw1|dw2)\s+([0-9.]+) ms\s")
+    row = re.compile(r"^(\S+)\s+T=\d+")
+    for p in paths:
+        for line in open(p):
+            m = stage.match(line)
+            if m:
+                pending[m.group(1)] = float(m.group(2))
+                continue
+            m = row.match(line)
+            if m:
+                for g, ms in pending.items():
+                    ours[(m.group(1), g)] = ms
+                pending = {}
+    return ours
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("records")
     ap.add_argument("--ours", action="append", default=[])
+    ap.add_argument("--stages", action="append", default=[])
     ap.add_argument("--rows", default="all", choices=("models", "grid", "all"))
     a = ap.parse_args()
     grid_h = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "grid.h")
@@ -121,8 +149,9 @@ def main():
     if not recs:
         sys.exit("no QuACK autotune records under %s" % a.records)
     ours = ours_of(a.ours)
-    print("# SonicMoE: best config's median ms and config; ours: bench_gemm plan row ms "
-          "and SonicMoE / ours")
+    ours.update(stages_of(a.stages))
+    print("# SonicMoE: best config's median ms and config; ours: %s ms and SonicMoE / ours"
+          % ("the layer's stage" if a.stages else "bench_gemm plan row"))
     print("%-16s %s" % ("row", " ".join("%-30s" % g for g in GEMMS)))
     for name, (T, d, n, E, K) in rows.items():
         got = sonic_gemms(recs, T, d, n, E, K)
