@@ -202,7 +202,7 @@ static __device__ __forceinline__ int vk_slot_end(int total)
  * the copies, a second one runs TOK_AHEAD iterations ahead fetching row
  * tokens. */
 typedef struct vk_cursor {
-    int slot, tile, kt, nk, row_begin, row_end;
+    int slot, kt, nk, row_begin, row_end;
 } vk_cursor;
 
 template <int BK>
@@ -210,9 +210,9 @@ static __device__ __forceinline__ void vk_cursor_load(const vk_args &p, vk_curso
 {
     c->kt = 0;
     c->nk = 0;
-    c->tile = vk_slot_tile(c->slot, p.rotate);
-    if (c->tile >= p.sched.total) return;
-    const int e = sm90_vk_tile_decode(p.sched, c->tile, false).e; /* either order's */
+    const int tile = vk_slot_tile(c->slot, p.rotate);
+    if (tile >= p.sched.total) return;
+    const int e = sm90_vk_tile_decode(p.sched, tile, false).e; /* either order's */
     c->row_begin = __ldg(p.expert_offset + e);
     c->row_end = __ldg(p.expert_offset + e + 1);
     c->nk = c->row_end > c->row_begin ? (c->row_end - c->row_begin + BK - 1) / BK : 0;
