@@ -65,10 +65,13 @@ extern "C" smoe_status smoe_fail(smoe_status status, const char *fmt, ...)
     return status;
 }
 
-/* Rows under test (both of the table: the tiles in row order and grouped);
+/* Rows under test (all four of the table: the tiles in row order and
+ * grouped, each alone and in 2-CTA pairs along M; pairs on 6 or 8 SMs are
+ * 3 or 4 clusters, and d = 576 and 2112 give odd m-tile counts, so a
+ * pair's second CTA runs past M);
  * every correctness check runs for each, and failures are counted per row
  * (printed at the end). */
-static std::vector<int> g_variants{0, 1};
+static std::vector<int> g_variants{0, 1, 2, 3};
 static int g_cur_vi = 0;                 /* index into g_variants of the running one */
 static std::vector<int> g_var_fail(1, 0);
 
@@ -493,29 +496,38 @@ static void correctness_case(const char *tag, problem *P, int num_sms, int host_
     problem_free(P);
 }
 
+/* Every row twice, fp32 and bf16 overwrite: the two runs bitwise equal,
+ * and equal to row 0's (each tile's sum runs in the same order whatever
+ * the tile order or the pairs). */
 static void determinism_case(problem *P, int num_sms)
 {
     problem_alloc(P, g_seed + 5);
-    for (size_t k = 0; k < 2 * g_variants.size(); k++) {
-        const int op = (int)(k % 2);
-        set_variant((int)(k / 2));
-        op_shape s = op_shape_of(P, op);
-        size_t bytes = (size_t)P->E * s.M * s.N * 4;
-        void *o1, *o2;
-        CUDA_OK(cudaMalloc(&o1, bytes));
-        CUDA_OK(cudaMalloc(&o2, bytes));
-        smoe_status a = call_op(P, op, o1, SMOE_DTYPE_F32, 0, num_sms, 0);
-        smoe_status b = call_op(P, op, o2, SMOE_DTYPE_F32, 0, num_sms, 0);
-        CUDA_OK(cudaDeviceSynchronize());
-        std::vector<char> h1(bytes), h2(bytes);
-        CUDA_OK(cudaMemcpy(h1.data(), o1, bytes, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(h2.data(), o2, bytes, cudaMemcpyDeviceToHost));
-        check(a == SMOE_SUCCESS && b == SMOE_SUCCESS && memcmp(h1.data(), h2.data(), bytes) == 0,
-              "determinism v%d %s: two runs bitwise equal", g_vk_row,
-              op ? "dw1" : "dw2");
-        cudaFree(o1);
-        cudaFree(o2);
-    }
+    for (int op = 0; op < 2; op++)
+        for (int dti = 0; dti < 2; dti++) {
+            const smoe_dtype dt = dti ? SMOE_DTYPE_BF16 : SMOE_DTYPE_F32;
+            op_shape s = op_shape_of(P, op);
+            const size_t bytes = (size_t)P->E * s.M * s.N * (dti ? 2 : 4);
+            void *o1, *o2;
+            CUDA_OK(cudaMalloc(&o1, bytes));
+            CUDA_OK(cudaMalloc(&o2, bytes));
+            std::vector<char> h0(bytes), h1(bytes), h2(bytes);
+            for (size_t vi = 0; vi < g_variants.size(); vi++) {
+                set_variant((int)vi);
+                smoe_status a = call_op(P, op, o1, dt, 0, num_sms, 0);
+                smoe_status b = call_op(P, op, o2, dt, 0, num_sms, 0);
+                CUDA_OK(cudaDeviceSynchronize());
+                CUDA_OK(cudaMemcpy(h1.data(), o1, bytes, cudaMemcpyDeviceToHost));
+                CUDA_OK(cudaMemcpy(h2.data(), o2, bytes, cudaMemcpyDeviceToHost));
+                if (vi == 0) h0 = h1;
+                check(a == SMOE_SUCCESS && b == SMOE_SUCCESS &&
+                          memcmp(h1.data(), h2.data(), bytes) == 0 &&
+                          memcmp(h1.data(), h0.data(), bytes) == 0,
+                      "determinism v%d %s %s: two runs bitwise equal, and equal to row %d's",
+                      g_vk_row, op ? "dw1" : "dw2", dti ? "bf16" : "f32", g_variants[0]);
+            }
+            cudaFree(o1);
+            cudaFree(o2);
+        }
     set_variant(0);
     problem_free(P);
 }
@@ -677,6 +689,13 @@ int main(int argc, char **argv)
                      (v & 1) ? "concatenated" : "interleaved");
             correctness_case(nm, &P, v < 2 ? 8 : v >= 4 ? 6 : num_sms, 0);
         }
+        /* every row against row 0, bitwise: staged tiles, odd m-tiles (the
+         * pairs' second CTA past M), rotated waves on 6 SMs */
+        problem P;
+        P.T = 400; P.d = 2112; P.n = 704; P.E = 5; P.K = 2; P.gated = 1;
+        P.layout = SMOE_W1_CONCATENATED;
+        routing_random(&P, &s, 300);
+        determinism_case(&P, 6);
     }
     if (!staged) {   /* 18 m-tiles: the grouped row's groups of 16 and a last one of 2 */
         problem P;

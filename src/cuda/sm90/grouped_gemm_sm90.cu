@@ -362,7 +362,8 @@ enum {
  *        +3-12% at 120B-n2048 (W1 32 MiB, W2 16 MiB), up and dxt +3-7% at
  *        120B (W1 16 MiB), down -5% there (W2 8 MiB): rung 9.
  *  dw2, dw1 (varlen_k_sm90.cu; sm90_vk_grouped) the tiles in row order,
- *        grouped by 16 m-tiles where N >= 8192.
+ *        grouped by 16 m-tiles and in 2-CTA pairs along M where N >= 8192
+ *        (sm90_vk_rows).
  *  d < 256: 128 x 128, 6 stages. */
 #define SM90_UP_ROWS(X)                                                                          \
     X(0, "256x3 epilogue-warps", 256, 3, SM90_FL_EPIWG, SM90_NEED_H256)                          \
@@ -418,6 +419,18 @@ static const sm90_row sm90_vk_rows[] = {
     {"128x256 tma (x192 or x128 where N % 256 != 0; bf16 staged where d >= 2048)", 0, 4, 0, 0},
     {"128x256 tma grouped (x192 or x128 where N % 256 != 0; bf16 staged where d >= 2048)", 0, 4,
      0, 0},
+    /* Pairs along M sharing the N-side tile by multicast (varlen_k_sm90.cu's
+     * VK_F_CLM) where A is gathered: dw2, and dw1 with a bf16 overwrite;
+     * dw1 into fp32 or accumulated runs the same tiles without pairs. In
+     * the layer (H100, two calls of 3 interleaved rounds, session 25) the
+     * grouped pair took Mixtral-8x7B's backward +1.7% both times (647 ->
+     * 658, 650 -> 661 TFLOPS); pairs in row order measured 0.97-1.02x on
+     * the other models and grid rows, inside the calls' spread, so the plan
+     * takes the grouped pair (N >= 8192) and the plain row order elsewhere.
+     * Also measured then and not kept: 4 stages beside a staged tile of one
+     * 64 x 64 piece per warpgroup at a time (0.98-1.02x). */
+    {"128x256 tma cluster-m", 0, 4, 0, 0},
+    {"128x256 tma cluster-m grouped", 0, 4, 0, 0},
 };
 
 /* GEMM g's table (NULL for dw1, dw2) and its length. */
@@ -534,9 +547,10 @@ static void sm90_plan(const smoe_gemm_problem *p, smoe_gemm_plan *plan)
                                   : (p->gated && E <= 256)         ? (dyn ? 7 : gr)
                                                                    : 2 + gr;
     }
-    /* dw2 (M = d, N = n), dw1 (M = d, N = h_cols) */
-    plan->row[SMOE_GEMM_DW2] = sm90_vk_grouped(n);
-    plan->row[SMOE_GEMM_DW1] = sm90_vk_grouped(hc);
+    /* dw2 (M = d, N = n), dw1 (M = d, N = h_cols): grouped and in pairs
+     * along M where N >= 8192, else row order (sm90_vk_rows) */
+    plan->row[SMOE_GEMM_DW2] = sm90_vk_grouped(n) ? 3 : 0;
+    plan->row[SMOE_GEMM_DW1] = sm90_vk_grouped(hc) ? 3 : 0;
 }
 
 /* The plan's row for GEMM g, checked against p's shape. */

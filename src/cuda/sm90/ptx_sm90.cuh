@@ -104,6 +104,53 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map
 }
 
 
+/* tma_load_2d into every CTA of the cluster named in `mask` (bit i: CTA
+ * rank i): the box lands at shared offset dst of each of them and its bytes
+ * complete on the barrier at offset bar of each. */
+__device__ __forceinline__ void tma_load_2d_mc(uint32_t dst, const CUtensorMap *map, uint32_t bar,
+                                               int32_t c0, int32_t c1, uint16_t mask)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(dst),
+                 "l"((uint64_t)map), "r"(bar), "r"(c0), "r"(c1), "h"(mask)
+                 : "memory");
+}
+
+/* ------------------------------------------------------------ clusters */
+
+/* This CTA's rank in its cluster. */
+__device__ __forceinline__ uint32_t cluster_rank()
+{
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+/* Every thread of every CTA of the cluster meets here (release, then
+ * acquire): shared-memory writes and barrier inits before it are seen by
+ * the peers after it. */
+__device__ __forceinline__ void cluster_barrier()
+{
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+/* One arrival on the mbarrier at shared offset `bar` in the cluster's CTA
+ * `rank` (mapa turns the local offset into that CTA's window). CTA-scope
+ * release, as for a local arrival: a stage's release orders only this
+ * warpgroup's wgmma reads, which have retired (a cluster-scope release adds
+ * a cluster-wide memory barrier per stage, which rung 8 of
+ * notes/sm90_log.md measured at 8-10% of the stalls). */
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t bar, uint32_t rank)
+{
+    asm volatile("{\n\t.reg .b32 rb;\n\t"
+                 "mapa.shared::cluster.u32 rb, %0, %1;\n\t"
+                 "mbarrier.arrive.shared::cluster.b64 _, [rb];\n\t}" ::"r"(bar),
+                 "r"(rank)
+                 : "memory");
+}
+
+
 /* 2-D tile store from shared memory (the map's box and swizzle), in this
  * thread's bulk group; rows or columns past the tensor's extent are not
  * written. The source may be reused after bulk_wait_read. */

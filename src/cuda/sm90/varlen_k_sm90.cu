@@ -55,6 +55,9 @@
  *     the 120B shapes).
  *   - a ring of 4 stages of 64 k-rows; the producer runs ahead into the next
  *     tile while the consumers store the current one.
+ *   - optionally (VK_F_CLM, the table's cluster-m rows) in clusters of two
+ *     CTAs that take m-tiles 2i and 2i + 1 of one (expert, n-tile) and
+ *     share its N-side tile by TMA multicast, each loading half its slabs.
  * Epilogue: through a 2 KB shared-memory buffer per consumer warp, so that
  * global stores (and, for accumulate, loads of the old values, read a few
  * pieces ahead and warmed in L2 at the tile's start) are 16-byte row pieces
@@ -114,6 +117,15 @@ using namespace smoe_sm90;
  * storing; with 128 x 256 tiles the staging (64 KiB) leaves room for 3
  * stages. Only with A gathered (the layer's bf16 dW1 is X^T dH). */
 #define VK_F_TMA_ST 8
+/* Pairs along M (clusters of two CTAs): the pair's CTAs take m-tiles 2i
+ * and 2i + 1 of one (expert, n-tile) and share its N-side tile, which
+ * comes by TMA (whole k-tiles), each CTA loading half of its 64-column
+ * slabs into both by multicast: per stage a CTA reads 16 + 16 KiB from L2
+ * instead of 16 + 32 (128 x 256 tiles). The gathered M side stays each
+ * CTA's own. Each CTA's empty barriers count both CTAs' consumer warps
+ * (the peer's multicast writes this CTA's stage). Only with A gathered
+ * (the N-side operand contiguous): the layer's dW2 and bf16 dW1^T. */
+#define VK_F_CLM 16
 
 template <int BN, int CFG>
 struct vk_cfg {
@@ -127,6 +139,7 @@ struct vk_cfg {
     static constexpr int TOK_SLOT_BYTES = 128 * RPT * 4; /* RPT tokens per producer thread */
     static constexpr bool TMA = (CFG & VK_F_TMA) != 0;
     static constexpr bool FENCE = (CFG & VK_F_NOFENCE) == 0;
+    static constexpr int CL = (CFG & VK_F_CLM) ? 2 : 1; /* CTAs per cluster */
     static_assert(RPT == 4, "a producer thread reads its 4 tokens as one vector");
 };
 
@@ -171,9 +184,10 @@ static __device__ __forceinline__ void vk_wgmma_mn(float *d, uint64_t desc_a, ui
 
 /* ------------------------------------------------------------ kernel */
 
-/* A CTA's tiles: slots blockIdx.x + j gridDim.x, j = 0, 1, ... Slot s is
- * tile s, or with p.rotate, in wave j, tile j G + (b + j) mod G (G =
- * gridDim.x, b = s - j G): each wave still runs G consecutive tiles (the
+/* A cluster's tiles (a cluster: one CTA, or a pair with VK_F_CLM, whose
+ * tiles are then units of two m-tiles): slots c + j G, j = 0, 1, ..., for
+ * cluster c of G. Slot s is tile s, or with p.rotate, in wave j, tile j G
+ * + (b + j) mod G (b = s - j G): each wave still runs G consecutive tiles (the
  * same operands in L2) but no CTA keeps the same place in the waves. In
  * the plain order, where the last n-tile is partial and tiles_n divides G,
  * the CTAs whose place is that cheap tile every time ran ahead of the
@@ -184,17 +198,29 @@ static __device__ __forceinline__ void vk_wgmma_mn(float *d, uint64_t desc_a, ui
  * notes/sm90_log.md rung 21). Everywhere else the rotation measured 1-15%
  * slower (every other model's dw1 and dw2), so vk_run asks for it only
  * there. The last wave's slots past the tiles hold none. */
-static __device__ __forceinline__ int vk_slot_tile(int s, int rotate)
+static __device__ __forceinline__ int vk_slot_tile(int s, int rotate, int g)
 {
-    const int g = (int)gridDim.x, j = s / g;
+    const int j = s / g;
     return rotate ? j * g + (s - j * g + j) % g : s;
 }
 
 /* The end of the slots: whole waves covering the tiles. */
-static __device__ __forceinline__ int vk_slot_end(int total)
+static __device__ __forceinline__ int vk_slot_end(int total, int g)
 {
-    const int g = (int)gridDim.x;
     return (total + g - 1) / g * g;
+}
+
+/* This CTA's cluster and the number of clusters (CL CTAs each, consecutive
+ * in blockIdx.x: a 1-D cluster launch). */
+template <int CL>
+static __device__ __forceinline__ int vk_cid()
+{
+    return (int)blockIdx.x / CL;
+}
+template <int CL>
+static __device__ __forceinline__ int vk_ncl()
+{
+    return (int)gridDim.x / CL;
 }
 
 /* The producer's walk over its (tile, k-tile) iterations, skipping tiles of
@@ -203,6 +229,7 @@ static __device__ __forceinline__ int vk_slot_end(int total)
  * tokens. */
 typedef struct vk_cursor {
     int slot, kt, nk, row_begin, row_end;
+    int ncl; /* clusters: the slots' step */
 } vk_cursor;
 
 template <int BK>
@@ -210,7 +237,7 @@ static __device__ __forceinline__ void vk_cursor_load(const vk_args &p, vk_curso
 {
     c->kt = 0;
     c->nk = 0;
-    const int tile = vk_slot_tile(c->slot, p.rotate);
+    const int tile = vk_slot_tile(c->slot, p.rotate, c->ncl);
     if (tile >= p.sched.total) return;
     const int e = sm90_vk_tile_decode(p.sched, tile, false).e; /* either order's */
     c->row_begin = __ldg(p.expert_offset + e);
@@ -222,17 +249,19 @@ static __device__ __forceinline__ void vk_cursor_load(const vk_args &p, vk_curso
 template <int BK>
 static __device__ __forceinline__ void vk_cursor_settle(const vk_args &p, vk_cursor *c)
 {
-    const int end = vk_slot_end(p.sched.total);
+    const int end = vk_slot_end(p.sched.total, c->ncl);
     while (c->slot < end && c->kt >= c->nk) {
-        c->slot += gridDim.x;
+        c->slot += c->ncl;
         vk_cursor_load<BK>(p, c);
     }
 }
 
 template <int BK>
-static __device__ __forceinline__ void vk_cursor_start(const vk_args &p, vk_cursor *c)
+static __device__ __forceinline__ void vk_cursor_start(const vk_args &p, vk_cursor *c, int cid,
+                                                       int ncl)
 {
-    c->slot = blockIdx.x;
+    c->slot = cid;
+    c->ncl = ncl;
     vk_cursor_load<BK>(p, c);
     vk_cursor_settle<BK>(p, c);
 }
@@ -301,6 +330,35 @@ static __device__ __forceinline__ uint32_t vk_tma_operand(uint32_t sdst, const C
         if (col0 + 64 * sl < ncols)
             tma_load_2d(sdst + sl * BK * 128, map, bar, col0 + 64 * sl, row0);
     return bytes;
+}
+
+/* VK_F_CLM: the pair's shared N-side stage (whole k-tiles). Each CTA's
+ * barrier expects every slab's bytes; this CTA (rank) loads the slabs sl
+ * with sl % 2 == rank, into both CTAs by multicast. Slabs past the last
+ * column are loaded by neither (as in vk_tma_operand). */
+template <int W, int BK>
+static __device__ __forceinline__ void vk_tma_operand_mc(uint32_t sdst, const CUtensorMap *map,
+                                                         uint32_t bar, int col0, int ncols,
+                                                         int row0, int rank)
+{
+    uint32_t bytes = 0;
+#pragma unroll
+    for (int sl = 0; sl < W / 64; sl++)
+        if (col0 + 64 * sl < ncols) bytes += BK * 128;
+    mbar_arrive_expect_tx(bar, bytes);
+#pragma unroll
+    for (int sl = 0; sl < W / 64; sl++)
+        if ((sl & 1) == rank && col0 + 64 * sl < ncols)
+            tma_load_2d_mc(sdst + sl * BK * 128, map, bar, col0 + 64 * sl, row0, 3);
+}
+
+/* A consumer warp's release of a stage: its own CTA's empty barrier and,
+ * in a pair, the peer's (whose producer multicasts into this stage). */
+template <int CL>
+static __device__ __forceinline__ void vk_release(uint32_t bar, int rank)
+{
+    mbar_arrive(bar);
+    if constexpr (CL > 1) mbar_arrive_remote(bar, (uint32_t)(rank ^ 1));
 }
 
 /* The stored row of logical dW1 row c (gemm.h's smoe_w1_row; map_rows: the
@@ -575,6 +633,21 @@ static __device__ __forceinline__ void vk_stage_tile(const vk_args &p, const flo
  * map). Rows past M (M % 64 == 0: the whole block) and pieces past N (N %
  * 64 == 0) are another expert's or outside: not stored; columns past the
  * output's last are clipped by the TMA unit. */
+static __device__ __forceinline__ void vk_store_piece(const vk_args &p, const CUtensorMap *omap,
+                                                      uint32_t src, int e, int m0, int col)
+{
+    if (!p.trans_out) { /* (E M, N): rows e M + m0 .., columns col .. */
+        tma_store_2d(omap, src, col, e * p.M + m0);
+        tma_store_2d(omap, src + 4096, col, e * p.M + m0 + 32);
+    } else if (!p.map_rows) { /* (E N, M): rows e N + col .., columns m0 .. */
+        tma_store_2d(omap, src, m0, e * p.N + col);
+        tma_store_2d(omap, src + 4096, m0, e * p.N + col + 32);
+    } else { /* logical rows col .. col + 63: gate rows col / 2 .., up rows n + col / 2 .. */
+        tma_store_2d(omap, src, m0, e * p.N + col / 2);
+        tma_store_2d(omap, src + 4096, m0, e * p.N + p.n_half + col / 2);
+    }
+}
+
 template <int BN>
 static __device__ __forceinline__ void vk_store_staged(const vk_args &p, const CUtensorMap *omap,
                                                        uint32_t wst, int e, int m0, int n0)
@@ -584,17 +657,7 @@ static __device__ __forceinline__ void vk_store_staged(const vk_args &p, const C
     for (int c = 0; c < BN / 64; c++) {
         const int col = n0 + 64 * c;
         if (col >= p.N) break;
-        const uint32_t src = wst + c * 8192;
-        if (!p.trans_out) { /* (E M, N): rows e M + m0 .., columns col .. */
-            tma_store_2d(omap, src, col, e * p.M + m0);
-            tma_store_2d(omap, src + 4096, col, e * p.M + m0 + 32);
-        } else if (!p.map_rows) { /* (E N, M): rows e N + col .., columns m0 .. */
-            tma_store_2d(omap, src, m0, e * p.N + col);
-            tma_store_2d(omap, src + 4096, m0, e * p.N + col + 32);
-        } else { /* logical rows col .. col + 63: gate rows col / 2 .., up rows n + col / 2 .. */
-            tma_store_2d(omap, src, m0, e * p.N + col / 2);
-            tma_store_2d(omap, src + 4096, m0, e * p.N + p.n_half + col / 2);
-        }
+        vk_store_piece(p, omap, wst + c * 8192, e, m0, col);
     }
 }
 
@@ -636,9 +699,11 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
     const uint32_t gpitch = 2u * (uint32_t)gcols; /* bytes */
     const size_t cpitch = 2 * (size_t)ccols;
 
-    const int slot_end = vk_slot_end(p.sched.total);
+    const int ncl = vk_ncl<C::CL>(), cid = vk_cid<C::CL>();
+    const int rank = C::CL > 1 ? (int)cluster_rank() : 0;
+    const int slot_end = vk_slot_end(p.sched.total, ncl);
     vk_cursor ahead;
-    vk_cursor_start<BK>(p, &ahead);
+    vk_cursor_start<BK>(p, &ahead, cid, ncl);
 #pragma unroll 1
     for (int i = 0; i < C::TOK_AHEAD; i++) {
         if (ahead.slot < slot_end) {
@@ -648,11 +713,13 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
         cp_async_commit();
     }
     uint32_t it = 0;
-    for (int slot = blockIdx.x; slot < slot_end; slot += gridDim.x) {
-        const int tile = vk_slot_tile(slot, p.rotate);
+    for (int slot = cid; slot < slot_end; slot += ncl) {
+        const int tile = vk_slot_tile(slot, p.rotate, ncl);
         if (tile >= p.sched.total) continue;
         const sm90_vk_tile tl = sm90_vk_tile_decode(p.sched, tile, (CFG & VK_F_GROUPED) != 0);
-        const int e = tl.e, mt = tl.m_tile, nt = tl.n_tile;
+        /* a pair's unit: m-tiles 2 i (rank 0) and 2 i + 1 (rank 1; past M
+         * where the m-tiles are odd in number: loaded as zeros, not stored) */
+        const int e = tl.e, mt = C::CL * tl.m_tile + rank, nt = tl.n_tile;
         const int row_begin = __ldg(p.expert_offset + e);
         const int row_end = __ldg(p.expert_offset + e + 1);
         const int nk = row_end > row_begin ? (row_end - row_begin + BK - 1) / BK : 0;
@@ -684,7 +751,36 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
             const uint32_t sa = base + s * STAGE_BYTES;
             const uint32_t fb = full_bar + 8 * s;
             mbar_wait(empty_bar + 8 * s, ph ^ 1);
-            if (full_cols && rows_left >= BK) {
+            if constexpr (C::CL > 1) {
+                /* the pair: the gathered A as below, or zero-filled where the
+                 * k-tile is partial or the m-tile reaches past M; B shared by
+                 * multicast on whole k-tiles (the same decision in both CTAs:
+                 * one expert, one n-tile), else each CTA's own by cp.async */
+                static_assert(GATHER_A && C::TMA, "pairs share the N-side operand by TMA");
+                const bool whole = rows_left >= BK;
+                if (whole && gcol0 + WG <= gcols) {
+#pragma unroll
+                    for (int i = 0; i < RPT; i++) {
+                        const char *gp = gbase + (size_t)(uint32_t)src_row[i] * gpitch;
+#pragma unroll
+                        for (int sl = 0; sl < WG / 64; sl++)
+                            cp_async_16_full(sa + dst_off[i] + sl * BK * 128, gp + 128 * sl);
+                    }
+                } else {
+                    vk_copy_operand<VK_BM, BK>(sa, p.a, p.M, gcol0, p.M, src_row, rows_left, g, q);
+                }
+                if (whole) {
+                    if (t == 0)
+                        vk_tma_operand_mc<WC, BK>(sa + C_OFF, cmap, fb, ccol0, ccols, row0, rank);
+                } else {
+                    int own_row[RPT];
+#pragma unroll
+                    for (int i = 0; i < RPT; i++) own_row[i] = row0 + RPT * g + i;
+                    vk_copy_operand<BN, BK>(sa + A_BYTES, p.b, p.N, ccol0, p.N, own_row, rows_left,
+                                            g, q);
+                    if (t == 0) mbar_arrive(fb);
+                }
+            } else if (full_cols && rows_left >= BK) {
 #pragma unroll
                 for (int i = 0; i < RPT; i++) {
                     const char *gp = gbase + (size_t)(uint32_t)src_row[i] * gpitch;
@@ -750,11 +846,15 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
         for (int s = 0; s < STAGES; s++) {
             /* one cp.async arrival per producer thread (+ thread 0's TMA one) */
             mbar_init(full_bar + 8 * s, C::TMA ? 129 : 128);
-            mbar_init(empty_bar + 8 * s, 8);  /* one arrival per consumer warp */
+            /* one arrival per consumer warp (of both CTAs in a pair) */
+            mbar_init(empty_bar + 8 * s, 8 * C::CL);
         }
         mbar_fence_init();
     }
     __syncthreads();
+    /* a pair: the peer's barriers are initialised before any multicast or
+     * remote arrival reaches them */
+    if constexpr (C::CL > 1) cluster_barrier();
 
     if (wg == 0) {
         /* ---------------- producer ---------------- */
@@ -769,12 +869,14 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
 #pragma unroll
         for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
         uint32_t it = 0;
-        const int slot_end = vk_slot_end(p.sched.total);
-        for (int slot = blockIdx.x; slot < slot_end; slot += gridDim.x) {
-            const int tile = vk_slot_tile(slot, p.rotate);
+        const int ncl = vk_ncl<C::CL>(), cid = vk_cid<C::CL>();
+        const int rank = C::CL > 1 ? (int)cluster_rank() : 0;
+        const int slot_end = vk_slot_end(p.sched.total, ncl);
+        for (int slot = cid; slot < slot_end; slot += ncl) {
+            const int tile = vk_slot_tile(slot, p.rotate, ncl);
             if (tile >= p.sched.total) continue;
             const sm90_vk_tile tl = sm90_vk_tile_decode(p.sched, tile, (CFG & VK_F_GROUPED) != 0);
-            const int e = tl.e, mt = tl.m_tile, nt = tl.n_tile;
+            const int e = tl.e, mt = C::CL * tl.m_tile + rank, nt = tl.n_tile;
             const int row_begin = __ldg(p.expert_offset + e);
             const int row_end = __ldg(p.expert_offset + e + 1);
             const int nk = row_end > row_begin ? (row_end - row_begin + BK - 1) / BK : 0;
@@ -803,7 +905,7 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
                 }
                 wgmma_commit();
                 wgmma_wait<1>(); /* the previous stage's group has retired */
-                if (kt > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev_s);
+                if (kt > 0 && lane == 0) vk_release<C::CL>(empty_bar + 8 * prev_s, rank);
                 prev_s = s;
             }
             /* unconditional, so that on every path the accumulators are
@@ -811,7 +913,7 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
              * accumulate loads write them (else ptxas serialises the wgmmas) */
             wgmma_wait<0>();
             wgmma_fence_regs<BN / 2>(acc);
-            if (nk > 0 && lane == 0) mbar_arrive(empty_bar + 8 * prev_s);
+            if (nk > 0 && lane == 0) vk_release<C::CL>(empty_bar + 8 * prev_s, rank);
             const bool zero = nk == 0;
             if constexpr (C::TMA_ST) {
                 /* this warpgroup's 64 rows: BN / 64 pieces of 64 x 64 */
@@ -848,8 +950,12 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
     /* TMA_ST: the last tile's stores complete before the CTA exits */
     if (C::TMA_ST && wg > 0 && t == 0) bulk_wait<0>();
     /* every stage the producer filled has been consumed: the barriers are
-     * quiet and are invalidated before the CTA exits (ptx_sm90.cuh) */
-    __syncthreads();
+     * quiet and are invalidated before the CTA exits (ptx_sm90.cuh); in a
+     * pair, no CTA leaves while its peer may still arrive on its barriers */
+    if constexpr (C::CL > 1)
+        cluster_barrier();
+    else
+        __syncthreads();
     if (threadIdx.x == 0)
         for (int s = 0; s < 2 * STAGES; s++) mbar_inval(full_bar + 8 * s);
 }
@@ -862,6 +968,45 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
  * row capacity; only whole k-tiles of an expert are loaded through it, so no
  * row past R is read. */
 
+/* VK_F_CLM: the pairs to launch for `units` units: at most num_sms / 2, at
+ * most as many as can be resident at once (the occupancy query, once per
+ * kernel: the schedule is static, so a pair started late would run its
+ * units last), at least one. */
+template <int BN, bool GATHER_A, int CFG>
+static int vk_clusters(int units, int num_sms, cudaError_t *err)
+{
+    constexpr int CL = vk_cfg<BN, CFG>::CL;
+    static int max_clusters = 0; /* the same value from every thread that sets it */
+    int mc = __atomic_load_n(&max_clusters, __ATOMIC_RELAXED);
+    *err = cudaSuccess;
+    if (mc <= 0) {
+        cudaLaunchAttribute at[1];
+        memset(at, 0, sizeof at);
+        at[0].id = cudaLaunchAttributeClusterDimension;
+        at[0].val.clusterDim.x = CL;
+        at[0].val.clusterDim.y = 1;
+        at[0].val.clusterDim.z = 1;
+        cudaLaunchConfig_t lc;
+        memset(&lc, 0, sizeof lc);
+        lc.gridDim = dim3(CL, 1, 1);
+        lc.blockDim = dim3(VK_THREADS, 1, 1);
+        lc.dynamicSmemBytes = vk_smem_bytes<BN, CFG>();
+        lc.attrs = at;
+        lc.numAttrs = 1;
+        *err = cudaOccupancyMaxActiveClusters(&mc, vk_varlen_k_kernel<BN, GATHER_A, CFG>, &lc);
+        if (*err != cudaSuccess) return 0;
+        if (mc <= 0) {
+            *err = cudaErrorInvalidConfiguration; /* no pair fits */
+            return 0;
+        }
+        __atomic_store_n(&max_clusters, mc, __ATOMIC_RELAXED);
+    }
+    int n = num_sms / CL;
+    if (n > mc) n = mc;
+    if (n > units) n = units;
+    return n < 1 ? 1 : n;
+}
+
 template <int BN, bool GATHER_A, int CFG>
 static smoe_status vk_launch(const vk_args *a, const CUtensorMap *map, const CUtensorMap *omap,
                              int num_sms, cudaStream_t stream)
@@ -872,23 +1017,54 @@ static smoe_status vk_launch(const vk_args *a, const CUtensorMap *map, const CUt
     SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND,
                          "sm90 varlen-K GEMM: cudaFuncSetAttribute(%zu bytes): %s", smem,
                          cudaGetErrorString(err));
-    int grid = a->sched.total < num_sms ? a->sched.total : num_sms;
-    vk_varlen_k_kernel<BN, GATHER_A, CFG><<<grid, VK_THREADS, smem, stream>>>(*a, *map, *omap);
-    err = cudaGetLastError();
+    constexpr int CL = vk_cfg<BN, CFG>::CL;
+    if constexpr (CL == 1) {
+        int grid = a->sched.total < num_sms ? a->sched.total : num_sms;
+        vk_varlen_k_kernel<BN, GATHER_A, CFG><<<grid, VK_THREADS, smem, stream>>>(*a, *map, *omap);
+        err = cudaGetLastError();
+    } else {
+        const int clusters = vk_clusters<BN, GATHER_A, CFG>(a->sched.total, num_sms, &err);
+        if (err == cudaSuccess) {
+            cudaLaunchAttribute at[1];
+            memset(at, 0, sizeof at);
+            at[0].id = cudaLaunchAttributeClusterDimension;
+            at[0].val.clusterDim.x = CL;
+            at[0].val.clusterDim.y = 1;
+            at[0].val.clusterDim.z = 1;
+            cudaLaunchConfig_t lc;
+            memset(&lc, 0, sizeof lc);
+            lc.gridDim = dim3((unsigned)(clusters * CL), 1, 1);
+            lc.blockDim = dim3(VK_THREADS, 1, 1);
+            lc.dynamicSmemBytes = smem;
+            lc.stream = stream;
+            lc.attrs = at;
+            lc.numAttrs = 1;
+            err = cudaLaunchKernelEx(&lc, vk_varlen_k_kernel<BN, GATHER_A, CFG>, *a, *map, *omap);
+        }
+    }
     SMOE_RETURN_ERROR_IF(err != cudaSuccess, SMOE_ERROR_BACKEND,
                          "sm90 varlen-K GEMM: launch failed: %s", cudaGetErrorString(err));
     return SMOE_SUCCESS;
 }
 
 /* One tile width's kernels (tile order, gathered side; tma_st: the TMA-store
- * epilogue, A gathered). */
+ * epilogue, A gathered; clm: pairs along M, A gathered). */
 template <int BN>
 static smoe_status vk_launch_bn(const vk_args *a, const CUtensorMap *map,
                                 const CUtensorMap *omap, int gather_a, int grouped, int tma_st,
-                                int num_sms, cudaStream_t stream)
+                                int clm, int num_sms, cudaStream_t stream)
 {
     constexpr int C0 = VK_DEFAULT_CFG, C1 = VK_DEFAULT_CFG | VK_F_GROUPED;
     constexpr int C2 = C0 | VK_F_TMA_ST, C3 = C1 | VK_F_TMA_ST;
+    if (clm) {
+        constexpr int P0 = C0 | VK_F_CLM, P1 = C1 | VK_F_CLM, P2 = C2 | VK_F_CLM,
+                      P3 = C3 | VK_F_CLM;
+        if (tma_st)
+            return grouped ? vk_launch<BN, true, P3>(a, map, omap, num_sms, stream)
+                           : vk_launch<BN, true, P2>(a, map, omap, num_sms, stream);
+        return grouped ? vk_launch<BN, true, P1>(a, map, omap, num_sms, stream)
+                       : vk_launch<BN, true, P0>(a, map, omap, num_sms, stream);
+    }
     if (tma_st)
         return grouped ? vk_launch<BN, true, C3>(a, map, omap, num_sms, stream)
                        : vk_launch<BN, true, C2>(a, map, omap, num_sms, stream);
@@ -920,7 +1096,7 @@ static int vk_bn(int64_t N)
 static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf16 *a,
                           const bf16 *b, int64_t M, int64_t N, int gather_a, void *out,
                           smoe_dtype out_dtype, int accumulate, int map_rows, int trans_out,
-                          int grouped, cudaStream_t stream)
+                          int grouped, int clm, cudaStream_t stream)
 {
     SMOE_RETURN_ERROR_IF(p->d % 64 != 0 || p->n % 64 != 0 || p->h_cols % 64 != 0,
                          SMOE_ERROR_UNSUPPORTED,
@@ -970,13 +1146,17 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     args.out = out;
     args.M = (int)M;
     args.N = (int)N;
-    args.sched.tiles_m = (int)tiles_m;
+    /* pairs along M (VK_F_CLM) where the N-side operand is the contiguous
+     * one (A gathered); the schedule's units are then pairs of m-tiles */
+    const int cl = clm && gather_a ? 2 : 1;
+    const int64_t units_m = (tiles_m + cl - 1) / cl;
+    args.sched.tiles_m = (int)units_m;
     args.sched.tiles_n = (int)tiles_n;
-    args.sched.total = (int)total;
-    /* groups of 16 m-tiles: with ~132 tiles in flight, 16 slices of the
-     * 128-wide M side and ~8 of the 256-wide N side, near the fewest bytes
-     * for that many tiles */
-    args.sched.gm = grouped ? (int)(tiles_m < 16 ? tiles_m : 16) : 0;
+    args.sched.total = (int)(p->E * units_m * tiles_n);
+    /* groups of 16 m-tiles (8 pairs): with ~132 tiles in flight, 16 slices
+     * of the 128-wide M side and ~8 of the 256-wide N side, near the fewest
+     * bytes for that many tiles */
+    args.sched.gm = grouped ? (int)(units_m < 16 / cl ? units_m : 16 / cl) : 0;
     args.out_f32 = out_dtype == SMOE_DTYPE_F32;
     args.accumulate = accumulate != 0;
     args.map_rows = map_rows;
@@ -985,8 +1165,9 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     args.abort = p->abort;
     /* the rotated waves (vk_slot_tile) where the plain order pins CTAs to
      * a cheap partial last n-tile: N not a multiple of the tile, row order,
-     * tiles_n dividing the grid (vk_launch's: min(total, num_sms)) */
-    const int64_t grid = total < num_sms ? total : num_sms;
+     * tiles_n dividing the grid (vk_launch's clusters: min(units, num_sms
+     * / cl) unless fewer pairs fit at once) */
+    const int64_t grid = args.sched.total < num_sms / cl ? args.sched.total : num_sms / cl;
     args.rotate = N % bn != 0 && !grouped && grid % tiles_n == 0;
     const int cfg = VK_DEFAULT_CFG;
     /* the contiguous operand: B (a_scaled) when A is gathered, else A (dH) */
@@ -1012,22 +1193,29 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     CUtensorMap omap;
     memset(&omap, 0, sizeof omap);
     if (tma_st) SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&omap, out, out_rows, out_cols, 32, name));
+    const int pairs = cl > 1;
     if (bn == 256)
-        return vk_launch_bn<256>(&args, &map, &omap, gather_a, grouped, tma_st, num_sms, stream);
+        return vk_launch_bn<256>(&args, &map, &omap, gather_a, grouped, tma_st, pairs,
+                                 num_sms, stream);
     if (bn == 192)
-        return vk_launch_bn<192>(&args, &map, &omap, gather_a, grouped, tma_st, num_sms, stream);
-    return vk_launch_bn<128>(&args, &map, &omap, gather_a, grouped, tma_st, num_sms, stream);
+        return vk_launch_bn<192>(&args, &map, &omap, gather_a, grouped, tma_st, pairs,
+                                 num_sms, stream);
+    return vk_launch_bn<128>(&args, &map, &omap, gather_a, grouped, tma_st, pairs,
+                             num_sms, stream);
 }
 
 /* The plan's row for a weight-gradient GEMM (grouped_gemm_sm90.cu's
- * SM90_VK_ROWS): 0 the tiles in row order, 1 grouped. */
-static smoe_status vk_row_check(const smoe_gemm_problem *p, int g, const char *op, int *grouped)
+ * sm90_vk_rows): 0 the tiles in row order, 1 grouped, 2 and 3 the same in
+ * pairs along M (VK_F_CLM; where A is gathered). */
+static smoe_status vk_row_check(const smoe_gemm_problem *p, int g, const char *op, int *grouped,
+                                int *clm)
 {
     SMOE_RETURN_ERROR_IF(!p->plan, SMOE_ERROR_INTERNAL, "sm90 %s: no plan", op);
     const int row = p->plan->row[g];
-    SMOE_RETURN_ERROR_IF(row != 0 && row != 1, SMOE_ERROR_UNSUPPORTED,
-                         "sm90 %s: tile row %d (the table has rows 0 and 1)", op, row);
-    *grouped = row == 1;
+    SMOE_RETURN_ERROR_IF(row < 0 || row > 3, SMOE_ERROR_UNSUPPORTED,
+                         "sm90 %s: tile row %d (the table has rows 0 to 3)", op, row);
+    *grouped = row & 1;
+    *clm = row >= 2;
     return SMOE_SUCCESS;
 }
 
@@ -1037,11 +1225,11 @@ extern "C" smoe_status smoe_sm90_dw2(const smoe_gemm_problem *p, const bf16 *dou
 {
     (void)scratch;
     SMOE_RETURN_ERROR_IF(!p, SMOE_ERROR_NULL_POINTER, "sm90 dw2: NULL problem");
-    int grouped = 0;
-    SMOE_FORWARD_IF_ERROR(vk_row_check(p, SMOE_GEMM_DW2, "dw2", &grouped));
+    int grouped = 0, clm = 0;
+    SMOE_FORWARD_IF_ERROR(vk_row_check(p, SMOE_GEMM_DW2, "dw2", &grouped, &clm));
     /* M = d (dO columns, gathered by token), N = n (a_scaled columns) */
     return vk_run("dw2", p, dout, a_scaled, p->d, p->n, 1, dw2, out_dtype, accumulate, 0, 0,
-                  grouped, s);
+                  grouped, clm, s);
 }
 
 extern "C" smoe_status smoe_sm90_dw1(const smoe_gemm_problem *p, const bf16 *dh, const bf16 *x,
@@ -1050,8 +1238,8 @@ extern "C" smoe_status smoe_sm90_dw1(const smoe_gemm_problem *p, const bf16 *dh,
 {
     (void)scratch;
     SMOE_RETURN_ERROR_IF(!p, SMOE_ERROR_NULL_POINTER, "sm90 dw1: NULL problem");
-    int grouped = 0;
-    SMOE_FORWARD_IF_ERROR(vk_row_check(p, SMOE_GEMM_DW1, "dw1", &grouped));
+    int grouped = 0, clm = 0;
+    SMOE_FORWARD_IF_ERROR(vk_row_check(p, SMOE_GEMM_DW1, "dw1", &grouped, &clm));
     const int map_rows = p->gated && p->w1_layout == SMOE_W1_CONCATENATED;
     /* bf16 overwrite (the layer's weight gradients): dW1^T = X^T dH, M = d
      * (X columns, gathered), N = h_cols, each tile stored transposed; the
@@ -1061,8 +1249,8 @@ extern "C" smoe_status smoe_sm90_dw1(const smoe_gemm_problem *p, const bf16 *dh,
      * the output in its own orientation) */
     if (out_dtype == SMOE_DTYPE_BF16 && !accumulate)
         return vk_run("dw1", p, x, dh, p->d, p->h_cols, 1, dw1, out_dtype, accumulate, map_rows, 1,
-                      grouped, s);
+                      grouped, clm, s);
     /* M = h_cols (dH columns, logical interleaved order), N = d (X columns, gathered) */
     return vk_run("dw1", p, dh, x, p->h_cols, p->d, 0, dw1, out_dtype, accumulate, map_rows, 0,
-                  grouped, s);
+                  grouped, clm, s);
 }
