@@ -87,7 +87,10 @@ using namespace smoe_sm90;
  * all in the history up to commit 3a13394, behind the variant hook this
  * table replaced; the whole tile staged and stored by TMA, evict-first
  * stores and storer warps (rungs 9-10, commit 4efa11a); up's H and A by
- * TMA (c461f84); down with the weight tile resident (94709c7). */
+ * TMA (c461f84); down with the weight tile resident (94709c7); the
+ * weight gradients' 4 stages beside a staged tile of one piece at a time
+ * and dw1 transposed for fp32 and accumulated outputs (rung 22, branch
+ * exp/dw1-trans-f32). */
 enum {
     SM90_FL_WS = 1,
     SM90_FL_PP = 2,
