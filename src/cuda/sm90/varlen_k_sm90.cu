@@ -314,11 +314,14 @@ static __device__ __forceinline__ void vk_copy_operand(uint32_t sdst, const bf16
 /* The contiguous operand's stage by TMA (whole k-tiles only: every row is
  * the expert's): one box of 64 columns x BK rows per 64-column slab inside
  * the matrix; slabs past its last column are not loaded (they only feed
- * output rows/columns the epilogue clips). Returns the bytes issued. */
-template <int W, int BK>
+ * output rows/columns the epilogue clips). Returns the bytes issued.
+ * In a pair (CL = 2, VK_F_CLM) the stage is shared: each CTA's barrier
+ * expects every slab's bytes and this CTA (rank) loads the slabs sl with
+ * sl % 2 == rank into both CTAs by multicast. */
+template <int W, int BK, int CL>
 static __device__ __forceinline__ uint32_t vk_tma_operand(uint32_t sdst, const CUtensorMap *map,
                                                           uint32_t bar, int col0, int ncols,
-                                                          int row0)
+                                                          int row0, int rank)
 {
     uint32_t bytes = 0;
 #pragma unroll
@@ -326,30 +329,14 @@ static __device__ __forceinline__ uint32_t vk_tma_operand(uint32_t sdst, const C
         if (col0 + 64 * sl < ncols) bytes += BK * 128;
     mbar_arrive_expect_tx(bar, bytes);
 #pragma unroll
-    for (int sl = 0; sl < W / 64; sl++)
-        if (col0 + 64 * sl < ncols)
+    for (int sl = 0; sl < W / 64; sl++) {
+        if (col0 + 64 * sl >= ncols) continue;
+        if constexpr (CL == 1)
             tma_load_2d(sdst + sl * BK * 128, map, bar, col0 + 64 * sl, row0);
-    return bytes;
-}
-
-/* VK_F_CLM: the pair's shared N-side stage (whole k-tiles). Each CTA's
- * barrier expects every slab's bytes; this CTA (rank) loads the slabs sl
- * with sl % 2 == rank, into both CTAs by multicast. Slabs past the last
- * column are loaded by neither (as in vk_tma_operand). */
-template <int W, int BK>
-static __device__ __forceinline__ void vk_tma_operand_mc(uint32_t sdst, const CUtensorMap *map,
-                                                         uint32_t bar, int col0, int ncols,
-                                                         int row0, int rank)
-{
-    uint32_t bytes = 0;
-#pragma unroll
-    for (int sl = 0; sl < W / 64; sl++)
-        if (col0 + 64 * sl < ncols) bytes += BK * 128;
-    mbar_arrive_expect_tx(bar, bytes);
-#pragma unroll
-    for (int sl = 0; sl < W / 64; sl++)
-        if ((sl & 1) == rank && col0 + 64 * sl < ncols)
+        else if ((sl & 1) == rank)
             tma_load_2d_mc(sdst + sl * BK * 128, map, bar, col0 + 64 * sl, row0, 3);
+    }
+    return bytes;
 }
 
 /* A consumer warp's release of a stage: its own CTA's empty barrier and,
@@ -636,6 +623,7 @@ static __device__ __forceinline__ void vk_stage_tile(const vk_args &p, const flo
 static __device__ __forceinline__ void vk_store_piece(const vk_args &p, const CUtensorMap *omap,
                                                       uint32_t src, int e, int m0, int col)
 {
+    /* one 64 x 64 piece (two 32-row boxes) of vk_store_staged's block */
     if (!p.trans_out) { /* (E M, N): rows e M + m0 .., columns col .. */
         tma_store_2d(omap, src, col, e * p.M + m0);
         tma_store_2d(omap, src + 4096, col, e * p.M + m0 + 32);
@@ -771,7 +759,7 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
                 }
                 if (whole) {
                     if (t == 0)
-                        vk_tma_operand_mc<WC, BK>(sa + C_OFF, cmap, fb, ccol0, ccols, row0, rank);
+                        vk_tma_operand<WC, BK, 2>(sa + C_OFF, cmap, fb, ccol0, ccols, row0, rank);
                 } else {
                     int own_row[RPT];
 #pragma unroll
@@ -789,7 +777,8 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
                         cp_async_16_full(sa + G_OFF + dst_off[i] + sl * BK * 128, gp + 128 * sl);
                 }
                 if (C::TMA) {
-                    if (t == 0) vk_tma_operand<WC, BK>(sa + C_OFF, cmap, fb, ccol0, ccols, row0);
+                    if (t == 0)
+                        vk_tma_operand<WC, BK, 1>(sa + C_OFF, cmap, fb, ccol0, ccols, row0, 0);
                 } else {
 #pragma unroll
                     for (int i = 0; i < RPT; i++) {
@@ -972,6 +961,25 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
  * most as many as can be resident at once (the occupancy query, once per
  * kernel: the schedule is static, so a pair started late would run its
  * units last), at least one. */
+/* A launch of `ctas` CTAs in 1-D clusters of cl (the attribute lives in
+ * *at, which must outlive *lc). */
+static void vk_cluster_launch_config(cudaLaunchConfig_t *lc, cudaLaunchAttribute *at, int cl,
+                                     int ctas, size_t smem, cudaStream_t stream)
+{
+    memset(at, 0, sizeof *at);
+    at->id = cudaLaunchAttributeClusterDimension;
+    at->val.clusterDim.x = (unsigned)cl;
+    at->val.clusterDim.y = 1;
+    at->val.clusterDim.z = 1;
+    memset(lc, 0, sizeof *lc);
+    lc->gridDim = dim3((unsigned)ctas, 1, 1);
+    lc->blockDim = dim3(VK_THREADS, 1, 1);
+    lc->dynamicSmemBytes = smem;
+    lc->stream = stream;
+    lc->attrs = at;
+    lc->numAttrs = 1;
+}
+
 template <int BN, bool GATHER_A, int CFG>
 static int vk_clusters(int units, int num_sms, cudaError_t *err)
 {
@@ -980,19 +988,9 @@ static int vk_clusters(int units, int num_sms, cudaError_t *err)
     int mc = __atomic_load_n(&max_clusters, __ATOMIC_RELAXED);
     *err = cudaSuccess;
     if (mc <= 0) {
-        cudaLaunchAttribute at[1];
-        memset(at, 0, sizeof at);
-        at[0].id = cudaLaunchAttributeClusterDimension;
-        at[0].val.clusterDim.x = CL;
-        at[0].val.clusterDim.y = 1;
-        at[0].val.clusterDim.z = 1;
+        cudaLaunchAttribute at;
         cudaLaunchConfig_t lc;
-        memset(&lc, 0, sizeof lc);
-        lc.gridDim = dim3(CL, 1, 1);
-        lc.blockDim = dim3(VK_THREADS, 1, 1);
-        lc.dynamicSmemBytes = vk_smem_bytes<BN, CFG>();
-        lc.attrs = at;
-        lc.numAttrs = 1;
+        vk_cluster_launch_config(&lc, &at, CL, CL, vk_smem_bytes<BN, CFG>(), 0);
         *err = cudaOccupancyMaxActiveClusters(&mc, vk_varlen_k_kernel<BN, GATHER_A, CFG>, &lc);
         if (*err != cudaSuccess) return 0;
         if (mc <= 0) {
@@ -1025,20 +1023,9 @@ static smoe_status vk_launch(const vk_args *a, const CUtensorMap *map, const CUt
     } else {
         const int clusters = vk_clusters<BN, GATHER_A, CFG>(a->sched.total, num_sms, &err);
         if (err == cudaSuccess) {
-            cudaLaunchAttribute at[1];
-            memset(at, 0, sizeof at);
-            at[0].id = cudaLaunchAttributeClusterDimension;
-            at[0].val.clusterDim.x = CL;
-            at[0].val.clusterDim.y = 1;
-            at[0].val.clusterDim.z = 1;
+            cudaLaunchAttribute at;
             cudaLaunchConfig_t lc;
-            memset(&lc, 0, sizeof lc);
-            lc.gridDim = dim3((unsigned)(clusters * CL), 1, 1);
-            lc.blockDim = dim3(VK_THREADS, 1, 1);
-            lc.dynamicSmemBytes = smem;
-            lc.stream = stream;
-            lc.attrs = at;
-            lc.numAttrs = 1;
+            vk_cluster_launch_config(&lc, &at, CL, clusters * CL, smem, stream);
             err = cudaLaunchKernelEx(&lc, vk_varlen_k_kernel<BN, GATHER_A, CFG>, *a, *map, *omap);
         }
     }
