@@ -429,8 +429,11 @@ static const sm90_row sm90_vk_rows[] = {
      * takes the grouped pair (N >= 8192) and the plain row order elsewhere.
      * Also measured then and not kept: 4 stages beside a staged tile of one
      * 64 x 64 piece per warpgroup at a time (0.98-1.02x). */
-    {"128x256 tma cluster-m", 0, 4, 0, 0},
-    {"128x256 tma cluster-m grouped", 0, 4, 0, 0},
+    {"128x256 tma cluster-m (x192 or x128 where N % 256 != 0; bf16 staged where d >= 2048)", 0,
+     4, 0, 0},
+    {"128x256 tma cluster-m grouped (x192 or x128 where N % 256 != 0; bf16 staged where d >= "
+     "2048)",
+     0, 4, 0, 0},
 };
 
 /* GEMM g's table (NULL for dw1, dw2) and its length. */
