@@ -620,22 +620,6 @@ static __device__ __forceinline__ void vk_stage_tile(const vk_args &p, const flo
  * map). Rows past M (M % 64 == 0: the whole block) and pieces past N (N %
  * 64 == 0) are another expert's or outside: not stored; columns past the
  * output's last are clipped by the TMA unit. */
-static __device__ __forceinline__ void vk_store_piece(const vk_args &p, const CUtensorMap *omap,
-                                                      uint32_t src, int e, int m0, int col)
-{
-    /* one 64 x 64 piece (two 32-row boxes) of vk_store_staged's block */
-    if (!p.trans_out) { /* (E M, N): rows e M + m0 .., columns col .. */
-        tma_store_2d(omap, src, col, e * p.M + m0);
-        tma_store_2d(omap, src + 4096, col, e * p.M + m0 + 32);
-    } else if (!p.map_rows) { /* (E N, M): rows e N + col .., columns m0 .. */
-        tma_store_2d(omap, src, m0, e * p.N + col);
-        tma_store_2d(omap, src + 4096, m0, e * p.N + col + 32);
-    } else { /* logical rows col .. col + 63: gate rows col / 2 .., up rows n + col / 2 .. */
-        tma_store_2d(omap, src, m0, e * p.N + col / 2);
-        tma_store_2d(omap, src + 4096, m0, e * p.N + p.n_half + col / 2);
-    }
-}
-
 template <int BN>
 static __device__ __forceinline__ void vk_store_staged(const vk_args &p, const CUtensorMap *omap,
                                                        uint32_t wst, int e, int m0, int n0)
@@ -645,7 +629,17 @@ static __device__ __forceinline__ void vk_store_staged(const vk_args &p, const C
     for (int c = 0; c < BN / 64; c++) {
         const int col = n0 + 64 * c;
         if (col >= p.N) break;
-        vk_store_piece(p, omap, wst + c * 8192, e, m0, col);
+        const uint32_t src = wst + c * 8192;
+        if (!p.trans_out) { /* (E M, N): rows e M + m0 .., columns col .. */
+            tma_store_2d(omap, src, col, e * p.M + m0);
+            tma_store_2d(omap, src + 4096, col, e * p.M + m0 + 32);
+        } else if (!p.map_rows) { /* (E N, M): rows e N + col .., columns m0 .. */
+            tma_store_2d(omap, src, m0, e * p.N + col);
+            tma_store_2d(omap, src + 4096, m0, e * p.N + col + 32);
+        } else { /* logical rows col .. col + 63: gate rows col / 2 .., up rows n + col / 2 .. */
+            tma_store_2d(omap, src, m0, e * p.N + col / 2);
+            tma_store_2d(omap, src + 4096, m0, e * p.N + p.n_half + col / 2);
+        }
     }
 }
 
@@ -957,10 +951,6 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
  * row capacity; only whole k-tiles of an expert are loaded through it, so no
  * row past R is read. */
 
-/* VK_F_CLM: the pairs to launch for `units` units: at most num_sms / 2, at
- * most as many as can be resident at once (the occupancy query, once per
- * kernel: the schedule is static, so a pair started late would run its
- * units last), at least one. */
 /* A launch of `ctas` CTAs in 1-D clusters of cl (the attribute lives in
  * *at, which must outlive *lc). */
 static void vk_cluster_launch_config(cudaLaunchConfig_t *lc, cudaLaunchAttribute *at, int cl,
@@ -980,6 +970,10 @@ static void vk_cluster_launch_config(cudaLaunchConfig_t *lc, cudaLaunchAttribute
     lc->numAttrs = 1;
 }
 
+/* VK_F_CLM: the pairs to launch for `units` units: at most num_sms / 2, at
+ * most as many as can be resident at once (the occupancy query, once per
+ * kernel: the schedule is static, so a pair started late would run its
+ * units last), at least one. */
 template <int BN, bool GATHER_A, int CFG>
 static int vk_clusters(int units, int num_sms, cudaError_t *err)
 {
