@@ -704,6 +704,14 @@ def measure(impl, prob, ref, args, timer):
                     f.write(peak_detail(snap, "%s %s" % (impl.name, prob_name(prob)),
                                         float(rec["peak_gib"])))
             del g
+        if args.kernels and timer.cuda:
+            try:
+                text = kernel_table(fwd, fwd_bwd, timer, "%s %s" % (impl.name, prob_name(prob)))
+            except Exception as e:  # a diagnostic: the timings above stand without it
+                text = "## %s %s: no kernel table (%s: %s)\n" % (impl.name, prob_name(prob),
+                                                                  type(e).__name__, e)
+            with open(args.kernels, "a") as f:
+                f.write(text)
         rec["status"] = "ok"
         return rec
     finally:
@@ -754,6 +762,64 @@ def peak_detail(snap, title, peak_gib, top=14):
     for k, (n, b) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
         lines.append("  %10.2f MiB  %3d x  %s" % (b / 2 ** 20, n, k))
     return "\n".join(lines) + "\n"
+
+
+def kernel_times(fn, timer, reps):
+    """[(kernel name, calls, GPU us per call of fn)] in the order of first
+    launch, and the span (us from the first kernel's start to the last's
+    end) per call, from torch.profiler over `reps` calls of fn, each after
+    the timer's GPU delay (no L2 flush: its kernel would be listed)."""
+    from torch.profiler import profile, ProfilerActivity
+    fn()
+    timer.sync()
+    spans = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            if timer.delay_cycles:
+                torch.cuda._sleep(timer.delay_cycles)
+            fn()
+            timer.sync()
+    evs = [e for e in prof.events() if getattr(e, "device_type", None) is not None
+           and str(e.device_type).endswith("CUDA")]
+    # torch.cuda._sleep's kernel (the delay) is not the layer's
+    evs = [e for e in evs if "spin_kernel" not in e.name and "sleep" not in e.name.lower()]
+    evs.sort(key=lambda e: e.time_range.start)
+    order, agg = [], {}
+    for e in evs:
+        if e.name not in agg:
+            order.append(e.name)
+            agg[e.name] = [0, 0.0]
+        agg[e.name][0] += 1
+        agg[e.name][1] += e.time_range.end - e.time_range.start
+    # the span of each call: calls are separated by the delay (a gap far
+    # longer than any gap inside a call)
+    gap = timer.delay_ms * 1e3 / 2 if timer.delay_cycles else float("inf")
+    if evs:
+        s0, end = evs[0].time_range.start, evs[0].time_range.end
+        for e in evs[1:]:
+            if e.time_range.start - end > gap:
+                spans.append(end - s0)
+                s0 = e.time_range.start
+            end = max(end, e.time_range.end)
+        spans.append(end - s0)
+    rows = [(n, agg[n][0] / reps, agg[n][1] / reps) for n in order]
+    return rows, (statistics.median(spans) if spans else 0.0)
+
+
+def kernel_table(fwd, fwd_bwd, timer, title, reps=5):
+    """Text for --kernels: each GPU kernel of the forward and of forward +
+    backward, its launches and GPU time per call, the sum and the span."""
+    out = []
+    for what, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
+        rows, span = kernel_times(fn, timer, reps)
+        tot = sum(r[2] for r in rows)
+        out.append("## %s %s: kernels %.1f us, span %.1f us (first start to last end)"
+                   % (title, what, tot, span))
+        for name, calls, us in rows:
+            short = name if len(name) <= 110 else name[:107] + "..."
+            out.append("  %9.1f us %5.1f%% %4.1f x  %s" % (us, 100 * us / tot if tot else 0,
+                                                          calls, short))
+    return "\n".join(out) + "\n"
 
 
 def git_commit():
@@ -958,6 +1024,9 @@ def main():
     ap.add_argument("--peak-detail", metavar="FILE",
                     help="append, per implementation and row, the allocations live at the "
                     "forward+backward's peak (allocator history replayed; slower)")
+    ap.add_argument("--kernels", metavar="FILE",
+                    help="append each implementation's GPU kernels per forward and per "
+                         "forward+backward (torch.profiler: name, launches, us) to FILE")
     ap.add_argument("--time-budget", type=float, default=0,
                     help="seconds; configurations not started by then are skipped (0: none)")
     args = ap.parse_args()
