@@ -11,9 +11,18 @@
  * is written once.
  *
  * One block per token, each thread owning 8 consecutive columns (16-byte
- * loads) when d is a multiple of 8, else 1. The sum runs in assignment order
- * in fp32 (fma), so results are deterministic and do not depend on the
- * launch shape. Each token gathers its rows: no atomics, no scatter.
+ * loads) when d is a multiple of 8, else 1. Where every token has exactly K
+ * assignments (top-K routing without token rounding: token t's are t K ..
+ * t K + K - 1, so no token_offset is read), the _k kernels instead give
+ * each thread one (token, 8-column chunk) item of the flattened T x d / 8
+ * items (1 column where d % 8 != 0) and read the token's rows AGG_UNROLL
+ * at a time, the indices past K predicated off, so that all of a short
+ * token's loads are in flight at once (layer forward +1-2% at K = 2 and
+ * 4, d = 768 and 1536: notes/sm90_log.md rung 23). The sum runs in
+ * assignment order in fp32 (fma) in every kernel, so results are
+ * deterministic, bitwise the same in both kinds of kernel, and do not
+ * depend on the launch shape. Each token gathers its rows: no atomics, no
+ * scatter.
  */
 #include "cuda/cuda_common.h"
 
@@ -105,6 +114,39 @@ k_aggregate_forward(int64_t T, int64_t d, const int32_t *__restrict__ token_offs
     }
 }
 
+/* The backward's last step for token t's columns c .. c + VEC - 1: the dense
+ * router term and the column term added, then dx written (fp32 or bf16,
+ * overwritten or accumulated). */
+template <int VEC>
+static __device__ __forceinline__ void agg_backward_store(float *acc, int64_t t, int64_t c,
+                                                          int64_t d, const float *extra,
+                                                          const float *col, void *dx, int dx_f32,
+                                                          int accumulate)
+{
+    if (extra) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] += extra[t * d + c + i];
+    }
+    if (col) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] += col[c + i];
+    }
+    if (dx_f32) {
+        float *o = (float *)dx + t * d + c;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) o[i] = accumulate ? o[i] + acc[i] : acc[i];
+    } else {
+        bf16 *o = (bf16 *)dx + t * d + c;
+        if (accumulate) {
+            float old[VEC];
+            vec_io<VEC>::load(o, old);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[i] += old[i];
+        }
+        vec_io<VEC>::store(o, acc);
+    }
+}
+
 template <int VEC>
 __global__ void __launch_bounds__(AGG_THREADS)
 k_aggregate_backward(int64_t T, int64_t d, const int32_t *__restrict__ token_offset,
@@ -158,48 +200,157 @@ k_aggregate_backward(int64_t T, int64_t d, const int32_t *__restrict__ token_off
                     for (int i = 0; i < VEC; ++i) acc[i] = fmaf(g, v[i], acc[i]);
                 }
             }
-            if (extra) {
-#pragma unroll
-                for (int i = 0; i < VEC; ++i) acc[i] += extra[t * d + c + i];
-            }
-            if (col) {
-#pragma unroll
-                for (int i = 0; i < VEC; ++i) acc[i] += col[c + i];
-            }
-            if (dx_f32) {
-                float *o = (float *)dx + t * d + c;
-#pragma unroll
-                for (int i = 0; i < VEC; ++i) o[i] = accumulate ? o[i] + acc[i] : acc[i];
-            } else {
-                bf16 *o = (bf16 *)dx + t * d + c;
-                if (accumulate) {
-                    float old[VEC];
-                    vec_io<VEC>::load(o, old);
-#pragma unroll
-                    for (int i = 0; i < VEC; ++i) acc[i] += old[i];
-                }
-                vec_io<VEC>::store(o, acc);
-            }
+            agg_backward_store<VEC>(acc, t, c, d, extra, col, dx, dx_f32, accumulate);
         }
     }
 }
 
-static unsigned agg_grid(int64_t T)
+/* ------------------------------------------------- exactly K rows per token */
+
+/* Item g of the flattened T x d / VEC (token, VEC-column chunk) items: the
+ * token and the chunk's first column. A 32-bit division where the items
+ * fit (a 64-bit division is a long subroutine). */
+template <int VEC>
+static __device__ __forceinline__ void agg_item(int64_t g, int64_t cols, bool narrow, int64_t *t,
+                                                int64_t *c)
 {
-    return (unsigned)(T < 1 ? 1 : T < (1 << 20) ? T : (1 << 20)); /* 1 for T = 0: the header */
+    if (narrow) {
+        const uint32_t gg = (uint32_t)g, cc = (uint32_t)cols, tt = gg / cc;
+        *t = tt;
+        *c = (int64_t)(gg - tt * cc) * VEC;
+    } else {
+        *t = g / cols;
+        *c = (g - *t * cols) * VEC;
+    }
+}
+
+#define AGG_ITEMS_LOOP(T, d)                                                                     \
+    const int64_t cols = (d) / VEC, items = (T) * cols;                                          \
+    const bool narrow = items <= (int64_t)UINT32_MAX;                                            \
+    for (int64_t g = (int64_t)blockIdx.x * AGG_THREADS + threadIdx.x; g < items;                 \
+         g += (int64_t)gridDim.x * AGG_THREADS)
+
+template <int VEC, bool SCORED>
+__global__ void __launch_bounds__(AGG_THREADS)
+k_aggregate_forward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ assign_row,
+                      const float *__restrict__ row_score, const bf16 *__restrict__ y,
+                      bf16 *__restrict__ out, smoe_saved_header *header, smoe_saved_header h,
+                      const int *abort)
+{
+    if (header && blockIdx.x == 0 && threadIdx.x == 0) {
+        h.status = abort ? *abort : 0;
+        *header = h;
+    }
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
+    AGG_ITEMS_LOOP(T, d)
+    {
+        int64_t t, c;
+        agg_item<VEC>(g, cols, narrow, &t, &c);
+        const int32_t *rows = assign_row + t * K;
+        float acc[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
+        for (int a = 0; a < K; a += AGG_UNROLL) {
+            int r[AGG_UNROLL];
+            float sc[AGG_UNROLL], v[AGG_UNROLL][VEC];
+#pragma unroll
+            for (int j = 0; j < AGG_UNROLL; ++j) r[j] = a + j < K ? rows[a + j] : -1;
+#pragma unroll
+            for (int j = 0; j < AGG_UNROLL; ++j) {
+                sc[j] = r[j] < 0 ? 0.0f : SCORED ? row_score[r[j]] : 1.0f;
+                if (r[j] >= 0) vec_io<VEC>::load(y + (int64_t)r[j] * d + c, v[j]);
+            }
+#pragma unroll
+            for (int j = 0; j < AGG_UNROLL; ++j) {
+                if (r[j] < 0) continue;
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[i] = fmaf(sc[j], v[j][i], acc[i]);
+            }
+        }
+        vec_io<VEC>::store(out + t * d + c, acc);
+    }
+}
+
+template <int VEC>
+__global__ void __launch_bounds__(AGG_THREADS)
+k_aggregate_backward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ assign_row,
+                       const bf16 *__restrict__ dxt, const float *__restrict__ extra,
+                       const float *__restrict__ assign_dl,
+                       const int32_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
+                       const float *__restrict__ col, void *__restrict__ dx, int dx_f32,
+                       int accumulate, const int *abort)
+{
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
+    AGG_ITEMS_LOOP(T, d)
+    {
+        int64_t t, c;
+        agg_item<VEC>(g, cols, narrow, &t, &c);
+        const int64_t a0 = t * K;
+        float acc[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
+        for (int a = 0; a < K; a += AGG_UNROLL) {
+            int r[AGG_UNROLL];
+            float v[AGG_UNROLL][VEC];
+#pragma unroll
+            for (int j = 0; j < AGG_UNROLL; ++j) r[j] = a + j < K ? assign_row[a0 + a + j] : -1;
+#pragma unroll
+            for (int j = 0; j < AGG_UNROLL; ++j)
+                if (r[j] >= 0) vec_io<VEC>::load(dxt + (int64_t)r[j] * d + c, v[j]);
+#pragma unroll
+            for (int j = 0; j < AGG_UNROLL; ++j) {
+                if (r[j] < 0) continue;
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[i] += v[j][i];
+                if (assign_dl) {
+                    const float gl = assign_dl[a0 + a + j];
+                    float w[VEC];
+                    vec_io<VEC>::load(wr + (int64_t)assign_expert[a0 + a + j] * d + c, w);
+#pragma unroll
+                    for (int i = 0; i < VEC; ++i) acc[i] = fmaf(gl, w[i], acc[i]);
+                }
+            }
+        }
+        agg_backward_store<VEC>(acc, t, c, d, extra, col, dx, dx_f32, accumulate);
+    }
+}
+#undef AGG_ITEMS_LOOP
+
+/* Blocks for `work` units (tokens, or tokens x d / 8 items) of one thread
+ * block or one thread each (per): grid-stride past 2^20 blocks; 1 for T =
+ * 0 (the forward's header). */
+static unsigned agg_grid(int64_t work, int per)
+{
+    const int64_t b = (work + per - 1) / per;
+    return (unsigned)(b < 1 ? 1 : b < (1 << 20) ? b : (1 << 20));
 }
 
 static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *token_offset,
-                                        const int32_t *assign_row, const float *row_score,
-                                        const bf16 *y, bf16 *out, smoe_saved_header *header,
-                                        smoe_saved_header h, const int *abort,
-                                        cudaStream_t stream)
+                                        int k_uniform, const int32_t *assign_row,
+                                        const float *row_score, const bf16 *y, bf16 *out,
+                                        smoe_saved_header *header, smoe_saved_header h,
+                                        const int *abort, cudaStream_t stream)
 {
     const bool v8 = d % 8 == 0 && aligned16(y) && aligned16(out);
+    if (k_uniform > 0) {
+#define AGG_FWD_K(V, S)                                                                          \
+    k_aggregate_forward_k<V, S><<<agg_grid(T * (d / V), AGG_THREADS), AGG_THREADS, 0, stream>>>( \
+        T, d, k_uniform, assign_row, row_score, y, out, header, h, abort)
+        if (row_score) {
+            if (v8) AGG_FWD_K(8, true);
+            else AGG_FWD_K(1, true);
+        } else {
+            if (v8) AGG_FWD_K(8, false);
+            else AGG_FWD_K(1, false);
+        }
+#undef AGG_FWD_K
+        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_k");
+        return SMOE_SUCCESS;
+    }
 #define AGG_FWD(V, S)                                                                        \
-    k_aggregate_forward<V, S><<<agg_grid(T), AGG_THREADS, 0, stream>>>(                      \
+    k_aggregate_forward<V, S><<<agg_grid(T, 1), AGG_THREADS, 0, stream>>>(                      \
         T, d, token_offset, assign_row, row_score, y, out, header, h, abort)
     if (row_score) {
         if (v8) AGG_FWD(8, true);
@@ -214,19 +365,34 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
 }
 
 smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *token_offset,
-                                         const int32_t *assign_row, const bf16 *dxt,
-                                         const float *extra, const float *assign_dl,
-                                         const int32_t *assign_expert, const bf16 *wr,
-                                         const float *col, void *dx, smoe_dtype dx_dtype,
-                                         int accumulate, const int *abort, cudaStream_t stream)
+                                         int k_uniform, const int32_t *assign_row,
+                                         const bf16 *dxt, const float *extra,
+                                         const float *assign_dl, const int32_t *assign_expert,
+                                         const bf16 *wr, const float *col, void *dx,
+                                         smoe_dtype dx_dtype, int accumulate, const int *abort,
+                                         cudaStream_t stream)
 {
     const int f32 = dx_dtype == SMOE_DTYPE_F32;
-    if (d % 8 == 0 && aligned16(dxt) && aligned16(dx) && (!wr || aligned16(wr)))
-        k_aggregate_backward<8><<<agg_grid(T), AGG_THREADS, 0, stream>>>(
+    const bool v8 = d % 8 == 0 && aligned16(dxt) && aligned16(dx) && (!wr || aligned16(wr));
+    if (k_uniform > 0) {
+        if (v8)
+            k_aggregate_backward_k<8><<<agg_grid(T * (d / 8), AGG_THREADS), AGG_THREADS, 0,
+                                        stream>>>(T, d, k_uniform, assign_row, dxt, extra,
+                                                  assign_dl, assign_expert, wr, col, dx, f32,
+                                                  accumulate, abort);
+        else
+            k_aggregate_backward_k<1><<<agg_grid(T * d, AGG_THREADS), AGG_THREADS, 0, stream>>>(
+                T, d, k_uniform, assign_row, dxt, extra, assign_dl, assign_expert, wr, col, dx,
+                f32, accumulate, abort);
+        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_backward_k");
+        return SMOE_SUCCESS;
+    }
+    if (v8)
+        k_aggregate_backward<8><<<agg_grid(T, 1), AGG_THREADS, 0, stream>>>(
             T, d, token_offset, assign_row, dxt, extra, assign_dl, assign_expert, wr, col, dx,
             f32, accumulate, abort);
     else
-        k_aggregate_backward<1><<<agg_grid(T), AGG_THREADS, 0, stream>>>(
+        k_aggregate_backward<1><<<agg_grid(T, 1), AGG_THREADS, 0, stream>>>(
             T, d, token_offset, assign_row, dxt, extra, assign_dl, assign_expert, wr, col, dx,
             f32, accumulate, abort);
     SMOE_CUDA_LAUNCH_CHECK("k_aggregate_backward");

@@ -245,27 +245,33 @@ smoe_status smoe_cuda_metadata_beside(int64_t E, int64_t cap, smoe_assign_dev in
 
 /* Forward: out[t] = sum_a row_score[row_a] * y[row_a] over the token's
  * assignments (fp32 sums in assignment order; row_score NULL: 1; rows -1
- * skipped), bf16 out. The forward's last
+ * skipped), bf16 out. The assignments of token t are [token_offset[t],
+ * token_offset[t + 1]), or with k_uniform > 0 (every token has exactly
+ * that many: top-K routing without token rounding) t k_uniform ..
+ * (t + 1) k_uniform - 1, read without token_offset. The forward's last
  * kernel, so it also writes the saved block's header (header not NULL, a
  * training forward): `h` with status = the call's status code, also when
  * a failed check (abort) leaves the rest of the kernel undone. */
 smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *token_offset,
-                                        const int32_t *assign_row, const float *row_score,
-                                        const bf16 *y, bf16 *out, smoe_saved_header *header,
-                                        smoe_saved_header h, const int *abort,
-                                        cudaStream_t stream);
+                                        int k_uniform, const int32_t *assign_row,
+                                        const float *row_score, const bf16 *y, bf16 *out,
+                                        smoe_saved_header *header, smoe_saved_header h,
+                                        const int *abort, cudaStream_t stream);
 
 /* Backward: dx[t] (op)= sum_a (dxt[row_a] + dl_a * wr[e_a]) (+ extra[t])
  * (+ col), into dtype BF16 or F32, overwritten or accumulated. extra (T, d)
  * fp32 may be NULL; assign_dl (cap) fp32 with assign_expert, wr (E, d) and
  * col (d, fp32: wr_nf of smoe_cuda_backward_prologue) may be NULL (no
- * per-pair router term). */
+ * per-pair router term). Token offsets or k_uniform as in the forward
+ * (with k_uniform, assign_row, assign_dl and assign_expert start at the
+ * first token's first assignment). */
 smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *token_offset,
-                                         const int32_t *assign_row, const bf16 *dxt,
-                                         const float *extra, const float *assign_dl,
-                                         const int32_t *assign_expert, const bf16 *wr,
-                                         const float *col, void *dx, smoe_dtype dx_dtype,
-                                         int accumulate, const int *abort, cudaStream_t stream);
+                                         int k_uniform, const int32_t *assign_row,
+                                         const bf16 *dxt, const float *extra,
+                                         const float *assign_dl, const int32_t *assign_expert,
+                                         const bf16 *wr, const float *col, void *dx,
+                                         smoe_dtype dx_dtype, int accumulate, const int *abort,
+                                         cudaStream_t stream);
 
 /* ------------------------------------------------------------ router_backward.cu */
 

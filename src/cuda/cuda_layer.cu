@@ -433,8 +433,10 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
                   gs, s);
         timer_mark(st, 0, "down", s);
     }
+    /* every token has exactly K rows with top-K routing and no rounding */
+    const int k_uniform = (!general && !rounding) ? (int)d->K : 0;
     SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_forward(
-        T, d->d, v.token_offset, v.assign_row, v.row_score, y, (bf16 *)args->out,
+        T, d->d, v.token_offset, k_uniform, v.assign_row, v.row_score, y, (bf16 *)args->out,
         training ? v.header : NULL, smoe_saved_header_make(layer, T, args->pairs), abort, s));
     timer_mark(st, 0, "aggregate", s);
     return SMOE_SUCCESS;
@@ -451,6 +453,8 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     const int64_t T = args->T, cap = sl->cap;
     const int general = d->routing == SMOE_ROUTING_GENERAL;
     const int rounding = d->rounding != SMOE_ROUND_OFF;
+    /* every token has exactly K rows with top-K routing and no rounding */
+    const int k_uniform = (!general && !rounding) ? (int)d->K : 0;
 
     ws_layout w;
     ws_make(layer, T, cap, &w);
@@ -581,8 +585,8 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
                     (const void *const *)(sp + 3 * i), d->d, (const void *const *)(sp + 3 * i + 1),
                     E2, sp + 3 * i + 2, d->d));
                 SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(
-                    tn, d->d, v.token_offset + t0, v.assign_row, dxt, dxr, NULL,
-                    v.assign_expert, NULL, NULL,
+                    tn, d->d, v.token_offset + t0, k_uniform, v.assign_row + t0 * k_uniform,
+                    dxt, dxr, NULL, v.assign_expert + t0 * k_uniform, NULL, NULL,
                     (char *)args->dx.ptr + (size_t)t0 * (size_t)d->d * dx_es, args->dx.dtype,
                     args->dx.accumulate, abort, s));
             }
@@ -591,7 +595,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     }
     if (want_dx && !dense_dx)
         SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(
-            T, d->d, v.token_offset, v.assign_row, dxt, NULL, dla, v.assign_expert,
+            T, d->d, v.token_offset, k_uniform, v.assign_row, dxt, NULL, dla, v.assign_expert,
             dla ? (const bf16 *)args->router_w : NULL, wr_nf, args->dx.ptr, args->dx.dtype,
             args->dx.accumulate, abort, s));
     timer_mark(st, 1, "aggregate dx", s);

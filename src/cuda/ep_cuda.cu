@@ -484,7 +484,7 @@ static smoe_status piece_backward(const smoe_ep_layer *ep, const smoe_saved_view
 {
     const int64_t C = ep->C;
     SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(
-        v1 - v0, ep->desc.layer.d, v->token_offset + v0, v->assign_row, dxt, NULL, NULL, NULL,
+        v1 - v0, ep->desc.layer.d, v->token_offset + v0, 0, v->assign_row, dxt, NULL, NULL, NULL,
         NULL, NULL, out, SMOE_DTYPE_BF16, 0, abort, s));
     k_ep_ds_scatter<<<blocks_for(ep->rows, 256), 256, 0, s>>>(
         v0, v1, (int64_t)ep->r * C, (int64_t)(ep->r + 1) * C, (int)ep->Kmax, v->token_offset,
@@ -709,7 +709,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             int64_t w0 = v0;
             if (!own_rows_sum(ep, c, &w0)) continue;
             bf16 *out = (bf16 *)((peers ? part : part_recv) + (size_t)w0 * row);
-            TRY(smoe_cuda_aggregate_forward(v1 - w0, d, v.token_offset + w0, v.assign_row,
+            TRY(smoe_cuda_aggregate_forward(v1 - w0, d, v.token_offset + w0, 0, v.assign_row,
                                             v.row_score, y, out, NULL, hdr, abort, s));
             if (peers) TRY(ce_partials_back(ep, c, part, part_recv, v0, row, s));
         }
@@ -728,7 +728,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
                 if (!piece(ep, c, q, &v0, &v1)) continue;
                 if (q == self && !own_rows_sum(ep, c, &v0)) continue;
                 bf16 *out = (bf16 *)((q == self ? part_recv : part) + (size_t)v0 * (size_t)d * 2);
-                TRY(smoe_cuda_aggregate_forward(v1 - v0, d, v.token_offset + v0, v.assign_row,
+                TRY(smoe_cuda_aggregate_forward(v1 - v0, d, v.token_offset + v0, 0, v.assign_row,
                                                 v.row_score, y, out, NULL, hdr, abort, s));
             }
             if (P > 1) {
@@ -744,11 +744,11 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         /* 6. partials summed over the entries in rank order */
         if (T > 0) {
             TRY(smoe_cuda_aggregate_forward(
-                T, d, ent_off, pidx, NULL, (const bf16 *)part_recv, (bf16 *)args->out,
+                T, d, ent_off, 0, pidx, NULL, (const bf16 *)part_recv, (bf16 *)args->out,
                 training ? (smoe_saved_header *)(sb + S.header) : NULL, hdr, abort, s));
         } else if (training) {
             /* no token to aggregate: the header alone (status included) */
-            TRY(smoe_cuda_aggregate_forward(0, d, ent_off, pidx, NULL, (const bf16 *)part_recv,
+            TRY(smoe_cuda_aggregate_forward(0, d, ent_off, 0, pidx, NULL, (const bf16 *)part_recv,
                                             NULL, (smoe_saved_header *)(sb + S.header), hdr,
                                             abort, s));
         }
@@ -987,7 +987,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             TRYL("k_ep_dps_out");
         }
         if (args->dx.ptr && T > 0)
-            TRY(smoe_cuda_aggregate_backward(T, d, ent_off, pidx, (const bf16 *)part_recv, dxr,
+            TRY(smoe_cuda_aggregate_backward(T, d, ent_off, 0, pidx, (const bf16 *)part_recv, dxr,
                                              NULL, NULL, NULL, NULL, args->dx.ptr,
                                              args->dx.dtype, args->dx.accumulate, abort, s));
     }

@@ -15,6 +15,13 @@
  *   - metadata: expert offsets, rows sorted by expert then token,
  *     assign_row a permutation, row_token / row_score matching, counts;
  *   - determinism: a second run gives the same bytes;
+ *   - the aggregation kernels (aggregate.cu) on each token-choice case's
+ *     rows: forward and backward with token offsets and with exactly K rows
+ *     per token (k_uniform), bit for bit against each other and against a
+ *     host sum in the same order (fmaf), d = 64, 40 and 20 (16-byte and
+ *     scalar columns), scored and unscored, the backward with the per-pair
+ *     router term and the column term into bf16, and with a dense fp32
+ *     term accumulated into fp32 in two token chunks;
  *   - the small and edge cases twice: with the metadata's cooperative
  *     launch (as the layer runs it where the tiles fit) and through its
  *     two-launch path (smoe_cuda_metadata_beside, as the expert-parallel
@@ -158,6 +165,131 @@ static struct {
     int bias;
 } g_sig = {0, 0, 1.0, 0};
 
+/* ------------------------------------------------------------ aggregation */
+
+static uint16_t *rand_bf16(size_t n)
+{
+    uint16_t *h = (uint16_t *)malloc(n * 2);
+    for (size_t i = 0; i < n; i++) h[i] = tu_f32_to_bf16((float)(2.0 * tu_uniform(&g_rng) - 1.0));
+    return h;
+}
+
+static float *rand_f32(size_t n)
+{
+    float *h = (float *)malloc(n * 4);
+    for (size_t i = 0; i < n; i++) h[i] = (float)(2.0 * tu_uniform(&g_rng) - 1.0);
+    return h;
+}
+
+/* The forward and backward aggregations on one routing run's rows (T
+ * tokens, exactly K each): with token offsets and with k_uniform, against
+ * each other and the host's sums in assignment order, bit for bit. */
+static void check_aggregate(const dev_run *r, const host_run *g, int64_t T, int64_t E, int64_t K)
+{
+    static const int64_t ds[3] = {64, 40, 20};
+    for (int di = 0; di < 3; di++) {
+        const int64_t d = ds[di], R = g->R;
+        uint16_t *yh = rand_bf16((size_t)(R * d));
+        float *dlh = rand_f32((size_t)R), *exh = rand_f32((size_t)(T * d));
+        float *colh = rand_f32((size_t)d), *dx0 = rand_f32((size_t)(T * d));
+        uint16_t *wrh = rand_bf16((size_t)(E * d));
+        bf16 *y = (bf16 *)tu_dev_put(yh, (size_t)(R * d) * 2);
+        bf16 *wr = (bf16 *)tu_dev_put(wrh, (size_t)(E * d) * 2);
+        float *dl = (float *)tu_dev_put(dlh, (size_t)R * 4);
+        float *ex = (float *)tu_dev_put(exh, (size_t)(T * d) * 4);
+        float *col = (float *)tu_dev_put(colh, (size_t)d * 4);
+        bf16 *ob = (bf16 *)tu_dev_alloc((size_t)(T * d) * 2);
+        float *of = (float *)tu_dev_alloc((size_t)(T * d) * 4);
+        uint16_t *want_b = (uint16_t *)malloc((size_t)(T * d) * 2);
+        float *want_f = (float *)malloc((size_t)(T * d) * 4);
+        smoe_saved_header hdr;
+        memset(&hdr, 0, sizeof hdr);
+        /* scored only where every score is finite (a NaN's bits after the
+         * sums are the device's, not the host's) */
+        int finite = 1;
+        for (int64_t i = 0; i < R; i++) finite &= isfinite(g->rsc[i]) != 0;
+        for (int scored = 0; scored < 1 + finite; scored++) {
+            /* forward: out[t] = sum_a score[row_a] y[row_a] */
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t c = 0; c < d; c++) {
+                    float acc = 0.0f;
+                    for (int32_t a = g->toff[t]; a < g->toff[t + 1]; a++) {
+                        const int32_t row = g->arow[a];
+                        acc = fmaf(scored ? g->rsc[row] : 1.0f,
+                                   tu_bf16_to_f32(yh[(size_t)(row * d + c)]), acc);
+                    }
+                    want_b[t * d + c] = tu_f32_to_bf16(acc);
+                }
+            for (int ku = 0; ku < 2; ku++) {
+                tu_dev_poison(ob, (size_t)(T * d) * 2);
+                CHECK_OK(smoe_cuda_aggregate_forward(T, d, ku ? NULL : r->as.token_offset,
+                                                     ku ? (int)K : 0, r->arow,
+                                                     scored ? r->rsc : NULL, y, ob, NULL, hdr,
+                                                     NULL, 0));
+                uint16_t *got = (uint16_t *)tu_dev_fetch(ob, (size_t)(T * d) * 2);
+                CHECK(!memcmp(got, want_b, (size_t)(T * d) * 2),
+                      "aggregate forward (d %lld, %s, %s) differs from the host's sums",
+                      (long long)d, scored ? "scored" : "unscored",
+                      ku ? "k_uniform" : "token offsets");
+                free(got);
+            }
+        }
+        /* backward into bf16: dx[t] = sum_a (dxt[row_a] + dl_a wr[e_a]) + col */
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t c = 0; c < d; c++) {
+                float acc = 0.0f;
+                for (int32_t a = g->toff[t]; a < g->toff[t + 1]; a++) {
+                    acc += tu_bf16_to_f32(yh[(size_t)(g->arow[a] * d + c)]);
+                    acc = fmaf(dlh[a], tu_bf16_to_f32(wrh[(size_t)(g->ex[a] * d + c)]), acc);
+                }
+                want_b[t * d + c] = tu_f32_to_bf16(acc + colh[c]);
+            }
+        for (int ku = 0; ku < 2; ku++) {
+            tu_dev_poison(ob, (size_t)(T * d) * 2);
+            CHECK_OK(smoe_cuda_aggregate_backward(T, d, ku ? NULL : r->as.token_offset,
+                                                  ku ? (int)K : 0, r->arow, y, NULL, dl,
+                                                  r->as.expert, wr, col, ob, SMOE_DTYPE_BF16, 0,
+                                                  NULL, 0));
+            uint16_t *got = (uint16_t *)tu_dev_fetch(ob, (size_t)(T * d) * 2);
+            CHECK(!memcmp(got, want_b, (size_t)(T * d) * 2),
+                  "aggregate backward into bf16 (d %lld, %s) differs from the host's sums",
+                  (long long)d, ku ? "k_uniform" : "token offsets");
+            free(got);
+        }
+        /* backward into fp32, accumulated, with the dense term extra, in
+         * two chunks of tokens (k_uniform: the rows from the chunk's first
+         * assignment, as the layer's dXr chunks pass them) */
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t c = 0; c < d; c++) {
+                float acc = 0.0f;
+                for (int32_t a = g->toff[t]; a < g->toff[t + 1]; a++)
+                    acc += tu_bf16_to_f32(yh[(size_t)(g->arow[a] * d + c)]);
+                acc += exh[t * d + c];
+                want_f[t * d + c] = dx0[t * d + c] + acc;
+            }
+        const int64_t t1 = T / 3;
+        for (int ku = 0; ku < 2; ku++) {
+            CUDA_OK(cudaMemcpy(of, dx0, (size_t)(T * d) * 4, cudaMemcpyHostToDevice));
+            for (int part = 0; part < 2; part++) {
+                const int64_t t0 = part ? t1 : 0, tn = part ? T - t1 : t1;
+                CHECK_OK(smoe_cuda_aggregate_backward(
+                    tn, d, ku ? NULL : r->as.token_offset + t0, ku ? (int)K : 0,
+                    r->arow + (ku ? t0 * K : 0), y, ex + t0 * d, NULL, NULL, NULL, NULL,
+                    of + t0 * d, SMOE_DTYPE_F32, 1, NULL, 0));
+            }
+            float *got = (float *)tu_dev_fetch(of, (size_t)(T * d) * 4);
+            CHECK(!memcmp(got, want_f, (size_t)(T * d) * 4),
+                  "aggregate backward into fp32, accumulated (d %lld, %s) differs from the "
+                  "host's sums", (long long)d, ku ? "k_uniform" : "token offsets");
+            free(got);
+        }
+        free(yh); free(dlh); free(exh); free(colh); free(dx0); free(wrh); free(want_b);
+        free(want_f);
+        cudaFree(y); cudaFree(wr); cudaFree(dl); cudaFree(ex); cudaFree(col); cudaFree(ob);
+        cudaFree(of);
+    }
+}
+
 static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int renorm,
                      smoe_rounding rounding, int64_t M, int logits_kind, int timed)
 {
@@ -300,6 +432,8 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
               bad >= 0 ? res.expert[bad] : -1, bad >= 0 ? res.score[bad] : 0.0);
     }
     check_metadata(g, T, E);
+    /* the aggregations on these rows (token choice: exactly K per token) */
+    if (!tr && g->R == T * K) check_aggregate(&r, g, T, E, K);
 
     free(res.expert); free(res.score); free(res.pair_token); free(res.pair_expert);
     free(res.pair_score);
