@@ -316,9 +316,9 @@ k_aggregate_backward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ 
 }
 #undef AGG_ITEMS_LOOP
 
-/* Blocks for `work` units (tokens, or tokens x d / 8 items) of one thread
- * block or one thread each (per): grid-stride past 2^20 blocks; 1 for T =
- * 0 (the forward's header). */
+/* Blocks for `work` units, `per` units to a block (one token, or
+ * AGG_THREADS (token, column chunk) items, one per thread): grid-stride
+ * past 2^20 blocks; 1 for T = 0 (the forward's header). */
 static unsigned agg_grid(int64_t work, int per)
 {
     const int64_t b = (work + per - 1) / per;
@@ -350,7 +350,7 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
         return SMOE_SUCCESS;
     }
 #define AGG_FWD(V, S)                                                                        \
-    k_aggregate_forward<V, S><<<agg_grid(T, 1), AGG_THREADS, 0, stream>>>(                      \
+    k_aggregate_forward<V, S><<<agg_grid(T, 1), AGG_THREADS, 0, stream>>>(                   \
         T, d, token_offset, assign_row, row_score, y, out, header, h, abort)
     if (row_score) {
         if (v8) AGG_FWD(8, true);
