@@ -114,6 +114,31 @@ k_aggregate_forward(int64_t T, int64_t d, const int32_t *__restrict__ token_offs
     }
 }
 
+/* Adds AGG_UNROLL loaded rows v[j] (r[j] < 0: none) to acc in order, each
+ * with its per-pair router term dl_a wr[e_a] (a = a_first + j) where
+ * assign_dl is given. */
+template <int VEC>
+static __device__ __forceinline__ void agg_backward_chunk(float *acc, const int *r,
+                                                          const float (*v)[VEC], int64_t a_first,
+                                                          const float *assign_dl,
+                                                          const int32_t *assign_expert,
+                                                          const bf16 *wr, int64_t d, int64_t c)
+{
+#pragma unroll
+    for (int j = 0; j < AGG_UNROLL; ++j) {
+        if (r[j] < 0) continue;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] += v[j][i];
+        if (assign_dl) {
+            const float g = assign_dl[a_first + j];
+            float w[VEC];
+            vec_io<VEC>::load(wr + (int64_t)assign_expert[a_first + j] * d + c, w);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[i] = fmaf(g, w[i], acc[i]);
+        }
+    }
+}
+
 /* The backward's last step for token t's columns c .. c + VEC - 1: the dense
  * router term and the column term added, then dx written (fp32 or bf16,
  * overwritten or accumulated). */
@@ -172,19 +197,7 @@ k_aggregate_backward(int64_t T, int64_t d, const int32_t *__restrict__ token_off
 #pragma unroll
                 for (int j = 0; j < AGG_UNROLL; ++j)
                     if (r[j] >= 0) vec_io<VEC>::load(dxt + (int64_t)r[j] * d + c, v[j]);
-#pragma unroll
-                for (int j = 0; j < AGG_UNROLL; ++j) {
-                    if (r[j] < 0) continue;
-#pragma unroll
-                    for (int i = 0; i < VEC; ++i) acc[i] += v[j][i];
-                    if (assign_dl) {
-                        const float g = assign_dl[a + j];
-                        float w[VEC];
-                        vec_io<VEC>::load(wr + (int64_t)assign_expert[a + j] * d + c, w);
-#pragma unroll
-                        for (int i = 0; i < VEC; ++i) acc[i] = fmaf(g, w[i], acc[i]);
-                    }
-                }
+                agg_backward_chunk<VEC>(acc, r, v, a, assign_dl, assign_expert, wr, d, c);
             }
             for (; a < a1; ++a) {
                 const int r = assign_row[a];
@@ -297,19 +310,7 @@ k_aggregate_backward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ 
 #pragma unroll
             for (int j = 0; j < AGG_UNROLL; ++j)
                 if (r[j] >= 0) vec_io<VEC>::load(dxt + (int64_t)r[j] * d + c, v[j]);
-#pragma unroll
-            for (int j = 0; j < AGG_UNROLL; ++j) {
-                if (r[j] < 0) continue;
-#pragma unroll
-                for (int i = 0; i < VEC; ++i) acc[i] += v[j][i];
-                if (assign_dl) {
-                    const float gl = assign_dl[a0 + a + j];
-                    float w[VEC];
-                    vec_io<VEC>::load(wr + (int64_t)assign_expert[a0 + a + j] * d + c, w);
-#pragma unroll
-                    for (int i = 0; i < VEC; ++i) acc[i] = fmaf(gl, w[i], acc[i]);
-                }
-            }
+            agg_backward_chunk<VEC>(acc, r, v, a0 + a, assign_dl, assign_expert, wr, d, c);
         }
         agg_backward_store<VEC>(acc, t, c, d, extra, col, dx, dx_f32, accumulate);
     }
@@ -334,33 +335,33 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
                                         const int *abort, cudaStream_t stream)
 {
     const bool v8 = d % 8 == 0 && aligned16(y) && aligned16(out);
+    /* the kernel by k_uniform, the column width by v8, SCORED by row_score */
+#define AGG_FWD(KERNEL, GRID, OFFS)                                                              \
+    do {                                                                                         \
+        if (row_score) {                                                                         \
+            if (v8) KERNEL<8, true><<<GRID(8), AGG_THREADS, 0, stream>>>(                        \
+                T, d, OFFS, assign_row, row_score, y, out, header, h, abort);                    \
+            else KERNEL<1, true><<<GRID(1), AGG_THREADS, 0, stream>>>(                           \
+                T, d, OFFS, assign_row, row_score, y, out, header, h, abort);                    \
+        } else {                                                                                 \
+            if (v8) KERNEL<8, false><<<GRID(8), AGG_THREADS, 0, stream>>>(                       \
+                T, d, OFFS, assign_row, row_score, y, out, header, h, abort);                    \
+            else KERNEL<1, false><<<GRID(1), AGG_THREADS, 0, stream>>>(                          \
+                T, d, OFFS, assign_row, row_score, y, out, header, h, abort);                    \
+        }                                                                                        \
+    } while (0)
+#define AGG_GRID_ITEMS(V) agg_grid(T * (d / (V)), AGG_THREADS)
+#define AGG_GRID_TOKENS(V) agg_grid(T, 1)
     if (k_uniform > 0) {
-#define AGG_FWD_K(V, S)                                                                          \
-    k_aggregate_forward_k<V, S><<<agg_grid(T * (d / V), AGG_THREADS), AGG_THREADS, 0, stream>>>( \
-        T, d, k_uniform, assign_row, row_score, y, out, header, h, abort)
-        if (row_score) {
-            if (v8) AGG_FWD_K(8, true);
-            else AGG_FWD_K(1, true);
-        } else {
-            if (v8) AGG_FWD_K(8, false);
-            else AGG_FWD_K(1, false);
-        }
-#undef AGG_FWD_K
+        AGG_FWD(k_aggregate_forward_k, AGG_GRID_ITEMS, k_uniform);
         SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_k");
-        return SMOE_SUCCESS;
-    }
-#define AGG_FWD(V, S)                                                                        \
-    k_aggregate_forward<V, S><<<agg_grid(T, 1), AGG_THREADS, 0, stream>>>(                   \
-        T, d, token_offset, assign_row, row_score, y, out, header, h, abort)
-    if (row_score) {
-        if (v8) AGG_FWD(8, true);
-        else AGG_FWD(1, true);
     } else {
-        if (v8) AGG_FWD(8, false);
-        else AGG_FWD(1, false);
+        AGG_FWD(k_aggregate_forward, AGG_GRID_TOKENS, token_offset);
+        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward");
     }
 #undef AGG_FWD
-    SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward");
+#undef AGG_GRID_ITEMS
+#undef AGG_GRID_TOKENS
     return SMOE_SUCCESS;
 }
 
