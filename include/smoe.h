@@ -32,8 +32,8 @@
  *    bytes. The CUDA backends also need 16 bytes for every tensor of the
  *    layer's dtype and every gradient (the kernels load 16-byte vectors);
  *    only the int32 / fp32 vectors (pair_*, expert_bias, expert_counts,
- *    dpair_score) and the fp32 matrices (router_logits, dlogits_extra) may
- *    sit at 4 bytes.
+ *    dpair_score) and the router's matrices (router_logits, dlogits_extra)
+ *    may sit at their element size.
  *    A misaligned pointer is SMOE_ERROR_INVALID_SIZE.
  *  - Overlap: no output (out, router_logits, expert_counts, every gradient),
  *    the saved block or the workspace may share a byte with another of
@@ -82,7 +82,7 @@ extern "C" {
 #endif
 
 #define SMOE_VERSION_MAJOR 0
-#define SMOE_VERSION_MINOR 2
+#define SMOE_VERSION_MINOR 3
 #define SMOE_VERSION_PATCH 0
 #define SMOE_VERSION_NUMBER \
     (SMOE_VERSION_MAJOR * 10000 + SMOE_VERSION_MINOR * 100 + SMOE_VERSION_PATCH)
@@ -315,13 +315,22 @@ typedef struct smoe_forward_args {
     const void *w2;               /* (E, d, n)  dtype */
     const void *b2;               /* (E, d)  dtype; if has_bias */
     void *out;                    /* (T, d)  dtype, overwritten */
-    float *router_logits;         /* (T, E) fp32, optional output (NULL: none) */
+    void *router_logits;          /* (T, E) optional output (NULL: none), in
+                                     router_logits_dtype */
     int32_t *expert_counts;       /* (E) int32, optional: rows per expert */
     int inference;                /* 1: nothing saved, `saved` may be NULL */
     const float *expert_bias;     /* (E) fp32 or NULL (zeros): SIGMOID_TOPK's
                                      selection bias (DeepSeek-V3's
                                      e_score_correction_bias); refused for
                                      other modes. Not needed by backward. */
+    smoe_dtype router_logits_dtype; /* SMOE_DTYPE_F32 (0: the default) or
+                                     the layer's dtype: the fp32 logits
+                                     rounded to nearest even (the routing
+                                     reads the fp32 logits either way; a
+                                     bf16 copy is what Hugging Face's MoE
+                                     blocks return and halves its bytes).
+                                     The CUDA backends take F32 only for
+                                     now (SMOE_ERROR_UNSUPPORTED). */
 } smoe_forward_args;
 
 /* saved: at least smoe_layer_saved_bytes(T, pairs) bytes, given as
@@ -351,10 +360,11 @@ typedef struct smoe_backward_args {
     const void *w2;              /* (E, d, n) */
     const void *b2;              /* (E, d) if has_bias */
     const void *dout;            /* (T, d)  dtype: gradient of the loss wrt out */
-    const float *dlogits_extra;  /* (T, E) fp32, optional: gradient of the
-                                    caller's own loss (an aux loss) wrt the
-                                    router_logits output; added to the router
-                                    gradient. Not GENERAL. */
+    const void *dlogits_extra;   /* (T, E) optional, in dlogits_extra_dtype:
+                                    gradient of the caller's own loss (an aux
+                                    loss) wrt the router_logits output;
+                                    added to the router gradient. Not
+                                    GENERAL. */
     smoe_grad dx;                /* (T, d) */
     smoe_grad drouter_w;         /* (E, d)  not GENERAL */
     smoe_grad dw1;               /* (E, 2n|n, d) */
@@ -362,6 +372,10 @@ typedef struct smoe_backward_args {
     smoe_grad dw2;               /* (E, d, n) */
     smoe_grad db2;               /* (E, d)  if has_bias */
     smoe_grad dpair_score;       /* (pairs) fp32 only; GENERAL */
+    smoe_dtype dlogits_extra_dtype; /* SMOE_DTYPE_F32 (0: the default) or the
+                                    layer's dtype (widened to fp32 where it
+                                    is added). The CUDA backends take F32
+                                    only for now (SMOE_ERROR_UNSUPPORTED). */
 } smoe_backward_args;
 
 /* `saved` is the block a training forward of this layer with the same T

@@ -460,7 +460,8 @@ smoe_status smoe_ep_layer_forward(smoe_ep_layer *ep, const smoe_forward_args *ar
             }
             st_val(args->out, dt, t * d + i, o);
         }
-    if (!general && args->router_logits) memcpy(args->router_logits, l32, (size_t)(T * E) * 4);
+    if (!general && args->router_logits)
+        smoe_cpu_put_logits(args->router_logits, args->router_logits_dtype, l32, T * E);
     if (args->expert_counts) {
         for (int64_t e = 0; e < E; e++) args->expert_counts[e] = 0;
         for (int64_t a = 0; a < A; a++) args->expert_counts[v.assign_expert[a]]++;
@@ -614,8 +615,8 @@ smoe_status smoe_ep_layer_backward(smoe_ep_layer *ep, const smoe_backward_args *
         double *dl = (double *)(ws + W.dl);
         smoe_cpu_router_scratch rs = {(double *)(ws + W.rp), (int32_t *)(ws + W.ridx),
                                       (float *)(ws + W.rl32)};
-        smoe_cpu_router_backward(ep->full, T, &v, ds, args->dlogits_extra, xbuf,
-                                 &args->drouter_w, dl, &rs);
+        smoe_cpu_router_backward(ep->full, T, &v, ds, args->dlogits_extra,
+                                 args->dlogits_extra_dtype, xbuf, &args->drouter_w, dl, &rs);
         for (int64_t t = 0; t < T && args->dx.ptr; t++)
             smoe_cpu_router_dx(ep->full, dl + t * E, args->router_w, dxd + t * d);
     } else if (args->dpair_score.ptr) {

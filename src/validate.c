@@ -302,6 +302,11 @@ smoe_status smoe_forward_validate(const smoe_layer *layer, const char *fn,
     } else {
         SMOE_REQUIRE_PTR(args->router_w, "args.router_w");
     }
+    SMOE_RETURN_ERROR_IF(
+        args->router_logits_dtype != SMOE_DTYPE_F32 && args->router_logits_dtype != d->dtype,
+        SMOE_ERROR_INVALID_VALUE,
+        "%s: args.router_logits_dtype = %d: SMOE_DTYPE_F32 (%d) or the layer's dtype (%d)", fn,
+        (int)args->router_logits_dtype, (int)SMOE_DTYPE_F32, (int)d->dtype);
     SMOE_RETURN_ERROR_IF(args->expert_bias && d->routing != SMOE_ROUTING_SIGMOID_TOPK,
                          SMOE_ERROR_INVALID_VALUE,
                          "%s: args.expert_bias is given but desc.routing = %d has no expert "
@@ -337,8 +342,9 @@ smoe_status smoe_forward_validate(const smoe_layer *layer, const char *fn,
     SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.out", args->out, t * dd * es, es, va, 1));
     SMOE_FORWARD_IF_ERROR(
         span_add(&sp, fn, "args.expert_bias", args->expert_bias, E * 4, 4, 4, 0));
+    const size_t ls = smoe_dtype_size(args->router_logits_dtype);
     SMOE_FORWARD_IF_ERROR(
-        span_add(&sp, fn, "args.router_logits", args->router_logits, t * E * 4, 4, 4, 1));
+        span_add(&sp, fn, "args.router_logits", args->router_logits, t * E * ls, ls, ls, 1));
     SMOE_FORWARD_IF_ERROR(
         span_add(&sp, fn, "args.expert_counts", args->expert_counts, E * 4, 4, 4, 1));
     if (training)
@@ -404,6 +410,11 @@ smoe_status smoe_backward_validate(const smoe_layer *layer, const char *fn,
     SMOE_RETURN_ERROR_IF(general && args->dlogits_extra != NULL, SMOE_ERROR_INVALID_VALUE,
                          "%s: args.dlogits_extra is given but GENERAL routing has no router",
                          fn);
+    SMOE_RETURN_ERROR_IF(
+        args->dlogits_extra_dtype != SMOE_DTYPE_F32 && args->dlogits_extra_dtype != d->dtype,
+        SMOE_ERROR_INVALID_VALUE,
+        "%s: args.dlogits_extra_dtype = %d: SMOE_DTYPE_F32 (%d) or the layer's dtype (%d)", fn,
+        (int)args->dlogits_extra_dtype, (int)SMOE_DTYPE_F32, (int)d->dtype);
     SMOE_FORWARD_IF_ERROR(check_grad(fn, layer, &args->dx, "dx", 1, "", 0));
     SMOE_FORWARD_IF_ERROR(check_grad(fn, layer, &args->drouter_w, "drouter_w", !general,
                                      "GENERAL routing has no router weight", 0));
@@ -435,8 +446,9 @@ smoe_status smoe_backward_validate(const smoe_layer *layer, const char *fn,
     SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.w2", args->w2, Ex * dd * n * es, es, va, 0));
     SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.b2", args->b2, Ex * dd * es, es, va, 0));
     SMOE_FORWARD_IF_ERROR(span_add(&sp, fn, "args.dout", args->dout, t * dd * es, es, va, 0));
+    const size_t xs = smoe_dtype_size(args->dlogits_extra_dtype);
     SMOE_FORWARD_IF_ERROR(
-        span_add(&sp, fn, "args.dlogits_extra", args->dlogits_extra, t * E * 4, 4, 4, 0));
+        span_add(&sp, fn, "args.dlogits_extra", args->dlogits_extra, t * E * xs, xs, xs, 0));
     /* a consumed block is written: an output, so it may not overlap an input */
     SMOE_FORWARD_IF_ERROR(
         span_add(&sp, fn, "saved", saved, cs->saved_need, 16, 16, saved_out != 0));

@@ -689,6 +689,17 @@ static void test_forward_extra(tu_rng *rng) {
     a = g; a.b2 = F.w2; fwd_case(&F, "b2 given, no bias", a, SMOE_ERROR_INVALID_VALUE, "b2");
     a = g; a.expert_bias = F.dle;
     fwd_case(&F, "expert_bias given, TOPK_SOFTMAX", a, SMOE_ERROR_INVALID_VALUE, "expert_bias");
+    /* router_logits' dtype: F32 or the layer's; the CUDA backends take F32 only */
+    a = g; a.router_logits_dtype = D.dtype == SMOE_DTYPE_BF16 ? SMOE_DTYPE_F64 : SMOE_DTYPE_BF16;
+    fwd_case(&F, "router_logits_dtype of another dtype", a, SMOE_ERROR_INVALID_VALUE,
+             "router_logits_dtype");
+    a = g; a.router_logits_dtype = (smoe_dtype)7;
+    fwd_case(&F, "router_logits_dtype 7", a, SMOE_ERROR_INVALID_VALUE, "router_logits_dtype");
+    if (D.dtype != SMOE_DTYPE_F32 && D.backend != SMOE_BACKEND_CPU) {
+        a = g; a.router_logits_dtype = D.dtype;
+        fwd_case(&F, "router_logits_dtype the layer's (not on CUDA yet)", a,
+                 SMOE_ERROR_UNSUPPORTED, "router_logits_dtype");
+    }
     fix_free(&F);
     /* SIGMOID_TOPK: the bias is optional, an fp32 input */
     D = sig_good();
@@ -809,6 +820,19 @@ static void test_backward_args(tu_rng *rng) {
                 "drouter_w");
             BWD("dlogits_extra misaligned", a.dlogits_extra = (float *)off(F.dle, 2),
                 SMOE_ERROR_INVALID_SIZE, "dlogits_extra");
+            /* its dtype: F32 or the layer's; the CUDA backends take F32 only */
+            BWD("dlogits_extra_dtype of another dtype",
+                (a.dlogits_extra = F.dle,
+                 a.dlogits_extra_dtype =
+                     D.dtype == SMOE_DTYPE_BF16 ? SMOE_DTYPE_F64 : SMOE_DTYPE_BF16),
+                SMOE_ERROR_INVALID_VALUE, "dlogits_extra_dtype");
+            BWD("dlogits_extra_dtype 7", (a.dlogits_extra = F.dle,
+                                          a.dlogits_extra_dtype = (smoe_dtype)7),
+                SMOE_ERROR_INVALID_VALUE, "dlogits_extra_dtype");
+            if (D.dtype != SMOE_DTYPE_F32 && D.backend != SMOE_BACKEND_CPU)
+                BWD("dlogits_extra_dtype the layer's (not on CUDA yet)",
+                    (a.dlogits_extra = F.dle, a.dlogits_extra_dtype = D.dtype),
+                    SMOE_ERROR_UNSUPPORTED, "dlogits_extra_dtype");
         } else {
             BWD("dpair_score dtype BF16", a.dpair_score.dtype = SMOE_DTYPE_BF16,
                 SMOE_ERROR_INVALID_VALUE, "dpair_score");

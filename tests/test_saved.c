@@ -22,6 +22,12 @@
  *   - determinism: two forward+backward runs, one on 1 thread and one on 3,
  *     give identical bytes (out, logits, counts, saved block, every
  *     gradient).
+ *   - the router's dtypes: router_logits written in the layer's dtype is
+ *     the fp32 output rounded (bf16) or widened (f64), bit for bit, and a
+ *     dlogits_extra given in the layer's dtype gives the same gradients,
+ *     output and saved block as the same values in fp32, bit for bit
+ *     (every routing mode with a router; bf16 and f64 layers); any other
+ *     dtype is refused (INVALID_VALUE) before anything is written.
  */
 #include "testutil.h"
 
@@ -256,6 +262,134 @@ static void grads_fill(tu_grads *g, int byte) {
         if (g->g[i]) memset(g->g[i], byte, g->n[i] * tu_dtype_size(g->dt[i]));
 }
 
+/* Forward with the router_logits output in ldt and backward with
+ * dlogits_extra (in xdt), every gradient in fp32; keeps out, the saved
+ * block and the gradients. */
+static int dtype_run(smoe_layer *L, const tu_problem *P, tu_bufs *B, const void *G,
+                     void *logits, smoe_dtype ldt, const void *dle, smoe_dtype xdt,
+                     run_out *r) {
+    const smoe_layer_desc *D = &P->desc;
+    const size_t ob = (size_t)(P->T * D->d) * tu_dtype_size(D->dtype);
+    memset(B->saved, PAT, B->saved_bytes);
+    if (B->ws) memset(B->ws, PAT, B->ws_bytes);
+    memset(B->out, PAT, ob);
+    smoe_forward_args fa = tu_fwd_args(P, B, 0);
+    fa.router_logits = logits;
+    fa.router_logits_dtype = ldt;
+    smoe_status st = smoe_layer_forward(L, &fa, B->saved, B->saved_bytes,
+                                        B->ws_fwd ? B->ws_fwd : B->ws,
+                                        B->ws_fwd_bytes ? B->ws_fwd_bytes : B->ws_bytes, NULL);
+    if (!CHECK(st == SMOE_SUCCESS, "forward (logits dtype %d) -> %s (%s)", (int)ldt,
+               smoe_status_string(st), smoe_last_error()))
+        return 0;
+    tu_grads_alloc(&r->g, P, SMOE_DTYPE_F32);
+    smoe_backward_args ba = bwd_args(P, B, G, NULL, &r->g);
+    ba.dlogits_extra = dle;
+    ba.dlogits_extra_dtype = xdt;
+    st = smoe_layer_backward(L, &ba, B->saved, B->saved_bytes, B->ws,
+                             B->ws_bwd_bytes ? B->ws_bwd_bytes : B->ws_bytes, NULL);
+    if (!CHECK(st == SMOE_SUCCESS, "backward (dlogits_extra dtype %d) -> %s (%s)", (int)xdt,
+               smoe_status_string(st), smoe_last_error()))
+        return 0;
+    r->out = malloc(ob);
+    memcpy(r->out, B->out, ob);
+    r->saved = malloc(B->saved_bytes);
+    memcpy(r->saved, B->saved, B->saved_bytes);
+    r->logits = NULL;
+    r->counts = NULL;
+    return 1;
+}
+
+static void test_router_dtypes(tu_rng *rng) {
+    const smoe_dtype dts[2] = {SMOE_DTYPE_BF16, SMOE_DTYPE_F64};
+    for (int mode = 0; mode < TU_NMODES; mode++)
+        for (int di = 0; di < 2; di++) {
+            smoe_layer_desc D = smoe_layer_desc_default();
+            tu_set_mode(&D, mode);
+            if (D.routing == SMOE_ROUTING_GENERAL) continue;
+            D.dtype = dts[di];
+            D.d = 40; D.n = 24; D.E = 8; D.K = 2; D.round_tile = 16;
+            D.backend = SMOE_BACKEND_CPU;
+            const int64_t T = 96, TE = T * D.E;
+            tu_case("router dtypes %s dtype=%d", tu_mode_name(&D), D.dtype);
+            tu_fixture F;
+            if (!tu_fixture_make(&F, &D, T, rng, 0.3, 0.3)) continue;
+            const size_t es = tu_dtype_size(D.dtype);
+            double *G = tu_alloc_d((size_t)(T * D.d));
+            tu_fill_normal(rng, G, (size_t)(T * D.d), 1.0);
+            void *Gb = tu_to_dtype(D.dtype, G, (size_t)(T * D.d));
+            /* dlogits_extra: values the layer's dtype holds exactly, as fp32 and as that dtype */
+            double *xd = tu_alloc_d((size_t)TE);
+            for (int64_t i = 0; i < TE; i++) xd[i] = tu_round_bf16(0.1 * tu_normal(rng));
+            float *x32 = (float *)tu_to_dtype(SMOE_DTYPE_F32, xd, (size_t)TE);
+            void *xl = tu_to_dtype(D.dtype, xd, (size_t)TE);
+            float *l32 = (float *)malloc((size_t)TE * 4);
+            void *ll = malloc((size_t)TE * es);
+            memset(ll, PAT, (size_t)TE * es);
+            run_out a, b;
+            if (dtype_run(F.L, &F.P, &F.B, Gb, l32, SMOE_DTYPE_F32, x32, SMOE_DTYPE_F32, &a) &&
+                dtype_run(F.L, &F.P, &F.B, Gb, ll, D.dtype, xl, D.dtype, &b)) {
+                double *ld = tu_alloc_d((size_t)TE);
+                for (int64_t i = 0; i < TE; i++) ld[i] = (double)l32[i];
+                void *want = tu_to_dtype(D.dtype, ld, (size_t)TE);
+                CHECK(memcmp(ll, want, (size_t)TE * es) == 0,
+                      "router_logits in dtype %d differ from the fp32 output converted",
+                      (int)D.dtype);
+                const size_t ob = (size_t)(T * D.d) * es;
+                CHECK(memcmp(a.out, b.out, ob) == 0, "out differs with the logits' dtype");
+                CHECK(memcmp(a.saved, b.saved, F.B.saved_bytes) == 0,
+                      "saved block differs with the logits' dtype");
+                int which = -1;
+                CHECK(grads_equal(&a.g, &b.g, &which),
+                      "%s differs with dlogits_extra in dtype %d",
+                      which >= 0 ? tu_grad_name[which] : "?", (int)D.dtype);
+                free(ld); free(want);
+                tu_grads_free(&a.g); tu_grads_free(&b.g);
+                free(a.out); free(b.out); free(a.saved); free(b.saved);
+            }
+            /* any other dtype: refused, nothing written */
+            {
+                smoe_forward_args fa = tu_fwd_args(&F.P, &F.B, 0);
+                fa.router_logits_dtype = D.dtype == SMOE_DTYPE_BF16 ? SMOE_DTYPE_F64
+                                                                    : SMOE_DTYPE_BF16;
+                memset(F.B.out, PAT, (size_t)(T * D.d) * es);
+                smoe_status st = smoe_layer_forward(
+                    F.L, &fa, F.B.saved, F.B.saved_bytes, F.B.ws_fwd ? F.B.ws_fwd : F.B.ws,
+                    F.B.ws_fwd_bytes ? F.B.ws_fwd_bytes : F.B.ws_bytes, NULL);
+                CHECK(st == SMOE_ERROR_INVALID_VALUE &&
+                          strstr(smoe_last_error(), "router_logits_dtype") != NULL,
+                      "router_logits_dtype of another dtype -> %s (%s)", smoe_status_string(st),
+                      smoe_last_error());
+                CHECK(all_pat(F.B.out, (size_t)(T * D.d) * es),
+                      "a refused forward wrote its output");
+                fa.router_logits_dtype = (smoe_dtype)7;
+                st = smoe_layer_forward(F.L, &fa, F.B.saved, F.B.saved_bytes,
+                                        F.B.ws_fwd ? F.B.ws_fwd : F.B.ws,
+                                        F.B.ws_fwd_bytes ? F.B.ws_fwd_bytes : F.B.ws_bytes, NULL);
+                CHECK(st == SMOE_ERROR_INVALID_VALUE, "router_logits_dtype 7 -> %s",
+                      smoe_status_string(st));
+                tu_grads g;
+                tu_grads_alloc(&g, &F.P, SMOE_DTYPE_F32);
+                grads_fill(&g, PAT);
+                smoe_backward_args ba = bwd_args(&F.P, &F.B, Gb, x32, &g);
+                ba.dlogits_extra_dtype = (smoe_dtype)7;
+                st = smoe_layer_backward(F.L, &ba, F.B.saved, F.B.saved_bytes, F.B.ws,
+                                         F.B.ws_bwd_bytes ? F.B.ws_bwd_bytes : F.B.ws_bytes, NULL);
+                CHECK(st == SMOE_ERROR_INVALID_VALUE &&
+                          strstr(smoe_last_error(), "dlogits_extra_dtype") != NULL,
+                      "dlogits_extra_dtype 7 -> %s (%s)", smoe_status_string(st),
+                      smoe_last_error());
+                int untouched = 1;
+                for (int i = 0; i < TU_NGRAD; i++)
+                    if (g.g[i]) untouched &= all_pat(g.g[i], g.n[i] * tu_dtype_size(g.dt[i]));
+                CHECK(untouched, "a refused backward wrote a gradient");
+                tu_grads_free(&g);
+            }
+            free(G); free(Gb); free(xd); free(x32); free(xl); free(l32); free(ll);
+            tu_fixture_free(&F);
+        }
+}
+
 static void test_consume(tu_rng *rng) {
     const smoe_dtype dts[3] = {SMOE_DTYPE_BF16, SMOE_DTYPE_F32, SMOE_DTYPE_F64};
     for (int it = 0; it < 6 * TU_NMODES; it++) {
@@ -393,5 +527,6 @@ int main(int argc, char **argv) {
     test_inference(&rng);
     test_determinism(&rng);
     test_consume(&rng);
+    test_router_dtypes(&rng);
     return tu_summary("test_saved");
 }

@@ -160,10 +160,11 @@ class smoe_forward_args(Structure):
         ("w2", c_void_p),
         ("b2", c_void_p),
         ("out", c_void_p),
-        ("router_logits", POINTER(c_float)),
+        ("router_logits", c_void_p),
         ("expert_counts", POINTER(c_int32)),
         ("inference", c_int),
         ("expert_bias", POINTER(c_float)),
+        ("router_logits_dtype", c_enum),
     ]
 
 
@@ -185,7 +186,7 @@ class smoe_backward_args(Structure):
         ("w2", c_void_p),
         ("b2", c_void_p),
         ("dout", c_void_p),
-        ("dlogits_extra", POINTER(c_float)),
+        ("dlogits_extra", c_void_p),
         ("dx", smoe_grad),
         ("drouter_w", smoe_grad),
         ("dw1", smoe_grad),
@@ -193,6 +194,7 @@ class smoe_backward_args(Structure):
         ("dw2", smoe_grad),
         ("db2", smoe_grad),
         ("dpair_score", smoe_grad),
+        ("dlogits_extra_dtype", c_enum),
     ]
 
 
@@ -315,7 +317,7 @@ _FUNCTIONS = {
 FUNCTION_NAMES = tuple(_FUNCTIONS)
 
 # The header's version macros this mirror was written for.
-VERSION = (0, 2, 0)
+VERSION = (0, 3, 0)
 
 # ------------------------------------------------------------------ loading
 

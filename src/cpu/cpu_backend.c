@@ -444,7 +444,7 @@ static smoe_status cpu_forward(smoe_layer *layer, const smoe_forward_args *args,
 
     /* optional outputs and the saved logits */
     if (!general && args->router_logits)
-        memcpy(args->router_logits, w.logits32, (size_t)(T * E) * sizeof(float));
+        smoe_cpu_put_logits(args->router_logits, args->router_logits_dtype, w.logits32, T * E);
     if (!general && saved && v.logits) {
         for (int64_t i = 0; i < T * E; i++)
             saved_f_put(layer, v.logits, i,
@@ -576,9 +576,18 @@ void smoe_cpu_router_logits(const smoe_layer *layer, int64_t T, const double *xd
         }
 }
 
+void smoe_cpu_put_logits(void *dst, smoe_dtype dt, const float *l32, int64_t n)
+{
+    if (dt == SMOE_DTYPE_F32) {
+        memcpy(dst, l32, (size_t)n * sizeof(float));
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) store(dst, dt, i, (double)l32[i]);
+}
+
 void smoe_cpu_router_backward(const smoe_layer *layer, int64_t T, const smoe_saved_view *v,
-                              const double *ds, const float *dlogits_extra, const double *xd,
-                              const smoe_grad *drouter_w, double *dl,
+                              const double *ds, const void *dlogits_extra, smoe_dtype extra_dt,
+                              const double *xd, const smoe_grad *drouter_w, double *dl,
                               const smoe_cpu_router_scratch *scratch)
 {
     const int64_t E = layer->desc.E, d = layer->desc.d;
@@ -586,7 +595,7 @@ void smoe_cpu_router_backward(const smoe_layer *layer, int64_t T, const smoe_sav
         double *g = dl + t * E;
         router_grad_token(layer, t, v, ds, scratch, g);
         for (int64_t e = 0; e < E; e++) {
-            if (dlogits_extra) g[e] += (double)dlogits_extra[t * E + e];
+            if (dlogits_extra) g[e] += load(dlogits_extra, extra_dt, t * E + e);
             g[e] = round_f32(layer, g[e]);
         }
     }
@@ -781,7 +790,8 @@ static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *arg
     /* 5-6. router: dlogits through the routing mode, dWr */
     if (!general) {
         smoe_cpu_router_scratch rs = {w.rp, w.ridx, w.rl32};
-        smoe_cpu_router_backward(layer, T, &v, w.ds, args->dlogits_extra, w.xd, &args->drouter_w,
+        smoe_cpu_router_backward(layer, T, &v, w.ds, args->dlogits_extra,
+                                 args->dlogits_extra_dtype, w.xd, &args->drouter_w,
                                  w.dl, &rs);
     } else if (args->dpair_score.ptr) {
         for (int64_t a = 0; a < R; a++) grad_put(&args->dpair_score, a, w.ds[v.assign_row[a]]);

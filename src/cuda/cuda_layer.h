@@ -55,6 +55,12 @@ smoe_status smoe_cuda_router_backward(smoe_layer *layer, int64_t T, const smoe_s
                                       const smoe_grad *drouter_w, float *dxr, void *workspace,
                                       const int *abort, void *stream);
 
+/* The router dtypes the CUDA backends take (f or b may be NULL): fp32
+ * router_logits and dlogits_extra only, for now; else
+ * SMOE_ERROR_UNSUPPORTED naming the argument. */
+smoe_status smoe_cuda_router_dtypes_check(const smoe_forward_args *f, const smoe_backward_args *b,
+                                          const char *fn);
+
 #ifdef __cplusplus
 }
 #endif
