@@ -130,7 +130,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     slot w1 = take(&r, (size_t)(E * hc * d) * es, es), w2 = take(&r, (size_t)(E * d * n) * es, es);
     slot b1 = take(&r, (size_t)(E * hc) * es, es), b2 = take(&r, (size_t)(E * d) * es, es);
     slot out = take(&r, (size_t)(T * d) * es, es);
-    slot lg = take(&r, (size_t)(T * E) * 4, 4), cnt = take(&r, (size_t)E * 4, 4);
+    /* router_logits: fp32 (mostly), the layer's dtype, or an invalid dtype */
+    const int ldc = fz_u8(&r) & 7;
+    const smoe_dtype ldt = ldc < 5 ? SMOE_DTYPE_F32 : ldc < 7 ? D.dtype : (smoe_dtype)fz_range(&r, 1, 9);
+    const size_t ls = ldt == SMOE_DTYPE_F64 ? 8 : ldt == SMOE_DTYPE_BF16 ? 2 : 4;
+    slot lg = take(&r, (size_t)(T * E) * ls, ls), cnt = take(&r, (size_t)E * 4, 4);
     slot pt = take(&r, (size_t)np * 4, 4), pe = take(&r, (size_t)np * 4, 4);
     slot ps = take(&r, (size_t)np * 4, 4);
     slot saved = take(&r, sb, 16), ws = take(&r, wb, 16);
@@ -165,7 +169,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     a.b1 = D.has_bias ? ptr(b1) : NULL;
     a.b2 = D.has_bias ? ptr(b2) : NULL;
     a.out = ptr(out);
-    a.router_logits = general || (fz_u8(&r) & 1) ? NULL : (float *)ptr(lg);
+    a.router_logits = general || (fz_u8(&r) & 1) ? NULL : ptr(lg);
+    a.router_logits_dtype = ldt;
     a.expert_counts = fz_u8(&r) & 1 ? (int32_t *)ptr(cnt) : NULL;
     a.inference = (fz_u8(&r) & 7) == 0;
     /* the sizes given: usually right, sometimes short */
@@ -174,7 +179,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
     memset(writable, 0, ARENA);
     may_write(out, (size_t)(T * d) * es);
-    if (a.router_logits) may_write(lg, (size_t)(T * E) * 4);
+    if (a.router_logits) may_write(lg, (size_t)(T * E) * ls);
     if (a.expert_counts) may_write(cnt, (size_t)E * 4);
     if (!a.inference) may_write(saved, sb);
     may_write(ws, wb);
