@@ -351,6 +351,14 @@ smoe_dev_report smoe_cuda_report(const smoe_layer *layer, int call)
     return report_make((const cuda_state *)layer->state, call);
 }
 
+/* The aggregations' k_uniform: K where every token has exactly K rows (top-K
+ * routing without token rounding, `rounding` as the call applies it), else 0
+ * (the token offsets are read). */
+static int uniform_k(const smoe_layer_desc *d, int rounding)
+{
+    return d->routing != SMOE_ROUTING_GENERAL && !rounding ? (int)d->K : 0;
+}
+
 static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args,
                                 const smoe_saved_layout *sl,
                                 void *saved, void *workspace, cudaStream_t s)
@@ -434,11 +442,10 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
                   gs, s);
         timer_mark(st, 0, "down", s);
     }
-    /* every token has exactly K rows with top-K routing and no rounding */
-    const int k_uniform = (!general && !rounding) ? (int)d->K : 0;
     SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_forward(
-        T, d->d, v.token_offset, k_uniform, v.assign_row, v.row_score, y, (bf16 *)args->out,
-        training ? v.header : NULL, smoe_saved_header_make(layer, T, args->pairs), abort, s));
+        T, d->d, v.token_offset, uniform_k(d, rounding), v.assign_row, v.row_score, y,
+        (bf16 *)args->out, training ? v.header : NULL,
+        smoe_saved_header_make(layer, T, args->pairs), abort, s));
     timer_mark(st, 0, "aggregate", s);
     return SMOE_SUCCESS;
 }
@@ -454,8 +461,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     const int64_t T = args->T, cap = sl->cap;
     const int general = d->routing == SMOE_ROUTING_GENERAL;
     const int rounding = d->rounding != SMOE_ROUND_OFF;
-    /* every token has exactly K rows with top-K routing and no rounding */
-    const int k_uniform = (!general && !rounding) ? (int)d->K : 0;
+    const int k_uniform = uniform_k(d, rounding);
 
     ws_layout w;
     ws_make(layer, T, cap, &w);
