@@ -318,10 +318,12 @@ def import_smoe():
 
 
 class SmoeImpl(Impl):
-    def __init__(self, backend, consume_saved=False):
+    def __init__(self, backend, consume_saved=False, logits_lowp=False):
         self.backend = backend            # 'sm90', 'cuda' or 'cpu'
         self.consume_saved = consume_saved  # dH written over the saved H
-        self.name = "smoe-" + backend + ("-consume" if consume_saved else "")
+        self.logits_lowp = logits_lowp    # router logits in x's dtype (SonicMoE's are bf16)
+        self.name = ("smoe-" + backend + ("-consume" if consume_saved else "")
+                     + ("-lp" if logits_lowp else ""))
 
     def available(self, device):
         want_cpu = self.backend == "cpu"
@@ -349,10 +351,10 @@ class SmoeImpl(Impl):
 
     def run(self):
         x, wr, w1, w2 = self.leaves
-        out, counts, logits = self.smoe.moe(x, wr, w1, w2, top_k=self.prob.K,
-                                            routing="topk_softmax", activation="swiglu",
-                                            w1_layout="interleaved",
-                                            consume_saved=self.consume_saved)
+        out, counts, logits = self.smoe.moe(
+            x, wr, w1, w2, top_k=self.prob.K, routing="topk_softmax", activation="swiglu",
+            w1_layout="interleaved", consume_saved=self.consume_saved,
+            router_logits_dtype=x.dtype if self.logits_lowp else None)
         self.out_extra = (counts, logits)
         return out
 
@@ -360,7 +362,9 @@ class SmoeImpl(Impl):
         counts, logits = self.out_extra
         layers = list(self.smoe.functional._layers.values())
         if layers:
-            self.path = layers[-1].path_name + (" consume_saved" if self.consume_saved else "")
+            self.path = (layers[-1].path_name + (" consume_saved" if self.consume_saved else "")
+                         + (" logits in %s" % str(self.leaves[0].dtype).replace("torch.", "")
+                            if self.logits_lowp else ""))
         mism = routing_mismatch(self.prob, logits)
         want = torch.bincount(self.prob.top_i.reshape(-1), minlength=self.prob.E)
         note = "" if torch.equal(counts.long().cpu(), want.cpu()) else "expert counts differ"
@@ -498,7 +502,9 @@ IMPLS = {
     "smoe-sm90": lambda: SmoeImpl("sm90"),
     "smoe-cuda": lambda: SmoeImpl("cuda"),
     "smoe-sm90-consume": lambda: SmoeImpl("sm90", consume_saved=True),
+    "smoe-sm90-consume-lp": lambda: SmoeImpl("sm90", consume_saved=True, logits_lowp=True),
     "smoe-cpu": lambda: SmoeImpl("cpu"),
+    "smoe-cpu-lp": lambda: SmoeImpl("cpu", logits_lowp=True),
     "torch": TorchImpl,
     "scattermoe": ScatterMoEImpl,
     "sonicmoe": SonicMoEImpl,

@@ -328,9 +328,8 @@ typedef struct smoe_forward_args {
                                      rounded to nearest even (the routing
                                      reads the fp32 logits either way; a
                                      bf16 copy is what Hugging Face's MoE
-                                     blocks return and halves its bytes).
-                                     The CUDA backends take F32 only for
-                                     now (SMOE_ERROR_UNSUPPORTED). */
+                                     blocks return and halves its
+                                     bytes). */
 } smoe_forward_args;
 
 /* saved: at least smoe_layer_saved_bytes(T, pairs) bytes, given as
@@ -373,9 +372,8 @@ typedef struct smoe_backward_args {
     smoe_grad db2;               /* (E, d)  if has_bias */
     smoe_grad dpair_score;       /* (pairs) fp32 only; GENERAL */
     smoe_dtype dlogits_extra_dtype; /* SMOE_DTYPE_F32 (0: the default) or the
-                                    layer's dtype (widened to fp32 where it
-                                    is added). The CUDA backends take F32
-                                    only for now (SMOE_ERROR_UNSUPPORTED). */
+                                    layer's dtype (widened where it is
+                                    added). */
 } smoe_backward_args;
 
 /* `saved` is the block a training forward of this layer with the same T

@@ -441,10 +441,11 @@ def check_device():
 
 
 def _forward_core(layer, x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2,
-                  expert_bias, inference, save):
+                  expert_bias, inference, save, lowp=False):
     """smoe_layer_forward on real tensors: (out, expert_counts, router_logits
-    ((0,) for GENERAL), saved block or None when nothing is kept).
-    expert_bias: SIGMOID_TOPK's (E,) float32 bias, or None."""
+    ((0,) for GENERAL; float32, or x's dtype with lowp), saved block or None
+    when nothing is kept). expert_bias: SIGMOID_TOPK's (E,) float32 bias, or
+    None."""
     dev = x.device
     # Every tensor contiguous and aligned as the backend needs (the CUDA
     # backends: 16 bytes for the layer's dtype; element size on the CPU).
@@ -455,7 +456,8 @@ def _forward_core(layer, x, router_w, pair_token, pair_expert, pair_score, w1, w
     E = layer.E
     out = torch.empty_like(x)
     counts = torch.empty(E, dtype=torch.int32, device=dev)
-    logits = torch.empty((0,) if general else (T, E), dtype=torch.float32, device=dev)
+    logits = torch.empty((0,) if general else (T, E), dtype=x.dtype if lowp else torch.float32,
+                         device=dev)
     if general:
         pairs = pair_token.shape[0]
         if pairs > 0:
@@ -481,7 +483,8 @@ def _forward_core(layer, x, router_w, pair_token, pair_expert, pair_score, w1, w
     args = L.forward_args_raw(T, x.data_ptr(), _ptr(router_w), pairs, pt, pe, ps,
                               w1.data_ptr(), _ptr(b1), w2.data_ptr(), _ptr(b2), out.data_ptr(),
                               None if general else logits.data_ptr(), counts.data_ptr(),
-                              int(lib_inference), _ptr(expert_bias))
+                              int(lib_inference), _ptr(expert_bias),
+                              layer.dtype if lowp else L.SMOE_DTYPE_F32)
     _call(L.forward_raw, layer, args, saved, ws, dev)
     if not save or inference:
         saved = None
@@ -502,10 +505,15 @@ def _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, p
     if dout.dtype != dtype:
         dout = dout.to(dtype)
     x, router_w, w1, w2, b2, dout = (_aligned(t, va) for t in (x, router_w, w1, w2, b2, dout))
+    xdt = L.SMOE_DTYPE_F32
     if dlogits_extra is not None:
-        if dlogits_extra.dtype != torch.float32:
+        # in the layer's dtype as it is (the gradient of logits returned in
+        # it), else as float32
+        if dlogits_extra.dtype == dtype:
+            xdt = layer.dtype
+        elif dlogits_extra.dtype != torch.float32:
             dlogits_extra = dlogits_extra.to(torch.float32)
-        dlogits_extra = _aligned(dlogits_extra, 4)
+        dlogits_extra = _aligned(dlogits_extra, dlogits_extra.element_size())
     saved = _aligned(saved, 16)
     general = layer.general
     has_bias = layer.has_bias
@@ -530,7 +538,7 @@ def _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, p
                                _grad_ptr(dx), ld, 0, _grad_ptr(drouter), ld, 0,
                                _grad_ptr(dw1), ld, 0, _grad_ptr(db1), ld, 0,
                                _grad_ptr(dw2), ld, 0, _grad_ptr(db2), ld, 0,
-                               _grad_ptr(dscore), f32, 0)
+                               _grad_ptr(dscore), f32, 0, xdt)
     _call(L.backward_raw, layer, args, saved, ws, dev)
     return dx, drouter, dw1, db1, dw2, db2, dscore
 
@@ -540,9 +548,10 @@ def _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, p
 # The forward operator's `config`: these options, in this order (ints). The
 # first _N_OPTIONS are the layer's options, which backward takes again.
 _FWD_CONFIG = ("top_k", "routing", "renormalize", "activation", "w1_layout", "rounding",
-               "round_tile", "n_group", "topk_group", "consume_saved", "inference", "save")
+               "round_tile", "n_group", "topk_group", "consume_saved", "inference", "save",
+               "logits_lowp")
 _N_OPTIONS = 10
-_CONSUME, _INFERENCE, _SAVE = 9, 10, 11
+_CONSUME, _INFERENCE, _SAVE, _LOWP = 9, 10, 11, 12
 # The backward operators' `config`.
 _BWD_CONFIG = ("pairs", "has_bias", "top_k", "routing", "renormalize", "activation",
                "w1_layout", "rounding", "round_tile", "n_group", "topk_group", "consume_saved",
@@ -575,13 +584,14 @@ def _moe_forward(x: Tensor, router_w: Optional[Tensor], pair_token: Optional[Ten
     routed_scaling, SIGMOID_TOPK's factor (1.0 otherwise), is the one float
     and has its own argument (a double in the schema: passed exactly)."""
     (top_k, routing, renormalize, activation, w1_layout, rounding, round_tile, n_group,
-     topk_group, consume, inference, save) = _unpack(config, _FWD_CONFIG, "smoe::moe_forward")
+     topk_group, consume, inference, save, lowp) = _unpack(config, _FWD_CONFIG,
+                                                           "smoe::moe_forward")
     layer = _get_layer(_config(x, w1, w2, b1 is not None, top_k, routing, renormalize,
                                activation, w1_layout, rounding, round_tile, n_group, topk_group,
                                consume, routed_scaling), x.device)
     out, counts, logits, saved = _forward_core(layer, x, router_w, pair_token, pair_expert,
                                                pair_score, w1, w2, b1, b2, expert_bias,
-                                               bool(inference), bool(save))
+                                               bool(inference), bool(save), bool(lowp))
     if saved is None:
         saved = torch.empty(0, dtype=torch.uint8, device=x.device)
     return out, counts, logits, saved
@@ -591,7 +601,8 @@ def _moe_forward(x: Tensor, router_w: Optional[Tensor], pair_token: Optional[Ten
 def _moe_forward_fake(x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2,
                       expert_bias, config, routed_scaling):
     (top_k, routing, renormalize, activation, w1_layout, rounding, round_tile, n_group,
-     topk_group, consume, inference, save) = _unpack(config, _FWD_CONFIG, "smoe::moe_forward")
+     topk_group, consume, inference, save, lowp) = _unpack(config, _FWD_CONFIG,
+                                                           "smoe::moe_forward")
     cfg = _config(x, w1, w2, b1 is not None, top_k, routing, renormalize, activation, w1_layout,
                   rounding, round_tile, n_group, topk_group, consume, routed_scaling)
     general = routing == L.SMOE_ROUTING_GENERAL
@@ -599,7 +610,7 @@ def _moe_forward_fake(x, router_w, pair_token, pair_expert, pair_score, w1, w2, 
     pairs = pair_token.shape[0] if general else 0
     out = torch.empty_like(x)
     counts = x.new_empty((E,), dtype=torch.int32)
-    logits = x.new_empty((0,) if general else (T, E), dtype=torch.float32)
+    logits = x.new_empty((0,) if general else (T, E), dtype=x.dtype if lowp else torch.float32)
     if save and not inference:
         nbytes = saved_bytes(T, pairs, d=cfg[0], n=cfg[1], E=E, K=cfg[3], activation=activation,
                              routing=routing, rounding=rounding, round_tile=round_tile,
@@ -782,7 +793,8 @@ class _MoeFunction(torch.autograd.Function):
         inference = bool(config[_INFERENCE])
         out, counts, logits, saved = _forward_core(layer, x, router_w, pair_token, pair_expert,
                                                    pair_score, w1, w2, b1, b2, expert_bias,
-                                                   inference, not inference)
+                                                   inference, not inference,
+                                                   bool(config[_LOWP]))
         ctx.set_materialize_grads(False)   # an unused output's gradient stays None
         ctx.mark_non_differentiable(counts)
         _save_context(ctx, x, router_w, pair_token, w1, w2, b1, b2, saved,
@@ -949,7 +961,8 @@ def _run(x, router_w, pair_token, pair_expert, pair_score, w1, w2, b1, b2, exper
             return _MoeFunction.apply(x, router_w, pair_token, pair_expert, pair_score, w1, w2,
                                       b1, b2, expert_bias, layer, config)
         return _forward_core(layer, x, router_w, pair_token, pair_expert, pair_score, w1, w2,
-                             b1, b2, expert_bias, bool(inference), False)[:3]
+                             b1, b2, expert_bias, bool(inference), False,
+                             bool(config[_LOWP]))[:3]
     return torch.ops.smoe.moe_forward(x, router_w, pair_token, pair_expert, pair_score, w1, w2,
                                       b1, b2, expert_bias, config, routed_scaling)[:3]
 
@@ -1039,7 +1052,8 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
         renormalize=True, activation="swiglu", w1_layout="interleaved", token_rounding=None,
         round_tile=128, inference=False, expert_bias=None, n_group=0, topk_group=0,
         routed_scaling=1.0, consume_saved=False, ep_group=None, max_tokens=None, capacity=0,
-        expert_rows=0, overlap=0, comm_sms=0, keep_x=False, copy_engines=None):
+        expert_rows=0, overlap=0, comm_sms=0, keep_x=False, copy_engines=None,
+        router_logits_dtype=None):
     """The MoE feed-forward layer (token-choice routing), differentiable.
 
     Shapes (T tokens: x may have any leading dimensions, flattened to T):
@@ -1089,13 +1103,23 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
       as for any replicated parameter. token_rounding and consume_saved are refused under it
       (see smoe.h's smoe_ep_desc); expert_counts are this rank's tokens'.
 
+    router_logits_dtype: None or torch.float32 (the default), or x's dtype
+      (after autocast): the float32 logits rounded (the routing reads the
+      float32 ones either way; bfloat16 logits are what Hugging Face's MoE
+      blocks return, at half the bytes). Not under ep_group yet.
+
     Returns (out (..., d), expert_counts (E,) int32, router_logits (..., E)
-    float32). Gradients reach x, router_w, w1, w2, b1, b2; a loss computed
-    from router_logits (an auxiliary load-balancing loss) sends its gradient
-    back through the router too.
+    in router_logits_dtype). Gradients reach x, router_w, w1, w2, b1, b2; a
+    loss computed from router_logits (an auxiliary load-balancing loss)
+    sends its gradient back through the router too.
     """
     if not isinstance(x, torch.Tensor):
         raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "x must be a torch.Tensor")
+    if ep_group is not None and router_logits_dtype not in (None, torch.float32):
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                             "smoe.moe: router_logits_dtype = %s under ep_group: the "
+                             "expert-parallel layer returns float32 logits for now"
+                             % (router_logits_dtype,))
     if ep_group is not None:
         from .ep import _moe_ep  # (smoe.ep imports this module)
         return _moe_ep(ep_group, x, router_w, w1, w2, b1, b2, top_k=top_k, routing=routing,
@@ -1145,12 +1169,20 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
                                  "has none of" % (token_rounding,))
     else:
         n_group, topk_group, routed_scaling = 0, 0, 1.0
+    if router_logits_dtype in (None, torch.float32):
+        lowp = 0
+    elif router_logits_dtype == x.dtype:
+        lowp = 1
+    else:
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                             "smoe.moe: router_logits_dtype = %s: None, torch.float32 or x's "
+                             "dtype (%s)" % (router_logits_dtype, x.dtype))
     flat = x.dim() == 2
     x2 = x if flat else x.reshape(-1, d)
     save = not inference and _wants_grad(x2, router_w, w1, w2, b1, b2)
     config = [int(top_k), routing_c, int(bool(renormalize)), act, layout, rounding,
               int(round_tile), n_group, topk_group, int(bool(consume_saved)),
-              int(bool(inference)), int(save)]
+              int(bool(inference)), int(save), lowp]
     out, counts, logits = _run(x2, router_w, None, None, None, w1, w2, b1, b2, expert_bias,
                                config, routed_scaling, d, n, E)
     if flat:
@@ -1209,7 +1241,7 @@ def moe_general(x, pair_token, pair_expert, pair_score, w1, w2, b1=None, b2=None
         _validate_triples(pair_token, pair_expert, pair_score, x.shape[0], E)
     save = not inference and _wants_grad(x, pair_score, w1, w2, b1, b2)
     config = [0, L.SMOE_ROUTING_GENERAL, 0, act, layout, L.SMOE_ROUND_OFF, 128, 0, 0,
-              int(bool(consume_saved)), int(bool(inference)), int(save)]
+              int(bool(consume_saved)), int(bool(inference)), int(save), 0]
     out, counts, _ = _run(x, None, pair_token, pair_expert, pair_score, w1, w2, b1, b2, None,
                           config, 1.0, d, n, E)
     return out, counts

@@ -72,7 +72,7 @@ import torch.nn as nn
 from ._lib import (SMOE_ACT_SWIGLU, SMOE_ERROR_INVALID_SIZE, SMOE_ROUTING_SIGMOID_TOPK,
                    SMOE_W1_CONCATENATED, SmoeError)
 from .ep import _as_group, _ep_moe, check_ep_options
-from .functional import ROUTINGS, check_sigmoid_options, moe
+from .functional import ROUTINGS, _autocast_dtype, check_sigmoid_options, moe
 
 __all__ = ["replace_moe_blocks", "restore_moe_blocks", "SmoeSparseMoeBlock", "SmoeDeepseekV3MoE",
            "TESTED_TRANSFORMERS_VERSIONS"]
@@ -328,8 +328,14 @@ class SmoeSparseMoeBlock(_SmoeBlock):
             # in place; here a new tensor).
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         renorm = True if self.kind == "topk_softmax" else bool(self.gate.norm_topk_prob)
+        # the HF block's router_logits are in x's dtype: have smoe return them
+        # so (no float32 copy) where smoe sees that dtype too (no autocast to
+        # another; the expert-parallel layer returns float32 ones)
+        lp = {}
+        if self.ep is None and _autocast_dtype(x.device) in (None, x.dtype):
+            lp = {"router_logits_dtype": x.dtype}
         out, counts, logits = self._moe(x, self.gate.weight, top_k=self.gate.top_k,
-                                        routing=self.kind, renormalize=renorm)
+                                        routing=self.kind, renormalize=renorm, **lp)
         self.last_expert_counts = counts.detach()
         x2 = x.reshape(-1, x.shape[-1])
         self.gate(x2, _smoe_router_outputs=(logits.reshape(x2.shape[0], -1).to(x.dtype),

@@ -47,7 +47,7 @@ def test_gradcheck_general_f64():
     assert torch.autograd.gradcheck(f, (x, w1, w2, b1, b2), eps=1e-6, atol=1e-7, rtol=1e-6)
 
 
-def _fwd_args(save=True, bias=True, routing=0, rounding=0, consume=0):
+def _fwd_args(save=True, bias=True, routing=0, rounding=0, consume=0, lowp=0):
     x, r, w1, w2, b1, b2 = make(T=8, d=8, n=4, E=4, act="swiglu", bias=bias, seed=34,
                                 dtype=torch.float32)
     ins = [t.requires_grad_() if t is not None else None for t in (x, r, w1, w2, b1, b2)]
@@ -58,9 +58,9 @@ def _fwd_args(save=True, bias=True, routing=0, rounding=0, consume=0):
     G, g, scaling = (2, 1, 2.5) if sigmoid else (0, 0, 1.0)
     # expert_bias; config: top_k, routing, renormalize, activation, w1_layout,
     # rounding, round_tile, n_group, topk_group, consume_saved, inference,
-    # save; routed_scaling
+    # save, logits_lowp; routed_scaling
     return (x, r, None, None, None, w1, w2, b1, b2, eb,
-            [2, routing, 1, 0, 0, rounding, 4, G, g, consume, 0, int(save)], scaling)
+            [2, routing, 1, 0, 0, rounding, 4, G, g, consume, 0, int(save), lowp], scaling)
 
 
 # opcheck's AOT-dispatch tests compare every output bit for bit between two
@@ -70,10 +70,13 @@ def _fwd_args(save=True, bias=True, routing=0, rounding=0, consume=0):
 _CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 
-@pytest.mark.parametrize("routing,rounding", [(0, 0), (1, 0), (1, 1), (3, 0)])
-def test_opcheck_forward(routing, rounding):
+@pytest.mark.parametrize("routing,rounding,lowp", [(0, 0, 0), (1, 0, 0), (1, 1, 0), (3, 0, 0),
+                                                   (1, 0, 1)])
+def test_opcheck_forward(routing, rounding, lowp):
+    # lowp: the router logits in x's dtype (router_logits_dtype)
     torch.library.opcheck(torch.ops.smoe.moe_forward.default,
-                          _fwd_args(routing=routing, rounding=rounding), test_utils=_CHECKS)
+                          _fwd_args(routing=routing, rounding=rounding, lowp=lowp),
+                          test_utils=_CHECKS)
 
 
 def test_opcheck_forward_no_bias_no_save():

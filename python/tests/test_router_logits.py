@@ -106,3 +106,46 @@ def test_module_z_loss_and_aux_loss_train_the_router():
     assert_close(m.router.weight.grad, r2.grad, 1e-5, "drouter_w")
     assert_close(x.grad, x2.grad, 1e-5, "dx")
     assert_close(m.c_fc.weight.grad, w1.grad, 1e-8, "dw1")
+
+
+def _devices():
+    out = [("cpu", torch.float32), ("cpu", torch.float64), ("cpu", torch.bfloat16)]
+    if torch.cuda.is_available():
+        out.append(("cuda", torch.bfloat16))
+    return out
+
+
+@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize("device,dtype", _devices())
+@pytest.mark.parametrize("routing", ["topk_softmax", "softmax_topk", "sigmoid_topk"])
+def test_router_logits_dtype(device, dtype, routing, eager, monkeypatch):
+    # router_logits_dtype=x's dtype: the float32 logits rounded, and a loss
+    # on them whose gradient the dtype holds exactly (c, bf16 values) gives
+    # the float32 logits' gradients bit for bit (smoe.h's
+    # router_logits_dtype and dlogits_extra_dtype)
+    monkeypatch.setattr(smoe.functional, "_EAGER", eager)
+    g = torch.Generator().manual_seed(1)
+    T, d, n, E, K = 32, 64, 64, 8, 2
+    x = torch.randn(T, d, generator=g).to(device, dtype).requires_grad_()
+    wr = (torch.randn(E, d, generator=g) * 0.3).to(device, dtype).requires_grad_()
+    w1 = (torch.randn(E, 2 * n, d, generator=g) * 0.2).to(device, dtype).requires_grad_()
+    w2 = (torch.randn(E, d, n, generator=g) * 0.2).to(device, dtype).requires_grad_()
+    c = torch.randn(T, E, generator=g).to(torch.bfloat16).float().to(device)
+    res = []
+    for ldt in (None, dtype):
+        out, _, lg = smoe.moe(x, wr, w1, w2, top_k=K, routing=routing, router_logits_dtype=ldt)
+        assert lg.dtype == (torch.float32 if ldt is None else dtype)
+        loss = out.float().sum() + (lg.float() * c).sum()
+        res.append((out.detach(), lg.detach(), torch.autograd.grad(loss, (x, wr, w1, w2))))
+    (o32, l32, g32), (o, lo, gl) = res
+    assert torch.equal(o32, o)
+    assert torch.equal(l32.to(dtype), lo)
+    for name, a, b in zip(("x", "router_w", "w1", "w2"), g32, gl):
+        assert torch.equal(a, b), name
+
+
+def test_router_logits_dtype_refused():
+    x = torch.randn(4, 8)
+    w1, w2, wr = torch.randn(2, 8, 8), torch.randn(2, 8, 4), torch.randn(2, 8)
+    with pytest.raises(smoe.SmoeError, match="router_logits_dtype"):
+        smoe.moe(x, wr, w1, w2, top_k=1, router_logits_dtype=torch.float16)

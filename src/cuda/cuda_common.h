@@ -276,7 +276,8 @@ smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *to
 /* ------------------------------------------------------------ router_backward.cu */
 
 /* dlogits (T, E) of the routing mode from the per-row score gradients ds
- * (cap), plus dlogits_extra (may be NULL), written as a bf16 hi/lo split
+ * (cap), plus dlogits_extra (may be NULL; fp32, or bf16 where extra_dt is
+ * SMOE_DTYPE_BF16), written as a bf16 hi/lo split
  * (T, 2E): columns [0, E) hold bf16(g), [E, 2E) bf16(g - bf16(g)), so two
  * bf16 GEMMs with fp32 accumulation see g to about 16 bits. tc_scratch
  * (T, K) int32: token rounding's token-choice experts, recomputed. */
@@ -284,7 +285,7 @@ smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int
                                      const float *logits, const int32_t *token_offset,
                                      const int32_t *assign_expert, const int32_t *assign_row,
                                      const float *row_score, const float *ds,
-                                     const float *dlogits_extra, bf16 *split,
+                                     const void *dlogits_extra, smoe_dtype extra_dt, bf16 *split,
                                      int32_t *tc_scratch, float *assign_dl, const int *abort,
                                      cudaStream_t stream);
 
@@ -293,7 +294,12 @@ smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int
  * smoe_cuda_router_dlogits also writes each pair's entry into assign_dl
  * (cap, fp32) and the aggregation adds dl_a * Wr[e_a] itself, with no dense
  * dX GEMM. Otherwise assign_dl must be NULL. */
-int smoe_cuda_router_sparse(const smoe_layer_desc *desc, int rounding, const float *dlogits_extra);
+int smoe_cuda_router_sparse(const smoe_layer_desc *desc, int rounding, const void *dlogits_extra);
+
+/* The router_logits output from the fp32 logits lg (n values): copied (F32)
+ * or rounded to bf16 (BF16), on stream s. */
+smoe_status smoe_cuda_logits_out(const float *lg, void *dst, smoe_dtype dt, int64_t n,
+                                 cudaStream_t s);
 
 /* wr2 (2E, d) = [wr; wr]: the B operand of dX += split * wr2; nothing
  * written when *abort is set (wr2 may lie in the saved block's dead H). */

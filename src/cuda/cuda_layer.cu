@@ -404,9 +404,11 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
             as, dst, report_make(st, 0), s));
         timer_mark(st, 0, "general triples", s);
     } else {
-        /* (fp32: smoe_cuda_router_dtypes_check) */
+        /* fp32 logits: the saved block's, the caller's fp32 output, or the
+         * workspace's (then converted into a bf16 output) */
+        const int out32 = args->router_logits && args->router_logits_dtype == SMOE_DTYPE_F32;
         float *lg = (training && v.logits) ? v.logits
-                    : args->router_logits  ? (float *)args->router_logits
+                    : out32                ? (float *)args->router_logits
                                            : (float *)(ws + w.logits);
         /* logits^T (E x T, col-major) = Wr (E x d) . X^T */
         SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32(st, ws + w.f_gemm, s, CUBLAS_OP_T,
@@ -415,9 +417,8 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
                                                       (const bf16 *)args->x, d->d, lg, d->E));
         timer_mark(st, 0, "router gemm", s);
         if (args->router_logits && args->router_logits != lg)
-            SMOE_CUDA_CHECK(cudaMemcpyAsync(args->router_logits, lg,
-                                            (size_t)T * (size_t)d->E * 4,
-                                            cudaMemcpyDeviceToDevice, s));
+            SMOE_FORWARD_IF_ERROR(smoe_cuda_logits_out(lg, args->router_logits,
+                                                       args->router_logits_dtype, T * d->E, s));
         SMOE_FORWARD_IF_ERROR(
             smoe_cuda_route(d, T, rounding, lg, args->expert_bias, as, ws + w.route_scratch, s));
         timer_mark(st, 0, "routing", s);
@@ -471,8 +472,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     const int *abort = &dst->code;
     const int want_dx = args->dx.ptr != NULL;
     const int want_router = !general && (args->drouter_w.ptr || want_dx);
-    /* (dlogits_extra fp32: smoe_cuda_router_dtypes_check) */
-    const float *extra = (const float *)args->dlogits_extra;
+    const void *extra = args->dlogits_extra;
     const int sparse = want_router && smoe_cuda_router_sparse(d, rounding, extra);
     float *wr_nf = sparse && want_dx ? (float *)(ws + w.wr_nf) : NULL;
     /* the router's buffers (rbase) and the dXr chunk (xbase): in the saved
@@ -573,7 +573,8 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
         if (sparse && want_dx) dla = (float *)(rbase + w.dla);
         SMOE_FORWARD_IF_ERROR(smoe_cuda_router_dlogits(
             d, T, rounding, v.logits, v.token_offset, v.assign_expert, v.assign_row,
-            v.row_score, ds, extra, split, (int32_t *)(rbase + w.tc), dla, abort,
+            v.row_score, ds, extra, args->dlogits_extra_dtype, split, (int32_t *)(rbase + w.tc),
+            dla, abort,
             s));
         timer_mark(st, 1, "router dlogits", s);
         if (dense_dx) {
@@ -650,7 +651,6 @@ smoe_status smoe_cuda_forward(smoe_layer *layer, const smoe_forward_args *args,
                               const smoe_saved_layout *sl, void *saved, void *workspace,
                               void *stream)
 {
-    SMOE_FORWARD_IF_ERROR(smoe_cuda_router_dtypes_check(args, NULL, "smoe_layer_forward"));
     return run_call(layer, args, NULL, sl, saved, workspace, stream);
 }
 
@@ -658,24 +658,7 @@ smoe_status smoe_cuda_backward(smoe_layer *layer, const smoe_backward_args *args
                                const smoe_saved_layout *sl, void *saved, void *workspace,
                                void *stream)
 {
-    SMOE_FORWARD_IF_ERROR(smoe_cuda_router_dtypes_check(NULL, args, "smoe_layer_backward"));
     return run_call(layer, NULL, args, sl, saved, workspace, stream);
-}
-
-smoe_status smoe_cuda_router_dtypes_check(const smoe_forward_args *f, const smoe_backward_args *b,
-                                          const char *fn)
-{
-    SMOE_RETURN_ERROR_IF(f && f->router_logits_dtype != SMOE_DTYPE_F32, SMOE_ERROR_UNSUPPORTED,
-                         "%s: args.router_logits_dtype = %d: the CUDA backends write fp32 "
-                         "router logits only (SMOE_DTYPE_F32) for now; the CPU backend "
-                         "takes the layer's dtype too",
-                         fn, (int)f->router_logits_dtype);
-    SMOE_RETURN_ERROR_IF(b && b->dlogits_extra_dtype != SMOE_DTYPE_F32, SMOE_ERROR_UNSUPPORTED,
-                         "%s: args.dlogits_extra_dtype = %d: the CUDA backends read an fp32 "
-                         "dlogits_extra only (SMOE_DTYPE_F32) for now; the CPU backend takes "
-                         "the layer's dtype too",
-                         fn, (int)b->dlogits_extra_dtype);
-    return SMOE_SUCCESS;
 }
 
 /* ------------------------------------------------------------ parts */

@@ -50,16 +50,10 @@ smoe_status smoe_cuda_router_forward(smoe_layer *layer, int64_t T, const void *x
  * dlogits_extra), drouter_w (its ptr may be NULL) = dlogits^T x, and dxr
  * (T, d) fp32 = dlogits Wr (dense; NULL: not wanted). */
 smoe_status smoe_cuda_router_backward(smoe_layer *layer, int64_t T, const smoe_saved_view *v,
-                                      const float *ds, const float *dlogits_extra,
-                                      const void *x, const void *router_w,
+                                      const float *ds, const void *dlogits_extra,
+                                      smoe_dtype extra_dt, const void *x, const void *router_w,
                                       const smoe_grad *drouter_w, float *dxr, void *workspace,
                                       const int *abort, void *stream);
-
-/* The router dtypes the CUDA backends take (f or b may be NULL): fp32
- * router_logits and dlogits_extra only, for now; else
- * SMOE_ERROR_UNSUPPORTED naming the argument. */
-smoe_status smoe_cuda_router_dtypes_check(const smoe_forward_args *f, const smoe_backward_args *b,
-                                          const char *fn);
 
 #ifdef __cplusplus
 }

@@ -144,8 +144,8 @@ smoe_status smoe_cuda_router_forward(smoe_layer *layer, int64_t T, const void *x
 }
 
 smoe_status smoe_cuda_router_backward(smoe_layer *layer, int64_t T, const smoe_saved_view *v,
-                                      const float *ds, const float *dlogits_extra,
-                                      const void *x, const void *router_w,
+                                      const float *ds, const void *dlogits_extra,
+                                      smoe_dtype extra_dt, const void *x, const void *router_w,
                                       const smoe_grad *drouter_w, float *dxr, void *workspace,
                                       const int *abort, void *stream)
 {
@@ -162,8 +162,8 @@ smoe_status smoe_cuda_router_backward(smoe_layer *layer, int64_t T, const smoe_s
     smoe_status r = SMOE_SUCCESS;
     if (T > 0)
         r = smoe_cuda_router_dlogits(d, T, 0, v->logits, v->token_offset, v->assign_expert,
-                                     v->assign_row, v->row_score, ds, dlogits_extra, split,
-                                     (int32_t *)(ws + w.tc), NULL, abort, s);
+                                     v->assign_row, v->row_score, ds, dlogits_extra, extra_dt,
+                                     split, (int32_t *)(ws + w.tc), NULL, abort, s);
     if (r == SMOE_SUCCESS && drouter_w->ptr) {
         float *dwr2 = (float *)(ws + w.dwr2);
         if (T > 0) {

@@ -514,7 +514,6 @@ static smoe_status ce_partials_back(const smoe_ep_layer *ep, int c, char *part, 
 smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *args, void *saved,
                                  void *workspace, void *stream)
 {
-    SMOE_FORWARD_IF_ERROR(smoe_cuda_router_dtypes_check(args, NULL, "smoe_ep_layer_forward"));
     cudaStream_t s = (cudaStream_t)stream;
     const smoe_layer_desc *L = &ep->desc.layer;
     const ep_cuda *X = ep->cuda;
@@ -756,7 +755,8 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         if (args->router_logits || args->expert_counts) {
             k_ep_outputs<<<blocks_for(T * E > E ? T * E : E, 256), 256, 0, s>>>(
                 (int)T, (int)E, toff, aexp, args->expert_counts, lg,
-                general ? NULL : (float *)args->router_logits, abort);
+                general ? NULL : args->router_logits,
+                args->router_logits_dtype == SMOE_DTYPE_BF16, abort);
             TRYL("k_ep_outputs");
         }
     }
@@ -770,7 +770,6 @@ done:
 smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *args,
                                   const void *saved, void *workspace, void *stream)
 {
-    SMOE_FORWARD_IF_ERROR(smoe_cuda_router_dtypes_check(NULL, args, "smoe_ep_layer_backward"));
     cudaStream_t s = (cudaStream_t)stream;
     const smoe_layer_desc *L = &ep->desc.layer;
     const ep_cuda *X = ep->cuda;
@@ -980,8 +979,8 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             u.row_score = (float *)(sb + S.row_score);
             u.logits = ep_saves_logits(L) ? (float *)(sb + S.logits) : NULL;
             dxr = args->dx.ptr && T > 0 ? (float *)(ws + W.dxr) : NULL;
-            TRY(smoe_cuda_router_backward(ep->full, T, &u, dsa,
-                                          (const float *)args->dlogits_extra, args->x,
+            TRY(smoe_cuda_router_backward(ep->full, T, &u, dsa, args->dlogits_extra,
+                                          args->dlogits_extra_dtype, args->x,
                                           args->router_w, &args->drouter_w, dxr, ws + W.router,
                                           abort, s));
         } else if (args->dpair_score.ptr && A > 0) {

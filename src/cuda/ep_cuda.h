@@ -187,7 +187,8 @@ __global__ void k_ep_chunk_off(int El, int nc, ep_bounds bd, const int32_t *__re
 __global__ void k_ep_iota(int64_t n, int32_t *v, const int *abort);
 __global__ void k_ep_outputs(int T, int E, const int32_t *__restrict__ toff,
                              const int32_t *__restrict__ aexp, int32_t *counts,
-                             const float *__restrict__ lg, float *lg_out, const int *abort);
+                             const float *__restrict__ lg, void *lg_out, int lg_bf16,
+                             const int *abort);
 __global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, ep_slots sl,
                            const bf16 *__restrict__ x, const bf16 *__restrict__ dout,
                            const int32_t *__restrict__ pidx, bf16 *sx, bf16 *sdo, bf16 *rx,

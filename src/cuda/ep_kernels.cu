@@ -254,11 +254,15 @@ __global__ void k_ep_iota(int64_t n, int32_t *v, const int *abort)
 /* counts (E) of this rank's assignments, and the logits out. */
 __global__ void k_ep_outputs(int T, int E, const int32_t *__restrict__ toff,
                              const int32_t *__restrict__ aexp, int32_t *counts,
-                             const float *__restrict__ lg, float *lg_out, const int *abort)
+                             const float *__restrict__ lg, void *lg_out, int lg_bf16,
+                             const int *abort)
 {
     SMOE_DEV_RETURN_IF_ABORTED(abort);
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (lg_out && i < (int64_t)T * E) lg_out[i] = lg[i];
+    if (lg_out && i < (int64_t)T * E) {
+        if (lg_bf16) ((bf16 *)lg_out)[i] = __float2bfloat16_rn(lg[i]);
+        else ((float *)lg_out)[i] = lg[i];
+    }
     if (counts && i < E) {
         int c = 0;
         for (int a = 0; a < toff[T]; ++a) c += aexp[a] == (int)i;

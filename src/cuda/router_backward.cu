@@ -31,12 +31,28 @@
 
 /* ------------------------------------------------------------ dlogits */
 
+/* The caller's extra gradient of one token (ex: its row, fp32, or bf16
+ * where xb), expert e. */
+static __device__ __forceinline__ double extra_at(const void *__restrict__ ex, int xb, int e)
+{
+    return xb ? (double)__bfloat162float(((const bf16 *)ex)[e]) : (double)((const float *)ex)[e];
+}
+
+/* The token's row of the extra gradient (T, E), by its dtype; NULL: none. */
+static __device__ __forceinline__ const void *extra_row(const void *extra, int xb, int t, int E)
+{
+    if (!extra) return NULL;
+    return xb ? (const void *)((const bf16 *)extra + (int64_t)t * E)
+              : (const void *)((const float *)extra + (int64_t)t * E);
+}
+
 /* dlogits[e] = v (+ the caller's extra gradient ex[e]) stored as the bf16
  * pair hi + lo (hi rounded, lo the rest), the dWr GEMM's two halves. */
-static __device__ __forceinline__ void store_split(double v, const float *__restrict__ ex, int e,
-                                                   bf16 *__restrict__ hi, bf16 *__restrict__ lo)
+static __device__ __forceinline__ void store_split(double v, const void *__restrict__ ex, int xb,
+                                                   int e, bf16 *__restrict__ hi,
+                                                   bf16 *__restrict__ lo)
 {
-    if (ex) v += (double)ex[e];
+    if (ex) v += extra_at(ex, xb, e);
     const float f = (float)v;
     const bf16 h = __float2bfloat16_rn(f);
     hi[e] = h;
@@ -68,8 +84,9 @@ __global__ void k_router_dlogits(int T, int E, int K, int mode, int renormalize,
                                  const int32_t *__restrict__ assign_expert,
                                  const int32_t *__restrict__ assign_row,
                                  const float *__restrict__ row_score, const float *__restrict__ ds,
-                                 const float *__restrict__ extra, bf16 *__restrict__ split,
-                                 int32_t *__restrict__ tc_scratch, const int *abort)
+                                 const void *__restrict__ extra, int extra_bf16,
+                                 bf16 *__restrict__ split, int32_t *__restrict__ tc_scratch,
+                                 const int *abort)
 {
     SMOE_DEV_RETURN_IF_ABORTED(abort);
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
@@ -77,7 +94,7 @@ __global__ void k_router_dlogits(int T, int E, int K, int mode, int renormalize,
     const int a0 = token_offset[t], a1 = token_offset[t + 1];
     bf16 *hi = split + (int64_t)t * 2 * E;
     bf16 *lo = hi + E;
-    const float *ex = extra ? extra + (int64_t)t * E : NULL;
+    const void *ex = extra_row(extra, extra_bf16, t, E);
 
 #define PAIR_LOOKUP(e, found, dS, sc) \
     found = pair_lookup((e), a0, a1, assign_expert, assign_row, ds, row_score, &(dS), (sc))
@@ -93,7 +110,7 @@ __global__ void k_router_dlogits(int T, int E, int K, int mode, int renormalize,
             double dS = 0.0, sc = 0.0;
             PAIR_LOOKUP(e, found, dS, &sc);
             double v = found ? sc * (dS - g) : 0.0;
-            store_split(v, ex, e, hi, lo);
+            store_split(v, ex, extra_bf16, e, hi, lo);
         }
         return;
     }
@@ -118,7 +135,7 @@ __global__ void k_router_dlogits(int T, int E, int K, int mode, int renormalize,
                 const double dsig = renormalize ? scale * (dS - g) / den : scale * dS;
                 v = dsig * se * (1.0 - se);
             }
-            store_split(v, ex, e, hi, lo);
+            store_split(v, ex, extra_bf16, e, hi, lo);
         }
         return;
     }
@@ -170,7 +187,7 @@ __global__ void k_router_dlogits(int T, int E, int K, int mode, int renormalize,
                 continue;
             }
             double v = p * (dp - c);
-            store_split(v, ex, e, hi, lo);
+            store_split(v, ex, extra_bf16, e, hi, lo);
         }
     }
 #undef PAIR_LOOKUP
@@ -187,8 +204,9 @@ k_router_dlogits_topk_warp(int T, int E, const int32_t *__restrict__ token_offse
                            const int32_t *__restrict__ assign_expert,
                            const int32_t *__restrict__ assign_row,
                            const float *__restrict__ row_score, const float *__restrict__ ds,
-                           const float *__restrict__ extra, bf16 *__restrict__ split,
-                           float *__restrict__ assign_dl, const int *abort)
+                           const void *__restrict__ extra, int extra_bf16,
+                           bf16 *__restrict__ split, float *__restrict__ assign_dl,
+                           const int *abort)
 {
     SMOE_DEV_RETURN_IF_ABORTED(abort);
     extern __shared__ double dlw_row[]; /* DLW_WARPS * E */
@@ -219,10 +237,10 @@ k_router_dlogits_topk_warp(int T, int E, const int32_t *__restrict__ token_offse
     __syncwarp();
     bf16 *hi = split + (int64_t)t * 2 * E;
     bf16 *lo = hi + E;
-    const float *ex = extra ? extra + (int64_t)t * E : NULL;
+    const void *ex = extra_row(extra, extra_bf16, t, E);
     for (int j = lane; j < E; j += 32) {
         double v = row[j];
-        store_split(v, ex, j, hi, lo);
+        store_split(v, ex, extra_bf16, j, hi, lo);
     }
 }
 
@@ -315,9 +333,33 @@ k_expert_colsum(int64_t cols, const int32_t *__restrict__ expert_offset,
     }
 }
 
+/* n fp32 values rounded to bf16 (the router_logits output in bf16). */
+__global__ void k_logits_bf16(const float *__restrict__ src, bf16 *__restrict__ dst, int64_t n)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] = __float2bfloat16_rn(src[i]);
+}
+
 /* ------------------------------------------------------------ launchers */
 
-int smoe_cuda_router_sparse(const smoe_layer_desc *desc, int rounding, const float *dlogits_extra)
+smoe_status smoe_cuda_logits_out(const float *lg, void *dst, smoe_dtype dt, int64_t n,
+                                 cudaStream_t s)
+{
+    if (n <= 0) return SMOE_SUCCESS;
+    if (dt == SMOE_DTYPE_F32) {
+        SMOE_CUDA_CHECK(cudaMemcpyAsync(dst, lg, (size_t)n * 4, cudaMemcpyDeviceToDevice, s));
+        return SMOE_SUCCESS;
+    }
+    SMOE_RETURN_ERROR_IF(dt != SMOE_DTYPE_BF16, SMOE_ERROR_INTERNAL,
+                         "router logits out: dtype %d (F32 or BF16)", (int)dt);
+    int64_t b = smoe_cdiv(n, 256);
+    k_logits_bf16<<<(unsigned)(b < 65535 ? b : 65535), 256, 0, s>>>(lg, (bf16 *)dst, n);
+    SMOE_CUDA_LAUNCH_CHECK("k_logits_bf16");
+    return SMOE_SUCCESS;
+}
+
+int smoe_cuda_router_sparse(const smoe_layer_desc *desc, int rounding, const void *dlogits_extra)
 {
     return desc->routing == SMOE_ROUTING_TOPK_SOFTMAX &&
            !(rounding && desc->rounding != SMOE_ROUND_OFF) && desc->K <= 32 && !dlogits_extra;
@@ -327,11 +369,12 @@ smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int
                                      const float *logits, const int32_t *token_offset,
                                      const int32_t *assign_expert, const int32_t *assign_row,
                                      const float *row_score, const float *ds,
-                                     const float *dlogits_extra, bf16 *split,
+                                     const void *dlogits_extra, smoe_dtype extra_dt, bf16 *split,
                                      int32_t *tc_scratch, float *assign_dl, const int *abort,
                                      cudaStream_t stream)
 {
     const int tr = rounding && desc->rounding != SMOE_ROUND_OFF;
+    const int xb = extra_dt == SMOE_DTYPE_BF16;
     if (smoe_cuda_router_sparse(desc, rounding, dlogits_extra)) {
         const size_t smem = (size_t)DLW_WARPS * desc->E * 8;
         if (smem > 48 * 1024)
@@ -340,8 +383,8 @@ smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int
                                                  (int)smem));
         k_router_dlogits_topk_warp<<<(unsigned)smoe_cdiv(T, DLW_WARPS), DLW_WARPS * 32, smem,
                                      stream>>>((int)T, (int)desc->E, token_offset, assign_expert,
-                                               assign_row, row_score, ds, dlogits_extra, split,
-                                               assign_dl, abort);
+                                               assign_row, row_score, ds, dlogits_extra, xb,
+                                               split, assign_dl, abort);
         SMOE_CUDA_LAUNCH_CHECK("k_router_dlogits_topk_warp");
         return SMOE_SUCCESS;
     }
@@ -352,8 +395,8 @@ smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int
     k_router_dlogits<<<(unsigned)smoe_cdiv(T, threads), threads, 0, stream>>>(
         (int)T, (int)desc->E, (int)desc->K, (int)desc->routing, desc->renormalize, tr,
         desc->routed_scaling, logits,
-        token_offset, assign_expert, assign_row, row_score, ds, dlogits_extra, split, tc_scratch,
-        abort);
+        token_offset, assign_expert, assign_row, row_score, ds, dlogits_extra, xb, split,
+        tc_scratch, abort);
     SMOE_CUDA_LAUNCH_CHECK("k_router_dlogits");
     return SMOE_SUCCESS;
 }

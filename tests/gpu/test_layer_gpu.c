@@ -57,6 +57,7 @@ typedef struct run_cfg {
     int graph;       /* GPU: capture forward+backward in a CUDA graph */
     int inference;   /* forward only, inference */
     const float *extra; /* dlogits_extra (T, E) on the host, or NULL */
+    int lowp_router; /* router_logits and dlogits_extra in the layer's dtype */
 } run_cfg;
 
 typedef struct run_out {
@@ -64,6 +65,7 @@ typedef struct run_out {
     double *g[G_N];       /* gradients; NULL where absent */
     size_t gn[G_N];
     float *logits;        /* (T, E) or NULL */
+    uint16_t *logits16;   /* (T, E) bf16 bits (lowp_router) or NULL */
     int32_t *counts;      /* (E) */
     void *saved;          /* host copy */
     smoe_saved_layout sl;
@@ -76,6 +78,7 @@ static void run_out_free(run_out *r)
 {
     free(r->out);
     free(r->logits);
+    free(r->logits16);
     free(r->counts);
     free(r->saved);
     free(r->raw_out);
@@ -190,7 +193,8 @@ static void run_layer(smoe_layer *L, const tu_problem *P, const double *dout, co
     }
     const size_t out_b = (size_t)(T * d) * es;
     void *out = mem_alloc(gpu, out_b);
-    float *logits = general ? NULL : (float *)mem_alloc(gpu, (size_t)(T * E) * 4);
+    const size_t lgs = cfg->lowp_router ? es : 4;
+    void *logits = general ? NULL : mem_alloc(gpu, (size_t)(T * E) * lgs);
     int32_t *counts = (int32_t *)mem_alloc(gpu, (size_t)E * 4);
     const size_t saved_b = cfg->inference ? 0 : smoe_layer_saved_bytes(L, T, np);
     const size_t ws_b = smoe_layer_workspace_bytes(L, T, np);
@@ -226,6 +230,7 @@ static void run_layer(smoe_layer *L, const tu_problem *P, const double *dout, co
     fa.w1 = w1; fa.b1 = b1; fa.w2 = w2; fa.b2 = b2;
     fa.out = out;
     fa.router_logits = logits;
+    fa.router_logits_dtype = cfg->lowp_router ? dt : SMOE_DTYPE_F32;
     fa.expert_counts = counts;
     fa.inference = cfg->inference;
     fa.expert_bias = ebias;
@@ -238,9 +243,19 @@ static void run_layer(smoe_layer *L, const tu_problem *P, const double *dout, co
     ba.pairs = np;
     ba.w1 = w1; ba.w2 = w2; ba.b2 = b2;
     ba.dout = dO;
-    float *dextra = NULL;
+    void *dextra = NULL;
     if (cfg->extra && !general) {
-        dextra = (float *)mem_put(gpu, cfg->extra, (size_t)(T * E) * 4);
+        if (cfg->lowp_router) {
+            double *xd = tu_alloc_d((size_t)(T * E));
+            for (int64_t i = 0; i < T * E; i++) xd[i] = (double)cfg->extra[i];
+            void *xl = tu_to_dtype(dt, xd, (size_t)(T * E));
+            dextra = mem_put(gpu, xl, (size_t)(T * E) * es);
+            free(xd);
+            free(xl);
+            ba.dlogits_extra_dtype = dt;
+        } else {
+            dextra = mem_put(gpu, cfg->extra, (size_t)(T * E) * 4);
+        }
         ba.dlogits_extra = dextra;
     }
     smoe_grad *gs[G_N] = {&ba.dx, &ba.drouter_w, &ba.dw1, &ba.db1, &ba.dw2, &ba.db2,
@@ -308,9 +323,10 @@ static void run_layer(smoe_layer *L, const tu_problem *P, const double *dout, co
     R->raw_out = mem_get(gpu, out, out_b);
     R->raw_out_n = out_b;
     R->out = tu_from_dtype(dt, R->raw_out, (size_t)(T * d));
-    if (logits) {
+    if (logits && cfg->lowp_router)
+        R->logits16 = (uint16_t *)mem_get(gpu, logits, (size_t)(T * E) * 2);
+    else if (logits)
         R->logits = (float *)mem_get(gpu, logits, (size_t)(T * E) * 4);
-    }
     R->counts = (int32_t *)mem_get(gpu, counts, (size_t)E * 4);
     for (int i = 0; i < G_N; i++) {
         if (!gbuf[i]) continue;
@@ -595,8 +611,8 @@ static int run_case(const case_cfg *c, uint64_t seed)
         extra = (float *)malloc((size_t)(c->T * c->E) * 4);
         for (int64_t i = 0; i < c->T * c->E; i++) extra[i] = (float)(0.3 * tu_normal(&rng));
     }
-    run_cfg cg = {c->gdt, c->acc, 0, 0, extra};
-    run_cfg cf = {SMOE_DTYPE_F64, c->acc, 0, 0, extra};
+    run_cfg cg = {c->gdt, c->acc, 0, 0, extra, 0};
+    run_cfg cf = {SMOE_DTYPE_F64, c->acc, 0, 0, extra, 0};
     run_out rg, rg2, rb, rf;
     run_layer(Lg, &P, dout, &cg, &rg);
     CHECK(rg.st == SMOE_SUCCESS, "gpu run failed");
@@ -646,6 +662,38 @@ static int run_case(const case_cfg *c, uint64_t seed)
         CHECK(rg2.st == SMOE_SUCCESS, "graph capture run failed");
         check_bitwise("CUDA graph replay vs eager", &rg, &rg2);
         run_out_free(&rg2);
+    }
+    /* the router's tensors in bf16: router_logits the fp32 ones rounded,
+     * and a dlogits_extra of bf16 values gives the fp32 one's gradients,
+     * bit for bit */
+    if (c->routing != SMOE_ROUTING_GENERAL) {
+        float *x16 = NULL;
+        if (extra) {
+            x16 = (float *)malloc((size_t)(c->T * c->E) * 4);
+            for (int64_t i = 0; i < c->T * c->E; i++)
+                x16[i] = tu_bf16_to_f32(tu_f32_to_bf16(extra[i]));
+        }
+        run_cfg c32 = cg;
+        c32.extra = x16;
+        run_cfg c16 = c32;
+        c16.lowp_router = 1;
+        run_out r32, r16;
+        run_layer(Lg, &P, dout, &c32, &r32);
+        run_layer(Lg, &P, dout, &c16, &r16);
+        CHECK(r32.st == SMOE_SUCCESS && r16.st == SMOE_SUCCESS, "bf16 router runs failed");
+        if (r32.st == SMOE_SUCCESS && r16.st == SMOE_SUCCESS) {
+            check_bitwise("router logits and dlogits_extra in bf16 vs fp32", &r32, &r16);
+            int64_t bad = -1;
+            for (int64_t i = 0; i < c->T * c->E && bad < 0; i++)
+                if (tu_f32_to_bf16(r32.logits[i]) != r16.logits16[i]) bad = i;
+            CHECK(bad < 0, "router_logits in bf16 differ from the fp32 ones rounded (first at "
+                           "%lld: %04x, want %04x)",
+                  (long long)bad, bad >= 0 ? r16.logits16[bad] : 0,
+                  bad >= 0 ? tu_f32_to_bf16(r32.logits[bad]) : 0);
+        }
+        run_out_free(&r32);
+        run_out_free(&r16);
+        free(x16);
     }
     /* inference: token choice, nothing saved */
     {
