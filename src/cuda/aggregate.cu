@@ -243,9 +243,13 @@ static __device__ __forceinline__ void agg_item(int64_t g, int64_t cols, bool na
     for (int64_t g = (int64_t)blockIdx.x * AGG_THREADS + threadIdx.x; g < items;                 \
          g += (int64_t)gridDim.x * AGG_THREADS)
 
-template <int VEC, bool SCORED>
+/* KC > 0: K is the compile-time KC (the argument K is then KC): the loop
+ * over K and its predicates fold away. The launches use KC = 2 and 4 (the
+ * 1.4B and 7B grid rows' n1024 and n512 K): 5-20 us less per aggregation
+ * there on an H100; at K = 8 the layer was no faster (sm90_log.md rung 24). */
+template <int VEC, bool SCORED, int KC>
 __global__ void __launch_bounds__(AGG_THREADS)
-k_aggregate_forward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ assign_row,
+k_aggregate_forward_k(int64_t T, int64_t d, int K_arg, const int32_t *__restrict__ assign_row,
                       const float *__restrict__ row_score, const bf16 *__restrict__ y,
                       bf16 *__restrict__ out, smoe_saved_header *header, smoe_saved_header h,
                       const int *abort)
@@ -255,6 +259,7 @@ k_aggregate_forward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ a
         *header = h;
     }
     SMOE_DEV_RETURN_IF_ABORTED(abort);
+    const int K = KC > 0 ? KC : K_arg;
     AGG_ITEMS_LOOP(T, d)
     {
         int64_t t, c;
@@ -284,9 +289,9 @@ k_aggregate_forward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ a
     }
 }
 
-template <int VEC>
+template <int VEC, int KC> /* KC: as in k_aggregate_forward_k */
 __global__ void __launch_bounds__(AGG_THREADS)
-k_aggregate_backward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ assign_row,
+k_aggregate_backward_k(int64_t T, int64_t d, int K_arg, const int32_t *__restrict__ assign_row,
                        const bf16 *__restrict__ dxt, const float *__restrict__ extra,
                        const float *__restrict__ assign_dl,
                        const int32_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
@@ -294,6 +299,7 @@ k_aggregate_backward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ 
                        int accumulate, const int *abort)
 {
     SMOE_DEV_RETURN_IF_ABORTED(abort);
+    const int K = KC > 0 ? KC : K_arg;
     AGG_ITEMS_LOOP(T, d)
     {
         int64_t t, c;
@@ -335,25 +341,32 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
                                         const int *abort, cudaStream_t stream)
 {
     const bool v8 = d % 8 == 0 && aligned16(y) && aligned16(out);
-    /* the kernel by k_uniform, the column width by v8, SCORED by row_score */
-#define AGG_FWD(KERNEL, GRID, OFFS)                                                              \
+    /* the kernel by k_uniform, the column width by v8, SCORED by row_score;
+     * then KC for the exactly-K kernel */
+#define AGG_FWD(KERNEL, GRID, OFFS, ...)                                                         \
     do {                                                                                         \
         if (row_score) {                                                                         \
-            if (v8) KERNEL<8, true><<<GRID(8), AGG_THREADS, 0, stream>>>(                        \
+            if (v8) KERNEL<8, true, ##__VA_ARGS__><<<GRID(8), AGG_THREADS, 0, stream>>>(         \
                 T, d, OFFS, assign_row, row_score, y, out, header, h, abort);                    \
-            else KERNEL<1, true><<<GRID(1), AGG_THREADS, 0, stream>>>(                           \
+            else KERNEL<1, true, ##__VA_ARGS__><<<GRID(1), AGG_THREADS, 0, stream>>>(            \
                 T, d, OFFS, assign_row, row_score, y, out, header, h, abort);                    \
         } else {                                                                                 \
-            if (v8) KERNEL<8, false><<<GRID(8), AGG_THREADS, 0, stream>>>(                       \
+            if (v8) KERNEL<8, false, ##__VA_ARGS__><<<GRID(8), AGG_THREADS, 0, stream>>>(        \
                 T, d, OFFS, assign_row, row_score, y, out, header, h, abort);                    \
-            else KERNEL<1, false><<<GRID(1), AGG_THREADS, 0, stream>>>(                          \
+            else KERNEL<1, false, ##__VA_ARGS__><<<GRID(1), AGG_THREADS, 0, stream>>>(           \
                 T, d, OFFS, assign_row, row_score, y, out, header, h, abort);                    \
         }                                                                                        \
     } while (0)
 #define AGG_GRID_ITEMS(V) agg_grid(T * (d / (V)), AGG_THREADS)
 #define AGG_GRID_TOKENS(V) agg_grid(T, 1)
-    if (k_uniform > 0) {
-        AGG_FWD(k_aggregate_forward_k, AGG_GRID_ITEMS, k_uniform);
+    if (k_uniform == 2) {
+        AGG_FWD(k_aggregate_forward_k, AGG_GRID_ITEMS, 2, 2);
+        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_k<K 2>");
+    } else if (k_uniform == 4) {
+        AGG_FWD(k_aggregate_forward_k, AGG_GRID_ITEMS, 4, 4);
+        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_k<K 4>");
+    } else if (k_uniform > 0) {
+        AGG_FWD(k_aggregate_forward_k, AGG_GRID_ITEMS, k_uniform, 0);
         SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_k");
     } else {
         AGG_FWD(k_aggregate_forward, AGG_GRID_TOKENS, token_offset);
@@ -376,15 +389,18 @@ smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *to
     const int f32 = dx_dtype == SMOE_DTYPE_F32;
     const bool v8 = d % 8 == 0 && aligned16(dxt) && aligned16(dx) && (!wr || aligned16(wr));
     if (k_uniform > 0) {
-        if (v8)
-            k_aggregate_backward_k<8><<<agg_grid(T * (d / 8), AGG_THREADS), AGG_THREADS, 0,
-                                        stream>>>(T, d, k_uniform, assign_row, dxt, extra,
-                                                  assign_dl, assign_expert, wr, col, dx, f32,
-                                                  accumulate, abort);
-        else
-            k_aggregate_backward_k<1><<<agg_grid(T * d, AGG_THREADS), AGG_THREADS, 0, stream>>>(
-                T, d, k_uniform, assign_row, dxt, extra, assign_dl, assign_expert, wr, col, dx,
-                f32, accumulate, abort);
+#define AGG_BWD_K(VEC, KC)                                                                       \
+    k_aggregate_backward_k<VEC, KC><<<agg_grid(T * (d / VEC), AGG_THREADS), AGG_THREADS, 0,       \
+                                      stream>>>(T, d, k_uniform, assign_row, dxt, extra,          \
+                                                assign_dl, assign_expert, wr, col, dx, f32,       \
+                                                accumulate, abort)
+        if (v8 && k_uniform == 2) AGG_BWD_K(8, 2);
+        else if (v8 && k_uniform == 4) AGG_BWD_K(8, 4);
+        else if (v8) AGG_BWD_K(8, 0);
+        else if (k_uniform == 2) AGG_BWD_K(1, 2);
+        else if (k_uniform == 4) AGG_BWD_K(1, 4);
+        else AGG_BWD_K(1, 0);
+#undef AGG_BWD_K
         SMOE_CUDA_LAUNCH_CHECK("k_aggregate_backward_k");
         return SMOE_SUCCESS;
     }
