@@ -20,7 +20,9 @@ typedef struct single_res {
     int32_t counts[64];
 } single_res;
 
-static TU_UNUSED void single_run(const tu_problem *P0, const double *dout, smoe_dtype dt, single_res *s) {
+/* G2: dlogits_extra (T, E) fp32, or NULL */
+static TU_UNUSED void single_run(const tu_problem *P0, const double *dout, const float *G2,
+                                 smoe_dtype dt, single_res *s) {
     tu_problem P = *P0;
     P.desc.dtype = dt;
     P.desc.backend = SMOE_BACKEND_CPU;
@@ -30,7 +32,7 @@ static TU_UNUSED void single_run(const tu_problem *P0, const double *dout, smoe_
     tu_grads g;
     tu_grads_alloc(&g, &P, dt == SMOE_DTYPE_F64 ? SMOE_DTYPE_F64 : SMOE_DTYPE_F32);
     void *G = tu_to_dtype(dt, dout, (size_t)(P.T * P.desc.d));
-    tu_run_backward(L, &P, &B, G, NULL, &g, 0);
+    tu_run_backward(L, &P, &B, G, G2, &g, 0);
     s->out = tu_from_dtype(dt, B.out, (size_t)(P.T * P.desc.d));
     for (int i = 0; i < 7; i++) s->g[i] = g.g[i] ? tu_grad_d(&g, i) : NULL;
     memcpy(s->counts, B.counts, (size_t)P.desc.E * 4);

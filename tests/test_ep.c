@@ -264,8 +264,8 @@ static void run_case(const char *name, const ep_case *c, tu_rng *rng, int expect
         if (ok) {
             single_res s64, s16;
             const int bf16 = D.dtype == SMOE_DTYPE_BF16;
-            single_run(&P, dout, SMOE_DTYPE_F64, &s64);
-            if (bf16) single_run(&P, dout, SMOE_DTYPE_BF16, &s16);
+            single_run(&P, dout, NULL, SMOE_DTYPE_F64, &s64);
+            if (bf16) single_run(&P, dout, NULL, SMOE_DTYPE_BF16, &s16);
             double *dwr[MAXP];
             const int32_t *cnts[MAXP];
             for (int q = 0; q < NP; q++) {

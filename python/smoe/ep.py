@@ -478,9 +478,10 @@ def _stream(x):
     return torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
 
 
-def _ep_forward_core(layer, x, router_w, w1, w2, b1, b2, expert_bias, saved_nbytes):
+def _ep_forward_core(layer, x, router_w, w1, w2, b1, b2, expert_bias, saved_nbytes, lowp=0):
     """smoe_ep_layer_forward on real tensors: (out, expert_counts (E,) int32,
-    router_logits (T, E) fp32, the saved block or None). saved_nbytes: None
+    router_logits (T, E) fp32, or x's dtype with lowp, the saved block or
+    None). saved_nbytes: None
     for the library's size at this T, 0 for an inference forward (no saved
     block: args.inference = 1), or a size at least the library's (the
     custom operator's, _ep_saved_bound)."""
@@ -499,14 +500,15 @@ def _ep_forward_core(layer, x, router_w, w1, w2, b1, b2, expert_bias, saved_nbyt
         saved_n = saved_nbytes
     out = torch.empty_like(x)
     counts = torch.empty(E, dtype=torch.int32, device=x.device)
-    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    logits = torch.empty(T, E, dtype=x.dtype if lowp else torch.float32, device=x.device)
     inference = saved_nbytes == 0
     saved = None if inference else torch.empty(saved_n, dtype=torch.uint8, device=x.device)
     ws = torch.empty(ws_n, dtype=torch.uint8, device=x.device)
     args = L.forward_args_raw(T, x.data_ptr(), router_w.data_ptr(), 0, None, None, None,
                               w1.data_ptr(), _ptr(b1), w2.data_ptr(), _ptr(b2), out.data_ptr(),
                               logits.data_ptr(), counts.data_ptr(), int(inference),
-                              _ptr(expert_bias))
+                              _ptr(expert_bias),
+                              layer.desc.layer.dtype if lowp else L.SMOE_DTYPE_F32)
     layer.call(layer._lib.smoe_ep_layer_forward, args, saved, ws, _stream(x))
     return out, counts, logits, saved
 
@@ -519,8 +521,15 @@ def _ep_backward_core(layer, dout, dlogits, x, router_w, w1, w2, b2, saved, need
     if dout.dtype != x.dtype:
         dout = dout.to(x.dtype)
     x, router_w, w1, w2, b2, dout = (_aligned(t, va) for t in (x, router_w, w1, w2, b2, dout))
+    xdt = L.SMOE_DTYPE_F32
     if dlogits is not None:
-        dlogits = _aligned(dlogits.to(torch.float32), 4)
+        # in the layer's dtype as it is (the gradient of logits returned in
+        # it), else as float32
+        if dlogits.dtype == x.dtype:
+            xdt = layer.desc.layer.dtype
+        elif dlogits.dtype != torch.float32:
+            dlogits = dlogits.to(torch.float32)
+        dlogits = _aligned(dlogits, dlogits.element_size())
     saved = _aligned(saved, 16)
     T = x.shape[0]
     has_bias = layer.desc.layer.has_bias
@@ -540,7 +549,7 @@ def _ep_backward_core(layer, dout, dlogits, x, router_w, w1, w2, b2, saved, need
                                w2.data_ptr(), _ptr(b2), dout.data_ptr(), _ptr(dlogits),
                                _grad_ptr(dx), dt, 0, _grad_ptr(dwr), dt, 0, _grad_ptr(dw1), dt,
                                0, _grad_ptr(db1), dt, 0, _grad_ptr(dw2), dt, 0, _grad_ptr(db2),
-                               dt, 0, None, L.SMOE_DTYPE_F32, 0)
+                               dt, 0, None, L.SMOE_DTYPE_F32, 0, xdt)
     layer.call(layer._lib.smoe_ep_layer_backward, args, saved, ws, _stream(x))
     return dx, dwr, dw1, db1, dw2, db2
 
@@ -555,8 +564,9 @@ def _ep_backward_core(layer, dout, dlogits, x, router_w, w1, w2, b2, saved, need
 # model whose blocks are compiled one by one compiles once).
 _EP_OPTIONS = ("group", "top_k", "activation", "w1_layout", "routing", "renormalize", "n_group",
                "topk_group", "max_tokens", "capacity", "expert_rows", "overlap", "comm_sms",
-               "keep_x", "copy_engines")
+               "keep_x", "copy_engines", "logits_lowp")
 _N_EP_OPTIONS = len(_EP_OPTIONS)
+_EP_LOWP = _N_EP_OPTIONS - 1   # router logits in x's dtype (1) or float32 (0)
 
 
 def _ep_unpack(config, last, op):
@@ -579,7 +589,7 @@ def _ep_cfg(config, routed_scaling, x, router_w, w2, has_bias):
     """The layer configuration (EPGroup._layer's key, as EPMoE._cfg) from an
     operator's config, routed_scaling and tensors."""
     (_, K, act, layout, routing, renorm, n_group, topk_group, max_tokens, capacity, expert_rows,
-     overlap, comm_sms, keep_x, copy_engines) = config[:_N_EP_OPTIONS]
+     overlap, comm_sms, keep_x, copy_engines, _) = config[:_N_EP_OPTIONS]
     # (d from x, n from w2, E from the router: w1 has this rank's E/P.)
     return (int(x.shape[1]), int(w2.shape[2]), int(router_w.shape[0]), int(K), int(act),
             int(layout), bool(has_bias), int(routing), bool(renorm), int(n_group),
@@ -638,7 +648,7 @@ def _ep_saved_bound(T, P, E, K, d, n, activation, routing, dtype, max_tokens, ca
 def _ep_op_saved_bound(T, config, x, router_w, w2, op):
     g = _ep_group(config[0], op)
     (_, K, act, _, routing, _, _, _, max_tokens, capacity, expert_rows, _, _, keep_x,
-     copy_engines) = config[:_N_EP_OPTIONS]
+     copy_engines, _) = config[:_N_EP_OPTIONS]
     return _ep_saved_bound(T, g.size, router_w.shape[0], K, x.shape[1], w2.shape[2], act,
                            routing, x.dtype, max_tokens, capacity, expert_rows, keep_x,
                            copy_engines if x.is_cuda else -1)
@@ -659,7 +669,7 @@ def _ep_forward(x: Tensor, router_w: Tensor, w1: Tensor, w2: Tensor, b1: Optiona
     layer = g._layer(cfg, x.device, x.dtype)
     nbytes = _ep_op_saved_bound(x.shape[0], config, x, router_w, w2, op) if config[-1] else 0
     out, counts, logits, saved = _ep_forward_core(layer, x, router_w, w1, w2, b1, b2,
-                                                  expert_bias, nbytes)
+                                                  expert_bias, nbytes, config[_EP_LOWP])
     if saved is None:
         saved = torch.empty(0, dtype=torch.uint8, device=x.device)
     return out, counts, logits, saved
@@ -672,7 +682,8 @@ def _ep_forward_fake(x, router_w, w1, w2, b1, b2, expert_bias, config, routed_sc
     T, E = x.shape[0], router_w.shape[0]
     nbytes = _ep_op_saved_bound(T, config, x, router_w, w2, op) if config[-1] else 0
     return (x.new_empty(x.shape), x.new_empty((E,), dtype=torch.int32),
-            x.new_empty((T, E), dtype=torch.float32), x.new_empty((nbytes,), dtype=torch.uint8))
+            x.new_empty((T, E), dtype=x.dtype if config[_EP_LOWP] else torch.float32),
+            x.new_empty((nbytes,), dtype=torch.uint8))
 
 
 @torch.library.custom_op("smoe::ep_backward", mutates_args=())
@@ -765,7 +776,7 @@ class _EPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, router_w, w1, w2, b1, b2, expert_bias, layer, options, routed_scaling):
         out, counts, logits, saved = _ep_forward_core(layer, x, router_w, w1, w2, b1, b2,
-                                                      expert_bias, None)
+                                                      expert_bias, None, options[_EP_LOWP])
         ctx.set_materialize_grads(False)   # an unused output's gradient stays None
         ctx.mark_non_differentiable(counts)
         _ep_save_context(ctx, x, router_w, w1, w2, b2, saved, options, routed_scaling, layer)
@@ -878,13 +889,14 @@ def _ce_code(copy_engines):
 
 def _ep_layer_config(group, d, n, E, K, activation, w1_layout, has_bias, routing, renormalize,
                      n_group, topk_group, routed_scaling, max_tokens, capacity, expert_rows,
-                     overlap, comm_sms, keep_x=False, copy_engines=None):
+                     overlap, comm_sms, keep_x=False, copy_engines=None, lowp=False):
     """(options, cfg) of a layer on `group` (enums as smoe_* codes): the
     operators' config (_EP_OPTIONS, without save or needs) and the key of
-    the group's handle (EPGroup._layer)."""
+    the group's handle (EPGroup._layer). lowp: the router logits returned
+    in x's dtype (a forward argument, not part of the handle's key)."""
     options = [int(group._id_key), K, activation, w1_layout, routing, int(renormalize), n_group,
                topk_group, max_tokens, capacity, expert_rows, overlap, comm_sms, int(keep_x),
-               _ce_code(copy_engines)]
+               _ce_code(copy_engines), int(bool(lowp))]
     cfg = (d, n, E, K, activation, w1_layout, bool(has_bias), routing, bool(renormalize),
            n_group, topk_group, float(routed_scaling), max_tokens, capacity, expert_rows,
            overlap, comm_sms, bool(keep_x), _ce_code(copy_engines))
@@ -916,11 +928,13 @@ def _ep_run(group, options, cfg, routed_scaling, x, router_w, w1, w2, b1, b2, ex
 
 def _ep_moe(group, x, router_w, w1, w2, *, top_k, routing, renormalize, activation, w1_layout,
             expert_bias, n_group, topk_group, routed_scaling, max_tokens, capacity, expert_rows,
-            overlap, comm_sms, who, keep_x=False, copy_engines=None, b1=None, b2=None):
+            overlap, comm_sms, who, keep_x=False, copy_engines=None, b1=None, b2=None,
+            router_logits_dtype=None):
     """The layer on x (..., d), this rank's tokens, with router_w (E, d) and
     this rank's experts w1, w2 (and biases b1, b2, both or neither; enums
     as smoe_* codes; the routing options checked by the caller): (out (...,
-    d), expert_counts (E,), router_logits (T, E)). smoe.hf's expert-parallel
+    d), expert_counts (E,), router_logits (T, E) in router_logits_dtype:
+    None or torch.float32, or x's dtype). smoe.hf's expert-parallel
     blocks call it with their Hugging Face parameters, smoe.moe with
     ep_group through _moe_ep; `who` names the caller in errors."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -933,10 +947,15 @@ def _ep_moe(group, x, router_w, w1, w2, *, top_k, routing, renormalize, activati
     if x2.shape[0] > max_tokens:
         raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, "%s: %d tokens, more than max_tokens = %d"
                         % (who, x2.shape[0], max_tokens))
+    if router_logits_dtype not in (None, torch.float32, x.dtype):
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                             "%s: router_logits_dtype = %s: None, torch.float32 or x's dtype "
+                             "(%s)" % (who, router_logits_dtype, x.dtype))
+    lowp = router_logits_dtype not in (None, torch.float32)
     options, cfg = _ep_layer_config(group, x2.shape[1], w2.shape[2], router_w.shape[0], top_k,
                                     activation, w1_layout, b1 is not None, routing, renormalize,
                                     n_group, topk_group, routed_scaling, max_tokens, capacity,
-                                    expert_rows, overlap, comm_sms, keep_x, copy_engines)
+                                    expert_rows, overlap, comm_sms, keep_x, copy_engines, lowp)
     out, counts, logits = _ep_run(group, options, cfg, routed_scaling, x2, router_w, w1, w2,
                                   b1, b2, expert_bias)
     return out.reshape(x.shape), counts, logits
@@ -973,7 +992,7 @@ def _refuse_under_ep(who, token_rounding, consume_saved):
 def _moe_ep(group, x, router_w, w1, w2, b1, b2, *, top_k, routing, renormalize, activation,
             w1_layout, token_rounding, inference, expert_bias, n_group, topk_group,
             routed_scaling, consume_saved, max_tokens, capacity, expert_rows, overlap,
-            comm_sms, keep_x, copy_engines):
+            comm_sms, keep_x, copy_engines, router_logits_dtype=None):
     """smoe.moe with ep_group (its docstring says what): the checks, then
     _ep_moe."""
     who = "smoe.moe (ep_group)"
@@ -1010,7 +1029,8 @@ def _moe_ep(group, x, router_w, w1, w2, b1, b2, *, top_k, routing, renormalize, 
               topk_group=topk_group, routed_scaling=routed_scaling,
               max_tokens=int(max_tokens), capacity=int(capacity),
               expert_rows=int(expert_rows), overlap=int(overlap), comm_sms=int(comm_sms),
-              who=who, keep_x=bool(keep_x), copy_engines=copy_engines, b1=b1, b2=b2)
+              who=who, keep_x=bool(keep_x), copy_engines=copy_engines, b1=b1, b2=b2,
+              router_logits_dtype=router_logits_dtype)
     if inference:
         with torch.no_grad():
             out, counts, logits = _ep_moe(group, x, router_w, w1, w2, **kw)

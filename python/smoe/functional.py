@@ -1106,7 +1106,7 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
     router_logits_dtype: None or torch.float32 (the default), or x's dtype
       (after autocast): the float32 logits rounded (the routing reads the
       float32 ones either way; bfloat16 logits are what Hugging Face's MoE
-      blocks return, at half the bytes). Not under ep_group yet.
+      blocks return, at half the bytes). Under ep_group too.
 
     Returns (out (..., d), expert_counts (E,) int32, router_logits (..., E)
     in router_logits_dtype). Gradients reach x, router_w, w1, w2, b1, b2; a
@@ -1115,11 +1115,6 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
     """
     if not isinstance(x, torch.Tensor):
         raise SmoeError(L.SMOE_ERROR_INVALID_VALUE, "x must be a torch.Tensor")
-    if ep_group is not None and router_logits_dtype not in (None, torch.float32):
-        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
-                             "smoe.moe: router_logits_dtype = %s under ep_group: the "
-                             "expert-parallel layer returns float32 logits for now"
-                             % (router_logits_dtype,))
     if ep_group is not None:
         from .ep import _moe_ep  # (smoe.ep imports this module)
         return _moe_ep(ep_group, x, router_w, w1, w2, b1, b2, top_k=top_k, routing=routing,
@@ -1129,7 +1124,7 @@ def moe(x, router_w, w1, w2, b1=None, b2=None, *, top_k, routing="topk_softmax",
                        routed_scaling=routed_scaling, consume_saved=consume_saved,
                        max_tokens=max_tokens, capacity=capacity, expert_rows=expert_rows,
                        overlap=overlap, comm_sms=comm_sms, keep_x=keep_x,
-                       copy_engines=copy_engines)
+                       copy_engines=copy_engines, router_logits_dtype=router_logits_dtype)
     if (max_tokens is not None or copy_engines is not None or keep_x or capacity or expert_rows
             or overlap or comm_sms):
         ep_only = [name for name, v in (

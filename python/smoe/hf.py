@@ -258,14 +258,15 @@ class _ExpertParallel:
         self.overlap, self.comm_sms, self.keep_x = overlap, comm_sms, keep_x
 
     def __call__(self, x, router_w, w1, w2, *, top_k, routing, renormalize, expert_bias=None,
-                 n_group=0, topk_group=0, routed_scaling=1.0):
+                 n_group=0, topk_group=0, routed_scaling=1.0, router_logits_dtype=None):
         return _ep_moe(self.group, x, router_w, w1, w2, top_k=top_k, routing=ROUTINGS[routing],
                        renormalize=renormalize, activation=SMOE_ACT_SWIGLU,
                        w1_layout=SMOE_W1_CONCATENATED, expert_bias=expert_bias,
                        n_group=n_group, topk_group=topk_group, routed_scaling=routed_scaling,
                        max_tokens=self.max_tokens, capacity=self.capacity,
                        expert_rows=self.expert_rows, overlap=self.overlap,
-                       comm_sms=self.comm_sms, who="smoe.hf", keep_x=self.keep_x)
+                       comm_sms=self.comm_sms, who="smoe.hf", keep_x=self.keep_x,
+                       router_logits_dtype=router_logits_dtype)
 
 
 class _SmoeBlock(nn.Module):
@@ -330,9 +331,9 @@ class SmoeSparseMoeBlock(_SmoeBlock):
         renorm = True if self.kind == "topk_softmax" else bool(self.gate.norm_topk_prob)
         # the HF block's router_logits are in x's dtype: have smoe return them
         # so (no float32 copy) where smoe sees that dtype too (no autocast to
-        # another; the expert-parallel layer returns float32 ones)
+        # another)
         lp = {}
-        if self.ep is None and _autocast_dtype(x.device) in (None, x.dtype):
+        if _autocast_dtype(x.device) in (None, x.dtype):
             lp = {"router_logits_dtype": x.dtype}
         out, counts, logits = self._moe(x, self.gate.weight, top_k=self.gate.top_k,
                                         routing=self.kind, renormalize=renorm, **lp)

@@ -519,6 +519,45 @@ def test_functional_with_ep_group_matches_reference(P, routing):
     check(ep, ref)
 
 
+@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("P", [1, 2])
+def test_functional_with_ep_group_router_logits_dtype(P, dtype, eager, monkeypatch):
+    # router_logits_dtype=x's dtype under ep_group: each rank's logits are
+    # its float32 ones rounded, and a loss on them whose gradient the dtype
+    # holds exactly gives the float32 logits' gradients bit for bit (the
+    # library's dlogits_extra_dtype); another dtype is refused
+    monkeypatch.setattr(smoe.functional, "_EAGER", eager)
+    split = SPLITS[P]
+    t = make(sum(split), D, N, E, "swiglu", False, seed=21)
+    g = torch.Generator().manual_seed(5)
+    c = torch.randn(sum(split), E, generator=g).to(torch.bfloat16).float()
+
+    def rank(r, group):
+        lo, El = sum(split[:r]), E // P
+        x = t[0][lo:lo + split[r]].to(dtype).clone().requires_grad_()
+        wr = t[1].to(dtype).clone().requires_grad_()
+        w1 = t[2][r * El:(r + 1) * El].to(dtype).clone().requires_grad_()
+        w2 = t[3][r * El:(r + 1) * El].to(dtype).clone().requires_grad_()
+        res = []
+        for ldt in (None, dtype):
+            out, _, lg = smoe.moe(x, wr, w1, w2, top_k=2, ep_group=group,
+                                  max_tokens=max(split), router_logits_dtype=ldt)
+            assert lg.dtype == (torch.float32 if ldt is None else dtype)
+            loss = out.float().sum() + (lg.float() * c[lo:lo + split[r]]).sum()
+            res.append((out.detach(), lg.detach(), torch.autograd.grad(loss, (x, wr, w1, w2))))
+        with pytest.raises(smoe.SmoeError, match="router_logits_dtype"):
+            smoe.moe(x, wr, w1, w2, top_k=2, ep_group=group, max_tokens=max(split),
+                     router_logits_dtype=torch.float16)
+        return res
+
+    for (o32, l32, g32), (o, lo_, gl) in run_ranks(P, rank):
+        assert torch.equal(o32, o)
+        assert torch.equal(l32.to(dtype), lo_)
+        for name, a, b in zip(("x", "router_w", "w1", "w2"), g32, gl):
+            assert torch.equal(a, b), name
+
+
 def test_functional_with_ep_group_inference_and_leading_dims():
     # inference=True keeps nothing for backward (no grad_fn); x (a, b, d)
     # gives out (a, b, d) and router_logits (a, b, E), as without ep_group

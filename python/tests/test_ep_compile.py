@@ -340,7 +340,8 @@ def test_operators_refuse_a_freed_group_and_a_bad_config():
                        r"123456"):
         torch.ops.smoe.ep_forward(x, *w, [123456] + m._options[1:] + [1], 1.0)
     with pytest.raises(smoe.SmoeError, match=r"smoe::ep_forward: config has 3 entries, must "
-                       r"have 16 \(group, top_k, .*, comm_sms, keep_x, copy_engines, save\)"):
+                       r"have 17 \(group, top_k, .*, keep_x, copy_engines, logits_lowp, "
+                       r"save\)"):
         torch.ops.smoe.ep_forward(x, *w, [g._id, 2, 0], 1.0)
     saved = torch.empty(0, dtype=torch.uint8)
     with pytest.raises(smoe.SmoeError, match=r"backward through a forward that kept nothing"):

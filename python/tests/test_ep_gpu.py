@@ -56,6 +56,10 @@ CASES = {
     # smoe.moe(..., ep_group=...) with this rank's experts (_Functional)
     "moe_ep_group": (2, dict(via="module"), 0.5, None, 0.0),
     "functional": (2, dict(via="functional"), 0.5, None, 0.0),
+    # smoe.moe(..., ep_group=..., router_logits_dtype=x.dtype): bf16 logits out,
+    # their gradient passed in bf16 (dlog holds bf16 values)
+    "functional_bf16_logits": (2, dict(via="functional", lowp=True, output_router_logits=True),
+                               0.5, None, 0.0),
 }
 
 
@@ -64,11 +68,11 @@ class _Functional(torch.nn.Module):
     _run_case calls (the aux loss of this rank's tokens, as EPMoE's
     default)."""
 
-    def __init__(self, group, K, routing):
+    def __init__(self, group, K, routing, lowp=False):
         import smoe
         super().__init__()
         P = group.size
-        self.group, self.K, self.routing = group, K, routing
+        self.group, self.K, self.routing, self.lowp = group, K, routing, lowp
         self.router = torch.nn.Linear(D, E, bias=False)
         self.c_fc = smoe.Experts(E // P, D, 2 * N)
         self.c_proj = smoe.Experts(E // P, N, D)
@@ -78,8 +82,12 @@ class _Functional(torch.nn.Module):
         import smoe
         out, counts, logits = smoe.moe(x, self.router.weight, self.c_fc.weight,
                                        self.c_proj.weight, top_k=self.K, routing=self.routing,
-                                       ep_group=self.group, max_tokens=T)
+                                       ep_group=self.group, max_tokens=T,
+                                       router_logits_dtype=x.dtype if self.lowp else None)
+        assert logits.dtype == (x.dtype if self.lowp else torch.float32)
         self.last_expert_counts = counts
+        if self.lowp:   # (returned, as EPMoE's output_router_logits)
+            return out, smoe.switch_load_balancing_loss(logits, counts), logits
         return out, smoe.switch_load_balancing_loss(logits, counts)
 
     def reduce_router_grad(self):
@@ -91,7 +99,7 @@ class _Functional(torch.nn.Module):
 
 def _inputs(world, case):
     """The whole layer's weights and the whole batch, bfloat16 on the CPU
-    (dlog, the gradient of the router logits, float32)."""
+    (dlog, the gradient of the router logits, float32 holding bf16 values)."""
     K, opts, scale, bias_seed, coef = CASES[case]
     g = torch.Generator().manual_seed(7)
     bf = torch.bfloat16
@@ -100,7 +108,7 @@ def _inputs(world, case):
     w2 = (torch.randn(E, D, N, generator=g) * 0.1).to(bf)
     x = torch.randn(world * T, D, generator=g).to(bf)
     do = torch.randn(world * T, D, generator=g).to(bf)
-    dlog = torch.randn(world * T, E, generator=g) * 0.3
+    dlog = (torch.randn(world * T, E, generator=g) * 0.3).to(bf).float()
     bias = None
     if bias_seed is not None:
         bias = torch.randn(E, generator=torch.Generator().manual_seed(bias_seed)) * 0.3
@@ -109,11 +117,12 @@ def _inputs(world, case):
 
 def _backward(out, aux, logits, do, dlog, coef):
     """The gradients of sum(out * do) + sum(logits * dlog) (logits: None
-    when not returned) + coef * aux."""
+    when not returned; dlog in their dtype, which holds its values) + coef
+    * aux."""
     tensors, grads = [out], [do]
     if logits is not None:
         tensors.append(logits)
-        grads.append(dlog)
+        grads.append(dlog.to(logits.dtype))
     if coef:
         tensors.append(aux)
         grads.append(torch.tensor(coef, dtype=aux.dtype, device=aux.device))
@@ -128,8 +137,9 @@ def _run_case(rank, world, group, case):
     El = E // world
     opts = dict(opts)
     via = opts.pop("via", None)
+    lowp = opts.pop("lowp", False)
     if via == "functional":
-        m = _Functional(group, K, "topk_softmax")
+        m = _Functional(group, K, "topk_softmax", lowp)
     elif via == "module":
         # (the torch.distributed group itself: EPGroup.of makes its EPGroup)
         m = smoe.MoE(E, K, D, N, ep_group=dist.group.WORLD, max_tokens=T, **opts)

@@ -11,6 +11,10 @@
  *    accumulated onto a known start; biases, activations, both W1 layouts;
  *  - an inference forward (no saved block) between forward and backward
  *    gives the same out bit for bit;
+ *  - the router's logits (T_r, E) out and a dlogits_extra in, fp32 or
+ *    bf16 (router_logits_dtype / dlogits_extra_dtype): the logits against
+ *    X Wr^T in double (within fp32's or bf16's rounding), the gradients
+ *    against the single layer given the same extra (bf16-exact values);
  *  - keep_x (the received rows of x kept for the backward, which then
  *    sends dout alone): bitwise equal to the same case without it, on
  *    both GEMM families, with and without overlap, in a CUDA graph;
@@ -76,6 +80,8 @@ typedef struct gcase {
     int path_ce;       /* 1: the path name must say copy engines, 2: must not */
     int share;         /* a second layer of the same description (copy engines:
                           it shares the first's window) runs the second run */
+    int logits;        /* token choice: router logits out and a dlogits_extra in,
+                          1: fp32, 2: bf16 */
 } gcase;
 
 typedef struct grank {
@@ -84,10 +90,11 @@ typedef struct grank {
     void *comm;
     const tu_problem *Pb;
     const double *dout;
+    const float *extra; /* dlogits_extra's rows of this rank (c->logits), or NULL */
     int64_t t0, T, p0, np;
     smoe_status st_create, st_fwd, st_bwd, st_dev;
     char msg[512];
-    double *out, *g[7];
+    double *out, *g[7], *logits;
     int32_t counts[64];
     uint64_t hash[3];
     int untouched; /* overflow: out still the poison */
@@ -146,6 +153,19 @@ static void *rank_main(void *arg) {
     void *G = tu_dev_to_dtype(bf, R->dout + R->t0 * d, (size_t)(T * d));
     const size_t out_b = (size_t)(T * d) * 2;
     void *out = tu_dev_alloc(out_b);
+    /* the router's logits and their extra gradient, in c->logits' dtype */
+    const int with_logits = c->logits && !general;
+    const smoe_dtype ldt = c->logits == 2 ? SMOE_DTYPE_BF16 : SMOE_DTYPE_F32;
+    const size_t lg_n = (size_t)(T * E);
+    void *lg = NULL, *extra = NULL;
+    if (with_logits) {
+        lg = tu_dev_alloc(lg_n * tu_dtype_size(ldt) + 4);
+        double *e64 = tu_alloc_d(lg_n + 1);
+        for (size_t i = 0; i < lg_n; i++) e64[i] = R->extra[i];
+        extra = ldt == SMOE_DTYPE_F32 ? tu_dev_put(R->extra, lg_n * 4 + 4)
+                                      : tu_dev_to_dtype(ldt, e64, lg_n);
+        free(e64);
+    }
     int32_t *counts = (int32_t *)tu_dev_alloc((size_t)E * 4);
     void *pt = NULL, *pe = NULL, *ps = NULL;
     if (general) {
@@ -205,10 +225,14 @@ static void *rank_main(void *arg) {
         fa.out = out;
         fa.expert_counts = counts;
         fa.expert_bias = (const float *)eb;
+        fa.router_logits = lg;
+        fa.router_logits_dtype = ldt;
         smoe_backward_args ba;
         memset(&ba, 0, sizeof ba);
         ba.T = T; ba.x = x; ba.router_w = general ? NULL : wr; ba.pairs = fa.pairs;
         ba.w1 = w1; ba.w2 = w2; ba.b2 = b2; ba.dout = G;
+        ba.dlogits_extra = extra;
+        ba.dlogits_extra_dtype = ldt;
         const int acc = c->accumulate;
         ba.dx = (smoe_grad){gd[0], SMOE_DTYPE_F32, acc};
         ba.drouter_w = (smoe_grad){general ? NULL : gd[1], SMOE_DTYPE_F32, acc};
@@ -243,6 +267,7 @@ static void *rank_main(void *arg) {
                 unsigned char *o2 = (unsigned char *)malloc(out_b + 1);
                 fi.out = out2;
                 fi.expert_counts = NULL;
+                fi.router_logits = NULL;
                 fi.inference = 1;
                 const smoe_status si = smoe_ep_layer_forward(L, &fi, NULL, 0, ws, wb, s);
                 CUDA_OK(cudaStreamSynchronize(s));
@@ -284,11 +309,17 @@ static void *rank_main(void *arg) {
                 for (size_t j = 0; j < gn[i]; j++) R->g[i][j] = gh[i][j] - (acc ? 0.25 : 0.0);
             }
             CUDA_OK(cudaMemcpy(R->counts, counts, (size_t)E * 4, cudaMemcpyDeviceToHost));
+            if (with_logits) {
+                void *h = malloc(lg_n * tu_dtype_size(ldt) + 4);
+                CUDA_OK(cudaMemcpy(h, lg, lg_n * tu_dtype_size(ldt), cudaMemcpyDeviceToHost));
+                R->logits = tu_from_dtype(ldt, h, lg_n);
+                free(h);
+            }
         }
     }
     cudaFree(x); cudaFree(wr); cudaFree(w1); cudaFree(w2); cudaFree(b1); cudaFree(b2);
     cudaFree(G); cudaFree(out); cudaFree(counts); cudaFree(pt); cudaFree(pe); cudaFree(ps);
-    cudaFree(saved); cudaFree(ws); cudaFree(eb);
+    cudaFree(saved); cudaFree(ws); cudaFree(eb); cudaFree(lg); cudaFree(extra);
     for (int i = 0; i < 7; i++) {
         cudaFree(gd[i]);
         free(gh[i]);
@@ -329,6 +360,16 @@ static void run_case(const char *name, const gcase *c, tu_rng *rng) {
     double *dout = tu_alloc_d((size_t)(T * D.d) + 1);
     tu_fill_normal(rng, dout, (size_t)(T * D.d), 1.0);
     tu_round_array(D.dtype, dout, (size_t)(T * D.d));
+    /* dlogits_extra: values bf16 holds exactly, so both dtypes pass the same */
+    float *extra = NULL;
+    if (c->logits && D.routing != SMOE_ROUTING_GENERAL) {
+        double *e = tu_alloc_d((size_t)(T * D.E) + 1);
+        tu_fill_normal(rng, e, (size_t)(T * D.E), 0.5);
+        tu_round_array(SMOE_DTYPE_BF16, e, (size_t)(T * D.E));
+        extra = (float *)malloc((size_t)(T * D.E) * 4 + 4);
+        for (int64_t i = 0; i < T * D.E; i++) extra[i] = (float)e[i];
+        free(e);
+    }
     tu_case("ep-gpu %s (P = %d, %s, backend %d)", name, NP, tu_mode_name(&D), (int)D.backend);
     grank R[MAXP];
     /* keep_x: the case without it first (its hashes kept), then with it */
@@ -350,6 +391,7 @@ static void run_case(const char *name, const gcase *c, tu_rng *rng) {
         for (int q = 0; q < NP; q++) {
             R[q].r = q; R[q].c = pass ? c : &c0; R[q].comm = comms[q]; R[q].Pb = &P;
             R[q].dout = dout;
+            R[q].extra = extra ? extra + t0 * D.E : NULL;
             R[q].t0 = t0; R[q].T = c->Tr[q];
             R[q].p0 = p;
             while (p < P.pairs && P.pt[p] < t0 + c->Tr[q]) p++;
@@ -367,6 +409,7 @@ static void run_case(const char *name, const gcase *c, tu_rng *rng) {
                       "rank %d, keep_x = 0: %s", q, R[q].msg);
                 h0[q] = R[q].hash[0];
                 free(R[q].out);
+                free(R[q].logits);
                 for (int i = 0; i < 7; i++) free(R[q].g[i]);
             }
     }
@@ -407,8 +450,27 @@ static void run_case(const char *name, const gcase *c, tu_rng *rng) {
                       k, c->graph ? " (a CUDA graph replay)" : "");
         if (ok) {
             single_res s64, s16;
-            single_run(&P, dout, SMOE_DTYPE_F64, &s64);
-            single_run(&P, dout, SMOE_DTYPE_BF16, &s16);
+            single_run(&P, dout, extra, SMOE_DTYPE_F64, &s64);
+            single_run(&P, dout, extra, SMOE_DTYPE_BF16, &s16);
+            if (extra) { /* the logits against X Wr^T in double */
+                double *ref = tu_alloc_d((size_t)(T * D.E) + 1);
+                tu_logits(&P, ref);
+                const double scale = tu_max_abs(ref, (size_t)(T * D.E)) + 1e-30;
+                for (int q = 0; q < NP; q++) {
+                    double worst = 0.0;
+                    for (int64_t i = 0; i < R[q].T * D.E; i++) {
+                        const double want = ref[R[q].t0 * D.E + i], got = R[q].logits[i];
+                        /* fp32 sums of bf16 products; bf16: its rounding on top */
+                        const double tol = 1e-5 * scale +
+                                           (c->logits == 2 ? fabs(want) * 0x1p-8 : 0.0);
+                        const double ex = fabs(got - want) / tol;
+                        worst = ex > worst ? ex : worst;
+                    }
+                    CHECK(worst <= 1.0, "rank %d: router logits (%s) off X Wr^T by %.3g x the "
+                          "tolerance", q, c->logits == 2 ? "bf16" : "fp32", worst);
+                }
+                free(ref);
+            }
             double *dwr[MAXP];
             const int32_t *cnts[MAXP];
             for (int q = 0; q < NP; q++) {
@@ -425,9 +487,11 @@ static void run_case(const char *name, const gcase *c, tu_rng *rng) {
     }
     for (int q = 0; q < NP; q++) {
         free(R[q].out);
+        free(R[q].logits);
         for (int i = 0; i < 7; i++) free(R[q].g[i]);
     }
     free(dout);
+    free(extra);
     tu_problem_free(&P);
 }
 
@@ -478,6 +542,7 @@ int main(int argc, char **argv) {
                 c.D.w1_layout = (smoe_w1_layout)((m + b) % 2);
                 c.D.has_bias = (P + m) % 2;
                 c.accumulate = m == 1;
+                c.logits = 1 + (m + b) % 2;
                 if (b) { /* the Hopper GEMMs' shapes: the overlapped schedule (views) */
                     c.D.d = 128; c.D.n = 64;
                     /* the Hopper dX~ GEMM (a view's too) needs W1 interleaved
@@ -494,6 +559,7 @@ int main(int argc, char **argv) {
             c.D.n_group = 4; c.D.topk_group = 2; c.D.K = 3;
             c.D.routed_scaling = 2.5;
             c.D.has_bias = 1;
+            c.logits = 2;
             run_case("sigmoid, groups", &c, &rng);
         }
         {
@@ -519,6 +585,7 @@ int main(int argc, char **argv) {
             c.D.d = 128; c.D.n = 64;
             c.overlap = -1;
             c.keep_x = 1;
+            c.logits = 2;
             run_case("Hopper, overlap off, keep_x", &c, &rng);
         }
         {
@@ -543,6 +610,7 @@ int main(int argc, char **argv) {
         c = base_case(P, SMOE_ROUTING_SOFTMAX_TOPK, hopper ? SMOE_BACKEND_SM90 : SMOE_BACKEND_CUDA);
         c.graph = 1;
         c.accumulate = 1;
+        c.logits = 2;
         run_case("CUDA graph replays", &c, &rng);
         c = base_case(P, SMOE_ROUTING_GENERAL, SMOE_BACKEND_CUDA);
         c.graph = 1;
@@ -585,6 +653,7 @@ int main(int argc, char **argv) {
             c.D.activation = (smoe_activation)((P + m + 1) % 7);
             c.D.has_bias = (P + m) % 2;
             c.accumulate = m == 1;
+            c.logits = 2 - m % 2;
             for (int q = 0; q < P; q++) c.Tr[q] = 40 + 14 * q;
             c.ce = 1;
             run_case("copy engines, balanced", &c, &rng);
