@@ -71,8 +71,8 @@ from .functional import (_DTYPES, _NEED_B1, _NEED_B2, _NEED_ROUTER, _NEED_W1, _N
                          W1_LAYOUTS, SmoeValueError, _align, _aligned, _autocast,
                          _check_expert_bias, _check_experts, _check_shape, _check_tensor, _direct,
                          _enum, _grad_ptr, _ptr, _wants_grad, saved_bytes)
-from .module import (Experts, _check_int, _switch_loss, check_layer_sizes, check_routing,
-                     keep_expert_bias_float32)
+from .module import (Experts, _check_int, _switch_loss, check_layer_sizes,
+                     check_logits_dtype, check_routing, keep_expert_bias_float32)
 
 __all__ = ["EPGroup", "EPMoE"]
 
@@ -1041,7 +1041,7 @@ def _moe_ep(group, x, router_w, w1, w2, b1, b2, *, top_k, routing, renormalize, 
 
 # smoe.MoE's keywords that smoe.EPMoE takes as they are
 _MOE_EP_SHARED = ("routing", "renormalize", "w1_layout", "output_router_logits", "n_group",
-                  "topk_group", "routed_scaling")
+                  "topk_group", "routed_scaling", "router_logits_dtype")
 # smoe.EPMoE's keywords that smoe.MoE takes only with ep_group
 EP_ONLY = ("max_tokens", "capacity", "expert_rows", "overlap", "comm_sms", "aux_loss_scope",
            "keep_x", "copy_engines")
@@ -1117,8 +1117,9 @@ class EPMoE(nn.Module):
     forward(hidden_states (..., d), *, output_router_logits=None) returns
     (out (..., d), aux_loss), or with output_router_logits (the
     constructor's, or forward's when not None) (out, aux_loss,
-    router_logits (T, E) float32, T this rank's tokens), as smoe.MoE
-    returns them: differentiable, for smoe.router_z_loss or Hugging Face's
+    router_logits (T, E) float32, or x's dtype with
+    router_logits_dtype='input', T this rank's tokens), as smoe.MoE returns
+    them: differentiable, for smoe.router_z_loss or Hugging Face's
     load-balancing loss.
 
     aux_loss is the Switch load-balancing loss (smoe.switch_load_balancing_loss),
@@ -1151,7 +1152,8 @@ class EPMoE(nn.Module):
                  max_tokens, capacity=0, expert_rows=0, routing="topk_softmax",
                  renormalize=True, w1_layout="interleaved", overlap=0, comm_sms=0, n_group=0,
                  topk_group=0, routed_scaling=1.0, output_router_logits=False,
-                 aux_loss_scope="local", keep_x=False, copy_engines=None):
+                 aux_loss_scope="local", keep_x=False, copy_engines=None,
+                 router_logits_dtype=None):
         super().__init__()
         # Every argument is checked before the group is touched: a refused
         # layer makes no communicator.
@@ -1165,6 +1167,7 @@ class EPMoE(nn.Module):
         self.w1_layout = _enum(W1_LAYOUTS, w1_layout, who + ": w1_layout")
         check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who, keep_x,
                          copy_engines)
+        self.router_logits_dtype = check_logits_dtype(router_logits_dtype, who)
         if aux_loss_scope not in _AUX_LOSS_SCOPES:
             raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.EPMoE: aux_loss_scope = %r, "
                                  "must be 'local' (this rank's tokens) or 'group' (the group's)"
@@ -1256,7 +1259,10 @@ class EPMoE(nn.Module):
         bias = self.expert_bias
         if bias is not None:
             bias = bias.detach()
-        out, counts, logits = _ep_run(self.group, self._options, self._cfg, self.routed_scaling,
+        options = self._options
+        if self.router_logits_dtype == "input" and x.dtype != torch.float32:
+            options = options[:_EP_LOWP] + [1]   # (logits in x's dtype)
+        out, counts, logits = _ep_run(self.group, options, self._cfg, self.routed_scaling,
                                       x, self.router.weight, self.c_fc.weight,
                                       self.c_proj.weight, self.c_fc.bias, self.c_proj.bias, bias)
         self.last_expert_counts = counts

@@ -165,6 +165,22 @@ def keep_expert_bias_float32(module):
         module._buffers["expert_bias"] = bias.float()
 
 
+def check_logits_dtype(value, who):
+    """A layer's router_logits_dtype: None or torch.float32 (float32 logits),
+    or 'input' (the dtype of the layer's input x, after autocast, as
+    Hugging Face's MoE blocks return them); SmoeValueError otherwise."""
+    if value is None or value == "input" or value is torch.float32:
+        return value
+    raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                         "%s: router_logits_dtype = %r, must be None or torch.float32 "
+                         "(float32 logits) or 'input' (x's dtype)" % (who, value))
+
+
+def logits_dtype_of(value, x):
+    """smoe.moe's router_logits_dtype for a layer's option `value`."""
+    return x.dtype if value == "input" else None
+
+
 class MoE(nn.Module):
     """A Mixture-of-Experts feed-forward layer on smoe, with the parameters
     and constructor of SonicMoE's MoE:
@@ -185,10 +201,13 @@ class MoE(nn.Module):
     kernels; a bool there raises TypeError (is_inference_mode is the third
     argument). With output_router_logits (the constructor's, or forward's
     when not None) it returns (output, aux_loss, router_logits (T, E)
-    float32, T the tokens of all leading dimensions, as Hugging Face's MoE
-    blocks return them): differentiable, for smoe.router_z_loss or
-    Hugging Face's load-balancing loss, at no extra cost (the layer
-    computes them anyway).
+    float32, T the tokens of all leading dimensions): differentiable, for
+    smoe.router_z_loss or Hugging Face's load-balancing loss, at no extra
+    cost (the layer computes them anyway). router_logits_dtype='input'
+    makes them x's dtype (after autocast), as Hugging Face's MoE blocks
+    return them: the float32 logits rounded, half the bytes; the routing
+    reads the float32 ones either way, aux_loss is then computed from the
+    rounded ones.
 
     Keyword-only extras: routing ('topk_softmax', SonicMoE's; 'softmax_topk'
     with `renormalize`; or 'sigmoid_topk', below), token_rounding (None,
@@ -247,7 +266,7 @@ class MoE(nn.Module):
                  routing="topk_softmax", renormalize=True, token_rounding=None, round_tile=128,
                  w1_layout="interleaved", activation=None, output_router_logits=False,
                  n_group=0, topk_group=0, routed_scaling=1.0, consume_saved=False,
-                 ep_group=None):
+                 router_logits_dtype=None, ep_group=None):
         super().__init__()
         if activation is not None:
             activation_function = activation
@@ -269,6 +288,7 @@ class MoE(nn.Module):
         round_tile = _check_int(round_tile, "smoe.MoE: round_tile")
         if not isinstance(consume_saved, bool):
             raise TypeError("smoe.MoE: consume_saved = %r, must be a bool" % (consume_saved,))
+        self.router_logits_dtype = check_logits_dtype(router_logits_dtype, "smoe.MoE")
         if std is not None and (isinstance(std, bool) or not isinstance(std, numbers.Real)
                                 or not 0 <= std < float("inf")):
             raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "smoe.MoE: std = %r, must be a "
@@ -317,7 +337,8 @@ class MoE(nn.Module):
                 token_rounding=self.token_rounding if self.training else None,
                 round_tile=self.round_tile, inference=bool(is_inference_mode),
                 expert_bias=self.expert_bias, n_group=self.n_group, topk_group=self.topk_group,
-                routed_scaling=self.routed_scaling, consume_saved=self.consume_saved)
+                routed_scaling=self.routed_scaling, consume_saved=self.consume_saved,
+                router_logits_dtype=logits_dtype_of(self.router_logits_dtype, hidden_states))
         except SmoeError:
             self._check_parameters()   # a better message if they disagree with each other
             raise
@@ -388,6 +409,8 @@ class MoE(nn.Module):
                 self.n_group, self.topk_group, self.routed_scaling)
         if self.consume_saved:
             text += ", consume_saved=True"
+        if self.router_logits_dtype is not None:
+            text += ", router_logits_dtype=%r" % (self.router_logits_dtype,)
         return text
 
 

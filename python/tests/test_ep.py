@@ -350,6 +350,35 @@ def test_float32_and_bfloat16_run():
         assert_close(out.double(), ref.double(), tol, "out %s" % dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_router_logits_dtype_input(dtype):
+    # smoe.EPMoE(..., router_logits_dtype='input') (and smoe.MoE's, through
+    # ep_group): the logits in x's dtype, the float32 ones rounded; out and
+    # the experts' gradients the same bits
+    t = [v.to(dtype) for v in make(10, D, N, E, "swiglu", False, seed=17)[:4]]
+
+    def rank(r, group):
+        res = []
+        for ldt in (None, "input"):
+            m = ep_layer(group, 2, t + [None, None], None, max_tokens=5,
+                         output_router_logits=True, router_logits_dtype=ldt).to(dtype)
+            x = t[0][r * 5:(r + 1) * 5].clone().requires_grad_()
+            out, _, lg = m(x)
+            out.float().sum().backward()
+            res.append((out.detach(), lg.detach(), x.grad, m.c_fc.weight.grad))
+        return res
+
+    for (o32, l32, dx32, dw32), (o, lg, dx, dw) in run_ranks(2, rank):
+        assert l32.dtype == torch.float32 and lg.dtype == dtype
+        assert torch.equal(l32.to(dtype), lg)
+        assert torch.equal(o32, o) and torch.equal(dx32, dx) and torch.equal(dw32, dw)
+    (g,) = smoe.EPGroup.in_process(1)
+    m = smoe.MoE(E, 2, D, N, ep_group=g, max_tokens=4, router_logits_dtype="input")
+    assert isinstance(m, smoe.EPMoE) and m.router_logits_dtype == "input"
+    with pytest.raises(smoe.SmoeError, match="router_logits_dtype = torch.float16"):
+        smoe.EPMoE(E, 2, D, N, ep_group=g, max_tokens=4, router_logits_dtype=torch.float16)
+
+
 # ------------------------------------------------------------ refusals
 
 BAD_ROUTING = [

@@ -149,3 +149,32 @@ def test_router_logits_dtype_refused():
     w1, w2, wr = torch.randn(2, 8, 8), torch.randn(2, 8, 4), torch.randn(2, 8)
     with pytest.raises(smoe.SmoeError, match="router_logits_dtype"):
         smoe.moe(x, wr, w1, w2, top_k=1, router_logits_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_module_router_logits_dtype_input(dtype):
+    # smoe.MoE(..., router_logits_dtype='input'): the logits (and the aux
+    # loss's input) in x's dtype, the float32 layer's logits rounded; out
+    # and the experts' gradients as with float32 logits (the routing reads
+    # float32 ones either way; the aux loss's gradient moves only the
+    # router's and x's)
+    torch.manual_seed(3)
+    T, d, n, E, K = 24, 32, 32, 8, 2
+    m32 = smoe.MoE(E, K, d, n, output_router_logits=True).to(dtype)
+    mlp = smoe.MoE(E, K, d, n, output_router_logits=True, router_logits_dtype="input").to(dtype)
+    mlp.load_state_dict(m32.state_dict())
+    assert "router_logits_dtype='input'" in repr(mlp)
+    x = torch.randn(2, T // 2, d, dtype=dtype)
+    res = []
+    for m in (m32, mlp):
+        xi = x.clone().requires_grad_()
+        out, aux, lg = m(xi)
+        out.float().sum().backward()
+        res.append((out.detach(), aux.detach(), lg.detach(), xi.grad, m.c_fc.weight.grad))
+    (o32, a32, l32, dx32, dw32), (o, a, lg, dx, dw) = res
+    assert l32.dtype == torch.float32 and lg.dtype == dtype
+    assert torch.equal(l32.to(dtype), lg)
+    assert torch.equal(o32, o) and torch.equal(dx32, dx) and torch.equal(dw32, dw)
+    assert torch.allclose(a32, a, rtol=2e-2)
+    with pytest.raises(smoe.SmoeError, match="router_logits_dtype = 'bf16'"):
+        smoe.MoE(E, K, d, n, router_logits_dtype="bf16")
