@@ -245,7 +245,7 @@ static __device__ __forceinline__ void agg_item(int64_t g, int64_t cols, bool na
 
 /* KC > 0: K is the compile-time KC (the argument K is then KC): the loop
  * over K and its predicates fold away. The launches use KC = 2 and 4 (the
- * 1.4B and 7B grid rows' n1024 and n512 K): 5-20 us less per aggregation
+ * 1.4B and 7B grid rows' n1024 and n512 K): 3-27 us less per aggregation
  * there on an H100; at K = 8 the layer was no faster (sm90_log.md rung 24). */
 template <int VEC, bool SCORED, int KC>
 __global__ void __launch_bounds__(AGG_THREADS)
