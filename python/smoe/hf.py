@@ -32,6 +32,10 @@ replacement and any other layout is refused, not guessed):
                             gate.norm_topk_prob, times
                             gate.routed_scaling_factor); shared_experts
                             stay the HF MLP
+  Glm4MoeMoE (GLM-4.5, GLM-4.5-Air), Glm4MoeLiteMoE, Dots1MoE (dots.llm1)
+                            the same as DeepseekV3MoE (their router,
+                            experts and block compute what DeepSeek-V3's
+                            do, line for line, in this version)
 
 Expert parallelism: replace_moe_blocks(model, ep_group=group,
 max_tokens=T) on every rank runs each block on smoe.EPMoE's layer over the
@@ -92,6 +96,9 @@ _QWEN3 = "transformers.models.qwen3_moe.modeling_qwen3_moe."
 _MIXTRAL = "transformers.models.mixtral.modeling_mixtral."
 _OLMOE = "transformers.models.olmoe.modeling_olmoe."
 _DSV3 = "transformers.models.deepseek_v3.modeling_deepseek_v3."
+_GLM4 = "transformers.models.glm4_moe.modeling_glm4_moe."
+_GLM4L = "transformers.models.glm4_moe_lite.modeling_glm4_moe_lite."
+_DOTS1 = "transformers.models.dots1.modeling_dots1."
 
 # HF block class -> (kind, router class, experts class, the block's children).
 # Matched by exact class (a subclass may compute something else).
@@ -107,6 +114,16 @@ _BLOCKS = {
          ("gate", "experts")),
     _DSV3 + "DeepseekV3MoE":
         ("deepseek_v3", _DSV3 + "DeepseekV3TopkRouter", _DSV3 + "DeepseekV3Experts",
+         ("experts", "gate", "shared_experts")),
+    # DeepSeek-V3's block under other names (the same code in this version)
+    _GLM4 + "Glm4MoeMoE":
+        ("deepseek_v3", _GLM4 + "Glm4MoeTopkRouter", _GLM4 + "Glm4MoeExperts",
+         ("experts", "gate", "shared_experts")),
+    _GLM4L + "Glm4MoeLiteMoE":
+        ("deepseek_v3", _GLM4L + "Glm4MoeLiteTopkRouter", _GLM4L + "Glm4MoeLiteExperts",
+         ("experts", "gate", "shared_experts")),
+    _DOTS1 + "Dots1MoE":
+        ("deepseek_v3", _DOTS1 + "Dots1TopkRouter", _DOTS1 + "Dots1Experts",
          ("experts", "gate", "shared_experts")),
 }
 
@@ -345,8 +362,9 @@ class SmoeSparseMoeBlock(_SmoeBlock):
 
 
 class SmoeDeepseekV3MoE(_SmoeBlock):
-    """DeepSeek-V3's MoE block: the routed experts on smoe.moe with the
-    library's 'sigmoid_topk' router, shared_experts the HF MLP.
+    """DeepSeek-V3's MoE block (and GLM-4.5's, GLM-4.5 Lite's, dots.llm1's,
+    which are the same): the routed experts on smoe.moe with the library's
+    'sigmoid_topk' router, shared_experts the HF MLP.
     forward(hidden_states (..., d)) -> (..., d), as the HF block. Reads the
     router's top_k, num_group, topk_group, norm_topk_prob,
     routed_scaling_factor and e_score_correction_bias at every call, as the

@@ -421,7 +421,8 @@ _HF_REFUSED = (
     ("router.bias", "a gpt-oss block (router bias, interleaved gate/up, clamped SwiGLU with "
                     "alpha and limit), which smoe.MoE cannot compute; refused rather than loaded "
                     "wrong"),
-    ("gate.e_score_correction_bias", "a DeepSeek-V3 block, whose shared experts smoe.MoE does "
+    ("gate.e_score_correction_bias", "a DeepSeek-V3-style block (DeepSeek-V3, GLM-4.5, "
+                                     "dots.llm1), whose shared experts smoe.MoE does "
                                      "not have (its routing is smoe.MoE's 'sigmoid_topk'); "
                                      "smoe.hf.replace_moe_blocks runs it"),
     ("gate.bias", "a router bias, which smoe.MoE's router does not have"),

@@ -103,13 +103,13 @@ def test_load_hf_weights_into_ep_refusals():
         smoe.load_hf_moe_weights(smoe.EPMoE(E, 2, d, n, "relu", ep_group=g, max_tokens=4), sd,
                                  prefix)
     sd[prefix + "gate.e_score_correction_bias"] = torch.zeros(E)
-    with pytest.raises(ValueError, match="DeepSeek-V3 block"):
+    with pytest.raises(ValueError, match="DeepSeek-V3-style block"):
         smoe.load_hf_moe_weights(smoe.EPMoE(E, 2, d, n, ep_group=g, max_tokens=4), sd, prefix)
 
 
 # ------------------------------------------------------------ smoe.hf with ep_group
 
-FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"]
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe"]
 ROWS = 2          # sequences per rank
 SEQ = 7
 

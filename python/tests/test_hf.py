@@ -16,7 +16,9 @@ import smoe.hf         # noqa: E402
 from test_functional import assert_close   # noqa: E402
 
 V, D = 64, 16           # vocabulary, hidden size
-FAMILIES = ["qwen3_moe", "qwen3_moe_no_norm", "mixtral", "olmoe", "deepseek_v3"]
+# DeepSeek-V3's block and those that are the same code under other names
+DSV3_LIKE = ["deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1"]
+FAMILIES = ["qwen3_moe", "qwen3_moe_no_norm", "mixtral", "olmoe"] + DSV3_LIKE
 
 
 def tiny_model(family, **extra):
@@ -40,14 +42,29 @@ def tiny_model(family, **extra):
         cfg = transformers.OlmoeConfig(intermediate_size=12, num_experts=8, num_experts_per_tok=3,
                                        norm_topk_prob=False, **common, **extra)
         cls = transformers.OlmoeForCausalLM
-    elif family == "deepseek_v3":
+    elif family in DSV3_LIKE:
         del common["router_aux_loss_coef"]
-        cfg = transformers.DeepseekV3Config(
-            intermediate_size=32, moe_intermediate_size=12, first_k_dense_replace=0,
-            n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1,
-            routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=8, q_lora_rank=None,
-            qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=4, **common, **extra)
-        cls = transformers.DeepseekV3ForCausalLM
+        moe = dict(intermediate_size=32, moe_intermediate_size=12, n_routed_experts=8,
+                   num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1,
+                   routed_scaling_factor=2.5, norm_topk_prob=True)
+        mla = dict(kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4, v_head_dim=8,
+                   qk_nope_head_dim=4)
+        if family == "deepseek_v3":
+            cfg = transformers.DeepseekV3Config(first_k_dense_replace=0, **moe, **mla, **common,
+                                                **extra)
+            cls = transformers.DeepseekV3ForCausalLM
+        elif family == "glm4_moe":
+            cfg = transformers.Glm4MoeConfig(first_k_dense_replace=0, head_dim=8, **moe, **common,
+                                             **extra)
+            cls = transformers.Glm4MoeForCausalLM
+        elif family == "glm4_moe_lite":
+            cfg = transformers.Glm4MoeLiteConfig(mlp_layer_types=["sparse", "sparse"], **moe,
+                                                 **mla, **common, **extra)
+            cls = transformers.Glm4MoeLiteForCausalLM
+        else:
+            cfg = transformers.Dots1Config(first_k_dense_replace=0, head_dim=8, **moe, **common,
+                                           **extra)
+            cls = transformers.Dots1ForCausalLM
     else:
         raise ValueError(family)
     torch.manual_seed(0)
@@ -175,7 +192,7 @@ def test_full_model_logits_loss_router_logits_and_gradients(family):
     for a, b in zip(getattr(o, "router_logits", ()), getattr(o_ref, "router_logits", ())):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert_close(a, b, 1e-5, "router logits")
-    if family == "deepseek_v3":
+    if family in DSV3_LIKE:
         # its model has no aux loss (transformers 4.x: no aux_loss field)
         assert getattr(o_ref, "aux_loss", None) is None and getattr(o, "aux_loss", None) is None
     else:
