@@ -23,9 +23,11 @@ replacement and any other layout is refused, not guessed):
   Qwen3MoeSparseMoeBlock    smoe routing 'softmax_topk', renormalize =
                             gate.norm_topk_prob
   OlmoeSparseMoeBlock       the same
+  FlexOlmoSparseMoeBlock    the same (OLMoE's code)
   MixtralSparseMoeBlock     'topk_softmax' (softmax over E, top K,
                             renormalised, is softmax over the K largest
                             logits); router jitter noise in training as HF
+  MiniMaxSparseMoeBlock     the same (Mixtral's code; MiniMax-Text-01)
   DeepseekV3MoE             'sigmoid_topk' (sigmoid, gate.e_score_correction_bias
                             for the choice, gate.num_group groups of which
                             gate.topk_group are kept, renormalised if
@@ -96,6 +98,8 @@ _QWEN3 = "transformers.models.qwen3_moe.modeling_qwen3_moe."
 _MIXTRAL = "transformers.models.mixtral.modeling_mixtral."
 _OLMOE = "transformers.models.olmoe.modeling_olmoe."
 _DSV3 = "transformers.models.deepseek_v3.modeling_deepseek_v3."
+_FLEXOLMO = "transformers.models.flex_olmo.modeling_flex_olmo."
+_MINIMAX = "transformers.models.minimax.modeling_minimax."
 _GLM4 = "transformers.models.glm4_moe.modeling_glm4_moe."
 _GLM4L = "transformers.models.glm4_moe_lite.modeling_glm4_moe_lite."
 _DOTS1 = "transformers.models.dots1.modeling_dots1."
@@ -111,6 +115,13 @@ _BLOCKS = {
          ("gate", "experts")),
     _MIXTRAL + "MixtralSparseMoeBlock":
         ("topk_softmax", _MIXTRAL + "MixtralTopKRouter", _MIXTRAL + "MixtralExperts",
+         ("gate", "experts")),
+    # OLMoE's and Mixtral's blocks under other names (the same code in this version)
+    _FLEXOLMO + "FlexOlmoSparseMoeBlock":
+        ("softmax_topk", _FLEXOLMO + "FlexOlmoTopKRouter", _FLEXOLMO + "FlexOlmoExperts",
+         ("gate", "experts")),
+    _MINIMAX + "MiniMaxSparseMoeBlock":
+        ("topk_softmax", _MINIMAX + "MiniMaxTopKRouter", _MINIMAX + "MiniMaxExperts",
          ("gate", "experts")),
     _DSV3 + "DeepseekV3MoE":
         ("deepseek_v3", _DSV3 + "DeepseekV3TopkRouter", _DSV3 + "DeepseekV3Experts",

@@ -18,7 +18,8 @@ from test_functional import assert_close   # noqa: E402
 V, D = 64, 16           # vocabulary, hidden size
 # DeepSeek-V3's block and those that are the same code under other names
 DSV3_LIKE = ["deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1"]
-FAMILIES = ["qwen3_moe", "qwen3_moe_no_norm", "mixtral", "olmoe"] + DSV3_LIKE
+FAMILIES = ["qwen3_moe", "qwen3_moe_no_norm", "mixtral", "minimax", "olmoe",
+            "flex_olmo"] + DSV3_LIKE
 
 
 def tiny_model(family, **extra):
@@ -38,10 +39,19 @@ def tiny_model(family, **extra):
         cfg = transformers.MixtralConfig(intermediate_size=12, num_local_experts=8,
                                          num_experts_per_tok=2, **common, **extra)
         cls = transformers.MixtralForCausalLM
+    elif family == "minimax":   # (Mixtral's block; lightning attention around it)
+        cfg = transformers.MiniMaxConfig(intermediate_size=12, num_local_experts=8,
+                                         num_experts_per_tok=2, head_dim=8, **common, **extra)
+        cls = transformers.MiniMaxForCausalLM
     elif family == "olmoe":
         cfg = transformers.OlmoeConfig(intermediate_size=12, num_experts=8, num_experts_per_tok=3,
                                        norm_topk_prob=False, **common, **extra)
         cls = transformers.OlmoeForCausalLM
+    elif family == "flex_olmo":   # (OLMoE's block)
+        cfg = transformers.FlexOlmoConfig(intermediate_size=12, num_experts=8,
+                                          num_experts_per_tok=3, norm_topk_prob=False, **common,
+                                          **extra)
+        cls = transformers.FlexOlmoForCausalLM
     elif family in DSV3_LIKE:
         del common["router_aux_loss_coef"]
         moe = dict(intermediate_size=32, moe_intermediate_size=12, n_routed_experts=8,
