@@ -24,6 +24,8 @@ replacement and any other layout is refused, not guessed):
                             gate.norm_topk_prob
   OlmoeSparseMoeBlock       the same
   FlexOlmoSparseMoeBlock    the same (OLMoE's code)
+  Qwen2MoeSparseMoeBlock,   the same routed experts, plus the HF shared
+  Qwen3NextSparseMoeBlock   expert times sigmoid(shared_expert_gate(x))
   MixtralSparseMoeBlock     'topk_softmax' (softmax over E, top K,
                             renormalised, is softmax over the K largest
                             logits); router jitter noise in training as HF
@@ -80,8 +82,8 @@ from ._lib import (SMOE_ACT_SWIGLU, SMOE_ERROR_INVALID_SIZE, SMOE_ROUTING_SIGMOI
 from .ep import _as_group, _ep_moe, check_ep_options
 from .functional import ROUTINGS, _autocast_dtype, check_sigmoid_options, moe
 
-__all__ = ["replace_moe_blocks", "restore_moe_blocks", "SmoeSparseMoeBlock", "SmoeDeepseekV3MoE",
-           "TESTED_TRANSFORMERS_VERSIONS"]
+__all__ = ["replace_moe_blocks", "restore_moe_blocks", "SmoeSparseMoeBlock",
+           "SmoeSharedExpertMoeBlock", "SmoeDeepseekV3MoE", "TESTED_TRANSFORMERS_VERSIONS"]
 
 TESTED_TRANSFORMERS_VERSIONS = ("5.24.0",)
 
@@ -99,6 +101,8 @@ _MIXTRAL = "transformers.models.mixtral.modeling_mixtral."
 _OLMOE = "transformers.models.olmoe.modeling_olmoe."
 _DSV3 = "transformers.models.deepseek_v3.modeling_deepseek_v3."
 _FLEXOLMO = "transformers.models.flex_olmo.modeling_flex_olmo."
+_QWEN2 = "transformers.models.qwen2_moe.modeling_qwen2_moe."
+_QWEN3N = "transformers.models.qwen3_next.modeling_qwen3_next."
 _MINIMAX = "transformers.models.minimax.modeling_minimax."
 _GLM4 = "transformers.models.glm4_moe.modeling_glm4_moe."
 _GLM4L = "transformers.models.glm4_moe_lite.modeling_glm4_moe_lite."
@@ -116,6 +120,13 @@ _BLOCKS = {
     _MIXTRAL + "MixtralSparseMoeBlock":
         ("topk_softmax", _MIXTRAL + "MixtralTopKRouter", _MIXTRAL + "MixtralExperts",
          ("gate", "experts")),
+    # Qwen3-MoE's router and experts with a gated shared expert beside them
+    _QWEN2 + "Qwen2MoeSparseMoeBlock":
+        ("softmax_topk", _QWEN2 + "Qwen2MoeTopKRouter", _QWEN2 + "Qwen2MoeExperts",
+         ("gate", "experts", "shared_expert", "shared_expert_gate")),
+    _QWEN3N + "Qwen3NextSparseMoeBlock":
+        ("softmax_topk", _QWEN3N + "Qwen3NextTopKRouter", _QWEN3N + "Qwen3NextExperts",
+         ("gate", "experts", "shared_expert", "shared_expert_gate")),
     # OLMoE's and Mixtral's blocks under other names (the same code in this version)
     _FLEXOLMO + "FlexOlmoSparseMoeBlock":
         ("softmax_topk", _FLEXOLMO + "FlexOlmoTopKRouter", _FLEXOLMO + "FlexOlmoExperts",
@@ -212,6 +223,11 @@ def _check_block(name, block):
     if kind == "softmax_topk" and not isinstance(getattr(router, "norm_topk_prob", None), bool):
         _refuse(name, block, "router.norm_topk_prob = %r, expected a bool",
                 getattr(router, "norm_topk_prob", None))
+    if "shared_expert_gate" in children:
+        sg = block.shared_expert_gate
+        if not (type(sg) is nn.Linear and tuple(sg.weight.shape) == (1, d) and sg.bias is None):
+            _refuse(name, block, "shared_expert_gate is %s, expected nn.Linear(%d, 1, bias=False)",
+                    sg, d)
     if kind == "topk_softmax":
         if not isinstance(getattr(block, "jitter_noise", None), (int, float)):
             _refuse(name, block, "no jitter_noise attribute (an unknown Mixtral layout)")
@@ -372,6 +388,18 @@ class SmoeSparseMoeBlock(_SmoeBlock):
         return out
 
 
+class SmoeSharedExpertMoeBlock(SmoeSparseMoeBlock):
+    """Qwen2-MoE's and Qwen3-Next's sparse block: SmoeSparseMoeBlock's routed
+    experts on smoe plus the HF shared expert (an MLP on every token) times
+    sigmoid(shared_expert_gate(x)), as the HF block adds them."""
+
+    def forward(self, hidden_states):
+        out = super().forward(hidden_states)
+        x2 = hidden_states.reshape(-1, hidden_states.shape[-1])
+        shared = torch.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
+        return out + shared.reshape(out.shape)
+
+
 class SmoeDeepseekV3MoE(_SmoeBlock):
     """DeepSeek-V3's MoE block (and GLM-4.5's, GLM-4.5 Lite's, dots.llm1's,
     which are the same): the routed experts on smoe.moe with the library's
@@ -402,6 +430,13 @@ class SmoeDeepseekV3MoE(_SmoeBlock):
 
 _CLASSES = {"softmax_topk": SmoeSparseMoeBlock, "topk_softmax": SmoeSparseMoeBlock,
             "deepseek_v3": SmoeDeepseekV3MoE}
+
+
+def _smoe_class(block, kind):
+    """The smoe block for a checked HF block of routing `kind`."""
+    if "shared_expert_gate" in _BLOCKS[_hf_name(type(block))][3]:
+        return SmoeSharedExpertMoeBlock
+    return _CLASSES[kind]
 
 
 # ------------------------------------------------------------ replace / restore
@@ -482,7 +517,7 @@ def replace_moe_blocks(model, ep_group=None, *, max_tokens=None, capacity=0, exp
                                                             int(capacity), int(expert_rows),
                                                             int(overlap), int(comm_sms),
                                                             bool(keep_x))
-            new = made[id(block)] = _CLASSES[kind](block, kind, ep)
+            new = made[id(block)] = _smoe_class(block, kind)(block, kind, ep)
             new.train(block.training)
         _set_child(model, name, new)
         replaced[name] = block

@@ -18,8 +18,8 @@ from test_functional import assert_close   # noqa: E402
 V, D = 64, 16           # vocabulary, hidden size
 # DeepSeek-V3's block and those that are the same code under other names
 DSV3_LIKE = ["deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1"]
-FAMILIES = ["qwen3_moe", "qwen3_moe_no_norm", "mixtral", "minimax", "olmoe",
-            "flex_olmo"] + DSV3_LIKE
+FAMILIES = ["qwen3_moe", "qwen3_moe_no_norm", "qwen2_moe", "qwen3_next", "mixtral", "minimax",
+            "olmoe", "flex_olmo"] + DSV3_LIKE
 
 
 def tiny_model(family, **extra):
@@ -35,6 +35,21 @@ def tiny_model(family, **extra):
                                           norm_topk_prob=family == "qwen3_moe", mlp_only_layers=[],
                                           decoder_sparse_step=1, **common, **extra)
         cls = transformers.Qwen3MoeForCausalLM
+    elif family == "qwen2_moe":   # (Qwen3-MoE's experts and a gated shared expert)
+        cfg = transformers.Qwen2MoeConfig(intermediate_size=24, moe_intermediate_size=12,
+                                          shared_expert_intermediate_size=20, num_experts=8,
+                                          num_experts_per_tok=2, norm_topk_prob=False,
+                                          mlp_only_layers=[], decoder_sparse_step=1, **common,
+                                          **extra)
+        cls = transformers.Qwen2MoeForCausalLM
+    elif family == "qwen3_next":   # (Qwen2-MoE's block; linear and full attention)
+        cfg = transformers.Qwen3NextConfig(
+            intermediate_size=24, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[],
+            decoder_sparse_step=1, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2,
+            linear_key_head_dim=8, linear_value_head_dim=8,
+            layer_types=["linear_attention", "full_attention"], **common, **extra)
+        cls = transformers.Qwen3NextForCausalLM
     elif family == "mixtral":
         cfg = transformers.MixtralConfig(intermediate_size=12, num_local_experts=8,
                                          num_experts_per_tok=2, **common, **extra)
@@ -114,6 +129,8 @@ def test_replaced_blocks_and_parameters_kept(family):
         new = model.get_submodule(name)
         assert type(block).__module__.startswith("transformers.models.")
         assert isinstance(new, (smoe.hf.SmoeSparseMoeBlock, smoe.hf.SmoeDeepseekV3MoE))
+        assert isinstance(new, smoe.hf.SmoeSharedExpertMoeBlock) == (
+            family in ("qwen2_moe", "qwen3_next"))
         assert new.gate is block.gate and new.experts is block.experts
     after = dict(model.named_parameters())
     assert list(after) == list(before)
