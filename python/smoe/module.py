@@ -425,6 +425,8 @@ _HF_REFUSED = (
                                      "dots.llm1), whose shared experts smoe.MoE does "
                                      "not have (its routing is smoe.MoE's 'sigmoid_topk'); "
                                      "smoe.hf.replace_moe_blocks runs it"),
+    ("shared_expert_gate.weight", "a Qwen2-MoE or Qwen3-Next block, whose gated shared expert "
+                                  "smoe.MoE does not have; smoe.hf.replace_moe_blocks runs it"),
     ("gate.bias", "a router bias, which smoe.MoE's router does not have"),
 )
 
@@ -471,7 +473,9 @@ def load_hf_moe_weights(module, state_dict, prefix="", *, transposed=None):
       Qwen3-MoE   routing='softmax_topk', renormalize=config.norm_topk_prob
       OLMoE       routing='softmax_topk', renormalize=False (norm_topk_prob)
     Blocks smoe.MoE cannot compute are refused (ValueError): gpt-oss, DeepSeek-V3
-    and any router with a bias (see _HF_REFUSED; smoe.hf runs DeepSeek-V3).
+    (and GLM-4.5's, dots.llm1's), Qwen2-MoE / Qwen3-Next (a gated shared
+    expert) and any router with a bias (see _HF_REFUSED; smoe.hf runs all of
+    them but gpt-oss).
     Returns the list of state-dict keys it used (a smoe.EPMoE: the router's
     and this rank's experts').
     """

@@ -370,6 +370,14 @@ def test_deepseek_v3_weights_refused_by_the_loader():
         smoe.load_hf_moe_weights(layer, model.state_dict(), "model.layers.0.mlp.")
 
 
+def test_shared_expert_blocks_refused_by_the_loader():
+    # (smoe.MoE has no shared expert: the loader must not drop it silently)
+    model = tiny_model("qwen2_moe")
+    layer = smoe.MoE(8, 2, D, 12, "swiglu", False, 0.02)
+    with pytest.raises(ValueError, match="shared_expert_gate.weight: a Qwen2-MoE"):
+        smoe.load_hf_moe_weights(layer, model.state_dict(), "model.layers.0.mlp.")
+
+
 def test_unknown_layouts_refused_before_anything_is_replaced():
     model = tiny_model("qwen3_moe")
     blocks = [model.get_submodule(n) for n in block_names("qwen3_moe")]
