@@ -30,6 +30,12 @@ replacement and any other layout is refused, not guessed):
                             renormalised, is softmax over the K largest
                             logits); router jitter noise in training as HF
   MiniMaxSparseMoeBlock     the same (Mixtral's code; MiniMax-Text-01)
+  MiniMaxM2SparseMoeBlock   'sigmoid_topk' without groups: sigmoid scores,
+                            the block's e_score_correction_bias for the
+                            choice, renormalised (HF divides by the sum,
+                            smoe by the sum + 1e-20 as DeepSeek-V3: the
+                            same unless the K scores sum below 1e-12);
+                            Mixtral's jitter noise in training
   DeepseekV3MoE             'sigmoid_topk' (sigmoid, gate.e_score_correction_bias
                             for the choice, gate.num_group groups of which
                             gate.topk_group are kept, renormalised if
@@ -83,7 +89,8 @@ from .ep import _as_group, _ep_moe, check_ep_options
 from .functional import ROUTINGS, _autocast_dtype, check_sigmoid_options, moe
 
 __all__ = ["replace_moe_blocks", "restore_moe_blocks", "SmoeSparseMoeBlock",
-           "SmoeSharedExpertMoeBlock", "SmoeDeepseekV3MoE", "TESTED_TRANSFORMERS_VERSIONS"]
+           "SmoeSharedExpertMoeBlock", "SmoeMiniMaxM2SparseMoeBlock", "SmoeDeepseekV3MoE",
+           "TESTED_TRANSFORMERS_VERSIONS"]
 
 TESTED_TRANSFORMERS_VERSIONS = ("5.24.0",)
 
@@ -104,6 +111,7 @@ _FLEXOLMO = "transformers.models.flex_olmo.modeling_flex_olmo."
 _QWEN2 = "transformers.models.qwen2_moe.modeling_qwen2_moe."
 _QWEN3N = "transformers.models.qwen3_next.modeling_qwen3_next."
 _MINIMAX = "transformers.models.minimax.modeling_minimax."
+_MINIMAXM2 = "transformers.models.minimax_m2.modeling_minimax_m2."
 _GLM4 = "transformers.models.glm4_moe.modeling_glm4_moe."
 _GLM4L = "transformers.models.glm4_moe_lite.modeling_glm4_moe_lite."
 _DOTS1 = "transformers.models.dots1.modeling_dots1."
@@ -133,6 +141,9 @@ _BLOCKS = {
          ("gate", "experts")),
     _MINIMAX + "MiniMaxSparseMoeBlock":
         ("topk_softmax", _MINIMAX + "MiniMaxTopKRouter", _MINIMAX + "MiniMaxExperts",
+         ("gate", "experts")),
+    _MINIMAXM2 + "MiniMaxM2SparseMoeBlock":
+        ("minimax_m2", _MINIMAXM2 + "MiniMaxM2TopKRouter", _MINIMAXM2 + "MiniMaxM2Experts",
          ("gate", "experts")),
     _DSV3 + "DeepseekV3MoE":
         ("deepseek_v3", _DSV3 + "DeepseekV3TopkRouter", _DSV3 + "DeepseekV3Experts",
@@ -173,11 +184,14 @@ def _check_block(name, block):
     if have != children:
         _refuse(name, block, "children %s, expected %s (an unknown transformers layout)",
                 have, children)
-    own = [n for n, _ in block.named_parameters(recurse=False)] + \
-          [n for n, _ in block.named_buffers(recurse=False)]
-    if own:
-        _refuse(name, block, "parameters or buffers of its own (%s): an unknown layout", own)
+    own = {n: tuple(t.shape) for n, t in list(block.named_parameters(recurse=False)) +
+           list(block.named_buffers(recurse=False))}
     router, experts = block.gate, block.experts
+    E0 = getattr(router, "num_experts", None)
+    want_own = {"e_score_correction_bias": (E0,)} if kind == "minimax_m2" else {}
+    if own != want_own:
+        _refuse(name, block, "parameters or buffers of its own %s, expected %s: an unknown "
+                "layout", own, want_own)
     for what, mod, cls in (("gate", router, router_cls), ("experts", experts, experts_cls)):
         if _hf_name(type(mod)) != cls:
             _refuse(name, block, "its %s is a %s, expected %s", what, _hf_name(type(mod)), cls)
@@ -228,7 +242,7 @@ def _check_block(name, block):
         if not (type(sg) is nn.Linear and tuple(sg.weight.shape) == (1, d) and sg.bias is None):
             _refuse(name, block, "shared_expert_gate is %s, expected nn.Linear(%d, 1, bias=False)",
                     sg, d)
-    if kind == "topk_softmax":
+    if kind in ("topk_softmax", "minimax_m2"):
         if not isinstance(getattr(block, "jitter_noise", None), (int, float)):
             _refuse(name, block, "no jitter_noise attribute (an unknown Mixtral layout)")
     if kind == "deepseek_v3":
@@ -323,6 +337,9 @@ class _SmoeBlock(nn.Module):
         super().__init__()
         for child_name, child in hf_block.named_children():
             self.add_module(child_name, child)
+        for buf_name, buf in hf_block.named_buffers(recurse=False):   # MiniMax-M2's bias
+            self.register_buffer(buf_name, buf,
+                                 persistent=buf_name not in hf_block._non_persistent_buffers_set)
         for attr, value in vars(hf_block).items():   # config, top_k, jitter_noise...
             if not attr.startswith("_") and attr != "training":
                 setattr(self, attr, value)
@@ -400,6 +417,33 @@ class SmoeSharedExpertMoeBlock(SmoeSparseMoeBlock):
         return out + shared.reshape(out.shape)
 
 
+class SmoeMiniMaxM2SparseMoeBlock(_SmoeBlock):
+    """MiniMax-M2's sparse block on smoe.moe: routing 'sigmoid_topk' without
+    groups, the block's e_score_correction_bias for the choice, the chosen
+    scores renormalised; Mixtral's jitter noise in training. forward(
+    hidden_states (..., d)) -> (..., d), as the HF block."""
+
+    def forward(self, hidden_states):
+        x = hidden_states
+        if self.training and self.jitter_noise > 0:
+            # HF's draw, on a new tensor (HF scales its input in place)
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        bias = self.e_score_correction_bias
+        if bias.dtype != torch.float32:
+            bias = bias.float()
+        lp = {}
+        if _autocast_dtype(x.device) in (None, x.dtype):
+            lp = {"router_logits_dtype": x.dtype}
+        out, counts, logits = self._moe(x, self.gate.weight, top_k=self.gate.top_k,
+                                        routing="sigmoid_topk", renormalize=True,
+                                        expert_bias=bias, **lp)
+        self.last_expert_counts = counts.detach()
+        x2 = x.reshape(-1, x.shape[-1])
+        self.gate(x2, _smoe_router_outputs=(logits.reshape(x2.shape[0], -1).to(x.dtype),
+                                            None, None))
+        return out
+
+
 class SmoeDeepseekV3MoE(_SmoeBlock):
     """DeepSeek-V3's MoE block (and GLM-4.5's, GLM-4.5 Lite's, dots.llm1's,
     which are the same): the routed experts on smoe.moe with the library's
@@ -429,7 +473,7 @@ class SmoeDeepseekV3MoE(_SmoeBlock):
 
 
 _CLASSES = {"softmax_topk": SmoeSparseMoeBlock, "topk_softmax": SmoeSparseMoeBlock,
-            "deepseek_v3": SmoeDeepseekV3MoE}
+            "deepseek_v3": SmoeDeepseekV3MoE, "minimax_m2": SmoeMiniMaxM2SparseMoeBlock}
 
 
 def _smoe_class(block, kind):

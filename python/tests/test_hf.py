@@ -19,7 +19,7 @@ V, D = 64, 16           # vocabulary, hidden size
 # DeepSeek-V3's block and those that are the same code under other names
 DSV3_LIKE = ["deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1"]
 FAMILIES = ["qwen3_moe", "qwen3_moe_no_norm", "qwen2_moe", "qwen3_next", "mixtral", "minimax",
-            "olmoe", "flex_olmo"] + DSV3_LIKE
+            "minimax_m2", "olmoe", "flex_olmo"] + DSV3_LIKE
 
 
 def tiny_model(family, **extra):
@@ -58,6 +58,10 @@ def tiny_model(family, **extra):
         cfg = transformers.MiniMaxConfig(intermediate_size=12, num_local_experts=8,
                                          num_experts_per_tok=2, head_dim=8, **common, **extra)
         cls = transformers.MiniMaxForCausalLM
+    elif family == "minimax_m2":   # (sigmoid routing with the block's bias, no groups)
+        cfg = transformers.MiniMaxM2Config(intermediate_size=12, num_local_experts=8,
+                                           num_experts_per_tok=3, head_dim=8, **common, **extra)
+        cls = transformers.MiniMaxM2ForCausalLM
     elif family == "olmoe":
         cfg = transformers.OlmoeConfig(intermediate_size=12, num_experts=8, num_experts_per_tok=3,
                                        norm_topk_prob=False, **common, **extra)
@@ -128,7 +132,8 @@ def test_replaced_blocks_and_parameters_kept(family):
     for name, block in replaced.items():
         new = model.get_submodule(name)
         assert type(block).__module__.startswith("transformers.models.")
-        assert isinstance(new, (smoe.hf.SmoeSparseMoeBlock, smoe.hf.SmoeDeepseekV3MoE))
+        assert isinstance(new, (smoe.hf.SmoeSparseMoeBlock, smoe.hf.SmoeDeepseekV3MoE,
+                                smoe.hf.SmoeMiniMaxM2SparseMoeBlock))
         assert isinstance(new, smoe.hf.SmoeSharedExpertMoeBlock) == (
             family in ("qwen2_moe", "qwen3_next"))
         assert new.gate is block.gate and new.experts is block.experts
