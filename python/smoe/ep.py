@@ -69,8 +69,8 @@ from ._lib import SmoeError
 from .functional import (_DTYPES, _NEED_B1, _NEED_B2, _NEED_ROUTER, _NEED_W1, _NEED_W2, _NEED_X,
                          _SAVED_HEADER, _SIZE_CACHE_ENTRIES, ACTIVATIONS, GATED, ROUNDINGS,
                          W1_LAYOUTS, SmoeValueError, _align, _aligned, _autocast,
-                         _check_expert_bias, _check_experts, _check_shape, _check_tensor, _direct,
-                         _enum, _grad_ptr, _ptr, _wants_grad, saved_bytes)
+                         _check_expert_bias, _check_experts, _check_shape, _check_tensor,
+                         _direct, _dlogits_arg, _enum, _grad_ptr, _ptr, _wants_grad, saved_bytes)
 from .module import (Experts, _check_int, _switch_loss, check_layer_sizes,
                      check_logits_dtype, check_routing, keep_expert_bias_float32)
 
@@ -521,15 +521,7 @@ def _ep_backward_core(layer, dout, dlogits, x, router_w, w1, w2, b2, saved, need
     if dout.dtype != x.dtype:
         dout = dout.to(x.dtype)
     x, router_w, w1, w2, b2, dout = (_aligned(t, va) for t in (x, router_w, w1, w2, b2, dout))
-    xdt = L.SMOE_DTYPE_F32
-    if dlogits is not None:
-        # in the layer's dtype as it is (the gradient of logits returned in
-        # it), else as float32
-        if dlogits.dtype == x.dtype:
-            xdt = layer.desc.layer.dtype
-        elif dlogits.dtype != torch.float32:
-            dlogits = dlogits.to(torch.float32)
-        dlogits = _aligned(dlogits, dlogits.element_size())
+    dlogits, xdt = _dlogits_arg(dlogits, x, layer.desc.layer.dtype)
     saved = _aligned(saved, 16)
     T = x.shape[0]
     has_bias = layer.desc.layer.has_bias

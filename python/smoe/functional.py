@@ -495,6 +495,19 @@ def _forward_core(layer, x, router_w, pair_token, pair_expert, pair_score, w1, w
 _NEED_X, _NEED_ROUTER, _NEED_W1, _NEED_B1, _NEED_W2, _NEED_B2, _NEED_SCORE = (1 << i for i in range(7))
 
 
+def _dlogits_arg(dlogits, x, layer_dtype):
+    """(tensor, smoe dtype) for a backward's dlogits_extra (None: (None,
+    F32)): in the layer's dtype as it is when it has x's dtype (the gradient
+    of logits returned in it), else as float32; aligned to its element."""
+    if dlogits is None:
+        return None, L.SMOE_DTYPE_F32
+    if dlogits.dtype == x.dtype:
+        return _aligned(dlogits, dlogits.element_size()), layer_dtype
+    if dlogits.dtype != torch.float32:
+        dlogits = dlogits.to(torch.float32)
+    return _aligned(dlogits, 4), L.SMOE_DTYPE_F32
+
+
 def _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, pairs, needs):
     """smoe_layer_backward on real tensors: (dx, drouter_w, dw1, db1, dw2,
     db2, dpair_score), None for a gradient not asked for in `needs` or not
@@ -505,15 +518,7 @@ def _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, p
     if dout.dtype != dtype:
         dout = dout.to(dtype)
     x, router_w, w1, w2, b2, dout = (_aligned(t, va) for t in (x, router_w, w1, w2, b2, dout))
-    xdt = L.SMOE_DTYPE_F32
-    if dlogits_extra is not None:
-        # in the layer's dtype as it is (the gradient of logits returned in
-        # it), else as float32
-        if dlogits_extra.dtype == dtype:
-            xdt = layer.dtype
-        elif dlogits_extra.dtype != torch.float32:
-            dlogits_extra = dlogits_extra.to(torch.float32)
-        dlogits_extra = _aligned(dlogits_extra, dlogits_extra.element_size())
+    dlogits_extra, xdt = _dlogits_arg(dlogits_extra, x, layer.dtype)
     saved = _aligned(saved, 16)
     general = layer.general
     has_bias = layer.has_bias
