@@ -103,62 +103,36 @@ def _hf_name(cls):
     return cls.__module__ + "." + cls.__qualname__
 
 
-_QWEN3 = "transformers.models.qwen3_moe.modeling_qwen3_moe."
-_MIXTRAL = "transformers.models.mixtral.modeling_mixtral."
-_OLMOE = "transformers.models.olmoe.modeling_olmoe."
-_DSV3 = "transformers.models.deepseek_v3.modeling_deepseek_v3."
-_FLEXOLMO = "transformers.models.flex_olmo.modeling_flex_olmo."
-_QWEN2 = "transformers.models.qwen2_moe.modeling_qwen2_moe."
-_QWEN3N = "transformers.models.qwen3_next.modeling_qwen3_next."
-_MINIMAX = "transformers.models.minimax.modeling_minimax."
-_MINIMAXM2 = "transformers.models.minimax_m2.modeling_minimax_m2."
-_GLM4 = "transformers.models.glm4_moe.modeling_glm4_moe."
-_GLM4L = "transformers.models.glm4_moe_lite.modeling_glm4_moe_lite."
-_DOTS1 = "transformers.models.dots1.modeling_dots1."
+def _family(module, prefix, kind, children, block="SparseMoeBlock", router="TopKRouter"):
+    """One _BLOCKS entry: transformers.models.<module>'s <prefix><block>,
+    with its <prefix><router> and <prefix>Experts."""
+    m = "transformers.models.%s.modeling_%s.%s" % (module, module, prefix)
+    return m + block, (kind, m + router, m + "Experts", children)
+
+
+_GE = ("gate", "experts")
+_SHARED_GATED = ("gate", "experts", "shared_expert", "shared_expert_gate")
+_DSV3_CHILDREN = ("experts", "gate", "shared_experts")
 
 # HF block class -> (kind, router class, experts class, the block's children).
 # Matched by exact class (a subclass may compute something else).
-_BLOCKS = {
-    _QWEN3 + "Qwen3MoeSparseMoeBlock":
-        ("softmax_topk", _QWEN3 + "Qwen3MoeTopKRouter", _QWEN3 + "Qwen3MoeExperts",
-         ("experts", "gate")),
-    _OLMOE + "OlmoeSparseMoeBlock":
-        ("softmax_topk", _OLMOE + "OlmoeTopKRouter", _OLMOE + "OlmoeExperts",
-         ("gate", "experts")),
-    _MIXTRAL + "MixtralSparseMoeBlock":
-        ("topk_softmax", _MIXTRAL + "MixtralTopKRouter", _MIXTRAL + "MixtralExperts",
-         ("gate", "experts")),
+_BLOCKS = dict([
+    _family("qwen3_moe", "Qwen3Moe", "softmax_topk", ("experts", "gate")),
+    _family("olmoe", "Olmoe", "softmax_topk", _GE),
+    _family("mixtral", "Mixtral", "topk_softmax", _GE),
     # Qwen3-MoE's router and experts with a gated shared expert beside them
-    _QWEN2 + "Qwen2MoeSparseMoeBlock":
-        ("softmax_topk", _QWEN2 + "Qwen2MoeTopKRouter", _QWEN2 + "Qwen2MoeExperts",
-         ("gate", "experts", "shared_expert", "shared_expert_gate")),
-    _QWEN3N + "Qwen3NextSparseMoeBlock":
-        ("softmax_topk", _QWEN3N + "Qwen3NextTopKRouter", _QWEN3N + "Qwen3NextExperts",
-         ("gate", "experts", "shared_expert", "shared_expert_gate")),
+    _family("qwen2_moe", "Qwen2Moe", "softmax_topk", _SHARED_GATED),
+    _family("qwen3_next", "Qwen3Next", "softmax_topk", _SHARED_GATED),
     # OLMoE's and Mixtral's blocks under other names (the same code in this version)
-    _FLEXOLMO + "FlexOlmoSparseMoeBlock":
-        ("softmax_topk", _FLEXOLMO + "FlexOlmoTopKRouter", _FLEXOLMO + "FlexOlmoExperts",
-         ("gate", "experts")),
-    _MINIMAX + "MiniMaxSparseMoeBlock":
-        ("topk_softmax", _MINIMAX + "MiniMaxTopKRouter", _MINIMAX + "MiniMaxExperts",
-         ("gate", "experts")),
-    _MINIMAXM2 + "MiniMaxM2SparseMoeBlock":
-        ("minimax_m2", _MINIMAXM2 + "MiniMaxM2TopKRouter", _MINIMAXM2 + "MiniMaxM2Experts",
-         ("gate", "experts")),
-    _DSV3 + "DeepseekV3MoE":
-        ("deepseek_v3", _DSV3 + "DeepseekV3TopkRouter", _DSV3 + "DeepseekV3Experts",
-         ("experts", "gate", "shared_experts")),
+    _family("flex_olmo", "FlexOlmo", "softmax_topk", _GE),
+    _family("minimax", "MiniMax", "topk_softmax", _GE),
+    _family("minimax_m2", "MiniMaxM2", "minimax_m2", _GE),
+    _family("deepseek_v3", "DeepseekV3", "deepseek_v3", _DSV3_CHILDREN, "MoE", "TopkRouter"),
     # DeepSeek-V3's block under other names (the same code in this version)
-    _GLM4 + "Glm4MoeMoE":
-        ("deepseek_v3", _GLM4 + "Glm4MoeTopkRouter", _GLM4 + "Glm4MoeExperts",
-         ("experts", "gate", "shared_experts")),
-    _GLM4L + "Glm4MoeLiteMoE":
-        ("deepseek_v3", _GLM4L + "Glm4MoeLiteTopkRouter", _GLM4L + "Glm4MoeLiteExperts",
-         ("experts", "gate", "shared_experts")),
-    _DOTS1 + "Dots1MoE":
-        ("deepseek_v3", _DOTS1 + "Dots1TopkRouter", _DOTS1 + "Dots1Experts",
-         ("experts", "gate", "shared_experts")),
-}
+    _family("glm4_moe", "Glm4Moe", "deepseek_v3", _DSV3_CHILDREN, "MoE", "TopkRouter"),
+    _family("glm4_moe_lite", "Glm4MoeLite", "deepseek_v3", _DSV3_CHILDREN, "MoE", "TopkRouter"),
+    _family("dots1", "Dots1", "deepseek_v3", _DSV3_CHILDREN, "MoE", "TopkRouter"),
+])
 
 _REFUSED = {
     "transformers.models.gpt_oss.modeling_gpt_oss.GptOssMLP":
