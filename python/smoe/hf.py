@@ -357,13 +357,18 @@ class SmoeSparseMoeBlock(_SmoeBlock):
     the HF block. Reads gate.top_k, gate.norm_topk_prob and (Mixtral)
     jitter_noise at every call, as the HF block does."""
 
+    def _routing(self):
+        """smoe.moe's routing arguments for this block."""
+        renorm = True if self.kind == "topk_softmax" else bool(self.gate.norm_topk_prob)
+        return dict(routing=self.kind, renormalize=renorm)
+
     def forward(self, hidden_states):
         x = hidden_states
-        if self.kind == "topk_softmax" and self.training and self.jitter_noise > 0:
-            # Mixtral's jitter: the same draw as HF's (which scales its input
-            # in place; here a new tensor).
-            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-        renorm = True if self.kind == "topk_softmax" else bool(self.gate.norm_topk_prob)
+        jitter = getattr(self, "jitter_noise", 0)   # (Mixtral's, MiniMax's)
+        if self.training and jitter > 0:
+            # the same draw as HF's (which scales its input in place; here a
+            # new tensor)
+            x = x * torch.empty_like(x).uniform_(1.0 - jitter, 1.0 + jitter)
         # the HF block's router_logits are in x's dtype: have smoe return them
         # so (no float32 copy) where smoe sees that dtype too (no autocast to
         # another)
@@ -371,7 +376,7 @@ class SmoeSparseMoeBlock(_SmoeBlock):
         if _autocast_dtype(x.device) in (None, x.dtype):
             lp = {"router_logits_dtype": x.dtype}
         out, counts, logits = self._moe(x, self.gate.weight, top_k=self.gate.top_k,
-                                        routing=self.kind, renormalize=renorm, **lp)
+                                        **self._routing(), **lp)
         self.last_expert_counts = counts.detach()
         x2 = x.reshape(-1, x.shape[-1])
         self.gate(x2, _smoe_router_outputs=(logits.reshape(x2.shape[0], -1).to(x.dtype),
@@ -391,31 +396,16 @@ class SmoeSharedExpertMoeBlock(SmoeSparseMoeBlock):
         return out + shared.reshape(out.shape)
 
 
-class SmoeMiniMaxM2SparseMoeBlock(_SmoeBlock):
-    """MiniMax-M2's sparse block on smoe.moe: routing 'sigmoid_topk' without
-    groups, the block's e_score_correction_bias for the choice, the chosen
-    scores renormalised; Mixtral's jitter noise in training. forward(
-    hidden_states (..., d)) -> (..., d), as the HF block."""
+class SmoeMiniMaxM2SparseMoeBlock(SmoeSparseMoeBlock):
+    """MiniMax-M2's sparse block: SmoeSparseMoeBlock with routing
+    'sigmoid_topk' without groups, the block's e_score_correction_bias for
+    the choice, the chosen scores renormalised; Mixtral's jitter noise in
+    training."""
 
-    def forward(self, hidden_states):
-        x = hidden_states
-        if self.training and self.jitter_noise > 0:
-            # HF's draw, on a new tensor (HF scales its input in place)
-            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+    def _routing(self):
         bias = self.e_score_correction_bias
-        if bias.dtype != torch.float32:
-            bias = bias.float()
-        lp = {}
-        if _autocast_dtype(x.device) in (None, x.dtype):
-            lp = {"router_logits_dtype": x.dtype}
-        out, counts, logits = self._moe(x, self.gate.weight, top_k=self.gate.top_k,
-                                        routing="sigmoid_topk", renormalize=True,
-                                        expert_bias=bias, **lp)
-        self.last_expert_counts = counts.detach()
-        x2 = x.reshape(-1, x.shape[-1])
-        self.gate(x2, _smoe_router_outputs=(logits.reshape(x2.shape[0], -1).to(x.dtype),
-                                            None, None))
-        return out
+        return dict(routing="sigmoid_topk", renormalize=True,
+                    expert_bias=bias if bias.dtype == torch.float32 else bias.float())
 
 
 class SmoeDeepseekV3MoE(_SmoeBlock):
