@@ -177,8 +177,12 @@ def check_logits_dtype(value, who):
 
 
 def logits_dtype_of(value, x):
-    """smoe.moe's router_logits_dtype for a layer's option `value`."""
-    return x.dtype if value == "input" else None
+    """smoe.moe's router_logits_dtype for a layer's option `value`: with
+    'input', x's dtype after autocast (the one smoe.moe computes in)."""
+    if value != "input":
+        return None
+    ac = _autocast_dtype(x.device)
+    return ac if ac is not None else x.dtype
 
 
 class MoE(nn.Module):

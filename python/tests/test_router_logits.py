@@ -178,3 +178,19 @@ def test_module_router_logits_dtype_input(dtype):
     assert torch.allclose(a32, a, rtol=2e-2)
     with pytest.raises(smoe.SmoeError, match="router_logits_dtype = 'bf16'"):
         smoe.MoE(E, K, d, n, router_logits_dtype="bf16")
+
+
+def test_module_router_logits_dtype_input_under_autocast():
+    # 'input' is x's dtype after autocast: a float32 layer and x under
+    # torch.autocast(bfloat16) return bfloat16 logits, the float32 layer's
+    # under the same autocast rounded
+    torch.manual_seed(4)
+    m32 = smoe.MoE(8, 2, 32, 32, output_router_logits=True)
+    mlp = smoe.MoE(8, 2, 32, 32, output_router_logits=True, router_logits_dtype="input")
+    mlp.load_state_dict(m32.state_dict())
+    x = torch.randn(12, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o32, _, l32 = m32(x)
+        o, _, lg = mlp(x)
+    assert l32.dtype == torch.float32 and lg.dtype == torch.bfloat16
+    assert torch.equal(l32.to(torch.bfloat16), lg) and torch.equal(o32, o)
