@@ -30,6 +30,9 @@ replacement and any other layout is refused, not guessed):
                             renormalised, is softmax over the K largest
                             logits); router jitter noise in training as HF
   MiniMaxSparseMoeBlock     the same (Mixtral's code; MiniMax-Text-01)
+  GraniteMoeMoE (and        'topk_softmax' (softmax over the K largest
+  GraniteMoeShared's,       logits, as HF computes it); the router child
+  GraniteMoeHybrid's)       is `router`, its logits float32 as HF's
   MiniMaxM2SparseMoeBlock   'sigmoid_topk' without groups: sigmoid scores,
                             the block's e_score_correction_bias for the
                             choice, renormalised (HF divides by the sum,
@@ -111,6 +114,7 @@ def _family(module, prefix, kind, children, block="SparseMoeBlock", router="TopK
 
 
 _GE = ("gate", "experts")
+_RE = ("router", "experts")   # (IBM Granite's router child)
 _SHARED_GATED = ("gate", "experts", "shared_expert", "shared_expert_gate")
 _DSV3_CHILDREN = ("experts", "gate", "shared_experts")
 
@@ -127,6 +131,9 @@ _BLOCKS = dict([
     _family("flex_olmo", "FlexOlmo", "softmax_topk", _GE),
     _family("minimax", "MiniMax", "topk_softmax", _GE),
     _family("minimax_m2", "MiniMaxM2", "minimax_m2", _GE),
+    _family("granitemoe", "GraniteMoe", "topk_softmax", _RE, "MoE"),
+    _family("granitemoeshared", "GraniteMoeShared", "topk_softmax", _RE, "MoE"),
+    _family("granitemoehybrid", "GraniteMoeHybrid", "topk_softmax", _RE, "MoE"),
     _family("deepseek_v3", "DeepseekV3", "deepseek_v3", _DSV3_CHILDREN, "MoE", "TopkRouter"),
     # DeepSeek-V3's block under other names (the same code in this version)
     _family("glm4_moe", "Glm4Moe", "deepseek_v3", _DSV3_CHILDREN, "MoE", "TopkRouter"),
@@ -149,6 +156,12 @@ def _refuse(name, block, why, *args):
                                                              why % args if args else why))
 
 
+def _router_name(children):
+    """The router's name among a block's children: `gate`, or (Granite)
+    `router`."""
+    return "router" if "router" in children else "gate"
+
+
 def _check_block(name, block):
     """Checks that `block` has the structure of its class in the tested
     transformers version; returns (kind, E, n, d). Raises ValueError
@@ -160,13 +173,14 @@ def _check_block(name, block):
                 have, children)
     own = {n: tuple(t.shape) for n, t in list(block.named_parameters(recurse=False)) +
            list(block.named_buffers(recurse=False))}
-    router, experts = block.gate, block.experts
+    router, experts = getattr(block, _router_name(children)), block.experts
     E0 = getattr(router, "num_experts", None)
     want_own = {"e_score_correction_bias": (E0,)} if kind == "minimax_m2" else {}
     if own != want_own:
         _refuse(name, block, "parameters or buffers of its own %s, expected %s: an unknown "
                 "layout", own, want_own)
-    for what, mod, cls in (("gate", router, router_cls), ("experts", experts, experts_cls)):
+    for what, mod, cls in ((_router_name(children), router, router_cls),
+                           ("experts", experts, experts_cls)):
         if _hf_name(type(mod)) != cls:
             _refuse(name, block, "its %s is a %s, expected %s", what, _hf_name(type(mod)), cls)
 
@@ -216,7 +230,8 @@ def _check_block(name, block):
         if not (type(sg) is nn.Linear and tuple(sg.weight.shape) == (1, d) and sg.bias is None):
             _refuse(name, block, "shared_expert_gate is %s, expected nn.Linear(%d, 1, bias=False)",
                     sg, d)
-    if kind in ("topk_softmax", "minimax_m2"):
+    if kind in ("topk_softmax", "minimax_m2") and _router_name(children) == "gate":
+        # Mixtral's, MiniMax's: the router jitter (Granite's block has none)
         if not isinstance(getattr(block, "jitter_noise", None), (int, float)):
             _refuse(name, block, "no jitter_noise attribute (an unknown Mixtral layout)")
     if kind == "deepseek_v3":
@@ -328,7 +343,14 @@ class _SmoeBlock(nn.Module):
                 # A copy, so that the other ranks' experts are freed.
                 self.experts.register_parameter(name, nn.Parameter(
                     p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
-        _install_tap(self.gate)   # smoe's router logits reach the router's hooks
+        self._router_name = _router_name(tuple(self._modules))
+        # Granite's HF router returns float32 logits; the others x's dtype
+        self._logits_f32 = self._router_name == "router"
+        _install_tap(self._gate())   # smoe's router logits reach the router's hooks
+
+    def _gate(self):
+        """The router child (`gate`, or Granite's `router`)."""
+        return self._modules[self._router_name]
 
     def _experts_weights(self):
         return self.experts.gate_up_proj, self.experts.down_proj
@@ -359,7 +381,7 @@ class SmoeSparseMoeBlock(_SmoeBlock):
 
     def _routing(self):
         """smoe.moe's routing arguments for this block."""
-        renorm = True if self.kind == "topk_softmax" else bool(self.gate.norm_topk_prob)
+        renorm = True if self.kind == "topk_softmax" else bool(self._gate().norm_topk_prob)
         return dict(routing=self.kind, renormalize=renorm)
 
     def forward(self, hidden_states):
@@ -373,14 +395,16 @@ class SmoeSparseMoeBlock(_SmoeBlock):
         # so (no float32 copy) where smoe sees that dtype too (no autocast to
         # another)
         lp = {}
-        if _autocast_dtype(x.device) in (None, x.dtype):
+        if not self._logits_f32 and _autocast_dtype(x.device) in (None, x.dtype):
             lp = {"router_logits_dtype": x.dtype}
-        out, counts, logits = self._moe(x, self.gate.weight, top_k=self.gate.top_k,
-                                        **self._routing(), **lp)
+        gate = self._gate()
+        out, counts, logits = self._moe(x, gate.weight, top_k=gate.top_k, **self._routing(),
+                                        **lp)
         self.last_expert_counts = counts.detach()
         x2 = x.reshape(-1, x.shape[-1])
-        self.gate(x2, _smoe_router_outputs=(logits.reshape(x2.shape[0], -1).to(x.dtype),
-                                            None, None))
+        logits = logits.reshape(x2.shape[0], -1)
+        gate(x2, _smoe_router_outputs=(logits if self._logits_f32 else logits.to(x.dtype),
+                                       None, None))
         return out
 
 
@@ -548,7 +572,8 @@ def restore_moe_blocks(model, replaced):
                              "model)" % name)
     for name, block in replaced.items():
         current = model.get_submodule(name)
-        if "gate" in block._modules:
-            _remove_tap(block.gate)
+        router = block._modules.get(_router_name(tuple(block._modules)))
+        if router is not None:
+            _remove_tap(router)
         block.train(current.training)
         _set_child(model, name, block)

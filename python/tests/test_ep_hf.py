@@ -110,7 +110,7 @@ def test_load_hf_weights_into_ep_refusals():
 # ------------------------------------------------------------ smoe.hf with ep_group
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "minimax_m2", "olmoe", "deepseek_v3",
-            "glm4_moe"]
+            "glm4_moe", "granitemoe"]
 ROWS = 2          # sequences per rank
 SEQ = 7
 
@@ -130,7 +130,7 @@ def _is_expert(name):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_replace_blocks_expert_parallel_matches_the_hf_model(family, keep_x):
     pytest.importorskip("transformers")
-    from test_hf import tiny_model
+    from test_hf import block_names, tiny_model
     P = 2
     ids, labels = _batch(P, seed=4)
     # (Every model built here: tiny_model seeds the global generator, which
@@ -138,7 +138,7 @@ def test_replace_blocks_expert_parallel_matches_the_hf_model(family, keep_x):
     ref = tiny_model(family)
     models = [copy.deepcopy(ref) for _ in range(P)]
     ref_sd = copy.deepcopy(ref.state_dict())
-    E = ref.get_submodule("model.layers.0.mlp").experts.gate_up_proj.shape[0]
+    E = ref.get_submodule(block_names(family)[0]).experts.gate_up_proj.shape[0]
     # The reference: the HF model on each rank's sequences, the ranks'
     # losses summed (their gradients accumulate).
     want = []
@@ -153,7 +153,7 @@ def test_replace_blocks_expert_parallel_matches_the_hf_model(family, keep_x):
         model = models[r]
         replaced = smoe.hf.replace_moe_blocks(model, ep_group=group, max_tokens=ROWS * SEQ,
                                               keep_x=keep_x)
-        assert sorted(replaced) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+        assert sorted(replaced) == block_names(family)
         lo, hi = r * E // P, (r + 1) * E // P
         sd = model.state_dict()
         assert list(sd) == list(ref_sd)

@@ -19,7 +19,8 @@ V, D = 64, 16           # vocabulary, hidden size
 # DeepSeek-V3's block and those that are the same code under other names
 DSV3_LIKE = ["deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1"]
 FAMILIES = ["qwen3_moe", "qwen3_moe_no_norm", "qwen2_moe", "qwen3_next", "mixtral", "minimax",
-            "minimax_m2", "olmoe", "flex_olmo"] + DSV3_LIKE
+            "minimax_m2", "olmoe", "flex_olmo", "granitemoe", "granitemoeshared",
+            "granitemoehybrid"] + DSV3_LIKE
 
 
 def tiny_model(family, **extra):
@@ -62,6 +63,20 @@ def tiny_model(family, **extra):
         cfg = transformers.MiniMaxM2Config(intermediate_size=12, num_local_experts=8,
                                            num_experts_per_tok=3, head_dim=8, **common, **extra)
         cls = transformers.MiniMaxM2ForCausalLM
+    elif family.startswith("granitemoe"):   # (topk_softmax; the router child is `router`)
+        kw = dict(intermediate_size=12, num_local_experts=8, num_experts_per_tok=2)
+        if family == "granitemoe":
+            cfg = transformers.GraniteMoeConfig(**kw, **common, **extra)
+            cls = transformers.GraniteMoeForCausalLM
+        elif family == "granitemoeshared":
+            cfg = transformers.GraniteMoeSharedConfig(shared_intermediate_size=20, **kw, **common,
+                                                      **extra)
+            cls = transformers.GraniteMoeSharedForCausalLM
+        else:
+            cfg = transformers.GraniteMoeHybridConfig(
+                shared_intermediate_size=20, layer_types=["attention", "attention"],
+                mamba_n_heads=2, mamba_d_head=16, **kw, **common, **extra)
+            cls = transformers.GraniteMoeHybridForCausalLM
     elif family == "olmoe":
         cfg = transformers.OlmoeConfig(intermediate_size=12, num_experts=8, num_experts_per_tok=3,
                                        norm_topk_prob=False, **common, **extra)
@@ -103,7 +118,7 @@ def tiny_model(family, **extra):
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if ".experts." in name:
                 t.copy_(torch.randn(t.shape, generator=g) * 0.3)
-            elif name.endswith("gate.weight"):
+            elif name.endswith("gate.weight") or name.endswith("router.weight"):
                 t.copy_(torch.randn(t.shape, generator=g) * 0.5)
             elif name.endswith("e_score_correction_bias"):
                 # Large enough to change which experts win, not what they score.
@@ -118,8 +133,13 @@ def patched_pair(family, **extra):
     return ref, model, replaced
 
 
+def router_name(family):
+    return "router" if family.startswith("granitemoe") else "gate"
+
+
 def block_names(family):
-    return ["model.layers.%d.mlp" % i for i in range(2)]   # every family, in this version
+    block = "block_sparse_moe" if family.startswith("granitemoe") else "mlp"
+    return ["model.layers.%d.%s" % (i, block) for i in range(2)]   # in this version
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -136,7 +156,8 @@ def test_replaced_blocks_and_parameters_kept(family):
                                 smoe.hf.SmoeMiniMaxM2SparseMoeBlock))
         assert isinstance(new, smoe.hf.SmoeSharedExpertMoeBlock) == (
             family in ("qwen2_moe", "qwen3_next"))
-        assert new.gate is block.gate and new.experts is block.experts
+        rn = router_name(family)
+        assert getattr(new, rn) is getattr(block, rn) and new.experts is block.experts
     after = dict(model.named_parameters())
     assert list(after) == list(before)
     assert all(id(after[k]) == before[k][0] for k in after)   # the very same Parameters
@@ -166,12 +187,14 @@ def test_block_forward_and_every_gradient(family):
         assert_close(o, o_ref, 2e-6, "%s out" % name)
         assert_close(dx, dx_ref, 2e-6, "%s dx" % name)
         assert list(gr) == list(g_ref)
-        assert "gate.weight" in gr and "experts.gate_up_proj" in gr and "experts.down_proj" in gr
+        assert router_name(family) + ".weight" in gr
+        assert "experts.gate_up_proj" in gr and "experts.down_proj" in gr
         for k in g_ref:
             assert g_ref[k] is not None and gr[k] is not None, k
             assert_close(gr[k], g_ref[k], 2e-6, "%s d%s" % (name, k))
         # smoe's expert counts are what HF's router picked.
-        assert int(sm_block.last_expert_counts.sum()) == 21 * hf_block.gate.top_k
+        top_k = getattr(hf_block, router_name(family)).top_k
+        assert int(sm_block.last_expert_counts.sum()) == 21 * top_k
 
 
 @pytest.mark.parametrize("family", FAMILIES)
