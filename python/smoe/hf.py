@@ -30,6 +30,9 @@ replacement and any other layout is refused, not guessed):
                             renormalised, is softmax over the K largest
                             logits); router jitter noise in training as HF
   MiniMaxSparseMoeBlock     the same (Mixtral's code; MiniMax-Text-01)
+  JambaSparseMoeBlock       'softmax_topk', never renormalised (its router
+                            has no norm_topk_prob); the router child is
+                            `router`
   GraniteMoeMoE (and        'topk_softmax' (softmax over the K largest
   GraniteMoeShared's,       logits, as HF computes it); the router child
   GraniteMoeHybrid's)       is `router`, its logits float32 as HF's
@@ -106,11 +109,16 @@ def _hf_name(cls):
     return cls.__module__ + "." + cls.__qualname__
 
 
+def _hf_class(module, name):
+    """The qualified name of transformers.models.<module>'s class <name>."""
+    return "transformers.models.%s.modeling_%s.%s" % (module, module, name)
+
+
 def _family(module, prefix, kind, children, block="SparseMoeBlock", router="TopKRouter"):
     """One _BLOCKS entry: transformers.models.<module>'s <prefix><block>,
     with its <prefix><router> and <prefix>Experts."""
-    m = "transformers.models.%s.modeling_%s.%s" % (module, module, prefix)
-    return m + block, (kind, m + router, m + "Experts", children)
+    return _hf_class(module, prefix + block), (kind, _hf_class(module, prefix + router),
+                                               _hf_class(module, prefix + "Experts"), children)
 
 
 _GE = ("gate", "experts")
@@ -131,6 +139,7 @@ _BLOCKS = dict([
     _family("flex_olmo", "FlexOlmo", "softmax_topk", _GE),
     _family("minimax", "MiniMax", "topk_softmax", _GE),
     _family("minimax_m2", "MiniMaxM2", "minimax_m2", _GE),
+    _family("jamba", "Jamba", "softmax_topk", _RE),
     _family("granitemoe", "GraniteMoe", "topk_softmax", _RE, "MoE"),
     _family("granitemoeshared", "GraniteMoeShared", "topk_softmax", _RE, "MoE"),
     _family("granitemoehybrid", "GraniteMoeHybrid", "topk_softmax", _RE, "MoE"),
@@ -140,6 +149,16 @@ _BLOCKS = dict([
     _family("glm4_moe_lite", "Glm4MoeLite", "deepseek_v3", _DSV3_CHILDREN, "MoE", "TopkRouter"),
     _family("dots1", "Dots1", "deepseek_v3", _DSV3_CHILDREN, "MoE", "TopkRouter"),
 ])
+
+# What some blocks do differently from their kind's default: renorm (the
+# renormalisation of softmax_topk when the router has no norm_topk_prob) and
+# logits_f32 (the HF router returns float32 logits, not x's dtype).
+_TRAITS = {
+    _hf_class("jamba", "JambaSparseMoeBlock"): dict(renorm=False),
+    _hf_class("granitemoe", "GraniteMoeMoE"): dict(logits_f32=True),
+    _hf_class("granitemoeshared", "GraniteMoeSharedMoE"): dict(logits_f32=True),
+    _hf_class("granitemoehybrid", "GraniteMoeHybridMoE"): dict(logits_f32=True),
+}
 
 _REFUSED = {
     "transformers.models.gpt_oss.modeling_gpt_oss.GptOssMLP":
@@ -222,7 +241,8 @@ def _check_block(name, block):
     if not isinstance(top_k, int) or not 1 <= top_k <= E or getattr(router, "num_experts", E) != E:
         _refuse(name, block, "router top_k = %r, num_experts = %r for E = %d", top_k,
                 getattr(router, "num_experts", None), E)
-    if kind == "softmax_topk" and not isinstance(getattr(router, "norm_topk_prob", None), bool):
+    if (kind == "softmax_topk" and "renorm" not in _TRAITS.get(_hf_name(type(block)), {})
+            and not isinstance(getattr(router, "norm_topk_prob", None), bool)):
         _refuse(name, block, "router.norm_topk_prob = %r, expected a bool",
                 getattr(router, "norm_topk_prob", None))
     if "shared_expert_gate" in children:
@@ -344,8 +364,9 @@ class _SmoeBlock(nn.Module):
                 self.experts.register_parameter(name, nn.Parameter(
                     p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
         self._router_name = _router_name(tuple(self._modules))
-        # Granite's HF router returns float32 logits; the others x's dtype
-        self._logits_f32 = self._router_name == "router"
+        traits = _TRAITS.get(_hf_name(type(hf_block)), {})
+        self._logits_f32 = traits.get("logits_f32", False)
+        self._renorm = traits.get("renorm")   # None: the kind's rule
         _install_tap(self._gate())   # smoe's router logits reach the router's hooks
 
     def _gate(self):
@@ -381,7 +402,8 @@ class SmoeSparseMoeBlock(_SmoeBlock):
 
     def _routing(self):
         """smoe.moe's routing arguments for this block."""
-        renorm = True if self.kind == "topk_softmax" else bool(self._gate().norm_topk_prob)
+        renorm = (self._renorm if self._renorm is not None else
+                  True if self.kind == "topk_softmax" else bool(self._gate().norm_topk_prob))
         return dict(routing=self.kind, renormalize=renorm)
 
     def forward(self, hidden_states):

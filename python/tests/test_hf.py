@@ -19,7 +19,7 @@ V, D = 64, 16           # vocabulary, hidden size
 # DeepSeek-V3's block and those that are the same code under other names
 DSV3_LIKE = ["deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1"]
 FAMILIES = ["qwen3_moe", "qwen3_moe_no_norm", "qwen2_moe", "qwen3_next", "mixtral", "minimax",
-            "minimax_m2", "olmoe", "flex_olmo", "granitemoe", "granitemoeshared",
+            "minimax_m2", "olmoe", "flex_olmo", "jamba", "granitemoe", "granitemoeshared",
             "granitemoehybrid"] + DSV3_LIKE
 
 
@@ -63,6 +63,12 @@ def tiny_model(family, **extra):
         cfg = transformers.MiniMaxM2Config(intermediate_size=12, num_local_experts=8,
                                            num_experts_per_tok=3, head_dim=8, **common, **extra)
         cls = transformers.MiniMaxM2ForCausalLM
+    elif family == "jamba":   # (softmax_topk unnormalised; Mamba layers, their slow path)
+        cfg = transformers.JambaConfig(intermediate_size=12, num_experts=8, num_experts_per_tok=2,
+                                       expert_layer_period=1, expert_layer_offset=0,
+                                       attn_layer_period=1, attn_layer_offset=0,
+                                       use_mamba_kernels=False, **common, **extra)
+        cls = transformers.JambaForCausalLM
     elif family.startswith("granitemoe"):   # (topk_softmax; the router child is `router`)
         kw = dict(intermediate_size=12, num_local_experts=8, num_experts_per_tok=2)
         if family == "granitemoe":
@@ -134,11 +140,12 @@ def patched_pair(family, **extra):
 
 
 def router_name(family):
-    return "router" if family.startswith("granitemoe") else "gate"
+    return "router" if family.startswith("granitemoe") or family == "jamba" else "gate"
 
 
 def block_names(family):
-    block = "block_sparse_moe" if family.startswith("granitemoe") else "mlp"
+    block = ("block_sparse_moe" if family.startswith("granitemoe") else
+             "feed_forward" if family == "jamba" else "mlp")
     return ["model.layers.%d.%s" % (i, block) for i in range(2)]   # in this version
 
 
@@ -500,3 +507,9 @@ def test_deepseek_v3_routing_options_checked_at_replacement():
                        r"fewer than top_k = 3 experts"):
         smoe.hf.replace_moe_blocks(model)
     assert [model.get_submodule(n) for n in block_names("deepseek_v3")] == before
+
+
+def test_traits_name_supported_blocks():
+    # every block with traits of its own is one the table supports (a
+    # misspelt class name would leave its traits unused)
+    assert set(smoe.hf._TRAITS) <= set(smoe.hf._BLOCKS)
