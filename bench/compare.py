@@ -971,6 +971,7 @@ def ratio_table(records, a, b):
            "backward, training-loop iteration; %s's kernel path" % (a, b, a, b, a, a),
            "%-15s %7s %7s %7s  %s" % ("row", "fwd", "bwd", "loop", "path / why not")]
     logs = {"fwd": [], "bwd": [], "loop": []}
+    per_row = {}   # row -> its logs, for the tables' own geometric means
     for row in rows:
         ra, rb = by.get((row, a)), by.get((row, b))
         if not ra or not rb or ra["status"] != "ok" or rb["status"] != "ok":
@@ -988,12 +989,25 @@ def ratio_table(records, a, b):
             vals[key] = v
             if v and v > 0:
                 logs[key].append(math.log(v))
+                per_row.setdefault(row, {})[key] = math.log(v)
         out.append("%-15s %7s %7s %7s  %s" % (row, *("%.3f" % vals[k] if vals[k] else "-"
                                                      for k in ("fwd", "bwd", "loop")),
                                               ra.get("path", "")))
     out.append("%-15s %7s %7s %7s  %s" % ("geomean", *("%.3f" % math.exp(sum(v) / len(v))
                                                        if v else "-" for v in logs.values()),
                                           "over %d row(s)" % len(logs["fwd"])))
+    # each table's own, where the run has rows of both
+    tables = (("models", set(torch_baseline.model_rows())),
+              ("grid", set(torch_baseline.grid_rows())))
+    if all(names & set(per_row) for _, names in tables):
+        for label, names in tables:
+            mine = [per_row[r] for r in per_row if r in names]
+            means = []
+            for key in ("fwd", "bwd", "loop"):
+                v = [m[key] for m in mine if key in m]
+                means.append("%.3f" % math.exp(sum(v) / len(v)) if v else "-")
+            out.append("%-15s %7s %7s %7s  %s" % ("geomean " + label, *means,
+                                                  "over %d row(s)" % len(mine)))
     return out
 
 
