@@ -41,11 +41,15 @@ echo "== python: virtual environment $venv"
 if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
-if ! "$venv/bin/python" -c "import torch, pytest, numpy, transformers" >/dev/null 2>&1; then
+# transformers: the version smoe.hf is tested with (smoe.hf.TESTED_TRANSFORMERS_VERSIONS;
+# python/tests/test_hf.py builds its models from that version's classes)
+tf=5.24.0
+if ! "$venv/bin/python" -c "import torch, pytest, numpy, transformers as t; assert t.__version__ == '$tf'" \
+        >/dev/null 2>&1; then
     t0=$(date +%s)
     retry "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch>=2.4" pytest \
-        numpy transformers
-    echo "installed torch, pytest, numpy, transformers in $(($(date +%s) - t0)) s"
+        numpy "transformers==$tf"
+    echo "installed torch, pytest, numpy, transformers $tf in $(($(date +%s) - t0)) s"
 fi
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
 

@@ -513,3 +513,12 @@ def test_traits_name_supported_blocks():
     # every block with traits of its own is one the table supports (a
     # misspelt class name would leave its traits unused)
     assert set(smoe.hf._TRAITS) <= set(smoe.hf._BLOCKS)
+
+
+def test_ci_installs_the_tested_transformers():
+    # python/ci.sh pins the transformers that smoe.hf is tested with
+    import os
+    import re
+    ci = open(os.path.join(os.path.dirname(__file__), "..", "ci.sh")).read()
+    pin = re.search(r"^tf=(\S+)$", ci, re.M)
+    assert pin and pin.group(1) in smoe.hf.TESTED_TRANSFORMERS_VERSIONS
