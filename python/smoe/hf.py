@@ -30,6 +30,11 @@ replacement and any other layout is refused, not guessed):
                             renormalised, is softmax over the K largest
                             logits); router jitter noise in training as HF
   MiniMaxSparseMoeBlock     the same (Mixtral's code; MiniMax-Text-01)
+  HunYuanMoEV1Moe           'softmax_topk', always renormalised; the
+                            router weight is gate.wg.weight (cast to x's
+                            dtype where it differs, differentiably), the
+                            logits in its dtype as HF's; shared_mlp, the
+                            HF MLP, added ungated
   JambaSparseMoeBlock       'softmax_topk', never renormalised (its router
                             has no norm_topk_prob); the router child is
                             `router`
@@ -125,6 +130,7 @@ _GE = ("gate", "experts")
 _RE = ("router", "experts")   # (IBM Granite's router child)
 _SHARED_GATED = ("gate", "experts", "shared_expert", "shared_expert_gate")
 _DSV3_CHILDREN = ("experts", "gate", "shared_experts")
+_SHARED_MLP = ("gate", "experts", "shared_mlp")   # (HunYuan's)
 
 # HF block class -> (kind, router class, experts class, the block's children).
 # Matched by exact class (a subclass may compute something else).
@@ -139,6 +145,7 @@ _BLOCKS = dict([
     _family("flex_olmo", "FlexOlmo", "softmax_topk", _GE),
     _family("minimax", "MiniMax", "topk_softmax", _GE),
     _family("minimax_m2", "MiniMaxM2", "minimax_m2", _GE),
+    _family("hunyuan_v1_moe", "HunYuanMoEV1", "softmax_topk", _SHARED_MLP, "Moe", "Gate"),
     _family("jamba", "Jamba", "softmax_topk", _RE),
     _family("granitemoe", "GraniteMoe", "topk_softmax", _RE, "MoE"),
     _family("granitemoeshared", "GraniteMoeShared", "topk_softmax", _RE, "MoE"),
@@ -151,13 +158,17 @@ _BLOCKS = dict([
 ])
 
 # What some blocks do differently from their kind's default: renorm (the
-# renormalisation of softmax_topk when the router has no norm_topk_prob) and
-# logits_f32 (the HF router returns float32 logits, not x's dtype).
+# renormalisation of softmax_topk when the router has no norm_topk_prob),
+# logits (the dtype of the logits the HF router returns: 'x' by default,
+# 'float32', or 'router', its weight's) and router_weight (the router's
+# parameter, 'weight' by default).
 _TRAITS = {
+    _hf_class("hunyuan_v1_moe", "HunYuanMoEV1Moe"): dict(renorm=True, logits="router",
+                                                         router_weight="wg.weight"),
     _hf_class("jamba", "JambaSparseMoeBlock"): dict(renorm=False),
-    _hf_class("granitemoe", "GraniteMoeMoE"): dict(logits_f32=True),
-    _hf_class("granitemoeshared", "GraniteMoeSharedMoE"): dict(logits_f32=True),
-    _hf_class("granitemoehybrid", "GraniteMoeHybridMoE"): dict(logits_f32=True),
+    _hf_class("granitemoe", "GraniteMoeMoE"): dict(logits="float32"),
+    _hf_class("granitemoeshared", "GraniteMoeSharedMoE"): dict(logits="float32"),
+    _hf_class("granitemoehybrid", "GraniteMoeHybridMoE"): dict(logits="float32"),
 }
 
 _REFUSED = {
@@ -233,9 +244,10 @@ def _check_block(name, block):
     rparams = {n: tuple(p.shape) for n, p in router.named_parameters()}
     rbufs = {n: tuple(b.shape) for n, b in router.named_buffers()}
     want_bufs = {"e_score_correction_bias": (E,)} if kind == "deepseek_v3" else {}
-    if rparams != {"weight": (E, d)} or rbufs != want_bufs:
-        _refuse(name, block, "router parameters %s and buffers %s; expected weight (%d, %d)%s",
-                rparams, rbufs, E, d, " and e_score_correction_bias (%d,)" % E
+    rw = _TRAITS.get(_hf_name(type(block)), {}).get("router_weight", "weight")
+    if rparams != {rw: (E, d)} or rbufs != want_bufs:
+        _refuse(name, block, "router parameters %s and buffers %s; expected %s (%d, %d)%s",
+                rparams, rbufs, rw, E, d, " and e_score_correction_bias (%d,)" % E
                 if want_bufs else " and no buffer")
     top_k = getattr(router, "top_k", None)
     if not isinstance(top_k, int) or not 1 <= top_k <= E or getattr(router, "num_experts", E) != E:
@@ -365,13 +377,18 @@ class _SmoeBlock(nn.Module):
                     p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
         self._router_name = _router_name(tuple(self._modules))
         traits = _TRAITS.get(_hf_name(type(hf_block)), {})
-        self._logits_f32 = traits.get("logits_f32", False)
+        self._logits = traits.get("logits", "x")
         self._renorm = traits.get("renorm")   # None: the kind's rule
+        self._router_weight_name = traits.get("router_weight", "weight")
         _install_tap(self._gate())   # smoe's router logits reach the router's hooks
 
     def _gate(self):
         """The router child (`gate`, or Granite's `router`)."""
         return self._modules[self._router_name]
+
+    def _router_weight(self):
+        """The router's weight (E, d) as the HF router holds it."""
+        return self._gate().get_parameter(self._router_weight_name)
 
     def _experts_weights(self):
         return self.experts.gate_up_proj, self.experts.down_proj
@@ -416,27 +433,30 @@ class SmoeSparseMoeBlock(_SmoeBlock):
         # the HF block's router_logits are in x's dtype: have smoe return them
         # so (no float32 copy) where smoe sees that dtype too (no autocast to
         # another)
+        gate, wr = self._gate(), self._router_weight()
+        # the logits' dtype as the HF router returns them
+        want = {"x": x.dtype, "float32": torch.float32, "router": wr.dtype}[self._logits]
         lp = {}
-        if not self._logits_f32 and _autocast_dtype(x.device) in (None, x.dtype):
+        if want == x.dtype and _autocast_dtype(x.device) in (None, x.dtype):
             lp = {"router_logits_dtype": x.dtype}
-        gate = self._gate()
-        out, counts, logits = self._moe(x, gate.weight, top_k=gate.top_k, **self._routing(),
-                                        **lp)
+        out, counts, logits = self._moe(x, wr if wr.dtype == x.dtype else wr.to(x.dtype),
+                                        top_k=gate.top_k, **self._routing(), **lp)
         self.last_expert_counts = counts.detach()
         x2 = x.reshape(-1, x.shape[-1])
-        logits = logits.reshape(x2.shape[0], -1)
-        gate(x2, _smoe_router_outputs=(logits if self._logits_f32 else logits.to(x.dtype),
-                                       None, None))
+        gate(x2, _smoe_router_outputs=(logits.reshape(x2.shape[0], -1).to(want), None, None))
         return out
 
 
 class SmoeSharedExpertMoeBlock(SmoeSparseMoeBlock):
     """Qwen2-MoE's and Qwen3-Next's sparse block: SmoeSparseMoeBlock's routed
     experts on smoe plus the HF shared expert (an MLP on every token) times
-    sigmoid(shared_expert_gate(x)), as the HF block adds them."""
+    sigmoid(shared_expert_gate(x)), as the HF block adds them; HunYuan's:
+    plus its shared_mlp, ungated."""
 
     def forward(self, hidden_states):
         out = super().forward(hidden_states)
+        if "shared_mlp" in self._modules:
+            return out + self.shared_mlp(hidden_states)
         x2 = hidden_states.reshape(-1, hidden_states.shape[-1])
         shared = torch.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
         return out + shared.reshape(out.shape)
@@ -488,7 +508,8 @@ _CLASSES = {"softmax_topk": SmoeSparseMoeBlock, "topk_softmax": SmoeSparseMoeBlo
 
 def _smoe_class(block, kind):
     """The smoe block for a checked HF block of routing `kind`."""
-    if "shared_expert_gate" in _BLOCKS[_hf_name(type(block))][3]:
+    children = _BLOCKS[_hf_name(type(block))][3]
+    if "shared_expert_gate" in children or "shared_mlp" in children:
         return SmoeSharedExpertMoeBlock
     return _CLASSES[kind]
 

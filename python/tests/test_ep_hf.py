@@ -110,7 +110,7 @@ def test_load_hf_weights_into_ep_refusals():
 # ------------------------------------------------------------ smoe.hf with ep_group
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "minimax_m2", "olmoe", "deepseek_v3",
-            "glm4_moe", "granitemoe"]
+            "glm4_moe", "granitemoe", "hunyuan"]
 ROWS = 2          # sequences per rank
 SEQ = 7
 

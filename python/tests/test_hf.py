@@ -20,7 +20,7 @@ V, D = 64, 16           # vocabulary, hidden size
 DSV3_LIKE = ["deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1"]
 FAMILIES = ["qwen3_moe", "qwen3_moe_no_norm", "qwen2_moe", "qwen3_next", "mixtral", "minimax",
             "minimax_m2", "olmoe", "flex_olmo", "jamba", "granitemoe", "granitemoeshared",
-            "granitemoehybrid"] + DSV3_LIKE
+            "granitemoehybrid", "hunyuan"] + DSV3_LIKE
 
 
 def tiny_model(family, **extra):
@@ -63,6 +63,10 @@ def tiny_model(family, **extra):
         cfg = transformers.MiniMaxM2Config(intermediate_size=12, num_local_experts=8,
                                            num_experts_per_tok=3, head_dim=8, **common, **extra)
         cls = transformers.MiniMaxM2ForCausalLM
+    elif family == "hunyuan":   # (softmax_topk; router gate.wg; an ungated shared MLP)
+        cfg = transformers.HunYuanMoEV1Config(intermediate_size=12, num_experts=8, moe_topk=2,
+                                              head_dim=8, **common, **extra)
+        cls = transformers.HunYuanMoEV1ForCausalLM
     elif family == "jamba":   # (softmax_topk unnormalised; Mamba layers, their slow path)
         cfg = transformers.JambaConfig(intermediate_size=12, num_experts=8, num_experts_per_tok=2,
                                        expert_layer_period=1, expert_layer_offset=0,
@@ -124,7 +128,7 @@ def tiny_model(family, **extra):
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if ".experts." in name:
                 t.copy_(torch.randn(t.shape, generator=g) * 0.3)
-            elif name.endswith("gate.weight") or name.endswith("router.weight"):
+            elif name.endswith(("gate.weight", "router.weight", "gate.wg.weight")):
                 t.copy_(torch.randn(t.shape, generator=g) * 0.5)
             elif name.endswith("e_score_correction_bias"):
                 # Large enough to change which experts win, not what they score.
@@ -162,7 +166,7 @@ def test_replaced_blocks_and_parameters_kept(family):
         assert isinstance(new, (smoe.hf.SmoeSparseMoeBlock, smoe.hf.SmoeDeepseekV3MoE,
                                 smoe.hf.SmoeMiniMaxM2SparseMoeBlock))
         assert isinstance(new, smoe.hf.SmoeSharedExpertMoeBlock) == (
-            family in ("qwen2_moe", "qwen3_next"))
+            family in ("qwen2_moe", "qwen3_next", "hunyuan"))
         rn = router_name(family)
         assert getattr(new, rn) is getattr(block, rn) and new.experts is block.experts
     after = dict(model.named_parameters())
@@ -194,7 +198,7 @@ def test_block_forward_and_every_gradient(family):
         assert_close(o, o_ref, 2e-6, "%s out" % name)
         assert_close(dx, dx_ref, 2e-6, "%s dx" % name)
         assert list(gr) == list(g_ref)
-        assert router_name(family) + ".weight" in gr
+        assert router_name(family) + (".wg.weight" if family == "hunyuan" else ".weight") in gr
         assert "experts.gate_up_proj" in gr and "experts.down_proj" in gr
         for k in g_ref:
             assert g_ref[k] is not None and gr[k] is not None, k
@@ -254,7 +258,7 @@ def test_full_model_logits_loss_router_logits_and_gradients(family):
     for a, b in zip(getattr(o, "router_logits", ()), getattr(o_ref, "router_logits", ())):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert_close(a, b, 1e-5, "router logits")
-    if family in DSV3_LIKE:
+    if family in DSV3_LIKE + ["hunyuan"]:
         # its model has no aux loss (transformers 4.x: no aux_loss field)
         assert getattr(o_ref, "aux_loss", None) is None and getattr(o, "aux_loss", None) is None
     else:
