@@ -26,6 +26,8 @@
  */
 #include "cuda/cuda_common.h"
 
+#include <stdlib.h>
+
 #define AGG_THREADS 128
 #define AGG_UNROLL 4
 
@@ -59,6 +61,38 @@ template <>
 struct vec_io<1> {
     static __device__ __forceinline__ void load(const bf16 *p, float *v) { v[0] = __bfloat162float(*p); }
     static __device__ __forceinline__ void store(bf16 *p, const float *v) { *p = __float2bfloat16_rn(v[0]); }
+};
+
+/* One VEC-column piece of a row as loaded (8 bf16 in a uint4, or 1), kept
+ * raw until it is summed, so that many can be in flight in few registers. */
+template <int VEC>
+struct vec_raw;
+
+template <>
+struct vec_raw<8> {
+    uint4 u;
+    __device__ __forceinline__ void load(const bf16 *p) { u = *reinterpret_cast<const uint4 *>(p); }
+    /* acc += s * piece, in column order */
+    __device__ __forceinline__ void fma_into(float *acc, float s) const
+    {
+        const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            acc[2 * i] = fmaf(s, f.x, acc[2 * i]);
+            acc[2 * i + 1] = fmaf(s, f.y, acc[2 * i + 1]);
+        }
+    }
+};
+
+template <>
+struct vec_raw<1> {
+    bf16 u;
+    __device__ __forceinline__ void load(const bf16 *p) { u = *p; }
+    __device__ __forceinline__ void fma_into(float *acc, float s) const
+    {
+        acc[0] = fmaf(s, __bfloat162float(u), acc[0]);
+    }
 };
 
 /* SCORED: rows scaled by row_score; else by 1 (the expert-parallel
@@ -289,6 +323,62 @@ k_aggregate_forward_k(int64_t T, int64_t d, int K_arg, const int32_t *__restrict
     }
 }
 
+/* Exactly KC rows per token, KC a compile-time constant, and IPT items per
+ * thread (items g, g + S, ..., g + (IPT - 1) S of the flattened items, S
+ * the grid's threads; the loop steps IPT S): every item's row indices are
+ * loaded, then every row piece of every item (IPT KC loads in flight, kept
+ * raw), then each item is summed in assignment order and stored. Bitwise
+ * the same sums as k_aggregate_forward_k's. */
+template <int VEC, bool SCORED, int KC, int IPT>
+__global__ void __launch_bounds__(AGG_THREADS)
+k_aggregate_forward_kc(int64_t T, int64_t d, int /* K: KC */, const int32_t *__restrict__ assign_row,
+                       const float *__restrict__ row_score, const bf16 *__restrict__ y,
+                       bf16 *__restrict__ out, smoe_saved_header *header, smoe_saved_header h,
+                       const int *abort)
+{
+    if (header && blockIdx.x == 0 && threadIdx.x == 0) {
+        h.status = abort ? *abort : 0;
+        *header = h;
+    }
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
+    const int64_t cols = d / VEC, items = T * cols, S = (int64_t)gridDim.x * AGG_THREADS;
+    const bool narrow = items <= (int64_t)UINT32_MAX;
+    for (int64_t g0 = (int64_t)blockIdx.x * AGG_THREADS + threadIdx.x; g0 < items;
+         g0 += IPT * S) {
+        int64_t t[IPT], c[IPT];
+        bool ok[IPT];
+        int r[IPT][KC];
+#pragma unroll
+        for (int i = 0; i < IPT; ++i) {
+            const int64_t g = g0 + i * S;
+            ok[i] = g < items;
+            agg_item<VEC>(ok[i] ? g : g0, cols, narrow, &t[i], &c[i]);
+#pragma unroll
+            for (int a = 0; a < KC; ++a) r[i][a] = ok[i] ? assign_row[t[i] * KC + a] : -1;
+        }
+        vec_raw<VEC> v[IPT][KC];
+        float sc[IPT][KC];
+#pragma unroll
+        for (int i = 0; i < IPT; ++i)
+#pragma unroll
+            for (int a = 0; a < KC; ++a) {
+                sc[i][a] = r[i][a] < 0 ? 0.0f : SCORED ? row_score[r[i][a]] : 1.0f;
+                if (r[i][a] >= 0) v[i][a].load(y + (int64_t)r[i][a] * d + c[i]);
+            }
+#pragma unroll
+        for (int i = 0; i < IPT; ++i) {
+            if (!ok[i]) continue;
+            float acc[VEC];
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) acc[k] = 0.0f;
+#pragma unroll
+            for (int a = 0; a < KC; ++a)
+                if (r[i][a] >= 0) v[i][a].fma_into(acc, sc[i][a]);
+            vec_io<VEC>::store(out + t[i] * d + c[i], acc);
+        }
+    }
+}
+
 template <int VEC, int KC> /* KC: as in k_aggregate_forward_k */
 __global__ void __launch_bounds__(AGG_THREADS)
 k_aggregate_backward_k(int64_t T, int64_t d, int K_arg, const int32_t *__restrict__ assign_row,
@@ -359,7 +449,25 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
     } while (0)
 #define AGG_GRID_ITEMS(V) agg_grid(T * (d / (V)), AGG_THREADS)
 #define AGG_GRID_TOKENS(V) agg_grid(T, 1)
-    if (k_uniform == 2) {
+    /* experiment: SMOE_AGG_IPT=1..4 items per thread for K = 2, 4 (0: the
+     * old kernel) */
+    static int ipt = -1;
+    if (ipt < 0) {
+        const char *e = getenv("SMOE_AGG_IPT");
+        ipt = e ? atoi(e) : 2;
+    }
+#define AGG_GRID_IPT(V) agg_grid(T * (d / (V)), AGG_THREADS * ipt)
+#define AGG_FWD_KC(KC)                                                                               do {                                                                                                 if (ipt == 1) AGG_FWD(k_aggregate_forward_kc, AGG_GRID_IPT, KC, KC, 1);                          else if (ipt == 2) AGG_FWD(k_aggregate_forward_kc, AGG_GRID_IPT, KC, KC, 2);                     else if (ipt == 3) AGG_FWD(k_aggregate_forward_kc, AGG_GRID_IPT, KC, KC, 3);                     else AGG_FWD(k_aggregate_forward_kc, AGG_GRID_IPT, KC, KC, 4);                               } while (0)
+    if (k_uniform == 2 && ipt > 0) {
+        AGG_FWD_KC(2);
+        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_kc<K 2>");
+    } else if (k_uniform == 4 && ipt > 0) {
+        AGG_FWD_KC(4);
+        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_kc<K 4>");
+    } else if (k_uniform == 8 && ipt > 0 && getenv("SMOE_AGG_K8")) {
+        AGG_FWD_KC(8);
+        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_kc<K 8>");
+    } else if (k_uniform == 2) {
         AGG_FWD(k_aggregate_forward_k, AGG_GRID_ITEMS, 2, 2);
         SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_k<K 2>");
     } else if (k_uniform == 4) {
