@@ -72,6 +72,17 @@ template <>
 struct vec_raw<8> {
     uint4 u;
     __device__ __forceinline__ void load(const bf16 *p) { u = *reinterpret_cast<const uint4 *>(p); }
+    /* acc += piece */
+    __device__ __forceinline__ void add_into(float *acc) const
+    {
+        const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            acc[2 * i] += f.x;
+            acc[2 * i + 1] += f.y;
+        }
+    }
     /* acc += s * piece, in column order */
     __device__ __forceinline__ void fma_into(float *acc, float s) const
     {
@@ -89,6 +100,7 @@ template <>
 struct vec_raw<1> {
     bf16 u;
     __device__ __forceinline__ void load(const bf16 *p) { u = *p; }
+    __device__ __forceinline__ void add_into(float *acc) const { acc[0] += __bfloat162float(u); }
     __device__ __forceinline__ void fma_into(float *acc, float s) const
     {
         acc[0] = fmaf(s, __bfloat162float(u), acc[0]);
@@ -379,6 +391,84 @@ k_aggregate_forward_kc(int64_t T, int64_t d, int /* K: KC */, const int32_t *__r
     }
 }
 
+/* The backward's exactly-KC kernel with IPT items per thread, as
+ * k_aggregate_forward_kc: the row indices (and, with assign_dl, the pairs'
+ * dl and experts) of every item, then every dX~ piece and router row piece
+ * in flight, then per item the same sums in the same order as
+ * k_aggregate_backward_k (dX~ added, then dl_a Wr[e_a] by fma, row by row)
+ * and agg_backward_store. */
+template <int VEC, int KC, int IPT>
+__global__ void __launch_bounds__(AGG_THREADS)
+k_aggregate_backward_kc(int64_t T, int64_t d, int /* K: KC */,
+                        const int32_t *__restrict__ assign_row, const bf16 *__restrict__ dxt,
+                        const float *__restrict__ extra, const float *__restrict__ assign_dl,
+                        const int32_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
+                        const float *__restrict__ col, void *__restrict__ dx, int dx_f32,
+                        int accumulate, const int *abort)
+{
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
+    const int64_t cols = d / VEC, items = T * cols, S = (int64_t)gridDim.x * AGG_THREADS;
+    const bool narrow = items <= (int64_t)UINT32_MAX;
+    for (int64_t g0 = (int64_t)blockIdx.x * AGG_THREADS + threadIdx.x; g0 < items;
+         g0 += IPT * S) {
+        int64_t t[IPT], c[IPT];
+        bool ok[IPT];
+        int r[IPT][KC];
+#pragma unroll
+        for (int i = 0; i < IPT; ++i) {
+            const int64_t g = g0 + i * S;
+            ok[i] = g < items;
+            agg_item<VEC>(ok[i] ? g : g0, cols, narrow, &t[i], &c[i]);
+#pragma unroll
+            for (int a = 0; a < KC; ++a) r[i][a] = ok[i] ? assign_row[t[i] * KC + a] : -1;
+        }
+        vec_raw<VEC> v[IPT][KC];
+#pragma unroll
+        for (int i = 0; i < IPT; ++i)
+#pragma unroll
+            for (int a = 0; a < KC; ++a)
+                if (r[i][a] >= 0) v[i][a].load(dxt + (int64_t)r[i][a] * d + c[i]);
+        if (assign_dl) {
+            vec_raw<VEC> w[IPT][KC];
+            float dl[IPT][KC];
+#pragma unroll
+            for (int i = 0; i < IPT; ++i)
+#pragma unroll
+                for (int a = 0; a < KC; ++a) {
+                    const int64_t p = t[i] * KC + a;
+                    dl[i][a] = r[i][a] >= 0 ? assign_dl[p] : 0.0f;
+                    if (r[i][a] >= 0) w[i][a].load(wr + (int64_t)assign_expert[p] * d + c[i]);
+                }
+#pragma unroll
+            for (int i = 0; i < IPT; ++i) {
+                if (!ok[i]) continue;
+                float acc[VEC];
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) acc[k] = 0.0f;
+#pragma unroll
+                for (int a = 0; a < KC; ++a) {
+                    if (r[i][a] < 0) continue;
+                    v[i][a].add_into(acc);
+                    w[i][a].fma_into(acc, dl[i][a]);
+                }
+                agg_backward_store<VEC>(acc, t[i], c[i], d, extra, col, dx, dx_f32, accumulate);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < IPT; ++i) {
+                if (!ok[i]) continue;
+                float acc[VEC];
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) acc[k] = 0.0f;
+#pragma unroll
+                for (int a = 0; a < KC; ++a)
+                    if (r[i][a] >= 0) v[i][a].add_into(acc);
+                agg_backward_store<VEC>(acc, t[i], c[i], d, extra, col, dx, dx_f32, accumulate);
+            }
+        }
+    }
+}
+
 template <int VEC, int KC> /* KC: as in k_aggregate_forward_k */
 __global__ void __launch_bounds__(AGG_THREADS)
 k_aggregate_backward_k(int64_t T, int64_t d, int K_arg, const int32_t *__restrict__ assign_row,
@@ -451,11 +541,13 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
 #define AGG_GRID_TOKENS(V) agg_grid(T, 1)
     /* experiment: SMOE_AGG_IPT=1..4 items per thread for K = 2, 4 (0: the
      * old kernel) */
-    static int ipt = -1;
-    if (ipt < 0) {
+    static int ipt_env = -2;
+    if (ipt_env == -2) {
         const char *e = getenv("SMOE_AGG_IPT");
-        ipt = e ? atoi(e) : 2;
+        ipt_env = e ? atoi(e) : -1;
     }
+    /* default: 2 items per thread at K = 2, 1 at K = 4 and 8 */
+    const int ipt = ipt_env >= 0 ? ipt_env : k_uniform == 2 ? 2 : 1;
 #define AGG_GRID_IPT(V) agg_grid(T * (d / (V)), AGG_THREADS * ipt)
 #define AGG_FWD_KC(KC)                                                                               do {                                                                                                 if (ipt == 1) AGG_FWD(k_aggregate_forward_kc, AGG_GRID_IPT, KC, KC, 1);                          else if (ipt == 2) AGG_FWD(k_aggregate_forward_kc, AGG_GRID_IPT, KC, KC, 2);                     else if (ipt == 3) AGG_FWD(k_aggregate_forward_kc, AGG_GRID_IPT, KC, KC, 3);                     else AGG_FWD(k_aggregate_forward_kc, AGG_GRID_IPT, KC, KC, 4);                               } while (0)
     if (k_uniform == 2 && ipt > 0) {
@@ -464,7 +556,7 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
     } else if (k_uniform == 4 && ipt > 0) {
         AGG_FWD_KC(4);
         SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_kc<K 4>");
-    } else if (k_uniform == 8 && ipt > 0 && getenv("SMOE_AGG_K8")) {
+    } else if (k_uniform == 8 && ipt > 0) {
         AGG_FWD_KC(8);
         SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_kc<K 8>");
     } else if (k_uniform == 2) {
@@ -502,7 +594,25 @@ smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *to
                                       stream>>>(T, d, k_uniform, assign_row, dxt, extra,          \
                                                 assign_dl, assign_expert, wr, col, dx, f32,       \
                                                 accumulate, abort)
-        if (v8 && k_uniform == 2) AGG_BWD_K(8, 2);
+        static int bipt = -1;
+        if (bipt < 0) {
+            const char *e = getenv("SMOE_AGG_BIPT");
+            bipt = e ? atoi(e) : 1;
+        }
+#define AGG_BWD_KC(KC, IPT)                                                                      \
+    k_aggregate_backward_kc<8, KC, IPT><<<agg_grid(T * (d / 8), AGG_THREADS * IPT), AGG_THREADS, \
+                                          0, stream>>>(T, d, k_uniform, assign_row, dxt, extra,  \
+                                                       assign_dl, assign_expert, wr, col, dx,    \
+                                                       f32, accumulate, abort)
+        if (v8 && bipt > 0 && (k_uniform == 2 || k_uniform == 4 || k_uniform == 8)) {
+            if (k_uniform == 2 && bipt == 1) AGG_BWD_KC(2, 1);
+            else if (k_uniform == 2) AGG_BWD_KC(2, 2);
+            else if (k_uniform == 4 && bipt == 1) AGG_BWD_KC(4, 1);
+            else if (k_uniform == 4) AGG_BWD_KC(4, 2);
+            else if (k_uniform == 8 && bipt == 1) AGG_BWD_KC(8, 1);
+            else AGG_BWD_KC(8, 2);
+        }
+        else if (v8 && k_uniform == 2) AGG_BWD_K(8, 2);
         else if (v8 && k_uniform == 4) AGG_BWD_K(8, 4);
         else if (v8) AGG_BWD_K(8, 0);
         else if (k_uniform == 2) AGG_BWD_K(1, 2);
