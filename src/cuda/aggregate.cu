@@ -18,15 +18,19 @@
  * items (1 column where d % 8 != 0) and read the token's rows AGG_UNROLL
  * at a time, the indices past K predicated off, so that all of a short
  * token's loads are in flight at once (layer forward +1-2% at K = 2 and
- * 4, d = 768 and 1536: notes/sm90_log.md rung 23). The sum runs in
+ * 4, d = 768 and 1536: notes/sm90_log.md rung 23). For K = 2, 4 and 8 the
+ * _kc kernels take K as a constant and load every row of their items
+ * before summing any, kept raw (a uint4 per 8 columns), with 2 items per
+ * thread at K = 2: in the layer on an H100 (ncu, rung 25) the forward's
+ * aggregation 67 -> 61 us at 1.4B-n1024, 198 -> 191 us at 1.4B-n256, the
+ * backward's 78 -> 75 and 233 -> 226 us; more items per thread lost at K
+ * = 4 and 8 (registers: fewer warps in flight). The sum runs in
  * assignment order in fp32 (fma) in every kernel, so results are
  * deterministic, bitwise the same in both kinds of kernel, and do not
  * depend on the launch shape. Each token gathers its rows: no atomics, no
  * scatter.
  */
 #include "cuda/cuda_common.h"
-
-#include <stdlib.h>
 
 #define AGG_THREADS 128
 #define AGG_UNROLL 4
@@ -289,13 +293,11 @@ static __device__ __forceinline__ void agg_item(int64_t g, int64_t cols, bool na
     for (int64_t g = (int64_t)blockIdx.x * AGG_THREADS + threadIdx.x; g < items;                 \
          g += (int64_t)gridDim.x * AGG_THREADS)
 
-/* KC > 0: K is the compile-time KC (the argument K is then KC): the loop
- * over K and its predicates fold away. The launches use KC = 2 and 4 (the
- * 1.4B and 7B grid rows' n1024 and n512 K): 3-27 us less per aggregation
- * there on an H100; at K = 8 the layer was no faster (sm90_log.md rung 24). */
-template <int VEC, bool SCORED, int KC>
+/* Any K (the exactly-K rows with K not 2, 4 or 8): the token's rows
+ * AGG_UNROLL at a time, the indices past K predicated off. */
+template <int VEC, bool SCORED>
 __global__ void __launch_bounds__(AGG_THREADS)
-k_aggregate_forward_k(int64_t T, int64_t d, int K_arg, const int32_t *__restrict__ assign_row,
+k_aggregate_forward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ assign_row,
                       const float *__restrict__ row_score, const bf16 *__restrict__ y,
                       bf16 *__restrict__ out, smoe_saved_header *header, smoe_saved_header h,
                       const int *abort)
@@ -305,7 +307,6 @@ k_aggregate_forward_k(int64_t T, int64_t d, int K_arg, const int32_t *__restrict
         *header = h;
     }
     SMOE_DEV_RETURN_IF_ABORTED(abort);
-    const int K = KC > 0 ? KC : K_arg;
     AGG_ITEMS_LOOP(T, d)
     {
         int64_t t, c;
@@ -343,7 +344,8 @@ k_aggregate_forward_k(int64_t T, int64_t d, int K_arg, const int32_t *__restrict
  * the same sums as k_aggregate_forward_k's. */
 template <int VEC, bool SCORED, int KC, int IPT>
 __global__ void __launch_bounds__(AGG_THREADS)
-k_aggregate_forward_kc(int64_t T, int64_t d, int /* K: KC */, const int32_t *__restrict__ assign_row,
+k_aggregate_forward_kc(int64_t T, int64_t d, int /* K: KC */,
+                       const int32_t *__restrict__ assign_row,
                        const float *__restrict__ row_score, const bf16 *__restrict__ y,
                        bf16 *__restrict__ out, smoe_saved_header *header, smoe_saved_header h,
                        const int *abort)
@@ -469,9 +471,10 @@ k_aggregate_backward_kc(int64_t T, int64_t d, int /* K: KC */,
     }
 }
 
-template <int VEC, int KC> /* KC: as in k_aggregate_forward_k */
+/* The backward's k_aggregate_forward_k: any K, AGG_UNROLL rows at a time. */
+template <int VEC>
 __global__ void __launch_bounds__(AGG_THREADS)
-k_aggregate_backward_k(int64_t T, int64_t d, int K_arg, const int32_t *__restrict__ assign_row,
+k_aggregate_backward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ assign_row,
                        const bf16 *__restrict__ dxt, const float *__restrict__ extra,
                        const float *__restrict__ assign_dl,
                        const int32_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
@@ -479,7 +482,6 @@ k_aggregate_backward_k(int64_t T, int64_t d, int K_arg, const int32_t *__restric
                        int accumulate, const int *abort)
 {
     SMOE_DEV_RETURN_IF_ABORTED(abort);
-    const int K = KC > 0 ? KC : K_arg;
     AGG_ITEMS_LOOP(T, d)
     {
         int64_t t, c;
@@ -522,7 +524,7 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
 {
     const bool v8 = d % 8 == 0 && aligned16(y) && aligned16(out);
     /* the kernel by k_uniform, the column width by v8, SCORED by row_score;
-     * then KC for the exactly-K kernel */
+     * then K and the items per thread of the exactly-K kernels */
 #define AGG_FWD(KERNEL, GRID, OFFS, ...)                                                         \
     do {                                                                                         \
         if (row_score) {                                                                         \
@@ -538,35 +540,19 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
         }                                                                                        \
     } while (0)
 #define AGG_GRID_ITEMS(V) agg_grid(T * (d / (V)), AGG_THREADS)
+#define AGG_GRID_ITEMS2(V) agg_grid(T * (d / (V)), 2 * AGG_THREADS)
 #define AGG_GRID_TOKENS(V) agg_grid(T, 1)
-    /* experiment: SMOE_AGG_IPT=1..4 items per thread for K = 2, 4 (0: the
-     * old kernel) */
-    static int ipt_env = -2;
-    if (ipt_env == -2) {
-        const char *e = getenv("SMOE_AGG_IPT");
-        ipt_env = e ? atoi(e) : -1;
-    }
-    /* default: 2 items per thread at K = 2, 1 at K = 4 and 8 */
-    const int ipt = ipt_env >= 0 ? ipt_env : k_uniform == 2 ? 2 : 1;
-#define AGG_GRID_IPT(V) agg_grid(T * (d / (V)), AGG_THREADS * ipt)
-#define AGG_FWD_KC(KC)                                                                               do {                                                                                                 if (ipt == 1) AGG_FWD(k_aggregate_forward_kc, AGG_GRID_IPT, KC, KC, 1);                          else if (ipt == 2) AGG_FWD(k_aggregate_forward_kc, AGG_GRID_IPT, KC, KC, 2);                     else if (ipt == 3) AGG_FWD(k_aggregate_forward_kc, AGG_GRID_IPT, KC, KC, 3);                     else AGG_FWD(k_aggregate_forward_kc, AGG_GRID_IPT, KC, KC, 4);                               } while (0)
-    if (k_uniform == 2 && ipt > 0) {
-        AGG_FWD_KC(2);
+    if (k_uniform == 2) {
+        AGG_FWD(k_aggregate_forward_kc, AGG_GRID_ITEMS2, 2, 2, 2);
         SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_kc<K 2>");
-    } else if (k_uniform == 4 && ipt > 0) {
-        AGG_FWD_KC(4);
-        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_kc<K 4>");
-    } else if (k_uniform == 8 && ipt > 0) {
-        AGG_FWD_KC(8);
-        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_kc<K 8>");
-    } else if (k_uniform == 2) {
-        AGG_FWD(k_aggregate_forward_k, AGG_GRID_ITEMS, 2, 2);
-        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_k<K 2>");
     } else if (k_uniform == 4) {
-        AGG_FWD(k_aggregate_forward_k, AGG_GRID_ITEMS, 4, 4);
-        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_k<K 4>");
+        AGG_FWD(k_aggregate_forward_kc, AGG_GRID_ITEMS, 4, 4, 1);
+        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_kc<K 4>");
+    } else if (k_uniform == 8) {
+        AGG_FWD(k_aggregate_forward_kc, AGG_GRID_ITEMS, 8, 8, 1);
+        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_kc<K 8>");
     } else if (k_uniform > 0) {
-        AGG_FWD(k_aggregate_forward_k, AGG_GRID_ITEMS, k_uniform, 0);
+        AGG_FWD(k_aggregate_forward_k, AGG_GRID_ITEMS, k_uniform);
         SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_k");
     } else {
         AGG_FWD(k_aggregate_forward, AGG_GRID_TOKENS, token_offset);
@@ -574,6 +560,7 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
     }
 #undef AGG_FWD
 #undef AGG_GRID_ITEMS
+#undef AGG_GRID_ITEMS2
 #undef AGG_GRID_TOKENS
     return SMOE_SUCCESS;
 }
@@ -589,36 +576,22 @@ smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *to
     const int f32 = dx_dtype == SMOE_DTYPE_F32;
     const bool v8 = d % 8 == 0 && aligned16(dxt) && aligned16(dx) && (!wr || aligned16(wr));
     if (k_uniform > 0) {
-#define AGG_BWD_K(VEC, KC)                                                                       \
-    k_aggregate_backward_k<VEC, KC><<<agg_grid(T * (d / VEC), AGG_THREADS), AGG_THREADS, 0,       \
-                                      stream>>>(T, d, k_uniform, assign_row, dxt, extra,          \
-                                                assign_dl, assign_expert, wr, col, dx, f32,       \
-                                                accumulate, abort)
-        static int bipt = -1;
-        if (bipt < 0) {
-            const char *e = getenv("SMOE_AGG_BIPT");
-            bipt = e ? atoi(e) : 1;
-        }
-#define AGG_BWD_KC(KC, IPT)                                                                      \
-    k_aggregate_backward_kc<8, KC, IPT><<<agg_grid(T * (d / 8), AGG_THREADS * IPT), AGG_THREADS, \
-                                          0, stream>>>(T, d, k_uniform, assign_row, dxt, extra,  \
-                                                       assign_dl, assign_expert, wr, col, dx,    \
-                                                       f32, accumulate, abort)
-        if (v8 && bipt > 0 && (k_uniform == 2 || k_uniform == 4 || k_uniform == 8)) {
-            if (k_uniform == 2 && bipt == 1) AGG_BWD_KC(2, 1);
-            else if (k_uniform == 2) AGG_BWD_KC(2, 2);
-            else if (k_uniform == 4 && bipt == 1) AGG_BWD_KC(4, 1);
-            else if (k_uniform == 4) AGG_BWD_KC(4, 2);
-            else if (k_uniform == 8 && bipt == 1) AGG_BWD_KC(8, 1);
-            else AGG_BWD_KC(8, 2);
-        }
-        else if (v8 && k_uniform == 2) AGG_BWD_K(8, 2);
-        else if (v8 && k_uniform == 4) AGG_BWD_K(8, 4);
-        else if (v8) AGG_BWD_K(8, 0);
-        else if (k_uniform == 2) AGG_BWD_K(1, 2);
-        else if (k_uniform == 4) AGG_BWD_K(1, 4);
-        else AGG_BWD_K(1, 0);
-#undef AGG_BWD_K
+        /* K = 2, 4, 8: the constant-K kernel, 2 items per thread at K = 2 */
+#define AGG_BWD(VEC, KERNEL, IPT, ...)                                                           \
+    KERNEL<VEC, ##__VA_ARGS__><<<agg_grid(T * (d / VEC), AGG_THREADS * IPT), AGG_THREADS, 0,     \
+                                 stream>>>(T, d, k_uniform, assign_row, dxt, extra, assign_dl,   \
+                                           assign_expert, wr, col, dx, f32, accumulate, abort)
+#define AGG_BWD_ANY(VEC)                                                                         \
+    do {                                                                                         \
+        if (k_uniform == 2) AGG_BWD(VEC, k_aggregate_backward_kc, 2, 2, 2);                      \
+        else if (k_uniform == 4) AGG_BWD(VEC, k_aggregate_backward_kc, 1, 4, 1);                 \
+        else if (k_uniform == 8) AGG_BWD(VEC, k_aggregate_backward_kc, 1, 8, 1);                 \
+        else AGG_BWD(VEC, k_aggregate_backward_k, 1);                                            \
+    } while (0)
+        if (v8) AGG_BWD_ANY(8);
+        else AGG_BWD_ANY(1);
+#undef AGG_BWD_ANY
+#undef AGG_BWD
         SMOE_CUDA_LAUNCH_CHECK("k_aggregate_backward_k");
         return SMOE_SUCCESS;
     }
