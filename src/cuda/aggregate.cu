@@ -18,7 +18,13 @@
  * items (1 column where d % 8 != 0) and read the token's rows AGG_UNROLL
  * at a time, the indices past K predicated off, so that all of a short
  * token's loads are in flight at once (layer forward +1-2% at K = 2 and
- * 4, d = 768 and 1536: notes/sm90_log.md rung 23). The sum runs in
+ * 4, d = 768 and 1536: notes/sm90_log.md rung 23). For K = 2, 4 and 8 the
+ * _kc kernels take K as a constant and load every row of their items
+ * before summing any, kept raw (a uint4 per 8 columns), with 2 items per
+ * thread at K = 2: in the layer on an H100 (ncu, rung 25) the forward's
+ * aggregation 67 -> 61 us at 1.4B-n1024, 198 -> 191 us at 1.4B-n256, the
+ * backward's 78 -> 75 and 233 -> 226 us; more items per thread lost at K
+ * = 4 and 8 (registers: fewer warps in flight). The sum runs in
  * assignment order in fp32 (fma) in every kernel, so results are
  * deterministic, bitwise the same in both kinds of kernel, and do not
  * depend on the launch shape. Each token gathers its rows: no atomics, no
@@ -59,6 +65,50 @@ template <>
 struct vec_io<1> {
     static __device__ __forceinline__ void load(const bf16 *p, float *v) { v[0] = __bfloat162float(*p); }
     static __device__ __forceinline__ void store(bf16 *p, const float *v) { *p = __float2bfloat16_rn(v[0]); }
+};
+
+/* One VEC-column piece of a row as loaded (8 bf16 in a uint4, or 1), kept
+ * raw until it is summed, so that many can be in flight in few registers. */
+template <int VEC>
+struct vec_raw;
+
+template <>
+struct vec_raw<8> {
+    uint4 u;
+    __device__ __forceinline__ void load(const bf16 *p) { u = *reinterpret_cast<const uint4 *>(p); }
+    /* acc += piece */
+    __device__ __forceinline__ void add_into(float *acc) const
+    {
+        const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            acc[2 * i] += f.x;
+            acc[2 * i + 1] += f.y;
+        }
+    }
+    /* acc += s * piece, in column order */
+    __device__ __forceinline__ void fma_into(float *acc, float s) const
+    {
+        const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            acc[2 * i] = fmaf(s, f.x, acc[2 * i]);
+            acc[2 * i + 1] = fmaf(s, f.y, acc[2 * i + 1]);
+        }
+    }
+};
+
+template <>
+struct vec_raw<1> {
+    bf16 u;
+    __device__ __forceinline__ void load(const bf16 *p) { u = *p; }
+    __device__ __forceinline__ void add_into(float *acc) const { acc[0] += __bfloat162float(u); }
+    __device__ __forceinline__ void fma_into(float *acc, float s) const
+    {
+        acc[0] = fmaf(s, __bfloat162float(u), acc[0]);
+    }
 };
 
 /* SCORED: rows scaled by row_score; else by 1 (the expert-parallel
@@ -243,13 +293,11 @@ static __device__ __forceinline__ void agg_item(int64_t g, int64_t cols, bool na
     for (int64_t g = (int64_t)blockIdx.x * AGG_THREADS + threadIdx.x; g < items;                 \
          g += (int64_t)gridDim.x * AGG_THREADS)
 
-/* KC > 0: K is the compile-time KC (the argument K is then KC): the loop
- * over K and its predicates fold away. The launches use KC = 2 and 4 (the
- * 1.4B and 7B grid rows' n1024 and n512 K): 3-27 us less per aggregation
- * there on an H100; at K = 8 the layer was no faster (sm90_log.md rung 24). */
-template <int VEC, bool SCORED, int KC>
+/* Any K (the exactly-K rows with K not 2, 4 or 8): the token's rows
+ * AGG_UNROLL at a time, the indices past K predicated off. */
+template <int VEC, bool SCORED>
 __global__ void __launch_bounds__(AGG_THREADS)
-k_aggregate_forward_k(int64_t T, int64_t d, int K_arg, const int32_t *__restrict__ assign_row,
+k_aggregate_forward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ assign_row,
                       const float *__restrict__ row_score, const bf16 *__restrict__ y,
                       bf16 *__restrict__ out, smoe_saved_header *header, smoe_saved_header h,
                       const int *abort)
@@ -259,7 +307,6 @@ k_aggregate_forward_k(int64_t T, int64_t d, int K_arg, const int32_t *__restrict
         *header = h;
     }
     SMOE_DEV_RETURN_IF_ABORTED(abort);
-    const int K = KC > 0 ? KC : K_arg;
     AGG_ITEMS_LOOP(T, d)
     {
         int64_t t, c;
@@ -289,9 +336,145 @@ k_aggregate_forward_k(int64_t T, int64_t d, int K_arg, const int32_t *__restrict
     }
 }
 
-template <int VEC, int KC> /* KC: as in k_aggregate_forward_k */
+/* Exactly KC rows per token, KC a compile-time constant, and IPT items per
+ * thread (items g, g + S, ..., g + (IPT - 1) S of the flattened items, S
+ * the grid's threads; the loop steps IPT S): every item's row indices are
+ * loaded, then every row piece of every item (IPT KC loads in flight, kept
+ * raw), then each item is summed in assignment order and stored. Bitwise
+ * the same sums as k_aggregate_forward_k's. */
+template <int VEC, bool SCORED, int KC, int IPT>
 __global__ void __launch_bounds__(AGG_THREADS)
-k_aggregate_backward_k(int64_t T, int64_t d, int K_arg, const int32_t *__restrict__ assign_row,
+k_aggregate_forward_kc(int64_t T, int64_t d, int /* K: KC */,
+                       const int32_t *__restrict__ assign_row,
+                       const float *__restrict__ row_score, const bf16 *__restrict__ y,
+                       bf16 *__restrict__ out, smoe_saved_header *header, smoe_saved_header h,
+                       const int *abort)
+{
+    if (header && blockIdx.x == 0 && threadIdx.x == 0) {
+        h.status = abort ? *abort : 0;
+        *header = h;
+    }
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
+    const int64_t cols = d / VEC, items = T * cols, S = (int64_t)gridDim.x * AGG_THREADS;
+    const bool narrow = items <= (int64_t)UINT32_MAX;
+    for (int64_t g0 = (int64_t)blockIdx.x * AGG_THREADS + threadIdx.x; g0 < items;
+         g0 += IPT * S) {
+        int64_t t[IPT], c[IPT];
+        bool ok[IPT];
+        int r[IPT][KC];
+#pragma unroll
+        for (int i = 0; i < IPT; ++i) {
+            const int64_t g = g0 + i * S;
+            ok[i] = g < items;
+            agg_item<VEC>(ok[i] ? g : g0, cols, narrow, &t[i], &c[i]);
+#pragma unroll
+            for (int a = 0; a < KC; ++a) r[i][a] = ok[i] ? assign_row[t[i] * KC + a] : -1;
+        }
+        vec_raw<VEC> v[IPT][KC];
+        float sc[IPT][KC];
+#pragma unroll
+        for (int i = 0; i < IPT; ++i)
+#pragma unroll
+            for (int a = 0; a < KC; ++a) {
+                sc[i][a] = r[i][a] < 0 ? 0.0f : SCORED ? row_score[r[i][a]] : 1.0f;
+                if (r[i][a] >= 0) v[i][a].load(y + (int64_t)r[i][a] * d + c[i]);
+            }
+#pragma unroll
+        for (int i = 0; i < IPT; ++i) {
+            if (!ok[i]) continue;
+            float acc[VEC];
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) acc[k] = 0.0f;
+#pragma unroll
+            for (int a = 0; a < KC; ++a)
+                if (r[i][a] >= 0) v[i][a].fma_into(acc, sc[i][a]);
+            vec_io<VEC>::store(out + t[i] * d + c[i], acc);
+        }
+    }
+}
+
+/* The backward's exactly-KC kernel with IPT items per thread, as
+ * k_aggregate_forward_kc: the row indices (and, with assign_dl, the pairs'
+ * dl and experts) of every item, then every dX~ piece and router row piece
+ * in flight, then per item the same sums in the same order as
+ * k_aggregate_backward_k (dX~ added, then dl_a Wr[e_a] by fma, row by row)
+ * and agg_backward_store. */
+template <int VEC, int KC, int IPT>
+__global__ void __launch_bounds__(AGG_THREADS)
+k_aggregate_backward_kc(int64_t T, int64_t d, int /* K: KC */,
+                        const int32_t *__restrict__ assign_row, const bf16 *__restrict__ dxt,
+                        const float *__restrict__ extra, const float *__restrict__ assign_dl,
+                        const int32_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
+                        const float *__restrict__ col, void *__restrict__ dx, int dx_f32,
+                        int accumulate, const int *abort)
+{
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
+    const int64_t cols = d / VEC, items = T * cols, S = (int64_t)gridDim.x * AGG_THREADS;
+    const bool narrow = items <= (int64_t)UINT32_MAX;
+    for (int64_t g0 = (int64_t)blockIdx.x * AGG_THREADS + threadIdx.x; g0 < items;
+         g0 += IPT * S) {
+        int64_t t[IPT], c[IPT];
+        bool ok[IPT];
+        int r[IPT][KC];
+#pragma unroll
+        for (int i = 0; i < IPT; ++i) {
+            const int64_t g = g0 + i * S;
+            ok[i] = g < items;
+            agg_item<VEC>(ok[i] ? g : g0, cols, narrow, &t[i], &c[i]);
+#pragma unroll
+            for (int a = 0; a < KC; ++a) r[i][a] = ok[i] ? assign_row[t[i] * KC + a] : -1;
+        }
+        vec_raw<VEC> v[IPT][KC];
+#pragma unroll
+        for (int i = 0; i < IPT; ++i)
+#pragma unroll
+            for (int a = 0; a < KC; ++a)
+                if (r[i][a] >= 0) v[i][a].load(dxt + (int64_t)r[i][a] * d + c[i]);
+        if (assign_dl) {
+            vec_raw<VEC> w[IPT][KC];
+            float dl[IPT][KC];
+#pragma unroll
+            for (int i = 0; i < IPT; ++i)
+#pragma unroll
+                for (int a = 0; a < KC; ++a) {
+                    const int64_t p = t[i] * KC + a;
+                    dl[i][a] = r[i][a] >= 0 ? assign_dl[p] : 0.0f;
+                    if (r[i][a] >= 0) w[i][a].load(wr + (int64_t)assign_expert[p] * d + c[i]);
+                }
+#pragma unroll
+            for (int i = 0; i < IPT; ++i) {
+                if (!ok[i]) continue;
+                float acc[VEC];
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) acc[k] = 0.0f;
+#pragma unroll
+                for (int a = 0; a < KC; ++a) {
+                    if (r[i][a] < 0) continue;
+                    v[i][a].add_into(acc);
+                    w[i][a].fma_into(acc, dl[i][a]);
+                }
+                agg_backward_store<VEC>(acc, t[i], c[i], d, extra, col, dx, dx_f32, accumulate);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < IPT; ++i) {
+                if (!ok[i]) continue;
+                float acc[VEC];
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) acc[k] = 0.0f;
+#pragma unroll
+                for (int a = 0; a < KC; ++a)
+                    if (r[i][a] >= 0) v[i][a].add_into(acc);
+                agg_backward_store<VEC>(acc, t[i], c[i], d, extra, col, dx, dx_f32, accumulate);
+            }
+        }
+    }
+}
+
+/* The backward's k_aggregate_forward_k: any K, AGG_UNROLL rows at a time. */
+template <int VEC>
+__global__ void __launch_bounds__(AGG_THREADS)
+k_aggregate_backward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ assign_row,
                        const bf16 *__restrict__ dxt, const float *__restrict__ extra,
                        const float *__restrict__ assign_dl,
                        const int32_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
@@ -299,7 +482,6 @@ k_aggregate_backward_k(int64_t T, int64_t d, int K_arg, const int32_t *__restric
                        int accumulate, const int *abort)
 {
     SMOE_DEV_RETURN_IF_ABORTED(abort);
-    const int K = KC > 0 ? KC : K_arg;
     AGG_ITEMS_LOOP(T, d)
     {
         int64_t t, c;
@@ -342,7 +524,7 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
 {
     const bool v8 = d % 8 == 0 && aligned16(y) && aligned16(out);
     /* the kernel by k_uniform, the column width by v8, SCORED by row_score;
-     * then KC for the exactly-K kernel */
+     * then K and the items per thread of the exactly-K kernels */
 #define AGG_FWD(KERNEL, GRID, OFFS, ...)                                                         \
     do {                                                                                         \
         if (row_score) {                                                                         \
@@ -358,15 +540,19 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
         }                                                                                        \
     } while (0)
 #define AGG_GRID_ITEMS(V) agg_grid(T * (d / (V)), AGG_THREADS)
+#define AGG_GRID_ITEMS2(V) agg_grid(T * (d / (V)), 2 * AGG_THREADS)
 #define AGG_GRID_TOKENS(V) agg_grid(T, 1)
     if (k_uniform == 2) {
-        AGG_FWD(k_aggregate_forward_k, AGG_GRID_ITEMS, 2, 2);
-        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_k<K 2>");
+        AGG_FWD(k_aggregate_forward_kc, AGG_GRID_ITEMS2, 2, 2, 2);
+        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_kc<K 2>");
     } else if (k_uniform == 4) {
-        AGG_FWD(k_aggregate_forward_k, AGG_GRID_ITEMS, 4, 4);
-        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_k<K 4>");
+        AGG_FWD(k_aggregate_forward_kc, AGG_GRID_ITEMS, 4, 4, 1);
+        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_kc<K 4>");
+    } else if (k_uniform == 8) {
+        AGG_FWD(k_aggregate_forward_kc, AGG_GRID_ITEMS, 8, 8, 1);
+        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_kc<K 8>");
     } else if (k_uniform > 0) {
-        AGG_FWD(k_aggregate_forward_k, AGG_GRID_ITEMS, k_uniform, 0);
+        AGG_FWD(k_aggregate_forward_k, AGG_GRID_ITEMS, k_uniform);
         SMOE_CUDA_LAUNCH_CHECK("k_aggregate_forward_k");
     } else {
         AGG_FWD(k_aggregate_forward, AGG_GRID_TOKENS, token_offset);
@@ -374,6 +560,7 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
     }
 #undef AGG_FWD
 #undef AGG_GRID_ITEMS
+#undef AGG_GRID_ITEMS2
 #undef AGG_GRID_TOKENS
     return SMOE_SUCCESS;
 }
@@ -389,18 +576,22 @@ smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *to
     const int f32 = dx_dtype == SMOE_DTYPE_F32;
     const bool v8 = d % 8 == 0 && aligned16(dxt) && aligned16(dx) && (!wr || aligned16(wr));
     if (k_uniform > 0) {
-#define AGG_BWD_K(VEC, KC)                                                                       \
-    k_aggregate_backward_k<VEC, KC><<<agg_grid(T * (d / VEC), AGG_THREADS), AGG_THREADS, 0,       \
-                                      stream>>>(T, d, k_uniform, assign_row, dxt, extra,          \
-                                                assign_dl, assign_expert, wr, col, dx, f32,       \
-                                                accumulate, abort)
-        if (v8 && k_uniform == 2) AGG_BWD_K(8, 2);
-        else if (v8 && k_uniform == 4) AGG_BWD_K(8, 4);
-        else if (v8) AGG_BWD_K(8, 0);
-        else if (k_uniform == 2) AGG_BWD_K(1, 2);
-        else if (k_uniform == 4) AGG_BWD_K(1, 4);
-        else AGG_BWD_K(1, 0);
-#undef AGG_BWD_K
+        /* K = 2, 4, 8: the constant-K kernel, 2 items per thread at K = 2 */
+#define AGG_BWD(VEC, KERNEL, IPT, ...)                                                           \
+    KERNEL<VEC, ##__VA_ARGS__><<<agg_grid(T * (d / VEC), AGG_THREADS * IPT), AGG_THREADS, 0,     \
+                                 stream>>>(T, d, k_uniform, assign_row, dxt, extra, assign_dl,   \
+                                           assign_expert, wr, col, dx, f32, accumulate, abort)
+#define AGG_BWD_ANY(VEC)                                                                         \
+    do {                                                                                         \
+        if (k_uniform == 2) AGG_BWD(VEC, k_aggregate_backward_kc, 2, 2, 2);                      \
+        else if (k_uniform == 4) AGG_BWD(VEC, k_aggregate_backward_kc, 1, 4, 1);                 \
+        else if (k_uniform == 8) AGG_BWD(VEC, k_aggregate_backward_kc, 1, 8, 1);                 \
+        else AGG_BWD(VEC, k_aggregate_backward_k, 1);                                            \
+    } while (0)
+        if (v8) AGG_BWD_ANY(8);
+        else AGG_BWD_ANY(1);
+#undef AGG_BWD_ANY
+#undef AGG_BWD
         SMOE_CUDA_LAUNCH_CHECK("k_aggregate_backward_k");
         return SMOE_SUCCESS;
     }
