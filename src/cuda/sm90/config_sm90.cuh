@@ -90,7 +90,8 @@ using namespace smoe_sm90;
  * TMA (c461f84); down with the weight tile resident (94709c7); the
  * weight gradients' 4 stages beside a staged tile of one piece at a time
  * and dw1 transposed for fp32 and accumulated outputs (rung 22, branch
- * exp/dw1-trans-f32). */
+ * exp/dw1-trans-f32); up as a 128 x 192 ping-pong and up's epilogue in a
+ * fourth warpgroup (rung 25, branches exp/up-pp192 and exp/up-epi4). */
 enum {
     SM90_FL_WS = 1,
     SM90_FL_PP = 2,
