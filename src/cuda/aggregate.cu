@@ -111,6 +111,17 @@ struct vec_raw<1> {
     }
 };
 
+/* The forward's saved-block header (when the call saves one), written by
+ * one thread with the call's device status. */
+static __device__ __forceinline__ void agg_write_header(smoe_saved_header *header,
+                                                        smoe_saved_header h, const int *abort)
+{
+    if (header && blockIdx.x == 0 && threadIdx.x == 0) {
+        h.status = abort ? *abort : 0;
+        *header = h;
+    }
+}
+
 /* SCORED: rows scaled by row_score; else by 1 (the expert-parallel
  * combine sums partials). A compile-time choice: nothing added to the loop. */
 template <int VEC, bool SCORED>
@@ -120,10 +131,7 @@ k_aggregate_forward(int64_t T, int64_t d, const int32_t *__restrict__ token_offs
                     const bf16 *__restrict__ y, bf16 *__restrict__ out,
                     smoe_saved_header *header, smoe_saved_header h, const int *abort)
 {
-    if (header && blockIdx.x == 0 && threadIdx.x == 0) {
-        h.status = abort ? *abort : 0;
-        *header = h;
-    }
+    agg_write_header(header, h, abort);
     SMOE_DEV_RETURN_IF_ABORTED(abort);
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
         const int a0 = token_offset[t], a1 = token_offset[t + 1];
@@ -302,10 +310,7 @@ k_aggregate_forward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ a
                       bf16 *__restrict__ out, smoe_saved_header *header, smoe_saved_header h,
                       const int *abort)
 {
-    if (header && blockIdx.x == 0 && threadIdx.x == 0) {
-        h.status = abort ? *abort : 0;
-        *header = h;
-    }
+    agg_write_header(header, h, abort);
     SMOE_DEV_RETURN_IF_ABORTED(abort);
     AGG_ITEMS_LOOP(T, d)
     {
@@ -336,6 +341,32 @@ k_aggregate_forward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ a
     }
 }
 
+/* The _kc kernels' loop: g0 steps IPT S, S the grid's threads. */
+#define AGG_KC_ITEMS_LOOP(T, d)                                                                  \
+    const int64_t cols = (d) / VEC, items = (T) * cols, S = (int64_t)gridDim.x * AGG_THREADS;    \
+    const bool narrow = items <= (int64_t)UINT32_MAX;                                            \
+    for (int64_t g0 = (int64_t)blockIdx.x * AGG_THREADS + threadIdx.x; g0 < items; g0 += IPT * S)
+
+/* The _kc kernels' items g0 + i S (i < IPT): each one's token t, first
+ * column c, whether it exists, and its KC row indices (-1 where it does
+ * not). */
+template <int VEC, int KC, int IPT>
+static __device__ __forceinline__ void agg_kc_items(int64_t g0, int64_t S, int64_t items,
+                                                    int64_t cols, bool narrow,
+                                                    const int32_t *__restrict__ assign_row,
+                                                    int64_t *t, int64_t *c, bool *ok,
+                                                    int (*r)[KC])
+{
+#pragma unroll
+    for (int i = 0; i < IPT; ++i) {
+        const int64_t g = g0 + i * S;
+        ok[i] = g < items;
+        agg_item<VEC>(ok[i] ? g : g0, cols, narrow, &t[i], &c[i]);
+#pragma unroll
+        for (int a = 0; a < KC; ++a) r[i][a] = ok[i] ? assign_row[t[i] * KC + a] : -1;
+    }
+}
+
 /* Exactly KC rows per token, KC a compile-time constant, and IPT items per
  * thread (items g, g + S, ..., g + (IPT - 1) S of the flattened items, S
  * the grid's threads; the loop steps IPT S): every item's row indices are
@@ -350,26 +381,14 @@ k_aggregate_forward_kc(int64_t T, int64_t d, int /* K: KC */,
                        bf16 *__restrict__ out, smoe_saved_header *header, smoe_saved_header h,
                        const int *abort)
 {
-    if (header && blockIdx.x == 0 && threadIdx.x == 0) {
-        h.status = abort ? *abort : 0;
-        *header = h;
-    }
+    agg_write_header(header, h, abort);
     SMOE_DEV_RETURN_IF_ABORTED(abort);
-    const int64_t cols = d / VEC, items = T * cols, S = (int64_t)gridDim.x * AGG_THREADS;
-    const bool narrow = items <= (int64_t)UINT32_MAX;
-    for (int64_t g0 = (int64_t)blockIdx.x * AGG_THREADS + threadIdx.x; g0 < items;
-         g0 += IPT * S) {
+    AGG_KC_ITEMS_LOOP(T, d)
+    {
         int64_t t[IPT], c[IPT];
         bool ok[IPT];
         int r[IPT][KC];
-#pragma unroll
-        for (int i = 0; i < IPT; ++i) {
-            const int64_t g = g0 + i * S;
-            ok[i] = g < items;
-            agg_item<VEC>(ok[i] ? g : g0, cols, narrow, &t[i], &c[i]);
-#pragma unroll
-            for (int a = 0; a < KC; ++a) r[i][a] = ok[i] ? assign_row[t[i] * KC + a] : -1;
-        }
+        agg_kc_items<VEC, KC, IPT>(g0, S, items, cols, narrow, assign_row, t, c, ok, r);
         vec_raw<VEC> v[IPT][KC];
         float sc[IPT][KC];
 #pragma unroll
@@ -409,21 +428,12 @@ k_aggregate_backward_kc(int64_t T, int64_t d, int /* K: KC */,
                         int accumulate, const int *abort)
 {
     SMOE_DEV_RETURN_IF_ABORTED(abort);
-    const int64_t cols = d / VEC, items = T * cols, S = (int64_t)gridDim.x * AGG_THREADS;
-    const bool narrow = items <= (int64_t)UINT32_MAX;
-    for (int64_t g0 = (int64_t)blockIdx.x * AGG_THREADS + threadIdx.x; g0 < items;
-         g0 += IPT * S) {
+    AGG_KC_ITEMS_LOOP(T, d)
+    {
         int64_t t[IPT], c[IPT];
         bool ok[IPT];
         int r[IPT][KC];
-#pragma unroll
-        for (int i = 0; i < IPT; ++i) {
-            const int64_t g = g0 + i * S;
-            ok[i] = g < items;
-            agg_item<VEC>(ok[i] ? g : g0, cols, narrow, &t[i], &c[i]);
-#pragma unroll
-            for (int a = 0; a < KC; ++a) r[i][a] = ok[i] ? assign_row[t[i] * KC + a] : -1;
-        }
+        agg_kc_items<VEC, KC, IPT>(g0, S, items, cols, narrow, assign_row, t, c, ok, r);
         vec_raw<VEC> v[IPT][KC];
 #pragma unroll
         for (int i = 0; i < IPT; ++i)
@@ -504,6 +514,7 @@ k_aggregate_backward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ 
     }
 }
 #undef AGG_ITEMS_LOOP
+#undef AGG_KC_ITEMS_LOOP
 
 /* Blocks for `work` units, `per` units to a block (one token, or
  * AGG_THREADS (token, column chunk) items, one per thread): grid-stride
