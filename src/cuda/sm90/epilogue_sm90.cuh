@@ -76,7 +76,7 @@ __device__ __noinline__ void ep_flush_up_ct(const uint8_t *eb, bf16 *out_h, bf16
         const int r = (t >> 3) + 16 * i;
         if (r >= nvalid) break;
         const int64_t row = wrow0 + r;
-        if (out_h) *(uint4 *)(out_h + row * ldh + hc0 + 8 * v) = hv[i];
+        if (out_h) st_global_v4(out_h + row * ldh + hc0 + 8 * v, hv[i]);
         const __nv_bfloat162 *h2 = (const __nv_bfloat162 *)&hv[i];
         if (GATED) {
             uint32_t o[2];
@@ -96,7 +96,7 @@ __device__ __noinline__ void ep_flush_up_ct(const uint8_t *eb, bf16 *out_h, bf16
                                                           smoe_act_f<ACT>(__high2float(h2[k])));
                 o[k] = *(uint32_t *)&a2;
             }
-            *(uint4 *)(out_a + row * lda + hc0 + 8 * v) = make_uint4(o[0], o[1], o[2], o[3]);
+            st_global_v4(out_a + row * lda + hc0 + 8 * v, make_uint4(o[0], o[1], o[2], o[3]));
         }
     }
 }

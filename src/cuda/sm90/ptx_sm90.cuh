@@ -239,6 +239,17 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr)
     return v;
 }
 
+/* One 16-byte global store. A plain uint4 assignment is not always one:
+ * where the value was taken apart first (ep_flush_up_ct reads its H
+ * pieces as bf16 pairs), the compiler emitted four 4-byte stores, each
+ * writing a quarter of the same sectors (notes/sm90_log.md, rung 26). */
+__device__ __forceinline__ void st_global_v4(void *dst, uint4 v)
+{
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x), "r"(v.y),
+                 "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
 __device__ __forceinline__ void prefetch_l2(const void *p)
 {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
