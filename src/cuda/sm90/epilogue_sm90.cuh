@@ -31,24 +31,33 @@ __device__ __forceinline__ void ep_put4(uint8_t *eb, int r, int c, float v0, flo
 }
 
 /* Stores the warpgroup's staged 64 rows (WBYTES bytes each) to dst (row
- * stride ld elements), rows < nvalid only.
- * Named barriers around it: the whole warpgroup's writes land before the
- * reads, and the reads finish before the buffer is written again. */
-template <int WBYTES>
+ * stride ld elements), rows < nvalid only. WARP: warp w stores the rows
+ * 16 w .. 16 w + 15 it staged itself (the accumulator layout), 4 at a
+ * time, so only its own lanes meet (__syncwarp; rung 26); else (the
+ * ping-pong kernels, where the extra index registers spilled) thread t
+ * takes rows t / 8 + 16 i between warpgroup barriers. Either way the
+ * writes land before the reads, and the reads finish before the buffer is
+ * written again. */
+template <int WBYTES, bool WARP>
 __device__ __forceinline__ void ep_flush(const uint8_t *eb, bf16 *dst, int64_t ld, int nvalid,
                                          int t, int cw)
 {
-    constexpr int VPR = WBYTES / 16, RPI = 128 / VPR;
-    named_barrier_sync(1 + cw, 128);
+    constexpr int VPR = WBYTES / 16;
+    static_assert(VPR == 8, "rows of 128 bytes");
+    if (WARP) __syncwarp();
+    else named_barrier_sync(1 + cw, 128);
     const int v = t % VPR;
+    const int rb = WARP ? 16 * ((t >> 5) & 3) + (t & 31) / VPR : t / VPR, rs = WARP ? 4 : 16;
 #pragma unroll
-    for (int r = t / VPR; r < 64; r += RPI) {
+    for (int i = 0; i < 4; i++) {
+        const int r = rb + rs * i;
         if (r >= nvalid) continue;
         uint8_t *gp = (uint8_t *)(dst + (int64_t)r * ld) + v * 16;
         const uint4 val = *(const uint4 *)(eb + r * SM90_EP_STRIDE + v * 16);
         *(uint4 *)gp = val;
     }
-    named_barrier_sync(1 + cw, 128);
+    if (WARP) __syncwarp();
+    else named_barrier_sync(1 + cw, 128);
 }
 
 /* up's flush: stores the staged H chunk (64 columns from hc0, when H is
@@ -64,16 +73,22 @@ __device__ __noinline__ void ep_flush_up_ct(const uint8_t *eb, bf16 *out_h, bf16
                                             int cw)
 {
     constexpr bool GATED = ACT <= SMOE_ACT_REGLU;
-    if (SYNC) named_barrier_sync(1 + cw, 128);
+    (void)cw;
+    /* SYNC (the consumer warps): warp w staged rows 16 w .. 16 w + 15 and
+     * flushes those same rows, 4 at a time, so its own lanes are all that
+     * must meet (no warpgroup barrier: rung 26). The epilogue warps (SYNC
+     * false) take rows t / 8 + 16 i of a tile handed over by mbarriers. */
     const int v = t & 7;
+    const int rb = SYNC ? 16 * ((t >> 5) & 3) + ((t & 31) >> 3) : t >> 3, rs = SYNC ? 4 : 16;
+    if (SYNC) __syncwarp();
     uint4 hv[4];
 #pragma unroll
     for (int i = 0; i < 4; i++)
-        hv[i] = *(const uint4 *)(eb + ((t >> 3) + 16 * i) * SM90_EP_STRIDE + v * 16);
-    if (SYNC) named_barrier_sync(1 + cw, 128); /* the buffer may be refilled now */
+        hv[i] = *(const uint4 *)(eb + (rb + rs * i) * SM90_EP_STRIDE + v * 16);
+    if (SYNC) __syncwarp(); /* the warp's rows may be refilled now */
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        const int r = (t >> 3) + 16 * i;
+        const int r = rb + rs * i;
         if (r >= nvalid) break;
         const int64_t row = wrow0 + r;
         if (out_h) st_global_v4(out_h + row * ldh + hc0 + 8 * v, hv[i]);
@@ -511,7 +526,7 @@ __device__ __forceinline__ void sm90_epilogue_tile(const float *acc, const sm90_
                         ep_put2(eb, lr + 8 * h, 8 * jj + 2 * q,
                                 ac[4 * j + 2 * h] + b0, ac[4 * j + 2 * h + 1] + b1);
                 }
-                ep_flush<128>(
+                ep_flush<128, !PP>(
                     eb, p.out0 + (int64_t)wrow0 * p.N + col0, p.N, nvalid, tid & 127, cw);
             } else {
                 /* The chunk's 64 H columns (bias added, rounded) go to shared
