@@ -257,37 +257,40 @@ __device__ __forceinline__ void ep_dh_direct_any(const float *ac, const sm90_gem
 #undef SM90_DH_DIRECT
 }
 
-/* A warpgroup's staged pair of chunks out (up's H and A, dh's dH and A'):
- * hb (64 rows x 64 bf16, 128B swizzle) to columns c0.. of out0 (row stride
- * ld0, map0) and ab (64 rows x 32 bf16, 64B swizzle) to columns c1.. of out1
- * (ld1, map1); by TMA store (one bulk group) for a whole 64-row block, by
- * the threads for an expert's last rows (r < nvalid only, so no row of the
- * next expert is written). The caller has fenced and synchronised the
- * warpgroup after writing the buffers. */
-__device__ __forceinline__ void ep_pair_out(const uint8_t *hb, const uint8_t *ab,
-                                            const CUtensorMap *map0, const CUtensorMap *map1,
-                                            bf16 *out0, int64_t ld0, int c0, bf16 *out1,
-                                            int64_t ld1, int c1, int wrow0, int nvalid, int t)
+/* One warp's rows of a staged pair of chunks out (dh's dH and A'): rows
+ * 16 w .. 16 w + 15 of hb (64 rows x 64 bf16, 128B swizzle) to columns
+ * c0.. of out0 (row stride ld0, map0: 16-row boxes) and of ab (64 rows x
+ * 32 bf16, 64B swizzle) to columns c1.. of out1 (ld1, map1); by TMA store
+ * from the warp's lane 0 (one bulk group) where all 16 rows are valid, by
+ * its lanes for an expert's last rows (r < nvalid only, so no row of the
+ * next expert is written). The caller has fenced and synchronised the warp
+ * after writing its rows. */
+__device__ __forceinline__ void ep_pair_out_warp(const uint8_t *hb, const uint8_t *ab,
+                                                 const CUtensorMap *map0,
+                                                 const CUtensorMap *map1, bf16 *out0,
+                                                 int64_t ld0, int c0, bf16 *out1, int64_t ld1,
+                                                 int c1, int wrow0, int nvalid, int w, int lane)
 {
-    if (nvalid == 64) {
-        if (t == 0) {
-            tma_store_2d(map0, smem_addr(hb), c0, wrow0);
-            tma_store_2d(map1, smem_addr(ab), c1, wrow0);
+    const int r0 = 16 * w;
+    if (r0 + 16 <= nvalid) {
+        if (lane == 0) {
+            tma_store_2d(map0, smem_addr(hb + r0 * 128), c0, wrow0 + r0);
+            tma_store_2d(map1, smem_addr(ab + r0 * 64), c1, wrow0 + r0);
             bulk_commit();
         }
         return;
     }
-    /* 64 rows x 8 pieces of 16 bytes, then 64 rows x 4 */
+    /* 16 rows x 8 pieces of 16 bytes, then 16 rows x 4 */
 #pragma unroll
-    for (int i = t; i < 64 * 8; i += 128) {
-        const int r = i >> 3, g = i & 7;
+    for (int i = lane; i < 16 * 8; i += 32) {
+        const int r = r0 + (i >> 3), g = i & 7;
         if (r < nvalid)
             *(uint4 *)(out0 + (int64_t)(wrow0 + r) * ld0 + c0 + 8 * g) =
                 *(const uint4 *)(hb + r * 128 + ((g ^ (r & 7)) << 4));
     }
 #pragma unroll
-    for (int i = t; i < 64 * 4; i += 128) {
-        const int r = i >> 2, g = i & 3;
+    for (int i = lane; i < 16 * 4; i += 32) {
+        const int r = r0 + (i >> 2), g = i & 3;
         if (r < nvalid)
             *(uint4 *)(out1 + (int64_t)(wrow0 + r) * ld1 + c1 + 8 * g) =
                 *(const uint4 *)(ab + r * 64 + ((g ^ ((r >> 1) & 3)) << 4));
@@ -323,9 +326,12 @@ __device__ __forceinline__ void ep_dh_unit2(uint2 hv, float da0, float da1, floa
  * shared memory by TMA store, 32 units at a time: dH's 64 x 64 chunk (the
  * units' (gate, up) pairs) into hb (128B swizzle, as map_dh reads it) and
  * A''s 64 x 32 chunk into ab (64B swizzle, as map_as reads it), instead of
- * 8- and 4-byte stores scattered over 8 rows per warp instruction. A chunk
- * waits until the previous chunk's stores have read the buffers; whole
- * 64-row blocks leave by TMA, an expert's last rows by the threads. */
+ * 8- and 4-byte stores scattered over 8 rows per warp instruction. Each
+ * warp fills and stores only its own 16 rows (the accumulator layout), so
+ * its lanes meet by __syncwarp and its lane 0 issues and waits for its own
+ * TMA stores (16-row boxes; warpgroup barriers here measured slower: rung
+ * 26). A chunk waits until the warp's previous stores have read its rows;
+ * whole 16-row pieces leave by TMA, an expert's last rows by the lanes. */
 template <int ACT, int BN>
 __device__ __forceinline__ void ep_dh_tma(const float *ac, uint8_t *hb, uint8_t *ab,
                                           const CUtensorMap *map_dh, const CUtensorMap *map_as,
@@ -351,9 +357,9 @@ __device__ __forceinline__ void ep_dh_tma(const float *ac, uint8_t *hb, uint8_t 
         const int jc = j - DIST;
         if (jc < 0) continue;
         const int g = jc & 3; /* group within the 32-unit chunk */
-        if (g == 0) {         /* a new chunk: the previous one's stores have read the buffers */
-            if (t == 0) bulk_wait_read<0>();
-            named_barrier_sync(1 + cw, 128);
+        if (g == 0) {         /* a new chunk: the warp's previous stores have read its rows */
+            if ((t & 31) == 0) bulk_wait_read<0>();
+            __syncwarp();
         }
         const bool jv = jc < jn;
 #pragma unroll
@@ -369,10 +375,10 @@ __device__ __forceinline__ void ep_dh_tma(const float *ac, uint8_t *hb, uint8_t 
         if (g == 3) { /* the chunk is complete: out */
             const int u0c = n0 + 8 * (jc - 3); /* its first unit */
             fence_proxy_async();
-            named_barrier_sync(1 + cw, 128);
+            __syncwarp();
             if (u0c < p.N)
-                ep_pair_out(hb, ab, map_dh, map_as, p.out0, p.h_cols, 2 * u0c, p.out1, p.n, u0c,
-                            wrow0, nvalid, t);
+                ep_pair_out_warp(hb, ab, map_dh, map_as, p.out0, p.h_cols, 2 * u0c, p.out1, p.n,
+                                 u0c, wrow0, nvalid, t >> 5, t & 31);
         }
     }
     ep_dh_ds_out(ds, rv, row, q, n_tile, p);

@@ -177,8 +177,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     }
     /* the TMA stores have read their shared-memory sources before the CTA's
      * shared memory goes away */
-    if constexpr (K::TMA_ST2)
-        if (wg > 0 && (tid & 127) == 0) bulk_wait<0>();
+    if constexpr (K::TMA_ST2) /* (each warp's lane 0 issued dh's; thread 0 of a warpgroup down's) */
+        if (wg > 0 && (tid & 31) == 0) bulk_wait<0>();
     __syncthreads();
     /* no wait, arrival or copy touches a barrier any more (the producer's
      * tail saw every stage released) */
@@ -722,8 +722,9 @@ static smoe_status sm90_dh(const smoe_gemm_problem *p, const bf16 *dout, const b
     SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mb, w2, p->E * p->d, p->n, 64, "w2"));
     ma = mc = mb;
     if (R->fl & SM90_FL_TMA_ST2) {
-        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, dh, p->cap, p->h_cols, 64, "dh"));
-        SMOE_FORWARD_IF_ERROR(sm90_make_map_box(&ma, a_scaled, p->cap, p->n, 32, 64,
+        /* 16-row boxes: each warp stores its own rows (ep_pair_out_warp) */
+        SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&mc, dh, p->cap, p->h_cols, 16, "dh"));
+        SMOE_FORWARD_IF_ERROR(sm90_make_map_box(&ma, a_scaled, p->cap, p->n, 32, 16,
                                                 CU_TENSOR_MAP_SWIZZLE_64B, "a_scaled"));
     }
     SMOE_FORWARD_IF_ERROR(sm90_run_row<SM90_MODE_DH>(row, p, &ma, &mb, &mc, &prm, s, "dh"));
