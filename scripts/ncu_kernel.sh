@@ -6,8 +6,9 @@
 #        build/bench_gemm --family sm90 --shape 7B --gemm dh --no-cublas --reps 1 --warmup 0
 # Writes $OUT/NAME.txt (the details page: throughput, memory, warp-state
 # stall reasons, ...) and $OUT/NAME_sass.csv.gz (per SASS instruction: the
-# source line and the sampled stall reasons). The clocks are left alone
-# (--clock-control none), as the machine's notes ask.
+# source line and the sampled stall reasons; scripts/ncu_sass_summary.py
+# reads it here). The clocks are left alone (--clock-control none), as the
+# machine's notes ask.
 set -uo pipefail
 name=$1 regex=$2; shift 2
 out=${OUT:-/tmp}
