@@ -69,11 +69,9 @@ __device__ __forceinline__ void ep_flush(const uint8_t *eb, bf16 *dst, int64_t l
  * so the buffer is refilled while the math and stores run. */
 template <int ACT, bool SYNC = true>
 __device__ __noinline__ void ep_flush_up_ct(const uint8_t *eb, bf16 *out_h, bf16 *out_a, int ldh,
-                                            int lda, int wrow0, int hc0, int nvalid, int t,
-                                            int cw)
+                                            int lda, int wrow0, int hc0, int nvalid, int t)
 {
     constexpr bool GATED = ACT <= SMOE_ACT_REGLU;
-    (void)cw;
     /* SYNC (the consumer warps): warp w staged rows 16 w .. 16 w + 15 and
      * flushes those same rows, 4 at a time, so its own lanes are all that
      * must meet (no warpgroup barrier: rung 26). The epilogue warps (SYNC
@@ -121,10 +119,10 @@ __device__ __noinline__ void ep_flush_up_ct(const uint8_t *eb, bf16 *out_h, bf16
 template <bool SYNC = true>
 __device__ __forceinline__ void ep_flush_up_any(const uint8_t *eb, bf16 *out_h, bf16 *out_a,
                                                 int ldh, int lda, int act, int wrow0, int hc0,
-                                                int nvalid, int t, int cw)
+                                                int nvalid, int t)
 {
 #define SM90_UP_FLUSH(A)                                                                         \
-    ep_flush_up_ct<A, SYNC>(eb, out_h, out_a, ldh, lda, wrow0, hc0, nvalid, t, cw)
+    ep_flush_up_ct<A, SYNC>(eb, out_h, out_a, ldh, lda, wrow0, hc0, nvalid, t)
     SMOE_ACT_SWITCH(act, SM90_UP_FLUSH);
 #undef SM90_UP_FLUSH
 }
@@ -336,7 +334,7 @@ template <int ACT, int BN>
 __device__ __forceinline__ void ep_dh_tma(const float *ac, uint8_t *hb, uint8_t *ab,
                                           const CUtensorMap *map_dh, const CUtensorMap *map_as,
                                           const sm90_gemm_params &p, int wrow0, int nvalid,
-                                          int n0, int lr, int q, int n_tile, int t, int cw)
+                                          int n0, int lr, int q, int n_tile, int t)
 {
     static_assert(ACT <= SMOE_ACT_REGLU, "gated activations only");
     constexpr int J = BN / 8, DIST = 8;
@@ -393,18 +391,18 @@ __device__ __forceinline__ void ep_dh_tma_any(const float *ac, uint8_t *hb, uint
                                               const CUtensorMap *map_dh,
                                               const CUtensorMap *map_as,
                                               const sm90_gemm_params &p, int wrow0, int nvalid,
-                                              int n0, int lr, int q, int n_tile, int t, int cw)
+                                              int n0, int lr, int q, int n_tile, int t)
 {
     if (nvalid <= 0) return;
     if (p.act == SMOE_ACT_GEGLU)
         ep_dh_tma<SMOE_ACT_GEGLU, BN>(ac, hb, ab, map_dh, map_as, p, wrow0, nvalid, n0, lr, q,
-                                      n_tile, t, cw);
+                                      n_tile, t);
     else if (p.act == SMOE_ACT_REGLU)
         ep_dh_tma<SMOE_ACT_REGLU, BN>(ac, hb, ab, map_dh, map_as, p, wrow0, nvalid, n0, lr, q,
-                                      n_tile, t, cw);
+                                      n_tile, t);
     else
         ep_dh_tma<SMOE_ACT_SWIGLU, BN>(ac, hb, ab, map_dh, map_as, p, wrow0, nvalid, n0, lr, q,
-                                       n_tile, t, cw);
+                                       n_tile, t);
 }
 
 
@@ -510,7 +508,7 @@ __device__ __forceinline__ void sm90_epilogue_tile(const float *acc, const sm90_
         const int nvalid = min(64, tl.row_end - wrow0);
         if constexpr (MODE == SM90_MODE_DH && TMA_ST2) {
             ep_dh_tma_any<BN>(ac, ep_base + cw * 16384, ep_base + cw * 16384 + 8192, map_c,
-                              map_a, p, wrow0, nvalid, n0, lr, q, tl.n_tile, tid & 127, cw);
+                              map_a, p, wrow0, nvalid, n0, lr, q, tl.n_tile, tid & 127);
         } else if constexpr (MODE == SM90_MODE_DH) {
             ep_dh_direct_any<BN>(ac, p, wrow0, nvalid, n0, lr, q, tl.n_tile);
         } else {
@@ -576,7 +574,7 @@ __device__ __forceinline__ void sm90_epilogue_tile(const float *acc, const sm90_
                 }
                 if constexpr (!EPIWG)
                     ep_flush_up_any(eb, p.out0, p.out1, p.N, p.n, p.act, wrow0, hc0, nvalid,
-                                    tid & 127, cw);
+                                    tid & 127);
             }
         }
         } /* not TMA_ST2 */
@@ -628,7 +626,7 @@ __device__ __forceinline__ void sm90_epilogue_warps(const sm90_gemm_params &p,
                 for (int hv = 0; hv < 2; hv++)
                     ep_flush_up_any<false>(ep_base + (h * 4 + c) * SM90_EP_BYTES, p.out0,
                                            p.out1, p.N, p.n, p.act, wrow0, hc0, nvalid,
-                                           t64 + 64 * hv, 0);
+                                           t64 + 64 * hv);
             }
         }
         mbar_arrive(smem_addr(stg + 1));
