@@ -194,12 +194,15 @@ struct sm90_traits {
     static constexpr int MH = PP ? 2 : 1; /* m64 blocks per consumer warpgroup */
     static constexpr bool TMA_ST2 = (FL & SM90_FL_TMA_ST2) != 0;
     static constexpr bool EPIWG = (FL & SM90_FL_EPIWG) != 0;
-    static_assert(!TMA_ST2 || (BN == 256 && (FL & (SM90_FL_PP | SM90_FL_WS)) == 0),
-                  "the double-buffered TMA-store epilogue is for cooperative 128 x 256 tiles");
+    static_assert(!TMA_ST2 || (BN == 256 && (FL & (SM90_FL_PP | SM90_FL_WS)) == 0) ||
+                      (MODE == SM90_MODE_DH && BN == 128 && (FL & SM90_FL_PP) != 0),
+                  "the double-buffered TMA-store epilogue is for cooperative 128 x 256 tiles "
+                  "and dh's 128 x 128 ping-pong");
     static_assert(!EPIWG || (MODE == SM90_MODE_UP && BN == 256 &&
                              (FL & ~(SM90_FL_EPIWG | SM90_FL_RASTER)) == 0),
                   "the epilogue warps are for the cooperative 128 x 256 up");
-    static_assert(!PP || (BN == 192 && !GATHER), "ping-pong tiles are 128 x 192, down / dxt");
+    static_assert(!PP || (BN == 192 && !GATHER) || (BN == 128 && MODE == SM90_MODE_DH),
+                  "ping-pong tiles are 128 x 192 (down / dxt) or 128 x 128 (dh)");
     static_assert(!(WS && PP), "the warp-per-stage gather stands alone");
     static constexpr bool DYN = (FL & SM90_FL_DYN) != 0;
     static_assert(!DYN || (MODE == SM90_MODE_DH &&

@@ -399,7 +399,11 @@ enum {
       SM90_NEED_N256 | SM90_NEED_E256 | SM90_NEED_GATED)                                         \
     X(7, "256x4 tma-store grouped dynamic", 256, 4,                                              \
       SM90_FL_TMA_ST2 | SM90_FL_RASTER | SM90_FL_DYN,                                            \
-      SM90_NEED_N256 | SM90_NEED_E256 | SM90_NEED_GATED)
+      SM90_NEED_N256 | SM90_NEED_E256 | SM90_NEED_GATED)                                         \
+    X(8, "128x6 ping-pong tma-store", 128, 6, SM90_FL_PP | SM90_FL_TMA_ST2,                       \
+      SM90_NEED_E256 | SM90_NEED_GATED)                                                          \
+    X(9, "128x6 ping-pong tma-store grouped", 128, 6,                                            \
+      SM90_FL_PP | SM90_FL_TMA_ST2 | SM90_FL_RASTER, SM90_NEED_E256 | SM90_NEED_GATED)
 
 typedef struct sm90_row {
     const char *name;
