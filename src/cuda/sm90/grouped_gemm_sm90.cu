@@ -546,12 +546,17 @@ static void sm90_plan(const smoe_gemm_problem *p, smoe_gemm_plan *plan)
                                    : (hc <= 512 || (hc <= 1024 && d % 192 == 0)) ? pp_gr
                                                                                  : 2 + gr;
     }
-    /* dh (K = d, N = n) */
+    /* dh (K = d, N = n): the 128 x 128 ping-pong where d <= 1536, so that
+     * one consumer's epilogue (H's loads, dS) runs beside the other's main
+     * loop. bench_gemm on an H200 (session 30): 1.3-5.6% faster than the
+     * 128 x 256 tiles at the 1.4B and 7B rows (d = 768, 1536), 0-15% slower
+     * from d = 2048 on (30B, 120B, every model shape), where the main loop
+     * is long enough to hide the epilogue without it. */
     {
         const int gr = sm90_grouped(d, n, 16), dyn = d >= 4096 && sm90_grouped(d, n, 10);
         plan->row[SMOE_GEMM_DH] = n < 256                      ? 4
                                   : (n % 256 != 0 && n % 192 == 0) ? 5
-                                  : (p->gated && E <= 256)         ? (dyn ? 7 : gr)
+                                  : (p->gated && E <= 256)         ? (d <= 1536 ? 8 : dyn ? 7 : gr)
                                                                    : 2 + gr;
     }
     /* dw2 (M = d, N = n), dw1 (M = d, N = h_cols): grouped and in pairs
