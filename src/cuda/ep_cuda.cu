@@ -109,7 +109,7 @@ static void gsaved_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gsave
     s->pidx = o; o += al(t * Kq * 4);
     s->ent_off = o; o += al((t + 1) * 4);
     s->tri_slot = o; o += al((size_t)ep->rows * 4);
-    s->off2 = o; o += al(((size_t)ep->El * (size_t)ep->cuda->nc + 1) * 4);
+    s->off2 = o; o += al(((size_t)ep->El * (size_t)ep->cuda->bw.nc + 1) * 4);
     s->experts = o;
     const int64_t Tv = ep_slots_total(ep->cuda->sl);
     smoe_saved_layout_make(ep->experts, Tv, ep->rows, &s->ex);
@@ -187,7 +187,7 @@ static void gws_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gws *w)
     w->m_token_offset = o; o += al((Tv + 1) * 4);
     w->m_expert_offset = o; o += al((El + 1) * 4);
     w->xmd = o; o += al(smoe_cuda_metadata_scratch_bytes((int64_t)El, (int64_t)rows));
-    w->off2f = o; o += al((El * (size_t)ep->cuda->nc + 1) * 4);
+    w->off2f = o; o += al((El * (size_t)ep->cuda->fw.nc + 1) * 4);
     w->gemm = o; o += al(ep->cuda->g.scratch_bytes);
     const size_t base = o;
     w->a = o; o += al(rows * n * 2);
@@ -263,11 +263,12 @@ static smoe_status gemm_ran(smoe_status st, const char *op)
                      why);
 }
 
-/* The received rows [v0, v1) of chunk c that came from rank q: its piece
- * (empty when the chunk holds none of q's rows). */
-static int piece(const smoe_ep_layer *ep, int c, int q, int64_t *v0, int64_t *v1)
+/* The received rows [v0, v1) of chunk c of K that came from rank q: its
+ * piece (empty when the chunk holds none of q's rows). */
+static int piece(const smoe_ep_layer *ep, const ep_chunks *K, int c, int q, int64_t *v0,
+                 int64_t *v1)
 {
-    const int64_t a = ep->cuda->bd.b[c], b = ep->cuda->bd.b[c + 1];
+    const int64_t a = K->bd.b[c], b = K->bd.b[c + 1];
     const int64_t lo = (int64_t)q * ep->C, hi = lo + ep->C;
     *v0 = a > lo ? a : lo;
     *v1 = b < hi ? b : hi;
@@ -278,34 +279,46 @@ static int piece(const smoe_ep_layer *ep, int c, int q, int64_t *v0, int64_t *v1
  * the first's partial sums wait for the second, which sums both's (slots
  * [bd.b[own_b - 1], bd.b[own_b + 1])). Chunk c's slots to sum start at
  * *v0 (moved back for the second); 0: none now. */
-static int own_rows_sum(const smoe_ep_layer *ep, int c, int64_t *v0)
+static int own_rows_sum(const ep_chunks *K, int c, int64_t *v0)
 {
-    const ep_cuda *X = ep->cuda;
-    if (X->own_b < 0) return 1;
-    if (c == X->own_b - 1) return 0;
-    if (c == X->own_b) *v0 = X->bd.b[c - 1];
+    if (K->own_b < 0) return 1;
+    if (c == K->own_b - 1) return 0;
+    if (c == K->own_b) *v0 = K->bd.b[c - 1];
     return 1;
 }
 
-/* Where the run stands: rounds of the first exchange not yet waited for,
- * and whether partial sums are on their way (then the GEMMs leave SMs to
- * NCCL). */
+/* Where the run stands: the chunking, the parts of the first exchange
+ * (rounds, or half rounds) not yet waited for, and whether partial sums are
+ * on their way (then the GEMMs leave SMs to NCCL). */
 typedef struct sched {
-    int waited[64];
+    const ep_chunks *K;
+    int waited[64][2];
     int rounds_left;
     int sending;
 } sched;
 
-/* Before chunk c: wait for the rows of every peer it holds. */
+static sched sched_make(const smoe_ep_layer *ep, const ep_chunks *K)
+{
+    sched z;
+    memset(&z, 0, sizeof z);
+    z.K = K;
+    z.rounds_left = (ep->P - 1) * (K->halves ? 2 : 1);
+    return z;
+}
+
+/* Before chunk c: wait for the rows of every peer it holds (the half that
+ * holds them, with halves). */
 static smoe_status chunk_wait(const smoe_ep_layer *ep, sched *z, int c, cudaStream_t s)
 {
     const ep_cuda *X = ep->cuda;
     int64_t v0, v1;
     for (int q = 0; q < ep->P; q++) {
-        if (q == ep->r || z->waited[q] || !piece(ep, c, q, &v0, &v1)) continue;
+        if (q == ep->r || !piece(ep, z->K, c, q, &v0, &v1)) continue;
+        const int h = z->K->halves && v0 >= (int64_t)q * ep->C + ep->C / 2;
+        if (z->waited[q][h]) continue;
         const int k = (ep->r - q + ep->P) % ep->P;
-        SMOE_CUDA_CHECK(cudaStreamWaitEvent(s, X->ev[EV_IN + k], 0));
-        z->waited[q] = 1;
+        SMOE_CUDA_CHECK(cudaStreamWaitEvent(s, X->ev[EV_IN + h * ep->P + k], 0));
+        z->waited[q][h] = 1;
         z->rounds_left--;
     }
     return SMOE_SUCCESS;
@@ -316,9 +329,9 @@ static smoe_status wait_all(const smoe_ep_layer *ep, sched *z, cudaStream_t s)
 {
     for (int k = 1; k < ep->P; k++) {
         const int q = (ep->r - k + ep->P) % ep->P;
-        if (z->waited[q]) continue;
+        if (z->waited[q][0]) continue;
         SMOE_CUDA_CHECK(cudaStreamWaitEvent(s, ep->cuda->ev[EV_IN + k], 0));
-        z->waited[q] = 1;
+        z->waited[q][0] = 1;
         z->rounds_left--;
     }
     return SMOE_SUCCESS;
@@ -344,7 +357,7 @@ static smoe_status chunk_send(const smoe_ep_layer *ep, sched *z, int c, const cb
     int n = 0;
     int64_t v0, v1;
     for (int q = 0; q < P; q++) {
-        if (q == r || !piece(ep, c, q, &v0, &v1)) continue;
+        if (q == r || !piece(ep, z->K, c, q, &v0, &v1)) continue;
         const int partner = (2 * r - q + 2 * P) % P;
         const int64_t w0 = (int64_t)partner * ep->C + (v0 - (int64_t)q * ep->C);
         for (int i = 0; i < nb; i++) {
@@ -365,8 +378,8 @@ static smoe_status chunk_send(const smoe_ep_layer *ep, sched *z, int c, const cb
         }
     }
     if (!n) return SMOE_SUCCESS;
-    SMOE_CUDA_CHECK(cudaEventRecord(X->ev[EV_IN + P + c], s));
-    SMOE_CUDA_CHECK(cudaStreamWaitEvent(X->cs, X->ev[EV_IN + P + c], 0));
+    SMOE_CUDA_CHECK(cudaEventRecord(X->ev[EV_IN + 2 * P + c], s));
+    SMOE_CUDA_CHECK(cudaStreamWaitEvent(X->cs, X->ev[EV_IN + 2 * P + c], 0));
     SMOE_FORWARD_IF_ERROR(smoe_ep_p2p_group(ep, op, n, X->cs));
     z->sending = 1;
     return SMOE_SUCCESS;
@@ -374,10 +387,10 @@ static smoe_status chunk_send(const smoe_ep_layer *ep, sched *z, int c, const cb
 
 /* The first exchange's rounds on the layer's stream, after the caller's
  * stream has packed: round k sends to r + k and receives from r - k, nb
- * buffers of C rows each (and the 8-byte message msg when given); event
- * ev_each + k after round k (ev_each < 0: none). */
+ * buffers of rows [i0, i1) of each C-row slice (and the 8-byte message msg
+ * when given); event ev_each + k after round k (ev_each < 0: none). */
 static smoe_status rounds(const smoe_ep_layer *ep, const cbuf *b, int nb, const int32_t *msg_send,
-                          int32_t *msg_recv, int ev_each)
+                          int32_t *msg_recv, int64_t i0, int64_t i1, int ev_each)
 {
     const ep_cuda *X = ep->cuda;
     const int P = ep->P, r = ep->r;
@@ -386,9 +399,9 @@ static smoe_status rounds(const smoe_ep_layer *ep, const cbuf *b, int nb, const 
         p2p_op op[4];
         int n = 0;
         for (int i = 0; i < nb && i < 3; i++, n++) {
-            op[n].send = b[i].send + (size_t)to * (size_t)ep->C * b[i].row;
-            op[n].recv = b[i].recv + (size_t)from * (size_t)ep->C * b[i].row;
-            op[n].bytes = (size_t)ep->C * b[i].row;
+            op[n].send = b[i].send + (size_t)((int64_t)to * ep->C + i0) * b[i].row;
+            op[n].recv = b[i].recv + (size_t)((int64_t)from * ep->C + i0) * b[i].row;
+            op[n].bytes = (size_t)(i1 - i0) * b[i].row;
             op[n].to = to;
             op[n].from = from;
         }
@@ -421,14 +434,15 @@ static smoe_status join_streams(const smoe_ep_layer *ep, cudaStream_t s)
 }
 
 /* The experts' problem for chunk c (-1: all rows, no view). */
-static smoe_gemm_problem chunk_problem(const smoe_ep_layer *ep, const smoe_saved_view *v,
-                                       const int32_t *off2, int c, int sms, const int *abort)
+static smoe_gemm_problem chunk_problem(const smoe_ep_layer *ep, const ep_chunks *K,
+                                       const smoe_saved_view *v, const int32_t *off2, int c,
+                                       int sms, const int *abort)
 {
     const ep_cuda *X = ep->cuda;
     smoe_gemm_problem p = X->g.problem;
-    if (c >= 0 && X->nc > 1) {
+    if (c >= 0 && K->nc > 1) {
         p.expert_offset = off2 + c;
-        p.off_stride = X->nc;
+        p.off_stride = K->nc;
     } else {
         p.expert_offset = v->expert_offset;
         p.off_stride = 1;
@@ -448,7 +462,7 @@ static smoe_status chunk_forward(const smoe_ep_layer *ep, const smoe_saved_view 
                                  bf16 *a, bf16 *y, char *scratch, cudaStream_t s)
 {
     const ep_cuda *X = ep->cuda;
-    smoe_gemm_problem p = chunk_problem(ep, v, off2, c, sms, abort);
+    smoe_gemm_problem p = chunk_problem(ep, &X->fw, v, off2, c, sms, abort);
     SMOE_FORWARD_IF_ERROR(gemm_ran(X->g.ops.up(&p, rows, (const bf16 *)args->w1,
                                                (const bf16 *)args->b1,
                                                training ? (bf16 *)v->h : NULL, a, scratch, s),
@@ -466,7 +480,7 @@ static smoe_status chunk_backward(const smoe_ep_layer *ep, const smoe_saved_view
                                   cudaStream_t s)
 {
     const ep_cuda *X = ep->cuda;
-    smoe_gemm_problem p = chunk_problem(ep, v, off2, c, sms, abort);
+    smoe_gemm_problem p = chunk_problem(ep, &X->bw, v, off2, c, sms, abort);
     SMOE_FORWARD_IF_ERROR(gemm_ran(X->g.ops.dh(&p, rdo, (const bf16 *)args->w2,
                                                (const bf16 *)args->b2, (const bf16 *)v->h, dh,
                                                a_scaled, ds, scratch, s),
@@ -502,7 +516,7 @@ static smoe_status ce_partials_back(const smoe_ep_layer *ep, int c, char *part, 
                                     int64_t v0, size_t row, cudaStream_t s)
 {
     const ep_cuda *X = ep->cuda;
-    cudaEvent_t done = X->ev[EV_IN + ep->P + c];
+    cudaEvent_t done = X->ev[EV_IN + 2 * ep->P + c];
     SMOE_CUDA_CHECK(cudaEventRecord(done, s));
     SMOE_CUDA_CHECK(cudaStreamWaitEvent(X->cs, done, 0));
     return smoe_ep_ce_alltoall(ep, part + (size_t)v0 * row, part_recv + (size_t)v0 * row,
@@ -616,9 +630,8 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         TRY(smoe_ep_alltoall(ep, x1, 2, s));
         k_ep_peers<<<1, 32, 0, s>>>(P, self, msg_recv, st, rep);
         TRYL("k_ep_peers");
-        sched z;
-        memset(&z, 0, sizeof z);
-        z.rounds_left = P - 1;
+        const ep_chunks *K = &X->fw;
+        sched z = sched_make(ep, K);
         if (P > 1 && X->ce) {
             /* copy engines: part h of every slice, one all-to-all each */
             TRY(fork_streams(ep, s));
@@ -635,7 +648,12 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         } else if (P > 1) {
             TRY(fork_streams(ep, s));
             const cbuf rb[1] = {{(const char *)send_rows, (char *)recv_rows, row}};
-            TRY(rounds(ep, rb, 1, NULL, NULL, EV_IN));
+            if (K->halves) { /* every slice's first halves, then the second */
+                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C / 2, EV_IN));
+                TRY(rounds(ep, rb, 1, NULL, NULL, C / 2, C, EV_IN + P));
+            } else {
+                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C, EV_IN));
+            }
         }
         /* 4. the expert side's triples and metadata */
         smoe_saved_view v;
@@ -678,17 +696,17 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
          * for NCCL's SMs) */
         TRY(smoe_cuda_metadata_beside(El, ep->rows, tr, v.expert_offset, v.assign_row,
                                       v.row_token, v.row_score, NULL, ws + W.xmd, 1, s));
-        if (X->nc > 1) {
-            k_ep_chunk_off<<<blocks_for(El * X->nc + 1, 256), 256, 0, s>>>(
-                (int)El, X->nc, X->bd, v.expert_offset, v.row_token, off2, X->own_b, eoff,
-                self, C, X->own_share, abort);
+        if (K->nc > 1) {
+            k_ep_chunk_off<<<blocks_for(El * K->nc + 1, 256), 256, 0, s>>>(
+                (int)El, K->nc, K->bd, v.expert_offset, v.row_token, off2, K->own_b, eoff,
+                self, C, K->own_share, abort);
             TRYL("k_ep_chunk_off");
-            if (training) {
-                k_ep_chunk_off<<<blocks_for(El * X->nc + 1, 256), 256, 0, s>>>(
-                    (int)El, X->nc, X->bd, v.expert_offset, v.row_token,
-                    (int32_t *)(sb + S.off2), -1, eoff, self, C, 0, abort);
-                TRYL("k_ep_chunk_off");
-            }
+        }
+        if (X->bw.nc > 1 && training) {
+            k_ep_chunk_off<<<blocks_for(El * X->bw.nc + 1, 256), 256, 0, s>>>(
+                (int)El, X->bw.nc, X->bw.bd, v.expert_offset, v.row_token,
+                (int32_t *)(sb + S.off2), -1, eoff, self, C, 0, abort);
+            TRYL("k_ep_chunk_off");
         }
         /* 5. the experts, chunk by chunk; each chunk's partial sums to their
          * sources (this rank's own straight into part_recv) */
@@ -696,18 +714,18 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         char *part = X->ce ? X->part_send : ws + W.part;
         char *part_recv = X->ce ? X->part_recv : ws + W.part_recv;
         const smoe_saved_header hdr = smoe_saved_header_make(ep->full, T, pairs);
-        for (int i = 0; X->ce && i < X->nc; i++) {
+        for (int i = 0; X->ce && i < K->nc; i++) {
             /* copy engines: chunk c < H is part c of the peers' rows, the
              * others this rank's own; a part's partial sums go back by one
              * all-to-all while the next chunk computes */
-            const int c = X->order[i];
-            const int64_t v0 = X->bd.b[c], v1 = X->bd.b[c + 1];
+            const int c = K->order[i];
+            const int64_t v0 = K->bd.b[c], v1 = K->bd.b[c + 1];
             const int peers = c < X->sl.H;
             if (peers) TRYC(cudaStreamWaitEvent(s, X->ev[EV_IN + c], 0));
             TRY(chunk_forward(ep, &v, off2, c, X->sms_overlap, abort, recv_rows, args, training,
                               a, y, ws + W.gemm, s));
             int64_t w0 = v0;
-            if (!own_rows_sum(ep, c, &w0)) continue;
+            if (!own_rows_sum(K, c, &w0)) continue;
             bf16 *out = (bf16 *)((peers ? part : part_recv) + (size_t)w0 * row);
             TRY(smoe_cuda_aggregate_forward(v1 - w0, d, v.token_offset + w0, 0, v.assign_row,
                                             v.row_score, y, out, NULL, hdr, abort, s));
@@ -718,15 +736,15 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             const cbuf m2[1] = {{(const char *)msg2_send, (char *)msg2_recv, 8}};
             TRY(smoe_ep_alltoall(ep, m2, 1, X->cs));
         }
-        for (int i = 0; !X->ce && i < X->nc; i++) {
-            const int c = X->order[i];
+        for (int i = 0; !X->ce && i < K->nc; i++) {
+            const int c = K->order[i];
             TRY(chunk_wait(ep, &z, c, s));
             TRY(chunk_forward(ep, &v, off2, c, sms_now(ep, &z), abort, recv_rows, args, training,
                               a, y, ws + W.gemm, s));
             for (int q = 0; q < P; q++) {
                 int64_t v0, v1;
-                if (!piece(ep, c, q, &v0, &v1)) continue;
-                if (q == self && !own_rows_sum(ep, c, &v0)) continue;
+                if (!piece(ep, K, c, q, &v0, &v1)) continue;
+                if (q == self && !own_rows_sum(K, c, &v0)) continue;
                 bf16 *out = (bf16 *)((q == self ? part_recv : part) + (size_t)v0 * (size_t)d * 2);
                 TRY(smoe_cuda_aggregate_forward(v1 - v0, d, v.token_offset + v0, 0, v.assign_row,
                                                 v.row_score, y, out, NULL, hdr, abort, s));
@@ -823,9 +841,8 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         float *send_ds = (float *)(ws + W.send_ds), *recv_ds = (float *)(ws + W.recv_ds);
         TRYC(cudaMemsetAsync(send_ds, 0, (size_t)Tu * (size_t)Km * 4, s));
         TRYC(cudaMemsetAsync(recv_ds, 0, (size_t)Tu * (size_t)Km * 4, s));
-        sched z;
-        memset(&z, 0, sizeof z);
-        z.rounds_left = P - 1;
+        const ep_chunks *K = &X->bw;
+        sched z = sched_make(ep, K);
         if (P > 1 && X->ce) {
             /* the status messages, then dout part by part, then x */
             TRY(fork_streams(ep, s));
@@ -849,10 +866,10 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             /* dout with the status message, then x (keep_x: none); EV_X
              * marks the end of what the backward receives */
             const cbuf db[1] = {{(const char *)sdo, (char *)rdo, (size_t)d * 2}};
-            TRY(rounds(ep, db, 1, msg_send, msg_recv, EV_IN));
+            TRY(rounds(ep, db, 1, msg_send, msg_recv, 0, C, EV_IN));
             if (!keep) {
                 const cbuf xb[1] = {{(const char *)sx, (char *)rx, (size_t)d * 2}};
-                TRY(rounds(ep, xb, 1, NULL, NULL, -1));
+                TRY(rounds(ep, xb, 1, NULL, NULL, 0, C, -1));
             }
             TRYC(cudaEventRecord(X->ev[EV_X], X->cs));
         }
@@ -862,11 +879,11 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         float *ds = (float *)(ws + W.ds);
         char *part = X->ce ? X->part_send : ws + W.part;
         char *part_recv = X->ce ? X->part_recv : ws + W.part_recv;
-        for (int i = 0; X->ce && i < X->nc; i++) {
+        for (int i = 0; X->ce && i < K->nc; i++) {
             /* copy engines: as the forward's chunks; dS of own rows straight
              * to recv_ds, the peers' after the last chunk */
-            const int c = X->order[i];
-            const int64_t v0 = X->bd.b[c], v1 = X->bd.b[c + 1];
+            const int c = K->order[i];
+            const int64_t v0 = K->bd.b[c], v1 = K->bd.b[c + 1];
             const int peers = c < X->sl.H;
             if (peers) TRYC(cudaStreamWaitEvent(s, X->ev[EV_IN + c], 0));
             TRY(chunk_backward(ep, &v, off2, c, X->sms_overlap, abort, rdo, args, dh, a_scaled,
@@ -878,8 +895,8 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         }
         if (X->ce && P > 1) {
             /* the peers' dS (the plain layout; this rank's own stays) */
-            TRYC(cudaEventRecord(X->ev[EV_IN + P + X->nc - 1], s));
-            TRYC(cudaStreamWaitEvent(X->cs, X->ev[EV_IN + P + X->nc - 1], 0));
+            TRYC(cudaEventRecord(X->ev[EV_IN + 2 * P + K->nc - 1], s));
+            TRYC(cudaStreamWaitEvent(X->cs, X->ev[EV_IN + 2 * P + K->nc - 1], 0));
             p2p_op op[64];
             int n = 0;
             for (int q = 0; q < P; q++) {
@@ -893,18 +910,18 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             TRY(smoe_ep_p2p_group(ep, op, n, X->cs));
             z.rounds_left = 0;
         }
-        for (int i = 0; !X->ce && i < X->nc; i++) {
-            const int c = X->order[i];
+        for (int i = 0; !X->ce && i < K->nc; i++) {
+            const int c = K->order[i];
             TRY(chunk_wait(ep, &z, c, s));
             /* with chunks x travels until dW1; without, everything has
              * arrived before the GEMMs */
-            if (X->nc == 1 && P > 1) TRYC(cudaStreamWaitEvent(s, X->ev[EV_X], 0));
-            const int sms = X->nc > 1 && P > 1 ? X->sms_overlap : X->g.num_sms;
+            if (K->nc == 1 && P > 1) TRYC(cudaStreamWaitEvent(s, X->ev[EV_X], 0));
+            const int sms = K->nc > 1 && P > 1 ? X->sms_overlap : X->g.num_sms;
             TRY(chunk_backward(ep, &v, off2, c, sms, abort, rdo, args, dh, a_scaled, ds, dxt,
                                ws + W.gemm, s));
             for (int q = 0; q < P; q++) {
                 int64_t v0, v1;
-                if (!piece(ep, c, q, &v0, &v1)) continue;
+                if (!piece(ep, K, c, q, &v0, &v1)) continue;
                 TRY(piece_backward(ep, &v, v0, v1, (const int32_t *)(sb + S.tri_slot), dxt, ds,
                                    (q == self ? part_recv : part) + (size_t)v0 * (size_t)d * 2,
                                    send_ds, recv_ds, abort, s));
@@ -922,7 +939,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
          * partials through) and dW1 on every SM. Without, the exchanges end
          * first: a persistent GEMM beside NCCL's kernel on its SMs would
          * wait for them with its share of the tiles. */
-        const int tail = P > 1 && X->nc > 1;
+        const int tail = P > 1 && K->nc > 1;
         if (P > 1 && !tail) {
             TRY(join_streams(ep, s));
             z.sending = 0;
@@ -935,7 +952,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         }
         const smoe_gemm_problem *g = &X->g.problem;
         {
-            smoe_gemm_problem p = chunk_problem(ep, &v, off2, -1,
+            smoe_gemm_problem p = chunk_problem(ep, K, &v, off2, -1,
                                                 tail ? X->sms_overlap : X->g.num_sms, abort);
             if (args->dw2.ptr)
                 TRY(gemm_ran(X->g.ops.dw2(&p, rdo, a_scaled, args->dw2.ptr, args->dw2.dtype,
@@ -952,7 +969,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             z.sending = 0;
         }
         {
-            smoe_gemm_problem p = chunk_problem(ep, &v, off2, -1, X->g.num_sms, abort);
+            smoe_gemm_problem p = chunk_problem(ep, K, &v, off2, -1, X->g.num_sms, abort);
             if (args->dw1.ptr)
                 TRY(gemm_ran(X->g.ops.dw1(&p, dh, rx, args->dw1.ptr, args->dw1.dtype,
                                           args->dw1.accumulate, ws + W.gemm, s),

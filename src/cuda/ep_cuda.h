@@ -107,13 +107,34 @@ __host__ __device__ static inline int ep_slot_is_own(ep_slots s, int64_t v)
 /* The layer's CUDA state, made at create: the stream the overlapping
  * exchanges run on, its events, the chunking and the experts' GEMMs. One
  * call at a time per layer (as NCCL allows one per communicator). */
-enum { EV_FORK, EV_JOIN, EV_X, EV_IN }; /* then EV_IN + k (k < P), then EV_IN + P + c */
+/* Events: EV_IN + h P + k: part h of the first exchange's round k arrived
+ * (h = 1: the forward's second halves); EV_IN + 2 P + c: chunk c's partial
+ * sums may leave. */
+enum { EV_FORK, EV_JOIN, EV_X, EV_IN };
 
 /* Chunk c holds the received rows [b[c], b[c+1]). */
-#define EP_MAX_CHUNKS 65 /* one per source rank, this rank's own in two */
+#define EP_MAX_CHUNKS 128 /* two per source rank (at most 64) */
 typedef struct ep_bounds {
     int64_t b[EP_MAX_CHUNKS + 1];
 } ep_bounds;
+
+/* One direction's chunking of the received rows (ep_nccl.cu's
+ * chunks_make). */
+typedef struct ep_chunks {
+    int nc;          /* chunks: one per source rank and this rank's own in
+                        two (halves: every source's in two), or 1
+                        (exchange, then compute) */
+    int halves;      /* the peers' rows travel in two halves, each its own
+                        chunk (the forward where n <= 512) */
+    ep_bounds bd;    /* chunk c: received rows [bd.b[c], bd.b[c+1]) */
+    int order[EP_MAX_CHUNKS]; /* the chunks in the order they run */
+    int own_b;       /* the forward: the second chunk of this rank's own
+                        rows (-1: none), which starts own_share percent
+                        into the own rows, a bound found on the device; the
+                        backward's own chunks split the own slots at bd's
+                        C / 2 (own_b -1) */
+    int own_share;
+} ep_chunks;
 
 typedef struct ep_cuda {
     nccl_comm comm;  /* with overlap: the layer's own (split from the caller's
@@ -123,15 +144,7 @@ typedef struct ep_cuda {
     cudaStream_t cs;
     cudaEvent_t *ev;
     int n_ev;
-    int nc;          /* chunks of the received rows: one per source rank and
-                        this rank's own in two, or 1 (exchange, then compute) */
-    ep_bounds bd;    /* chunk c: received rows [bd.b[c], bd.b[c+1]) */
-    int *order;      /* the chunks in the order they run */
-    int own_b;       /* the forward's second chunk of this rank's own rows
-                        (-1: none): it starts own_share percent into the own
-                        rows, a bound found on the device; the backward's
-                        own chunks split the own slots at bd's C / 2 */
-    int own_share;
+    ep_chunks fw, bw; /* the forward's and the backward's chunks */
     int sms_overlap; /* the GEMMs' SMs while an exchange is in flight */
     smoe_cuda_gemms g;
     ep_slots sl;     /* the received rows' layout */

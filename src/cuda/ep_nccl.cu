@@ -352,17 +352,42 @@ void smoe_ep_cuda_free(smoe_ep_layer *ep)
     if (X->own_comm && X->comm) g_nccl.CommDestroy(X->comm);
     if (have) cudaSetDevice(prev);
     free(X->ev);
-    free(X->order);
     free(X);
     ep->cuda = NULL;
+}
+
+/* The overlap's chunks on NCCL's kernels: one per source rank, in the
+ * order its rows arrive (round k brings rank r - k's), this rank's own in
+ * two around them where split (the first while the peers' rows travel, the second
+ * last); halves: every peer's in two as well, all first halves before the
+ * second ones (the order they travel in). */
+static void chunks_make(ep_chunks *K, int P, int r, int64_t C, int split, int halves)
+{
+    int first[64], second[64], c = 0;
+    for (int q = 0; q < P; q++) {
+        first[q] = c;
+        K->bd.b[c++] = (int64_t)q * C;
+        second[q] = c;
+        K->bd.b[c++] = (int64_t)q * C + C / 2;
+        if (q == r ? !split : !halves) second[q] = -1, c--;
+    }
+    K->bd.b[c] = (int64_t)P * C;
+    K->nc = c;
+    K->halves = halves;
+    int i = 0;
+    K->order[i++] = first[r];
+    for (int k = 1; k < P; k++) K->order[i++] = first[(r - k + P) % P];
+    for (int k = 1; halves && k < P; k++) K->order[i++] = second[(r - k + P) % P];
+    if (split) K->order[i++] = second[r];
 }
 
 /* The chunks, their order and the stream and events of the overlap: the
  * first half of this rank's own rows while the peers' rows travel, then
  * the peers' in the order they arrive, each one's partial sums sent back
  * while the next computes, and the second half of this rank's own last
- * (forward and backward alike; the backward's weight gradients follow,
- * beside the last partial sums). */
+ * (forward and backward alike, but for the forward's halves where n <=
+ * 512; the backward's weight gradients follow, beside the last partial
+ * sums). */
 static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
 {
     const char *fn = "smoe_ep_layer_create";
@@ -408,25 +433,39 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
     X->sl.H = X->ce ? H : 1;
     X->sl.Ch = X->ce ? (ep->C + H - 1) / H : ep->C;
     X->sl.own_end = X->ce;
-    X->nc = X->ce ? H + 1 + split : want && X->g.views && P > 1 ? P + split : 1;
+    ep_chunks *B = &X->bw, *F = &X->fw;
+    B->nc = X->ce ? H + 1 + split : want && X->g.views && P > 1 ? P + split : 1;
+    B->own_b = -1;
     if (X->ce) {
+        /* this rank's first half, the parts as they arrive, its second half */
         const int64_t Xr = ep_slots_exchanged(X->sl);
         int c = 0;
-        for (int h = 0; h < H; h++) X->bd.b[c++] = (int64_t)h * P * X->sl.Ch;
-        X->bd.b[c++] = Xr;
-        if (split) X->bd.b[c++] = Xr + ep->C / 2;
-        X->bd.b[c] = Xr + ep->C;
-    } else if (X->nc == 1) {
-        X->bd.b[0] = 0;
-        X->bd.b[1] = (int64_t)P * ep->C;
+        for (int h = 0; h < H; h++) B->bd.b[c++] = (int64_t)h * P * X->sl.Ch;
+        B->bd.b[c++] = Xr;
+        if (split) B->bd.b[c++] = Xr + ep->C / 2;
+        B->bd.b[c] = Xr + ep->C;
+        int i = 0;
+        B->order[i++] = H;
+        for (int h = 0; h < H; h++) B->order[i++] = h;
+        if (split) B->order[i++] = H + 1;
+    } else if (B->nc == 1) {
+        B->bd.b[0] = 0;
+        B->bd.b[1] = (int64_t)P * ep->C;
+        B->order[0] = 0;
     } else {
-        int c = 0;
-        for (int q = 0; q < P; q++) {
-            X->bd.b[c++] = (int64_t)q * ep->C;
-            if (q == r && split) X->bd.b[c++] = (int64_t)q * ep->C + ep->C / 2;
-        }
-        X->bd.b[c] = (int64_t)P * ep->C;
+        chunks_make(B, P, r, ep->C, split, 0);
     }
+    /* The forward: the backward's chunks, or, where n <= 512, every peer's
+     * rows in two halves that travel one after the other, each half its own
+     * chunk: the GEMMs of a received half start while the second travels,
+     * and the last partial sums to leave are half a slice. Measured in
+     * session 17 (2 x H200, P = 2, every chunk in halves, the backward
+     * too): the forward of 30B-n512 73% -> 77-78% of the single layer's,
+     * but 120B-n1024's 5% slower (n = 1024: its GEMMs hide the whole
+     * slice's exchange already, and halves make smaller GEMMs); the
+     * backward lost on both, so it keeps whole slices. */
+    *F = *B;
+    if (!X->ce && B->nc > 1 && split && ep->desc.layer.n <= 512) chunks_make(F, P, r, ep->C, split, 1);
     /* The forward's own chunks split at a share of this rank's own rows
      * (found on the device), not of the C slots as the backward's (bd's C /
      * 2: Mixtral-like at P = 4 fills about 46% of them, so there the
@@ -438,8 +477,8 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
      * best with bd's halves (bench/RESULTS.md session 20): split by rows,
      * its first own chunk's dx partials wait for the second, where they
      * no longer fill the wait for dout's first part. */
-    X->own_b = !split || X->nc == 1 ? -1 : X->ce ? H + 1 : r + 1;
-    X->own_share = P >= 4 ? 33 : 50;
+    F->own_b = !split || F->nc == 1 ? -1 : X->ce ? H + 1 : F->order[F->nc - 1];
+    F->own_share = P >= 4 ? 33 : 50;
     /* 0: four SMs per rank, 8 to 32 (best measured: 8 at P = 2, 16 at P = 4;
      * more peers want more of NCCL's channels at once); copy engines: 8 (the
      * rows need none; the counts, pairs and dS messages go faster with 8
@@ -448,29 +487,10 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
     int R = ep->desc.comm_sms == 0 ? r_auto : ep->desc.comm_sms < 0 ? 0 : ep->desc.comm_sms;
     if (R > X->g.num_sms / 2) R = X->g.num_sms / 2;
     X->sms_overlap = X->g.num_sms - R;
-    X->order = (int *)malloc(sizeof(int) * (size_t)X->nc);
-    X->n_ev = EV_IN + P + X->nc;
+    const int ncm = F->nc > B->nc ? F->nc : B->nc;
+    X->n_ev = EV_IN + 2 * P + ncm;
     X->ev = (cudaEvent_t *)calloc((size_t)X->n_ev, sizeof(cudaEvent_t));
-    SMOE_RETURN_ERROR_IF(!X->order || !X->ev, SMOE_ERROR_OUT_OF_MEMORY,
-                         "%s: allocation", fn);
-    if (X->ce) {
-        /* this rank's first half, the parts as they arrive, its second half */
-        int i = 0;
-        X->order[i++] = H;
-        for (int h = 0; h < H; h++) X->order[i++] = h;
-        if (split) X->order[i++] = H + 1;
-    } else if (X->nc == 1) {
-        X->order[0] = 0;
-    } else {
-        /* chunk of source q: q, or q + 1 past this rank's split rows */
-        int i = 0;
-        X->order[i++] = r;
-        for (int k = 1; k < P; k++) {
-            const int q = (r - k + P) % P;
-            X->order[i++] = q < r || !split ? q : q + 1;
-        }
-        if (split) X->order[i++] = r + 1;
-    }
+    SMOE_RETURN_ERROR_IF(!X->ev, SMOE_ERROR_OUT_OF_MEMORY, "%s: allocation", fn);
     int lo = 0, hi = 0;
     SMOE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     SMOE_CUDA_CHECK(cudaStreamCreateWithPriority(&X->cs, cudaStreamNonBlocking, hi));
@@ -481,7 +501,7 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
      * whose kernels launch one CTA per cluster (the default, clusters of
      * four, finds no room among scattered free SMs and waits for the GEMM;
      * bench/nccl_overlap_probe.cu measures it) and at most R of them. */
-    if (X->nc > 1 && P > 1) {
+    if (B->nc > 1 && P > 1) {
         nccl_config cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.size = sizeof cfg;
@@ -522,11 +542,16 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
     if (X->ce)
         snprintf(ep->path, sizeof ep->path,
                  "%s; ep: copy engines, %d parts, %d chunks, %d SMs left to NCCL beside the GEMMs",
-                 smoe_layer_path_name(ep->experts), H, X->nc, X->g.num_sms - X->sms_overlap);
-    else if (X->nc > 1)
+                 smoe_layer_path_name(ep->experts), H, B->nc, X->g.num_sms - X->sms_overlap);
+    else if (B->nc > 1 && F->halves)
+        snprintf(ep->path, sizeof ep->path,
+                 "%s; ep: overlap, %d chunks (forward: %d, every peer's rows in halves), %d SMs "
+                 "left to NCCL beside the GEMMs",
+                 smoe_layer_path_name(ep->experts), B->nc, F->nc, X->g.num_sms - X->sms_overlap);
+    else if (B->nc > 1)
         snprintf(ep->path, sizeof ep->path,
                  "%s; ep: overlap, %d chunks, %d SMs left to NCCL beside the GEMMs",
-                 smoe_layer_path_name(ep->experts), X->nc, X->g.num_sms - X->sms_overlap);
+                 smoe_layer_path_name(ep->experts), B->nc, X->g.num_sms - X->sms_overlap);
     else
         snprintf(ep->path, sizeof ep->path, "%s; ep: no overlap (exchange, then compute)",
                  smoe_layer_path_name(ep->experts));

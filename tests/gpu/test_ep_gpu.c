@@ -25,7 +25,9 @@
  *    stops every rank (the others report its failure), out untouched;
  *  - the Hopper cases (d, n multiples of 64) run the overlapped schedule
  *    (overlap = 1: chunks, two streams, the layer's own communicator), once
- *    more with overlap = -1;
+ *    more with overlap = -1; where n <= 512 the forward's chunks are every
+ *    peer's rows in halves (the path says so), n = 576 keeps whole slices,
+ *    both with an odd capacity (unequal halves);
  *    overlap = 1 on the portable GEMMs is refused on every rank;
  *  - copy_engines (P >= 2, Hopper): the three routing modes, a CUDA graph,
  *    keep_x (bitwise against the same case without it), an odd capacity
@@ -78,6 +80,8 @@ typedef struct gcase {
     int keep_x;        /* smoe_ep_desc.keep_x (the case runs without it first) */
     int ce;            /* smoe_ep_desc.copy_engines (base_case: -1) */
     int path_ce;       /* 1: the path name must say copy engines, 2: must not */
+    int path_halves;   /* 1: the path name must say the forward's peer rows
+                          travel in halves, 2: must not */
     int share;         /* a second layer of the same description (copy engines:
                           it shares the first's window) runs the second run */
     int logits;        /* token choice: router logits out and a dlogits_extra in,
@@ -99,6 +103,7 @@ typedef struct grank {
     uint64_t hash[3];
     int untouched; /* overflow: out still the poison */
     int ce_on;     /* the path name says copy engines */
+    int halves_on; /* the path name says the forward's halves */
     int inf_same;  /* an inference forward gave the training forward's out */
 } grank;
 
@@ -134,6 +139,7 @@ static void *rank_main(void *arg) {
         return NULL;
     }
     R->ce_on = strstr(smoe_ep_layer_path_name(L), "ep: copy engines") != NULL;
+    R->halves_on = strstr(smoe_ep_layer_path_name(L), "rows in halves") != NULL;
     smoe_ep_layer *L1 = L, *L2 = NULL;
     if (c->share) {
         R->st_create = smoe_ep_layer_create(&ed, &L2);
@@ -441,6 +447,10 @@ static void run_case(const char *name, const gcase *c, tu_rng *rng) {
         for (int q = 0; q < NP && ok && c->path_ce; q++)
             CHECK(R[q].ce_on == (c->path_ce == 1), "rank %d: the path %s copy engines", q,
                   c->path_ce == 1 ? "does not say" : "says");
+        for (int q = 0; q < NP && ok && c->path_halves; q++)
+            CHECK(R[q].halves_on == (c->path_halves == 1),
+                  "rank %d: the path %s the forward's halves", q,
+                  c->path_halves == 1 ? "does not say" : "says");
         for (int q = 0; q < NP && ok; q++)
             CHECK(R[q].inf_same, "rank %d: the inference forward's out differs from training's",
                   q);
@@ -638,7 +648,20 @@ int main(int argc, char **argv) {
         c.D.d = 128; c.D.n = 64;
         c.one_rank = 1;
         c.overlap = 1;
+        c.path_halves = 1; /* n <= 512 */
         run_case("Hopper, overlap, every pair on rank 0's experts", &c, &rng);
+        /* n > 512: the forward's chunks are whole slices, as the backward's */
+        c = base_case(P, SMOE_ROUTING_SOFTMAX_TOPK, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 576; c.D.has_bias = 1;
+        c.D.w1_layout = SMOE_W1_INTERLEAVED;
+        for (int q = 0; q < P; q++) c.Tr[q] = 90 + 23 * q;
+        c.overlap = 1;
+        c.capacity = 0; /* max_tokens, odd: unequal halves */
+        c.path_halves = 2;
+        run_case("Hopper, overlap, n > 512 (no halves), odd capacity", &c, &rng);
+        c.D.n = 512;
+        c.path_halves = 1;
+        run_case("Hopper, overlap, n = 512 (halves), odd capacity", &c, &rng);
         c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_SM90);
         c.D.d = 128; c.D.n = 64;
         c.capacity = 4;
