@@ -477,7 +477,10 @@ typedef struct smoe_ep_desc {
                                E/P); less keeps the saved block smaller */
     int overlap;            /* CUDA: the exchanges run beside the expert GEMMs,
                                which take the received rows in chunks (one per
-                               source rank, this rank's own in two), on a
+                               source rank, this rank's own in two; in the
+                               forward where n <= 512 every rank's in two,
+                               the peers' halves travelling one after the
+                               other), on a
                                communicator the layer splits from nccl_comm at
                                create: 1 = on (SMOE_ERROR_UNSUPPORTED without
                                the Hopper GEMMs), -1 = off (exchange, then
