@@ -56,7 +56,9 @@
         if (s_ != SMOE_SUCCESS) {                                                          \
             fprintf(stderr, "FATAL %s:%d %s: %s\n", __FILE__, __LINE__, #call,             \
                     smoe_last_error());                                                    \
-            exit(3);                                                                       \
+            fflush(stdout);                                                                \
+            fflush(stderr);                                                                \
+            _exit(3); /* from a rank's thread: as CUDA_OK (cuda_ok.h) */                   \
         }                                                                                  \
     } while (0)
 
@@ -141,7 +143,8 @@ static void *rank_main(void *arg) {
             e |= g_group_end();
             if (e) {
                 fprintf(stderr, "FATAL: NCCL send/recv failed (%d)\n", e);
-                exit(3);
+                fflush(stderr);
+                _exit(3);
             }
             CUDA_OK(cudaEventRecord(b, s));
             CUDA_OK(cudaEventSynchronize(b));
