@@ -19,7 +19,12 @@
  * with keep_x: the layer's default (copy_engines = 0) takes them from P =
  * 4. -q 1 runs the layer's defaults alone (copy_engines = 0: the layer
  * picks) and the single layer: the quick line for an A/B of two builds;
- * -q 2 the layer's defaults without the single layer.
+ * -q 2 the layer's defaults without the single layer. Both print first a
+ * line of each rank's own median forward and backward (a rank that waits
+ * for a slower one reads it in its backward, which starts when its own
+ * forward ends). -x sets expert_rows: at or above P T K / P = T K on
+ * average per rank with random routing, or some rank's call overflows (0:
+ * the worst case).
  *
  * -r takes T, d, n, E, K from a row of bench/grid.h (T then per GPU). Per
  * GPU TFLOPS count 6TKdn (forward) and 12TKdn (backward) of the rank's own
@@ -271,9 +276,21 @@ static float med_max(const rank_ctx *R, int P, int iters, int bwd) {
     return m[iters / 2];
 }
 
+/* rank q's own median forward (bwd = 0) or backward (1) */
+static float med_rank(const rank_ctx *R, int q, int iters, int bwd) {
+    float m[MAXI];
+    for (int i = 0; i < iters; i++) m[i] = bwd ? R[q].bwd[i] : R[q].fwd[i];
+    qsort(m, (size_t)iters, sizeof m[0], cmp_f);
+    return m[iters / 2];
+}
+
 /* ep (rank_ctx's) on the ranks: the medians of the slowest rank's forward,
- * backward and (t, when given) whole iteration, and the path name */
-static void run(const cfg *c, int ep, void **comms, float *f, float *b, float *t, char *path) {
+ * backward and (t, when given) whole iteration, the path name and (ranks,
+ * when given) each rank's own forward and backward medians: where a rank
+ * waits for a slower one, its backward (which starts when its own forward
+ * ends and needs every rank's dout) reads that wait */
+static void run(const cfg *c, int ep, void **comms, float *f, float *b, float *t, char *path,
+                char *ranks) {
     const int P = ep ? c->P : 1;
     (void)P;
     rank_ctx R[MAXP];
@@ -291,6 +308,14 @@ static void run(const cfg *c, int ep, void **comms, float *f, float *b, float *t
     *b = med_max(R, P, c->iters, 1);
     if (t) *t = med_max(R, P, c->iters, 2);
     snprintf(path, 256, "%s", R[0].path);
+    if (ranks) {
+        int k = snprintf(ranks, 256, "per rank fwd");
+        for (int q = 0; q < P && k < 200; q++)
+            k += snprintf(ranks + k, 256 - (size_t)k, " %.3f", med_rank(R, q, c->iters, 0));
+        k += snprintf(ranks + k, 256 - (size_t)k, ", bwd");
+        for (int q = 0; q < P && k < 240; q++)
+            k += snprintf(ranks + k, 256 - (size_t)k, " %.3f", med_rank(R, q, c->iters, 1));
+    }
 }
 
 int main(int argc, char **argv) {
@@ -362,31 +387,34 @@ int main(int argc, char **argv) {
     char epath[256], npath[256], kpath[256], spath[256], apath[256];
     if (c.quick) {
         float et;
-        run(&c, 7, comms, &ef, &eb, &et, epath);
+        char rk[256] = "";
+        run(&c, 7, comms, &ef, &eb, &et, epath, rk);
         for (int q = 0; q < c.P; q++) destroy(comms[q]);
         if (c.quick == 2) {
+            printf("quick ranks: %s ms\n", rk);
             printf("quick %s P=%d T=%lld: EP fwd %.3f bwd %.3f ms, fwd+bwd %.3f ms (%s)\n",
                    c.row ? c.row : "", c.P, (long long)c.T, ef, eb, et, epath);
             return 0;
         }
-        run(&c, 0, NULL, &sf, &sbw, NULL, spath);
+        run(&c, 0, NULL, &sf, &sbw, NULL, spath, NULL);
+        printf("quick ranks: %s ms\n", rk);
         printf("quick %s P=%d T=%lld: EP fwd %.3f bwd %.3f ms, fwd+bwd %.3f ms, single fwd %.3f "
                "bwd %.3f ms; per-GPU EP / single fwd %.1f%% bwd %.1f%% total %.1f%% (%s)\n",
                c.row ? c.row : "", c.P, (long long)c.T, ef, eb, et, sf, sbw, 100 * sf / ef,
                100 * sbw / eb, 100 * (sf + sbw) / et, epath);
         return 0;
     }
-    run(&c, 1, comms, &ef, &eb, NULL, epath);
-    run(&c, 3, comms, &nf, &nb, NULL, npath);
-    run(&c, 4, comms, &kf, &kb, NULL, kpath);
+    run(&c, 1, comms, &ef, &eb, NULL, epath, NULL);
+    run(&c, 3, comms, &nf, &nb, NULL, npath, NULL);
+    run(&c, 4, comms, &kf, &kb, NULL, kpath, NULL);
     float gf = 0, gb = 0, hf = 0, hb = 0;
     char gpath[256] = "", hpath[256] = "";
     if (c.ce && c.P > 1) {
-        run(&c, 5, comms, &gf, &gb, NULL, gpath);
-        run(&c, 6, comms, &hf, &hb, NULL, hpath);
+        run(&c, 5, comms, &gf, &gb, NULL, gpath, NULL);
+        run(&c, 6, comms, &hf, &hb, NULL, hpath, NULL);
     }
-    run(&c, 2, comms, &af, &ab, NULL, apath);
-    run(&c, 0, NULL, &sf, &sbw, NULL, spath);
+    run(&c, 2, comms, &af, &ab, NULL, apath, NULL);
+    run(&c, 0, NULL, &sf, &sbw, NULL, spath, NULL);
     for (int q = 0; q < c.P; q++) destroy(comms[q]);
     struct cudaDeviceProp prop;
     CUDA_OK(cudaGetDeviceProperties(&prop, 0));
