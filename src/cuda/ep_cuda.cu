@@ -12,11 +12,13 @@
  *           stream) -> NCCL on the layer's own stream: rows, one round per
  *           peer (round k: to r + k, from r - k) -> expert side: per
  *           received row its pairs, a scan, the triples, the experts'
- *           metadata -> the expert GEMMs chunk by chunk (two chunks per
- *           source rank; this rank's first chunk while the rows travel),
- *           each chunk's partial sums back to its source as soon as it is
- *           done, beside the next chunk's GEMMs -> the aggregation over the
- *           entries (rank order) writes out and the saved block's header.
+ *           metadata -> the expert GEMMs chunk by chunk (one per source
+ *           rank, this rank's own in two, its first while the rows travel;
+ *           where n <= 512 every peer's rows in two halves that travel one
+ *           after the other), each chunk's partial sums back to its source
+ *           as soon as it is done, beside the next chunk's GEMMs -> the
+ *           aggregation over the entries (rank order) writes out and the
+ *           saved block's header.
  * backward  header check -> x and dout packed by entry -> NCCL (layer's
  *           stream): dout with every rank's status, then x (keep_x: the
  *           forward received x into the saved block, dout alone) -> per chunk:
