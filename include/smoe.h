@@ -478,9 +478,9 @@ typedef struct smoe_ep_desc {
     int overlap;            /* CUDA: the exchanges run beside the expert GEMMs,
                                which take the received rows in chunks (one per
                                source rank, this rank's own in two; in the
-                               forward where n <= 512 every rank's in two,
-                               the peers' halves travelling one after the
-                               other), on a
+                               forward where n <= 512 and K <= 8 every
+                               rank's in two, the peers' halves travelling
+                               one after the other), on a
                                communicator the layer splits from nccl_comm at
                                create: 1 = on (SMOE_ERROR_UNSUPPORTED without
                                the Hopper GEMMs), -1 = off (exchange, then

@@ -125,7 +125,7 @@ typedef struct ep_chunks {
                         two (halves: every source's in two), or 1
                         (exchange, then compute) */
     int halves;      /* the peers' rows travel in two halves, each its own
-                        chunk (the forward where n <= 512) */
+                        chunk (the forward where n <= 512, K <= 8) */
     ep_bounds bd;    /* chunk c: received rows [bd.b[c], bd.b[c+1]) */
     int order[EP_MAX_CHUNKS]; /* the chunks in the order they run */
     int own_b;       /* the forward: the second chunk of this rank's own

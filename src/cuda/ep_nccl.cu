@@ -455,8 +455,8 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
     } else {
         chunks_make(B, P, r, ep->C, split, 0);
     }
-    /* The forward: the backward's chunks, or, where n <= 512, every peer's
-     * rows in two halves that travel one after the other, each half its own
+    /* The forward: the backward's chunks, or, where n <= 512 and K <= 8,
+     * every peer's rows in two halves that travel one after the other, each half its own
      * chunk: the GEMMs of a received half start while the second travels,
      * and the last partial sums to leave are half a slice. Measured in
      * session 17 (2 x H200, P = 2, every chunk in halves, the backward
@@ -465,9 +465,12 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
      * slice's exchange already, and halves make smaller GEMMs); the
      * backward lost on both, so it keeps whole slices. Session 30, the
      * forward alone (same call, 3 rounds): 30B-n512 forward 72% -> 78%,
-     * total 82% -> 83%. */
+     * total 82% -> 83%. Session 31 (same machine, 3 rounds each): at K =
+     * 16 they do not pay, so K <= 8 (general routing, K = 0, too): 30B-n256
+     * total 83.5-83.9% -> 83.0-84.3%, 120B-n512 88.5-89.0% -> 87.3-88.2%
+     * (its forward 0.4-0.6 ms slower), 30B-n512 80.9-81.5% -> 81.8-83.1%. */
     *F = *B;
-    if (!X->ce && B->nc > 1 && split && ep->desc.layer.n <= 512)
+    if (!X->ce && B->nc > 1 && split && ep->desc.layer.n <= 512 && ep->desc.layer.K <= 8)
         chunks_make(F, P, r, ep->C, split, 1);
     /* The forward's own chunks split at a share of this rank's own rows
      * (found on the device), not of the C slots as the backward's (bd's C /

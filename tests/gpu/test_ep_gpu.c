@@ -25,9 +25,9 @@
  *    stops every rank (the others report its failure), out untouched;
  *  - the Hopper cases (d, n multiples of 64) run the overlapped schedule
  *    (overlap = 1: chunks, two streams, the layer's own communicator), once
- *    more with overlap = -1; where n <= 512 the forward's chunks are every
- *    peer's rows in halves (the path says so), n = 576 keeps whole slices,
- *    both with an odd capacity (unequal halves);
+ *    more with overlap = -1; where n <= 512 and K <= 8 the forward's
+ *    chunks are every peer's rows in halves (the path says so), n = 576 and
+ *    K = 16 keep whole slices, with an odd capacity (unequal halves);
  *    overlap = 1 on the portable GEMMs is refused on every rank;
  *  - copy_engines (P >= 2, Hopper): the three routing modes, a CUDA graph,
  *    keep_x (bitwise against the same case without it), an odd capacity
@@ -662,6 +662,9 @@ int main(int argc, char **argv) {
         c.D.n = 512;
         c.path_halves = 1;
         run_case("Hopper, overlap, n = 512 (halves), odd capacity", &c, &rng);
+        c.D.E = 32; c.D.K = 16; /* K > 8: whole slices again */
+        c.path_halves = 2;
+        run_case("Hopper, overlap, n = 512, K = 16 (no halves)", &c, &rng);
         c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_SM90);
         c.D.d = 128; c.D.n = 64;
         c.capacity = 4;
