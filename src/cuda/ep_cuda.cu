@@ -390,9 +390,10 @@ static smoe_status chunk_send(const smoe_ep_layer *ep, sched *z, int c, const cb
 /* The first exchange's rounds on the layer's stream, after the caller's
  * stream has packed: round k sends to r + k and receives from r - k, nb
  * buffers of rows [i0, i1) of each C-row slice (and the 8-byte message msg
- * when given); event ev_each + k after round k (ev_each < 0: none). */
+ * when given); event ev_each + k after round k (ev_each < 0: none). The
+ * send buffers hold a slice per rank, or with whole (x itself) one for all. */
 static smoe_status rounds(const smoe_ep_layer *ep, const cbuf *b, int nb, const int32_t *msg_send,
-                          int32_t *msg_recv, int64_t i0, int64_t i1, int ev_each)
+                          int32_t *msg_recv, int64_t i0, int64_t i1, int ev_each, int whole)
 {
     const ep_cuda *X = ep->cuda;
     const int P = ep->P, r = ep->r;
@@ -401,7 +402,7 @@ static smoe_status rounds(const smoe_ep_layer *ep, const cbuf *b, int nb, const 
         p2p_op op[4];
         int n = 0;
         for (int i = 0; i < nb && i < 3; i++, n++) {
-            op[n].send = b[i].send + (size_t)((int64_t)to * ep->C + i0) * b[i].row;
+            op[n].send = b[i].send + (size_t)((whole ? 0 : (int64_t)to * ep->C) + i0) * b[i].row;
             op[n].recv = b[i].recv + (size_t)((int64_t)from * ep->C + i0) * b[i].row;
             op[n].bytes = (size_t)(i1 - i0) * b[i].row;
             op[n].to = to;
@@ -419,6 +420,21 @@ static smoe_status rounds(const smoe_ep_layer *ep, const cbuf *b, int nb, const 
         if (ev_each >= 0) SMOE_CUDA_CHECK(cudaEventRecord(X->ev[ev_each + k], X->cs));
     }
     return SMOE_SUCCESS;
+}
+
+/* Does x itself travel? Where this rank's T is the capacity, on NCCL's
+ * kernels with the overlap: each peer's slice is x whole (position i =
+ * token i; the rows a peer has no pair for travel unused), so the peers'
+ * rows need no pack and leave at the forward's start, beside the routing,
+ * while the counts and pairs go on the messages' communicator; the
+ * backward sends dout and x themselves likewise. Same bytes as the packed
+ * slices (every exchange moves whole C-row slices), same rows in the same
+ * order on the expert side (a peer's rows stay in token order), so the
+ * same bits. A rank with fewer tokens packs (its x is shorter than a
+ * slice); the receivers do not need to know which a peer did. */
+static int ep_whole_x(const smoe_ep_layer *ep, int64_t T)
+{
+    return ep->cuda->whole_x && ep->P > 1 && T > 0 && T == ep->C;
 }
 
 static smoe_status fork_streams(const smoe_ep_layer *ep, cudaStream_t s)
@@ -557,6 +573,25 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
     smoe_status r = SMOE_SUCCESS;
     {
         TRY(smoe_cuda_status_reset(st, s));
+        const ep_chunks *K = &X->fw;
+        /* keep_x: the rows of x arrive in the saved block, for the backward
+         * (a refused call's header says so: no backward reads them) */
+        bf16 *recv_rows = X->ce ? (bf16 *)X->rows_recv
+                          : training && ep->desc.keep_x ? (bf16 *)(sb + S.xkeep)
+                                                        : (bf16 *)(ws + W.recv_rows);
+        bf16 *send_rows = X->ce ? (bf16 *)X->rows_send : (bf16 *)(ws + W.send_rows);
+        /* x itself to every peer, before the routing */
+        const int whole = ep_whole_x(ep, T);
+        if (whole) {
+            TRY(fork_streams(ep, s));
+            const cbuf rb[1] = {{(const char *)args->x, (char *)recv_rows, row}};
+            if (K->halves) {
+                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C / 2, EV_IN, 1));
+                TRY(rounds(ep, rb, 1, NULL, NULL, C / 2, C, EV_IN + P, 1));
+            } else {
+                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C, EV_IN, 1));
+            }
+        }
         int32_t *toff = (int32_t *)(sb + S.token_offset);
         int32_t *aexp = (int32_t *)(sb + S.assign_expert);
         float *ascore = (float *)(sb + S.row_score);
@@ -585,12 +620,6 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         /* 2. entries, their slots, the pack */
         int32_t *dest = (int32_t *)(ws + W.ent_dest), *pidx = (int32_t *)(sb + S.pidx);
         int32_t *ent_off = (int32_t *)(sb + S.ent_off), *eoff = (int32_t *)(ws + W.eoff);
-        /* keep_x: the rows of x arrive in the saved block, for the backward
-         * (a refused call's header says so: no backward reads them) */
-        bf16 *recv_rows = X->ce ? (bf16 *)X->rows_recv
-                          : training && ep->desc.keep_x ? (bf16 *)(sb + S.xkeep)
-                                                        : (bf16 *)(ws + W.recv_rows);
-        bf16 *send_rows = X->ce ? (bf16 *)X->rows_send : (bf16 *)(ws + W.send_rows);
         if (T > 0) {
             k_ep_entries<<<blocks_for(T, 128), 128, 0, s>>>(
                 (int)T, P, El, (int)Kq, toff, aexp, dest, (int32_t *)(ws + W.ent_token),
@@ -608,10 +637,15 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             TRY(smoe_cuda_metadata(P, n_ent, en, eoff, (int32_t *)(ws + W.ent_row),
                                    (int32_t *)(ws + W.rtok), (float *)(ws + W.rsc), NULL,
                                    ws + W.md, s));
+            /* whole: every position of a peer's slice is read, the tokens
+             * without a pair there as pairs of expert -1 */
+            if (whole)
+                TRYC(cudaMemsetAsync(ws + W.send_pairs, 0xff,
+                                     (size_t)P * (size_t)C * (size_t)Km * sizeof(pair_msg), s));
             k_ep_pack<<<blocks_for(n_ent * 32, 256), 256, 0, s>>>(
                 n_ent, (int)Kq, X->sl, (int)Km, El, d, (const bf16 *)args->x, toff, aexp,
-                ascore, dest, (int32_t *)(ws + W.ent_row), eoff, pidx, send_rows, recv_rows,
-                (pair_msg *)(ws + W.send_pairs), abort);
+                ascore, dest, (int32_t *)(ws + W.ent_row), eoff, whole, pidx, send_rows,
+                recv_rows, (pair_msg *)(ws + W.send_pairs), abort);
             TRYL("k_ep_pack");
         } else {
             TRYC(cudaMemsetAsync(eoff, 0, (size_t)(P + 1) * 4, s));
@@ -622,17 +656,17 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         int32_t *msg2_recv = (int32_t *)(ws + W.msg2_recv);
         /* the second message is read from every peer (none comes when C = 0) */
         TRYC(cudaMemsetAsync(msg2_recv, 0, (size_t)P * 8, s));
-        k_ep_msg<<<1, 32, 0, s>>>(P, C, eoff, msg_send, st, rep);
+        k_ep_msg<<<1, 32, 0, s>>>(P, self, C, eoff, whole ? (int)T : -1, msg_send, st, rep);
         TRYL("k_ep_msg");
-        /* 3. counts, status and pairs (small: on this stream), then the rows
-         * on the layer's stream */
+        /* 3. counts, status and pairs (small: on this stream, on the
+         * messages' communicator where there is one), then the rows on the
+         * layer's stream (whole: on their way already) */
         const cbuf x1[2] = {{(const char *)msg_send, (char *)msg_recv, 8},
                             {ws + W.send_pairs, ws + W.recv_pairs,
                              (size_t)C * (size_t)Km * sizeof(pair_msg)}};
-        TRY(smoe_ep_alltoall(ep, x1, 2, s));
+        TRY(smoe_ep_alltoall(ep, x1, 2, 1, s));
         k_ep_peers<<<1, 32, 0, s>>>(P, self, msg_recv, st, rep);
         TRYL("k_ep_peers");
-        const ep_chunks *K = &X->fw;
         sched z = sched_make(ep, K);
         if (P > 1 && X->ce) {
             /* copy engines: part h of every slice, one all-to-all each */
@@ -647,14 +681,14 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             if (training && ep->desc.keep_x)
                 TRYC(cudaMemcpyAsync(sb + S.xkeep, recv_rows, (size_t)Tv * row,
                                      cudaMemcpyDeviceToDevice, X->cs));
-        } else if (P > 1) {
+        } else if (P > 1 && !whole) {
             TRY(fork_streams(ep, s));
             const cbuf rb[1] = {{(const char *)send_rows, (char *)recv_rows, row}};
             if (K->halves) { /* every slice's first halves, then the second */
-                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C / 2, EV_IN));
-                TRY(rounds(ep, rb, 1, NULL, NULL, C / 2, C, EV_IN + P));
+                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C / 2, EV_IN, 0));
+                TRY(rounds(ep, rb, 1, NULL, NULL, C / 2, C, EV_IN + P, 0));
             } else {
-                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C, EV_IN));
+                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C, EV_IN, 0));
             }
         }
         /* 4. the expert side's triples and metadata */
@@ -736,7 +770,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         if (X->ce && P > 1) {
             /* every rank's status after its row check, with the partials */
             const cbuf m2[1] = {{(const char *)msg2_send, (char *)msg2_recv, 8}};
-            TRY(smoe_ep_alltoall(ep, m2, 1, X->cs));
+            TRY(smoe_ep_alltoall(ep, m2, 1, 0, X->cs));
         }
         for (int i = 0; !X->ce && i < K->nc; i++) {
             const int c = K->order[i];
@@ -830,9 +864,12 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         bf16 *rx = keep ? (bf16 *)(sb + S.xkeep)
                    : X->ce ? (bf16 *)X->rows_recv : (bf16 *)(ws + W.recv_rows);
         bf16 *rdo = X->ce ? (bf16 *)X->do_recv : (bf16 *)(ws + W.recv_do);
-        if (n_ent > 0) {
+        /* whole: x and dout themselves travel, this rank's own rows packed
+         * after the exchanges are on their way */
+        const int whole = ep_whole_x(ep, T);
+        if (n_ent > 0 && !whole) {
             k_ep_pack2<<<blocks_for(n_ent * 32, 256), 256, 0, s>>>(
-                n_ent, (int)Kq, d, X->sl, (const bf16 *)args->x, (const bf16 *)args->dout,
+                n_ent, (int)Kq, d, X->sl, 0, (const bf16 *)args->x, (const bf16 *)args->dout,
                 pidx, sx, sdo, rx, rdo, abort);
             TRYL("k_ep_pack2");
         }
@@ -849,7 +886,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             /* the status messages, then dout part by part, then x */
             TRY(fork_streams(ep, s));
             const cbuf mb[1] = {{(const char *)msg_send, (char *)msg_recv, 8}};
-            TRY(smoe_ep_alltoall(ep, mb, 1, X->cs));
+            TRY(smoe_ep_alltoall(ep, mb, 1, 0, X->cs));
             const size_t part_bytes = (size_t)X->sl.Ch * row;
             for (int h = 0; h < X->sl.H; h++) {
                 const size_t o = (size_t)h * (size_t)P * part_bytes;
@@ -867,13 +904,21 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             TRY(fork_streams(ep, s));
             /* dout with the status message, then x (keep_x: none); EV_X
              * marks the end of what the backward receives */
-            const cbuf db[1] = {{(const char *)sdo, (char *)rdo, (size_t)d * 2}};
-            TRY(rounds(ep, db, 1, msg_send, msg_recv, 0, C, EV_IN));
+            const cbuf db[1] = {{whole ? (const char *)args->dout : (const char *)sdo, (char *)rdo,
+                                 (size_t)d * 2}};
+            TRY(rounds(ep, db, 1, msg_send, msg_recv, 0, C, EV_IN, whole));
             if (!keep) {
-                const cbuf xb[1] = {{(const char *)sx, (char *)rx, (size_t)d * 2}};
-                TRY(rounds(ep, xb, 1, NULL, NULL, 0, C, -1));
+                const cbuf xb[1] = {{whole ? (const char *)args->x : (const char *)sx, (char *)rx,
+                                     (size_t)d * 2}};
+                TRY(rounds(ep, xb, 1, NULL, NULL, 0, C, -1, whole));
             }
             TRYC(cudaEventRecord(X->ev[EV_X], X->cs));
+        }
+        if (n_ent > 0 && whole) {
+            k_ep_pack2<<<blocks_for(n_ent * 32, 256), 256, 0, s>>>(
+                n_ent, (int)Kq, d, X->sl, 1, (const bf16 *)args->x, (const bf16 *)args->dout,
+                pidx, sx, sdo, rx, rdo, abort);
+            TRYL("k_ep_pack2");
         }
         /* per chunk: dH, dS and dX~, the chunk's dx partials and dS back */
         bf16 *dh = (bf16 *)(ws + W.dh), *a_scaled = (bf16 *)(ws + W.a_scaled);

@@ -40,9 +40,11 @@ typedef struct p2p_op {
 
 /* One group of point-to-point pairs on stream s, over the layer's
  * communicator; the exchange of n <= 2 buffers with every rank, itself
- * included (rank r's slice q goes to rank q's slice r). */
+ * included (rank r's slice q goes to rank q's slice r), over the layer's
+ * communicator or (msg = 1) its messages' one where it has one. */
 smoe_status smoe_ep_p2p_group(const smoe_ep_layer *ep, const p2p_op *op, int n, cudaStream_t s);
-smoe_status smoe_ep_alltoall(const smoe_ep_layer *ep, const cbuf *x, int n, cudaStream_t s);
+smoe_status smoe_ep_alltoall(const smoe_ep_layer *ep, const cbuf *x, int n, int msg,
+                             cudaStream_t s);
 /* Copy engines: ncclAlltoAll of `bytes` per rank from send to recv (both in
  * the layer's symmetric window) on the layer's zero-CTA communicator. */
 smoe_status smoe_ep_ce_alltoall(const smoe_ep_layer *ep, const char *send, char *recv, size_t bytes,
@@ -141,6 +143,12 @@ typedef struct ep_cuda {
                         at create: clusters of one CTA, at most comm_sms CTAs);
                         else the caller's */
     int own_comm;
+    nccl_comm mcomm; /* with overlap on NCCL's kernels: a second one (one CTA)
+                        for the forward's counts and pairs, which then need
+                        not wait behind the rows (NCCL runs one
+                        communicator's calls one after the other) */
+    int whole_x;     /* a rank whose T is the capacity sends x itself, from
+                        the forward's start (ep_cuda.cu's ep_whole_x) */
     cudaStream_t cs;
     cudaEvent_t *ev;
     int n_ev;
@@ -176,10 +184,11 @@ __global__ void k_ep_pack(int64_t n_ent, int Kq, ep_slots sl, int Km, int64_t El
                           const bf16 *__restrict__ x, const int32_t *__restrict__ toff,
                           const int32_t *__restrict__ aexp, const float *__restrict__ ascore,
                           const int32_t *__restrict__ dest, const int32_t *__restrict__ ent_row,
-                          const int32_t *__restrict__ eoff, int32_t *pidx, bf16 *send_rows,
-                          bf16 *recv_rows, pair_msg *send_pairs, const int *abort);
-__global__ void k_ep_msg(int P, int64_t C, const int32_t *__restrict__ eoff, int32_t *msg,
-                         smoe_dev_status *st, smoe_dev_report rep);
+                          const int32_t *__restrict__ eoff, int whole, int32_t *pidx,
+                          bf16 *send_rows, bf16 *recv_rows, pair_msg *send_pairs,
+                          const int *abort);
+__global__ void k_ep_msg(int P, int self, int64_t C, const int32_t *__restrict__ eoff, int whole,
+                         int32_t *msg, smoe_dev_status *st, smoe_dev_report rep);
 __global__ void k_ep_peers(int P, int self, const int32_t *__restrict__ msg, smoe_dev_status *st,
                            smoe_dev_report rep);
 __global__ void k_ep_row_counts(int64_t Tv, ep_slots sl, int Km, const int32_t *__restrict__ msg,
@@ -202,7 +211,7 @@ __global__ void k_ep_outputs(int T, int E, const int32_t *__restrict__ toff,
                              const int32_t *__restrict__ aexp, int32_t *counts,
                              const float *__restrict__ lg, void *lg_out, int lg_bf16,
                              const int *abort);
-__global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, ep_slots sl,
+__global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, ep_slots sl, int own_only,
                            const bf16 *__restrict__ x, const bf16 *__restrict__ dout,
                            const int32_t *__restrict__ pidx, bf16 *sx, bf16 *sdo, bf16 *rx,
                            bf16 *rdo, const int *abort);

@@ -47,13 +47,16 @@ __global__ void k_ep_entries(int T, int P, int64_t El, int Kq, const int32_t *__
 /* One warp per entry: its partial row pidx = ep_slot(q, i) of its
  * position i among the rows for q (-1: none, or i past capacity), x's row
  * to send[pidx] (recv[pidx] for this rank's own experts: no exchange), the
- * token's pairs on q (pick order) to pairs[(q C + i) Km ...]. */
+ * token's pairs on q (pick order) to pairs[(q C + i) Km ...]. whole: x
+ * itself is the peers' slice, so a peer's position is the token's and its
+ * row is not copied. */
 __global__ void k_ep_pack(int64_t n_ent, int Kq, ep_slots sl, int Km, int64_t El, int64_t d,
                           const bf16 *__restrict__ x, const int32_t *__restrict__ toff,
                           const int32_t *__restrict__ aexp, const float *__restrict__ ascore,
                           const int32_t *__restrict__ dest, const int32_t *__restrict__ ent_row,
-                          const int32_t *__restrict__ eoff, int32_t *pidx, bf16 *send_rows,
-                          bf16 *recv_rows, pair_msg *send_pairs, const int *abort)
+                          const int32_t *__restrict__ eoff, int whole, int32_t *pidx,
+                          bf16 *send_rows, bf16 *recv_rows, pair_msg *send_pairs,
+                          const int *abort)
 {
     SMOE_DEV_RETURN_IF_ABORTED(abort);
     const int lane = threadIdx.x & 31;
@@ -61,9 +64,10 @@ __global__ void k_ep_pack(int64_t n_ent, int Kq, ep_slots sl, int Km, int64_t El
     if (e >= n_ent) return;
     const int q = dest[e];
     const int t = (int)(e / Kq);
+    const int peer = whole && q != sl.self;
     int64_t p = -1, u = -1;
     if (q >= 0) {
-        const int64_t i = (int64_t)ent_row[e] - eoff[q];
+        const int64_t i = peer ? (int64_t)t : (int64_t)ent_row[e] - eoff[q];
         if (i < sl.C) {
             p = ep_slot(sl, q, i);
             u = (int64_t)q * sl.C + i;
@@ -73,7 +77,7 @@ __global__ void k_ep_pack(int64_t n_ent, int Kq, ep_slots sl, int Km, int64_t El
     if (p < 0) return;
     const uint4 *src = reinterpret_cast<const uint4 *>(x + (int64_t)t * d);
     uint4 *dst = reinterpret_cast<uint4 *>((q == sl.self ? recv_rows : send_rows) + p * d);
-    for (int64_t i = lane; i < d / 8; i += 32) dst[i] = src[i];
+    for (int64_t i = lane; !peer && i < d / 8; i += 32) dst[i] = src[i];
     if (lane == 0) {
         int k = 0;
         for (int a = toff[t]; a < toff[t + 1]; ++a) {
@@ -94,13 +98,14 @@ __global__ void k_ep_pack(int64_t n_ent, int Kq, ep_slots sl, int Km, int64_t El
 }
 
 /* The counts message to every rank: [rows for it, this rank's status]; a
- * destination past capacity sets the status (the first such rank). */
-__global__ void k_ep_msg(int P, int64_t C, const int32_t *__restrict__ eoff, int32_t *msg,
-                         smoe_dev_status *st, smoe_dev_report rep)
+ * destination past capacity sets the status (the first such rank). whole
+ * (>= 0): every peer gets the whole slice of `whole` rows (x itself). */
+__global__ void k_ep_msg(int P, int self, int64_t C, const int32_t *__restrict__ eoff, int whole,
+                         int32_t *msg, smoe_dev_status *st, smoe_dev_report rep)
 {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     for (int q = 0; q < P; ++q) {
-        const int c = eoff[q + 1] - eoff[q];
+        const int c = whole >= 0 && q != self ? whole : eoff[q + 1] - eoff[q];
         if (c > C && st->code == SMOE_DEV_OK) {
             st->code = SMOE_DEV_EP_OVERFLOW;
             st->first_bad = q;
@@ -110,7 +115,7 @@ __global__ void k_ep_msg(int P, int64_t C, const int32_t *__restrict__ eoff, int
         }
     }
     for (int q = 0; q < P; ++q) {
-        msg[2 * q] = eoff[q + 1] - eoff[q];
+        msg[2 * q] = whole >= 0 && q != self ? whole : eoff[q + 1] - eoff[q];
         msg[2 * q + 1] = st->code;
     }
 }
@@ -271,8 +276,9 @@ __global__ void k_ep_outputs(int T, int E, const int32_t *__restrict__ toff,
 }
 
 /* Backward: x and dout rows to the entries' partial rows (this rank's own
- * straight into the receive buffers); dout alone where sx is NULL (keep_x). */
-__global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, ep_slots sl,
+ * straight into the receive buffers); dout alone where sx is NULL (keep_x);
+ * this rank's own alone with own_only (x and dout themselves travel). */
+__global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, ep_slots sl, int own_only,
                            const bf16 *__restrict__ x, const bf16 *__restrict__ dout,
                            const int32_t *__restrict__ pidx, bf16 *sx, bf16 *sdo, bf16 *rx,
                            bf16 *rdo, const int *abort)
@@ -285,6 +291,7 @@ __global__ void k_ep_pack2(int64_t n_ent, int Kq, int64_t d, ep_slots sl,
     if (p < 0) return;
     const uint4 *b = reinterpret_cast<const uint4 *>(dout + t * d);
     const bool own = ep_slot_is_own(sl, p);
+    if (own_only && !own) return; /* x and dout themselves travel */
     uint4 *db = reinterpret_cast<uint4 *>((own ? rdo : sdo) + p * d);
     if (!sx) { /* keep_x: the received x rows are the saved block's */
         for (int64_t i = lane; i < d / 8; i += 32) db[i] = b[i];

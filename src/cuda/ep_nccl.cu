@@ -131,9 +131,8 @@ static nccl_comm comm_of(const smoe_ep_layer *ep)
     return ep->cuda && ep->cuda->comm ? ep->cuda->comm : (nccl_comm)ep->desc.nccl_comm;
 }
 
-smoe_status smoe_ep_p2p_group(const smoe_ep_layer *ep, const p2p_op *op, int n, cudaStream_t s)
+static smoe_status p2p_group(nccl_comm comm, const p2p_op *op, int n, cudaStream_t s)
 {
-    nccl_comm comm = comm_of(ep);
     NCCL_CHECK(g_nccl.GroupStart());
     for (int i = 0; i < n; i++) {
         if (!op[i].bytes) continue;
@@ -149,9 +148,15 @@ smoe_status smoe_ep_p2p_group(const smoe_ep_layer *ep, const p2p_op *op, int n, 
     return SMOE_SUCCESS;
 }
 
+smoe_status smoe_ep_p2p_group(const smoe_ep_layer *ep, const p2p_op *op, int n, cudaStream_t s)
+{
+    return p2p_group(comm_of(ep), op, n, s);
+}
+
 /* The exchange of several buffers with every rank, itself included (n <= 2):
  * rank r's slice q (x[b].row bytes) goes to rank q's slice r. */
-smoe_status smoe_ep_alltoall(const smoe_ep_layer *ep, const cbuf *x, int n, cudaStream_t s)
+smoe_status smoe_ep_alltoall(const smoe_ep_layer *ep, const cbuf *x, int n, int msg,
+                             cudaStream_t s)
 {
     p2p_op op[2 * 64];
     int k = 0;
@@ -163,7 +168,7 @@ smoe_status smoe_ep_alltoall(const smoe_ep_layer *ep, const cbuf *x, int n, cuda
             op[k].to = op[k].from = q;
             k++;
         }
-    return smoe_ep_p2p_group(ep, op, k, s);
+    return p2p_group(msg && ep->cuda && ep->cuda->mcomm ? ep->cuda->mcomm : comm_of(ep), op, k, s);
 }
 
 smoe_status smoe_ep_ce_alltoall(const smoe_ep_layer *ep, const char *send, char *recv, size_t bytes,
@@ -350,6 +355,7 @@ void smoe_ep_cuda_free(smoe_ep_layer *ep)
     if (X->cs) cudaStreamDestroy(X->cs);
     ce_release(X);
     if (X->own_comm && X->comm) g_nccl.CommDestroy(X->comm);
+    if (X->mcomm) g_nccl.CommDestroy(X->mcomm);
     if (have) cudaSetDevice(prev);
     free(X->ev);
     free(X);
@@ -526,6 +532,19 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
                              g_nccl.GetErrorString(nr));
         X->comm = mine;
         X->own_comm = 1;
+        /* NCCL's kernels: x itself travels from the forward's start where
+         * a rank's T is the capacity, and its counts and pairs, which the
+         * expert side needs first, on a second communicator beside it */
+        if (!X->ce) {
+            cfg.maxCTAs = 1;
+            mine = NULL;
+            nr = g_nccl.CommSplit((nccl_comm)ep->desc.nccl_comm, 0, r, &mine, &cfg);
+            SMOE_RETURN_ERROR_IF(nr != NCCL_OK || !mine, SMOE_ERROR_BACKEND,
+                                 "%s: ncclCommSplit (the messages' communicator): %s", fn,
+                                 g_nccl.GetErrorString(nr));
+            X->mcomm = mine;
+            X->whole_x = 1;
+        }
     }
     if (X->ce) {
         SMOE_RETURN_ERROR_IF(!ce_syms,
@@ -552,12 +571,14 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
     else if (B->nc > 1 && F->halves)
         snprintf(ep->path, sizeof ep->path,
                  "%s; ep: overlap, %d chunks (forward: %d, every peer's rows in halves), %d SMs "
-                 "left to NCCL beside the GEMMs",
-                 smoe_layer_path_name(ep->experts), B->nc, F->nc, X->g.num_sms - X->sms_overlap);
+                 "left to NCCL beside the GEMMs%s",
+                 smoe_layer_path_name(ep->experts), B->nc, F->nc, X->g.num_sms - X->sms_overlap,
+                 X->whole_x ? "; x itself sent where T = capacity" : "");
     else if (B->nc > 1)
         snprintf(ep->path, sizeof ep->path,
-                 "%s; ep: overlap, %d chunks, %d SMs left to NCCL beside the GEMMs",
-                 smoe_layer_path_name(ep->experts), B->nc, X->g.num_sms - X->sms_overlap);
+                 "%s; ep: overlap, %d chunks, %d SMs left to NCCL beside the GEMMs%s",
+                 smoe_layer_path_name(ep->experts), B->nc, X->g.num_sms - X->sms_overlap,
+                 X->whole_x ? "; x itself sent where T = capacity" : "");
     else
         snprintf(ep->path, sizeof ep->path, "%s; ep: no overlap (exchange, then compute)",
                  smoe_layer_path_name(ep->experts));

@@ -28,6 +28,10 @@
  *    more with overlap = -1; where n <= 512 and K <= 8 the forward's
  *    chunks are every peer's rows in halves (the path says so), n = 576 and
  *    K = 16 keep whole slices, with an odd capacity (unequal halves);
+ *    every rank at capacity (x itself travels: with a CUDA graph, with
+ *    halves and keep_x, with every pair on one rank's experts; the uneven
+ *    cases have one rank at capacity and the others packing), and without
+ *    the overlap (packed: the path must not say it);
  *    overlap = 1 on the portable GEMMs is refused on every rank;
  *  - copy_engines (P >= 2, Hopper): the three routing modes, a CUDA graph,
  *    keep_x (bitwise against the same case without it), an odd capacity
@@ -82,6 +86,8 @@ typedef struct gcase {
     int path_ce;       /* 1: the path name must say copy engines, 2: must not */
     int path_halves;   /* 1: the path name must say the forward's peer rows
                           travel in halves, 2: must not */
+    int path_whole;    /* 1: at P >= 2 the path name must say x itself travels
+                          where T = capacity, 2: must not */
     int share;         /* a second layer of the same description (copy engines:
                           it shares the first's window) runs the second run */
     int logits;        /* token choice: router logits out and a dlogits_extra in,
@@ -104,6 +110,7 @@ typedef struct grank {
     int untouched; /* overflow: out still the poison */
     int ce_on;     /* the path name says copy engines */
     int halves_on; /* the path name says the forward's halves */
+    int whole_on;  /* the path name says x itself travels where T = capacity */
     int inf_same;  /* an inference forward gave the training forward's out */
 } grank;
 
@@ -140,6 +147,7 @@ static void *rank_main(void *arg) {
     }
     R->ce_on = strstr(smoe_ep_layer_path_name(L), "ep: copy engines") != NULL;
     R->halves_on = strstr(smoe_ep_layer_path_name(L), "rows in halves") != NULL;
+    R->whole_on = strstr(smoe_ep_layer_path_name(L), "x itself sent") != NULL;
     smoe_ep_layer *L1 = L, *L2 = NULL;
     if (c->share) {
         R->st_create = smoe_ep_layer_create(&ed, &L2);
@@ -451,6 +459,10 @@ static void run_case(const char *name, const gcase *c, tu_rng *rng) {
             CHECK(R[q].halves_on == (c->path_halves == 1),
                   "rank %d: the path %s the forward's halves", q,
                   c->path_halves == 1 ? "does not say" : "says");
+        for (int q = 0; q < NP && ok && NP > 1 && c->path_whole; q++)
+            CHECK(R[q].whole_on == (c->path_whole == 1),
+                  "rank %d: the path %s that x itself travels", q,
+                  c->path_whole == 1 ? "does not say" : "says");
         for (int q = 0; q < NP && ok; q++)
             CHECK(R[q].inf_same, "rank %d: the inference forward's out differs from training's",
                   q);
@@ -644,6 +656,36 @@ int main(int argc, char **argv) {
         c.Tr[0] = 58;
         c.overlap = 1;
         run_case("Hopper, overlap, uneven, rank 1 without tokens", &c, &rng);
+        /* every rank at capacity: x itself travels (the uneven cases have
+         * their largest rank at capacity and the others packing) */
+        c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 64;
+        for (int q = 0; q < P; q++) c.Tr[q] = 64;
+        c.overlap = 1;
+        c.graph = 1;
+        c.path_whole = 1;
+        run_case("Hopper, overlap, every rank at capacity (x itself travels)", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_SOFTMAX_TOPK, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 512;
+        for (int q = 0; q < P; q++) c.Tr[q] = 77;
+        c.overlap = 1;
+        c.keep_x = 1;
+        c.accumulate = 1;
+        c.path_halves = 1;
+        c.path_whole = 1;
+        run_case("Hopper, overlap, at capacity, halves, keep_x", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_GENERAL, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 64;
+        for (int q = 0; q < P; q++) c.Tr[q] = 50;
+        c.one_rank = 1;
+        c.overlap = 1;
+        run_case("Hopper, overlap, at capacity, every pair on rank 0's experts", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 64;
+        for (int q = 0; q < P; q++) c.Tr[q] = 64;
+        c.overlap = -1;
+        c.path_whole = 2;
+        run_case("Hopper, no overlap, at capacity (rows packed)", &c, &rng);
         c = base_case(P, SMOE_ROUTING_GENERAL, SMOE_BACKEND_SM90);
         c.D.d = 128; c.D.n = 64;
         c.one_rank = 1;
