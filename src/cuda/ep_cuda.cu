@@ -580,18 +580,12 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
                           : training && ep->desc.keep_x ? (bf16 *)(sb + S.xkeep)
                                                         : (bf16 *)(ws + W.recv_rows);
         bf16 *send_rows = X->ce ? (bf16 *)X->rows_send : (bf16 *)(ws + W.send_rows);
-        /* x itself to every peer, before the routing */
+        /* x itself to every peer: its exchange's stream waits for nothing
+         * after this point (enqueued after the counts all the same: NCCL
+         * connects a communicator's peers at its first call, a wait for the
+         * peer's host, so every rank calls the communicators in one order) */
         const int whole = ep_whole_x(ep, T);
-        if (whole) {
-            TRY(fork_streams(ep, s));
-            const cbuf rb[1] = {{(const char *)args->x, (char *)recv_rows, row}};
-            if (K->halves) {
-                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C / 2, EV_IN, 1));
-                TRY(rounds(ep, rb, 1, NULL, NULL, C / 2, C, EV_IN + P, 1));
-            } else {
-                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C, EV_IN, 1));
-            }
-        }
+        if (whole) TRY(fork_streams(ep, s));
         int32_t *toff = (int32_t *)(sb + S.token_offset);
         int32_t *aexp = (int32_t *)(sb + S.assign_expert);
         float *ascore = (float *)(sb + S.row_score);
@@ -660,7 +654,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         TRYL("k_ep_msg");
         /* 3. counts, status and pairs (small: on this stream, on the
          * messages' communicator where there is one), then the rows on the
-         * layer's stream (whole: on their way already) */
+         * layer's stream (whole: forked before the routing) */
         const cbuf x1[2] = {{(const char *)msg_send, (char *)msg_recv, 8},
                             {ws + W.send_pairs, ws + W.recv_pairs,
                              (size_t)C * (size_t)Km * sizeof(pair_msg)}};
@@ -681,14 +675,15 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             if (training && ep->desc.keep_x)
                 TRYC(cudaMemcpyAsync(sb + S.xkeep, recv_rows, (size_t)Tv * row,
                                      cudaMemcpyDeviceToDevice, X->cs));
-        } else if (P > 1 && !whole) {
-            TRY(fork_streams(ep, s));
-            const cbuf rb[1] = {{(const char *)send_rows, (char *)recv_rows, row}};
+        } else if (P > 1) {
+            if (!whole) TRY(fork_streams(ep, s));
+            const cbuf rb[1] = {{whole ? (const char *)args->x : (const char *)send_rows,
+                                 (char *)recv_rows, row}};
             if (K->halves) { /* every slice's first halves, then the second */
-                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C / 2, EV_IN, 0));
-                TRY(rounds(ep, rb, 1, NULL, NULL, C / 2, C, EV_IN + P, 0));
+                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C / 2, EV_IN, whole));
+                TRY(rounds(ep, rb, 1, NULL, NULL, C / 2, C, EV_IN + P, whole));
             } else {
-                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C, EV_IN, 0));
+                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C, EV_IN, whole));
             }
         }
         /* 4. the expert side's triples and metadata */
