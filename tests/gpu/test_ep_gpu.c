@@ -349,6 +349,8 @@ static void *rank_main(void *arg) {
 
 static void run_case(const char *name, const gcase *c, tu_rng *rng) {
     const int NP = c->P;
+    printf("case P = %d: %s\n", NP, name); /* where a hang stopped, in the log */
+    fflush(stdout);
     smoe_layer_desc D = c->D;
     int64_t T = 0;
     for (int q = 0; q < NP; q++) T += c->Tr[q];
