@@ -15,11 +15,16 @@
  *           metadata -> the expert GEMMs chunk by chunk (one per source
  *           rank, this rank's own in two, its first while the rows travel;
  *           where n <= 512 and K <= 8 every peer's rows in two halves
- *           that travel one after the other), each chunk's partial sums back to its source
- *           as soon as it is done, beside the next chunk's GEMMs -> the
- *           aggregation over the entries (rank order) writes out and the
- *           saved block's header.
- * backward  header check -> x and dout packed by entry -> NCCL (layer's
+ *           that travel one after the other), each chunk's partial sums
+ *           back to its source as soon as it is done, beside the next
+ *           chunk's GEMMs -> the aggregation over the entries (rank order)
+ *           writes out and the saved block's header. Where this rank's T
+ *           is the capacity (overlap on NCCL's kernels), x itself is every
+ *           peer's slice: no pack of the peers' rows, and their exchange
+ *           waits only for x (ep_whole_x).
+ * backward  header check -> x and dout packed by entry (x and dout
+ *           themselves where the forward sent x itself: this rank's own
+ *           rows alone, after the exchanges are on their way) -> NCCL (layer's
  *           stream): dout with every rank's status, then x (keep_x: the
  *           forward received x into the saved block, dout alone) -> per chunk:
  *           dH and dS, dX~, the chunk's dx partial sums and dS back to the

@@ -146,7 +146,9 @@ typedef struct ep_cuda {
     nccl_comm mcomm; /* with overlap on NCCL's kernels: a second one (one CTA)
                         for the forward's counts and pairs, which then need
                         not wait behind the rows (NCCL runs one
-                        communicator's calls one after the other) */
+                        communicator's calls one after the other; every
+                        rank calls mcomm first, then comm: NCCL connects a
+                        communicator's peers at its first call) */
     int whole_x;     /* a rank whose T is the capacity sends x itself, from
                         the forward's start (ep_cuda.cu's ep_whole_x) */
     cudaStream_t cs;
