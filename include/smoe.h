@@ -480,9 +480,13 @@ typedef struct smoe_ep_desc {
                                source rank, this rank's own in two; in the
                                forward where n <= 512 and K <= 8 every
                                rank's in two, the peers' halves travelling
-                               one after the other), on a
-                               communicator the layer splits from nccl_comm at
-                               create: 1 = on (SMOE_ERROR_UNSUPPORTED without
+                               one after the other), on a communicator the
+                               layer splits from nccl_comm at create (on
+                               NCCL's kernels a second, of one CTA, for the
+                               forward's counts; a rank whose T is the
+                               capacity then sends x itself from the
+                               forward's start, no pack of its rows):
+                               1 = on (SMOE_ERROR_UNSUPPORTED without
                                the Hopper GEMMs), -1 = off (exchange, then
                                compute), 0 = on where the Hopper GEMMs run and
                                capacity * d * 2 >= 128 MiB (where it measured
@@ -535,7 +539,7 @@ SMOE_API smoe_ep_desc smoe_ep_desc_default(void);
 
 typedef struct smoe_ep_layer smoe_ep_layer; /* opaque */
 SMOE_API smoe_status smoe_ep_layer_create(const smoe_ep_desc *desc, smoe_ep_layer **out);
-/* NULL is fine. With desc.overlap the layer owns a communicator split from
+/* NULL is fine. With desc.overlap the layer owns communicators split from
  * the caller's, destroyed here: ncclCommDestroy waits until every CUDA
  * graph that captured this layer's calls is destroyed, so destroy those
  * graphs first (or free the layer where a wait does no harm). */

@@ -16,7 +16,9 @@ wrapper does), with the libnccl this process already has (PyTorch's):
     out, aux_loss = layer(x)          # x: this rank's tokens (..., 1024)
 
 Calls are collective: every rank runs forward and backward of the layer
-together (T may differ per rank, at most max_tokens). The router weight is
+together (T may differ per rank, at most max_tokens; with the overlap on
+NCCL's kernels a rank whose T is the capacity, max_tokens by default, sends
+x itself, with no pack of its rows). The router weight is
 replicated: its gradient here is this rank's share, to be summed over the
 group like any replicated parameter's (DDP does; or layer.reduce_router_grad()).
 The expert weights are this rank's own: do not average them over the group.
