@@ -439,7 +439,7 @@ static smoe_status rounds(const smoe_ep_layer *ep, const cbuf *b, int nb, const 
  * slice); the receivers do not need to know which a peer did. */
 static int ep_whole_x(const smoe_ep_layer *ep, int64_t T)
 {
-    return ep->cuda->whole_x && ep->P > 1 && T > 0 && T == ep->C;
+    return ep->cuda->mcomm && ep->P > 1 && T > 0 && T == ep->C;
 }
 
 static smoe_status fork_streams(const smoe_ep_layer *ep, cudaStream_t s)

@@ -148,9 +148,9 @@ typedef struct ep_cuda {
                         not wait behind the rows (NCCL runs one
                         communicator's calls one after the other; every
                         rank calls mcomm first, then comm: NCCL connects a
-                        communicator's peers at its first call) */
-    int whole_x;     /* a rank whose T is the capacity sends x itself, from
-                        the forward's start (ep_cuda.cu's ep_whole_x) */
+                        communicator's peers at its first call); with it
+                        a rank whose T is the capacity sends x itself
+                        (ep_cuda.cu's ep_whole_x) */
     cudaStream_t cs;
     cudaEvent_t *ev;
     int n_ev;

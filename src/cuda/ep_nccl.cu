@@ -543,7 +543,6 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
                                  "%s: ncclCommSplit (the messages' communicator): %s", fn,
                                  g_nccl.GetErrorString(nr));
             X->mcomm = mine;
-            X->whole_x = 1;
         }
     }
     if (X->ce) {
@@ -573,12 +572,12 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
                  "%s; ep: overlap, %d chunks (forward: %d, every peer's rows in halves), %d SMs "
                  "left to NCCL beside the GEMMs%s",
                  smoe_layer_path_name(ep->experts), B->nc, F->nc, X->g.num_sms - X->sms_overlap,
-                 X->whole_x ? "; x itself sent where T = capacity" : "");
+                 X->mcomm ? "; x itself sent where T = capacity" : "");
     else if (B->nc > 1)
         snprintf(ep->path, sizeof ep->path,
                  "%s; ep: overlap, %d chunks, %d SMs left to NCCL beside the GEMMs%s",
                  smoe_layer_path_name(ep->experts), B->nc, X->g.num_sms - X->sms_overlap,
-                 X->whole_x ? "; x itself sent where T = capacity" : "");
+                 X->mcomm ? "; x itself sent where T = capacity" : "");
     else
         snprintf(ep->path, sizeof ep->path, "%s; ep: no overlap (exchange, then compute)",
                  smoe_layer_path_name(ep->experts));
