@@ -535,6 +535,16 @@ static gcase base_case(int P, smoe_routing routing, smoe_backend be) {
     return c;
 }
 
+/* A Hopper case (d = 128) with the overlap and every rank at capacity: T
+ * tokens each, so x itself travels where the path allows it. */
+static gcase at_capacity(int P, smoe_routing routing, int64_t n, int64_t T) {
+    gcase c = base_case(P, routing, SMOE_BACKEND_SM90);
+    c.D.d = 128; c.D.n = n;
+    for (int q = 0; q < P; q++) c.Tr[q] = T;
+    c.overlap = 1;
+    return c;
+}
+
 int main(int argc, char **argv) {
     tu_rng rng = tu_rng_make(tu_init(argc, argv, 17));
     int ngpu = 0;
@@ -660,31 +670,20 @@ int main(int argc, char **argv) {
         run_case("Hopper, overlap, uneven, rank 1 without tokens", &c, &rng);
         /* every rank at capacity: x itself travels (the uneven cases have
          * their largest rank at capacity and the others packing) */
-        c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_SM90);
-        c.D.d = 128; c.D.n = 64;
-        for (int q = 0; q < P; q++) c.Tr[q] = 64;
-        c.overlap = 1;
+        c = at_capacity(P, SMOE_ROUTING_TOPK_SOFTMAX, 64, 64);
         c.graph = 1;
         c.path_whole = 1;
         run_case("Hopper, overlap, every rank at capacity (x itself travels)", &c, &rng);
-        c = base_case(P, SMOE_ROUTING_SOFTMAX_TOPK, SMOE_BACKEND_SM90);
-        c.D.d = 128; c.D.n = 512;
-        for (int q = 0; q < P; q++) c.Tr[q] = 77;
-        c.overlap = 1;
+        c = at_capacity(P, SMOE_ROUTING_SOFTMAX_TOPK, 512, 77);
         c.keep_x = 1;
         c.accumulate = 1;
         c.path_halves = 1;
         c.path_whole = 1;
         run_case("Hopper, overlap, at capacity, halves, keep_x", &c, &rng);
-        c = base_case(P, SMOE_ROUTING_GENERAL, SMOE_BACKEND_SM90);
-        c.D.d = 128; c.D.n = 64;
-        for (int q = 0; q < P; q++) c.Tr[q] = 50;
+        c = at_capacity(P, SMOE_ROUTING_GENERAL, 64, 50);
         c.one_rank = 1;
-        c.overlap = 1;
         run_case("Hopper, overlap, at capacity, every pair on rank 0's experts", &c, &rng);
-        c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_SM90);
-        c.D.d = 128; c.D.n = 64;
-        for (int q = 0; q < P; q++) c.Tr[q] = 64;
+        c = at_capacity(P, SMOE_ROUTING_TOPK_SOFTMAX, 64, 64);
         c.overlap = -1;
         c.path_whole = 2;
         run_case("Hopper, no overlap, at capacity (rows packed)", &c, &rng);
