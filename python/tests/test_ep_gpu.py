@@ -1,5 +1,5 @@
-"""smoe.EPMoE over torch.distributed (NCCL) on WORLD = 1 and 2 GPUs (each
-skipped with fewer): each rank holds E / WORLD experts and T tokens; the
+"""smoe.EPMoE over torch.distributed (NCCL) on WORLD = 1, 2 and 4 GPUs
+(each skipped with fewer; SMOE_TEST_WORLDS="4" runs only the worlds named): each rank holds E / WORLD experts and T tokens; the
 output, dx, the router's gradient (summed over ranks) and every expert's
 weight gradient, gathered, against the plain PyTorch reference
 (tests/reference.py, fp64 on the CPU) on the whole batch, by FA3's rule
@@ -36,7 +36,7 @@ import torch
 
 import reference as R
 
-WORLDS = (1, 2)
+WORLDS = tuple(int(w) for w in os.environ.get("SMOE_TEST_WORLDS", "1 2 4").split())
 T, D, N, E = 96, 128, 64, 8
 SIGMOID = dict(routing="sigmoid_topk", n_group=4, topk_group=2, routed_scaling=2.5)
 # name: (K, EPMoE options, router weight scale, expert bias seed or None,
@@ -324,7 +324,7 @@ def test_ep(world, case):
 # ------------------------------------------------------------ torch.compile
 
 # Token counts per rank at the two steps of the compile test.
-COMPILE_STEPS = {1: [[96], [61]], 2: [[96, 80], [57, 96]]}
+COMPILE_STEPS = {1: [[96], [61]], 2: [[96, 80], [57, 96]], 4: [[96, 80, 64, 96], [57, 96, 13, 41]]}
 
 
 class _TwoLayers(torch.nn.Module):
