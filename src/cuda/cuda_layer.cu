@@ -252,7 +252,7 @@ static void ws_make_as(const smoe_layer *layer, int64_t T, int64_t cap, int a_ex
      * DXR_CHUNKS chunks, the chunk (ceil(T / DXR_CHUNKS) tokens, at least
      * 256) is this workspace's. cap > 0: the saved block's H is then
      * exactly hreg bytes (the saved layout's 256-byte alignment is al's). */
-    const size_t hreg = al(c * hc * 2), sink = al(c * (a_ext || dd > n ? dd : n) * 2);
+    const size_t hreg = al(c * hc * 2), sink_full = al(c * (dd > n ? dd : n) * 2);
     w->split = 0;
     w->tc = w->split + al(t * 2 * E * 2);
     w->dla = w->tc + al(t * K * 4);
@@ -263,9 +263,7 @@ static void ws_make_as(const smoe_layer *layer, int64_t T, int64_t cap, int a_ex
     w->rtr_in_h = cap > 0 && small_end <= hreg;
     int64_t tcnt = 0;
     if (w->rtr_in_h && T > 0) {
-        /* dX~'s R x d of the sink either way (A' in it or not: the same
-         * chunks, so the same bits) */
-        size_t fit = (hreg - small_end) / (dd * 4), fs = al(c * dd * 2) / (dd * 4);
+        size_t fit = (hreg - small_end) / (dd * 4), fs = sink_full / (dd * 4);
         if (fs < fit) fit = fs;
         tcnt = fit >= t ? T : (int64_t)(fit / 64 * 64);
         if (tcnt > 0 && (T + tcnt - 1) / tcnt > DXR_CHUNKS) tcnt = 0;
@@ -278,6 +276,15 @@ static void ws_make_as(const smoe_layer *layer, int64_t T, int64_t cap, int a_ex
         if (tcnt > T) tcnt = T > 0 ? T : 1;
     }
     w->dxr_tokens = tcnt;
+    /* dX~'s region: R x max(d, n) (A' then dX~), or with A' in dW1 dX~'s R
+     * x d, at least a dXr chunk (a refused call's sink). The chunks are the
+     * same either way, so the same cuBLAS calls and the same bits. */
+    size_t sink = sink_full;
+    if (a_ext) {
+        sink = al(c * dd * 2);
+        const size_t ch = w->dxr_in_h ? al((size_t)tcnt * dd * 4) : 0;
+        if (ch > sink) sink = ch;
+    }
     o = base;
     w->dh = o;
     if (w->dxr_in_h) w->dxr = small_end;
