@@ -376,6 +376,19 @@ typedef struct smoe_backward_args {
                                     added). */
 } smoe_backward_args;
 
+/* The workspace of a backward with these arguments: at most
+ * smoe_layer_call_workspace_bytes(SMOE_CALL_BACKWARD), and smaller where the
+ * CUDA backends keep A' (R x n bf16, the scaled activations the dW2 GEMM
+ * reads) in the dw1 output's buffer until they write dW1 there. They do that when dw1
+ * is wanted and overwritten (accumulate 0) and its buffer holds R x n bf16,
+ * and where it makes the workspace smaller: n >= d. Mixtral-8x7B's shape at
+ * 16K tokens needs 640 MiB less. Reads args->T, args->pairs (GENERAL) and
+ * args->dw1 only. A backward checks its workspace_bytes against this size
+ * (a caller of the SMOE_CALL_BACKWARD size passes too). Returns 0 and sets
+ * smoe_last_error on a NULL layer or args or invalid sizes. */
+SMOE_API size_t smoe_layer_backward_workspace_bytes(const smoe_layer *layer,
+                                                    const smoe_backward_args *args);
+
 /* `saved` is the block a training forward of this layer with the same T
  * (and pairs) filled. It is only read, unless desc.consume_saved is set:
  * then the backward writes dH over its H and marks its
@@ -383,7 +396,8 @@ typedef struct smoe_backward_args {
  * another layer, of another T or pairs, never filled, of a forward that
  * failed a device-side check, or already consumed by a backward is
  * refused (on the CPU at once, on the GPU through the device status word).
- * saved_bytes and workspace_bytes as in forward. */
+ * saved_bytes as in forward; workspace: at least
+ * smoe_layer_backward_workspace_bytes(args) bytes. */
 SMOE_API smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *args,
                                          void *saved, size_t saved_bytes,
                                          void *workspace, size_t workspace_bytes,

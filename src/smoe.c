@@ -418,6 +418,22 @@ size_t smoe_layer_call_workspace_bytes(const smoe_layer *layer, smoe_call call, 
     return layer->ops->workspace_bytes(layer, T, cap, (int)call);
 }
 
+size_t smoe_layer_backward_workspace_bytes(const smoe_layer *layer,
+                                           const smoe_backward_args *args)
+{
+    int64_t cap;
+    if (!layer || !args) {
+        smoe_fail(SMOE_ERROR_NULL_POINTER, "smoe_layer_backward_workspace_bytes: %s is NULL",
+                  layer ? "args" : "layer");
+        return 0;
+    }
+    const int64_t pairs = layer->desc.routing == SMOE_ROUTING_GENERAL ? args->pairs : 0;
+    if (check_sizes(layer, args->T, pairs, 0, &cap) != SMOE_SUCCESS) return 0;
+    if (!layer->ops->backward_workspace_bytes)
+        return layer->ops->workspace_bytes(layer, args->T, cap, SMOE_CALL_BACKWARD);
+    return layer->ops->backward_workspace_bytes(layer, args->T, cap, args);
+}
+
 size_t smoe_layer_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t pairs)
 {
     if (!layer) {
@@ -504,6 +520,11 @@ smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *arg
     smoe_saved_layout l;
     smoe_call_shape cs;
     SMOE_FORWARD_IF_ERROR(call_shape_make(layer, SMOE_CALL_BACKWARD, T, pairs, 0, &l, &cs));
+    /* this call's own layout (CUDA: A' in dW1 where it fits; at most the
+     * SMOE_CALL_BACKWARD size) */
+    if (layer->ops->backward_workspace_bytes)
+        cs.ws_need = layer->ops->backward_workspace_bytes(layer, T, l.cap, args);
+    cs.ws_query = "smoe_layer_backward_workspace_bytes";
     SMOE_FORWARD_IF_ERROR(smoe_backward_validate(layer, fn, args, &cs, saved, saved_bytes,
                                                  workspace, workspace_bytes,
                                                  layer->desc.consume_saved));

@@ -230,6 +230,13 @@ struct smoe_backend_ops {
     /* smoe_layer_device_status() (smoe.h). NULL: the backend checks
      * everything on the host and the call succeeds. */
     smoe_status (*device_status)(smoe_layer *layer, void *stream, int wait);
+    /* A backward's scratch for these arguments (smoe.h's
+     * smoe_layer_backward_workspace_bytes): at most workspace_bytes(...,
+     * SMOE_CALL_BACKWARD), from T, pairs and the dw1 output alone (the same
+     * arguments give the same layout whatever size the caller passes). NULL:
+     * the backend's backward takes workspace_bytes(..., SMOE_CALL_BACKWARD). */
+    size_t (*backward_workspace_bytes)(const smoe_layer *layer, int64_t T, int64_t cap,
+                                       const smoe_backward_args *args);
 };
 
 /* Each backend's constructor fills layer->ops, state and path_name. */

@@ -436,6 +436,30 @@ static void test_create(void) {
     CHECK(smoe_layer_call_workspace_bytes(NULL, SMOE_CALL_BACKWARD, 4, 0) == 0 &&
               smoe_last_error()[0],
           "call_workspace_bytes(NULL)");
+    {
+        smoe_backward_args b;
+        memset(&b, 0, sizeof b);
+        b.T = 4;
+        CHECK(smoe_layer_backward_workspace_bytes(NULL, &b) == 0 &&
+                  strstr(smoe_last_error(), "layer"),
+              "backward_workspace_bytes(NULL, args): \"%s\"", smoe_last_error());
+        D = good_desc();
+        L = NULL;
+        CHECK_OK(smoe_layer_create(&D, &L));
+        if (L) {
+            CHECK(smoe_layer_backward_workspace_bytes(L, NULL) == 0 &&
+                      strstr(smoe_last_error(), "args"),
+                  "backward_workspace_bytes(layer, NULL): \"%s\"", smoe_last_error());
+            b.T = -6;
+            CHECK(smoe_layer_backward_workspace_bytes(L, &b) == 0 &&
+                      strstr(smoe_last_error(), "-6"),
+                  "backward_workspace_bytes(T=-6): \"%s\"", smoe_last_error());
+            b.T = INT64_MAX / 2;
+            CHECK(smoe_layer_backward_workspace_bytes(L, &b) == 0 && smoe_last_error()[0],
+                  "backward_workspace_bytes(T = 2^62) must refuse, not wrap");
+            smoe_layer_free(L);
+        }
+    }
 
     tu_case("sizes: each call's workspace");
     D = good_desc();
@@ -449,6 +473,25 @@ static void test_create(void) {
             CHECK(f > 0 && b > 0 && any == (f > b ? f : b) &&
                       smoe_layer_call_workspace_bytes(L, SMOE_CALL_ANY, T, 0) == any,
                   "T = %lld: any %zu, forward %zu, backward %zu", (long long)T, any, f, b);
+        }
+        /* a backward's own size: SMOE_CALL_BACKWARD's without dw1 or with
+         * it accumulated; at most that with dw1 overwritten (the query reads
+         * no buffer: any non-NULL pointer will do) */
+        static char dummy[16];
+        for (int64_t T = 1; T <= 4096; T *= 8) {
+            const size_t b = smoe_layer_call_workspace_bytes(L, SMOE_CALL_BACKWARD, T, 0);
+            smoe_backward_args a;
+            memset(&a, 0, sizeof a);
+            a.T = T;
+            const size_t none = smoe_layer_backward_workspace_bytes(L, &a);
+            a.dw1.ptr = dummy;
+            a.dw1.dtype = D.dtype;
+            const size_t own = smoe_layer_backward_workspace_bytes(L, &a);
+            a.dw1.accumulate = 1;
+            const size_t acc = smoe_layer_backward_workspace_bytes(L, &a);
+            CHECK(none == b && acc == b && own > 0 && own <= b,
+                  "T = %lld: SMOE_CALL_BACKWARD %zu; own: no dw1 %zu, dw1 %zu, accumulated %zu",
+                  (long long)T, b, none, own, acc);
         }
         const int bad_call[3] = {3, -1, 1 << 20};
         for (int i = 0; i < 3; i++)
@@ -758,6 +801,14 @@ static void test_backward_args(tu_rng *rng) {
         M->get(saved_ref, F.saved, F.saved_b);
         tu_case("%s backward %s: valid call", M->name, tu_mode_name(&D));
         CHECK_OK(bwd_call(&F, &g));
+        /* this call's own workspace size: at most SMOE_CALL_BACKWARD's (less
+         * on the GPU, where A' goes into dw1's buffer), and enough */
+        const size_t ws_ab = smoe_layer_backward_workspace_bytes(F.L, &g);
+        tu_case("%s backward %s: workspace of exactly smoe_layer_backward_workspace_bytes",
+                M->name, tu_mode_name(&D));
+        CHECK(ws_ab > 0 && ws_ab <= F.ws_bb, "backward_workspace_bytes %zu, SMOE_CALL_BACKWARD %zu",
+              ws_ab, F.ws_bb);
+        CHECK_OK(settle(F.L, smoe_layer_backward(F.L, &g, F.saved, F.saved_b, F.ws, ws_ab, NULL)));
 
         smoe_backward_args a;
 #define BWD_BUF(label, mod, sv, svb, wsp, wsb, want, text)                                      \
@@ -788,8 +839,8 @@ static void test_backward_args(tu_rng *rng) {
                 SMOE_ERROR_NULL_POINTER, "workspace");
         BWD_BUF("saved_bytes one short", (void)0, F.saved, F.saved_b - 1, F.ws, F.ws_b,
                 SMOE_ERROR_INVALID_SIZE, "saved_bytes");
-        BWD_BUF("workspace_bytes one short", (void)0, F.saved, F.saved_b, F.ws, F.ws_bb - 1,
-                SMOE_ERROR_INVALID_SIZE, "SMOE_CALL_BACKWARD");
+        BWD_BUF("workspace_bytes one short", (void)0, F.saved, F.saved_b, F.ws, ws_ab - 1,
+                SMOE_ERROR_INVALID_SIZE, "smoe_layer_backward_workspace_bytes");
         BWD("dw1 dtype 17", a.dw1.dtype = (smoe_dtype)17, SMOE_ERROR_INVALID_VALUE, "dw1");
         BWD("dw2 dtype F64", a.dw2.dtype = SMOE_DTYPE_F64, SMOE_ERROR_INVALID_VALUE, "dw2");
         BWD("dx dtype 17", a.dx.dtype = (smoe_dtype)17, SMOE_ERROR_INVALID_VALUE, "17");

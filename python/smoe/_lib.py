@@ -287,6 +287,8 @@ _FUNCTIONS = {
     # (layer, call, T, pairs); call: SMOE_CALL_*
     "smoe_layer_call_workspace_bytes": (c_size_t, [c_void_p, c_enum, c_int64, c_int64]),
     "smoe_layer_saved_bytes": (c_size_t, [c_void_p, c_int64, c_int64]),
+    # (layer, args): reads args.T, args.pairs and args.dw1 only
+    "smoe_layer_backward_workspace_bytes": (c_size_t, [c_void_p, POINTER(smoe_backward_args)]),
     # (layer, args, saved, saved_bytes, workspace, workspace_bytes, stream)
     "smoe_layer_forward": (c_enum, [c_void_p, POINTER(smoe_forward_args), c_void_p, c_size_t,
                                     c_void_p, c_size_t, c_void_p]),

@@ -138,10 +138,22 @@ class _Layer:
     def __del__(self):
         L.release(self, "ptr", lambda p: self._lib.smoe_layer_free(p))
 
-    def workspace_bytes(self, T, pairs, call=0):
+    def workspace_bytes(self, T, pairs, call=0, dw1=False):
         """The library's workspace size for a call of the kind `call`
-        (L.SMOE_CALL_FORWARD / _BACKWARD; 0, SMOE_CALL_ANY: the larger)."""
-        n = self._lib.smoe_layer_call_workspace_bytes(self.ptr, call, T, pairs)
+        (L.SMOE_CALL_FORWARD / _BACKWARD; 0, SMOE_CALL_ANY: the larger). A
+        backward that writes dW1 (dw1=True: overwritten, in the layer's
+        dtype, as _backward_core asks for it) takes
+        smoe_layer_backward_workspace_bytes: the CUDA backends keep A' in
+        dW1's buffer until they write dW1 there, and need less where n >= d."""
+        if call == L.SMOE_CALL_BACKWARD:
+            a = L.smoe_backward_args()
+            a.T, a.pairs = T, pairs
+            if dw1:
+                # the query reads whether dw1 is given, not what it points to
+                a.dw1.ptr, a.dw1.dtype, a.dw1.accumulate = 16, self.dtype, 0
+            n = self._lib.smoe_layer_backward_workspace_bytes(self.ptr, ctypes.byref(a))
+        else:
+            n = self._lib.smoe_layer_call_workspace_bytes(self.ptr, call, T, pairs)
         if n == 0:
             raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, L.last_error())
         return n
@@ -152,14 +164,14 @@ class _Layer:
             raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, L.last_error())
         return n
 
-    def workspace_nbytes(self, T, pairs, call):
-        """workspace_bytes(), asked of the library once per (T, pairs, call):
-        each call allocates its own kind's size, so the backward does not
-        hold the forward's Y and A (or the forward the backward's dX~)."""
-        key = (T, pairs, call)
+    def workspace_nbytes(self, T, pairs, call, dw1=False):
+        """workspace_bytes(), asked of the library once per (T, pairs, call,
+        dw1): each call allocates its own kind's size, so the backward does
+        not hold the forward's Y and A (or the forward the backward's dX~)."""
+        key = (T, pairs, call, bool(dw1))
         n = self._ws.get(key)
         if n is None:
-            n = self.workspace_bytes(T, pairs, call)
+            n = self.workspace_bytes(T, pairs, call, bool(dw1))
             if len(self._ws) >= _SIZE_CACHE_ENTRIES:
                 self._ws.clear()
             self._ws[key] = n
@@ -534,8 +546,8 @@ def _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, p
     dw2 = empty(w2.shape) if needs & _NEED_W2 else None
     db2 = empty((E, x.shape[1])) if has_bias and needs & _NEED_B2 else None
     dscore = empty((pairs,), torch.float32) if general and needs & _NEED_SCORE else None
-    ws = torch.empty(layer.workspace_nbytes(T, pairs, L.SMOE_CALL_BACKWARD), dtype=torch.uint8,
-                     device=dev)
+    ws = torch.empty(layer.workspace_nbytes(T, pairs, L.SMOE_CALL_BACKWARD, dw1 is not None),
+                     dtype=torch.uint8, device=dev)
     ld, f32 = layer.dtype, L.SMOE_DTYPE_F32
     # Gradients overwrite (accumulate = 0).
     args = L.backward_args_raw(T, x.data_ptr(), _ptr(router_w), pairs, w1.data_ptr(),

@@ -232,7 +232,9 @@ def test_sizes_asked_once_per_token_count(monkeypatch):
                              ("workspace_bytes", 4), ("workspace_bytes", 9),
                              ("workspace_bytes", 9)]
     F, B = L.SMOE_CALL_FORWARD, L.SMOE_CALL_BACKWARD
-    assert layer._ws == {(T, 0, c): layer.workspace_bytes(T, 0, c) for T in (4, 9) for c in (F, B)}
+    # (the backward writes dW1: its own size, with A' allowed in dW1's buffer)
+    assert layer._ws == {(T, 0, c, c == B): layer.workspace_bytes(T, 0, c, c == B)
+                         for T in (4, 9) for c in (F, B)}
     assert layer._saved == {(9, 0): layer.saved_bytes(9, 0), (4, 0): layer.saved_bytes(4, 0)}
 
 

@@ -824,6 +824,7 @@ static const smoe_backend_ops cpu_ops = {
     .backward = cpu_backward,
     .destroy = NULL,
     .device_status = NULL,
+    .backward_workspace_bytes = NULL,
 };
 
 smoe_status smoe_cpu_layer_init(smoe_layer *layer)

@@ -113,6 +113,7 @@ typedef struct ws_layout {
     size_t rscr, dwr2;   /* the router weight's GEMM: cuBLAS's scratch, then dwr2
                             (in dX~'s region, dead by then, where it fits) */
     int dh_in_saved;     /* consume_saved: dH over the saved block's H (dh unused) */
+    int a_ext;           /* A' in dW1's buffer (a_in_dw1), not in this workspace */
     /* the router's buffers: offsets from the router region's start, which
      * is the dH region (the saved H with consume_saved) where rtr_in_h, else
      * dh's offset in this workspace */
@@ -161,7 +162,28 @@ smoe_gemm_problem smoe_cuda_problem_make(const smoe_layer *layer, int64_t cap)
     return p;
 }
 
-static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *w)
+/* Does A' (a_scaled, R x n bf16) go into the dW1 output's buffer? Where the
+ * backward overwrites dW1 (wanted, accumulate 0) and that buffer (E x h_cols
+ * x d of its dtype) holds R x n bf16: the dh GEMM writes A' and the dW2 GEMM
+ * reads it, both before the dW1 GEMM writes dW1 (one stream; no other
+ * kernel reads dW1 or A'). Only the dh kernels write A', after their abort
+ * check, so a call the device refuses leaves dW1 as it was. The caller's
+ * dW1 is 16-byte aligned (vec_align) and overlaps no other argument
+ * (validate.c), as the workspace's A' did. The backward's workspace then
+ * holds dX~ (R x d) where it held R x max(d, n), and dh's scratch fits
+ * where A' was: smaller where n >= d (Mixtral-8x7B's R (n - d) bf16, 640
+ * MiB at 16K tokens). Decided from the arguments alone: the same arguments
+ * give the same layout whatever workspace size the caller passes. */
+static int a_in_dw1(const smoe_layer *layer, int64_t cap, const smoe_backward_args *args)
+{
+    if (!args || cap <= 0 || !args->dw1.ptr || args->dw1.accumulate != 0) return 0;
+    const size_t es = smoe_dtype_size(args->dw1.dtype);
+    const size_t dw1_bytes =
+        (size_t)layer->desc.E * (size_t)layer->h_cols * (size_t)layer->desc.d * es;
+    return es > 0 && (size_t)cap * (size_t)layer->desc.n * 2 <= dw1_bytes;
+}
+
+static void ws_make_as(const smoe_layer *layer, int64_t T, int64_t cap, int a_ext, ws_layout *w)
 {
     const smoe_layer_desc *d = &layer->desc;
     const size_t E = (size_t)d->E, dd = (size_t)d->d, n = (size_t)d->n, K = (size_t)d->K;
@@ -206,7 +228,8 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
      *   rscr:      the router weight's GEMM, after the dx aggregation:
      *              cuBLAS's scratch, then dwr2 (both halves, fp32)
      * so a_scaled (with b_gemm after it), dxt and rscr share one region
-     * (b_gemm and rscr go after it where they do not fit), and the router's
+     * (b_gemm and rscr go after it where they do not fit; with a_ext, A'
+     * is in dW1 and the region is dX~'s R x d, b_gemm at its start), and the router's
      * buffers share dh's (dead once db1 has run). dXr's cuBLAS calls run
      * with no scratch (K = 2E: no split of K to sum). With consume_saved,
      * dH is written over the saved block's H (the same lifetime: H is dead
@@ -229,17 +252,18 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
      * DXR_CHUNKS chunks, the chunk (ceil(T / DXR_CHUNKS) tokens, at least
      * 256) is this workspace's. cap > 0: the saved block's H is then
      * exactly hreg bytes (the saved layout's 256-byte alignment is al's). */
-    const size_t hreg = al(c * hc * 2), sink = al(c * (dd > n ? dd : n) * 2);
+    const size_t hreg = al(c * hc * 2), sink_full = al(c * (dd > n ? dd : n) * 2);
     w->split = 0;
     w->tc = w->split + al(t * 2 * E * 2);
     w->dla = w->tc + al(t * K * 4);
     w->wr2 = w->dla + al(c * 4);
     const size_t small_end = w->wr2 + al(2 * E * dd * 2);
     w->dh_in_saved = d->consume_saved != 0;
+    w->a_ext = a_ext;
     w->rtr_in_h = cap > 0 && small_end <= hreg;
     int64_t tcnt = 0;
     if (w->rtr_in_h && T > 0) {
-        size_t fit = (hreg - small_end) / (dd * 4), fs = sink / (dd * 4);
+        size_t fit = (hreg - small_end) / (dd * 4), fs = sink_full / (dd * 4);
         if (fs < fit) fit = fs;
         tcnt = fit >= t ? T : (int64_t)(fit / 64 * 64);
         if (tcnt > 0 && (T + tcnt - 1) / tcnt > DXR_CHUNKS) tcnt = 0;
@@ -252,6 +276,15 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
         if (tcnt > T) tcnt = T > 0 ? T : 1;
     }
     w->dxr_tokens = tcnt;
+    /* dX~'s region: R x max(d, n) (A' then dX~), or with A' in dW1 dX~'s R
+     * x d, at least a dXr chunk (a refused call's sink). The chunks are the
+     * same either way, so the same cuBLAS calls and the same bits. */
+    size_t sink = sink_full;
+    if (a_ext) {
+        sink = al(c * dd * 2);
+        const size_t ch = w->dxr_in_h ? al((size_t)tcnt * dd * 4) : 0;
+        if (ch > sink) sink = ch;
+    }
     o = base;
     w->dh = o;
     if (w->dxr_in_h) w->dxr = small_end;
@@ -270,7 +303,7 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
         /* b_gemm (the dh launch alone uses it) after a_scaled in the same
          * region, and rscr (after the dx aggregation) at its start, where
          * they fit; else after it, b_gemm and rscr then sharing one place */
-        const size_t as_b = al(c * n * 2), rb = CUBLAS_WS_BYTES + al(2 * E * dd * 4);
+        const size_t as_b = a_ext ? 0 : al(c * n * 2), rb = CUBLAS_WS_BYTES + al(2 * E * dd * 4);
         const int gs_in = as_b + gs <= sink, r_in = rb <= sink;
         size_t extra = gs_in ? 0 : gs;
         if (!r_in && rb > extra) extra = rb;
@@ -283,13 +316,36 @@ static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap, ws_layout *
     w->total = w->fwd_end > w->bwd_end ? w->fwd_end : w->bwd_end;
 }
 
+/* The layout of a call: a forward's or a query's (args NULL: A' in this
+ * workspace), or a backward's, with A' in dW1 where a_in_dw1 holds and the
+ * workspace is smaller for it (the cuBLAS scratch of the router weight's
+ * GEMM may not fit the smaller sink and go after it). */
+static void ws_make(const smoe_layer *layer, int64_t T, int64_t cap,
+                    const smoe_backward_args *args, ws_layout *w)
+{
+    ws_make_as(layer, T, cap, 0, w);
+    if (a_in_dw1(layer, cap, args)) {
+        ws_layout e;
+        ws_make_as(layer, T, cap, 1, &e);
+        if (e.bwd_end < w->bwd_end) *w = e;
+    }
+}
+
 size_t smoe_cuda_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t cap, int call)
 {
     ws_layout w;
-    ws_make(layer, T, cap, &w);
+    ws_make(layer, T, cap, NULL, &w);
     if (call == SMOE_CALL_FORWARD) return w.fwd_end;
     if (call == SMOE_CALL_BACKWARD) return w.bwd_end;
     return w.total;
+}
+
+size_t smoe_cuda_backward_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t cap,
+                                          const smoe_backward_args *args)
+{
+    ws_layout w;
+    ws_make(layer, T, cap, args, &w);
+    return w.bwd_end;
 }
 
 /* ------------------------------------------------------------ helpers */
@@ -372,7 +428,7 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
     const int64_t cap = smoe_row_capacity(layer, T, general ? args->pairs : 0, args->inference);
 
     ws_layout w;
-    ws_make(layer, T, cap, &w);
+    ws_make(layer, T, cap, NULL, &w);
     char *ws = (char *)workspace;
     smoe_dev_status *dst = (smoe_dev_status *)(ws + w.status);
     const int *abort = &dst->code;
@@ -465,7 +521,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     const int k_uniform = uniform_k(d, rounding);
 
     ws_layout w;
-    ws_make(layer, T, cap, &w);
+    ws_make(layer, T, cap, args, &w);
     char *ws = (char *)workspace;
     smoe_saved_view v = smoe_saved_view_make(sl, saved);
     smoe_dev_status *dst = (smoe_dev_status *)(ws + w.status);
@@ -534,7 +590,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
      * No launcher refuses h == dh (none compares them); h_in / hin are not
      * __restrict__. */
     bf16 *dh = w.dh_in_saved ? (bf16 *)v.h : (bf16 *)(ws + w.dh);
-    bf16 *a_scaled = (bf16 *)(ws + w.a_scaled);
+    bf16 *a_scaled = w.a_ext ? (bf16 *)args->dw1.ptr : (bf16 *)(ws + w.a_scaled);
     bf16 *dxt = (bf16 *)(ws + w.dxt);
     float *ds = (float *)(ws + w.ds);
     void *gs = ws + w.b_gemm;

@@ -101,6 +101,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         } else {
             FZ_CHECK(smoe_last_error()[0], "size query refused without a message");
         }
+        /* a backward's own size: refused exactly when the sizes are, at
+         * most SMOE_CALL_BACKWARD's, whatever dw1 says (the query reads no
+         * buffer) */
+        static char dummy[16];
+        smoe_backward_args a;
+        memset(&a, 0, sizeof a);
+        a.T = T;
+        a.pairs = pairs;
+        a.dw1.ptr = fz_u32(&r) % 2 ? dummy : NULL;
+        a.dw1.dtype = (smoe_dtype)(fz_u32(&r) % 5);
+        a.dw1.accumulate = (int)(fz_u32(&r) % 3);
+        const size_t bb = smoe_layer_call_workspace_bytes(L, SMOE_CALL_BACKWARD, T, pairs);
+        const size_t own = smoe_layer_backward_workspace_bytes(L, &a);
+        FZ_CHECK((own == 0) == (bb == 0) && own <= bb,
+                 "T %lld pairs %lld: backward_workspace_bytes %zu, SMOE_CALL_BACKWARD %zu",
+                 (long long)T, (long long)pairs, own, bb);
     }
     smoe_layer_free(L);
     return 0;

@@ -18,7 +18,10 @@
  *     (smoe_layer_call_workspace_bytes), each followed
  *     by a guard that must stay as it was;
  *   - backward: every gradient bit for bit equal; L0's block unchanged;
- *     L1's header marked consumed;
+ *     L1's header marked consumed; L1's workspace exactly
+ *     smoe_layer_backward_workspace_bytes (A' in dW1's buffer where it
+ *     fits: smaller where n > d); where it fits, L0's backward without dW1
+ *     (A' in its workspace) gives the other gradients bit for bit;
  *   - a second backward of L1 with its consumed block (its H poisoned
  *     first: only the header decides): the call returns SMOE_SUCCESS,
  *     smoe_layer_device_status gives INVALID_VALUE ("consumed") once;
@@ -526,11 +529,32 @@ static void run_case(const gcase *c, smoe_backend be, uint64_t seed)
     dev_run r0, r1;
     dev_run_make(&r0, &P, sb0, wb0);
     dev_run_make(&r1, &P, sb1, wb1);
-    r1.wbf = wb1f;
-    r1.wbb = wb1b;
     dev_grads g0, g1;
     grads_make(&g0, &P, c);
     grads_make(&g1, &P, c);
+    /* the consuming backward's own size for its arguments: A' (cap x n
+     * bf16) in dW1's buffer where dW1 is overwritten and holds it, never
+     * larger; smaller where n > d, cap >= 2 T (dX~'s cap x d then holds a
+     * dXr chunk) and A' is under the router GEMM's 8 MiB cuBLAS scratch
+     * (which then goes after dX~'s region in both layouts; where A' is
+     * larger and cap x d smaller, the scratch no longer fits the smaller
+     * region, and the layout keeps A' if that is no smaller: "dh row
+     * forced ... dynamic", cap x n x 2 = 16 MB, cap x d x 2 = 8.2 MB) */
+    const smoe_backward_args ba = bwd_args(&P, &in, &g1, c->acc);
+    const size_t wb1a = smoe_layer_backward_workspace_bytes(L1, &ba);
+    const int a_fits = g1.g[TU_GW1] && !c->acc && cap > 0 &&
+                       g1.bytes[TU_GW1] >= (size_t)cap * (size_t)c->n * 2;
+    CHECK(wb1a > 0 && wb1a <= wb1b && (a_fits || wb1a == wb1b) &&
+              (!(a_fits && c->n > c->d && cap >= 2 * T &&
+                 (size_t)cap * (size_t)c->n * 2 < ((size_t)8 << 20)) ||
+               wb1a < wb1b),
+          "consuming layer: backward_workspace_bytes %zu against SMOE_CALL_BACKWARD %zu (A' %s "
+          "dW1's buffer, n %lld, d %lld)",
+          wb1a, wb1b, a_fits ? "fits" : "does not fit", (long long)c->n, (long long)c->d);
+    printf("  %-52s      consuming backward's own (A' %s dW1): %8zu\n", "",
+           a_fits ? "in" : "not in", wb1a);
+    r1.wbf = wb1f;
+    r1.wbb = wb1a;
     const size_t ob = (size_t)(T * c->d) * 2;
 
     /* forward: each layer into its own block */
@@ -582,9 +606,23 @@ static void run_case(const gcase *c, smoe_backend be, uint64_t seed)
         smoe_saved_header h;
         tu_dev_get(&h, r1.saved, sizeof h);
         CHECK(h.consumed == 1 && h.status == 0 && guard_ok(r1.saved, sb1) &&
-                  guard_ok(r1.ws, wb1b),
+                  guard_ok(r1.ws, r1.wbb),
               "after the consuming backward: header consumed %d status %d; guards %d %d",
-              (int)h.consumed, (int)h.status, guard_ok(r1.saved, sb1), guard_ok(r1.ws, wb1b));
+              (int)h.consumed, (int)h.status, guard_ok(r1.saved, sb1), guard_ok(r1.ws, r1.wbb));
+    }
+    if (a_fits) {
+        /* the reading layer again without dW1 (A' then in its workspace):
+         * every other gradient bit for bit as with A' in dW1's buffer */
+        dev_grads g2 = g0;
+        g2.g[TU_GW1] = NULL;
+        grads_set(&g2);
+        s0 = settle(L0, backward(L0, &P, &in, &g2, c->acc, r0.saved, sb0, &r0, NULL),
+                    "backward (reading, no dW1)");
+        host_grads h2 = grads_fetch(&g2);
+        which = s0 == SMOE_SUCCESS ? grads_differ(&g2, &h0, &h2) : TU_GX;
+        CHECK(which < 0, "%s without dW1 (A' in the workspace) differs from the run with A' in "
+              "dW1's buffer", grad_name(which));
+        host_grads_free(&h2);
     }
 
     /* a second backward with the consumed block: refused on the device,
@@ -598,7 +636,7 @@ static void run_case(const gcase *c, smoe_backend be, uint64_t seed)
         which = grads_touched(&g1);
         CHECK(which < 0, "the refused second backward wrote %s", grad_name(which));
         void *now = tu_dev_fetch(r1.saved, sb1 + GUARD);
-        CHECK(!memcmp(now, blk1, sb1 + GUARD) && guard_ok(r1.ws, wb1b),
+        CHECK(!memcmp(now, blk1, sb1 + GUARD) && guard_ok(r1.ws, r1.wbb),
               "the refused second backward wrote into the saved block (or past the workspace)");
         free(now);
         free(blk1);
