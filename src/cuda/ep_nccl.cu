@@ -476,7 +476,7 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
      * total 83.5-83.9% -> 83.0-84.3%, 120B-n512 88.5-89.0% -> 87.3-88.2%
      * (its forward 0.4-0.6 ms slower), 30B-n512 80.9-81.5% -> 81.8-83.1%. */
     *F = *B;
-    if (!X->ce && B->nc > 1 && split && ep->desc.layer.n <= 512 && ep->desc.layer.K <= 8)
+    if (!X->ce && B->nc > 1 && split && P == 2 && ep->desc.layer.n <= 512 && ep->desc.layer.K <= 8)
         chunks_make(F, P, r, ep->C, split, 1);
     /* The forward's own chunks split at a share of this rank's own rows
      * (found on the device), not of the C slots as the backward's (bd's C /
