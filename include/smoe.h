@@ -492,7 +492,7 @@ typedef struct smoe_ep_desc {
     int overlap;            /* CUDA: the exchanges run beside the expert GEMMs,
                                which take the received rows in chunks (one per
                                source rank, this rank's own in two; in the
-                               forward where n <= 512 and K <= 8 every
+                               forward at P = 2 where n <= 512, K <= 8 every
                                rank's in two, the peers' halves travelling
                                one after the other), on a communicator the
                                layer splits from nccl_comm at create (on

@@ -14,7 +14,7 @@
  *           received row its pairs, a scan, the triples, the experts'
  *           metadata -> the expert GEMMs chunk by chunk (one per source
  *           rank, this rank's own in two, its first while the rows travel;
- *           where n <= 512 and K <= 8 every peer's rows in two halves
+ *           at P = 2 where n <= 512 and K <= 8 every peer's rows in two halves
  *           that travel one after the other), each chunk's partial sums
  *           back to its source as soon as it is done, beside the next
  *           chunk's GEMMs -> the aggregation over the entries (rank order)

@@ -391,8 +391,8 @@ static void chunks_make(ep_chunks *K, int P, int r, int64_t C, int split, int ha
  * first half of this rank's own rows while the peers' rows travel, then
  * the peers' in the order they arrive, each one's partial sums sent back
  * while the next computes, and the second half of this rank's own last
- * (forward and backward alike, but for the forward's halves where n <=
- * 512; the backward's weight gradients follow, beside the last partial
+ * (forward and backward alike, but for the forward's halves at P = 2
+ * where n <= 512; the backward's weight gradients follow, beside the last partial
  * sums). */
 static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
 {
@@ -461,7 +461,7 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
     } else {
         chunks_make(B, P, r, ep->C, split, 0);
     }
-    /* The forward: the backward's chunks, or, where n <= 512 and K <= 8,
+    /* The forward: the backward's chunks, or, at P = 2 where n <= 512 and K <= 8,
      * every peer's rows in two halves that travel one after the other, each half its own
      * chunk: the GEMMs of a received half start while the second travels,
      * and the last partial sums to leave are half a slice. Measured in
@@ -474,7 +474,11 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
      * total 82% -> 83%. Session 31 (same machine, 3 rounds each): at K =
      * 16 they do not pay, so K <= 8 (general routing, K = 0, too): 30B-n256
      * total 83.5-83.9% -> 83.0-84.3%, 120B-n512 88.5-89.0% -> 87.3-88.2%
-     * (its forward 0.4-0.6 ms slower), 30B-n512 80.9-81.5% -> 81.8-83.1%. */
+     * (its forward 0.4-0.6 ms slower), 30B-n512 80.9-81.5% -> 81.8-83.1%.
+     * At P = 2 only: at P = 4 (the kernel path; the copy engines have parts
+     * of their own) the halves made 30B-n512's forward 13.2 ms against 9.2
+     * without them (4 x H200, session 33, same call: fwd+bwd 66.7% -> 75.5%
+     * of the single layer per GPU; where the time goes was not traced). */
     *F = *B;
     if (!X->ce && B->nc > 1 && split && P == 2 && ep->desc.layer.n <= 512 && ep->desc.layer.K <= 8)
         chunks_make(F, P, r, ep->C, split, 1);

@@ -25,9 +25,10 @@
  *    stops every rank (the others report its failure), out untouched;
  *  - the Hopper cases (d, n multiples of 64) run the overlapped schedule
  *    (overlap = 1: chunks, two streams, the layer's own communicator), once
- *    more with overlap = -1; where n <= 512 and K <= 8 the forward's
- *    chunks are every peer's rows in halves (the path says so), n = 576 and
- *    K = 16 keep whole slices, with an odd capacity (unequal halves);
+ *    more with overlap = -1; at P = 2, where n <= 512 and K <= 8, the
+ *    forward's chunks are every peer's rows in halves (the path says so;
+ *    at P = 4 it must not), n = 576 and K = 16 keep whole slices, with an
+ *    odd capacity (unequal halves);
  *    every rank at capacity (x itself travels: with a CUDA graph, with
  *    halves and keep_x, with every pair on one rank's experts; the uneven
  *    cases have one rank at capacity and the others packing), and without
@@ -629,6 +630,8 @@ int main(int argc, char **argv) {
             run_case("keep_x", &c, &rng);
         }
         if (P < 2) continue;
+        /* the forward's halves: at P = 2 only (where n <= 512 and K <= 8) */
+        const int halves = P == 2 ? 1 : 2;
         gcase c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_CUDA);
         c.Tr[1] = 0;
         c.Tr[0] = 57;
@@ -677,7 +680,7 @@ int main(int argc, char **argv) {
         c = at_capacity(P, SMOE_ROUTING_SOFTMAX_TOPK, 512, 77);
         c.keep_x = 1;
         c.accumulate = 1;
-        c.path_halves = 1;
+        c.path_halves = halves;
         c.path_whole = 1;
         run_case("Hopper, overlap, at capacity, halves, keep_x", &c, &rng);
         c = at_capacity(P, SMOE_ROUTING_GENERAL, 64, 50);
@@ -691,7 +694,7 @@ int main(int argc, char **argv) {
         c.D.d = 128; c.D.n = 64;
         c.one_rank = 1;
         c.overlap = 1;
-        c.path_halves = 1; /* n <= 512 */
+        c.path_halves = halves; /* n <= 512 */
         run_case("Hopper, overlap, every pair on rank 0's experts", &c, &rng);
         /* n > 512: the forward's chunks are whole slices, as the backward's */
         c = base_case(P, SMOE_ROUTING_SOFTMAX_TOPK, SMOE_BACKEND_SM90);
@@ -703,7 +706,7 @@ int main(int argc, char **argv) {
         c.path_halves = 2;
         run_case("Hopper, overlap, n > 512 (no halves), odd capacity", &c, &rng);
         c.D.n = 512;
-        c.path_halves = 1;
+        c.path_halves = halves;
         run_case("Hopper, overlap, n = 512 (halves), odd capacity", &c, &rng);
         c.D.E = 32; c.D.K = 16; /* K > 8: whole slices again */
         c.path_halves = 2;
