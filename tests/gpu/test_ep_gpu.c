@@ -43,7 +43,9 @@
  *  - refused at create on every rank: descriptions that differ (compared
  *    over NCCL), E not a multiple of P (each rank's own check).
  * Needs libnccl (the loader's libnccl.so.2 or $SMOE_NCCL_LIBRARY); skips
- * without 1 GPU or NCCL. SMOE_EP_QUICK=1: the largest P alone.
+ * without 1 GPU or NCCL. SMOE_EP_QUICK=1: the largest P alone;
+ * SMOE_EP_BARRIER=1: the rank threads meet before each blocking call (for
+ * compute-sanitizer; see meet()).
  */
 #include "ep_ref.h"
 
@@ -113,7 +115,21 @@ typedef struct grank {
     int halves_on; /* the path name says the forward's halves */
     int whole_on;  /* the path name says x itself travels where T = capacity */
     int inf_same;  /* an inference forward gave the training forward's out */
+    pthread_barrier_t *bar; /* SMOE_EP_BARRIER=1: every rank's thread meets here */
 } grank;
+
+/* SMOE_EP_BARRIER=1 (for compute-sanitizer): before each call that blocks
+ * on the device, every rank's thread waits until all have enqueued their
+ * calls, so no rank blocks while a peer's NCCL work is still unqueued (a
+ * tool that serializes the CUDA API across threads would otherwise hang
+ * there). A rank that stops early (a failed call) then hangs the case:
+ * for diagnosis only, off by default. */
+static void meet(const grank *R, const char *where) {
+    if (!R->bar) return;
+    printf("  rank %d at %s\n", R->r, where); /* where a hang stopped */
+    fflush(stdout);
+    pthread_barrier_wait(R->bar);
+}
 
 static void *rank_main(void *arg) {
     grank *R = (grank *)arg;
@@ -141,7 +157,9 @@ static void *rank_main(void *arg) {
     ed.keep_x = c->keep_x;
     ed.copy_engines = c->ce;
     smoe_ep_layer *L = NULL;
+    if (R->bar) printf("  rank %d creates\n", r), fflush(stdout);
     R->st_create = smoe_ep_layer_create(&ed, &L);
+    if (R->bar) printf("  rank %d created: %d\n", r, (int)R->st_create), fflush(stdout);
     if (R->st_create != SMOE_SUCCESS) {
         snprintf(R->msg, sizeof R->msg, "create: %s", smoe_last_error());
         return NULL;
@@ -267,6 +285,7 @@ static void *rank_main(void *arg) {
             }
             if (c->overflow) {
                 /* every rank's call fails on the device; nothing else to run */
+                meet(R, "the overflow's device status");
                 R->st_dev = smoe_ep_layer_device_status(L, s, 1);
                 snprintf(R->msg, sizeof R->msg, "%s", smoe_last_error());
                 CUDA_OK(cudaMemcpy(oh, out, out_b, cudaMemcpyDeviceToHost));
@@ -285,6 +304,7 @@ static void *rank_main(void *arg) {
                 fi.router_logits = NULL;
                 fi.inference = 1;
                 const smoe_status si = smoe_ep_layer_forward(L, &fi, NULL, 0, ws, wb, s);
+                meet(R, "the inference forward's sync");
                 CUDA_OK(cudaStreamSynchronize(s));
                 CUDA_OK(cudaMemcpy(oh, out, out_b, cudaMemcpyDeviceToHost));
                 CUDA_OK(cudaMemcpy(o2, out2, out_b, cudaMemcpyDeviceToHost));
@@ -304,6 +324,7 @@ static void *rank_main(void *arg) {
             }
         }
         if (use_graph) CUDA_OK(cudaGraphLaunch(exec, s));
+        meet(R, "the device status");
         R->st_dev = smoe_ep_layer_device_status(L, s, 1);
         if (R->st_dev != SMOE_SUCCESS) {
             snprintf(R->msg, sizeof R->msg, "device: %s", smoe_last_error());
@@ -416,8 +437,14 @@ static void run_case(const char *name, const gcase *c, tu_rng *rng) {
             t0 += c->Tr[q];
         }
         pthread_t th[MAXP];
+        const char *be = getenv("SMOE_EP_BARRIER");
+        pthread_barrier_t bar;
+        const int use_bar = be && *be == '1' && NP > 1;
+        if (use_bar) pthread_barrier_init(&bar, NULL, (unsigned)NP);
+        for (int q = 0; q < NP; q++) R[q].bar = use_bar ? &bar : NULL;
         for (int q = 0; q < NP; q++) pthread_create(&th[q], NULL, rank_main, &R[q]);
         for (int q = 0; q < NP; q++) pthread_join(th[q], NULL);
+        if (use_bar) pthread_barrier_destroy(&bar);
         for (int q = 0; q < NP; q++) nccl_destroy(comms[q]);
         if (pass == 0)
             for (int q = 0; q < NP; q++) {
