@@ -1,7 +1,8 @@
 """smoe.EPMoE over torch.distributed (NCCL) on WORLD = 1, 2 and 4 GPUs
-(each skipped with fewer; SMOE_TEST_WORLDS="4" runs only the worlds named): each rank holds E / WORLD experts and T tokens; the
-output, dx, the router's gradient (summed over ranks) and every expert's
-weight gradient, gathered, against the plain PyTorch reference
+(each skipped with fewer; SMOE_TEST_WORLDS="4" runs only the worlds
+named): each rank holds E / WORLD experts and T tokens; the output, dx,
+the router's gradient (summed over ranks) and every expert's weight
+gradient, gathered, against the plain PyTorch reference
 (tests/reference.py, fp64 on the CPU) on the whole batch, by FA3's rule
 with the single-GPU smoe layer's error as the bar; the expert counts
 against the reference's. Cases: top-k softmax; sigmoid_topk with groups,
