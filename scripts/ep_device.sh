@@ -6,7 +6,7 @@
 #   test_ep_gpu  P = 1, 2 and every GPU up to 4
 #   MEMCHECK=1   test_ep_gpu under compute-sanitizer memcheck (SMOE_EP_QUICK:
 #                the largest P alone; API errors off: NCCL probes kernels)
-#   PYTESTS=1    python/tests/test_ep_gpu.py (WORLD 1 and 2 over NCCL, the
+#   PYTESTS=1    python/tests/test_ep_gpu.py (WORLD 1, 2 and 4 over NCCL, the
 #                machine's torch) on the staged libsmoe.so
 #   the benchmark: each of SHAPES (';'-separated smoe_ep_bench options) at
 #                every P of PS (default "2 <every GPU>"), BENCH_ARGS added
