@@ -523,7 +523,9 @@ typedef struct smoe_ep_desc {
                                travel by the GPU's copy engines (NCCL >= 2.28's
                                ncclAlltoAll from symmetric memory, on a
                                communicator of NCCL's zero-CTA policy split
-                               at create), in two parts per exchange, beside
+                               at create), in two parts per exchange (where
+                               capacity is max_tokens and even, x and dout
+                               themselves by ncclAllGather: no pack), beside
                                GEMMs that leave comm_sms SMs (0 = 8) for
                                NCCL's own small messages. The exchange
                                buffers then live in a window (ncclMemAlloc,

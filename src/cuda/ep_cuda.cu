@@ -436,10 +436,46 @@ static smoe_status rounds(const smoe_ep_layer *ep, const cbuf *b, int nb, const 
  * slices (every exchange moves whole C-row slices), same rows in the same
  * order on the expert side (a peer's rows stay in token order), so the
  * same bits. A rank with fewer tokens packs (its x is shorter than a
- * slice); the receivers do not need to know which a peer did. */
+ * slice); the receivers do not need to know which a peer did. On the copy
+ * engines every rank or none sends x itself (create's ce_whole: the
+ * all-gathers are collectives), a rank with fewer tokens a copy of its x. */
 static int ep_whole_x(const smoe_ep_layer *ep, int64_t T)
 {
+    if (ep->cuda->ce) return ep->cuda->ce_whole; /* every rank, one collective */
     return ep->cuda->mcomm && ep->P > 1 && T > 0 && T == ep->C;
+}
+
+/* Copy engines with x itself: NCCL (2.28) runs a collective on the copy
+ * engines only where both its buffers are in a symmetric window, so x (or
+ * dout) is first copied, on the exchange stream, into this rank's own
+ * slice of each part of the receive region (a slice no exchange reads:
+ * this rank's own rows live after the exchanged region); each part's
+ * all-gather then runs in place from there (NCCL skips its own copy). A
+ * rank with T < C leaves the rest of its slices as they are: those rows
+ * travel unread (their pairs say no expert). */
+static smoe_status ce_whole_stage(const smoe_ep_layer *ep, const void *a, char *recv, int64_t T,
+                                  size_t row)
+{
+    const ep_slots sl = ep->cuda->sl;
+    for (int h = 0; h < sl.H; h++) {
+        const int64_t r0 = (int64_t)h * sl.Ch, nr = T - r0 < sl.Ch ? T - r0 : sl.Ch;
+        if (nr > 0)
+            SMOE_CUDA_CHECK(cudaMemcpyAsync(
+                recv + (size_t)((int64_t)h * sl.P + sl.self) * (size_t)sl.Ch * row,
+                (const char *)a + (size_t)r0 * row, (size_t)nr * row, cudaMemcpyDeviceToDevice,
+                ep->cuda->cs));
+    }
+    return SMOE_SUCCESS;
+}
+
+/* Part h's all-gather, in place: this rank's slice of part h to every
+ * rank's part h. */
+static smoe_status ce_whole_part(const smoe_ep_layer *ep, char *recv, int h, size_t part_bytes)
+{
+    const ep_slots sl = ep->cuda->sl;
+    char *o = recv + (size_t)h * (size_t)sl.P * part_bytes;
+    return smoe_ep_ce_allgather(ep, o + (size_t)sl.self * part_bytes, o, part_bytes,
+                                ep->cuda->cs);
 }
 
 static smoe_status fork_streams(const smoe_ep_layer *ep, cudaStream_t s)
@@ -591,6 +627,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
          * peer's host, so every rank calls the communicators in one order) */
         const int whole = ep_whole_x(ep, T);
         if (whole) TRY(fork_streams(ep, s));
+        if (whole && X->ce) TRY(ce_whole_stage(ep, args->x, (char *)recv_rows, T, row));
         int32_t *toff = (int32_t *)(sb + S.token_offset);
         int32_t *aexp = (int32_t *)(sb + S.assign_expert);
         float *ascore = (float *)(sb + S.row_score);
@@ -668,18 +705,27 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         TRYL("k_ep_peers");
         sched z = sched_make(ep, K);
         if (P > 1 && X->ce) {
-            /* copy engines: part h of every slice, one all-to-all each */
-            TRY(fork_streams(ep, s));
+            /* copy engines: part h of every slice, one all-to-all each
+             * (whole: one all-gather each, of x's rows of part h, which
+             * the stream forked before the routing copied in) */
+            if (!whole) TRY(fork_streams(ep, s));
             const size_t part_bytes = (size_t)X->sl.Ch * row;
             for (int h = 0; h < X->sl.H; h++) {
                 const size_t o = (size_t)h * (size_t)P * part_bytes;
-                TRY(smoe_ep_ce_alltoall(ep, (const char *)send_rows + o, (char *)recv_rows + o,
-                                        part_bytes, X->cs));
+                if (whole)
+                    TRY(ce_whole_part(ep, (char *)recv_rows, h, part_bytes));
+                else
+                    TRY(smoe_ep_ce_alltoall(ep, (const char *)send_rows + o,
+                                            (char *)recv_rows + o, part_bytes, X->cs));
                 TRYC(cudaEventRecord(X->ev[EV_IN + h], X->cs));
             }
-            if (training && ep->desc.keep_x)
+            if (training && ep->desc.keep_x) {
+                /* whole: this rank's own rows, which the pack wrote on the
+                 * caller's stream after the fork, go too */
+                if (whole) TRY(fork_streams(ep, s));
                 TRYC(cudaMemcpyAsync(sb + S.xkeep, recv_rows, (size_t)Tv * row,
                                      cudaMemcpyDeviceToDevice, X->cs));
+            }
         } else if (P > 1) {
             if (!whole) TRY(fork_streams(ep, s));
             const cbuf rb[1] = {{whole ? (const char *)args->x : (const char *)send_rows,
@@ -888,16 +934,26 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             const cbuf mb[1] = {{(const char *)msg_send, (char *)msg_recv, 8}};
             TRY(smoe_ep_alltoall(ep, mb, 1, 0, X->cs));
             const size_t part_bytes = (size_t)X->sl.Ch * row;
+            /* whole: dout's and then x's rows of part h by all-gathers,
+             * each copied into this rank's own slices first */
+            if (whole) TRY(ce_whole_stage(ep, args->dout, (char *)rdo, T, row));
             for (int h = 0; h < X->sl.H; h++) {
                 const size_t o = (size_t)h * (size_t)P * part_bytes;
-                TRY(smoe_ep_ce_alltoall(ep, (const char *)sdo + o, (char *)rdo + o, part_bytes,
-                                        X->cs));
+                if (whole)
+                    TRY(ce_whole_part(ep, (char *)rdo, h, part_bytes));
+                else
+                    TRY(smoe_ep_ce_alltoall(ep, (const char *)sdo + o, (char *)rdo + o,
+                                            part_bytes, X->cs));
                 TRYC(cudaEventRecord(X->ev[EV_IN + h], X->cs));
             }
+            if (whole && !keep) TRY(ce_whole_stage(ep, args->x, (char *)rx, T, row));
             for (int h = 0; !keep && h < X->sl.H; h++) {
                 const size_t o = (size_t)h * (size_t)P * part_bytes;
-                TRY(smoe_ep_ce_alltoall(ep, (const char *)sx + o, (char *)rx + o, part_bytes,
-                                        X->cs));
+                if (whole)
+                    TRY(ce_whole_part(ep, (char *)rx, h, part_bytes));
+                else
+                    TRY(smoe_ep_ce_alltoall(ep, (const char *)sx + o, (char *)rx + o, part_bytes,
+                                            X->cs));
             }
             TRYC(cudaEventRecord(X->ev[EV_X], X->cs));
         } else if (P > 1) {

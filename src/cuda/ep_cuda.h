@@ -49,6 +49,11 @@ smoe_status smoe_ep_alltoall(const smoe_ep_layer *ep, const cbuf *x, int n, int 
  * the layer's symmetric window) on the layer's zero-CTA communicator. */
 smoe_status smoe_ep_ce_alltoall(const smoe_ep_layer *ep, const char *send, char *recv, size_t bytes,
                                 cudaStream_t s);
+/* Copy engines: ncclAllGather of `bytes` per rank from send to recv (rank
+ * q's at recv + q bytes), both in the layer's symmetric window (NCCL 2.28
+ * takes the copy engines only then; send = recv + this rank's: in place). */
+smoe_status smoe_ep_ce_allgather(const smoe_ep_layer *ep, const char *send, char *recv,
+                                 size_t bytes, cudaStream_t s);
 
 /* ------------------------------------------------------------ row slots */
 
@@ -162,6 +167,10 @@ typedef struct ep_cuda {
      * symmetric window and this layer's buffers in it (send: the exchanged
      * region; recv: every slot) */
     int ce;
+    int ce_whole;      /* copy engines: every rank sends x itself, part h by
+                          an all-gather of its rows [h Ch, (h + 1) Ch) into
+                          part h (C >= max_tokens and a multiple of H;
+                          ep_cuda.cu's ep_whole_x, ce_whole_stage) */
     nccl_comm ce_comm; /* shared by the communicator's layers (ep_nccl.cu) */
     void *ce_group;    /* the shared communicator and windows; ce_win: ours */
     int ce_win;

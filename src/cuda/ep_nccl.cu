@@ -181,6 +181,16 @@ smoe_status smoe_ep_ce_alltoall(const smoe_ep_layer *ep, const char *send, char 
     return SMOE_SUCCESS;
 }
 
+smoe_status smoe_ep_ce_allgather(const smoe_ep_layer *ep, const char *send, char *recv,
+                                 size_t bytes, cudaStream_t s)
+{
+    nccl_result nr = g_nccl.AllGather(send, recv, bytes, NCCL_UINT8, ep->cuda->ce_comm, s);
+    SMOE_RETURN_ERROR_IF(nr != NCCL_OK, SMOE_ERROR_BACKEND,
+                         "expert parallelism: ncclAllGather (copy engines): %s",
+                         g_nccl.GetErrorString(nr));
+    return SMOE_SUCCESS;
+}
+
 /* ------------------------------------------------------------ copy engines' windows */
 
 /* The layers of one communicator (the caller's, on one device) share the
@@ -566,11 +576,25 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
         X->do_recv = m; m += sv;
         X->part_send = m; m += sx;
         X->part_recv = m;
+        /* x itself: part h of every peer's slice is its x's rows [h Ch,
+         * (h + 1) Ch), one all-gather per part (no pack, and on its way from
+         * the forward's start). Every rank or none (an all-gather on one
+         * and an all-to-all on another would be two collectives), so
+         * decided here: where no rank's T can pass the capacity (C >=
+         * max_tokens; a smaller capacity is per destination, which x
+         * itself would exceed) and the parts split C evenly (else the last
+         * part's all-gather would read past x). A rank with T < C copies
+         * its rows into the send region first (ep_cuda.cu's
+         * ce_whole_stage). */
+        X->ce_whole = P > 1 && ep->C > 0 && ep->C >= ep->desc.max_tokens && ep->C % H == 0 &&
+                      g_nccl.AllGather != NULL;
     }
     if (X->ce)
         snprintf(ep->path, sizeof ep->path,
-                 "%s; ep: copy engines, %d parts, %d chunks, %d SMs left to NCCL beside the GEMMs",
-                 smoe_layer_path_name(ep->experts), H, B->nc, X->g.num_sms - X->sms_overlap);
+                 "%s; ep: copy engines, %d parts, %d chunks, %d SMs left to NCCL beside the "
+                 "GEMMs%s",
+                 smoe_layer_path_name(ep->experts), H, B->nc, X->g.num_sms - X->sms_overlap,
+                 X->ce_whole ? "; x itself sent by all-gathers" : "");
     else if (B->nc > 1 && F->halves)
         snprintf(ep->path, sizeof ep->path,
                  "%s; ep: overlap, %d chunks (forward: %d, every peer's rows in halves), %d SMs "

@@ -38,8 +38,10 @@
  *    keep_x (bitwise against the same case without it), an odd capacity
  *    and a rank without tokens, every pair on one rank, a capacity too
  *    small, a second layer sharing the first's window (its run bitwise
- *    equal to the first's); refused on the portable GEMMs and with
- *    overlap = -1;
+ *    equal to the first's); every rank at capacity (x itself by
+ *    all-gathers: with a CUDA graph, with keep_x, with every pair on one
+ *    rank; at an odd capacity packed, the path must not say it); refused
+ *    on the portable GEMMs and with overlap = -1;
  *  - refused at create on every rank: descriptions that differ (compared
  *    over NCCL), E not a multiple of P (each rank's own check).
  * Needs libnccl (the loader's libnccl.so.2 or $SMOE_NCCL_LIBRARY); skips
@@ -573,6 +575,44 @@ static gcase at_capacity(int P, smoe_routing routing, int64_t n, int64_t T) {
     return c;
 }
 
+/* Every rank at capacity: x itself travels (NCCL's kernels, ce -1: by the
+ * point-to-point rounds; the copy engines, ce 1: by all-gathers, where the
+ * two parts split the capacity), with a CUDA graph, with keep_x (kernels:
+ * an odd capacity, so unequal halves where the forward takes them; the
+ * path says halves as `halves` wants), with every pair on one rank; then
+ * packed, which the path must not call x itself (kernels: without
+ * overlap; copy engines: an odd capacity). */
+static void at_capacity_cases(int P, int ce, int halves, tu_rng *rng) {
+    const char *on = ce == 1 ? "copy engines" : "Hopper, overlap";
+    char name[160];
+    gcase c = at_capacity(P, SMOE_ROUTING_TOPK_SOFTMAX, 64, 64);
+    c.ce = ce;
+    c.graph = 1;
+    c.path_whole = 1;
+    snprintf(name, sizeof name, "%s, every rank at capacity (x itself travels)", on);
+    run_case(name, &c, rng);
+    c = at_capacity(P, SMOE_ROUTING_SOFTMAX_TOPK, 512, ce == 1 ? 78 : 77);
+    c.ce = ce;
+    c.keep_x = 1;
+    c.accumulate = 1;
+    c.path_halves = ce == 1 ? 0 : halves;
+    c.path_whole = 1;
+    snprintf(name, sizeof name, "%s, at capacity, keep_x%s", on, ce == 1 ? "" : ", halves");
+    run_case(name, &c, rng);
+    c = at_capacity(P, SMOE_ROUTING_GENERAL, 64, 50);
+    c.ce = ce;
+    c.one_rank = 1;
+    snprintf(name, sizeof name, "%s, at capacity, every pair on rank 0's experts", on);
+    run_case(name, &c, rng);
+    c = at_capacity(P, SMOE_ROUTING_TOPK_SOFTMAX, 64, ce == 1 ? 77 : 64);
+    c.ce = ce;
+    if (ce != 1) c.overlap = -1;
+    c.path_whole = 2;
+    snprintf(name, sizeof name, "%s, at capacity, rows packed (%s)", on,
+             ce == 1 ? "77 rows: the two parts do not split them" : "no overlap");
+    run_case(name, &c, rng);
+}
+
 int main(int argc, char **argv) {
     tu_rng rng = tu_rng_make(tu_init(argc, argv, 17));
     int ngpu = 0;
@@ -698,25 +738,9 @@ int main(int argc, char **argv) {
         c.Tr[0] = 58;
         c.overlap = 1;
         run_case("Hopper, overlap, uneven, rank 1 without tokens", &c, &rng);
-        /* every rank at capacity: x itself travels (the uneven cases have
-         * their largest rank at capacity and the others packing) */
-        c = at_capacity(P, SMOE_ROUTING_TOPK_SOFTMAX, 64, 64);
-        c.graph = 1;
-        c.path_whole = 1;
-        run_case("Hopper, overlap, every rank at capacity (x itself travels)", &c, &rng);
-        c = at_capacity(P, SMOE_ROUTING_SOFTMAX_TOPK, 512, 77);
-        c.keep_x = 1;
-        c.accumulate = 1;
-        c.path_halves = halves;
-        c.path_whole = 1;
-        run_case("Hopper, overlap, at capacity, halves, keep_x", &c, &rng);
-        c = at_capacity(P, SMOE_ROUTING_GENERAL, 64, 50);
-        c.one_rank = 1;
-        run_case("Hopper, overlap, at capacity, every pair on rank 0's experts", &c, &rng);
-        c = at_capacity(P, SMOE_ROUTING_TOPK_SOFTMAX, 64, 64);
-        c.overlap = -1;
-        c.path_whole = 2;
-        run_case("Hopper, no overlap, at capacity (rows packed)", &c, &rng);
+        /* every rank at capacity (the uneven cases have their largest rank
+         * at capacity and the others packing) */
+        at_capacity_cases(P, -1, halves, &rng);
         c = base_case(P, SMOE_ROUTING_GENERAL, SMOE_BACKEND_SM90);
         c.D.d = 128; c.D.n = 64;
         c.one_rank = 1;
@@ -770,7 +794,15 @@ int main(int argc, char **argv) {
         c.Tr[1] = 0;
         c.Tr[0] = 57; /* capacity 57: the two parts of 29 rows, one padded */
         c.ce = 1;
+        c.path_whole = 2; /* an odd capacity: packed */
         run_case("copy engines, odd capacity, rank 1 without tokens", &c, &rng);
+        c.Tr[0] = 80; /* the capacity, even: x itself, rank 1 empty, the others copied */
+        c.path_whole = 1;
+        run_case("copy engines, x itself, uneven, rank 1 without tokens", &c, &rng);
+        c.Tr[0] = 90;
+        c.capacity = 88; /* under max_tokens (90): packed */
+        c.path_whole = 2;
+        run_case("copy engines, capacity under max_tokens", &c, &rng);
         c = base_case(P, SMOE_ROUTING_GENERAL, SMOE_BACKEND_SM90);
         c.D.d = 128; c.D.n = 64;
         c.one_rank = 1;
@@ -781,6 +813,9 @@ int main(int argc, char **argv) {
         c.ce = 1;
         c.share = 1;
         run_case("copy engines, two layers sharing a window", &c, &rng);
+        /* every rank at capacity: x itself by all-gathers (the forward's
+         * rows, the backward's dout and x) */
+        at_capacity_cases(P, 1, 0, &rng);
         c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_SM90);
         c.D.d = 128; c.D.n = 64;
         c.capacity = 4;
