@@ -13,6 +13,11 @@ tick for no overlap, a dashed 85% target) to --out (bench/plots/ep_scaling.png)
 and prints a Markdown table (shape | P=... , cells 'default% (no overlap%)').
 
     python3 bench/ep_plot.py LOG [--out PNG] [--names LABEL ... | SHAPE:LABEL ...]
+    python3 bench/ep_plot.py LOG --quick "4 x H200" [--out PNG]
+
+--quick reads instead the layer's defaults from quick lines (smoe_ep_bench -q
+1, each line prefixed '<shape> r<round> | '; see parse_quick): bars are the
+mean over rounds, a line the range.
 
 Needs matplotlib only (no torch).
 """
@@ -67,6 +72,31 @@ def parse(path):
     return f"{device[0]} x {device[1]}", shapes, res
 
 
+QUICK = re.compile(r"^(\S+) r\d+ \| quick .*?P=(\d+) T=\d+: EP fwd ([\d.]+) bwd ([\d.]+) ms.*?"
+                   r"single fwd ([\d.]+) bwd ([\d.]+) ms")
+
+
+def parse_quick(path, device):
+    """--quick: lines '<shape> r<round> | quick ... P=<P> T=...: EP fwd .. bwd .. ms, ...,
+    single fwd .. bwd .. ms' (smoe_ep_bench -q 1, the layer's defaults, each
+    line its own single-GPU run); a cell is the mean over rounds, its range
+    printed beside it. No no-overlap tick (the quick lines run the defaults only)."""
+    runs, shapes = {}, []
+    for line in open(path):
+        m = QUICK.match(line)
+        if not m:
+            continue
+        shape, p = m.group(1), int(m.group(2))
+        ef, eb, sf, sb = (float(x) for x in m.groups()[2:])
+        if shape not in shapes:
+            shapes.append(shape)
+        runs.setdefault((shape, p), []).append(100 * (sf + sb) / (ef + eb))
+    if not runs:
+        sys.exit(f"{path}: no quick lines")
+    res = {k: (sum(v) / len(v), None, False, min(v), max(v)) for k, v in runs.items()}
+    return device, shapes, res
+
+
 def labels(shapes, names):
     byname = dict(x.split(":", 1) for x in names if ":" in x)
     plain = [x for x in names if ":" not in x]
@@ -82,21 +112,29 @@ def main():
     ap.add_argument("--out", default="bench/plots/ep_scaling.png")
     ap.add_argument("--names", nargs="*", default=DEFAULT_NAMES,
                     help="labels in order of first appearance, or SHAPE:LABEL pairs")
+    ap.add_argument("--quick", metavar="DEVICE",
+                    help="read quick lines (parse_quick) of a machine named DEVICE")
     a = ap.parse_args()
-    device, shapes, res = parse(a.log)
-    labs = labels(shapes, a.names)
+    device, shapes, res = parse_quick(a.log, a.quick) if a.quick else parse(a.log)
+    labs = labels(shapes, a.names if not a.quick else [])
     ps = sorted({p for _, p in res})
 
     print("| shape | " + " | ".join(f"P={p}" for p in ps) + " |")
     print("|---" * (len(ps) + 1) + "|")
     for s, lab in zip(shapes, labs):
-        cells = [f"{res[s, p][0]:.1f}% ({res[s, p][1]:.1f}%)" if (s, p) in res else "-" for p in ps]
+        cells = ["-" if (s, p) not in res else
+                 f"{res[s, p][0]:.1f}% ({res[s, p][3]:.1f}-{res[s, p][4]:.1f})" if a.quick else
+                 f"{res[s, p][0]:.1f}% ({res[s, p][1]:.1f}%)" for p in ps]
         print(f"| {lab} | " + " | ".join(cells) + " |")
-    same = [f"{lab} P={p}" for s, lab in zip(shapes, labs) for p in ps
+    if a.quick:
+        print("\nCells are the layer's defaults, fwd+bwd per GPU, EP / single GPU: mean over "
+              "rounds (range).")
+    same = [] if a.quick else [f"{lab} P={p}" for s, lab in zip(shapes, labs) for p in ps
             if (s, p) in res and res[s, p][2]]
-    print("\nCells are default schedule (no overlap), fwd+bwd per GPU, EP / single GPU. Where the "
+    if not a.quick:
+        print("\nCells are default schedule (no overlap), fwd+bwd per GPU, EP / single GPU. Where the "
           "default schedule is itself no overlap, both are runs of the same path: "
-          + ", ".join(same))
+              + ", ".join(same))
 
     import matplotlib
     matplotlib.use("Agg")
@@ -108,9 +146,14 @@ def main():
         xs = [i - 0.4 + w * (j + 0.5) for i, s in enumerate(shapes) if (s, p) in res]
         vals = [res[s, p] for s in shapes if (s, p) in res]
         ax.bar(xs, [v[0] for v in vals], w * 0.9, color=colors[j % 4],
-               label=f"P={p} (default schedule)")
-        ax.hlines([v[1] for v in vals], [x - w * 0.45 for x in xs], [x + w * 0.45 for x in xs],
-                  colors="black", lw=2, label="no overlap (tick)" if j == 0 else None)
+               label=f"P={p} ({'layer defaults' if a.quick else 'default schedule'})")
+        if a.quick:  # the rounds' range
+            ax.vlines(xs, [v[3] for v in vals], [v[4] for v in vals], colors="black", lw=1.2,
+                      label="range over rounds" if j == 0 else None)
+        else:
+            ax.hlines([v[1] for v in vals], [x - w * 0.45 for x in xs],
+                      [x + w * 0.45 for x in xs], colors="black", lw=2,
+                      label="no overlap (tick)" if j == 0 else None)
         for x, v in zip(xs, vals):
             ax.text(x, v[0] / 2, f"{v[0]:.0f}", ha="center", color="black" if j == 0 else "white",
                     fontsize=9)
