@@ -47,7 +47,8 @@
  * Needs libnccl (the loader's libnccl.so.2 or $SMOE_NCCL_LIBRARY); skips
  * without 1 GPU or NCCL. SMOE_EP_QUICK=1: the largest P alone;
  * SMOE_EP_BARRIER=1: the rank threads meet before each blocking call (for
- * compute-sanitizer; see meet()).
+ * compute-sanitizer; see meet()); SMOE_EP_CASE=<text>: only the cases whose
+ * name contains it (to run one under a tool; the others' data then differ).
  */
 #include "ep_ref.h"
 
@@ -373,6 +374,8 @@ static void *rank_main(void *arg) {
 
 static void run_case(const char *name, const gcase *c, tu_rng *rng) {
     const int NP = c->P;
+    const char *only = getenv("SMOE_EP_CASE");
+    if (only && *only && !strstr(name, only)) return;
     printf("case P = %d: %s\n", NP, name); /* where a hang stopped, in the log */
     fflush(stdout);
     smoe_layer_desc D = c->D;
