@@ -39,8 +39,13 @@
  *           parts: the received rows are laid out part by part (ep_slots,
  *           this rank's own after them), chunk h is part h of every peer's
  *           rows, between this rank's own two halves; part h's partial
- *           sums go back by one all-to-all after its chunk. The counts,
- *           pairs, status and dS messages stay NCCL's kernels' (small).
+ *           sums go back by one all-to-all after its chunk. Where every
+ *           rank's capacity is max_tokens and even (create's ce_whole), x
+ *           (and in the backward dout, then x) travels itself instead: one
+ *           in-place ncclAllGather per part from this rank's own slice,
+ *           started at the forward's start, no pack (ce_whole_stage). The
+ *           counts, pairs, status and dS messages stay NCCL's kernels'
+ *           (small).
  *
  * The chunks are views of the experts' rows, which stay sorted by expert
  * then by received row (so dW sums each expert's rows in the same order as
