@@ -72,7 +72,7 @@ def parse(path):
     return f"{device[0]} x {device[1]}", shapes, res
 
 
-QUICK = re.compile(r"^(\S+) r\d+ \| quick .*?P=(\d+) T=\d+: EP fwd ([\d.]+) bwd ([\d.]+) ms.*?"
+QUICK = re.compile(r"^(\S+) r\d+(?: \S+)? \| quick .*?P=(\d+) T=\d+: EP fwd ([\d.]+) bwd ([\d.]+) ms.*?"
                    r"single fwd ([\d.]+) bwd ([\d.]+) ms")
 
 
