@@ -13,10 +13,7 @@
 # '<shape> r<round> <label> | quick ...' (bench/ep_plot.py --quick reads
 # them when one label is kept), each build's raw output in $OUT/bench_<label>.log.
 set -uo pipefail
-if [ -z "${SMOE_NCCL_LIBRARY:-}" ]; then
-  SMOE_NCCL_LIBRARY=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib','libnccl.so.2'))" 2>/dev/null)
-  export SMOE_NCCL_LIBRARY
-fi
+. "$(dirname "$0")/nccl_env.sh"
 o=${OUT:-/tmp/ep_ab}; mkdir -p "$o"
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 ))s]"; }
 for run in ${RUNS:?set RUNS}; do

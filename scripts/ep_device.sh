@@ -13,11 +13,7 @@
 # Logs under $OUT (the device tool) or /tmp/ep_out; a short table last.
 set -uo pipefail
 d=/tmp/pb; rm -rf $d; mkdir -p $d && tar -xJf .prebuilt/prebuilt.tar.xz -C $d && cat $d/STAMP
-if [ -z "${SMOE_NCCL_LIBRARY:-}" ]; then
-  SMOE_NCCL_LIBRARY=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib','libnccl.so.2'))" 2>/dev/null)
-  [ -f "$SMOE_NCCL_LIBRARY" ] || SMOE_NCCL_LIBRARY=$(find / -name 'libnccl.so.2' 2>/dev/null | head -1)
-  export SMOE_NCCL_LIBRARY
-fi
+. "$(dirname "$0")/nccl_env.sh"
 o=${OUT:-/tmp/ep_out}; mkdir -p "$o"
 nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
 ng=$(nvidia-smi -L | wc -l)

@@ -12,10 +12,7 @@ tar -xJf .prebuilt/prebuilt.tar.xz -C build && cat build/STAMP
 nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$(date +%s)
 # test_ep_gpu too (P = 1 on one GPU), with torch's libnccl where there is one
-if [ -z "${SMOE_NCCL_LIBRARY:-}" ]; then
-  SMOE_NCCL_LIBRARY=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib','libnccl.so.2'))" 2>/dev/null)
-  export SMOE_NCCL_LIBRARY
-fi
+. "$(dirname "$0")/nccl_env.sh"
 tests=$(ls build/tests/gpu/test_*)
 lanes=${LANES:-3}; i=0
 for t in $tests; do echo "$t" >> "$o/lane$((i % lanes)).list"; i=$((i+1)); done
