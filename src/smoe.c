@@ -418,6 +418,16 @@ size_t smoe_layer_call_workspace_bytes(const smoe_layer *layer, smoe_call call, 
     return layer->ops->workspace_bytes(layer, T, cap, (int)call);
 }
 
+/* A backward's scratch for its arguments: the backend's own rule (CUDA: A'
+ * in dW1 where it fits), else its SMOE_CALL_BACKWARD size. */
+static size_t backward_ws(const smoe_layer *layer, int64_t T, int64_t cap,
+                          const smoe_backward_args *args)
+{
+    if (!layer->ops->backward_workspace_bytes)
+        return layer->ops->workspace_bytes(layer, T, cap, SMOE_CALL_BACKWARD);
+    return layer->ops->backward_workspace_bytes(layer, T, cap, args);
+}
+
 size_t smoe_layer_backward_workspace_bytes(const smoe_layer *layer,
                                            const smoe_backward_args *args)
 {
@@ -429,9 +439,7 @@ size_t smoe_layer_backward_workspace_bytes(const smoe_layer *layer,
     }
     const int64_t pairs = layer->desc.routing == SMOE_ROUTING_GENERAL ? args->pairs : 0;
     if (check_sizes(layer, args->T, pairs, 0, &cap) != SMOE_SUCCESS) return 0;
-    if (!layer->ops->backward_workspace_bytes)
-        return layer->ops->workspace_bytes(layer, args->T, cap, SMOE_CALL_BACKWARD);
-    return layer->ops->backward_workspace_bytes(layer, args->T, cap, args);
+    return backward_ws(layer, args->T, cap, args);
 }
 
 size_t smoe_layer_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t pairs)
@@ -469,10 +477,11 @@ smoe_status smoe_layer_device_status(smoe_layer *layer, void *stream, int wait)
 /* ------------------------------------------------------------ forward, backward */
 
 /* A call's T and pairs checked, its saved block's layout, and the shape its
- * other arguments are checked against (validate.c). */
-static smoe_status call_shape_make(const smoe_layer *layer, smoe_call call, int64_t T,
-                                   int64_t pairs, int inference, smoe_saved_layout *l,
-                                   smoe_call_shape *cs)
+ * other arguments are checked against (validate.c); bargs: a backward's
+ * arguments (its workspace follows them), NULL for a forward. */
+static smoe_status call_shape_make(const smoe_layer *layer, const smoe_backward_args *bargs,
+                                   int64_t T, int64_t pairs, int inference,
+                                   smoe_saved_layout *l, smoe_call_shape *cs)
 {
     int64_t cap;
     SMOE_FORWARD_IF_ERROR(check_sizes(layer, T, pairs, inference, &cap));
@@ -480,11 +489,11 @@ static smoe_status call_shape_make(const smoe_layer *layer, smoe_call call, int6
     memset(cs, 0, sizeof *cs);
     cs->E_experts = layer->desc.E;
     cs->saved_need = l->total;
-    cs->ws_need = layer->ops->workspace_bytes(layer, T, cap, (int)call);
+    cs->ws_need = bargs ? backward_ws(layer, T, cap, bargs)
+                        : layer->ops->workspace_bytes(layer, T, cap, SMOE_CALL_FORWARD);
     cs->saved_query = "smoe_layer_saved_bytes";
-    cs->ws_query = call == SMOE_CALL_FORWARD
-                       ? "smoe_layer_call_workspace_bytes(SMOE_CALL_FORWARD)"
-                       : "smoe_layer_call_workspace_bytes(SMOE_CALL_BACKWARD)";
+    cs->ws_query = bargs ? "smoe_layer_backward_workspace_bytes"
+                         : "smoe_layer_call_workspace_bytes(SMOE_CALL_FORWARD)";
     return SMOE_SUCCESS;
 }
 
@@ -501,7 +510,7 @@ smoe_status smoe_layer_forward(smoe_layer *layer, const smoe_forward_args *args,
     const int64_t T = args->T, pairs = general ? args->pairs : 0;
     smoe_saved_layout l;
     smoe_call_shape cs;
-    SMOE_FORWARD_IF_ERROR(call_shape_make(layer, SMOE_CALL_FORWARD, T, pairs, args->inference, &l, &cs));
+    SMOE_FORWARD_IF_ERROR(call_shape_make(layer, NULL, T, pairs, args->inference, &l, &cs));
     SMOE_FORWARD_IF_ERROR(smoe_forward_validate(layer, fn, args, &cs, saved, saved_bytes,
                                                 workspace, workspace_bytes));
     return layer->ops->forward(layer, args, &l, args->inference ? NULL : saved, workspace,
@@ -519,12 +528,7 @@ smoe_status smoe_layer_backward(smoe_layer *layer, const smoe_backward_args *arg
     const int64_t T = args->T, pairs = general ? args->pairs : 0;
     smoe_saved_layout l;
     smoe_call_shape cs;
-    SMOE_FORWARD_IF_ERROR(call_shape_make(layer, SMOE_CALL_BACKWARD, T, pairs, 0, &l, &cs));
-    /* this call's own layout (CUDA: A' in dW1 where it fits; at most the
-     * SMOE_CALL_BACKWARD size) */
-    if (layer->ops->backward_workspace_bytes)
-        cs.ws_need = layer->ops->backward_workspace_bytes(layer, T, l.cap, args);
-    cs.ws_query = "smoe_layer_backward_workspace_bytes";
+    SMOE_FORWARD_IF_ERROR(call_shape_make(layer, args, T, pairs, 0, &l, &cs));
     SMOE_FORWARD_IF_ERROR(smoe_backward_validate(layer, fn, args, &cs, saved, saved_bytes,
                                                  workspace, workspace_bytes,
                                                  layer->desc.consume_saved));

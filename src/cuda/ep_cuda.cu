@@ -473,14 +473,18 @@ static smoe_status ce_whole_stage(const smoe_ep_layer *ep, const void *a, char *
     return SMOE_SUCCESS;
 }
 
-/* Part h's all-gather, in place: this rank's slice of part h to every
- * rank's part h. */
-static smoe_status ce_whole_part(const smoe_ep_layer *ep, char *recv, int h, size_t part_bytes)
+/* Copy engines: part h of one exchange, from send's part h to recv's by an
+ * all-to-all, or (whole: x itself, staged by ce_whole_stage) by an in-place
+ * all-gather of this rank's slice of recv's part h to every rank's. */
+static smoe_status ce_part(const smoe_ep_layer *ep, int whole, const char *send, char *recv, int h,
+                           size_t part_bytes)
 {
     const ep_slots sl = ep->cuda->sl;
-    char *o = recv + (size_t)h * (size_t)sl.P * part_bytes;
-    return smoe_ep_ce_allgather(ep, o + (size_t)sl.self * part_bytes, o, part_bytes,
-                                ep->cuda->cs);
+    const size_t o = (size_t)h * (size_t)sl.P * part_bytes;
+    if (whole)
+        return smoe_ep_ce_allgather(ep, recv + o + (size_t)sl.self * part_bytes, recv + o,
+                                    part_bytes, ep->cuda->cs);
+    return smoe_ep_ce_alltoall(ep, send + o, recv + o, part_bytes, ep->cuda->cs);
 }
 
 static smoe_status fork_streams(const smoe_ep_layer *ep, cudaStream_t s)
@@ -716,12 +720,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             if (!whole) TRY(fork_streams(ep, s));
             const size_t part_bytes = (size_t)X->sl.Ch * row;
             for (int h = 0; h < X->sl.H; h++) {
-                const size_t o = (size_t)h * (size_t)P * part_bytes;
-                if (whole)
-                    TRY(ce_whole_part(ep, (char *)recv_rows, h, part_bytes));
-                else
-                    TRY(smoe_ep_ce_alltoall(ep, (const char *)send_rows + o,
-                                            (char *)recv_rows + o, part_bytes, X->cs));
+                TRY(ce_part(ep, whole, (const char *)send_rows, (char *)recv_rows, h, part_bytes));
                 TRYC(cudaEventRecord(X->ev[EV_IN + h], X->cs));
             }
             if (training && ep->desc.keep_x) {
@@ -943,23 +942,12 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
              * each copied into this rank's own slices first */
             if (whole) TRY(ce_whole_stage(ep, args->dout, (char *)rdo, T, row));
             for (int h = 0; h < X->sl.H; h++) {
-                const size_t o = (size_t)h * (size_t)P * part_bytes;
-                if (whole)
-                    TRY(ce_whole_part(ep, (char *)rdo, h, part_bytes));
-                else
-                    TRY(smoe_ep_ce_alltoall(ep, (const char *)sdo + o, (char *)rdo + o,
-                                            part_bytes, X->cs));
+                TRY(ce_part(ep, whole, (const char *)sdo, (char *)rdo, h, part_bytes));
                 TRYC(cudaEventRecord(X->ev[EV_IN + h], X->cs));
             }
             if (whole && !keep) TRY(ce_whole_stage(ep, args->x, (char *)rx, T, row));
-            for (int h = 0; !keep && h < X->sl.H; h++) {
-                const size_t o = (size_t)h * (size_t)P * part_bytes;
-                if (whole)
-                    TRY(ce_whole_part(ep, (char *)rx, h, part_bytes));
-                else
-                    TRY(smoe_ep_ce_alltoall(ep, (const char *)sx + o, (char *)rx + o, part_bytes,
-                                            X->cs));
-            }
+            for (int h = 0; !keep && h < X->sl.H; h++)
+                TRY(ce_part(ep, whole, (const char *)sx, (char *)rx, h, part_bytes));
             TRYC(cudaEventRecord(X->ev[EV_X], X->cs));
         } else if (P > 1) {
             TRY(fork_streams(ep, s));

@@ -586,8 +586,7 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
          * part's all-gather would read past x). A rank with T < C copies
          * its rows into the send region first (ep_cuda.cu's
          * ce_whole_stage). */
-        X->ce_whole = P > 1 && ep->C > 0 && ep->C >= ep->desc.max_tokens && ep->C % H == 0 &&
-                      g_nccl.AllGather != NULL;
+        X->ce_whole = P > 1 && ep->C > 0 && ep->C >= ep->desc.max_tokens && ep->C % H == 0;
     }
     if (X->ce)
         snprintf(ep->path, sizeof ep->path,
