@@ -19,7 +19,8 @@
  * with keep_x: the layer's default (copy_engines = 0) takes them from P =
  * 4. -q 1 runs the layer's defaults alone (copy_engines = 0: the layer
  * picks) and the single layer: the quick line for an A/B of two builds;
- * -q 2 the layer's defaults without the single layer. Both print first a
+ * -q 2 the layer's defaults without the single layer. With -q, -g sets the
+ * quick run's copy_engines (1: the copy engines, -1: NCCL's kernels). Both print first a
  * line of each rank's own median forward and backward (a rank that waits
  * for a slower one reads it in its backward, which starts when its own
  * forward ends). -x sets expert_rows: at or above P T K / P = T K on
@@ -99,19 +100,26 @@ static uint64_t rng_next(uint64_t *s) {
     return *s;
 }
 
-/* n bf16 values, uniform in [-scale, scale) */
-static void *rand_bf16(size_t n, float scale, uint64_t seed) {
-    uint16_t *h = (uint16_t *)malloc(n * 2 + 2);
+/* n bf16 values, uniform in [-scale, scale); period > 0: the first period
+ * values repeated (the expert weights: their values set no timing, and
+ * generating a billion of them on the host took seconds a line) */
+static void *rand_bf16(size_t n, float scale, uint64_t seed, size_t period) {
+    const size_t m = period && period < n ? period : n;
+    uint16_t *h = (uint16_t *)malloc(m * 2 + 2);
     uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; i < m; i++) {
         const float f = scale * (2.0f * (float)(rng_next(&s) >> 40) / (float)(1 << 24) - 1.0f);
         uint32_t u;
         memcpy(&u, &f, 4);
         h[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     }
-    void *d = NULL;
-    CUDA_OK(cudaMalloc(&d, n * 2 + 16));
-    CUDA_OK(cudaMemcpy(d, h, n * 2, cudaMemcpyHostToDevice));
+    uint16_t *d = NULL;
+    CUDA_OK(cudaMalloc((void **)&d, n * 2 + 16));
+    CUDA_OK(cudaMemcpy(d, h, m * 2, cudaMemcpyHostToDevice));
+    for (size_t off = m; off < n; off *= 2) /* doubling copies on the device */
+        CUDA_OK(cudaMemcpy(d + off, d, (off < n - off ? off : n - off) * 2,
+                           cudaMemcpyDeviceToDevice));
+    CUDA_OK(cudaDeviceSynchronize()); /* the rank's stream does not wait for these */
     free(h);
     return d;
 }
@@ -186,7 +194,7 @@ static void *rank_main(void *arg) {
         ed.overlap = R->ep == 3 ? -1 : R->c->overlap;
         ed.comm_sms = R->ep >= 5 ? 0 : c->comm_sms;
         ed.keep_x = R->ep == 4 || R->ep == 6;
-        ed.copy_engines = R->ep == 7 ? 0 : R->ep >= 5 ? 1 : -1;
+        ed.copy_engines = R->ep == 7 ? c->ce : R->ep >= 5 ? 1 : -1;
         SMOE_OK(smoe_ep_layer_create(&ed, &EPL));
         sb = smoe_ep_layer_saved_bytes(EPL, T);
         wb = smoe_ep_layer_workspace_bytes(EPL, T);
@@ -198,11 +206,11 @@ static void *rank_main(void *arg) {
         snprintf(R->path, sizeof R->path, "%s", smoe_layer_path_name(L));
     }
     const uint64_t seed = 1000u * (uint64_t)R->r + 7u;
-    void *x = rand_bf16((size_t)(T * d), 1.0f, seed + 1);
-    void *wr = rand_bf16((size_t)(E * d), 0.05f, 99); /* the same router on every rank */
-    void *w1 = rand_bf16((size_t)(El * 2 * n * d), 0.02f, seed + 2);
-    void *w2 = rand_bf16((size_t)(El * d * n), 0.02f, seed + 3);
-    void *dout = rand_bf16((size_t)(T * d), 1.0f, seed + 4);
+    void *x = rand_bf16((size_t)(T * d), 1.0f, seed + 1, 0);
+    void *wr = rand_bf16((size_t)(E * d), 0.05f, 99, 0); /* the same router on every rank */
+    void *w1 = rand_bf16((size_t)(El * 2 * n * d), 0.02f, seed + 2, (size_t)1 << 24);
+    void *w2 = rand_bf16((size_t)(El * d * n), 0.02f, seed + 3, (size_t)1 << 24);
+    void *dout = rand_bf16((size_t)(T * d), 1.0f, seed + 4, 0);
     void *out = dalloc((size_t)(T * d) * 2);
     void *dx = dalloc((size_t)(T * d) * 2);
     void *dwr = dalloc((size_t)(E * d) * 4);

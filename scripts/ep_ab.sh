@@ -5,9 +5,10 @@
 #
 #   RUNS="main:a cep4:b:SMOE_EP_CE_PARTS=4" P=4 ROUNDS=2 bash scripts/ep_ab.sh
 #
-# RUNS: label:dir[:VAR=value,...] -- dir is .prebuilt/<dir>/prebuilt.tar.xz
-# (scripts/prebuild.sh's, or one holding smoe_ep_bench alone), the VARs set for
-# that label's lines only. SHAPES: ';'-separated name=options (default the
+# RUNS: label:dir[:VAR=value,...[:flag,value,...]] -- dir is
+# .prebuilt/<dir>/prebuilt.tar.xz (scripts/prebuild.sh's, or one holding
+# smoe_ep_bench alone), the VARs set and the smoe_ep_bench flags added for that
+# label's lines only (e.g. "ce:a::-g,1": the copy engines at any P). SHAPES: ';'-separated name=options (default the
 # four of bench/RESULTS.md's EP tables). TESTS=dir: first that build's
 # test_ep_gpu (P = 1, 2 and every GPU up to 4). Lines to $OUT/ab.log as
 # '<shape> r<round> <label> | quick ...' (bench/ep_plot.py --quick reads
@@ -17,7 +18,7 @@ set -uo pipefail
 o=${OUT:-/tmp/ep_ab}; mkdir -p "$o"
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 ))s]"; }
 for run in ${RUNS:?set RUNS}; do
-  IFS=: read -r lab dir env <<< "$run"
+  IFS=: read -r lab dir env fl <<< "$run"
   [ -d /tmp/ab_$dir ] && continue
   mkdir -p /tmp/ab_$dir && tar -xJf .prebuilt/$dir/prebuilt.tar.xz -C /tmp/ab_$dir || exit 1
   echo "$dir: $(head -1 /tmp/ab_$dir/STAMP)"
@@ -33,9 +34,9 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
   for sh in "${SH[@]}"; do
     name=${sh%%=*}; opts=${sh#*=}
     for run in $RUNS; do
-      IFS=: read -r lab dir env <<< "$run"
+      IFS=: read -r lab dir env fl <<< "$run"
       # shellcheck disable=SC2086
-      env ${env//,/ } timeout 90 /tmp/ab_$dir/smoe_ep_bench -P "${P:-4}" $opts -i 20 -q 1 > "$o/b.tmp" 2>&1 || echo "  ($lab rc=$?)"
+      env ${env//,/ } timeout 90 /tmp/ab_$dir/smoe_ep_bench -P "${P:-4}" $opts -i 20 -q 1 ${fl//,/ } > "$o/b.tmp" 2>&1 || echo "  ($lab rc=$?)"
       cat "$o/b.tmp" >> "$o/bench_$lab.log"
       echo "$name r$r $lab | $(grep '^quick.*EP fwd' "$o/b.tmp" | tail -1) $(el)" >> "$o/ab.log"
       tail -1 "$o/ab.log" | sed 's/; per-GPU/\n    per-GPU/; s/ (sm90: all tma+wgmma \[swiglu\]; ep: / (/'
