@@ -20,10 +20,12 @@
  * 4. -q 1 runs the layer's defaults alone (copy_engines = 0: the layer
  * picks) and the single layer: the quick line for an A/B of two builds;
  * -q 2 the layer's defaults without the single layer. With -q, -g sets the
- * quick run's copy_engines (1: the copy engines, -1: NCCL's kernels). Both print first a
- * line of each rank's own median forward and backward (a rank that waits
- * for a slower one reads it in its backward, which starts when its own
- * forward ends). -x sets expert_rows: at or above P T K / P = T K on
+ * quick run's copy_engines (1: the copy engines, -1: NCCL's kernels). Both
+ * print first a line of each rank's own median forward and backward (a rank
+ * that waits for a slower one reads it in its backward, which starts when
+ * its own forward ends). With SMOE_EP_TRACE=1 (smoe.h) every EP layer
+ * prints, when freed, where its calls' time went (-q 2: the defaults'
+ * alone). -x sets expert_rows: at or above P T K / P = T K on
  * average per rank with random routing, or some rank's call overflows (0:
  * the worst case).
  *

@@ -264,6 +264,8 @@ static unsigned blocks_for(int64_t n, int threads)
             goto done;                                                    \
         }                                                                 \
     } while (0)
+/* SMOE_EP_TRACE=1 only (ep_trace.cu): a timing mark of this call */
+#define MARK(bwd, st, on_cs, name, idx) ep_trace_mark(X, bwd, st, on_cs, name, idx)
 
 /* A GEMM launcher chose at create time: declining now is a bug. */
 static smoe_status gemm_ran(smoe_status st, const char *op)
@@ -623,6 +625,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
     smoe_status r = SMOE_SUCCESS;
     {
         TRY(smoe_cuda_status_reset(st, s));
+        ep_trace_begin(X, 0, s);
         const ep_chunks *K = &X->fw;
         /* keep_x: the rows of x arrive in the saved block, for the backward
          * (a refused call's header says so: no backward reads them) */
@@ -637,6 +640,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         const int whole = ep_whole_x(ep, T);
         if (whole) TRY(fork_streams(ep, s));
         if (whole && X->ce) TRY(ce_whole_stage(ep, args->x, (char *)recv_rows, T, row));
+        if (whole) MARK(0, X->cs, 1, "x staged", -1);
         int32_t *toff = (int32_t *)(sb + S.token_offset);
         int32_t *aexp = (int32_t *)(sb + S.assign_expert);
         float *ascore = (float *)(sb + S.row_score);
@@ -662,6 +666,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         }
         k_ep_iota<<<blocks_for(A, 256), 256, 0, s>>>(A, (int32_t *)(sb + S.assign_row), abort);
         TRYL("k_ep_iota");
+        MARK(0, s, 0, "routing", -1);
         /* 2. entries, their slots, the pack */
         int32_t *dest = (int32_t *)(ws + W.ent_dest), *pidx = (int32_t *)(sb + S.pidx);
         int32_t *ent_off = (int32_t *)(sb + S.ent_off), *eoff = (int32_t *)(ws + W.eoff);
@@ -696,6 +701,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             TRYC(cudaMemsetAsync(eoff, 0, (size_t)(P + 1) * 4, s));
             TRYC(cudaMemsetAsync(ent_off, 0, 4, s));
         }
+        MARK(0, s, 0, "pack", -1);
         int32_t *msg_send = (int32_t *)(ws + W.msg_send), *msg_recv = (int32_t *)(ws + W.msg_recv);
         int32_t *msg2_send = (int32_t *)(ws + W.msg2_send);
         int32_t *msg2_recv = (int32_t *)(ws + W.msg2_recv);
@@ -712,6 +718,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         TRY(smoe_ep_alltoall(ep, x1, 2, 1, s));
         k_ep_peers<<<1, 32, 0, s>>>(P, self, msg_recv, st, rep);
         TRYL("k_ep_peers");
+        MARK(0, s, 0, "counts and pairs", -1);
         sched z = sched_make(ep, K);
         if (P > 1 && X->ce) {
             /* copy engines: part h of every slice, one all-to-all each
@@ -722,6 +729,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             for (int h = 0; h < X->sl.H; h++) {
                 TRY(ce_part(ep, whole, (const char *)send_rows, (char *)recv_rows, h, part_bytes));
                 TRYC(cudaEventRecord(X->ev[EV_IN + h], X->cs));
+                MARK(0, X->cs, 1, "rows, part", h);
             }
             if (training && ep->desc.keep_x) {
                 /* whole: this rank's own rows, which the pack wrote on the
@@ -736,9 +744,12 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
                                  (char *)recv_rows, row}};
             if (K->halves) { /* every slice's first halves, then the second */
                 TRY(rounds(ep, rb, 1, NULL, NULL, 0, C / 2, EV_IN, whole));
+                MARK(0, X->cs, 1, "rows, half", 0);
                 TRY(rounds(ep, rb, 1, NULL, NULL, C / 2, C, EV_IN + P, whole));
+                MARK(0, X->cs, 1, "rows, half", 1);
             } else {
                 TRY(rounds(ep, rb, 1, NULL, NULL, 0, C, EV_IN, whole));
+                MARK(0, X->cs, 1, "rows", -1);
             }
         }
         /* 4. the expert side's triples and metadata */
@@ -794,6 +805,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
                 (int32_t *)(sb + S.off2), -1, eoff, self, C, 0, abort);
             TRYL("k_ep_chunk_off");
         }
+        MARK(0, s, 0, "metadata", -1);
         /* 5. the experts, chunk by chunk; each chunk's partial sums to their
          * sources (this rank's own straight into part_recv) */
         bf16 *a = (bf16 *)(ws + W.a), *y = (bf16 *)(ws + W.y);
@@ -808,14 +820,18 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             const int64_t v0 = K->bd.b[c], v1 = K->bd.b[c + 1];
             const int peers = c < X->sl.H;
             if (peers) TRYC(cudaStreamWaitEvent(s, X->ev[EV_IN + c], 0));
+            MARK(0, s, 0, "in, chunk", c);
             TRY(chunk_forward(ep, &v, off2, c, X->sms_overlap, abort, recv_rows, args, training,
                               a, y, ws + W.gemm, s));
+            MARK(0, s, 0, "gemms, chunk", c);
             int64_t w0 = v0;
             if (!own_rows_sum(K, c, &w0)) continue;
             bf16 *out = (bf16 *)((peers ? part : part_recv) + (size_t)w0 * row);
             TRY(smoe_cuda_aggregate_forward(v1 - w0, d, v.token_offset + w0, 0, v.assign_row,
                                             v.row_score, y, out, NULL, hdr, abort, s));
+            MARK(0, s, 0, "sums, chunk", c);
             if (peers) TRY(ce_partials_back(ep, c, part, part_recv, v0, row, s));
+            if (peers) MARK(0, X->cs, 1, "partials back, chunk", c);
         }
         if (X->ce && P > 1) {
             /* every rank's status after its row check, with the partials */
@@ -825,8 +841,10 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         for (int i = 0; !X->ce && i < K->nc; i++) {
             const int c = K->order[i];
             TRY(chunk_wait(ep, &z, c, s));
+            MARK(0, s, 0, "in, chunk", c);
             TRY(chunk_forward(ep, &v, off2, c, sms_now(ep, &z), abort, recv_rows, args, training,
                               a, y, ws + W.gemm, s));
+            MARK(0, s, 0, "gemms, chunk", c);
             for (int q = 0; q < P; q++) {
                 int64_t v0, v1;
                 if (!piece(ep, K, c, q, &v0, &v1)) continue;
@@ -835,15 +853,18 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
                 TRY(smoe_cuda_aggregate_forward(v1 - v0, d, v.token_offset + v0, 0, v.assign_row,
                                                 v.row_score, y, out, NULL, hdr, abort, s));
             }
+            MARK(0, s, 0, "sums, chunk", c);
             if (P > 1) {
                 const cbuf pb[1] = {{part, part_recv, (size_t)d * 2}};
                 TRY(chunk_send(ep, &z, c, pb, 1, msg2_send, msg2_recv, s));
+                MARK(0, X->cs, 1, "partials back, chunk", c);
             }
         }
         if (P > 1) {
             TRY(join_streams(ep, s));
             k_ep_peers<<<1, 32, 0, s>>>(P, self, msg2_recv, st, rep);
             TRYL("k_ep_peers");
+            MARK(0, s, 0, "join", -1);
         }
         /* 6. partials summed over the entries in rank order */
         if (T > 0) {
@@ -863,6 +884,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
                 args->router_logits_dtype == SMOE_DTYPE_BF16, abort);
             TRYL("k_ep_outputs");
         }
+        MARK(0, s, 0, "end", -1);
     }
 done:
     if (prev != L->device) cudaSetDevice(prev);
@@ -901,6 +923,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         TRY(smoe_cuda_backward_prologue((smoe_saved_header *)(sb + S.header),
                                         smoe_saved_header_make(ep->full, T, pairs), 0, st,
                                         rep, NULL, 0, d, NULL, smoe_dxr_slots_none(), s));
+        ep_trace_begin(X, 1, s);
         const int32_t *pidx = (const int32_t *)(sb + S.pidx);
         const int32_t *ent_off = (const int32_t *)(sb + S.ent_off);
         const int32_t *toff = (const int32_t *)(sb + S.token_offset);
@@ -930,6 +953,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         float *send_ds = (float *)(ws + W.send_ds), *recv_ds = (float *)(ws + W.recv_ds);
         TRYC(cudaMemsetAsync(send_ds, 0, (size_t)Tu * (size_t)Km * 4, s));
         TRYC(cudaMemsetAsync(recv_ds, 0, (size_t)Tu * (size_t)Km * 4, s));
+        MARK(1, s, 0, "pack", -1);
         const ep_chunks *K = &X->bw;
         sched z = sched_make(ep, K);
         if (P > 1 && X->ce) {
@@ -944,10 +968,13 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             for (int h = 0; h < X->sl.H; h++) {
                 TRY(ce_part(ep, whole, (const char *)sdo, (char *)rdo, h, part_bytes));
                 TRYC(cudaEventRecord(X->ev[EV_IN + h], X->cs));
+                MARK(1, X->cs, 1, "dout, part", h);
             }
             if (whole && !keep) TRY(ce_whole_stage(ep, args->x, (char *)rx, T, row));
-            for (int h = 0; !keep && h < X->sl.H; h++)
+            for (int h = 0; !keep && h < X->sl.H; h++) {
                 TRY(ce_part(ep, whole, (const char *)sx, (char *)rx, h, part_bytes));
+                MARK(1, X->cs, 1, "x, part", h);
+            }
             TRYC(cudaEventRecord(X->ev[EV_X], X->cs));
         } else if (P > 1) {
             TRY(fork_streams(ep, s));
@@ -956,10 +983,12 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             const cbuf db[1] = {{whole ? (const char *)args->dout : (const char *)sdo, (char *)rdo,
                                  (size_t)d * 2}};
             TRY(rounds(ep, db, 1, msg_send, msg_recv, 0, C, EV_IN, whole));
+            MARK(1, X->cs, 1, "dout", -1);
             if (!keep) {
                 const cbuf xb[1] = {{whole ? (const char *)args->x : (const char *)sx, (char *)rx,
                                      (size_t)d * 2}};
                 TRY(rounds(ep, xb, 1, NULL, NULL, 0, C, -1, whole));
+                MARK(1, X->cs, 1, "x", -1);
             }
             TRYC(cudaEventRecord(X->ev[EV_X], X->cs));
         }
@@ -968,6 +997,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
                 n_ent, (int)Kq, d, X->sl, 1, (const bf16 *)args->x, (const bf16 *)args->dout,
                 pidx, sx, sdo, rx, rdo, abort);
             TRYL("k_ep_pack2");
+            MARK(1, s, 0, "own rows packed", -1);
         }
         /* per chunk: dH, dS and dX~, the chunk's dx partials and dS back */
         bf16 *dh = (bf16 *)(ws + W.dh), *a_scaled = (bf16 *)(ws + W.a_scaled);
@@ -982,12 +1012,16 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             const int64_t v0 = K->bd.b[c], v1 = K->bd.b[c + 1];
             const int peers = c < X->sl.H;
             if (peers) TRYC(cudaStreamWaitEvent(s, X->ev[EV_IN + c], 0));
+            MARK(1, s, 0, "in, chunk", c);
             TRY(chunk_backward(ep, &v, off2, c, X->sms_overlap, abort, rdo, args, dh, a_scaled,
                                ds, dxt, ws + W.gemm, s));
+            MARK(1, s, 0, "gemms, chunk", c);
             TRY(piece_backward(ep, &v, v0, v1, (const int32_t *)(sb + S.tri_slot), dxt, ds,
                                (peers ? part : part_recv) + (size_t)v0 * row, send_ds, recv_ds,
                                abort, s));
+            MARK(1, s, 0, "pieces, chunk", c);
             if (peers) TRY(ce_partials_back(ep, c, part, part_recv, v0, row, s));
+            if (peers) MARK(1, X->cs, 1, "partials back, chunk", c);
         }
         if (X->ce && P > 1) {
             /* the peers' dS (the plain layout; this rank's own stays) */
@@ -1004,17 +1038,20 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
                 n++;
             }
             TRY(smoe_ep_p2p_group(ep, op, n, X->cs));
+            MARK(1, X->cs, 1, "dS back", -1);
             z.rounds_left = 0;
         }
         for (int i = 0; !X->ce && i < K->nc; i++) {
             const int c = K->order[i];
             TRY(chunk_wait(ep, &z, c, s));
+            MARK(1, s, 0, "in, chunk", c);
             /* with chunks x travels until dW1; without, everything has
              * arrived before the GEMMs */
             if (K->nc == 1 && P > 1) TRYC(cudaStreamWaitEvent(s, X->ev[EV_X], 0));
             const int sms = K->nc > 1 && P > 1 ? X->sms_overlap : X->g.num_sms;
             TRY(chunk_backward(ep, &v, off2, c, sms, abort, rdo, args, dh, a_scaled, ds, dxt,
                                ws + W.gemm, s));
+            MARK(1, s, 0, "gemms, chunk", c);
             for (int q = 0; q < P; q++) {
                 int64_t v0, v1;
                 if (!piece(ep, K, c, q, &v0, &v1)) continue;
@@ -1022,10 +1059,12 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
                                    (q == self ? part_recv : part) + (size_t)v0 * (size_t)d * 2,
                                    send_ds, recv_ds, abort, s));
             }
+            MARK(1, s, 0, "pieces, chunk", c);
             if (P > 1) {
                 const cbuf pb[2] = {{part, part_recv, (size_t)d * 2},
                                     {(const char *)send_ds, (char *)recv_ds, (size_t)Km * 4}};
                 TRY(chunk_send(ep, &z, c, pb, 2, NULL, NULL, s));
+                MARK(1, X->cs, 1, "partials back, chunk", c);
             }
         }
         /* dW2 needs dout and the peers' status (their header checks, which
@@ -1045,6 +1084,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             TRYC(cudaStreamWaitEvent(s, X->ev[EV_X], 0));
             k_ep_peers<<<1, 32, 0, s>>>(P, self, msg_recv, st, rep);
             TRYL("k_ep_peers");
+            MARK(1, s, 0, "exchanges in", -1);
         }
         const smoe_gemm_problem *g = &X->g.problem;
         {
@@ -1059,10 +1099,12 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
                                             v.row_score, g->n, g->gated, g->w1_layout, 0,
                                             args->db2.ptr, args->db2.dtype, args->db2.accumulate,
                                             abort, s));
+            MARK(1, s, 0, "dw2", -1);
         }
         if (tail) {
             TRY(join_streams(ep, s));
             z.sending = 0;
+            MARK(1, s, 0, "join", -1);
         }
         {
             smoe_gemm_problem p = chunk_problem(ep, K, &v, off2, -1, X->g.num_sms, abort);
@@ -1074,6 +1116,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
                 TRY(smoe_cuda_expert_colsum(El, g->h_cols, v.expert_offset, dh, NULL, NULL,
                                             g->n, g->gated, g->w1_layout, 1, args->db1.ptr,
                                             args->db1.dtype, args->db1.accumulate, abort, s));
+            MARK(1, s, 0, "dw1", -1);
         }
         /* this rank's tokens: dS per assignment, the router, dx */
         float *dsa = (float *)(ws + W.ds_assign);
@@ -1101,10 +1144,12 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
                 A, dsa, (float *)args->dpair_score.ptr, args->dpair_score.accumulate, abort);
             TRYL("k_ep_dps_out");
         }
+        MARK(1, s, 0, "router", -1);
         if (args->dx.ptr && T > 0)
             TRY(smoe_cuda_aggregate_backward(T, d, ent_off, 0, pidx, (const bf16 *)part_recv, dxr,
                                              NULL, NULL, NULL, NULL, args->dx.ptr,
                                              args->dx.dtype, args->dx.accumulate, abort, s));
+        MARK(1, s, 0, "end", -1);
     }
 done:
     if (prev != L->device) cudaSetDevice(prev);
@@ -1114,3 +1159,4 @@ done:
 #undef TRY
 #undef TRYL
 #undef TRYC
+#undef MARK

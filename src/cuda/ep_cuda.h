@@ -175,7 +175,20 @@ typedef struct ep_cuda {
     void *ce_group;    /* the shared communicator and windows; ce_win: ours */
     int ce_win;
     char *rows_send, *rows_recv, *do_send, *do_recv, *part_send, *part_recv;
+    struct ep_trace *tr; /* SMOE_EP_TRACE=1 at create only (ep_trace.cu) */
 } ep_cuda;
+
+/* ep_trace.cu: the calls' marks, a debugging aid (SMOE_EP_TRACE=1 at create;
+ * else every one returns at once). bwd: 0 the forward, 1 the backward; on_cs:
+ * the mark is on the exchanges' stream; idx: the chunk or part it names
+ * (-1: none). The report (stderr) comes with the layer's free. */
+typedef struct ep_trace ep_trace;
+void ep_trace_make(ep_cuda *X);
+void ep_trace_begin(const ep_cuda *X, int bwd, cudaStream_t s);
+void ep_trace_mark(const ep_cuda *X, int bwd, cudaStream_t s, int on_cs, const char *name,
+                   int idx);
+void ep_trace_report(const smoe_ep_layer *ep);
+void ep_trace_free(ep_cuda *X);
 
 
 /* ------------------------------------------------------------ kernels (ep_kernels.cu) */

@@ -360,6 +360,7 @@ void smoe_ep_cuda_free(smoe_ep_layer *ep)
     int prev = 0;
     const int have = cudaGetDevice(&prev) == cudaSuccess;
     if (have) cudaSetDevice(ep->desc.layer.device);
+    ep_trace_report(ep); /* SMOE_EP_TRACE=1 only */
     for (int i = 0; i < X->n_ev; i++)
         if (X->ev[i]) cudaEventDestroy(X->ev[i]);
     if (X->cs) cudaStreamDestroy(X->cs);
@@ -522,6 +523,7 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
     SMOE_CUDA_CHECK(cudaStreamCreateWithPriority(&X->cs, cudaStreamNonBlocking, hi));
     for (int i = 0; i < X->n_ev; i++)
         SMOE_CUDA_CHECK(cudaEventCreateWithFlags(&X->ev[i], cudaEventDisableTiming));
+    ep_trace_make(X); /* SMOE_EP_TRACE=1 only */
     /* The overlap's exchanges run beside GEMMs that leave R SMs free: NCCL's
      * kernels must fit there, so the layer splits a communicator of its own
      * whose kernels launch one CTA per cluster (the default, clusters of
