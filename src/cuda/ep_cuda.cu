@@ -639,8 +639,10 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
          * peer's host, so every rank calls the communicators in one order) */
         const int whole = ep_whole_x(ep, T);
         if (whole) TRY(fork_streams(ep, s));
-        if (whole && X->ce) TRY(ce_whole_stage(ep, args->x, (char *)recv_rows, T, row));
-        if (whole) MARK(0, X->cs, 1, "x staged", -1);
+        if (whole && X->ce) {
+            TRY(ce_whole_stage(ep, args->x, (char *)recv_rows, T, row));
+            MARK(0, X->cs, 1, "x staged", -1);
+        }
         int32_t *toff = (int32_t *)(sb + S.token_offset);
         int32_t *aexp = (int32_t *)(sb + S.assign_expert);
         float *ascore = (float *)(sb + S.row_score);
