@@ -14,8 +14,8 @@
  * synchronises each iteration has them all), else that call is not
  * counted; the layer's free reads the last one after a synchronisation and
  * prints to stderr, per direction, the mean time of every mark over the
- * calls read, in time order. Not for graph capture (the reads would stop
- * it) and one call at a time, as the layer already requires.
+ * calls read, in time order. A call being captured into a CUDA graph is
+ * not traced. One call at a time, as the layer already requires.
  */
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -33,6 +33,7 @@ typedef struct ep_trace_dir {
     int idx[EP_TRACE_MAX];          /* its chunk or part, -1: none */
     char cs[EP_TRACE_MAX];          /* 1: on the exchanges' stream */
     int n, pending, truncated;
+    int captured;                   /* the call in flight is being captured: no marks */
     /* the calls read: their marks (the first call's; a call whose marks
      * differ is left out and counted) and each mark's summed time */
     const char *mname[EP_TRACE_MAX];
@@ -102,6 +103,12 @@ void ep_trace_begin(const ep_cuda *X, int bwd, cudaStream_t s)
     ep_trace *t = X->tr;
     if (!t || t->off) return;
     ep_trace_dir *D = &t->d[bwd];
+    /* a call captured into a graph is not traced (an event query there
+     * would end the capture), nor counted */
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(s, &cap) != cudaSuccess) cudaGetLastError();
+    D->captured = cap != cudaStreamCaptureStatusNone;
+    if (D->captured) return;
     if (D->pending) {
         const cudaError_t q = cudaEventQuery(D->ev[D->n - 1]);
         if (q == cudaSuccess) {
@@ -122,6 +129,7 @@ void ep_trace_mark(const ep_cuda *X, int bwd, cudaStream_t s, int on_cs, const c
     ep_trace *t = X->tr;
     if (!t || t->off) return;
     ep_trace_dir *D = &t->d[bwd];
+    if (D->captured) return;
     if (D->n >= EP_TRACE_MAX) {
         D->truncated = 1;
         return;
