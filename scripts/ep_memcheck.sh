@@ -12,7 +12,8 @@
 #
 # CASES: ';'-separated SMOE_EP_CASE texts (default: the whole suite in one
 # process); BUDGET: seconds for all of it. Logs in $OUT (default /tmp/ep_mc).
-# Extra environment (e.g. CUDA_MODULE_LOADING=EAGER) passes through.
+# Extra environment passes through (e.g. CUDA_MODULE_LOADING=EAGER, or
+# SMOE_EP_WARMUP=1: test_ep_gpu's one all-reduce before the first case).
 set -uo pipefail
 . "$(dirname "$0")/nccl_env.sh"
 o=${OUT:-/tmp/ep_mc}; mkdir -p "$o"
@@ -49,7 +50,7 @@ for g in "${G[@]}"; do
     cnt=$(run "$g" "$log"); rc=$?
     res="$(grep -E '[0-9]+ passed' "$log" | tail -1) $(grep 'ERROR SUMMARY' "$log" | tail -1)"
     if [ $rc -eq 3 ]; then
-      echo "group ${g:-all} (try $try): STALLED after $cnt case(s) at $(el) s: $(grep '^case' "$log" | tail -1)"
+      echo "group ${g:-all} (try $try): STALLED after $cnt case(s) at $(el) s: $(grep -v '^=====' "$log" | tail -1)"
       [ "$cnt" -le 1 ] && continue
     else
       echo "group ${g:-all} (try $try): $cnt cases, $res [$(el) s]"

@@ -48,7 +48,11 @@
  * without 1 GPU or NCCL. SMOE_EP_QUICK=1: the largest P alone;
  * SMOE_EP_BARRIER=1: the rank threads meet before each blocking call (for
  * compute-sanitizer; see meet()); SMOE_EP_CASE=<text>: only the cases whose
- * name contains it (to run one under a tool; the others' data then differ).
+ * name contains it (to run one under a tool; the others' data then differ);
+ * SMOE_EP_WARMUP=1: one small ncclAllReduce on the first P's ranks before
+ * any case, its end printed (under compute-sanitizer a process has stalled
+ * in its first case, never later: this tells NCCL's first collective from
+ * the layer's first call).
  */
 #include "ep_ref.h"
 
@@ -62,8 +66,11 @@
 /* NCCL's C ABI for the communicators (the library itself needs no more) */
 typedef int (*comm_init_all_fn)(void **comms, int ndev, const int *devlist);
 typedef int (*comm_destroy_fn)(void *comm);
+typedef int (*all_reduce_fn)(const void *send, void *recv, size_t count, int dtype, int op,
+                             void *comm, cudaStream_t s);
 static comm_init_all_fn nccl_init_all;
 static comm_destroy_fn nccl_destroy;
+static all_reduce_fn nccl_all_reduce; /* SMOE_EP_WARMUP only */
 
 static int nccl_open(void) {
     const char *env = getenv("SMOE_NCCL_LIBRARY");
@@ -72,6 +79,7 @@ static int nccl_open(void) {
     if (!h) return 0;
     *(void **)&nccl_init_all = dlsym(h, "ncclCommInitAll");
     *(void **)&nccl_destroy = dlsym(h, "ncclCommDestroy");
+    *(void **)&nccl_all_reduce = dlsym(h, "ncclAllReduce");
     return nccl_init_all && nccl_destroy;
 }
 
@@ -372,6 +380,54 @@ static void *rank_main(void *arg) {
     return NULL;
 }
 
+/* SMOE_EP_WARMUP: rank q's share of one all-reduce of 4 floats */
+typedef struct warm_rank {
+    int dev;
+    void *comm;
+    int rc;
+} warm_rank;
+
+static void *warm_main(void *arg) {
+    warm_rank *w = (warm_rank *)arg;
+    float *buf = NULL;
+    cudaStream_t s = NULL;
+    w->rc = -1;
+    if (cudaSetDevice(w->dev) != cudaSuccess || cudaMalloc((void **)&buf, 16) != cudaSuccess ||
+        cudaMemset(buf, 0, 16) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaDeviceSynchronize() != cudaSuccess)
+        return NULL;
+    /* 7: ncclFloat32, 0: ncclSum */
+    w->rc = nccl_all_reduce(buf, buf, 4, 7, 0, w->comm, s);
+    if (w->rc == 0 && cudaStreamSynchronize(s) != cudaSuccess) w->rc = -2;
+    cudaStreamDestroy(s);
+    cudaFree(buf);
+    return NULL;
+}
+
+static void warm_up(int NP) {
+    void *comms[MAXP] = {0};
+    int devs[MAXP];
+    for (int q = 0; q < NP; q++) devs[q] = q;
+    printf("warm-up: one ncclAllReduce on %d ranks\n", NP);
+    fflush(stdout);
+    int nr = nccl_all_reduce ? nccl_init_all(comms, NP, devs) : -1;
+    if (!CHECK(nr == 0, "warm-up: ncclCommInitAll -> %d", nr)) return;
+    warm_rank W[MAXP];
+    pthread_t th[MAXP];
+    for (int q = 0; q < NP; q++) {
+        W[q].dev = q; W[q].comm = comms[q]; W[q].rc = -1;
+        pthread_create(&th[q], NULL, warm_main, &W[q]);
+    }
+    for (int q = 0; q < NP; q++) pthread_join(th[q], NULL);
+    for (int q = 0; q < NP; q++) {
+        CHECK(W[q].rc == 0, "warm-up: rank %d's all-reduce -> %d", q, W[q].rc);
+        nccl_destroy(comms[q]);
+    }
+    printf("warm-up: done\n");
+    fflush(stdout);
+}
+
 static void run_case(const char *name, const gcase *c, tu_rng *rng) {
     const int NP = c->P;
     const char *only = getenv("SMOE_EP_CASE");
@@ -637,6 +693,8 @@ int main(int argc, char **argv) {
     /* SMOE_EP_QUICK=1: the largest P only, for compute-sanitizer */
     const char *quick = getenv("SMOE_EP_QUICK");
     const int q0 = quick && *quick == '1' ? np - 1 : 0;
+    const char *warm = getenv("SMOE_EP_WARMUP");
+    if (warm && *warm == '1') warm_up(plist[q0]);
     for (int pi = q0; pi < np; pi++) {
         const int P = plist[pi];
         if (8 % P) continue;
