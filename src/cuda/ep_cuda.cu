@@ -289,6 +289,15 @@ static int piece(const smoe_ep_layer *ep, const ep_chunks *K, int c, int q, int6
     return *v1 > *v0;
 }
 
+/* Chunk c holds rows of some peer (its partial sums then travel). */
+static int has_peer_piece(const smoe_ep_layer *ep, const ep_chunks *K, int c)
+{
+    int64_t v0, v1;
+    for (int q = 0; q < ep->P; q++)
+        if (q != ep->r && piece(ep, K, c, q, &v0, &v1)) return 1;
+    return 0;
+}
+
 /* The forward's own chunks split at a bound found on the device (own_b):
  * the first's partial sums wait for the second, which sums both's (slots
  * [bd.b[own_b - 1], bd.b[own_b + 1])). Chunk c's slots to sum start at
@@ -859,7 +868,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             if (P > 1) {
                 const cbuf pb[1] = {{part, part_recv, (size_t)d * 2}};
                 TRY(chunk_send(ep, &z, c, pb, 1, msg2_send, msg2_recv, s));
-                MARK(0, X->cs, 1, "partials back, chunk", c);
+                if (has_peer_piece(ep, K, c)) MARK(0, X->cs, 1, "partials back, chunk", c);
             }
         }
         if (P > 1) {
@@ -1066,7 +1075,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
                 const cbuf pb[2] = {{part, part_recv, (size_t)d * 2},
                                     {(const char *)send_ds, (char *)recv_ds, (size_t)Km * 4}};
                 TRY(chunk_send(ep, &z, c, pb, 2, NULL, NULL, s));
-                MARK(1, X->cs, 1, "partials back, chunk", c);
+                if (has_peer_piece(ep, K, c)) MARK(1, X->cs, 1, "partials back, chunk", c);
             }
         }
         /* dW2 needs dout and the peers' status (their header checks, which
