@@ -14,7 +14,8 @@
  * synchronises each iteration has them all), else that call is not
  * counted; the layer's free reads the last one after a synchronisation and
  * prints to stderr, per direction, the mean time of every mark over the
- * calls read, in time order. A call being captured into a CUDA graph is
+ * calls read, in time order, with the step since the previous mark of the
+ * same stream. A call being captured into a CUDA graph is
  * not traced. One call at a time, as the layer already requires.
  */
 #include <cuda_runtime.h>
@@ -166,13 +167,17 @@ static void report(const smoe_ep_layer *ep, ep_trace *t, int w)
                      "other marks%s), %s:\n",
                      ep->r, ep->P, what[w], D->calls, D->unread, D->differ,
                      D->truncated ? ", marks past 128 dropped" : "", ep->path);
+    /* each mark's time, and the step since the last mark of its stream */
+    double last[2] = {0.0, 0.0};
     for (int k = 0; k < D->nm && o < (int)sizeof buf; k++) {
-        const int i = order[k];
+        const int i = order[k], c = D->mcs[i] != 0;
+        const double t = D->sum[i] / (double)D->calls;
         char nm[64];
         if (D->midx[i] >= 0) snprintf(nm, sizeof nm, "%s %d", D->mname[i], D->midx[i]);
         else snprintf(nm, sizeof nm, "%s", D->mname[i]);
-        o += snprintf(buf + o, sizeof buf - (size_t)o, "  r%d %c %8.3f ms  %s\n", ep->r,
-                      D->mcs[i] ? 'c' : 's', D->sum[i] / (double)D->calls, nm);
+        o += snprintf(buf + o, sizeof buf - (size_t)o, "  r%d %c %8.3f ms  +%7.3f  %s\n", ep->r,
+                      c ? 'c' : 's', t, t - last[c], nm);
+        last[c] = t;
     }
     fputs(buf, stderr); /* one write: the ranks' threads print at once */
 }
