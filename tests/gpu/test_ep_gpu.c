@@ -6,7 +6,7 @@
  *  - each rank's out and dx rows, the sum over ranks of drouter_w, each
  *    rank's slice of dW1, db1, dW2, db2, GENERAL's pair-score gradient, the
  *    expert counts summed over ranks (exact);
- *  - P = 1, 2 and every GPU (up to 4); the three routing modes and SIGMOID_TOPK; the CUDA
+ *  - P = 1, 2, 4 and 8, as many as there are GPUs; the three routing modes and SIGMOID_TOPK; the CUDA
  *    and Hopper backends; uneven T with a rank of none; gradients
  *    accumulated onto a known start; biases, activations, both W1 layouts;
  *  - an inference forward (no saved block) between forward and backward
@@ -61,7 +61,7 @@
 #include <dlfcn.h>
 #include <pthread.h>
 
-#define MAXP 4
+#define MAXP 8
 
 /* NCCL's C ABI for the communicators (the library itself needs no more) */
 typedef int (*comm_init_all_fn)(void **comms, int ndev, const int *devlist);
@@ -686,8 +686,9 @@ int main(int argc, char **argv) {
     struct cudaDeviceProp prop;
     CUDA_OK(cudaGetDeviceProperties(&prop, 0));
     const int hopper = prop.major == 9;
-    const int G = ngpu < MAXP ? ngpu : MAXP;
-    int plist[3] = {1, 2, G}, np = G >= 2 ? (G > 2 ? 3 : 2) : 1;
+    /* P = 1, 2, 4, 8 up to the GPUs present (every P divides the cases' E) */
+    int plist[4], np = 0;
+    for (int P = 1; P <= MAXP && P <= ngpu; P *= 2) plist[np++] = P;
     static const smoe_routing modes[3] = {SMOE_ROUTING_TOPK_SOFTMAX, SMOE_ROUTING_SOFTMAX_TOPK,
                                           SMOE_ROUTING_GENERAL};
     /* SMOE_EP_QUICK=1: the largest P only, for compute-sanitizer */
@@ -697,7 +698,6 @@ int main(int argc, char **argv) {
     if (warm && *warm == '1') warm_up(plist[q0]);
     for (int pi = q0; pi < np; pi++) {
         const int P = plist[pi];
-        if (8 % P) continue;
         for (int b = 0; b < 1 + hopper; b++)
             for (int m = 0; m < 3; m++) {
                 gcase c = base_case(P, modes[m], b ? SMOE_BACKEND_SM90 : SMOE_BACKEND_CUDA);
