@@ -54,17 +54,15 @@ void ep_trace_make(ep_cuda *X)
 {
     const char *e = getenv("SMOE_EP_TRACE");
     if (!e || e[0] != '1') return;
-    ep_trace *t = (ep_trace *)calloc(1, sizeof *t);
-    if (!t) return;
-    for (int w = 0; w < 2; w++)
+    X->tr = (ep_trace *)calloc(1, sizeof *X->tr);
+    for (int w = 0; X->tr && w < 2; w++)
         for (int i = 0; i < EP_TRACE_MAX; i++)
-            if (cudaEventCreate(&t->d[w].ev[i]) != cudaSuccess) {
-                fprintf(stderr, "smoe ep trace: cudaEventCreate failed, no trace\n");
-                X->tr = t;
-                ep_trace_free(X);
-                return;
+            if (cudaEventCreate(&X->tr->d[w].ev[i]) != cudaSuccess) {
+                cudaGetLastError();
+                ep_trace_free(X); /* the events made so far */
+                break;
             }
-    X->tr = t;
+    if (!X->tr) fprintf(stderr, "smoe ep trace: no memory or events for it, no trace\n");
 }
 
 /* The call's marks read into the sums (its events have completed). */
