@@ -24,6 +24,13 @@ iterations back to back, no flush, no GPU delay, no synchronization between
 them, a synchronize at the end; loop_ms = wall time / iterations, host time
 included (loop_tflops = 18TKdn / loop_ms). A layer whose host enqueue is
 slower than its GPU work shows it here and not in the isolated numbers.
+With --loop-power, nvidia-smi samples the GPU's SM clock and power draw
+every 50 ms during the loop (loop_mhz: median clock, loop_watts: mean
+power, loop_joules: energy per iteration = loop_watts x loop_ms), and a
+table of both implementations' clocks and energy is printed after the
+ratios: a layer held back by the power limit in a loop (no 10 ms rests as
+in the isolated timings) shows a lower clock there than its peer. Give
+the loop enough iterations (--loop-iters) for a second or more of samples.
 
 When both a smoe implementation and sonicmoe run (or with --ratio A/B), a
 table of same-call ratios is printed last: B's time over A's per row for
@@ -114,7 +121,8 @@ import torch_baseline  # noqa: E402  (its grid parser and its layer)
 FIELDS = ["row", "T", "d", "n", "E", "K", "impl", "status", "path", "fwd_ms", "bwd_ms",
           "fwd_tflops", "bwd_tflops", "act_gib", "peak_gib", "err_out", "err_dx",
           "err_drouter", "err_dw1", "err_dw2", "routing_mismatch", "host_fwd_ms",
-          "host_fwdbwd_ms", "loop_ms", "loop_tflops", "dw_experts_checked", "note"]
+          "host_fwdbwd_ms", "loop_ms", "loop_tflops", "loop_mhz", "loop_watts", "loop_joules",
+          "dw_experts_checked", "note"]
 GRAD_NAMES = ("out", "dx", "drouter", "dw1", "dw2")
 
 
@@ -513,6 +521,77 @@ IMPLS = {
 
 # ------------------------------------------------------------------- timing
 
+class PowerSampler:
+    """The GPU's SM clock (MHz) and power draw (W) every 50 ms while a loop
+    runs, from an `nvidia-smi --query-gpu ... -lms 50` child whose lines a
+    thread reads (instant power where the driver has it, else the
+    driver's power.draw). stop() returns (median MHz, mean W, samples) or
+    None with no samples; a diagnostic, so a missing nvidia-smi gives None,
+    never an error."""
+
+    def __init__(self, device_index):
+        self.index = device_index
+        self.proc = None
+        self.samples = []
+        self.thread = None
+        self.query = None
+
+    def _gpu_id(self):
+        try:  # the UUID names the GPU whatever CUDA_VISIBLE_DEVICES maps
+            return "GPU-%s" % torch.cuda.get_device_properties(self.index).uuid
+        except Exception:
+            return str(self.index)
+
+    def start(self):
+        import threading
+        gid = self._gpu_id()
+        for q in ("clocks.sm,power.draw.instant", "clocks.sm,power.draw"):
+            try:
+                r = subprocess.run(["nvidia-smi", "-i", gid, "--query-gpu=" + q,
+                                    "--format=csv,noheader,nounits"],
+                                   capture_output=True, text=True, timeout=20)
+            except Exception:
+                return False
+            if r.returncode == 0 and len(r.stdout.split(",")) == 2 and \
+                    "N/A" not in r.stdout and "[" not in r.stdout:
+                self.query = q
+                break
+        if not self.query:
+            return False
+        self.samples = []
+        self.proc = subprocess.Popen(["nvidia-smi", "-i", gid, "--query-gpu=" + self.query,
+                                      "--format=csv,noheader,nounits", "-lms", "50"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+        def read():
+            for line in self.proc.stdout:
+                try:
+                    mhz, watts = (float(v) for v in line.split(","))
+                except ValueError:
+                    continue
+                self.samples.append((mhz, watts))
+        self.thread = threading.Thread(target=read, daemon=True)
+        self.thread.start()
+        time.sleep(0.2)  # the child's first sample comes before the loop starts
+        self.samples.clear()
+        return True
+
+    def stop(self):
+        if not self.proc:
+            return None
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.thread.join(timeout=10)
+        got, self.proc = list(self.samples), None
+        if not got:
+            return None
+        return (statistics.median(m for m, _ in got), statistics.fmean(w for _, w in got),
+                len(got))
+
+
 class Timer:
     """CUDA-event timing of one callable, the L2 flushed before each repetition.
 
@@ -571,7 +650,7 @@ class Timer:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def loop_ms(self, fn, iters, warmup):
+    def loop_ms(self, fn, iters, warmup, sampler=None):
         """Wall time per iteration of a training-like loop: `warmup` calls, a
         synchronize, then `iters` calls back to back (no flush, no delay, no
         synchronization between them: the host enqueues the next iteration
@@ -581,6 +660,7 @@ class Timer:
         for _ in range(warmup):
             fn()
         self.sync()
+        self.sampling = sampler.start() if sampler else False
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
@@ -666,9 +746,18 @@ def measure(impl, prob, ref, args, timer):
         t_b = t_fb - t_f
         flops = 6.0 * prob.T * prob.K * prob.d * prob.n
         if args.loop_iters > 0:
-            t_loop = timer.loop_ms(fwd_bwd, args.loop_iters, args.warmup)
+            sampler = (PowerSampler(torch.cuda.current_device())
+                       if args.loop_power and timer.cuda else None)
+            t_loop = timer.loop_ms(fwd_bwd, args.loop_iters, args.warmup, sampler)
+            power = sampler.stop() if sampler and timer.sampling else None
             rec.update(loop_ms="%.4f" % t_loop,
                        loop_tflops="%.2f" % (3 * flops / (t_loop * 1e-3) / 1e12))
+            if power:
+                mhz, watts, _ = power
+                rec.update(loop_mhz="%.0f" % mhz, loop_watts="%.1f" % watts,
+                           loop_joules="%.4f" % (watts * t_loop * 1e-3))
+            elif args.loop_power:
+                rec["note"] = "; ".join(filter(None, [rec["note"], "no power samples"]))
         if timer.cuda:
             # The host's enqueue time against the GPU's: longer than the delay, the
             # region may hold waits for the host; longer than the GPU time, a loop
@@ -1011,6 +1100,28 @@ def ratio_table(records, a, b):
     return out
 
 
+def power_table(records, a, b):
+    """Lines: per row, the loop's median SM clock, mean power and energy per
+    iteration of A and B (--loop-power), and B's energy over A's (> 1: A
+    uses less); [] where no row has samples for both."""
+    by = {(r["row"], r["impl"]): r for r in records}
+    out = []
+    for row in dict.fromkeys(r["row"] for r in records):
+        ra, rb = by.get((row, a)), by.get((row, b))
+        if not ra or not rb or not ra.get("loop_joules") or not rb.get("loop_joules"):
+            continue
+        out.append("%-15s %6s %6s %8s %6s %6s %8s %7s" % (
+            row, ra["loop_mhz"], ra["loop_watts"], ra["loop_joules"], rb["loop_mhz"],
+            rb["loop_watts"], rb["loop_joules"],
+            "%.3f" % (float(rb["loop_joules"]) / float(ra["loop_joules"]))))
+    if not out:
+        return []
+    return (["# training loop, %s then %s: median SM clock (MHz), mean power (W), energy per "
+             "iteration (J); B's energy over A's (> 1: %s uses less)" % (a, b, a),
+             "%-15s %6s %6s %8s %6s %6s %8s %7s" % ("row", "A MHz", "A W", "A J", "B MHz", "B W",
+                                                  "B J", "energy")] + out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", help="grid.h rows by name, comma-separated; 'all' (or 'grid'): "
@@ -1031,6 +1142,9 @@ def main():
     ap.add_argument("--loop-iters", type=int, default=20,
                     help="training-loop timing: forward+backward iterations back to back, wall "
                     "time per iteration, host included (0: skip)")
+    ap.add_argument("--loop-power", action="store_true",
+                    help="sample the SM clock and power by nvidia-smi during the loop; the CSV's "
+                    "loop_mhz, loop_watts, loop_joules and a table after the ratios")
     ap.add_argument("--ref-dw-gib", type=float, default=4.0,
                     help="fp32 dW1+dW2 the reference keeps; past it, only a spread subset of "
                     "experts' dW is checked (out, dx, drouter always in full)")
@@ -1054,7 +1168,8 @@ def main():
     if args.table_only:
         with open(args.table_only, newline="") as f:
             records = list(csv.DictReader(ln for ln in f if not ln.startswith("#")))
-        for line in ratio_table(records, *ratio_pair(args.ratio or "smoe-sm90/sonicmoe", [])):
+        pair = ratio_pair(args.ratio or "smoe-sm90/sonicmoe", [])
+        for line in ratio_table(records, *pair) + power_table(records, *pair):
             print(line)
         return 0
 
@@ -1175,7 +1290,7 @@ def main():
           % (len(configs), n_failed, time.time() - t_start))
     pair = ratio_pair(args.ratio, names)
     if pair:
-        for line in ratio_table(records, *pair):
+        for line in ratio_table(records, *pair) + power_table(records, *pair):
             print(line)
     return 1 if n_failed else 0
 
