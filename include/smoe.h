@@ -562,7 +562,8 @@ SMOE_API smoe_status smoe_ep_layer_create(const smoe_ep_desc *desc, smoe_ep_laye
  * aid: with SMOE_EP_TRACE=1 in the environment at create, the CUDA layer
  * marks its calls with timing events (routing, each chunk's wait, GEMMs
  * and sums, each exchange's arrival, ...) and prints here, to stderr, each
- * mark's mean time from its call's start (calls being captured into a
+ * mark's mean time from its call's start over the calls after the first
+ * (which loads modules and connects NCCL; calls being captured into a
  * CUDA graph are not traced). */
 SMOE_API void smoe_ep_layer_free(smoe_ep_layer *layer);
 
