@@ -22,6 +22,12 @@
  *            S = 0 draws them uniformly, the baseline to compare with:
  *            issue 20's skewed loads, max / mean expert load about 16 at
  *            S = 1.5, E = 128, K = 8)
+ *            --loop S (after the timed calls, forward+backward pairs back
+ *            to back for about S seconds, no flush: ms per pair, and from
+ *            NVML the energy per pair (J), mean power (W) and the median
+ *            SM clock (MHz) near the loop's end; a training loop holds the
+ *            GPU at its power limit, where the energy per pair sets the
+ *            time, unlike the rested timed calls)
  *
  * Setting: bf16, SwiGLU, TOPK_SOFTMAX routing (the grid's), random inputs
  * (router weights random, so routing is near uniform), every gradient
@@ -60,12 +66,15 @@ static int g_nrows;
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <dlfcn.h>
+#include <unistd.h>
 
 #define FLUSH_BYTES ((size_t)256 << 20)
 static double g_delay_ms = 0.0; /* --gpu-delay-ms */
 static int g_queued = 1;        /* --timing queued|synced */
 static double g_skew = -1.0;    /* --skew S: GENERAL triples, Zipf(S) (0: uniform); < 0: off */
 static int g_delay_n = -1;      /* memsets of FLUSH_BYTES per delay, calibrated once */
+static double g_loop_s = 0.0;   /* --loop S: seconds of back-to-back pairs (0: off) */
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
 static int cuda_ok(cudaError_t e, const char *what)
@@ -181,7 +190,8 @@ typedef struct result {
     int ok;
     double fwd_ms, bwd_ms, fwd_tflops, bwd_tflops, act_gib, ws_gib;
     double host_fwd_us, host_bwd_us; /* CPU time to enqueue the call (median) */
-    char path[128];
+    double loop_ms, loop_j, loop_w, loop_mhz; /* --loop: per pair; 0 where not measured */
+    char path[160];
     char why[320]; /* when !ok: the status and the library's message */
 } result;
 
@@ -203,6 +213,49 @@ static double median(double *v, int n)
 {
     qsort(v, (size_t)n, sizeof *v, cmp_double);
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* ------------------------------------------------------------ NVML (--loop) */
+
+/* The few NVML calls --loop uses, from the driver's libnvidia-ml.so.1 by
+ * dlopen (no build dependency); the GPU found by the PCI bus id of the
+ * current CUDA device. 0 where NVML or the counter is missing: the loop's
+ * time is reported without energy then. */
+typedef struct nvml_api {
+    int tried, ok;
+    void *dev;
+    int (*energy)(void *dev, unsigned long long *mj);
+    int (*clock)(void *dev, int type, unsigned int *mhz);
+} nvml_api;
+static nvml_api g_nvml;
+
+static int nvml_open(void)
+{
+    nvml_api *N = &g_nvml;
+    if (N->tried) return N->ok;
+    N->tried = 1;
+    void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        fprintf(stderr, "smoe_bench: --loop: no libnvidia-ml.so.1 (%s): no energy\n", dlerror());
+        return 0;
+    }
+    int (*init)(void) = (int (*)(void))dlsym(h, "nvmlInit_v2");
+    int (*by_bus)(const char *, void **) =
+        (int (*)(const char *, void **))dlsym(h, "nvmlDeviceGetHandleByPciBusId_v2");
+    N->energy = (int (*)(void *, unsigned long long *))dlsym(h, "nvmlDeviceGetTotalEnergyConsumption");
+    N->clock = (int (*)(void *, int, unsigned int *))dlsym(h, "nvmlDeviceGetClockInfo");
+    char bus[32];
+    int dev = 0;
+    unsigned long long mj = 0;
+    if (!init || !by_bus || !N->energy || !N->clock || init() != 0 ||
+        cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetPCIBusId(bus, (int)sizeof bus, dev) != cudaSuccess ||
+        by_bus(bus, &N->dev) != 0 || N->energy(N->dev, &mj) != 0) {
+        fprintf(stderr, "smoe_bench: --loop: NVML's energy counter not readable: no energy\n");
+        return 0;
+    }
+    N->ok = 1;
+    return 1;
 }
 
 #define DMALLOC(p, bytes)                                                           \
@@ -239,6 +292,66 @@ static int flush_and_delay(void *flush, int it)
         if (!cuda_ok(cudaMemsetAsync(flush, (it + i) & 0xff, FLUSH_BYTES, NULL), "flush"))
             return 0;
     return 1;
+}
+
+/* --loop: forward+backward pairs back to back for about g_loop_s seconds
+ * (from the timed pairs' times), no flush between them, one wait at the
+ * end, as a training loop runs; the SM clock sampled by NVML while the
+ * host waits (the host enqueues ahead until the launch queue is full, so
+ * the samples are of the loop's later part). 0: a CUDA or library error. */
+static int loop_pairs(smoe_layer *L, const smoe_forward_args *fa, const smoe_backward_args *ba,
+                      void *saved, size_t saved_b, void *ws, size_t ws_b, result *res)
+{
+    const double pair = res->fwd_ms + res->bwd_ms;
+    int iters = (int)ceil(g_loop_s * 1e3 / (pair > 0.01 ? pair : 0.01));
+    if (iters < 5) iters = 5;
+    const int energy = nvml_open();
+    cudaEvent_t a = NULL, b = NULL;
+    int ok = cuda_ok(cudaEventCreate(&a), "cudaEventCreate") &&
+             cuda_ok(cudaEventCreate(&b), "cudaEventCreate") &&
+             cuda_ok(cudaDeviceSynchronize(), "sync");
+    unsigned long long mj0 = 0, mj1 = 0;
+    if (ok && energy && g_nvml.energy(g_nvml.dev, &mj0) != 0) mj0 = 0;
+    if (ok) ok = cuda_ok(cudaEventRecord(a, NULL), "cudaEventRecord");
+    smoe_status st = SMOE_SUCCESS;
+    for (int i = 0; ok && i < iters && st == SMOE_SUCCESS; i++) {
+        st = smoe_layer_forward(L, fa, saved, saved_b, ws, ws_b, NULL);
+        if (st == SMOE_SUCCESS) st = smoe_layer_backward(L, ba, saved, saved_b, ws, ws_b, NULL);
+    }
+    if (st != SMOE_SUCCESS) {
+        snprintf(res->why, sizeof res->why, "--loop: %s: %s", smoe_status_string(st),
+                 smoe_last_error());
+        ok = 0;
+    }
+    if (ok) ok = cuda_ok(cudaEventRecord(b, NULL), "cudaEventRecord");
+    double mhz[512];
+    int nm = 0;
+    while (ok) { /* the clock every 20 ms until the loop is done */
+        const cudaError_t q = cudaEventQuery(b);
+        if (q == cudaSuccess) break;
+        if (q != cudaErrorNotReady) {
+            ok = cuda_ok(q, "loop");
+            break;
+        }
+        unsigned int c = 0;
+        if (energy && nm < 512 && g_nvml.clock(g_nvml.dev, 1 /* NVML_CLOCK_SM */, &c) == 0)
+            mhz[nm++] = c;
+        usleep(20000);
+    }
+    if (ok && energy && g_nvml.energy(g_nvml.dev, &mj1) != 0) mj1 = 0;
+    float ms = 0.0f;
+    if (ok) ok = cuda_ok(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+    if (ok) {
+        res->loop_ms = ms / iters;
+        if (mj0 && mj1 > mj0) {
+            res->loop_j = (double)(mj1 - mj0) * 1e-3 / iters;
+            res->loop_w = res->loop_j / (res->loop_ms * 1e-3);
+        }
+        if (nm) res->loop_mhz = median(mhz, nm);
+    }
+    if (a) cudaEventDestroy(a);
+    if (b) cudaEventDestroy(b);
+    return ok;
 }
 
 static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, int warmup,
@@ -415,6 +528,12 @@ static void bench_row(const smoe_grid_row *row, smoe_backend backend, int reps, 
         res->host_bwd_us = median(hb, reps);
         res->ok = 1;
     }
+    if (g_loop_s > 0.0 && !loop_pairs(L, &fa, &ba, saved, saved_b, ws, ws_b, res)) {
+        res->ok = 0;
+        if (!res->why[0]) snprintf(res->why, sizeof res->why, "--loop: a CUDA error (stderr)");
+        fprintf(stderr, "smoe_bench: %s: %s\n", row->name, res->why);
+        goto out;
+    }
     if (stages) {
         /* a second layer with the library's stage timer (SMOE_CUDA_TIMING),
          * which prints the mean time of each stage when freed */
@@ -470,6 +589,9 @@ static void print_line(const result *r)
            g->name, (long long)g->T, (long long)g->d, (long long)g->n, (long long)g->E,
            (long long)g->K, r->fwd_ms, r->fwd_tflops, r->bwd_ms, r->bwd_tflops, r->act_gib,
            g->floor_act_gib, r->ws_gib, r->host_fwd_us, r->host_bwd_us, r->path);
+    if (r->loop_ms > 0)
+        printf("%-15s   loop: %.3f ms per fwd+bwd, %.3f J, %.0f W, SM %.0f MHz\n", "",
+               r->loop_ms, r->loop_j, r->loop_w, r->loop_mhz);
     if (g->sonicmoe_fwd > 0)
         printf("%-15s   published: SonicMoE %3.0f/%3.0f  torch grouped_mm %5.1f/%5.1f "
                "(%.2f GiB)  ScatterMoE %5.1f/%5.1f (%.2f GiB)  cuBLAS-bound %3.0f/%3.0f TFLOPS\n",
@@ -489,7 +611,8 @@ static void write_csv(const char *file, const result *rs, int nr, const char *de
     fprintf(f, "name,T,d,n,E,K,device,path,fwd_ms,bwd_ms,fwd_tflops,bwd_tflops,act_gib,"
                "floor_act_gib,workspace_gib,sonicmoe_fwd,sonicmoe_bwd,torch_fwd,torch_bwd,"
                "torch_act_gib,scattermoe_fwd,scattermoe_bwd,scattermoe_act_gib,gemm_bound_fwd,"
-               "gemm_bound_bwd,host_fwd_us,host_bwd_us,gpu_delay_ms,timing\n");
+               "gemm_bound_bwd,host_fwd_us,host_bwd_us,gpu_delay_ms,timing,loop_ms,loop_j,loop_w,"
+               "loop_mhz\n");
     for (int i = 0; i < nr; i++) {
         const result *r = &rs[i];
         const smoe_grid_row *g = r->row;
@@ -509,7 +632,11 @@ static void write_csv(const char *file, const result *rs, int nr, const char *de
             fprintf(f, "%.1f,%.1f,", r->host_fwd_us, r->host_bwd_us);
         else
             fprintf(f, ",,");
-        fprintf(f, "%.3g,%s\n", g_delay_ms, g_queued ? "queued" : "synced");
+        fprintf(f, "%.3g,%s,", g_delay_ms, g_queued ? "queued" : "synced");
+        if (r->ok && r->loop_ms > 0)
+            fprintf(f, "%.4f,%.4f,%.1f,%.0f\n", r->loop_ms, r->loop_j, r->loop_w, r->loop_mhz);
+        else
+            fprintf(f, ",,,\n");
     }
     fclose(f);
 }
@@ -555,7 +682,7 @@ static void usage(void)
     printf("usage: smoe_bench [--rows NAME[,NAME...]|all|models] [--shape T,d,n,E,K]\n"
            "                  [--backend auto|cuda|sm90] [--reps N] [--warmup N] [--csv FILE] "
            "[--list] [--stages] [--gemm-row GEMM=NAME] [--gpu-delay-ms X]\n"
-           "                  [--timing queued|synced] [--skew S]\n");
+           "                  [--timing queued|synced] [--skew S] [--loop SECONDS]\n");
 }
 
 int main(int argc, char **argv)
@@ -579,6 +706,7 @@ int main(int argc, char **argv)
         }
         else if (!strcmp(a, "--gemm-row") && v && g_nrows < 6) { g_rows[g_nrows++] = v; i++; }
         else if (!strcmp(a, "--skew") && v && atof(v) >= 0.0) { g_skew = atof(v); i++; }
+        else if (!strcmp(a, "--loop") && v && atof(v) > 0.0) { g_loop_s = atof(v); i++; }
         else if (!strcmp(a, "--backend") && v) {
             if (!strcmp(v, "cuda")) backend = SMOE_BACKEND_CUDA;
             else if (!strcmp(v, "sm90")) backend = SMOE_BACKEND_SM90;
