@@ -620,6 +620,7 @@ class Timer:
         self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda else None
         self.delay_ms = delay_ms if self.cuda else 0.0
         self.delay_cycles = 0
+        self.sampling = False  # loop_ms: a PowerSampler started for the loop
         self.cycles_per_ms = None
         if self.cuda and delay_ms > 0:
             n = 1_000_000
