@@ -620,7 +620,6 @@ class Timer:
         self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda else None
         self.delay_ms = delay_ms if self.cuda else 0.0
         self.delay_cycles = 0
-        self.sampling = False  # loop_ms: a PowerSampler started for the loop
         self.cycles_per_ms = None
         if self.cuda and delay_ms > 0:
             n = 1_000_000
@@ -661,7 +660,8 @@ class Timer:
         for _ in range(warmup):
             fn()
         self.sync()
-        self.sampling = sampler.start() if sampler else False
+        if sampler:
+            sampler.start()  # (stop() returns None where it could not start)
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
@@ -750,7 +750,7 @@ def measure(impl, prob, ref, args, timer):
             sampler = (PowerSampler(torch.cuda.current_device())
                        if args.loop_power and timer.cuda else None)
             t_loop = timer.loop_ms(fwd_bwd, args.loop_iters, args.warmup, sampler)
-            power = sampler.stop() if sampler and timer.sampling else None
+            power = sampler.stop() if sampler else None
             rec.update(loop_ms="%.4f" % t_loop,
                        loop_tflops="%.2f" % (3 * flops / (t_loop * 1e-3) / 1e12))
             if power:
