@@ -7,6 +7,9 @@ VERSION_MINOR := $(shell sed -n 's/^\#define SMOE_VERSION_MINOR \([0-9]*\)/\1/p'
 VERSION_PATCH := $(shell sed -n 's/^\#define SMOE_VERSION_PATCH \([0-9]*\)/\1/p' include/smoe.h)
 VERSION := $(VERSION_MAJOR).$(VERSION_MINOR).$(VERSION_PATCH)
 
+# (the flags stamp's rule comes first below: `make` alone builds all)
+.DEFAULT_GOAL := all
+
 CC      ?= cc
 BUILD   ?= build
 OPT     ?= -O2
