@@ -53,6 +53,12 @@ ifneq ($(CU90_SRC),)
 NVCCFLAGS += -DSMOE_WITH_SM90
 CFLAGS    += -DSMOE_WITH_SM90
 endif
+# A debugging build's hang detector for the Hopper kernels' barrier waits
+# (ptx_sm90.cuh): a wait stuck for MS milliseconds says where, e.g.
+#   make BUILD=build-wait SM90_WAIT_CHECK=3000 build-wait/tests/gpu/test_gemm_sm90
+ifneq ($(SM90_WAIT_CHECK),)
+NVCCFLAGS += -DSMOE_SM90_WAIT_CHECK=$(SM90_WAIT_CHECK)
+endif
 LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++ -ldl
 endif
 

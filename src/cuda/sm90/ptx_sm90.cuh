@@ -11,6 +11,7 @@
 #define SMOE_PTX_SM90_CUH
 
 #include <cuda.h> /* CUtensorMap (type only: no libcuda link) */
+#include <stdio.h> /* printf: SMOE_SM90_WAIT_CHECK builds only */
 #include <stdint.h>
 
 #include "cuda/ptx.cuh"
@@ -84,6 +85,40 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)
     while (!mbar_try_wait(bar, parity)) {
     }
 }
+
+#ifdef SMOE_SM90_WAIT_CHECK
+/* A debugging build's hang detector (make SM90_WAIT_CHECK=MS, best in a
+ * build directory of its own): a barrier wait that has not passed after MS
+ * milliseconds prints where it waits (file and line of the call, block,
+ * thread, the barrier's shared address and the parity) from each warp's
+ * lane 0, and gives up. From then on every wait in the process gives up at
+ * once, so the kernel and the program run out (their results are wrong)
+ * and the lines are flushed, instead of the process hanging with nothing
+ * said. Session 37 found a ring-protocol hang with it in one call
+ * (notes/sm90_log.md rung 29). Not for speed: the wait is a call. */
+static __device__ int g_wait_stuck;
+
+static __device__ __noinline__ void mbar_wait_checked(uint32_t bar, uint32_t parity,
+                                                      const char *file, int line)
+{
+    if (mbar_try_wait(bar, parity)) return;
+    uint64_t t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    while (!mbar_try_wait(bar, parity)) {
+        if (*(volatile int *)&g_wait_stuck) return;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t - t0 > (uint64_t)(SMOE_SM90_WAIT_CHECK) * 1000000ull) {
+            if ((threadIdx.x & 31) == 0)
+                printf("SMOE WAIT STUCK %s:%d block %d thread %d barrier 0x%x parity %u "
+                       "(every later wait gives up: results are wrong from here)\n",
+                       file, line, (int)blockIdx.x, (int)threadIdx.x, bar, parity);
+            atomicExch(&g_wait_stuck, 1);
+            return;
+        }
+    }
+}
+#define mbar_wait(bar, parity) mbar_wait_checked((bar), (parity), __FILE__, __LINE__)
+#endif
 
 /* ------------------------------------------------------------ TMA */
 
