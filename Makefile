@@ -278,4 +278,4 @@ fuzz:
 	done
 
 clean:
-	rm -rf build build-san build-tsan build-fuzz
+	rm -rf build build-san build-tsan build-fuzz build-wait
