@@ -5,7 +5,8 @@
 #   (a variant's smoe_ep_bench alone, tarred with a STAMP, as .prebuilt/p/prebuilt.tar.xz)
 #   run: bash scripts/ep_trace_round.sh   carry [".prebuilt/m", ".prebuilt/p"]   timeout 600
 # 1. m's test_ep_gpu (P = 1, 2, G); 2. SMOE_EP_TRACE=1 of the layer's
-# defaults at P = G (and 2) on the shapes below 85%, summed by
+# defaults at P = G (and 2, and 1 beside the single layer's stages) on
+# the shapes below 85%, summed by
 # bench/ep_trace_sum.py; 3. the A/B of RUNS4 (G >= 4, at P = 4) or RUNS2
 # (at P = 2) by scripts/ep_ab.sh (defaults: exp/ce-parts' 4 parts and own
 # share 20% at P = 4, the own split at 35 / 65% at P = 2); 4. memcheck at
@@ -30,6 +31,9 @@ trace() { # name P opts
 trace 30B-n512 $G -r 30B-n512 -x 524288
 trace Qwen3-like $G -T 16384 -d 2048 -n 768 -E 128 -K 8 -x 262144
 [ $G -gt 2 ] && CUDA_VISIBLE_DEVICES=0,1 trace 30B-n512 2 -r 30B-n512 -x 524288
+# P = 1 beside the single layer's stages (the EP path's own cost: 94.9% at P = 1 in session 34)
+CUDA_VISIBLE_DEVICES=0 trace 30B-n512 1 -r 30B-n512 -x 524288
+CUDA_VISIBLE_DEVICES=0 timeout 60 /tmp/ab_m/smoe_bench --rows 30B-n512 --stages 2>&1 | grep -E "^  |fwd " | grep -v "0.00[0-9] ms"
 python3 bench/ep_trace_sum.py $OUT/trace_*.log
 if [ $G -ge 4 ]; then
   RUNS=${RUNS4:-"main:m c4:p:SMOE_EP_CE_PARTS=4 s20:p:SMOE_EP_OWN_SHARE=20"} P=4 ROUNDS=2 bash scripts/ep_ab.sh | grep -v "^ *per-GPU" | tail -30
