@@ -91,10 +91,11 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)
  * build directory of its own): a barrier wait that has not passed after MS
  * milliseconds prints where it waits (file and line of the call, block,
  * thread, the barrier's shared address and the parity) from each warp's
- * lane 0, and gives up. From then on every wait in the process gives up at
- * once, so the kernel and the program run out (their results are wrong)
- * and the lines are flushed, instead of the process hanging with nothing
- * said. Session 37 found a ring-protocol hang with it in one call
+ * lane 0, and gives up. From then on every wait of that file's kernels
+ * (the flag is per file: grouped_gemm_sm90.cu, varlen_k_sm90.cu) gives up
+ * at once, so the kernels and the program run out (their results are
+ * wrong) and the lines are flushed, instead of the process hanging with
+ * nothing said. Session 37 found a ring-protocol hang with it in one call
  * (notes/sm90_log.md rung 29). Not for speed: the wait is a call. */
 static __device__ int g_wait_stuck;
 
