@@ -195,24 +195,44 @@ __global__ void k_tr_count(int T, int E, tr_scratch s)
     s.cnt[t] = c;
 }
 
-/* One block: token_offset = exclusive scan of cnt; count = the total. */
+/* One block: token_offset = exclusive scan of cnt; count = the total.
+ * Tiles of SCAN_PER x 1024 counts staged in shared memory (coalesced loads
+ * and stores), each thread scanning SCAN_PER consecutive ones, a carry
+ * between tiles. The staging index skips a word every 32 so that the
+ * threads' runs fall in distinct banks. */
+#define SCAN_PER 8
+static __device__ __forceinline__ int scan_slot(int i) { return i + (i >> 5); }
+
 __global__ void __launch_bounds__(1024) k_scan_tokens(const int32_t *__restrict__ cnt, int T,
                                                       int32_t *token_offset, int32_t *count)
 {
-    const int per = (T + blockDim.x - 1) / blockDim.x;
-    const int lo = threadIdx.x * per;
-    const int hi = min(lo + per, T);
-    int local = 0;
-    for (int t = lo; t < hi; ++t) local += cnt[t];
-    int total;
-    int run = block_exclusive_scan(local, &total);
-    for (int t = lo; t < hi; ++t) {
-        token_offset[t] = run;
-        run += cnt[t];
+    __shared__ int tile[1024 * SCAN_PER + 1024 * SCAN_PER / 32];
+    const int span = (int)blockDim.x * SCAN_PER, lo = (int)threadIdx.x * SCAN_PER;
+    int carry = 0;
+    for (int base = 0; base < T; base += span) {
+        const int n = min(span, T - base);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) tile[scan_slot(i)] = cnt[base + i];
+        __syncthreads();
+        int local = 0;
+#pragma unroll
+        for (int k = 0; k < SCAN_PER; ++k) local += lo + k < n ? tile[scan_slot(lo + k)] : 0;
+        int total;
+        int run = carry + block_exclusive_scan(local, &total);
+#pragma unroll
+        for (int k = 0; k < SCAN_PER; ++k) {
+            if (lo + k >= n) break;
+            const int c = tile[scan_slot(lo + k)];
+            tile[scan_slot(lo + k)] = run;
+            run += c;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += blockDim.x) token_offset[base + i] = tile[scan_slot(i)];
+        __syncthreads(); /* the next tile overwrites the staging */
+        carry += total;
     }
     if (threadIdx.x == 0) {
-        token_offset[T] = total;
-        *count = total;
+        token_offset[T] = carry;
+        *count = carry;
     }
 }
 

@@ -514,6 +514,10 @@ static void run_edge_cases(smoe_routing TK, smoe_routing ST)
     run_case(777, 12, 3, ST, 1, SMOE_ROUND_NEAREST, 16, L_TIES, 0);
     run_case(777, 12, 3, TK, 0, SMOE_ROUND_DOWN, 16, L_TIES, 0);
     run_case(1000, 7, 7, TK, 0, SMOE_ROUND_UP, 8, L_NORMAL, 0);
+    /* token rounding's scan over the tokens: tiles of 8192, a carry between
+     * (a whole number of tiles, and a part tile after two) */
+    run_case(16384, 32, 2, ST, 1, SMOE_ROUND_NEAREST, 8, L_NORMAL, 0);
+    run_case(20001, 64, 4, TK, 0, SMOE_ROUND_UP, 16, L_NORMAL, 0);
     /* NaN and infinite logits: NaN ranks first on both, scores NaN alike */
     run_case(300, 16, 4, TK, 0, SMOE_ROUND_OFF, 128, L_NONFINITE, 0);
     run_case(300, 16, 4, ST, 1, SMOE_ROUND_OFF, 128, L_NONFINITE, 0);
