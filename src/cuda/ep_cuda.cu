@@ -698,6 +698,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             TRY(smoe_cuda_metadata(P, n_ent, en, eoff, (int32_t *)(ws + W.ent_row),
                                    (int32_t *)(ws + W.rtok), (float *)(ws + W.rsc), NULL,
                                    ws + W.md, s));
+            MARK(0, s, 0, "entries", -1);
             /* whole: every position of a peer's slice is read, the tokens
              * without a pair there as pairs of expert -1 */
             if (whole)
@@ -784,6 +785,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             Tv, X->sl, (int)Km, msg_recv, (const pair_msg *)(ws + W.recv_pairs), vt_cnt, abort);
         TRYL("k_ep_row_counts");
         TRY(smoe_cuda_exclusive_scan(vt_cnt, Tv, v.token_offset, total, s));
+        MARK(0, s, 0, "slots counted", -1);
         k_ep_triples<<<blocks_for(Tv, 256), 256, 0, s>>>(
             Tv, X->sl, (int)Km, ep->rows, (const pair_msg *)(ws + W.recv_pairs), v.token_offset,
             (int32_t *)(ws + W.pt), v.assign_expert, (float *)(ws + W.ps),
@@ -793,6 +795,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         TRYL("k_ep_rows_check");
         k_ep_rows_final<<<1, 32, 0, s>>>(total, st);
         TRYL("k_ep_rows_final");
+        MARK(0, s, 0, "triples", -1);
         smoe_assign_dev tr;
         tr.expert = v.assign_expert;
         tr.token = (int32_t *)(ws + W.pt);
@@ -804,6 +807,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
          * for NCCL's SMs) */
         TRY(smoe_cuda_metadata_beside(El, ep->rows, tr, v.expert_offset, v.assign_row,
                                       v.row_token, v.row_score, NULL, ws + W.xmd, 1, s));
+        MARK(0, s, 0, "expert metadata", -1);
         if (K->nc > 1) {
             k_ep_chunk_off<<<blocks_for(El * K->nc + 1, 256), 256, 0, s>>>(
                 (int)El, K->nc, K->bd, v.expert_offset, v.row_token, off2, K->own_b, eoff,
