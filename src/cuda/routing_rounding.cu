@@ -226,7 +226,8 @@ __global__ void __launch_bounds__(1024) k_scan_tokens(const int32_t *__restrict_
             run += c;
         }
         __syncthreads();
-        for (int i = threadIdx.x; i < n; i += blockDim.x) token_offset[base + i] = tile[scan_slot(i)];
+        for (int i = threadIdx.x; i < n; i += blockDim.x)
+            token_offset[base + i] = tile[scan_slot(i)];
         __syncthreads(); /* the next tile overwrites the staging */
         carry += total;
     }
