@@ -24,8 +24,8 @@ G=$(nvidia-smi -L | wc -l); echo "GPUs: $G; m: $(head -1 /tmp/ab_m/STAMP)"
 timeout 300 /tmp/ab_m/tests/gpu/test_ep_gpu > $OUT/test_ep_gpu.log 2>&1
 echo "test_ep_gpu rc=$? $(tail -1 $OUT/test_ep_gpu.log) [$(el) s]"; grep FAIL $OUT/test_ep_gpu.log | head -5
 if [ -x /tmp/ab_q/tests/gpu/test_ep_gpu ]; then # q's own tests (a variant staged with them)
-  timeout 240 /tmp/ab_q/tests/gpu/test_ep_gpu > $OUT/test_ep_gpu_q.log 2>&1
-  echo "q: $(head -1 /tmp/ab_q/STAMP): test_ep_gpu rc=$? $(tail -1 $OUT/test_ep_gpu_q.log) [$(el) s]"
+  timeout 240 /tmp/ab_q/tests/gpu/test_ep_gpu > $OUT/test_ep_gpu_q.log 2>&1; rc=$?
+  echo "q: $(head -1 /tmp/ab_q/STAMP): test_ep_gpu rc=$rc $(tail -1 $OUT/test_ep_gpu_q.log) [$(el) s]"
   grep FAIL $OUT/test_ep_gpu_q.log | head -5
 fi
 B=/tmp/ab_m/smoe_ep_bench
