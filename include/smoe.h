@@ -39,7 +39,8 @@
  *    the saved block or the workspace may share a byte with another of
  *    them or with an input. Inputs may overlap each other. The one
  *    in-place mode is desc.consume_saved (the backward writes into its
- *    saved block, which then counts as an output). An overlap is
+ *    saved block, which then counts as an output; args.drouter_w may then
+ *    be the block's router slot, smoe_layer_drouter_slot). An overlap is
  *    SMOE_ERROR_INVALID_VALUE. The extent of saved and workspace is what
  *    the call uses (the *_bytes() size), not the capacity given.
  * Refusals name the argument, and give the sizes or addresses involved.
@@ -82,7 +83,7 @@ extern "C" {
 #endif
 
 #define SMOE_VERSION_MAJOR 0
-#define SMOE_VERSION_MINOR 3
+#define SMOE_VERSION_MINOR 4
 #define SMOE_VERSION_PATCH 0
 #define SMOE_VERSION_NUMBER \
     (SMOE_VERSION_MAJOR * 10000 + SMOE_VERSION_MINOR * 100 + SMOE_VERSION_PATCH)
@@ -388,6 +389,23 @@ typedef struct smoe_backward_args {
  * smoe_last_error on a NULL layer or args or invalid sizes. */
 SMOE_API size_t smoe_layer_backward_workspace_bytes(const smoe_layer *layer,
                                                     const smoe_backward_args *args);
+
+/* The router slot of a consume_saved layer's saved block: with
+ * args.drouter_w.ptr = (char *)saved + *offset (accumulate 0, E x d of the
+ * layer's dtype or F32) the backward writes the router weight's gradient
+ * into room of the block that nothing of the call touches after it. The
+ * caller frees the backward's workspace, then copies the gradient out
+ * before the block's next forward: the gradient is then never allocated
+ * beside the workspace and H, as when the router's weight gradient is a
+ * step of its own after the experts' backward. Results are bit for bit
+ * those of a separate buffer. SMOE_ERROR_UNSUPPORTED (offset untouched)
+ * where there is no slot: desc.consume_saved 0, GENERAL routing, or a
+ * shape whose H leaves no room beside the router's buffers on the
+ * layer's backend. The backward refuses a slot pointer with accumulate 1
+ * (SMOE_ERROR_INVALID_VALUE); any other pointer into the block overlaps
+ * it. */
+SMOE_API smoe_status smoe_layer_drouter_slot(const smoe_layer *layer, int64_t T, int64_t pairs,
+                                             size_t *offset);
 
 /* `saved` is the block a training forward of this layer with the same T
  * (and pairs) filled. It is only read, unless desc.consume_saved is set:

@@ -474,6 +474,53 @@ smoe_status smoe_layer_device_status(smoe_layer *layer, void *stream, int wait)
     return layer->ops->device_status(layer, stream, wait);
 }
 
+/* The router slot of a backward's saved block (layout l): bytes 0 where
+ * there is none. It must hold E x d of the layer's dtype or of fp32. */
+static void drouter_slot_of(const smoe_layer *layer, const smoe_saved_layout *l, size_t *off,
+                            size_t *bytes)
+{
+    const smoe_layer_desc *d = &layer->desc;
+    *off = 0;
+    *bytes = 0;
+    if (!d->consume_saved || d->routing == SMOE_ROUTING_GENERAL || l->cap == 0 ||
+        !layer->ops->drouter_slot || !layer->ops->drouter_slot(layer, l, off, bytes)) {
+        *bytes = 0;
+        return;
+    }
+    const size_t es = smoe_dtype_size(d->dtype);
+    if (*bytes < (size_t)d->E * (size_t)d->d * (es > 4 ? es : 4)) *bytes = 0;
+}
+
+smoe_status smoe_layer_drouter_slot(const smoe_layer *layer, int64_t T, int64_t pairs,
+                                    size_t *offset)
+{
+    const char *fn = "smoe_layer_drouter_slot";
+    SMOE_REQUIRE_PTR(layer, "layer");
+    SMOE_REQUIRE_PTR(offset, "offset");
+    const smoe_layer_desc *d = &layer->desc;
+    SMOE_RETURN_ERROR_IF(!d->consume_saved, SMOE_ERROR_UNSUPPORTED,
+                         "%s: desc.consume_saved is 0: the backward only reads its saved block",
+                         fn);
+    SMOE_RETURN_ERROR_IF(d->routing == SMOE_ROUTING_GENERAL, SMOE_ERROR_UNSUPPORTED,
+                         "%s: GENERAL routing has no router weight", fn);
+    int64_t cap;
+    (void)pairs; /* GENERAL only, refused above */
+    SMOE_FORWARD_IF_ERROR(check_sizes(layer, T, 0, 0, &cap));
+    smoe_saved_layout l;
+    smoe_saved_layout_make(layer, T, cap, &l);
+    size_t off, bytes;
+    drouter_slot_of(layer, &l, &off, &bytes);
+    SMOE_RETURN_ERROR_IF(bytes == 0, SMOE_ERROR_UNSUPPORTED,
+                         "%s: at T = %lld the saved block's H (%zu bytes) has no room for the "
+                         "router weight's gradient beside the router's buffers on this "
+                         "backend (%s)",
+                         fn, (long long)T, (size_t)cap * (size_t)layer->h_cols *
+                                               smoe_dtype_size(d->dtype),
+                         layer->path_name);
+    *offset = off;
+    return SMOE_SUCCESS;
+}
+
 /* ------------------------------------------------------------ forward, backward */
 
 /* A call's T and pairs checked, its saved block's layout, and the shape its
@@ -494,6 +541,7 @@ static smoe_status call_shape_make(const smoe_layer *layer, const smoe_backward_
     cs->saved_query = "smoe_layer_saved_bytes";
     cs->ws_query = bargs ? "smoe_layer_backward_workspace_bytes"
                          : "smoe_layer_call_workspace_bytes(SMOE_CALL_FORWARD)";
+    if (bargs) drouter_slot_of(layer, l, &cs->drouter_slot, &cs->drouter_slot_bytes);
     return SMOE_SUCCESS;
 }
 

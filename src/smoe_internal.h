@@ -198,6 +198,9 @@ typedef struct smoe_call_shape {
     int empty_ok;
     size_t saved_need, ws_need;
     const char *saved_query, *ws_query;
+    /* a consume_saved backward's router slot in the saved block (smoe.h's
+     * smoe_layer_drouter_slot): offset and bytes, bytes 0 where none */
+    size_t drouter_slot, drouter_slot_bytes;
 } smoe_call_shape;
 
 /* Every check of smoe.h's rules on a forward's / backward's arguments (T
@@ -237,6 +240,14 @@ struct smoe_backend_ops {
      * the backend's backward takes workspace_bytes(..., SMOE_CALL_BACKWARD). */
     size_t (*backward_workspace_bytes)(const smoe_layer *layer, int64_t T, int64_t cap,
                                        const smoe_backward_args *args);
+    /* Where in a consume_saved layer's saved block (layout l) the backward
+     * may write the router weight's gradient: bytes at offset that nothing
+     * of the call reads or writes once the gradient is written (smoe.h's
+     * smoe_layer_drouter_slot). 0: no such room at this shape. NULL: none
+     * on this backend. Only asked for a consume_saved layer with a router
+     * and cap > 0. */
+    int (*drouter_slot)(const smoe_layer *layer, const smoe_saved_layout *l, size_t *offset,
+                        size_t *bytes);
 };
 
 /* Each backend's constructor fills layer->ops, state and path_name. */

@@ -453,7 +453,24 @@ smoe_status smoe_backward_validate(const smoe_layer *layer, const char *fn,
     SMOE_FORWARD_IF_ERROR(
         span_add(&sp, fn, "saved", saved, cs->saved_need, 16, 16, saved_out != 0));
     SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.dx.ptr", &args->dx, t * dd, va));
-    SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.drouter_w.ptr", &args->drouter_w, E * dd, va));
+    /* the one output allowed inside the (consumed) saved block: drouter_w at
+     * the block's router slot, which the backward writes last */
+    const char *dr = (const char *)args->drouter_w.ptr;
+    if (saved_out && cs->drouter_slot_bytes > 0 && dr &&
+        dr == (const char *)saved + cs->drouter_slot) {
+        SMOE_RETURN_ERROR_IF(args->drouter_w.accumulate != 0, SMOE_ERROR_INVALID_VALUE,
+                             "%s: args.drouter_w.ptr is the saved block's router slot "
+                             "(smoe_layer_drouter_slot), which holds no gradient to add to: "
+                             "args.drouter_w.accumulate must be 0",
+                             fn);
+        SMOE_RETURN_ERROR_IF(E * dd * smoe_dtype_size(args->drouter_w.dtype) >
+                                 cs->drouter_slot_bytes,
+                             SMOE_ERROR_INTERNAL, "%s: the router slot (%zu bytes) is too small",
+                             fn, cs->drouter_slot_bytes);
+    } else {
+        SMOE_FORWARD_IF_ERROR(
+            grad_span(&sp, fn, "args.drouter_w.ptr", &args->drouter_w, E * dd, va));
+    }
     SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.dw1.ptr", &args->dw1, Ex * hc * dd, va));
     SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.db1.ptr", &args->db1, Ex * hc, va));
     SMOE_FORWARD_IF_ERROR(grad_span(&sp, fn, "args.dw2.ptr", &args->dw2, Ex * dd * n, va));

@@ -390,6 +390,94 @@ static void test_router_dtypes(tu_rng *rng) {
         }
 }
 
+/* smoe_layer_drouter_slot of the consuming layer L1 (B1: its buffers, g0:
+ * the reading layer's gradients of the same call, wdt their dtype): with
+ * drouter_w at the slot the backward gives g0's gradients bit for bit and
+ * the slot holds g0's drouter_w; a slot pointer that accumulates, or one
+ * elsewhere in the block, is refused with nothing written. Where the CPU
+ * backend has no slot (H smaller than E x d), the query says so. */
+static void test_slot(smoe_layer *L1, const tu_problem *P, tu_bufs *B1, const void *G,
+                      const float *G2, const tu_grads *g0, smoe_dtype wdt) {
+    const smoe_layer_desc *D = &P->desc;
+    const int64_t T = P->T;
+    size_t off = 12345;
+    smoe_status st = smoe_layer_drouter_slot(L1, T, P->pairs, &off);
+    if (D->routing == SMOE_ROUTING_GENERAL) {
+        CHECK(st == SMOE_ERROR_UNSUPPORTED && strstr(smoe_last_error(), "GENERAL") && off == 12345,
+              "GENERAL slot -> %s (%s)", smoe_status_string(st), smoe_last_error());
+        return;
+    }
+    /* the CPU's slot is H: cap x h_cols of the dtype, from the header's own
+     * account (the rows a token-choice forward keeps; rounding's worst case) */
+    const size_t es = tu_dtype_size(D->dtype);
+    const int64_t hc = tu_gated(D->activation) ? 2 * D->n : D->n;
+    const int64_t up = T * D->K + D->E * (D->round_tile - 1);
+    const int64_t cap = D->rounding == SMOE_ROUND_UP || D->rounding == SMOE_ROUND_NEAREST
+                            ? (T * D->E < up ? T * D->E : up)
+                            : T * D->K;
+    const size_t hbytes = (size_t)(cap * hc) * es;
+    const size_t need = (size_t)(D->E * D->d) * (es > 4 ? es : 4);
+    if (hbytes < need) {
+        CHECK(st == SMOE_ERROR_UNSUPPORTED && strstr(smoe_last_error(), "no room") && off == 12345,
+              "slot with H %zu < %zu bytes -> %s (%s)", hbytes, need, smoe_status_string(st),
+              smoe_last_error());
+        return;
+    }
+    if (!CHECK(st == SMOE_SUCCESS && off % ALIGN == 0 && off + need <= B1->saved_bytes,
+               "slot -> %s (%s), offset %zu of %zu", smoe_status_string(st), smoe_last_error(),
+               off, B1->saved_bytes))
+        return;
+    const size_t db = (size_t)(D->E * D->d) * tu_dtype_size(wdt);
+    tu_grads gs;
+    tu_grads_alloc(&gs, P, wdt);
+    void *own = gs.g[1];
+    gs.g[1] = (char *)B1->saved + off;
+    int which = -1;
+    if (tu_run_backward(L1, P, B1, G, G2, &gs, 0)) {
+        CHECK(memcmp(gs.g[1], g0->g[1], db) == 0, "drouter_w in the slot differs");
+        gs.g[1] = g0->g[1];
+        CHECK(grads_equal(g0, &gs, &which), "with drouter_w in the slot %s differs",
+              which >= 0 ? tu_grad_name[which] : "?");
+    }
+    /* refusals, on a fresh block: nothing written */
+    smoe_forward_args fa = tu_fwd_args(P, B1, 0);
+    st = smoe_layer_forward(L1, &fa, B1->saved, B1->saved_bytes, B1->ws_fwd ? B1->ws_fwd : B1->ws,
+                            B1->ws_fwd_bytes ? B1->ws_fwd_bytes : B1->ws_bytes, NULL);
+    CHECK(st == SMOE_SUCCESS, "forward -> %s", smoe_status_string(st));
+    unsigned char *copy = (unsigned char *)malloc(B1->saved_bytes);
+    memcpy(copy, B1->saved, B1->saved_bytes);
+    gs.g[1] = (char *)B1->saved + off;
+    grads_fill(&gs, 0x3C);
+    memcpy(B1->saved, copy, B1->saved_bytes);
+    tu_grads g2;
+    tu_grads_alloc(&g2, P, wdt);
+    grads_fill(&g2, 0x3C);
+    for (int k = 0; k < 2; k++) {
+        smoe_backward_args ba = bwd_args(P, B1, G, G2, &gs);
+        if (k == 0) {
+            ba.drouter_w.accumulate = 1;
+        } else {
+            if (off + ALIGN + need > B1->saved_bytes) break;
+            ba.drouter_w.ptr = (char *)B1->saved + off + ALIGN;
+        }
+        st = smoe_layer_backward(L1, &ba, B1->saved, B1->saved_bytes, B1->ws,
+                                 B1->ws_bwd_bytes ? B1->ws_bwd_bytes : B1->ws_bytes, NULL);
+        CHECK(st == SMOE_ERROR_INVALID_VALUE &&
+                  strstr(smoe_last_error(), k == 0 ? "accumulate" : "overlaps"),
+              "%s -> %s (%s)", k == 0 ? "the slot accumulated" : "drouter_w past the slot",
+              smoe_status_string(st), smoe_last_error());
+        void *keep = gs.g[1];
+        gs.g[1] = g2.g[1];
+        CHECK(grads_equal(&g2, &gs, &which) && memcmp(copy, B1->saved, B1->saved_bytes) == 0,
+              "the refused backward (%s) wrote something", k == 0 ? "accumulate" : "past the slot");
+        gs.g[1] = keep;
+    }
+    gs.g[1] = own;
+    tu_grads_free(&gs);
+    tu_grads_free(&g2);
+    free(copy);
+}
+
 static void test_consume(tu_rng *rng) {
     const smoe_dtype dts[3] = {SMOE_DTYPE_BF16, SMOE_DTYPE_F32, SMOE_DTYPE_F64};
     for (int it = 0; it < 6 * TU_NMODES; it++) {
@@ -494,6 +582,13 @@ static void test_consume(tu_rng *rng) {
         if (tu_run_backward(L1, &F.P, &B1, G, G2, &g1, 0))
             CHECK(grads_equal(&g0, &g1, &which), "after a new forward: %s differs",
                   which >= 0 ? tu_grad_name[which] : "?");
+        test_slot(L1, &F.P, &B1, G, G2, &g0, wdt);
+        /* the reading layer has no slot */
+        size_t off = 7;
+        st = smoe_layer_drouter_slot(F.L, T, np, &off);
+        CHECK(st == SMOE_ERROR_UNSUPPORTED && strstr(smoe_last_error(), "consume_saved") &&
+                  off == 7,
+              "slot of a reading layer -> %s (%s)", smoe_status_string(st), smoe_last_error());
         free(copy);
         free(B1.saved);
         free(B1.ws);

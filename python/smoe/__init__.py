@@ -25,7 +25,7 @@ from .functional import moe, moe_general, layer_info, set_debug, check_device, S
 from .module import MoE, Experts, switch_load_balancing_loss, router_z_loss, load_hf_moe_weights
 from .ep import EPGroup, EPMoE
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = ["moe", "moe_general", "MoE", "Experts", "SmoeError", "SmoeValueError",
            "switch_load_balancing_loss", "router_z_loss", "load_hf_moe_weights", "layer_info",

@@ -289,6 +289,8 @@ _FUNCTIONS = {
     "smoe_layer_saved_bytes": (c_size_t, [c_void_p, c_int64, c_int64]),
     # (layer, args): reads args.T, args.pairs and args.dw1 only
     "smoe_layer_backward_workspace_bytes": (c_size_t, [c_void_p, POINTER(smoe_backward_args)]),
+    # (layer, T, pairs, offset out): the consume_saved block's router slot
+    "smoe_layer_drouter_slot": (c_enum, [c_void_p, c_int64, c_int64, POINTER(c_size_t)]),
     # (layer, args, saved, saved_bytes, workspace, workspace_bytes, stream)
     "smoe_layer_forward": (c_enum, [c_void_p, POINTER(smoe_forward_args), c_void_p, c_size_t,
                                     c_void_p, c_size_t, c_void_p]),
@@ -319,7 +321,7 @@ _FUNCTIONS = {
 FUNCTION_NAMES = tuple(_FUNCTIONS)
 
 # The header's version macros this mirror was written for.
-VERSION = (0, 3, 0)
+VERSION = (0, 4, 0)
 
 # ------------------------------------------------------------------ loading
 

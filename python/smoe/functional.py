@@ -134,6 +134,7 @@ class _Layer:
             self.general = self.routing == L.SMOE_ROUTING_GENERAL
         self._ws = {}
         self._saved = {}
+        self._slot = {}
 
     def __del__(self):
         L.release(self, "ptr", lambda p: self._lib.smoe_layer_free(p))
@@ -157,6 +158,20 @@ class _Layer:
         if n == 0:
             raise SmoeError(L.SMOE_ERROR_INVALID_SIZE, L.last_error())
         return n
+
+    def drouter_slot(self, T, pairs):
+        """smoe_layer_drouter_slot: the byte offset in a consume_saved
+        layer's saved block where the backward may write the router weight's
+        gradient, or None where the layer has no such slot; asked once per
+        (T, pairs)."""
+        key = (T, pairs)
+        if key not in self._slot:
+            off = ctypes.c_size_t()
+            st = self._lib.smoe_layer_drouter_slot(self.ptr, T, pairs, ctypes.byref(off))
+            if len(self._slot) >= _SIZE_CACHE_ENTRIES:
+                self._slot.clear()
+            self._slot[key] = off.value if st == L.SMOE_SUCCESS else None
+        return self._slot[key]
 
     def saved_bytes(self, T, pairs):
         n = self._lib.smoe_layer_saved_bytes(self.ptr, T, pairs)
@@ -540,7 +555,13 @@ def _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, p
         return torch.empty(shape, dtype=dt, device=dev)
 
     dx = empty(x.shape) if needs & _NEED_X else None
-    drouter = empty(router_w.shape) if not general and needs & _NEED_ROUTER else None
+    want_router = not general and needs & _NEED_ROUTER
+    # A consuming layer writes the router weight's gradient into its saved
+    # block's router slot; it is allocated and copied out below, after the
+    # workspace is freed, so it is never live beside the workspace and H.
+    slot = (layer.drouter_slot(T, pairs)
+            if want_router and getattr(layer, "consume_saved", False) else None)
+    drouter = empty(router_w.shape) if want_router and slot is None else None
     dw1 = empty(w1.shape) if needs & _NEED_W1 else None
     db1 = empty((E, w1.shape[1])) if has_bias and needs & _NEED_B1 else None
     dw2 = empty(w2.shape) if needs & _NEED_W2 else None
@@ -552,11 +573,18 @@ def _backward_core(layer, dout, dlogits_extra, x, router_w, w1, w2, b2, saved, p
     # Gradients overwrite (accumulate = 0).
     args = L.backward_args_raw(T, x.data_ptr(), _ptr(router_w), pairs, w1.data_ptr(),
                                w2.data_ptr(), _ptr(b2), dout.data_ptr(), _ptr(dlogits_extra),
-                               _grad_ptr(dx), ld, 0, _grad_ptr(drouter), ld, 0,
+                               _grad_ptr(dx), ld, 0,
+                               saved.data_ptr() + slot if slot is not None else _grad_ptr(drouter),
+                               ld, 0,
                                _grad_ptr(dw1), ld, 0, _grad_ptr(db1), ld, 0,
                                _grad_ptr(dw2), ld, 0, _grad_ptr(db2), ld, 0,
                                _grad_ptr(dscore), f32, 0, xdt)
     _call(L.backward_raw, layer, args, saved, ws, dev)
+    if slot is not None:
+        del ws
+        drouter = empty(router_w.shape)
+        nbytes = drouter.numel() * drouter.element_size()
+        drouter.copy_(saved[slot:slot + nbytes].view(dtype).view(router_w.shape))
     return dx, drouter, dw1, db1, dw2, db2, dscore
 
 

@@ -818,6 +818,17 @@ static smoe_status cpu_backward(smoe_layer *layer, const smoe_backward_args *arg
 
 /* ------------------------------------------------------------ init */
 
+/* The router slot (smoe.h's smoe_layer_drouter_slot): all of H. With
+ * consume_saved H holds dH, whose last readers (dX~, dW1, db1) run before
+ * the router's backward writes drouter_w; nothing reads H after it. */
+static int cpu_drouter_slot(const smoe_layer *layer, const smoe_saved_layout *l, size_t *offset,
+                            size_t *bytes)
+{
+    *offset = l->h;
+    *bytes = (size_t)l->cap * (size_t)layer->h_cols * smoe_dtype_size(layer->desc.dtype);
+    return 1;
+}
+
 static const smoe_backend_ops cpu_ops = {
     .workspace_bytes = cpu_workspace_bytes,
     .forward = cpu_forward,
@@ -825,6 +836,7 @@ static const smoe_backend_ops cpu_ops = {
     .destroy = NULL,
     .device_status = NULL,
     .backward_workspace_bytes = NULL,
+    .drouter_slot = cpu_drouter_slot,
 };
 
 smoe_status smoe_cpu_layer_init(smoe_layer *layer)

@@ -340,6 +340,23 @@ size_t smoe_cuda_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t cap
     return w.total;
 }
 
+/* The router slot (smoe.h's smoe_layer_drouter_slot): the consumed saved
+ * H from the router's tc buffer on (the router region's start is H's with
+ * consume_saved). Everything there (tc, dla, wr2, the dXr chunks) is dead
+ * once the dx aggregation has run, and the dWr GEMM after it reads split
+ * alone, which lies before tc; combine_halves writes drouter_w last. */
+int smoe_cuda_drouter_slot(const smoe_layer *layer, const smoe_saved_layout *l, size_t *offset,
+                           size_t *bytes)
+{
+    ws_layout w;
+    ws_make(layer, l->T, l->cap, NULL, &w);
+    const size_t h = (size_t)l->cap * (size_t)layer->h_cols * 2;
+    if (!w.rtr_in_h || !w.dh_in_saved || h <= w.tc) return 0;
+    *offset = l->h + w.tc;
+    *bytes = h - w.tc;
+    return 1;
+}
+
 size_t smoe_cuda_backward_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t cap,
                                           const smoe_backward_args *args)
 {
@@ -666,7 +683,9 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
             args->dx.accumulate, abort, s));
     timer_mark(st, 1, "aggregate dx", s);
     if (want_router && args->drouter_w.ptr) {
-        /* after the dx aggregation: dX~'s region is dead (rscr) */
+        /* after the dx aggregation: dX~'s region is dead (rscr); drouter_w
+         * may be the consumed block's router slot (smoe_cuda_drouter_slot),
+         * which split, the GEMM's one read in the router region, precedes */
         float *dwr2 = (float *)(ws + w.dwr2);
         /* dWr2 (2E x d row-major = d x 2E col-major) = X^T . split */
         SMOE_FORWARD_IF_ERROR(smoe_cuda_gemm_bf16_f32(

@@ -121,7 +121,7 @@ static void cuda_destroy(smoe_layer *layer)
 
 static const smoe_backend_ops cuda_ops = {
     smoe_cuda_workspace_bytes, smoe_cuda_forward, smoe_cuda_backward, cuda_destroy,
-    smoe_cuda_device_status, smoe_cuda_backward_workspace_bytes,
+    smoe_cuda_device_status, smoe_cuda_backward_workspace_bytes, smoe_cuda_drouter_slot,
 };
 
 /* The cuBLAS handle and the report record, on the layer's device (current). */

@@ -76,6 +76,8 @@ smoe_gemm_problem smoe_cuda_problem_make(const smoe_layer *layer, int64_t cap);
 size_t smoe_cuda_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t cap, int call);
 size_t smoe_cuda_backward_workspace_bytes(const smoe_layer *layer, int64_t T, int64_t cap,
                                           const smoe_backward_args *args);
+int smoe_cuda_drouter_slot(const smoe_layer *layer, const smoe_saved_layout *l, size_t *offset,
+                           size_t *bytes);
 smoe_status smoe_cuda_forward(smoe_layer *layer, const smoe_forward_args *args,
                               const smoe_saved_layout *sl, void *saved, void *workspace,
                               void *stream);

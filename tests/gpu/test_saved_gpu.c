@@ -681,6 +681,75 @@ static void run_case(const gcase *c, smoe_backend be, uint64_t seed)
         host_grads_free(&h);
     }
 
+    /* the router slot (smoe_layer_drouter_slot): drouter_w written into the
+     * consumed block gives the reading backward's bits, and every other
+     * gradient too; accumulating there or writing past it is refused on the
+     * host with nothing written. There is a slot where the consumed H holds
+     * the router's buffers before it (split, tc, dla, wr2: sizes from
+     * cuda_layer.cu's ws_make, 256-byte aligned) and E x d fp32 after them;
+     * the test asks for one where H has room for all of it with margin. */
+    if (g1.g[TU_GWR]) {
+        size_t off = 1;
+        const smoe_status ss = smoe_layer_drouter_slot(L1, T, np, &off);
+        const size_t hb = (size_t)cap * (size_t)P.hc * 2, E_ = (size_t)c->E, d_ = (size_t)c->d;
+        const size_t before = al256((size_t)T * 2 * E_ * 2) + al256((size_t)T * (size_t)c->K * 4) +
+                              al256((size_t)cap * 4) + al256(2 * E_ * d_ * 2);
+        const int roomy = hb >= before + E_ * d_ * 4 + 256;
+        printf("  %-52s      router slot: %s", "", smoe_status_string(ss));
+        if (ss == SMOE_SUCCESS) printf(" at %zu (H at %zu, %zu bytes)", off, sl.h, hb);
+        printf("\n");
+        CHECK(ss == SMOE_SUCCESS ? off % 256 == 0 && off >= sl.h && off + E_ * d_ * 4 <= sl.h + hb
+                                 : ss == SMOE_ERROR_UNSUPPORTED && off == 1 && !roomy &&
+                                       strstr(smoe_last_error(), "no room"),
+              "router slot -> %s (%s), offset %zu; H [%zu, +%zu), room %d",
+              smoe_status_string(ss), smoe_last_error(), off, sl.h, hb, roomy);
+        if (ss == SMOE_SUCCESS) {
+            dev_grads gs = g1;
+            gs.g[TU_GWR] = (char *)r1.saved + off;
+            grads_set(&g1);
+            s1 = settle(L1, forward(L1, &P, &in, &r1, NULL), "forward (slot)");
+            if (!c->acc) {
+                if (s1 == SMOE_SUCCESS)
+                    s1 = settle(L1, backward(L1, &P, &in, &gs, 0, r1.saved, sb1, &r1, NULL),
+                                "backward (drouter_w in the slot)");
+                host_grads h = grads_fetch(&gs);
+                which = s1 == SMOE_SUCCESS ? grads_differ(&gs, &h0, &h) : TU_GX;
+                CHECK(which < 0 && guard_ok(r1.saved, sb1) && guard_ok(r1.ws, r1.wbb),
+                      "with drouter_w in the slot: %s, %s differs from the reading backward's",
+                      smoe_status_string(s1), grad_name(which));
+                host_grads_free(&h);
+                s1 = settle(L1, forward(L1, &P, &in, &r1, NULL), "forward (slot, again)");
+            }
+            /* refusals on a live block: nothing written */
+            void *blk1 = tu_dev_fetch(r1.saved, sb1 + GUARD);
+            grads_sentinel(&g1);
+            for (int k = 0; k < 2; k++) {
+                smoe_backward_args b = bwd_args(&P, &in, &gs, 0);
+                if (k == 0) b.drouter_w.accumulate = 1;
+                else b.drouter_w.ptr = (char *)r1.saved + off + 256;
+                const smoe_status sr = smoe_layer_backward(L1, &b, r1.saved, sb1, r1.ws, r1.wbb,
+                                                           NULL);
+                CHECK(sr == SMOE_ERROR_INVALID_VALUE &&
+                          strstr(smoe_last_error(), k == 0 ? "accumulate" : "overlaps"),
+                      "drouter_w %s -> %s (%s)", k == 0 ? "accumulating in the slot" : "past it",
+                      smoe_status_string(sr), smoe_last_error());
+            }
+            which = grads_touched(&g1);
+            void *now = tu_dev_fetch(r1.saved, sb1 + GUARD);
+            CHECK(s1 == SMOE_SUCCESS && which < 0 && !memcmp(now, blk1, sb1 + GUARD),
+                  "the refused slot backwards wrote %s%s", grad_name(which),
+                  memcmp(now, blk1, sb1 + GUARD) ? " or into the block" : "");
+            free(now);
+            free(blk1);
+        }
+    } else if (general) {
+        size_t off = 1;
+        const smoe_status ss = smoe_layer_drouter_slot(L1, T, np, &off);
+        CHECK(ss == SMOE_ERROR_UNSUPPORTED && off == 1 && strstr(smoe_last_error(), "GENERAL"),
+              "router slot of a GENERAL layer -> %s (%s)", smoe_status_string(ss),
+              smoe_last_error());
+    }
+
     /* the consuming layer's forward + backward in a CUDA graph, replayed
      * twice: each replay fills the block and consumes it */
     if (c->graph) {
