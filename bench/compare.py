@@ -792,7 +792,7 @@ def measure(impl, prob, ref, args, timer):
                 torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
             g = fwd_bwd()
             torch.cuda.synchronize()
-            rec["peak_gib"] = "%.3f" % ((torch.cuda.max_memory_allocated() - before) / 2 ** 30)
+            rec["peak_gib"] = "%.4f" % ((torch.cuda.max_memory_allocated() - before) / 2 ** 30)
             if args.peak_detail:
                 snap = torch.cuda.memory._snapshot()
                 torch.cuda.memory._record_memory_history(enabled=None)
