@@ -461,6 +461,32 @@ static void test_create(void) {
         }
     }
 
+    tu_case("sizes: the router slot's query");
+    {
+        size_t off = 5;
+        smoe_status st = smoe_layer_drouter_slot(NULL, 4, 0, &off);
+        CHECK(st == SMOE_ERROR_NULL_POINTER && off == 5 && strstr(smoe_last_error(), "layer"),
+              "drouter_slot(NULL) -> %s: \"%s\"", smoe_status_string(st), smoe_last_error());
+        D = good_desc();
+        D.consume_saved = 1;
+        L = NULL;
+        CHECK_OK(smoe_layer_create(&D, &L));
+        if (L) {
+            st = smoe_layer_drouter_slot(L, 4, 0, NULL);
+            CHECK(st == SMOE_ERROR_NULL_POINTER && strstr(smoe_last_error(), "offset"),
+                  "drouter_slot(offset NULL) -> %s: \"%s\"", smoe_status_string(st),
+                  smoe_last_error());
+            st = smoe_layer_drouter_slot(L, -6, 0, &off);
+            CHECK(st == SMOE_ERROR_INVALID_SIZE && off == 5 && strstr(smoe_last_error(), "-6"),
+                  "drouter_slot(T=-6) -> %s: \"%s\"", smoe_status_string(st),
+                  smoe_last_error());
+            st = smoe_layer_drouter_slot(L, INT64_MAX / 2, 0, &off);
+            CHECK(st == SMOE_ERROR_INVALID_SIZE && off == 5,
+                  "drouter_slot(T = 2^62) -> %s, must refuse, not wrap", smoe_status_string(st));
+            smoe_layer_free(L);
+        }
+    }
+
     tu_case("sizes: each call's workspace");
     D = good_desc();
     L = NULL;
