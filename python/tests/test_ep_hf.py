@@ -130,7 +130,7 @@ def _is_expert(name):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_replace_blocks_expert_parallel_matches_the_hf_model(family, keep_x):
     pytest.importorskip("transformers")
-    from test_hf import block_names, tiny_model
+    from test_hf import block_names, hf_run, tiny_model
     P = 2
     ids, labels = _batch(P, seed=4)
     # (Every model built here: tiny_model seeds the global generator, which
@@ -144,7 +144,7 @@ def test_replace_blocks_expert_parallel_matches_the_hf_model(family, keep_x):
     want = []
     for r in range(P):
         rows = slice(r * ROWS, (r + 1) * ROWS)
-        out = ref(ids[rows], labels=labels[rows], output_router_logits=True)
+        out = hf_run(ref, family, ids[rows], labels=labels[rows], output_router_logits=True)
         out.loss.backward()
         want.append(out)
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
