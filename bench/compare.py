@@ -14,7 +14,10 @@ L2 cache flushed before each repetition and CUDA events around it:
                     (training mode; the outputs and everything kept for
                     backward), the number of SonicMoE's Figure 13
   peak_gib        = peak allocation of one forward+backward above what was
-                    allocated before it
+                    allocated before it (max_memory_allocated: the caching
+                    allocator's blocks, a request rounded to its block)
+  peak_req_gib    = the same peak in the bytes requested (PyTorch's
+                    requested_bytes statistic), without that rounding
 
 medians over --reps repetitions. The gradient pass is torch.autograd.grad
 (no accumulation into .grad), the same for every implementation.
@@ -119,7 +122,7 @@ sys.path.insert(0, HERE)
 import torch_baseline  # noqa: E402  (its grid parser and its layer)
 
 FIELDS = ["row", "T", "d", "n", "E", "K", "impl", "status", "path", "fwd_ms", "bwd_ms",
-          "fwd_tflops", "bwd_tflops", "act_gib", "peak_gib", "err_out", "err_dx",
+          "fwd_tflops", "bwd_tflops", "act_gib", "peak_gib", "peak_req_gib", "err_out", "err_dx",
           "err_drouter", "err_dw1", "err_dw2", "routing_mismatch", "host_fwd_ms",
           "host_fwdbwd_ms", "loop_ms", "loop_tflops", "loop_mhz", "loop_watts", "loop_joules",
           "dw_experts_checked", "note"]
@@ -787,12 +790,19 @@ def measure(impl, prob, ref, args, timer):
             gc.collect()
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
+            req_before = torch.cuda.memory_stats().get("requested_bytes.all.current", 0)
             torch.cuda.reset_peak_memory_stats()
             if args.peak_detail:
                 torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
             g = fwd_bwd()
             torch.cuda.synchronize()
             rec["peak_gib"] = "%.4f" % ((torch.cuda.max_memory_allocated() - before) / 2 ** 30)
+            # the same peak in the bytes asked for (the allocator's block
+            # rounding left out); "before" as requested bytes too
+            st = torch.cuda.memory_stats()
+            if "requested_bytes.all.peak" in st:
+                rec["peak_req_gib"] = "%.4f" % ((st["requested_bytes.all.peak"] - req_before)
+                                               / 2 ** 30)
             if args.peak_detail:
                 snap = torch.cuda.memory._snapshot()
                 torch.cuda.memory._record_memory_history(enabled=None)
