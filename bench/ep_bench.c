@@ -207,6 +207,10 @@ static void *rank_main(void *arg) {
         wb = smoe_layer_workspace_bytes(L, T, 0);
         snprintf(R->path, sizeof R->path, "%s", smoe_layer_path_name(L));
     }
+    if (R->r == 0)
+        printf("mem %s P=%d T=%lld: saved %.1f MiB, workspace %.1f MiB (rank 0)\n",
+               R->ep ? "EP" : "single", P, (long long)T, sb / 1048576.0,
+               wb / 1048576.0);
     const uint64_t seed = 1000u * (uint64_t)R->r + 7u;
     void *x = rand_bf16((size_t)(T * d), 1.0f, seed + 1, 0);
     void *wr = rand_bf16((size_t)(E * d), 0.05f, 99, 0); /* the same router on every rank */
