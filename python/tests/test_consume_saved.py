@@ -135,8 +135,7 @@ def test_router_gradient_in_the_saved_block(device, monkeypatch):
     # A consuming layer's backward writes the router weight's gradient into
     # its saved block's router slot (smoe_layer_drouter_slot) and copies it
     # out after freeing the workspace; the gradients stay bit for bit those
-    # of the reading backward. A layer without a slot (GENERAL) takes the
-    # separate buffer.
+    # of the reading backward, which has no slot (a separate buffer).
     seen = []
     real = fn._Layer.drouter_slot
 
@@ -147,21 +146,14 @@ def test_router_gradient_in_the_saved_block(device, monkeypatch):
 
     monkeypatch.setattr(fn._Layer, "drouter_slot", spy)
     dev = torch.device(device)
-    T = 37 if device == "cpu" else 256
-    if device == "cpu":
-        check_equal(dev, torch.float32, "softmax_topk", "swiglu", True, {}, seed=71)
-    else:
-        check_equal(dev, torch.bfloat16, "softmax_topk", "swiglu", True, {}, seed=71, T=T,
-                    d=128, n=128)
+    T, d, n, dtype = (37, 16, 12, torch.float32) if device == "cpu" else \
+        (256, 128, 128, torch.bfloat16)
+    check_equal(dev, dtype, "softmax_topk", "swiglu", True, {}, seed=71, T=T, d=d, n=n)
     assert seen and all(off is not None and off % 256 == 0 for off in seen)
     # the reading layer of the same shape has none
     reading = [v for k, v in fn._layers.items()
-               if k[1] == device and k[0][:3] == seen_shape(device) and not v.consume_saved]
+               if k[1] == device and k[0][:3] == (d, n, E) and not v.consume_saved]
     assert reading and all(real(v, T, 0) is None for v in reading)
-
-
-def seen_shape(device):
-    return (16, 12, E) if device == "cpu" else (128, 128, E)
 
 
 def test_workspace_is_the_librarys_and_smaller():
