@@ -191,7 +191,6 @@ static void gws_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gws *w)
     w->send_ds = o; o += al(Tu * Km * 4);
     w->recv_ds = o; o += al(Tu * Km * 4);
     w->ds_assign = o; o += al(A * 4);
-    w->dxr = o; o += al(t * d * 4);
     w->m_row_score = o; o += al(rows * 4);
     w->m_row_token = o; o += al(rows * 4);
     w->m_assign_row = o; o += al(rows * 4);
@@ -209,6 +208,17 @@ static void gws_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gws *w)
     w->dh = o; o += al(rows * hc * 2);
     w->a_scaled = o; o += al(rows * n * 2);
     w->dxt = o; o += al(rows * d * 2);
+    /* the router's term of dx (T x d fp32): written after dW1 and db1, when
+     * dh, a_scaled and dX~ are dead (the chunks' dx partial sums left dX~
+     * for the partial-sum buffers before the join), so over them where it
+     * fits; ds, read by nothing after the chunks either, stays apart */
+    const size_t dxr_b = al(t * d * 4);
+    if (dxr_b <= o - base) {
+        w->dxr = base;
+    } else {
+        w->dxr = o;
+        o += dxr_b;
+    }
     w->ds = o; o += al(rows * 4);
     if (fwd_end > o) o = fwd_end;
     w->total = o;
