@@ -28,7 +28,11 @@
  * assignment order in fp32 (fma) in every kernel, so results are
  * deterministic, bitwise the same in both kinds of kernel, and do not
  * depend on the launch shape. Each token gathers its rows: no atomics, no
- * scatter.
+ * scatter. The backward with the per-pair router term, K = 2, 4, 8 or 16
+ * and d % 64 == 0, runs k_aggregate_backward_slab: the router weight's
+ * 64-column slab staged in shared memory per block, the same sums (H200,
+ * session 40: backward +1-2.6% where K = 8, 30B-n256's aggregation 1.79
+ * -> 1.76 ms; notes/sm90_log.md rung 31).
  */
 #include "cuda/cuda_common.h"
 
@@ -513,6 +517,70 @@ k_aggregate_backward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ 
         agg_backward_store<VEC>(acc, t, c, d, extra, col, dx, dx_f32, accumulate);
     }
 }
+
+/* ------------------------------------------------- the router term's slab */
+
+/* The backward with the per-pair router term, exactly KC rows per token and
+ * d % 64 == 0: a block owns one 64-column slab of d (blockIdx.x) and tokens
+ * in blocks of AGG_SLAB_TOKENS (blockIdx.y, grid-stride), and stages the
+ * router weight's slab, E x 64 bf16, in shared memory first. Each pair's
+ * Wr piece is then a shared-memory read: read from L2 per pair (the _kc
+ * kernel) it was as many bytes as dX~ itself, 4 GiB at 30B-n256 (K = 16),
+ * where the staging reads E x d x 2 bytes per token block. A thread
+ * takes (token, 8-column chunk) items of its block, every dX~ piece of an
+ * item in flight, then the same sums in the same order as
+ * k_aggregate_backward_k and agg_backward_store. Blocks with consecutive
+ * x (launched together) read the same tokens' rows. */
+#define AGG_SLAB_COLS 64
+#define AGG_SLAB_TOKENS 256
+#define AGG_SLAB_SMEM_MAX (96 * 1024) /* E <= 768 */
+
+template <int KC>
+__global__ void __launch_bounds__(AGG_THREADS)
+k_aggregate_backward_slab(int64_t T, int64_t d, int E, const int32_t *__restrict__ assign_row,
+                          const bf16 *__restrict__ dxt, const float *__restrict__ extra,
+                          const float *__restrict__ assign_dl,
+                          const int32_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
+                          const float *__restrict__ col, void *__restrict__ dx, int dx_f32,
+                          int accumulate, const int *abort)
+{
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
+    extern __shared__ uint4 agg_slab[]; /* E x 8 pieces of 8 bf16 */
+    const int64_t c0 = (int64_t)blockIdx.x * AGG_SLAB_COLS;
+    for (int i = threadIdx.x; i < E * 8; i += AGG_THREADS)
+        agg_slab[i] = *reinterpret_cast<const uint4 *>(wr + (int64_t)(i >> 3) * d + c0 +
+                                                       8 * (i & 7));
+    __syncthreads();
+    const int64_t blocks = (T + AGG_SLAB_TOKENS - 1) / AGG_SLAB_TOKENS;
+    for (int64_t tb = blockIdx.y; tb < blocks; tb += gridDim.y) {
+        for (int it = threadIdx.x; it < AGG_SLAB_TOKENS * 8; it += AGG_THREADS) {
+            const int64_t t = tb * AGG_SLAB_TOKENS + (it >> 3);
+            if (t >= T) break;
+            const int j = it & 7;
+            const int64_t c = c0 + 8 * j, a0 = t * KC;
+            int r[KC];
+            vec_raw<8> v[KC];
+#pragma unroll
+            for (int a = 0; a < KC; ++a) r[a] = assign_row[a0 + a];
+#pragma unroll
+            for (int a = 0; a < KC; ++a)
+                if (r[a] >= 0) v[a].load(dxt + (int64_t)r[a] * d + c);
+            float acc[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc[k] = 0.0f;
+#pragma unroll
+            for (int a = 0; a < KC; ++a) {
+                if (r[a] < 0) continue;
+                v[a].add_into(acc);
+                vec_raw<8> w;
+                w.u = agg_slab[assign_expert[a0 + a] * 8 + j];
+                w.fma_into(acc, assign_dl[a0 + a]);
+            }
+            agg_backward_store<8>(acc, t, c, d, extra, col, dx, dx_f32, accumulate);
+        }
+    }
+}
+
 #undef AGG_ITEMS_LOOP
 #undef AGG_KC_ITEMS_LOOP
 
@@ -580,12 +648,35 @@ smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *to
                                          int k_uniform, const int32_t *assign_row,
                                          const bf16 *dxt, const float *extra,
                                          const float *assign_dl, const int32_t *assign_expert,
-                                         const bf16 *wr, const float *col, void *dx,
-                                         smoe_dtype dx_dtype, int accumulate, const int *abort,
-                                         cudaStream_t stream)
+                                         const bf16 *wr, int64_t E, const float *col,
+                                         void *dx, smoe_dtype dx_dtype, int accumulate,
+                                         const int *abort, cudaStream_t stream)
 {
     const int f32 = dx_dtype == SMOE_DTYPE_F32;
     const bool v8 = d % 8 == 0 && aligned16(dxt) && aligned16(dx) && (!wr || aligned16(wr));
+    const size_t slab = (size_t)E * AGG_SLAB_COLS * 2;
+    if (T > 0 && assign_dl && wr && v8 && d % AGG_SLAB_COLS == 0 && slab <= AGG_SLAB_SMEM_MAX &&
+        (k_uniform == 2 || k_uniform == 4 || k_uniform == 8 || k_uniform == 16)) {
+        const int64_t blocks = (T + AGG_SLAB_TOKENS - 1) / AGG_SLAB_TOKENS;
+        const dim3 grid((unsigned)(d / AGG_SLAB_COLS), (unsigned)(blocks < 65535 ? blocks : 65535));
+#define AGG_SLAB(KC)                                                                             \
+    do {                                                                                         \
+        if (slab > 48 * 1024)                                                                    \
+            SMOE_CUDA_CHECK(cudaFuncSetAttribute(k_aggregate_backward_slab<KC>,                   \
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,     \
+                                                 (int)slab));                                     \
+        k_aggregate_backward_slab<KC><<<grid, AGG_THREADS, slab, stream>>>(                      \
+            T, d, (int)E, assign_row, dxt, extra, assign_dl, assign_expert, wr, col, dx, f32,    \
+            accumulate, abort);                                                                  \
+    } while (0)
+        if (k_uniform == 2) AGG_SLAB(2);
+        else if (k_uniform == 4) AGG_SLAB(4);
+        else if (k_uniform == 8) AGG_SLAB(8);
+        else AGG_SLAB(16);
+#undef AGG_SLAB
+        SMOE_CUDA_LAUNCH_CHECK("k_aggregate_backward_slab");
+        return SMOE_SUCCESS;
+    }
     if (k_uniform > 0) {
         /* K = 2, 4, 8: the constant-K kernel, 2 items per thread at K = 2 */
 #define AGG_BWD(VEC, KERNEL, IPT, ...)                                                           \

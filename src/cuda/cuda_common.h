@@ -262,14 +262,14 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
  * (+ col), into dtype BF16 or F32, overwritten or accumulated. extra (T, d)
  * fp32 may be NULL; assign_dl (cap) fp32 with assign_expert, wr (E, d) and
  * col (d, fp32: wr_nf of smoe_cuda_backward_prologue) may be NULL (no
- * per-pair router term). Token offsets or k_uniform as in the forward
- * (with k_uniform, assign_row, assign_dl and assign_expert start at the
- * first token's first assignment). */
+ * per-pair router term; E is then not read). Token offsets or k_uniform as
+ * in the forward (with k_uniform, assign_row, assign_dl and assign_expert
+ * start at the first token's first assignment). */
 smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *token_offset,
                                          int k_uniform, const int32_t *assign_row,
                                          const bf16 *dxt, const float *extra,
                                          const float *assign_dl, const int32_t *assign_expert,
-                                         const bf16 *wr, const float *col, void *dx,
+                                         const bf16 *wr, int64_t E, const float *col, void *dx,
                                          smoe_dtype dx_dtype, int accumulate, const int *abort,
                                          cudaStream_t stream);
 

@@ -669,7 +669,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
                     E2, sp + 3 * i + 2, d->d));
                 SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(
                     tn, d->d, v.token_offset + t0, k_uniform, v.assign_row + t0 * k_uniform,
-                    dxt, dxr, NULL, v.assign_expert + t0 * k_uniform, NULL, NULL,
+                    dxt, dxr, NULL, v.assign_expert + t0 * k_uniform, NULL, 0, NULL,
                     (char *)args->dx.ptr + (size_t)t0 * (size_t)d->d * dx_es, args->dx.dtype,
                     args->dx.accumulate, abort, s));
             }
@@ -679,7 +679,7 @@ static smoe_status backward_impl(smoe_layer *layer, const smoe_backward_args *ar
     if (want_dx && !dense_dx)
         SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(
             T, d->d, v.token_offset, k_uniform, v.assign_row, dxt, NULL, dla, v.assign_expert,
-            dla ? (const bf16 *)args->router_w : NULL, wr_nf, args->dx.ptr, args->dx.dtype,
+            dla ? (const bf16 *)args->router_w : NULL, d->E, wr_nf, args->dx.ptr, args->dx.dtype,
             args->dx.accumulate, abort, s));
     timer_mark(st, 1, "aggregate dx", s);
     if (want_router && args->drouter_w.ptr) {

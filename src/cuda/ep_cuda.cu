@@ -588,7 +588,7 @@ static smoe_status piece_backward(const smoe_ep_layer *ep, const smoe_saved_view
     const int64_t C = ep->C;
     SMOE_FORWARD_IF_ERROR(smoe_cuda_aggregate_backward(
         v1 - v0, ep->desc.layer.d, v->token_offset + v0, 0, v->assign_row, dxt, NULL, NULL, NULL,
-        NULL, NULL, out, SMOE_DTYPE_BF16, 0, abort, s));
+        NULL, 0, NULL, out, SMOE_DTYPE_BF16, 0, abort, s));
     k_ep_ds_scatter<<<blocks_for(ep->rows, 256), 256, 0, s>>>(
         v0, v1, (int64_t)ep->r * C, (int64_t)(ep->r + 1) * C, (int)ep->Kmax, v->token_offset,
         tri_slot, v->assign_row, ds, send_ds, recv_ds, abort);
@@ -1172,7 +1172,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         MARK(1, s, 0, "router", -1);
         if (args->dx.ptr && T > 0)
             TRY(smoe_cuda_aggregate_backward(T, d, ent_off, 0, pidx, (const bf16 *)part_recv, dxr,
-                                             NULL, NULL, NULL, NULL, args->dx.ptr,
+                                             NULL, NULL, NULL, 0, NULL, args->dx.ptr,
                                              args->dx.dtype, args->dx.accumulate, abort, s));
         MARK(1, s, 0, "end", -1);
     }

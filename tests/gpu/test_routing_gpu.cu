@@ -186,8 +186,10 @@ static float *rand_f32(size_t n)
  * each other and the host's sums in assignment order, bit for bit. */
 static void check_aggregate(const dev_run *r, const host_run *g, int64_t T, int64_t E, int64_t K)
 {
-    static const int64_t ds[3] = {64, 40, 20};
-    for (int di = 0; di < 3; di++) {
+    /* 64 and 192: the backward's slab kernel (d % 64 == 0, K = 2, 4, 8, 16:
+     * one and three slabs); 40 and 20 the others */
+    static const int64_t ds[4] = {64, 40, 20, 192};
+    for (int di = 0; di < 4; di++) {
         const int64_t d = ds[di], R = g->R;
         uint16_t *yh = rand_bf16((size_t)(R * d));
         float *dlh = rand_f32((size_t)R), *exh = rand_f32((size_t)(T * d));
@@ -248,7 +250,7 @@ static void check_aggregate(const dev_run *r, const host_run *g, int64_t T, int6
             tu_dev_poison(ob, (size_t)(T * d) * 2);
             CHECK_OK(smoe_cuda_aggregate_backward(T, d, ku ? NULL : r->as.token_offset,
                                                   ku ? (int)K : 0, r->arow, y, NULL, dl,
-                                                  r->as.expert, wr, col, ob, SMOE_DTYPE_BF16, 0,
+                                                  r->as.expert, wr, E, col, ob, SMOE_DTYPE_BF16, 0,
                                                   NULL, 0));
             uint16_t *got = (uint16_t *)tu_dev_fetch(ob, (size_t)(T * d) * 2);
             CHECK(!memcmp(got, want_b, (size_t)(T * d) * 2),
@@ -274,7 +276,7 @@ static void check_aggregate(const dev_run *r, const host_run *g, int64_t T, int6
                 const int64_t t0 = part ? t1 : 0, tn = part ? T - t1 : t1;
                 CHECK_OK(smoe_cuda_aggregate_backward(
                     tn, d, ku ? NULL : r->as.token_offset + t0, ku ? (int)K : 0,
-                    r->arow + (ku ? t0 * K : 0), y, ex + t0 * d, NULL, NULL, NULL, NULL,
+                    r->arow + (ku ? t0 * K : 0), y, ex + t0 * d, NULL, NULL, NULL, 0, NULL,
                     of + t0 * d, SMOE_DTYPE_F32, 1, NULL, 0));
             }
             float *got = (float *)tu_dev_fetch(of, (size_t)(T * d) * 4);
