@@ -31,8 +31,8 @@
  * scatter. The backward with the per-pair router term, K = 2, 4, 8 or 16
  * and d % 64 == 0, runs k_aggregate_backward_slab: the router weight's
  * 64-column slab staged in shared memory per block, the same sums (H200,
- * session 40: backward +1-2.6% where K = 8, 30B-n256's aggregation 1.79
- * -> 1.76 ms; notes/sm90_log.md rung 31).
+ * session 40, layer backward against the _kc kernels: +0.9-2.6% on five of
+ * ten rows, even on the others; notes/sm90_log.md rung 31).
  */
 #include "cuda/cuda_common.h"
 
