@@ -18,7 +18,8 @@
 # Environment: CMP_ROWS (default models; e.g. models,all or 7B-n256,DeepSeek-V3),
 # CMP_IMPLS (default smoe-sm90,sonicmoe), CMP_BUDGET (seconds for the whole
 # script, default 530: rows not started by then minus a margin are skipped and
-# marked so in the CSV), CMP_ARGS (more compare.py arguments).
+# marked so in the CSV), CMP_ARGS (more compare.py arguments), CMP_PRE (a
+# command compare.py runs under, e.g. an ncu command line: scripts/ncu_dw_pair.sh).
 set -uo pipefail
 
 T0=$(date +%s)
@@ -102,7 +103,7 @@ RUN_LIMIT=$(($(left) - 20))
 [ "$RUN_BUDGET" -gt 30 ] || die "only $(left) s left before compare.py"
 say "compare.py: --time-budget $RUN_BUDGET, timeout $RUN_LIMIT"
 # shellcheck disable=SC2086
-timeout -k 5 "$RUN_LIMIT" python3 "$C/bench/compare.py" --impls "$IMPLS" --rows "$ROWS" \
+timeout -k 5 "$RUN_LIMIT" ${CMP_PRE:-} python3 "$C/bench/compare.py" --impls "$IMPLS" --rows "$ROWS" \
     --commit "$COMMIT" --time-budget "$RUN_BUDGET" --csv "$OUT/compare.csv" ${CMP_ARGS:-} \
     2>"$OUT/compare.err" | tee "$OUT/compare.log"
 RC=${PIPESTATUS[0]}
