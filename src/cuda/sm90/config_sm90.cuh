@@ -23,6 +23,15 @@ using namespace smoe_sm90;
 #define SM90_CONSUMER_REGS 232
 #define SM90_GATHER_PRODUCER_REGS 56
 #define SM90_GATHER_CONSUMER_REGS 224
+/* setmaxnreg only moves registers inside the CTA's launch allocation: 168
+ * per thread under __launch_bounds__(384, 1). Budgets over it make
+ * setmaxnreg.inc wait forever (notes/sm90_log.md rung 32 item 3). */
+#define SM90_LAUNCH_REGS 168
+static_assert(SM90_PRODUCER_REGS + 2 * SM90_CONSUMER_REGS <= 3 * SM90_LAUNCH_REGS,
+              "setmaxnreg budget past the launch allocation");
+static_assert(SM90_GATHER_PRODUCER_REGS + 2 * SM90_GATHER_CONSUMER_REGS <= 3 * SM90_LAUNCH_REGS,
+              "setmaxnreg budget past the launch allocation");
+static_assert(96 + 2 * 200 <= 3 * SM90_LAUNCH_REGS, "the epilogue warps' budget (grouped_gemm_sm90.cu)");
 /* Kernel shapes (template parameter FL), combined by the rows of the tile
  * table (host side, below):
  *  SM90_FL_WS      up, BN = 128: one producer warp gathers a whole stage
