@@ -27,11 +27,15 @@ using namespace smoe_sm90;
  * per thread under __launch_bounds__(384, 1). Budgets over it make
  * setmaxnreg.inc wait forever (notes/sm90_log.md rung 32 item 3). */
 #define SM90_LAUNCH_REGS 168
+/* up's epilogue warps (SM90_FL_EPIWG): the producer warpgroup holds them */
+#define SM90_EPIWG_PRODUCER_REGS 96
+#define SM90_EPIWG_CONSUMER_REGS 200
 static_assert(SM90_PRODUCER_REGS + 2 * SM90_CONSUMER_REGS <= 3 * SM90_LAUNCH_REGS,
               "setmaxnreg budget past the launch allocation");
 static_assert(SM90_GATHER_PRODUCER_REGS + 2 * SM90_GATHER_CONSUMER_REGS <= 3 * SM90_LAUNCH_REGS,
               "setmaxnreg budget past the launch allocation");
-static_assert(96 + 2 * 200 <= 3 * SM90_LAUNCH_REGS, "the epilogue warps' budget (grouped_gemm_sm90.cu)");
+static_assert(SM90_EPIWG_PRODUCER_REGS + 2 * SM90_EPIWG_CONSUMER_REGS <= 3 * SM90_LAUNCH_REGS,
+              "setmaxnreg budget past the launch allocation");
 /* Kernel shapes (template parameter FL), combined by the rows of the tile
  * table (host side, below):
  *  SM90_FL_WS      up, BN = 128: one producer warp gathers a whole stage

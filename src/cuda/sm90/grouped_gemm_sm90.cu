@@ -159,8 +159,8 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
 
     if (wg == 0) {
         /* ---------------- producer ---------------- */
-        if constexpr (EPIWG) /* 96 + 2 x 200 <= 3 x 168, the pool a CTA launches with */
-            setmaxnreg_dec<96>();
+        if constexpr (EPIWG) /* within the pool a CTA launches with (config_sm90.cuh) */
+            setmaxnreg_dec<SM90_EPIWG_PRODUCER_REGS>();
         else
             setmaxnreg_dec<TOKREG ? SM90_GATHER_PRODUCER_REGS : SM90_PRODUCER_REGS>();
         if (EPIWG && tid >= 64)
@@ -170,7 +170,7 @@ sm90_grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
     } else {
         /* ---------------- consumers ---------------- */
         if constexpr (EPIWG)
-            setmaxnreg_inc<200>();
+            setmaxnreg_inc<SM90_EPIWG_CONSUMER_REGS>();
         else
             setmaxnreg_inc<TOKREG ? SM90_GATHER_CONSUMER_REGS : SM90_CONSUMER_REGS>();
         sm90_consume<BN, STAGES, MODE, FL>(map_a, map_c, p, c, tid, wg);
