@@ -149,10 +149,13 @@ size_t smoe_cuda_routing_scratch_bytes(const smoe_layer_desc *desc, int64_t T, i
 /* Token choice (TOPK_SOFTMAX, SOFTMAX_TOPK, SIGMOID_TOPK with expert_bias
  * (E) or NULL), optionally followed by token rounding (rounding != 0,
  * desc->rounding != OFF), from fp32 logits (T, E). Bit-exact with
- * smoe_route_cpu_biased on the same logits (and bias). (routing.cu) */
+ * smoe_route_cpu_biased on the same logits (and bias). logits16: NULL, or
+ * (T, E) bf16 that receives the logits rounded (the caller's bf16
+ * router_logits; written by the token-choice kernel itself where E <= 256,
+ * else by a pass of its own). (routing.cu) */
 smoe_status smoe_cuda_route(const smoe_layer_desc *desc, int64_t T, int rounding,
-                            const float *logits, const float *expert_bias, smoe_assign_dev out,
-                            void *scratch, cudaStream_t stream);
+                            const float *logits, const float *expert_bias, void *logits16,
+                            smoe_assign_dev out, void *scratch, cudaStream_t stream);
 
 /* smoe_cuda_route's parts in files of their own: SIGMOID_TOPK
  * (routing_sigmoid.cu) and token rounding (routing_rounding.cu). */

@@ -489,11 +489,18 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
                                                       (const bf16 *)args->router_w, d->d,
                                                       (const bf16 *)args->x, d->d, lg, d->E));
         timer_mark(st, 0, "router gemm", s);
-        if (args->router_logits && args->router_logits != lg)
-            SMOE_FORWARD_IF_ERROR(smoe_cuda_logits_out(lg, args->router_logits,
-                                                       args->router_logits_dtype, T * d->E, s));
-        SMOE_FORWARD_IF_ERROR(
-            smoe_cuda_route(d, T, rounding, lg, args->expert_bias, as, ws + w.route_scratch, s));
+        /* a bf16 router_logits comes out of the routing kernel (from the
+         * logits it reads anyway); an fp32 one not in place is a copy */
+        void *lg16 = NULL;
+        if (args->router_logits && args->router_logits != lg) {
+            if (args->router_logits_dtype == SMOE_DTYPE_BF16)
+                lg16 = args->router_logits;
+            else
+                SMOE_FORWARD_IF_ERROR(smoe_cuda_logits_out(lg, args->router_logits,
+                                                           args->router_logits_dtype, T * d->E, s));
+        }
+        SMOE_FORWARD_IF_ERROR(smoe_cuda_route(d, T, rounding, lg, args->expert_bias, lg16, as,
+                                              ws + w.route_scratch, s));
         timer_mark(st, 0, "routing", s);
     }
     SMOE_FORWARD_IF_ERROR(smoe_cuda_metadata(d->E, cap, as, v.expert_offset, v.assign_row,

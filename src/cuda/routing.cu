@@ -244,6 +244,33 @@ static __device__ __forceinline__ void tcf_load(const float *__restrict__ l, int
     }
 }
 
+/* The token's row of logits (the registers tcf_load filled) rounded to
+ * bf16 into l16, its row of the caller's bf16 router_logits: where vec16
+ * (E % EPL == 0 and l16 2 EPL-byte aligned) one store of the lane's EPL
+ * values, else one per value. The same conversion as k_logits_bf16's. */
+template <int EPL>
+static __device__ __forceinline__ void tcf_store_bf16(bf16 *__restrict__ l16, int E, int lane,
+                                                      int vec16, const float (&f)[EPL])
+{
+    const int e0 = EPL * lane;
+    if (EPL >= 2 && vec16) {
+        if (e0 >= E) return; /* E % EPL == 0: all EPL values or none */
+        uint32_t w[EPL / 2 > 0 ? EPL / 2 : 1];
+#pragma unroll
+        for (int q = 0; q < EPL / 2; ++q)
+            w[q] = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(f[2 * q])) |
+                   ((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(f[2 * q + 1])) << 16);
+        if constexpr (EPL == 2) *reinterpret_cast<uint32_t *>(l16 + e0) = w[0];
+        else if constexpr (EPL == 4) *reinterpret_cast<uint2 *>(l16 + e0) = make_uint2(w[0], w[1]);
+        else if constexpr (EPL == 8)
+            *reinterpret_cast<uint4 *>(l16 + e0) = make_uint4(w[0], w[1], w[2], w[3]);
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < EPL; ++j)
+        if (e0 + j < E) l16[e0 + j] = __float2bfloat16_rn(f[j]);
+}
+
 /* The K picks of one token into pick[0..K) (warp-wide; pick: the token's
  * slots; cs: 32 candidate slots). */
 template <int EPL, bool SMALLK>
@@ -358,7 +385,8 @@ static __device__ __forceinline__ double tcf_over_group_sum(double *row, int lan
 template <int EPL, bool SMALLK>
 __global__ void __launch_bounds__(TCF_WARPS * 32)
 k_route_tc_fast(const float *__restrict__ logits, int T, int E, int K, int kpl, int G, int mode,
-                int renormalize, int vec, smoe_assign_dev out)
+                int renormalize, int vec, bf16 *__restrict__ lg16, int vec16,
+                smoe_assign_dev out)
 {
     extern __shared__ double tcf_exp[]; /* SOFTMAX_TOPK: TCF_WARPS * E */
     __shared__ int sh_pick[TCF_WARPS][32];
@@ -378,6 +406,7 @@ k_route_tc_fast(const float *__restrict__ logits, int T, int E, int K, int kpl, 
     tcf_load<EPL>(logits + t0 * E, E, lane, vec, f);
     for (int g = 0; g < ng; ++g) {
         if (g + 1 < ng) tcf_load<EPL>(logits + (t0 + g + 1) * E, E, lane, vec, fn);
+        if (lg16) tcf_store_bf16<EPL>(lg16 + (t0 + g) * E, E, lane, vec16, f);
         if (mode != SMOE_ROUTING_TOPK_SOFTMAX) {
             /* the softmax normaliser over the row, as the warp kernel */
             double *ex = tcf_exp + (size_t)wib * E;
@@ -438,7 +467,8 @@ k_route_tc_fast(const float *__restrict__ logits, int T, int E, int K, int kpl, 
 
 template <int EPL>
 static smoe_status launch_tc_fast(const float *logits, int T, int E, int K, int mode,
-                                  int renormalize, smoe_assign_dev out, cudaStream_t stream)
+                                  int renormalize, bf16 *lg16, smoe_assign_dev out,
+                                  cudaStream_t stream)
 {
     int kpl = 0;
     while ((1 << kpl) < K) ++kpl;
@@ -447,15 +477,16 @@ static smoe_status launch_tc_fast(const float *logits, int T, int E, int K, int 
     int vec = 0;
     if (EPL >= 4) vec = E % 4 == 0 && p % 16 == 0;
     else if (EPL == 2) vec = E % 2 == 0 && p % 8 == 0;
+    const int vec16 = EPL >= 2 && E % EPL == 0 && (uintptr_t)lg16 % (2 * EPL) == 0;
     const size_t smem = mode == SMOE_ROUTING_TOPK_SOFTMAX ? 0 : (size_t)TCF_WARPS * E * 8;
     const int64_t warps = smoe_cdiv(T, G);
     const unsigned blocks = (unsigned)smoe_cdiv(warps, TCF_WARPS);
     if (K <= 4)
         k_route_tc_fast<EPL, true><<<blocks, TCF_WARPS * 32, smem, stream>>>(
-            logits, T, E, K, kpl, G, mode, renormalize, vec, out);
+            logits, T, E, K, kpl, G, mode, renormalize, vec, lg16, vec16, out);
     else
         k_route_tc_fast<EPL, false><<<blocks, TCF_WARPS * 32, smem, stream>>>(
-            logits, T, E, K, kpl, G, mode, renormalize, vec, out);
+            logits, T, E, K, kpl, G, mode, renormalize, vec, lg16, vec16, out);
     SMOE_CUDA_LAUNCH_CHECK("k_route_tc_fast");
     return SMOE_SUCCESS;
 }
@@ -463,10 +494,18 @@ static smoe_status launch_tc_fast(const float *logits, int T, int E, int K, int 
 /* ------------------------------------------------------------ launcher */
 
 smoe_status smoe_cuda_route(const smoe_layer_desc *desc, int64_t T, int rounding,
-                            const float *logits, const float *expert_bias, smoe_assign_dev out,
-                            void *scratch, cudaStream_t stream)
+                            const float *logits, const float *expert_bias, void *logits16,
+                            smoe_assign_dev out, void *scratch, cudaStream_t stream)
 {
     const int E = (int)desc->E, K = (int)desc->K, Ti = (int)T;
+    bf16 *lg16 = (bf16 *)logits16;
+    const int fast = desc->routing != SMOE_ROUTING_SIGMOID_TOPK &&
+                     (!rounding || desc->rounding == SMOE_ROUND_OFF) && K >= 1 && K <= 32 &&
+                     E <= 256;
+    /* the bf16 copy: the fast kernels write it from the logits they read,
+     * the others leave it to a pass of its own */
+    if (lg16 && !fast)
+        SMOE_FORWARD_IF_ERROR(smoe_cuda_logits_out(logits, lg16, SMOE_DTYPE_BF16, T * E, stream));
     if (desc->routing == SMOE_ROUTING_SIGMOID_TOPK) /* no token rounding (refused) */
         return smoe_cuda_route_sigmoid(desc, logits, expert_bias, Ti, out, stream);
     /* one thread per token; small blocks spread the tokens over every SM */
@@ -475,10 +514,10 @@ smoe_status smoe_cuda_route(const smoe_layer_desc *desc, int64_t T, int rounding
     if (!rounding || desc->rounding == SMOE_ROUND_OFF) {
         const int mode = (int)desc->routing, rn = desc->renormalize;
         if (K >= 1 && K <= 32) {
-            if (E <= 32) return launch_tc_fast<1>(logits, Ti, E, K, mode, rn, out, stream);
-            if (E <= 64) return launch_tc_fast<2>(logits, Ti, E, K, mode, rn, out, stream);
-            if (E <= 128) return launch_tc_fast<4>(logits, Ti, E, K, mode, rn, out, stream);
-            if (E <= 256) return launch_tc_fast<8>(logits, Ti, E, K, mode, rn, out, stream);
+            if (E <= 32) return launch_tc_fast<1>(logits, Ti, E, K, mode, rn, lg16, out, stream);
+            if (E <= 64) return launch_tc_fast<2>(logits, Ti, E, K, mode, rn, lg16, out, stream);
+            if (E <= 128) return launch_tc_fast<4>(logits, Ti, E, K, mode, rn, lg16, out, stream);
+            if (E <= 256) return launch_tc_fast<8>(logits, Ti, E, K, mode, rn, lg16, out, stream);
             if (E <= 512) return launch_tc_warp<16>(logits, Ti, E, K, mode, rn, out, stream);
             if (E <= 1024) return launch_tc_warp<32>(logits, Ti, E, K, mode, rn, out, stream);
         }

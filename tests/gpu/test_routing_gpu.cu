@@ -363,11 +363,19 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
     CUDA_OK(cudaEventCreate(&em));
     host_run h[2];
     float ms = 0, ms_route = 0;
+    /* the second run also writes the logits rounded to bf16 (the layer's
+     * bf16 router_logits), every other case one element past an aligned
+     * start (the kernels' per-value stores) */
+    static int lg16_shift = 0;
+    lg16_shift ^= 1;
+    uint16_t *dlg16 = (uint16_t *)tu_dev_alloc((size_t)(T * E + 8) * 2);
+    tu_dev_poison(dlg16, (size_t)(T * E + 8) * 2);
     for (int rep = 0; rep < 2; rep++) {
         tu_dev_poison(r.as.expert, (size_t)cap * 4);
         tu_dev_poison(r.rsc, (size_t)cap * 4);
         CUDA_OK(cudaEventRecord(e0, 0));
-        CHECK_OK(smoe_cuda_route(&D, T, tr, dlg, dbias, r.as, r.rscratch, 0));
+        CHECK_OK(smoe_cuda_route(&D, T, tr, dlg, dbias, rep == 1 ? dlg16 + lg16_shift : NULL, r.as,
+                                 r.rscratch, 0));
         CUDA_OK(cudaEventRecord(em, 0));
         CHECK_OK(smoe_cuda_metadata_beside(E, cap, r.as, r.eoff, r.arow, r.rtok, r.rsc, r.counts,
                                            r.mscratch, g_two_launch, 0));
@@ -380,6 +388,27 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
         h[rep] = fetch_run(&r);
     }
     CHECK(same_run(&h[0], &h[1], T, E), "two runs differ");
+    {
+        uint16_t *l16 = (uint16_t *)malloc((size_t)(T * E + 8) * 2);
+        CUDA_OK(cudaMemcpy(l16, dlg16, (size_t)(T * E + 8) * 2, cudaMemcpyDeviceToHost));
+        int64_t bad = -1;
+        for (int64_t i = 0; i < T * E && bad < 0; i++) {
+            const uint16_t want = tu_f32_to_bf16(lg[i]), got = l16[lg16_shift + i];
+            const int nan_both = lg[i] != lg[i] && got != 0xffff && (got & 0x7fff) > 0x7f80;
+            if (got != want && !nan_both) bad = i;
+        }
+        /* nothing written outside the (T, E) block (still tu_dev_poison's 0xff) */
+        int fence_ok = 1;
+        for (int64_t i = 0; i < T * E + 8; i++)
+            if ((i < lg16_shift || i >= lg16_shift + T * E) && l16[i] != 0xffff) fence_ok = 0;
+        CHECK(bad < 0, "bf16 logits differ from the fp32 ones rounded (first at %lld: %04x, "
+                       "want %04x)",
+              (long long)bad, bad >= 0 ? l16[lg16_shift + bad] : 0,
+              bad >= 0 ? tu_f32_to_bf16(lg[bad]) : 0);
+        CHECK(fence_ok, "bf16 logits: a write outside the (T, E) block");
+        free(l16);
+    }
+    cudaFree(dlg16);
     if (timed)
         printf("  %-72s routing %7.1f us, metadata %7.1f us\n", name, ms_route * 1000.0,
                (ms - ms_route) * 1000.0);
