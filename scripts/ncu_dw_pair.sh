@@ -10,14 +10,16 @@
 # warpgroup per tile (ThrLayoutVMNK128111...: the forward's down, then dW1
 # and dW2 as session 40's kernel map orders them). Writes $OUT/dw.txt (the
 # details pages) and $OUT/dw_sass.csv.gz (per SASS instruction, for
-# scripts/ncu_sass_summary.py); a short table last.
+# scripts/ncu_sass_summary.py); a short table last. ncu's -c counts the
+# launches of both: NCU_IMPLS=sonicmoe (compare.py's implementations),
+# NCU_K (the kernel regex) and NCU_C (the count) take one side at a time.
 set -uo pipefail
 row=${1:-gpt-oss-120b}
 export OUT=${OUT:-/tmp/ncu_out}; mkdir -p "$OUT"
 rm -f /tmp/ncu_dw.ncu-rep
-CMP_IMPLS=smoe-sm90-consume-lp,sonicmoe CMP_ROWS="$row" CMP_BUDGET=${CMP_BUDGET:-540} \
+CMP_IMPLS=${NCU_IMPLS:-smoe-sm90-consume-lp,sonicmoe} CMP_ROWS="$row" CMP_BUDGET=${CMP_BUDGET:-540} \
   CMP_ARGS="--reps 1 --warmup 0" \
-  CMP_PRE="ncu --clock-control none --set full --import-source yes -k regex:vk_varlen_k_kernel|quackgemm_default_epi.*ThrLayoutVMNK1281111 -c 6 -f -o /tmp/ncu_dw" \
+  CMP_PRE="ncu --clock-control none --set full --import-source yes -k regex:${NCU_K:-vk_varlen_k_kernel|quackgemm_default_epi.*ThrLayoutVMNK1281111} -c ${NCU_C:-6} -f -o /tmp/ncu_dw" \
   bash scripts/compare_device.sh > "$OUT/compare_under_ncu.log" 2>&1
 grep -E "^==|FAILED|WARNING" "$OUT/compare_under_ncu.log" | tail -4
 [ -f /tmp/ncu_dw.ncu-rep ] || { echo "no ncu report"; exit 1; }
