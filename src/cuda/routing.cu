@@ -498,33 +498,30 @@ smoe_status smoe_cuda_route(const smoe_layer_desc *desc, int64_t T, int rounding
                             smoe_assign_dev out, void *scratch, cudaStream_t stream)
 {
     const int E = (int)desc->E, K = (int)desc->K, Ti = (int)T;
+    const int mode = (int)desc->routing, rn = desc->renormalize;
+    const int choice = !rounding || desc->rounding == SMOE_ROUND_OFF; /* token choice alone */
     bf16 *lg16 = (bf16 *)logits16;
-    const int fast = desc->routing != SMOE_ROUTING_SIGMOID_TOPK &&
-                     (!rounding || desc->rounding == SMOE_ROUND_OFF) && K >= 1 && K <= 32 &&
-                     E <= 256;
-    /* the bf16 copy: the fast kernels write it from the logits they read,
-     * the others leave it to a pass of its own */
-    if (lg16 && !fast)
+    /* the fast token-choice kernels (E <= 256) write the bf16 copy from
+     * the logits they read; every other path leaves it to a pass of its own */
+    if (mode != SMOE_ROUTING_SIGMOID_TOPK && choice && K >= 1 && K <= 32 && E <= 256) {
+        if (E <= 32) return launch_tc_fast<1>(logits, Ti, E, K, mode, rn, lg16, out, stream);
+        if (E <= 64) return launch_tc_fast<2>(logits, Ti, E, K, mode, rn, lg16, out, stream);
+        if (E <= 128) return launch_tc_fast<4>(logits, Ti, E, K, mode, rn, lg16, out, stream);
+        return launch_tc_fast<8>(logits, Ti, E, K, mode, rn, lg16, out, stream);
+    }
+    if (lg16)
         SMOE_FORWARD_IF_ERROR(smoe_cuda_logits_out(logits, lg16, SMOE_DTYPE_BF16, T * E, stream));
-    if (desc->routing == SMOE_ROUTING_SIGMOID_TOPK) /* no token rounding (refused) */
+    if (mode == SMOE_ROUTING_SIGMOID_TOPK) /* no token rounding (refused) */
         return smoe_cuda_route_sigmoid(desc, logits, expert_bias, Ti, out, stream);
+    if (!choice) return smoe_cuda_route_rounding(desc, T, logits, out, scratch, stream);
+    if (K >= 1 && K <= 32) {
+        if (E <= 512) return launch_tc_warp<16>(logits, Ti, E, K, mode, rn, out, stream);
+        if (E <= 1024) return launch_tc_warp<32>(logits, Ti, E, K, mode, rn, out, stream);
+    }
     /* one thread per token; small blocks spread the tokens over every SM */
     const int threads = 64;
-    const int blocks = (int)smoe_cdiv(T, threads);
-    if (!rounding || desc->rounding == SMOE_ROUND_OFF) {
-        const int mode = (int)desc->routing, rn = desc->renormalize;
-        if (K >= 1 && K <= 32) {
-            if (E <= 32) return launch_tc_fast<1>(logits, Ti, E, K, mode, rn, lg16, out, stream);
-            if (E <= 64) return launch_tc_fast<2>(logits, Ti, E, K, mode, rn, lg16, out, stream);
-            if (E <= 128) return launch_tc_fast<4>(logits, Ti, E, K, mode, rn, lg16, out, stream);
-            if (E <= 256) return launch_tc_fast<8>(logits, Ti, E, K, mode, rn, lg16, out, stream);
-            if (E <= 512) return launch_tc_warp<16>(logits, Ti, E, K, mode, rn, out, stream);
-            if (E <= 1024) return launch_tc_warp<32>(logits, Ti, E, K, mode, rn, out, stream);
-        }
-        k_route_token_choice<<<blocks, threads, 0, stream>>>(logits, Ti, E, K, (int)desc->routing,
-                                                             desc->renormalize, out);
-        SMOE_CUDA_LAUNCH_CHECK("k_route_token_choice");
-        return SMOE_SUCCESS;
-    }
-    return smoe_cuda_route_rounding(desc, T, logits, out, scratch, stream);
+    k_route_token_choice<<<(unsigned)smoe_cdiv(T, threads), threads, 0, stream>>>(
+        logits, Ti, E, K, mode, rn, out);
+    SMOE_CUDA_LAUNCH_CHECK("k_route_token_choice");
+    return SMOE_SUCCESS;
 }
