@@ -138,7 +138,8 @@ smoe_status smoe_cuda_router_forward(smoe_layer *layer, int64_t T, const void *x
     smoe_status r = smoe_cuda_gemm_bf16_f32(st, ws + w.cublas, s, CUBLAS_OP_T, CUBLAS_OP_N, d->E,
                                             T, d->d, (const bf16 *)router_w, d->d,
                                             (const bf16 *)x, d->d, logits, d->E);
-    if (r == SMOE_SUCCESS) r = smoe_cuda_route(d, T, 0, logits, expert_bias, NULL, as, ws + w.route, s);
+    if (r == SMOE_SUCCESS)
+        r = smoe_cuda_route(d, T, 0, logits, expert_bias, NULL, as, ws + w.route, s);
     smoe_cuda_dev_leave(&g);
     return r;
 }
