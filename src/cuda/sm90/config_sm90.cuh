@@ -23,10 +23,6 @@ using namespace smoe_sm90;
 #define SM90_CONSUMER_REGS 232
 #define SM90_GATHER_PRODUCER_REGS 56
 #define SM90_GATHER_CONSUMER_REGS 224
-/* setmaxnreg only moves registers inside the CTA's launch allocation: 168
- * per thread under __launch_bounds__(384, 1). Budgets over it make
- * setmaxnreg.inc wait forever (notes/sm90_log.md rung 32 item 3). */
-#define SM90_LAUNCH_REGS 168
 /* up's epilogue warps (SM90_FL_EPIWG): the producer warpgroup holds them */
 #define SM90_EPIWG_PRODUCER_REGS 96
 #define SM90_EPIWG_CONSUMER_REGS 200

@@ -307,6 +307,12 @@ __device__ __forceinline__ void fence_proxy_async()
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+/* setmaxnreg only moves registers inside the CTA's launch allocation: 168
+ * per thread under __launch_bounds__(384, 1) (65536 / 384, rounded down to
+ * a multiple of 8). Budgets over it make setmaxnreg.inc wait forever
+ * (notes/sm90_log.md rung 32 item 3); the kernels assert theirs against it. */
+#define SM90_LAUNCH_REGS 168
+
 template <int R>
 __device__ __forceinline__ void setmaxnreg_inc()
 {

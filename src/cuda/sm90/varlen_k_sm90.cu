@@ -152,9 +152,9 @@ static constexpr size_t vk_smem_bytes()
            (C::TMA_ST ? (size_t)C::STG_BYTES : 8 * VK_EPI_BUF_BYTES);
 }
 
-/* inside the launch allocation (168 x 384 under __launch_bounds__(384, 1)),
+/* inside the launch allocation (SM90_LAUNCH_REGS x 384, ptx_sm90.cuh),
  * or setmaxnreg.inc waits forever (notes/sm90_log.md rung 32 item 3) */
-static_assert(VK_PRODUCER_REGS * 128 + 2 * VK_CONSUMER_REGS * 128 <= 168 * VK_THREADS,
+static_assert(VK_PRODUCER_REGS * 128 + 2 * VK_CONSUMER_REGS * 128 <= SM90_LAUNCH_REGS * VK_THREADS,
               "setmaxnreg budget past the launch allocation");
 
 typedef struct vk_args {
