@@ -484,21 +484,28 @@ static __device__ __forceinline__ void vk_store_tile(const vk_args &p, const flo
 /* Piece c (64 columns) of a warp's 16 x BN accumulators, rounded to bf16,
  * into rows r0 .. r0 + 15 (r0 % 8 == 0) of a buffer of 128-byte rows in the
  * 128-byte swizzle (the 8-column group jj of row r at 16-byte chunk jj ^ (r
- * % 8)). */
+ * % 8)), by stmatrix: the accumulator layout is stmatrix's, matrix (jj, h)
+ * the warp's rows 8 h .. 8 h + 7 x columns 8 jj .., 4 matrices per
+ * instruction (12 instructions for a 192-wide tile where 32-bit stores took
+ * 48). Z: the tile of an expert without rows, zeros. */
+template <bool Z>
 static __device__ __forceinline__ void vk_round_piece(const float *acc, int c, uint32_t buf,
-                                                      int r0, int lane, bool zero)
+                                                      int r0, int lane)
 {
+    const int mi = lane / 8, k = lane % 8; /* stmatrix: matrix, row */
 #pragma unroll
-    for (int jj = 0; jj < 8; jj++) {
-        const int j = 8 * c + jj;
+    for (int s4 = 0; s4 < 4; s4++) {
+        uint32_t r[4];
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int r = r0 + lane / 4 + 8 * h;
-            const uint32_t a = buf + r * 128 + (((jj ^ (r & 7)) << 4) | ((lane % 4) << 2));
-            __nv_bfloat162 v = __floats2bfloat162_rn(zero ? 0.f : acc[4 * j + 2 * h],
-                                                     zero ? 0.f : acc[4 * j + 2 * h + 1]);
-            st_shared_b32(a, *(uint32_t *)&v);
+        for (int m = 0; m < 4; m++) {
+            const int j = 8 * c + 2 * s4 + (m >> 1), h = m & 1;
+            __nv_bfloat162 v = __floats2bfloat162_rn(Z ? 0.f : acc[4 * j + 2 * h],
+                                                     Z ? 0.f : acc[4 * j + 2 * h + 1]);
+            r[m] = *(uint32_t *)&v;
         }
+        const int row = r0 + 8 * (mi & 1) + k;
+        const int ch = 2 * s4 + (mi >> 1);
+        stmatrix_x4(buf + row * 128 + ((ch ^ (row & 7)) << 4), r[0], r[1], r[2], r[3]);
     }
 }
 
@@ -507,8 +514,9 @@ static __device__ __forceinline__ void vk_round_piece(const float *acc, int c, u
  * 16 rows): buffer row j is block column 64 c + j, or with split the even
  * columns in rows 0-31 and the odd ones in rows 32-63; 16-byte chunk 2 warp
  * + h holds the warp's 8 block rows h, at chunk position ch ^ (row % 8). */
+template <bool Z>
 static __device__ __forceinline__ void vk_round_piece_t(const float *acc, int c, uint32_t buf,
-                                                        int warp, int lane, bool zero, bool split)
+                                                        int warp, int lane, bool split)
 {
     const int mi = lane / 8, k = lane % 8; /* stmatrix: matrix, row */
 #pragma unroll
@@ -519,8 +527,8 @@ static __device__ __forceinline__ void vk_round_piece_t(const float *acc, int c,
 #pragma unroll
         for (int m = 0; m < 4; m++) {
             const int j = 8 * c + 2 * s4 + (m >> 1), h = m & 1;
-            __nv_bfloat162 v = __floats2bfloat162_rn(zero ? 0.f : acc[4 * j + 2 * h],
-                                                     zero ? 0.f : acc[4 * j + 2 * h + 1]);
+            __nv_bfloat162 v = __floats2bfloat162_rn(Z ? 0.f : acc[4 * j + 2 * h],
+                                                     Z ? 0.f : acc[4 * j + 2 * h + 1]);
             r[m] = *(uint32_t *)&v;
         }
         const int jr = 8 * (2 * s4 + (mi >> 1)) + k; /* block column */
@@ -534,10 +542,10 @@ static __device__ __forceinline__ void vk_round_piece_t(const float *acc, int c,
  * warp's 2 KB buffer, which then holds 16 rows x 64 columns, so each row
  * piece leaves as 128 contiguous bytes (8 threads x 16 B); the fp32 staging
  * above gives bf16 rows only 64-byte pieces. Rounded once, as there. */
-template <int BN>
+template <int BN, bool Z>
 static __device__ __forceinline__ void vk_store_tile_bf16(const vk_args &p, const float *acc,
                                                           int e, int row0_warp, int n0, int lane,
-                                                          uint32_t buf, bool zero)
+                                                          uint32_t buf)
 {
     constexpr int PIECES = BN / 64;
     const int rr0 = lane / 8, ch = lane % 8; /* read-back: row rr0 + 4 i, chunk ch */
@@ -546,7 +554,7 @@ static __device__ __forceinline__ void vk_store_tile_bf16(const vk_args &p, cons
     vk_epi_rows(p, e, row0_warp + rr0, rowoff, row_ok);
 #pragma unroll
     for (int c = 0; c < PIECES; c++) {
-        vk_round_piece(acc, c, buf, 0, lane, zero);
+        vk_round_piece<Z>(acc, c, buf, 0, lane);
         __syncwarp();
         const int col = n0 + 64 * c + 8 * ch; /* N % 64 == 0: a chunk is all in or all out */
 #pragma unroll
@@ -567,11 +575,10 @@ static __device__ __forceinline__ void vk_store_tile_bf16(const vk_args &p, cons
  * straight from the accumulator layout), and after a warpgroup barrier each
  * output row leaves as 128 contiguous bytes (8 threads x 16 B). Chunk ch of
  * buffer row jr sits at chunk ch ^ (jr % 8), so neither side conflicts. */
-template <int BN>
+template <int BN, bool Z>
 static __device__ __forceinline__ void vk_store_tile_bf16_t(const vk_args &p, const float *acc,
                                                             int e, int m0, int n0, int warp,
-                                                            int lane, uint32_t wbuf, bool zero,
-                                                            int cw)
+                                                            int lane, uint32_t wbuf, int cw)
 {
     constexpr int PIECES = BN / 64;
     const int tw = warp * 32 + lane;                /* thread in the warpgroup */
@@ -579,7 +586,7 @@ static __device__ __forceinline__ void vk_store_tile_bf16_t(const vk_args &p, co
 #pragma unroll
     for (int c = 0; c < PIECES; c++) {
         if (n0 + 64 * c >= p.N) break;              /* N % 64 == 0 */
-        vk_round_piece_t(acc, c, wbuf, warp, lane, zero, false);
+        vk_round_piece_t<Z>(acc, c, wbuf, warp, lane, false);
         named_barrier_sync(1 + cw, 128);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -603,19 +610,19 @@ static __device__ __forceinline__ void vk_store_tile_bf16_t(const vk_args &p, co
  * .trans), and with the concatenated W1 rows (map_rows) the even columns
  * (gate rows of dW1) go to rows 0-31 and the odd ones to rows 32-63, so
  * each half is one run of physical rows. */
-template <int BN>
+template <int BN, bool Z>
 static __device__ __forceinline__ void vk_stage_tile(const vk_args &p, const float *acc,
-                                                     uint32_t wst, int warp, int lane, bool zero)
+                                                     uint32_t wst, int warp, int lane)
 {
     constexpr int PIECES = BN / 64;
     if (p.trans_out) {
 #pragma unroll
         for (int c = 0; c < PIECES; c++)
-            vk_round_piece_t(acc, c, wst + c * 8192, warp, lane, zero, p.map_rows);
+            vk_round_piece_t<Z>(acc, c, wst + c * 8192, warp, lane, p.map_rows);
         return;
     }
 #pragma unroll
-    for (int c = 0; c < PIECES; c++) vk_round_piece(acc, c, wst + c * 8192, warp * 16, lane, zero);
+    for (int c = 0; c < PIECES; c++) vk_round_piece<Z>(acc, c, wst + c * 8192, warp * 16, lane);
 }
 
 /* The staged block of expert e (rows m0 .. m0 + 63, columns n0 ..) to the
@@ -906,7 +913,9 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
                 const uint32_t wst = stg + (uint32_t)cw * (64 * BN * 2);
                 if (t == 0) bulk_wait_read<0>(); /* the last tile's store has read it */
                 named_barrier_sync(1 + cw, 128);
-                vk_stage_tile<BN>(p, acc, wst, warp, lane, zero);
+                /* two copies, so that the rows' tiles select nothing */
+                if (zero) vk_stage_tile<BN, true>(p, acc, wst, warp, lane);
+                else vk_stage_tile<BN, false>(p, acc, wst, warp, lane);
                 fence_proxy_async(); /* generic writes -> the TMA engine's reads */
                 named_barrier_sync(1 + cw, 128);
                 if (t == 0) {
@@ -923,13 +932,20 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
                 else
                     vk_store_tile<true, false, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
             } else if (p.trans_out) {
-                vk_store_tile_bf16_t<BN>(p, acc, e, mt * VK_BM + cw * 64, nt * BN, warp, lane,
-                                         epi_buf + (uint32_t)cw * 4 * VK_EPI_BUF_BYTES, zero, cw);
+                const uint32_t wbuf = epi_buf + (uint32_t)cw * 4 * VK_EPI_BUF_BYTES;
+                if (zero)
+                    vk_store_tile_bf16_t<BN, true>(p, acc, e, mt * VK_BM + cw * 64, nt * BN, warp,
+                                                   lane, wbuf, cw);
+                else
+                    vk_store_tile_bf16_t<BN, false>(p, acc, e, mt * VK_BM + cw * 64, nt * BN, warp,
+                                                    lane, wbuf, cw);
             } else {
                 if (p.accumulate)
                     vk_store_tile<false, true, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
+                else if (zero)
+                    vk_store_tile_bf16<BN, true>(p, acc, e, row0_warp, nt * BN, lane, buf);
                 else
-                    vk_store_tile_bf16<BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
+                    vk_store_tile_bf16<BN, false>(p, acc, e, row0_warp, nt * BN, lane, buf);
             }
         }
     }
