@@ -260,11 +260,6 @@ __device__ __forceinline__ void st_shared_v2_f32(uint32_t addr, float v0, float 
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(v0), "f"(v1) : "memory");
 }
 
-__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v)
-{
-    asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
-}
-
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr)
 {
     uint4 v;
