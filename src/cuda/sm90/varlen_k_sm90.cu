@@ -513,7 +513,8 @@ static __device__ __forceinline__ void vk_round_piece(const float *acc, int c, u
  * bf16, transposed into an 8 KiB buffer by stmatrix .trans (each warp its
  * 16 rows): buffer row j is block column 64 c + j, or with split the even
  * columns in rows 0-31 and the odd ones in rows 32-63; 16-byte chunk 2 warp
- * + h holds the warp's 8 block rows h, at chunk position ch ^ (row % 8). */
+ * + h holds the warp's 8 block rows h, at chunk position ch ^ (row % 8).
+ * Z as in vk_round_piece. */
 template <bool Z>
 static __device__ __forceinline__ void vk_round_piece_t(const float *acc, int c, uint32_t buf,
                                                         int warp, int lane, bool split)
