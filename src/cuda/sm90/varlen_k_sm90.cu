@@ -927,9 +927,11 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
             }
             const int row0_warp = mt * VK_BM + cw * 64 + warp * 16;
             const uint32_t buf = epi_buf + (uint32_t)(cw * 4 + warp) * VK_EPI_BUF_BYTES;
+            /* accumulate: no tile without rows gets here (continue above),
+             * so its stores select nothing */
             if (p.out_f32) {
                 if (p.accumulate)
-                    vk_store_tile<true, true, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
+                    vk_store_tile<true, true, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, false);
                 else
                     vk_store_tile<true, false, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
             } else if (p.trans_out) {
@@ -942,7 +944,7 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
                                                     lane, wbuf, cw);
             } else {
                 if (p.accumulate)
-                    vk_store_tile<false, true, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, zero);
+                    vk_store_tile<false, true, BN>(p, acc, e, row0_warp, nt * BN, lane, buf, false);
                 else if (zero)
                     vk_store_tile_bf16<BN, true>(p, acc, e, row0_warp, nt * BN, lane, buf);
                 else
