@@ -29,10 +29,17 @@
  *     ((c ^ r%8)*16)). Thread 8g + q copies chunk q of every slab for k-rows
  *     4g..4g+3, so a warp instruction moves 4 rows x 128 contiguous bytes and
  *     a thread needs 4 row tokens per stage. The tokens come TOK_AHEAD
- *     k-iterations early, by 4-byte cp.async into the thread's own slots of
- *     a small shared-memory ring (cp.async.wait_group, no barrier): a token
- *     load issued just before its use waits behind the earlier stages' copies
- *     in the memory pipeline, which made the first version 1.8x slower.
+ *     k-iterations early, by 4-byte cp.async into a small shared-memory ring
+ *     (a slot: the stage's 64 tokens in row order): a token load issued just
+ *     before its use waits behind the earlier stages' copies in the memory
+ *     pipeline, which made the first version 1.8x slower. A warp's 16 rows
+ *     are its own: lanes 0-15 copy their tokens (64 contiguous bytes, one
+ *     shared-memory wavefront), and after cp.async.wait_group and a warp
+ *     barrier each thread reads its 4 with one 16-byte load. (Each thread
+ *     copying its own 4 tokens into its own slots, as before, took four
+ *     4-byte copies a thread at a 16-byte stride: 17% of the kernel's
+ *     shared-memory wavefronts were those copies' bank conflicts, ncu at
+ *     gpt-oss-120b, notes/sm90_log.md rung 34.)
  *     The contiguous operand comes by TMA (one 64-column x 64-row box per
  *     slab, issued by thread 0 with the stage's expect_tx) on every whole
  *     k-tile of the expert; only its last, partial k-tile goes by zero-filling
@@ -136,7 +143,7 @@ struct vk_cfg {
     static constexpr int RPT = BK / 16;              /* k-rows per producer thread */
     static constexpr int TOK_AHEAD = STAGES - 1;     /* k-iterations the row tokens run ahead */
     static constexpr int TOK_SLOTS = TOK_AHEAD + 1;
-    static constexpr int TOK_SLOT_BYTES = 128 * RPT * 4; /* RPT tokens per producer thread */
+    static constexpr int TOK_SLOT_BYTES = BK * 4;    /* the stage's tokens in row order */
     static constexpr bool TMA = (CFG & VK_F_TMA) != 0;
     static constexpr bool FENCE = (CFG & VK_F_NOFENCE) == 0;
     static constexpr int CL = (CFG & VK_F_CLM) ? 2 : 1; /* CTAs per cluster */
@@ -279,16 +286,18 @@ static __device__ __forceinline__ void vk_cursor_next(const vk_args &p, vk_curso
 /* Producer thread t = 8 g + q owns k-rows RPT g .. RPT g + RPT-1 of a stage
  * and, in each 64-column slab, the 16-byte chunk q: one warp instruction
  * moves 4 rows x 128 contiguous bytes, and a thread needs only RPT row
- * tokens per stage. */
+ * tokens per stage, all in its warp's 16 rows (warp w: rows 16 w ..). Lane
+ * l < 16 of warp w copies the token of row 16 w + l into the slot (row
+ * order); rows past the expert's end are left as they are (their copies
+ * are zero-filled or not made). */
 template <int BK>
 static __device__ __forceinline__ void vk_fetch_tokens(const vk_args &p, const vk_cursor &c,
-                                                       uint32_t slot, int g)
+                                                       uint32_t slot, int t)
 {
-    constexpr int RPT = BK / 16;
-    const int row0 = c.row_begin + c.kt * BK + RPT * g;
-#pragma unroll
-    for (int i = 0; i < RPT; i++)
-        if (row0 + i < c.row_end) cp_async_4(slot + 4 * i, p.row_token + row0 + i);
+    static_assert(BK == 64, "a warp's 16 rows: 4 producer warps x 16 = BK");
+    const int r = 16 * (t / 32) + t % 32;
+    const int row = c.row_begin + c.kt * BK + r;
+    if (t % 32 < 16 && row < c.row_end) cp_async_4(slot + 4 * r, p.row_token + row);
 }
 
 /* One operand's stage: BK k-rows x W columns from column col0; k-row r is
@@ -678,7 +687,7 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
     constexpr uint32_t G_OFF = GATHER_A ? 0 : A_BYTES; /* their places in a stage */
     constexpr uint32_t C_OFF = GATHER_A ? A_BYTES : 0;
     const int g = t / 8, q = t % 8;
-    const uint32_t my_tok = tok_ring + 4 * RPT * t;
+    const uint32_t my_tok = tok_ring + 4 * RPT * g; /* this thread's tokens in a slot */
     uint32_t dst_off[RPT];
 #pragma unroll
     for (int i = 0; i < RPT; i++) {
@@ -700,7 +709,7 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
 #pragma unroll 1
     for (int i = 0; i < C::TOK_AHEAD; i++) {
         if (ahead.slot < slot_end) {
-            vk_fetch_tokens<BK>(p, ahead, my_tok + i * C::TOK_SLOT_BYTES, g);
+            vk_fetch_tokens<BK>(p, ahead, tok_ring + i * C::TOK_SLOT_BYTES, t);
             vk_cursor_next<BK>(p, &ahead);
         }
         cp_async_commit();
@@ -725,12 +734,15 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
 #pragma unroll 1
         for (int kt = 0; kt < nk; kt++, it++, crow += BK * cpitch) {
             if (ahead.slot < slot_end) {
+                /* the slot read last iteration: every lane has read it */
+                __syncwarp();
                 vk_fetch_tokens<BK>(
-                    p, ahead, my_tok + ((it + C::TOK_AHEAD) % C::TOK_SLOTS) * C::TOK_SLOT_BYTES, g);
+                    p, ahead, tok_ring + ((it + C::TOK_AHEAD) % C::TOK_SLOTS) * C::TOK_SLOT_BYTES, t);
                 vk_cursor_next<BK>(p, &ahead);
             }
             cp_async_commit();
             cp_async_wait<C::TOK_AHEAD>(); /* this iteration's tokens have landed */
+            __syncwarp();                  /* ... those the warp's other lanes copied too */
             const uint32_t s = it % STAGES;
             const uint32_t ph = (it / STAGES) & 1;
             const int row0 = row_begin + kt * BK;
