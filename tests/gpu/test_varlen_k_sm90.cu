@@ -21,9 +21,11 @@
  * gpt-oss-120b's (128 x 192 tiles). The cases with d >= 2048 take the bf16
  * overwrite through the staged tile stored by TMA.
  *
- * Usage: test_varlen_k_sm90 [--small | --staged] [seed]
+ * Usage: test_varlen_k_sm90 [--small | --staged | --tiny] [seed]
  * (--small: the small and medium shapes only, for compute-sanitizer;
- * --staged: the staged-tile cases only, for racecheck). Every
+ * --staged: the staged-tile cases only, for racecheck; --tiny: the three
+ * smallest cases only, for racecheck, which did not finish --small or
+ * --staged in 200-240 s on an H200). Every
  * check runs each row of the weight gradients' tile table (one row today;
  * failed checks are counted per row at the end). The fp32 and accumulating
  * outputs run dw1 as dH^T X, bf16 overwrite as X^T dH stored transposed:
@@ -596,10 +598,11 @@ static void balanced_case(const char *name, int64_t T, int64_t d, int64_t n, int
 
 int main(int argc, char **argv)
 {
-    int small = 0, staged = 0;
+    int small = 0, staged = 0, tiny = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--small")) small = 1;
         else if (!strcmp(argv[i], "--staged")) staged = small = 1;
+        else if (!strcmp(argv[i], "--tiny")) tiny = small = 1;
         else g_seed = strtoull(argv[i], NULL, 10);
     }
     tu_seed = g_seed;
@@ -632,7 +635,7 @@ int main(int argc, char **argv)
             correctness_case(nm[v], &P, num_sms, 1);
         }
     }
-    if (!staged) {   /* medium: BN=256 path, few SMs so CTAs loop over many tiles */
+    if (!staged && !tiny) {   /* medium: BN=256 path, few SMs so CTAs loop over many tiles */
         problem P;
         P.T = 2048; P.d = 512; P.n = 256; P.E = 16; P.K = 4; P.gated = 1;
         P.layout = SMOE_W1_CONCATENATED;
@@ -643,7 +646,7 @@ int main(int argc, char **argv)
         routing_random(&P, &s, 700);
         determinism_case(&P, num_sms);
     }
-    if (!staged) {   /* 128 x 192 tiles (N % 256 != 0 == N % 192, gpt-oss-120b's n = 2880
+    if (!staged && !tiny) {   /* 128 x 192 tiles (N % 256 != 0 == N % 192, gpt-oss-120b's n = 2880
          * in small): dw2 N = n = 960, dw1 N = h_cols = 1920 (bf16, stored
          * transposed) or d = 576 (fp32); M = 576 leaves a half m-tile */
         problem P;
@@ -654,7 +657,7 @@ int main(int argc, char **argv)
         routing_random(&P, &s, 500);
         correctness_case("192-wide d = 576, n = 960, 8 SMs", &P, 8, 0);
     }
-    if (!staged) {   /* 256-wide tiles ending in a partial one, where 192's cover as
+    if (!staged && !tiny) {   /* 256-wide tiles ending in a partial one, where 192's cover as
          * many columns (GLM-4.5-Air's n = 1408 in small): dw2 N = n = 704,
          * dw1 N = h_cols = 1408, both in 3 or 6 tiles of 256; on 6 SMs
          * and on all of them the grid is a multiple of those, so the
@@ -671,7 +674,7 @@ int main(int argc, char **argv)
             correctness_case(nm, &P, sms[v], 0);
         }
     }
-    {   /* d >= 2048: bf16 overwrite through the staged tile stored by TMA
+    if (!tiny) {   /* d >= 2048: bf16 overwrite through the staged tile stored by TMA
          * (varlen_k_sm90.cu's VK_F_TMA_ST), both W1 layouts: M = 2112 ends in
          * a half m-tile; dw2 N = 320 in 192-wide tiles (the last one
          * partial), dw1 N = 640 in 256-wide ones; N = 256 / 512 in 256-wide
@@ -697,14 +700,14 @@ int main(int argc, char **argv)
         routing_random(&P, &s, 300);
         determinism_case(&P, 6);
     }
-    if (!staged) {   /* 18 m-tiles: the grouped row's groups of 16 and a last one of 2 */
+    if (!staged && !tiny) {   /* 18 m-tiles: the grouped row's groups of 16 and a last one of 2 */
         problem P;
         P.T = 1024; P.d = 2304; P.n = 384; P.E = 4; P.K = 2; P.gated = 1;
         P.layout = SMOE_W1_INTERLEAVED;
         routing_random(&P, &s, 600);
         correctness_case("wide d = 2304", &P, num_sms, 0);
     }
-    if (!staged) rejection_cases(num_sms);
+    if (!staged && !tiny) rejection_cases(num_sms);
 
     if (!small) {
         balanced_case("7B", 24576, 1536, 256, 128, 8, num_sms);
