@@ -24,8 +24,9 @@
  * Usage: test_varlen_k_sm90 [--small | --staged | --tiny] [seed]
  * (--small: the small and medium shapes only, for compute-sanitizer;
  * --staged: the staged-tile cases only, for racecheck; --tiny: the three
- * smallest cases only, for racecheck, which did not finish --small or
- * --staged in 200-240 s on an H200). Every
+ * smallest cases and the first staged one (256-row tiles) only, for
+ * racecheck, which did not finish --small or --staged in 200-240 s on an
+ * H200). Every
  * check runs each row of the weight gradients' tile table (one row today;
  * failed checks are counted per row at the end). The fp32 and accumulating
  * outputs run dw1 as dH^T X, bf16 overwrite as X^T dH stored transposed:
@@ -674,31 +675,43 @@ int main(int argc, char **argv)
             correctness_case(nm, &P, sms[v], 0);
         }
     }
-    if (!tiny) {   /* d >= 2048: bf16 overwrite through the staged tile stored by TMA
+    {   /* d >= 2048: bf16 overwrite through the staged tile stored by TMA
          * (varlen_k_sm90.cu's VK_F_TMA_ST), both W1 layouts: M = 2112 ends in
          * a half m-tile; dw2 N = 320 in 192-wide tiles (the last one
          * partial), dw1 N = 640 in 256-wide ones; N = 256 / 512 in 256-wide
          * ones (3 stages), and n = 704 in 256-wide ones ending in a partial
          * tile (on 6 SMs: rotated waves); 8 SMs, so that a CTA's staging is
-         * reused */
+         * reused. dw2's 192-wide tiles run 256 rows high (VK_F_M256): the
+         * last m-tile holds one m64 block of rows, the other three past M.
+         * --tiny runs the first case alone, with fewer rows */
         const int dd[3] = {2112, 2048, 2048}, nn[3] = {320, 256, 704};
-        for (int v = 0; v < 6; v++) {
+        for (int v = 0; v < (tiny ? 1 : 6); v++) {
             problem P;
-            P.T = 400; P.d = dd[v / 2]; P.n = nn[v / 2]; P.E = 5; P.K = 2; P.gated = 1;
+            P.T = tiny ? 150 : 400; P.d = dd[v / 2]; P.n = nn[v / 2]; P.E = tiny ? 3 : 5;
+            P.K = 2; P.gated = 1;
             P.layout = (v & 1) ? SMOE_W1_CONCATENATED : SMOE_W1_INTERLEAVED;
-            routing_random(&P, &s, 300);
+            routing_random(&P, &s, tiny ? 100 : 300);
             char nm[64];
             snprintf(nm, sizeof nm, "staged d = %d n = %d %s", dd[v / 2], nn[v / 2],
                      (v & 1) ? "concatenated" : "interleaved");
             correctness_case(nm, &P, v < 2 ? 8 : v >= 4 ? 6 : num_sms, 0);
         }
-        /* every row against row 0, bitwise: staged tiles, odd m-tiles (the
-         * pairs' second CTA past M), rotated waves on 6 SMs */
-        problem P;
-        P.T = 400; P.d = 2112; P.n = 704; P.E = 5; P.K = 2; P.gated = 1;
-        P.layout = SMOE_W1_CONCATENATED;
-        routing_random(&P, &s, 300);
-        determinism_case(&P, 6);
+        if (!tiny) {
+            /* every row against row 0, bitwise: staged tiles, odd m-tiles (the
+             * pairs' second CTA past M), rotated waves on 6 SMs */
+            problem P;
+            P.T = 400; P.d = 2112; P.n = 704; P.E = 5; P.K = 2; P.gated = 1;
+            P.layout = SMOE_W1_CONCATENATED;
+            routing_random(&P, &s, 300);
+            determinism_case(&P, 6);
+            /* and dw2's 256-row tiles (row 0) against the pairs' 128-row
+             * ones (rows 2, 3), bitwise: the same k order per element */
+            problem Q;
+            Q.T = 400; Q.d = 2112; Q.n = 320; Q.E = 5; Q.K = 2; Q.gated = 1;
+            Q.layout = SMOE_W1_INTERLEAVED;
+            routing_random(&Q, &s, 300);
+            determinism_case(&Q, 8);
+        }
     }
     if (!staged && !tiny) {   /* 18 m-tiles: the grouped row's groups of 16 and a last one of 2 */
         problem P;

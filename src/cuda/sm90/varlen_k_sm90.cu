@@ -65,6 +65,10 @@
  *   - optionally (VK_F_CLM, the table's cluster-m rows) in clusters of two
  *     CTAs that take m-tiles 2i and 2i + 1 of one (expert, n-tile) and
  *     share its N-side tile by TMA multicast, each loading half its slabs.
+ *   - where the staged tile runs at BN <= 192 without pairs (VK_F_M256:
+ *     gpt-oss-120b's d = 2880 among the benchmark's rows), 256-row M tiles:
+ *     each consumer warpgroup owns 128 rows in two m64 accumulator sets,
+ *     in 3 stages, so per flop 30% fewer bytes are loaded into the SM.
  * Epilogue: through a 2 KB shared-memory buffer per consumer warp, so that
  * global stores (and, for accumulate, loads of the old values, read a few
  * pieces ahead and warmed in L2 at the tile's start) are 16-byte row pieces
@@ -133,13 +137,28 @@ using namespace smoe_sm90;
  * (the peer's multicast writes this CTA's stage). Only with A gathered
  * (the N-side operand contiguous): the layer's dW2 and bf16 dW1^T. */
 #define VK_F_CLM 16
+/* 256-row M tiles: each consumer warpgroup holds 128 rows in two m64
+ * accumulator sets (2 x BN / 2 registers); 3 stages of 256 + BN columns x
+ * 64 k-rows; the staged epilogue goes one m64 block per warpgroup at a
+ * time (the same 2 x 64 x BN staging as the 128-row tile). Per flop, the
+ * loads into the SM (L2 reads and shared-memory writes) drop by 30% at
+ * BN = 192; the MMAs' shared-memory reads stay. Only with TMA_ST, A
+ * gathered, no pairs, BN <= 192 (vk_run says where it runs and why). */
+#define VK_F_M256 512
 
 template <int BN, int CFG>
 struct vk_cfg {
     static constexpr int BK = 64;                    /* k-rows per stage */
     static constexpr bool TMA_ST = (CFG & VK_F_TMA_ST) != 0;
-    static constexpr int STAGES = TMA_ST && BN == 256 ? 3 : 4;
-    static constexpr int STG_BYTES = TMA_ST ? VK_BM * BN * 2 : 0; /* the staged tile */
+    static constexpr bool M256 = (CFG & VK_F_M256) != 0;
+    static constexpr int BM = M256 ? 256 : VK_BM;   /* M tile */
+    static constexpr int MB = BM / 128;              /* m64 blocks per consumer warpgroup */
+    static constexpr int STAGES = M256 || (TMA_ST && BN == 256) ? 3 : 4;
+    static constexpr int STG_BYTES = TMA_ST ? 128 * BN * 2 : 0; /* the staged tile (an m64 block a warpgroup) */
+    static constexpr int PREGS = M256 ? 40 : VK_PRODUCER_REGS;
+    static constexpr int CREGS = M256 ? 232 : VK_CONSUMER_REGS;
+    static_assert(!M256 || (TMA_ST && BN <= 192 && (CFG & VK_F_CLM) == 0), "M256: staged, BN <= 192, no pairs");
+    static_assert(PREGS * 128 + 2 * CREGS * 128 <= SM90_LAUNCH_REGS * VK_THREADS, "setmaxnreg budget");
     static constexpr int RPT = BK / 16;              /* k-rows per producer thread */
     static constexpr int TOK_AHEAD = STAGES - 1;     /* k-iterations the row tokens run ahead */
     static constexpr int TOK_SLOTS = TOK_AHEAD + 1;
@@ -154,7 +173,7 @@ template <int BN, int CFG>
 static constexpr size_t vk_smem_bytes()
 {
     typedef vk_cfg<BN, CFG> C;
-    return (size_t)C::STAGES * (C::BK * VK_BM * 2 + C::BK * BN * 2) + 1024 + 128 +
+    return (size_t)C::STAGES * (C::BK * C::BM * 2 + C::BK * BN * 2) + 1024 + 128 +
            (size_t)C::TOK_SLOTS * C::TOK_SLOT_BYTES +
            (C::TMA_ST ? (size_t)C::STG_BYTES : 8 * VK_EPI_BUF_BYTES);
 }
@@ -179,6 +198,7 @@ typedef struct vk_args {
                                     * (bf16 overwrite; map_rows then maps columns) */
     const int *abort;              /* smoe_gemm_problem.abort */
     int rotate;                    /* 1: the waves' tiles rotated (vk_slot_tile) */
+    int m256;                      /* 256-row tiles, VK_F_M256 (host only) */
 } vk_args;
 
 /* ------------------------------------------------------------ wgmma, both operands MN-major */
@@ -680,10 +700,11 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
 {
     typedef vk_cfg<BN, CFG> C;
     constexpr int BK = C::BK, STAGES = C::STAGES, RPT = C::RPT;
-    constexpr uint32_t A_BYTES = BK * VK_BM * 2;
+    constexpr int BM = C::BM;
+    constexpr uint32_t A_BYTES = BK * BM * 2;
     constexpr uint32_t STAGE_BYTES = A_BYTES + BK * BN * 2;
-    constexpr int WG = GATHER_A ? VK_BM : BN; /* the gathered operand's tile width */
-    constexpr int WC = GATHER_A ? BN : VK_BM; /* the contiguous one's */
+    constexpr int WG = GATHER_A ? BM : BN; /* the gathered operand's tile width */
+    constexpr int WC = GATHER_A ? BN : BM; /* the contiguous one's */
     constexpr uint32_t G_OFF = GATHER_A ? 0 : A_BYTES; /* their places in a stage */
     constexpr uint32_t C_OFF = GATHER_A ? A_BYTES : 0;
     const int g = t / 8, q = t % 8;
@@ -725,8 +746,8 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
         const int row_begin = __ldg(p.expert_offset + e);
         const int row_end = __ldg(p.expert_offset + e + 1);
         const int nk = row_end > row_begin ? (row_end - row_begin + BK - 1) / BK : 0;
-        const int gcol0 = GATHER_A ? mt * VK_BM : nt * BN;
-        const int ccol0 = GATHER_A ? nt * BN : mt * VK_BM;
+        const int gcol0 = GATHER_A ? mt * BM : nt * BN;
+        const int ccol0 = GATHER_A ? nt * BN : mt * BM;
         const bool full_cols = gcol0 + WG <= gcols && ccol0 + WC <= ccols;
         const char *gbase = (const char *)(gsrc + gcol0 + 8 * q);
         const char *crow =
@@ -772,7 +793,7 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
                             cp_async_16_full(sa + dst_off[i] + sl * BK * 128, gp + 128 * sl);
                     }
                 } else {
-                    vk_copy_operand<VK_BM, BK>(sa, p.a, p.M, gcol0, p.M, src_row, rows_left, g, q);
+                    vk_copy_operand<BM, BK>(sa, p.a, p.M, gcol0, p.M, src_row, rows_left, g, q);
                 }
                 if (whole) {
                     if (t == 0)
@@ -810,7 +831,7 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
                 int own_row[RPT];
 #pragma unroll
                 for (int i = 0; i < RPT; i++) own_row[i] = row0 + RPT * g + i;
-                vk_copy_operand<VK_BM, BK>(sa, p.a, p.M, mt * VK_BM, p.M,
+                vk_copy_operand<BM, BK>(sa, p.a, p.M, mt * BM, p.M,
                                            GATHER_A ? src_row : own_row, rows_left, g, q);
                 vk_copy_operand<BN, BK>(sa + A_BYTES, p.b, p.N, nt * BN, p.N,
                                         GATHER_A ? own_row : src_row, rows_left, g, q);
@@ -822,14 +843,36 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
     cp_async_wait_all();
 }
 
+/* M256: one m64 block of a warpgroup through its staging and out by TMA */
+template <int BN>
+static __device__ __forceinline__ void vk_m256_block(const vk_args &p, const CUtensorMap *omap,
+                                                     const float *acc, uint32_t wst, int e,
+                                                     int m0, int n0, bool zero, int cw, int t,
+                                                     int warp, int lane)
+{
+    if (t == 0) bulk_wait_read<0>(); /* the last block's store has read the staging */
+    named_barrier_sync(1 + cw, 128);
+    if (zero) vk_stage_tile<BN, true>(p, acc, wst, warp, lane);
+    else vk_stage_tile<BN, false>(p, acc, wst, warp, lane);
+    fence_proxy_async(); /* generic writes -> the TMA engine's reads */
+    named_barrier_sync(1 + cw, 128);
+    if (t == 0) {
+        vk_store_staged<BN>(p, omap, wst, e, m0, n0);
+        bulk_commit();
+    }
+}
+
+/* the second accumulator set's size: BN / 2 with M256, else 1 (unused) */
+#define M256_ACC1(BN) ((CFG & VK_F_M256) ? (BN) / 2 : 1)
+
 template <int BN, bool GATHER_A, int CFG>
 __global__ void __launch_bounds__(VK_THREADS, 1)
     vk_varlen_k_kernel(const vk_args p, const __grid_constant__ CUtensorMap cmap,
                        const __grid_constant__ CUtensorMap omap)
 {
     typedef vk_cfg<BN, CFG> C;
-    constexpr int BK = C::BK, STAGES = C::STAGES;
-    constexpr uint32_t A_BYTES = BK * VK_BM * 2;
+    constexpr int BK = C::BK, STAGES = C::STAGES, BM = C::BM, MB = C::MB;
+    constexpr uint32_t A_BYTES = BK * BM * 2;
     constexpr uint32_t B_BYTES = BK * BN * 2;
     constexpr uint32_t STAGE_BYTES = A_BYTES + B_BYTES;
     static_assert(STAGE_BYTES % 1024 == 0, "stages stay 1024-byte aligned");
@@ -864,16 +907,19 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
 
     if (wg == 0) {
         /* ---------------- producer ---------------- */
-        setmaxnreg_dec<VK_PRODUCER_REGS>();
+        setmaxnreg_dec<C::PREGS>();
         vk_producer<BN, GATHER_A, CFG>(p, &cmap, base, full_bar, empty_bar, tok_ring, t);
     } else {
         /* ---------------- consumers ---------------- */
-        setmaxnreg_inc<VK_CONSUMER_REGS>();
-        const int cw = wg - 1; /* which 64-row half of the M tile */
+        setmaxnreg_inc<C::CREGS>();
+        const int cw = wg - 1; /* which half of the M tile (MB m64 blocks) */
         const int warp = t / 32, lane = t % 32;
         float acc[BN / 2];
+        float acc1[M256_ACC1(BN)]; /* the second m64 block's (M256) */
 #pragma unroll
         for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
+#pragma unroll
+        for (int i = 0; i < M256_ACC1(BN); i++) acc1[i] = 0.f;
         uint32_t it = 0;
         const int ncl = vk_ncl<C::CL>(), cid = vk_cid<C::CL>();
         const int rank = C::CL > 1 ? (int)cluster_rank() : 0;
@@ -887,7 +933,7 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
             const int row_end = __ldg(p.expert_offset + e + 1);
             const int nk = row_end > row_begin ? (row_end - row_begin + BK - 1) / BK : 0;
             if (nk == 0 && p.accumulate) continue;
-            const int row_base = mt * VK_BM + cw * 64 + warp * 16 + lane / 4;
+            const int row_base = mt * BM + cw * 64 + warp * 16 + lane / 4;
             if (p.accumulate) {
                 if (p.out_f32) vk_prefetch_out<true, BN>(p, e, row_base, nt * BN, lane);
                 else vk_prefetch_out<false, BN>(p, e, row_base, nt * BN, lane);
@@ -899,7 +945,7 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
                 mbar_wait(full_bar + 8 * s, ph);
                 /* cp.async wrote through the generic proxy; wgmma reads through the async one */
                 if (C::FENCE) fence_proxy_async();
-                const uint32_t sa = base + s * STAGE_BYTES + (uint32_t)cw * (BK * 128);
+                const uint32_t sa = base + s * STAGE_BYTES + (uint32_t)(cw * MB) * (BK * 128);
                 const uint32_t sb = base + s * STAGE_BYTES + A_BYTES;
                 wgmma_fence();
 #pragma unroll
@@ -908,6 +954,10 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
                     uint64_t da = wgmma_desc_sw128_mn(sa + ks * 2048, BK * 128);
                     uint64_t db = wgmma_desc_sw128_mn(sb + ks * 2048, BK * 128);
                     vk_wgmma_mn<BN>(acc, da, db, (kt > 0 || ks > 0) ? 1 : 0);
+                    if constexpr (MB == 2) {
+                        uint64_t da1 = wgmma_desc_sw128_mn(sa + BK * 128 + ks * 2048, BK * 128);
+                        vk_wgmma_mn<BN>(acc1, da1, db, (kt > 0 || ks > 0) ? 1 : 0);
+                    }
                 }
                 wgmma_commit();
                 wgmma_wait<1>(); /* the previous stage's group has retired */
@@ -919,8 +969,18 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
              * accumulate loads write them (else ptxas serialises the wgmmas) */
             wgmma_wait<0>();
             wgmma_fence_regs<BN / 2>(acc);
+            if constexpr (MB == 2) wgmma_fence_regs<BN / 2>(acc1);
             if (nk > 0 && lane == 0) vk_release<C::CL>(empty_bar + 8 * prev_s, rank);
             const bool zero = nk == 0;
+            if constexpr (MB == 2) {
+                /* each m64 block in turn through this warpgroup's staging */
+                const uint32_t wst = stg + (uint32_t)cw * (64 * BN * 2);
+                const int m0 = mt * BM + cw * 128;
+                vk_m256_block<BN>(p, &omap, acc, wst, e, m0, nt * BN, zero, cw, t, warp, lane);
+                vk_m256_block<BN>(p, &omap, acc1, wst, e, m0 + 64, nt * BN, zero, cw, t, warp,
+                                  lane);
+                continue;
+            }
             if constexpr (C::TMA_ST) {
                 /* this warpgroup's 64 rows: BN / 64 pieces of 64 x 64 */
                 const uint32_t wst = stg + (uint32_t)cw * (64 * BN * 2);
@@ -932,12 +992,12 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
                 fence_proxy_async(); /* generic writes -> the TMA engine's reads */
                 named_barrier_sync(1 + cw, 128);
                 if (t == 0) {
-                    vk_store_staged<BN>(p, &omap, wst, e, mt * VK_BM + cw * 64, nt * BN);
+                    vk_store_staged<BN>(p, &omap, wst, e, mt * BM + cw * 64, nt * BN);
                     bulk_commit();
                 }
                 continue;
             }
-            const int row0_warp = mt * VK_BM + cw * 64 + warp * 16;
+            const int row0_warp = mt * BM + cw * 64 + warp * 16;
             const uint32_t buf = epi_buf + (uint32_t)(cw * 4 + warp) * VK_EPI_BUF_BYTES;
             /* accumulate: no tile without rows gets here (continue above),
              * so its stores select nothing */
@@ -949,10 +1009,10 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
             } else if (p.trans_out) {
                 const uint32_t wbuf = epi_buf + (uint32_t)cw * 4 * VK_EPI_BUF_BYTES;
                 if (zero)
-                    vk_store_tile_bf16_t<BN, true>(p, acc, e, mt * VK_BM + cw * 64, nt * BN, warp,
+                    vk_store_tile_bf16_t<BN, true>(p, acc, e, mt * BM + cw * 64, nt * BN, warp,
                                                    lane, wbuf, cw);
                 else
-                    vk_store_tile_bf16_t<BN, false>(p, acc, e, mt * VK_BM + cw * 64, nt * BN, warp,
+                    vk_store_tile_bf16_t<BN, false>(p, acc, e, mt * BM + cw * 64, nt * BN, warp,
                                                     lane, wbuf, cw);
             } else {
                 if (p.accumulate)
@@ -1071,6 +1131,11 @@ static smoe_status vk_launch_bn(const vk_args *a, const CUtensorMap *map,
 {
     constexpr int C0 = VK_DEFAULT_CFG, C1 = VK_DEFAULT_CFG | VK_F_GROUPED;
     constexpr int C2 = C0 | VK_F_TMA_ST, C3 = C1 | VK_F_TMA_ST;
+    if constexpr (BN <= 192) {
+        if (a->m256 && tma_st && !clm)
+            return grouped ? vk_launch<BN, true, C3 | VK_F_M256>(a, map, omap, num_sms, stream)
+                           : vk_launch<BN, true, C2 | VK_F_M256>(a, map, omap, num_sms, stream);
+    }
     if (clm) {
         constexpr int P0 = C0 | VK_F_CLM, P1 = C1 | VK_F_CLM, P2 = C2 | VK_F_CLM,
                       P3 = C3 | VK_F_CLM;
@@ -1129,8 +1194,28 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     SMOE_RETURN_ERROR_IF(p->off_stride > 1, SMOE_ERROR_UNSUPPORTED,
                          "sm90 %s: varlen-K takes no view of the rows (off_stride %d)", name,
                          p->off_stride);
-    const int64_t tiles_m = (M + VK_BM - 1) / VK_BM;
     const int bn = vk_bn(N);
+    /* bf16 overwrite (A gathered: the layer's dW2 and dW1^T) leaves by TMA
+     * from a staged tile (VK_F_TMA_ST) where M = d >= 2048 and the output's
+     * rows have 32-bit coordinates; elsewhere, and for fp32 and accumulated
+     * outputs, through the warps' buffers. In the layer (H100, 3
+     * interleaved rounds, notes/sm90_log.md rung 19) the staged tile took
+     * the backward +1-4% on the rows with d >= 2048 (gpt-oss-120b +4%,
+     * Mixtral-8x7B +2%, DeepSeek-V3 even) and -1% at 1.4B-n256 and 7B-n256
+     * (d = 768, 1536), where its 3 stages of 128 x 256 cost more than the
+     * epilogue it hides. */
+    const int64_t out_rows = p->E * (trans_out ? N : M), out_cols = trans_out ? M : N;
+    const int tma_st = gather_a && out_dtype == SMOE_DTYPE_BF16 && !accumulate && M >= 2048 &&
+                       out_rows <= INT32_MAX;
+    /* 256-row tiles (VK_F_M256) where the staged tile runs at BN <= 192
+     * without pairs. Measured on an H200 (session 45, bench/RESULTS.md):
+     * gpt-oss-120b's dw2 / dw1 2.03 / 4.07 -> 1.93 / 3.93 ms under ncu, its
+     * backward +2% in the layer (3 interleaved rounds, loop +2%). Where
+     * the plan's tile is 256 wide, 192-wide tiles in 256 rows lose (GLM-
+     * 4.5-Air's dw1 +2% time, 30B-n512's backward -4%), so BN stays. */
+    const int m256 = tma_st && bn <= 192 && !clm;
+    const int bm = m256 ? 256 : VK_BM;
+    const int64_t tiles_m = (M + bm - 1) / bm;
     const int64_t tiles_n = (N + bn - 1) / bn;
     const int64_t total = p->E * tiles_m * tiles_n;
     SMOE_RETURN_ERROR_IF(M > INT32_MAX / 2 || N > INT32_MAX / 2 || total > INT32_MAX,
@@ -1184,6 +1269,7 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
      * / cl) unless fewer pairs fit at once) */
     const int64_t grid = args.sched.total < num_sms / cl ? args.sched.total : num_sms / cl;
     args.rotate = N % bn != 0 && !grouped && grid % tiles_n == 0;
+    args.m256 = m256;
     const int cfg = VK_DEFAULT_CFG;
     /* the contiguous operand: B (a_scaled) when A is gathered, else A (dH) */
     CUtensorMap map;
@@ -1193,18 +1279,6 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
         SMOE_FORWARD_IF_ERROR(gather_a ? smoe_sm90_make_map(&map, b, p->cap, N, box_rows, name)
                                        : smoe_sm90_make_map(&map, a, p->cap, M, box_rows, name));
     }
-    /* bf16 overwrite (A gathered: the layer's dW2 and dW1^T) leaves by TMA
-     * from a staged tile (VK_F_TMA_ST) where M = d >= 2048 and the output's
-     * rows have 32-bit coordinates; elsewhere, and for fp32 and accumulated
-     * outputs, through the warps' buffers. In the layer (H100, 3
-     * interleaved rounds, notes/sm90_log.md rung 19) the staged tile took
-     * the backward +1-4% on the rows with d >= 2048 (gpt-oss-120b +4%,
-     * Mixtral-8x7B +2%, DeepSeek-V3 even) and -1% at 1.4B-n256 and 7B-n256
-     * (d = 768, 1536), where its 3 stages of 128 x 256 cost more than the
-     * epilogue it hides. */
-    const int64_t out_rows = p->E * (trans_out ? N : M), out_cols = trans_out ? M : N;
-    const int tma_st = gather_a && out_dtype == SMOE_DTYPE_BF16 && !accumulate && M >= 2048 &&
-                       out_rows <= INT32_MAX;
     CUtensorMap omap;
     memset(&omap, 0, sizeof omap);
     if (tma_st) SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&omap, out, out_rows, out_cols, 32, name));
