@@ -65,7 +65,7 @@
  *   - optionally (VK_F_CLM, the table's cluster-m rows) in clusters of two
  *     CTAs that take m-tiles 2i and 2i + 1 of one (expert, n-tile) and
  *     share its N-side tile by TMA multicast, each loading half its slabs.
- *   - where the staged tile runs at BN <= 192 without pairs (VK_F_M256:
+ *   - where the staged tile runs 192 wide without pairs (VK_F_M256:
  *     gpt-oss-120b's d = 2880 among the benchmark's rows), 256-row M tiles:
  *     each consumer warpgroup owns 128 rows in two m64 accumulator sets,
  *     in 3 stages, so per flop 30% fewer bytes are loaded into the SM.
@@ -143,7 +143,7 @@ using namespace smoe_sm90;
  * time (the same 2 x 64 x BN staging as the 128-row tile). Per flop, the
  * loads into the SM (L2 reads and shared-memory writes) drop by 30% at
  * BN = 192; the MMAs' shared-memory reads stay. Only with TMA_ST, A
- * gathered, no pairs, BN <= 192 (vk_run says where it runs and why). */
+ * gathered, no pairs, BN = 192 (vk_run says where it runs and why). */
 #define VK_F_M256 512
 
 template <int BN, int CFG>
@@ -157,7 +157,7 @@ struct vk_cfg {
     static constexpr int STG_BYTES = TMA_ST ? 128 * BN * 2 : 0; /* the staged tile (an m64 block a warpgroup) */
     static constexpr int PREGS = M256 ? 40 : VK_PRODUCER_REGS;
     static constexpr int CREGS = M256 ? 232 : VK_CONSUMER_REGS;
-    static_assert(!M256 || (TMA_ST && BN <= 192 && (CFG & VK_F_CLM) == 0), "M256: staged, BN <= 192, no pairs");
+    static_assert(!M256 || (TMA_ST && BN == 192 && (CFG & VK_F_CLM) == 0), "M256: staged, BN = 192, no pairs");
     static_assert(PREGS * 128 + 2 * CREGS * 128 <= SM90_LAUNCH_REGS * VK_THREADS, "setmaxnreg budget");
     static constexpr int RPT = BK / 16;              /* k-rows per producer thread */
     static constexpr int TOK_AHEAD = STAGES - 1;     /* k-iterations the row tokens run ahead */
@@ -1131,7 +1131,7 @@ static smoe_status vk_launch_bn(const vk_args *a, const CUtensorMap *map,
 {
     constexpr int C0 = VK_DEFAULT_CFG, C1 = VK_DEFAULT_CFG | VK_F_GROUPED;
     constexpr int C2 = C0 | VK_F_TMA_ST, C3 = C1 | VK_F_TMA_ST;
-    if constexpr (BN <= 192) {
+    if constexpr (BN == 192) {
         if (a->m256 && tma_st && !clm)
             return grouped ? vk_launch<BN, true, C3 | VK_F_M256>(a, map, omap, num_sms, stream)
                            : vk_launch<BN, true, C2 | VK_F_M256>(a, map, omap, num_sms, stream);
@@ -1207,13 +1207,14 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     const int64_t out_rows = p->E * (trans_out ? N : M), out_cols = trans_out ? M : N;
     const int tma_st = gather_a && out_dtype == SMOE_DTYPE_BF16 && !accumulate && M >= 2048 &&
                        out_rows <= INT32_MAX;
-    /* 256-row tiles (VK_F_M256) where the staged tile runs at BN <= 192
+    /* 256-row tiles (VK_F_M256) where the staged tile runs at BN = 192
      * without pairs. Measured on an H200 (session 45, bench/RESULTS.md):
      * gpt-oss-120b's dw2 / dw1 2.03 / 4.07 -> 1.93 / 3.93 ms under ncu, its
      * backward +2% in the layer (3 interleaved rounds, loop +2%). Where
      * the plan's tile is 256 wide, 192-wide tiles in 256 rows lose (GLM-
-     * 4.5-Air's dw1 +2% time, 30B-n512's backward -4%), so BN stays. */
-    const int m256 = tma_st && bn <= 192 && !clm;
+     * 4.5-Air's dw1 +2% time, 30B-n512's backward -4%), so BN stays;
+     * 128-wide tiles (N <= 128) keep 128 rows (not measured). */
+    const int m256 = tma_st && bn == 192 && !clm;
     const int bm = m256 ? 256 : VK_BM;
     const int64_t tiles_m = (M + bm - 1) / bm;
     const int64_t tiles_n = (N + bn - 1) / bn;
