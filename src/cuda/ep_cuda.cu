@@ -146,6 +146,8 @@ typedef struct gws {
     size_t total;
 } gws;
 
+static int ep_whole_x(const smoe_ep_layer *ep, int64_t T);
+
 static void gws_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gws *w)
 {
     const smoe_layer_desc *L = &ep->desc.layer;
@@ -177,9 +179,13 @@ static void gws_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gws *w)
     w->msg_recv = o; o += al(P * 8);
     w->msg2_send = o; o += al(P * 8);
     w->msg2_recv = o; o += al(P * 8);
-    w->send_rows = o; o += al(Tw * d * 2);
+    /* where x itself travels (ep_whole_x), x and dout are the send buffers
+     * and the packs write this rank's own rows alone, into the receive
+     * buffers: no send buffers then */
+    const size_t Ts = ep_whole_x(ep, T) ? 0 : Tw;
+    w->send_rows = o; o += al(Ts * d * 2);
     w->recv_rows = o; o += al(Tw * d * 2);
-    w->send_do = o; o += al(Tw * d * 2);
+    w->send_do = o; o += al(Ts * d * 2);
     w->recv_do = o; o += al(Tw * d * 2);
     w->send_pairs = o; o += al(Tu * Km * sizeof(pair_msg));
     w->recv_pairs = o; o += al(Tu * Km * sizeof(pair_msg));
