@@ -586,11 +586,15 @@ SMOE_API smoe_status smoe_ep_layer_create(const smoe_ep_desc *desc, smoe_ep_laye
 SMOE_API void smoe_ep_layer_free(smoe_ep_layer *layer);
 
 /* Bytes of a call with T tokens on this rank (T in [0, max_tokens]). The
- * workspace holds the send and receive buffers: about 4 P capacity d
- * elements of the dtype, plus the expert computation's own workspace. The
- * saved block holds H of the rows this rank computes (expert_rows of them
- * at most), the routing of its own tokens and O(P capacity K) indices;
- * with keep_x also the received rows of x (P capacity d elements). */
+ * workspace holds the send and receive buffers: 6 P capacity d elements
+ * of the dtype (rows, dout and partial sums, each out and in; 4 on NCCL's
+ * kernels where T is the capacity, x and dout then being sent as they
+ * are; none with the copy engines, whose buffers the layer allocates at
+ * create in an NCCL window), plus the expert computation's own workspace.
+ * The saved block holds H of the rows this rank computes (expert_rows of
+ * them at most), the routing of its own tokens and O(P capacity K)
+ * indices; with keep_x also the received rows of x (P capacity d
+ * elements). */
 SMOE_API size_t smoe_ep_layer_workspace_bytes(const smoe_ep_layer *layer, int64_t T);
 SMOE_API size_t smoe_ep_layer_saved_bytes(const smoe_ep_layer *layer, int64_t T);
 
