@@ -594,7 +594,9 @@ SMOE_API void smoe_ep_layer_free(smoe_ep_layer *layer);
  * The saved block holds H of the rows this rank computes (expert_rows of
  * them at most), the routing of its own tokens and O(P capacity K)
  * indices; with keep_x also the received rows of x (P capacity d
- * elements). */
+ * elements). The workspace's size is not monotonic in T (T = capacity
+ * can need less than T - 1): query it for the T of each call, or take
+ * the largest over the T a caller uses. */
 SMOE_API size_t smoe_ep_layer_workspace_bytes(const smoe_ep_layer *layer, int64_t T);
 SMOE_API size_t smoe_ep_layer_saved_bytes(const smoe_ep_layer *layer, int64_t T);
 
