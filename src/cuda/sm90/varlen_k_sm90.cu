@@ -843,15 +843,17 @@ static __device__ __forceinline__ void vk_producer(const vk_args &p, const CUten
     cp_async_wait_all();
 }
 
-/* M256: one m64 block of a warpgroup through its staging and out by TMA */
+/* TMA_ST: one m64 block of a warpgroup (64 rows, BN / 64 pieces of 64 x
+ * 64) through its staging and out by TMA; M256 calls it once per block */
 template <int BN>
-static __device__ __forceinline__ void vk_m256_block(const vk_args &p, const CUtensorMap *omap,
-                                                     const float *acc, uint32_t wst, int e,
-                                                     int m0, int n0, bool zero, int cw, int t,
-                                                     int warp, int lane)
+static __device__ __forceinline__ void vk_block_out(const vk_args &p, const CUtensorMap *omap,
+                                                    const float *acc, uint32_t wst, int e,
+                                                    int m0, int n0, bool zero, int cw, int t,
+                                                    int warp, int lane)
 {
     if (t == 0) bulk_wait_read<0>(); /* the last block's store has read the staging */
     named_barrier_sync(1 + cw, 128);
+    /* two copies, so that the rows' tiles select nothing */
     if (zero) vk_stage_tile<BN, true>(p, acc, wst, warp, lane);
     else vk_stage_tile<BN, false>(p, acc, wst, warp, lane);
     fence_proxy_async(); /* generic writes -> the TMA engine's reads */
@@ -976,25 +978,16 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
                 /* each m64 block in turn through this warpgroup's staging */
                 const uint32_t wst = stg + (uint32_t)cw * (64 * BN * 2);
                 const int m0 = mt * BM + cw * 128;
-                vk_m256_block<BN>(p, &omap, acc, wst, e, m0, nt * BN, zero, cw, t, warp, lane);
-                vk_m256_block<BN>(p, &omap, acc1, wst, e, m0 + 64, nt * BN, zero, cw, t, warp,
+                vk_block_out<BN>(p, &omap, acc, wst, e, m0, nt * BN, zero, cw, t, warp, lane);
+                vk_block_out<BN>(p, &omap, acc1, wst, e, m0 + 64, nt * BN, zero, cw, t, warp,
                                   lane);
                 continue;
             }
             if constexpr (C::TMA_ST) {
-                /* this warpgroup's 64 rows: BN / 64 pieces of 64 x 64 */
+                /* this warpgroup's 64 rows */
                 const uint32_t wst = stg + (uint32_t)cw * (64 * BN * 2);
-                if (t == 0) bulk_wait_read<0>(); /* the last tile's store has read it */
-                named_barrier_sync(1 + cw, 128);
-                /* two copies, so that the rows' tiles select nothing */
-                if (zero) vk_stage_tile<BN, true>(p, acc, wst, warp, lane);
-                else vk_stage_tile<BN, false>(p, acc, wst, warp, lane);
-                fence_proxy_async(); /* generic writes -> the TMA engine's reads */
-                named_barrier_sync(1 + cw, 128);
-                if (t == 0) {
-                    vk_store_staged<BN>(p, &omap, wst, e, mt * BM + cw * 64, nt * BN);
-                    bulk_commit();
-                }
+                vk_block_out<BN>(p, &omap, acc, wst, e, mt * BM + cw * 64, nt * BN, zero, cw, t,
+                                 warp, lane);
                 continue;
             }
             const int row0_warp = mt * BM + cw * 64 + warp * 16;
@@ -1131,11 +1124,6 @@ static smoe_status vk_launch_bn(const vk_args *a, const CUtensorMap *map,
 {
     constexpr int C0 = VK_DEFAULT_CFG, C1 = VK_DEFAULT_CFG | VK_F_GROUPED;
     constexpr int C2 = C0 | VK_F_TMA_ST, C3 = C1 | VK_F_TMA_ST;
-    if constexpr (BN == 192) {
-        if (a->m256 && tma_st && !clm)
-            return grouped ? vk_launch<BN, true, C3 | VK_F_M256>(a, map, omap, num_sms, stream)
-                           : vk_launch<BN, true, C2 | VK_F_M256>(a, map, omap, num_sms, stream);
-    }
     if (clm) {
         constexpr int P0 = C0 | VK_F_CLM, P1 = C1 | VK_F_CLM, P2 = C2 | VK_F_CLM,
                       P3 = C3 | VK_F_CLM;
@@ -1145,9 +1133,16 @@ static smoe_status vk_launch_bn(const vk_args *a, const CUtensorMap *map,
         return grouped ? vk_launch<BN, true, P1>(a, map, omap, num_sms, stream)
                        : vk_launch<BN, true, P0>(a, map, omap, num_sms, stream);
     }
-    if (tma_st)
-        return grouped ? vk_launch<BN, true, C3>(a, map, omap, num_sms, stream)
-                       : vk_launch<BN, true, C2>(a, map, omap, num_sms, stream);
+    if (tma_st) {
+        /* 192 wide without pairs: 256-row tiles (vk_run's m256, which set
+         * the schedule's m-tiles) */
+        constexpr int M256 = BN == 192 ? VK_F_M256 : 0;
+        SMOE_RETURN_ERROR_IF(a->m256 != (M256 != 0), SMOE_ERROR_INTERNAL,
+                             "sm90 varlen-K: 256-row tiles chosen %d, launched %d", a->m256,
+                             M256 != 0);
+        return grouped ? vk_launch<BN, true, C3 | M256>(a, map, omap, num_sms, stream)
+                       : vk_launch<BN, true, C2 | M256>(a, map, omap, num_sms, stream);
+    }
     if (grouped)
         return gather_a ? vk_launch<BN, true, C1>(a, map, omap, num_sms, stream)
                         : vk_launch<BN, false, C1>(a, map, omap, num_sms, stream);
