@@ -153,6 +153,7 @@ struct vk_cfg {
     static constexpr bool M256 = (CFG & VK_F_M256) != 0;
     static constexpr int BM = M256 ? 256 : VK_BM;   /* M tile */
     static constexpr int MB = BM / 128;              /* m64 blocks per consumer warpgroup */
+    static constexpr int ACC1 = M256 ? BN / 2 : 1;   /* the second block's accumulators (else unused) */
     static constexpr int STAGES = M256 || (TMA_ST && BN == 256) ? 3 : 4;
     static constexpr int STG_BYTES = TMA_ST ? 128 * BN * 2 : 0; /* the staged tile (an m64 block a warpgroup) */
     static constexpr int PREGS = M256 ? 40 : VK_PRODUCER_REGS;
@@ -198,7 +199,6 @@ typedef struct vk_args {
                                     * (bf16 overwrite; map_rows then maps columns) */
     const int *abort;              /* smoe_gemm_problem.abort */
     int rotate;                    /* 1: the waves' tiles rotated (vk_slot_tile) */
-    int m256;                      /* 256-row tiles, VK_F_M256 (host only) */
 } vk_args;
 
 /* ------------------------------------------------------------ wgmma, both operands MN-major */
@@ -864,9 +864,6 @@ static __device__ __forceinline__ void vk_block_out(const vk_args &p, const CUte
     }
 }
 
-/* the second accumulator set's size: BN / 2 with M256, else 1 (unused) */
-#define M256_ACC1(BN) ((CFG & VK_F_M256) ? (BN) / 2 : 1)
-
 template <int BN, bool GATHER_A, int CFG>
 __global__ void __launch_bounds__(VK_THREADS, 1)
     vk_varlen_k_kernel(const vk_args p, const __grid_constant__ CUtensorMap cmap,
@@ -917,11 +914,11 @@ __global__ void __launch_bounds__(VK_THREADS, 1)
         const int cw = wg - 1; /* which half of the M tile (MB m64 blocks) */
         const int warp = t / 32, lane = t % 32;
         float acc[BN / 2];
-        float acc1[M256_ACC1(BN)]; /* the second m64 block's (M256) */
+        float acc1[C::ACC1]; /* the second m64 block's (M256) */
 #pragma unroll
         for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
 #pragma unroll
-        for (int i = 0; i < M256_ACC1(BN); i++) acc1[i] = 0.f;
+        for (int i = 0; i < C::ACC1; i++) acc1[i] = 0.f;
         uint32_t it = 0;
         const int ncl = vk_ncl<C::CL>(), cid = vk_cid<C::CL>();
         const int rank = C::CL > 1 ? (int)cluster_rank() : 0;
@@ -1116,11 +1113,12 @@ static smoe_status vk_launch(const vk_args *a, const CUtensorMap *map, const CUt
 }
 
 /* One tile width's kernels (tile order, gathered side; tma_st: the TMA-store
- * epilogue, A gathered; clm: pairs along M, A gathered). */
+ * epilogue, A gathered; clm: pairs along M, A gathered; m256: vk_run's
+ * choice of 256-row tiles, which set the schedule's m-tiles). */
 template <int BN>
 static smoe_status vk_launch_bn(const vk_args *a, const CUtensorMap *map,
                                 const CUtensorMap *omap, int gather_a, int grouped, int tma_st,
-                                int clm, int num_sms, cudaStream_t stream)
+                                int clm, int m256, int num_sms, cudaStream_t stream)
 {
     constexpr int C0 = VK_DEFAULT_CFG, C1 = VK_DEFAULT_CFG | VK_F_GROUPED;
     constexpr int C2 = C0 | VK_F_TMA_ST, C3 = C1 | VK_F_TMA_ST;
@@ -1134,11 +1132,10 @@ static smoe_status vk_launch_bn(const vk_args *a, const CUtensorMap *map,
                        : vk_launch<BN, true, P0>(a, map, omap, num_sms, stream);
     }
     if (tma_st) {
-        /* 192 wide without pairs: 256-row tiles (vk_run's m256, which set
-         * the schedule's m-tiles) */
+        /* 192 wide without pairs: 256-row tiles */
         constexpr int M256 = BN == 192 ? VK_F_M256 : 0;
-        SMOE_RETURN_ERROR_IF(a->m256 != (M256 != 0), SMOE_ERROR_INTERNAL,
-                             "sm90 varlen-K: 256-row tiles chosen %d, launched %d", a->m256,
+        SMOE_RETURN_ERROR_IF(m256 != (M256 != 0), SMOE_ERROR_INTERNAL,
+                             "sm90 varlen-K: 256-row tiles chosen %d, launched %d", m256,
                              M256 != 0);
         return grouped ? vk_launch<BN, true, C3 | M256>(a, map, omap, num_sms, stream)
                        : vk_launch<BN, true, C2 | M256>(a, map, omap, num_sms, stream);
@@ -1265,7 +1262,6 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
      * / cl) unless fewer pairs fit at once) */
     const int64_t grid = args.sched.total < num_sms / cl ? args.sched.total : num_sms / cl;
     args.rotate = N % bn != 0 && !grouped && grid % tiles_n == 0;
-    args.m256 = m256;
     const int cfg = VK_DEFAULT_CFG;
     /* the contiguous operand: B (a_scaled) when A is gathered, else A (dH) */
     CUtensorMap map;
@@ -1280,12 +1276,12 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     if (tma_st) SMOE_FORWARD_IF_ERROR(smoe_sm90_make_map(&omap, out, out_rows, out_cols, 32, name));
     const int pairs = cl > 1;
     if (bn == 256)
-        return vk_launch_bn<256>(&args, &map, &omap, gather_a, grouped, tma_st, pairs,
+        return vk_launch_bn<256>(&args, &map, &omap, gather_a, grouped, tma_st, pairs, m256,
                                  num_sms, stream);
     if (bn == 192)
-        return vk_launch_bn<192>(&args, &map, &omap, gather_a, grouped, tma_st, pairs,
+        return vk_launch_bn<192>(&args, &map, &omap, gather_a, grouped, tma_st, pairs, m256,
                                  num_sms, stream);
-    return vk_launch_bn<128>(&args, &map, &omap, gather_a, grouped, tma_st, pairs,
+    return vk_launch_bn<128>(&args, &map, &omap, gather_a, grouped, tma_st, pairs, m256,
                              num_sms, stream);
 }
 
