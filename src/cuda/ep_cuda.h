@@ -139,7 +139,8 @@ typedef struct ep_chunks {
                         rows (-1: none), which starts own_share percent
                         into the own rows, a bound found on the device; the
                         backward's own chunks split the own slots at bd's
-                        C / 2 (own_b -1) */
+                        C / 2, or 65% of C at P = 2 without copy engines
+                        (own_b -1) */
     int own_share;
 } ep_chunks;
 

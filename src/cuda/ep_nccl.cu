@@ -506,6 +506,16 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
      * no longer fill the wait for dout's first part. */
     F->own_b = !split || F->nc == 1 ? -1 : X->ce ? H + 1 : F->order[F->nc - 1];
     F->own_share = P >= 4 ? 33 : 50;
+    /* The backward's own rows split at 65% of the C own slots instead of
+     * half, at P = 2 on NCCL's kernels (after F took B's bounds: the
+     * forward finds its own split on the device). The first own chunk's
+     * GEMMs then last until the peer's dout has arrived: at half, the peer's
+     * chunk waited 0.17-0.31 ms for it at 30B-n512 (SMOE_EP_TRACE, 2 x
+     * H200, session 45). Same calls, 5 rounds (exp/ep-own-shares'
+     * SMOE_EP_BW_OWN): 30B-n512's backward 14.51-14.63 -> 14.25-14.45 ms
+     * at 65% (60 and 70 in between), 120B-n1024 even. */
+    if (!X->ce && split && B->nc > 1 && P == 2)
+        B->bd.b[B->order[B->nc - 1]] = (int64_t)r * ep->C + ep->C * 65 / 100;
     /* 0: four SMs per rank, 8 to 32 (best measured: 8 at P = 2, 16 at P = 4;
      * more peers want more of NCCL's channels at once); copy engines: 8 (the
      * rows need none; the counts, pairs and dS messages go faster with 8
