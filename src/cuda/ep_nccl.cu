@@ -513,7 +513,9 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
      * chunk waited 0.17-0.31 ms for it at 30B-n512 (SMOE_EP_TRACE, 2 x
      * H200, session 45). Same calls, 5 rounds (exp/ep-own-shares'
      * SMOE_EP_BW_OWN): 30B-n512's backward 14.51-14.63 -> 14.25-14.45 ms
-     * at 65% (60 and 70 in between), 120B-n1024 even. */
+     * at 65% (60 and 70 in between), 120B-n1024 even; 3 more rounds in
+     * session 46 with the branch's tests passed: 14.36-14.45 -> 14.35-14.41
+     * (even), so over the 8 about -0.8%. */
     if (!X->ce && split && B->nc > 1 && P == 2)
         B->bd.b[B->order[B->nc - 1]] = (int64_t)r * ep->C + ep->C * 65 / 100;
     /* 0: four SMs per rank, 8 to 32 (best measured: 8 at P = 2, 16 at P = 4;
