@@ -679,10 +679,12 @@ int main(int argc, char **argv)
          * (varlen_k_sm90.cu's VK_F_TMA_ST), both W1 layouts: M = 2112 ends in
          * a half m-tile; dw2 N = 320 in 192-wide tiles (the last one
          * partial), dw1 N = 640 in 256-wide ones; N = 256 / 512 in 256-wide
-         * ones (3 stages), and n = 704 in 256-wide ones ending in a partial
-         * tile (on 6 SMs: rotated waves); 8 SMs, so that a CTA's staging is
-         * reused. dw2's 192-wide tiles run 256 rows high (VK_F_M256): the
-         * last m-tile holds one m64 block of rows, the other three past M.
+         * ones (3 stages), and n = 704 in 192-wide ones (where 192's and
+         * 256's tiles cover the same 768 / 1536 columns, vk_bn takes 192
+         * for 256-row tiles; on 6 SMs: rotated waves); 8 SMs, so that a
+         * CTA's staging is reused. The staged 192-wide tiles run 256 rows
+         * high (VK_F_M256): at M = 2112 the last m-tile holds one m64 block
+         * of rows, the other three past M.
          * --tiny runs the first case alone, with fewer rows */
         const int dd[3] = {2112, 2048, 2048}, nn[3] = {320, 256, 704};
         for (int v = 0; v < (tiny ? 1 : 6); v++) {

@@ -1155,12 +1155,18 @@ static smoe_status vk_launch_bn(const vk_args *a, const CUtensorMap *map,
  * gpt-oss-120b's N = 2880 and 5760 (192 divides both) took the backward
  * from 416 to 448 TFLOPS, GLM-4.5-Air's dw2 +1% (H100, 3 interleaved
  * rounds, notes/sm90_log.md rung 19); 256 there instead of 192: dw2 in the
- * layer 3.38 ms against SonicMoE's 2.45 before it (rung 21). */
-static int vk_bn(int64_t N)
+ * layer 3.38 ms against SonicMoE's 2.45 before it (rung 21). Where the
+ * tile can run 256 rows high (tall: vk_run's m256) and 192's tiles cover
+ * as many columns as 256's (N a multiple of 768, or 1408), 256 x 192 loads
+ * 22% fewer bytes per flop than 128 x 256: on an H200 (session 46,
+ * bench/RESULTS.md) Qwen3-30B-A3B's, Qwen3-235B-A22B's and GLM-4.5's dW
+ * 3-5% faster under ncu, GLM-4.5-Air's dw2 2.57 -> 2.43 ms, and the four
+ * rows' backward +1% in the layer (3 interleaved rounds, loop +1%). */
+static int vk_bn(int64_t N, int tall)
 {
     const int64_t w256 = (N + 255) / 256 * 256, w192 = (N + 191) / 192 * 192,
                   w128 = (N + 127) / 128 * 128;
-    if (w256 <= w192) return 256;
+    if (w256 < w192 || (w256 == w192 && !tall)) return 256;
     return 8 * w192 <= 9 * w128 ? 192 : 128;
 }
 
@@ -1186,7 +1192,6 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
     SMOE_RETURN_ERROR_IF(p->off_stride > 1, SMOE_ERROR_UNSUPPORTED,
                          "sm90 %s: varlen-K takes no view of the rows (off_stride %d)", name,
                          p->off_stride);
-    const int bn = vk_bn(N);
     /* bf16 overwrite (A gathered: the layer's dW2 and dW1^T) leaves by TMA
      * from a staged tile (VK_F_TMA_ST) where M = d >= 2048 and the output's
      * rows have 32-bit coordinates; elsewhere, and for fp32 and accumulated
@@ -1203,9 +1208,12 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
      * without pairs. Measured on an H200 (session 45, bench/RESULTS.md):
      * gpt-oss-120b's dw2 / dw1 2.03 / 4.07 -> 1.93 / 3.93 ms under ncu, its
      * backward +2% in the layer (3 interleaved rounds, loop +2%). Where
-     * the plan's tile is 256 wide, 192-wide tiles in 256 rows lose (GLM-
-     * 4.5-Air's dw1 +2% time, 30B-n512's backward -4%), so BN stays;
-     * 128-wide tiles (N <= 128) keep 128 rows (not measured). */
+     * 256-wide tiles cover fewer columns than 192-wide ones, 192-wide
+     * tiles in 256 rows lose (GLM-4.5-Air's dw1 +2% time, 30B-n512's
+     * backward -4%), so BN stays 256; where they cover as many, vk_bn takes
+     * 192 for these tiles; 128-wide tiles (N <= 128) keep 128 rows (not
+     * measured). */
+    const int bn = vk_bn(N, tma_st && !clm);
     const int m256 = tma_st && bn == 192 && !clm;
     const int bm = m256 ? 256 : VK_BM;
     const int64_t tiles_m = (M + bm - 1) / bm;
