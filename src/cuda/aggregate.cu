@@ -126,6 +126,45 @@ static __device__ __forceinline__ void agg_write_header(smoe_saved_header *heade
     }
 }
 
+/* acc += sum over a in [a0, a1) of row_score[r_a] y[r_a] (SCORED; else
+ * y[r_a]) for columns c .. c + VEC - 1, r_a = assign_row[a] (-1 skipped),
+ * in order, four rows' loads in flight at once. */
+template <int VEC, bool SCORED>
+static __device__ __forceinline__ void agg_rows_into(float *acc, int a0, int a1,
+                                                     const int32_t *__restrict__ assign_row,
+                                                     const float *__restrict__ row_score,
+                                                     const bf16 *__restrict__ y, int64_t d,
+                                                     int64_t c)
+{
+    int a = a0;
+    for (; a + AGG_UNROLL <= a1; a += AGG_UNROLL) {
+        int r[AGG_UNROLL];
+        float sc[AGG_UNROLL], v[AGG_UNROLL][VEC];
+#pragma unroll
+        for (int j = 0; j < AGG_UNROLL; ++j) r[j] = assign_row[a + j];
+#pragma unroll
+        for (int j = 0; j < AGG_UNROLL; ++j) {
+            sc[j] = r[j] < 0 ? 0.0f : SCORED ? row_score[r[j]] : 1.0f;
+            if (r[j] >= 0) vec_io<VEC>::load(y + (int64_t)r[j] * d + c, v[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < AGG_UNROLL; ++j) {
+            if (r[j] < 0) continue;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc[i] = fmaf(sc[j], v[j][i], acc[i]);
+        }
+    }
+    for (; a < a1; ++a) {
+        const int r = assign_row[a];
+        if (r < 0) continue;
+        const float s = SCORED ? row_score[r] : 1.0f;
+        float v[VEC];
+        vec_io<VEC>::load(y + (int64_t)r * d + c, v);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] = fmaf(s, v[i], acc[i]);
+    }
+}
+
 /* SCORED: rows scaled by row_score; else by 1 (the expert-parallel
  * combine sums partials). A compile-time choice: nothing added to the loop. */
 template <int VEC, bool SCORED>
@@ -143,33 +182,46 @@ k_aggregate_forward(int64_t T, int64_t d, const int32_t *__restrict__ token_offs
             float acc[VEC];
 #pragma unroll
             for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
-            int a = a0;
-            /* four rows' loads in flight at once; the sums stay in order */
-            for (; a + AGG_UNROLL <= a1; a += AGG_UNROLL) {
-                int r[AGG_UNROLL];
-                float sc[AGG_UNROLL], v[AGG_UNROLL][VEC];
+            agg_rows_into<VEC, SCORED>(acc, a0, a1, assign_row, row_score, y, d, c);
+            vec_io<VEC>::store(out + t * d + c, acc);
+        }
+    }
+}
+
+/* The expert-parallel combine (smoe_cuda_aggregate_combine): one block per
+ * token; its entries in order, each either a slot of this rank's own rows
+ * (their pairs summed as k_aggregate_forward sums a token's) or a peer's
+ * partial sum. */
+template <int VEC>
+__global__ void __launch_bounds__(AGG_THREADS)
+k_aggregate_combine(int64_t T, int64_t d, const int32_t *__restrict__ ent_offset,
+                    const int32_t *__restrict__ dest, int self, const int32_t *__restrict__ pidx,
+                    const int32_t *__restrict__ slot_offset,
+                    const int32_t *__restrict__ assign_row, const float *__restrict__ row_score,
+                    const bf16 *__restrict__ y, const bf16 *__restrict__ part,
+                    bf16 *__restrict__ out, smoe_saved_header *header, smoe_saved_header h,
+                    const int *abort)
+{
+    agg_write_header(header, h, abort);
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
+    for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+        const int e0 = ent_offset[t], e1 = ent_offset[t + 1];
+        for (int64_t c = (int64_t)threadIdx.x * VEC; c < d; c += (int64_t)AGG_THREADS * VEC) {
+            float acc[VEC];
 #pragma unroll
-                for (int j = 0; j < AGG_UNROLL; ++j) r[j] = assign_row[a + j];
+            for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
+            for (int e = e0; e < e1; ++e) {
+                const int p = pidx[e];
+                if (p < 0) continue;
+                if (dest[e] == self) {
+                    agg_rows_into<VEC, true>(acc, slot_offset[p], slot_offset[p + 1], assign_row,
+                                             row_score, y, d, c);
+                } else {
+                    float v[VEC];
+                    vec_io<VEC>::load(part + (int64_t)p * d + c, v);
 #pragma unroll
-                for (int j = 0; j < AGG_UNROLL; ++j) {
-                    sc[j] = r[j] < 0 ? 0.0f : SCORED ? row_score[r[j]] : 1.0f;
-                    if (r[j] >= 0) vec_io<VEC>::load(y + (int64_t)r[j] * d + c, v[j]);
+                    for (int i = 0; i < VEC; ++i) acc[i] += v[i];
                 }
-#pragma unroll
-                for (int j = 0; j < AGG_UNROLL; ++j) {
-                    if (r[j] < 0) continue;
-#pragma unroll
-                    for (int i = 0; i < VEC; ++i) acc[i] = fmaf(sc[j], v[j][i], acc[i]);
-                }
-            }
-            for (; a < a1; ++a) {
-                const int r = assign_row[a];
-                if (r < 0) continue;
-                const float s = SCORED ? row_score[r] : 1.0f;
-                float v[VEC];
-                vec_io<VEC>::load(y + (int64_t)r * d + c, v);
-#pragma unroll
-                for (int i = 0; i < VEC; ++i) acc[i] = fmaf(s, v[i], acc[i]);
             }
             vec_io<VEC>::store(out + t * d + c, acc);
         }
@@ -641,6 +693,27 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
 #undef AGG_GRID_ITEMS
 #undef AGG_GRID_ITEMS2
 #undef AGG_GRID_TOKENS
+    return SMOE_SUCCESS;
+}
+
+smoe_status smoe_cuda_aggregate_combine(int64_t T, int64_t d, const int32_t *ent_offset,
+                                        const int32_t *dest, int self, const int32_t *pidx,
+                                        const int32_t *slot_offset, const int32_t *assign_row,
+                                        const float *row_score, const bf16 *y, const bf16 *part,
+                                        bf16 *out, smoe_saved_header *header,
+                                        smoe_saved_header h, const int *abort,
+                                        cudaStream_t stream)
+{
+    const unsigned grid = agg_grid(T, 1);
+    if (d % 8 == 0 && aligned16(y) && aligned16(part) && aligned16(out))
+        k_aggregate_combine<8><<<grid, AGG_THREADS, 0, stream>>>(
+            T, d, ent_offset, dest, self, pidx, slot_offset, assign_row, row_score, y, part, out,
+            header, h, abort);
+    else
+        k_aggregate_combine<1><<<grid, AGG_THREADS, 0, stream>>>(
+            T, d, ent_offset, dest, self, pidx, slot_offset, assign_row, row_score, y, part, out,
+            header, h, abort);
+    SMOE_CUDA_LAUNCH_CHECK("k_aggregate_combine");
     return SMOE_SUCCESS;
 }
 

@@ -261,6 +261,21 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
                                         smoe_saved_header *header, smoe_saved_header h,
                                         const int *abort, cudaStream_t stream);
 
+/* The expert-parallel forward's combine: out[t] = sum over token t's
+ * entries e in [ent_offset[t], ent_offset[t + 1]) in order, p = pidx[e]
+ * (-1 skipped): where dest[e] == self, the rows of slot p, sum_a
+ * row_score[r_a] y[r_a] over a in [slot_offset[p], slot_offset[p + 1])
+ * (r_a = assign_row[a], -1 skipped), else the partial sum part[p] (a
+ * peer's, bf16); one fp32 sum, one rounding, bf16 out. Writes the header
+ * as smoe_cuda_aggregate_forward does. */
+smoe_status smoe_cuda_aggregate_combine(int64_t T, int64_t d, const int32_t *ent_offset,
+                                        const int32_t *dest, int self, const int32_t *pidx,
+                                        const int32_t *slot_offset, const int32_t *assign_row,
+                                        const float *row_score, const bf16 *y, const bf16 *part,
+                                        bf16 *out, smoe_saved_header *header,
+                                        smoe_saved_header h, const int *abort,
+                                        cudaStream_t stream);
+
 /* Backward: dx[t] (op)= sum_a (dxt[row_a] + dl_a * wr[e_a]) (+ extra[t])
  * (+ col), into dtype BF16 or F32, overwritten or accumulated. extra (T, d)
  * fp32 may be NULL; assign_dl (cap) fp32 with assign_expert, wr (E, d) and

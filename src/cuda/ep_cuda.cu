@@ -15,13 +15,14 @@
  *           metadata -> the expert GEMMs chunk by chunk (one per source
  *           rank, this rank's own in two, its first while the rows travel;
  *           at P = 2 where n <= 512 and K <= 8 every peer's rows in two halves
- *           that travel one after the other), each chunk's partial sums
- *           back to its source as soon as it is done, beside the next
- *           chunk's GEMMs -> the aggregation over the entries (rank order)
- *           writes out and the saved block's header. Where this rank's T
- *           is the capacity (overlap on NCCL's kernels), x itself is every
- *           peer's slice: no pack of the peers' rows, and their exchange
- *           waits only for x (ep_whole_x).
+ *           that travel one after the other), the partial sums of each
+ *           chunk's peer rows back to their source as soon as it is done,
+ *           beside the next chunk's GEMMs -> the combine over the entries
+ *           (rank order: this rank's own rows summed there from Y, the
+ *           peers' partial sums) writes out and the saved block's header.
+ *           Where this rank's T is the capacity (overlap on NCCL's
+ *           kernels), x itself is every peer's slice: no pack of the
+ *           peers' rows, and their exchange waits only for x (ep_whole_x).
  * backward  header check -> x and dout packed by entry (x and dout
  *           themselves where the forward sent x itself: this rank's own
  *           rows alone, after the exchanges are on their way) -> NCCL (layer's
@@ -312,18 +313,6 @@ static int has_peer_piece(const smoe_ep_layer *ep, const ep_chunks *K, int c)
     for (int q = 0; q < ep->P; q++)
         if (q != ep->r && piece(ep, K, c, q, &v0, &v1)) return 1;
     return 0;
-}
-
-/* The forward's own chunks split at a bound found on the device (own_b):
- * the first's partial sums wait for the second, which sums both's (slots
- * [bd.b[own_b - 1], bd.b[own_b + 1])). Chunk c's slots to sum start at
- * *v0 (moved back for the second); 0: none now. */
-static int own_rows_sum(const ep_chunks *K, int c, int64_t *v0)
-{
-    if (K->own_b < 0) return 1;
-    if (c == K->own_b - 1) return 0;
-    if (c == K->own_b) *v0 = K->bd.b[c - 1];
-    return 1;
 }
 
 /* Where the run stands: the chunking, the parts of the first exchange
@@ -837,8 +826,9 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             TRYL("k_ep_chunk_off");
         }
         MARK(0, s, 0, "metadata", -1);
-        /* 5. the experts, chunk by chunk; each chunk's partial sums to their
-         * sources (this rank's own straight into part_recv) */
+        /* 5. the experts, chunk by chunk; each peer's rows' partial sums to
+         * their source after its chunk (this rank's own rows are summed
+         * into out by the combine, 6.) */
         bf16 *a = (bf16 *)(ws + W.a), *y = (bf16 *)(ws + W.y);
         char *part = X->ce ? X->part_send : ws + W.part;
         char *part_recv = X->ce ? X->part_recv : ws + W.part_recv;
@@ -855,14 +845,13 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             TRY(chunk_forward(ep, &v, off2, c, X->sms_overlap, abort, recv_rows, args, training,
                               a, y, ws + W.gemm, s));
             MARK(0, s, 0, "gemms, chunk", c);
-            int64_t w0 = v0;
-            if (!own_rows_sum(K, c, &w0)) continue;
-            bf16 *out = (bf16 *)((peers ? part : part_recv) + (size_t)w0 * row);
-            TRY(smoe_cuda_aggregate_forward(v1 - w0, d, v.token_offset + w0, 0, v.assign_row,
-                                            v.row_score, y, out, NULL, hdr, abort, s));
+            if (!peers) continue;
+            TRY(smoe_cuda_aggregate_forward(v1 - v0, d, v.token_offset + v0, 0, v.assign_row,
+                                            v.row_score, y, (bf16 *)(part + (size_t)v0 * row),
+                                            NULL, hdr, abort, s));
             MARK(0, s, 0, "sums, chunk", c);
-            if (peers) TRY(ce_partials_back(ep, c, part, part_recv, v0, row, s));
-            if (peers) MARK(0, X->cs, 1, "partials back, chunk", c);
+            TRY(ce_partials_back(ep, c, part, part_recv, v0, row, s));
+            MARK(0, X->cs, 1, "partials back, chunk", c);
         }
         if (X->ce && P > 1) {
             /* every rank's status after its row check, with the partials */
@@ -878,11 +867,10 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             MARK(0, s, 0, "gemms, chunk", c);
             for (int q = 0; q < P; q++) {
                 int64_t v0, v1;
-                if (!piece(ep, K, c, q, &v0, &v1)) continue;
-                if (q == self && !own_rows_sum(K, c, &v0)) continue;
-                bf16 *out = (bf16 *)((q == self ? part_recv : part) + (size_t)v0 * (size_t)d * 2);
+                if (q == self || !piece(ep, K, c, q, &v0, &v1)) continue;
                 TRY(smoe_cuda_aggregate_forward(v1 - v0, d, v.token_offset + v0, 0, v.assign_row,
-                                                v.row_score, y, out, NULL, hdr, abort, s));
+                                                v.row_score, y, (bf16 *)(part + (size_t)v0 * row),
+                                                NULL, hdr, abort, s));
             }
             MARK(0, s, 0, "sums, chunk", c);
             if (P > 1) {
@@ -897,10 +885,13 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             TRYL("k_ep_peers");
             MARK(0, s, 0, "join", -1);
         }
-        /* 6. partials summed over the entries in rank order */
+        /* 6. per token, over its entries in rank order: this rank's own
+         * rows (score x Y, the pairs in order) and the partial sums the
+         * peers sent back, in fp32 */
         if (T > 0) {
-            TRY(smoe_cuda_aggregate_forward(
-                T, d, ent_off, 0, pidx, NULL, (const bf16 *)part_recv, (bf16 *)args->out,
+            TRY(smoe_cuda_aggregate_combine(
+                T, d, ent_off, dest, self, pidx, v.token_offset, v.assign_row, v.row_score, y,
+                (const bf16 *)part_recv, (bf16 *)args->out,
                 training ? (smoe_saved_header *)(sb + S.header) : NULL, hdr, abort, s));
         } else if (training) {
             /* no token to aggregate: the header alone (status included) */
