@@ -22,7 +22,9 @@
  *           peers' partial sums) writes out and the saved block's header.
  *           Where this rank's T is the capacity (overlap on NCCL's
  *           kernels), x itself is every peer's slice: no pack of the
- *           peers' rows, and their exchange waits only for x (ep_whole_x).
+ *           peers' rows, and their exchange waits only for x (ep_whole_x);
+ *           nor of this rank's own (without keep_x): its own chunks' up
+ *           GEMM reads x itself.
  * backward  header check -> x and dout packed by entry (x and dout
  *           themselves where the forward sent x itself: this rank's own
  *           rows alone, after the exchanges are on their way) -> NCCL (layer's
@@ -142,8 +144,8 @@ typedef struct gws {
         ent_count, eoff, ent_row, rtok, rsc, md, msg_send, msg_recv, msg2_send, msg2_recv,
         send_rows, recv_rows, send_do, recv_do, send_pairs, recv_pairs, vt_cnt, pt, ps, part,
         part_recv, send_ds, recv_ds, ds_assign, dxr, m_row_score, m_row_token, m_assign_row,
-        m_assign_expert, m_token_offset, m_expert_offset, xmd, off2f, gemm, a, y, dh, a_scaled,
-        dxt, ds;
+        m_assign_expert, m_token_offset, m_expert_offset, xmd, off2f, own_rt, gemm, a, y, dh,
+        a_scaled, dxt, ds;
     size_t total;
 } gws;
 
@@ -206,6 +208,9 @@ static void gws_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gws *w)
     w->m_expert_offset = o; o += al((El + 1) * 4);
     w->xmd = o; o += al(smoe_cuda_metadata_scratch_bytes((int64_t)El, (int64_t)rows));
     w->off2f = o; o += al((El * (size_t)ep->cuda->fw.nc + 1) * 4);
+    /* where x itself travels on NCCL's kernels: the rows' positions in this
+     * rank's own slice (an own chunk's up GEMM gathers from x itself) */
+    w->own_rt = o; o += al((ep_whole_x(ep, T) && !ep->cuda->ce ? rows : 0) * 4);
     w->gemm = o; o += al(ep->cuda->g.scratch_bytes);
     const size_t base = o;
     w->a = o; o += al(rows * n * 2);
@@ -539,15 +544,28 @@ static smoe_gemm_problem chunk_problem(const smoe_ep_layer *ep, const ep_chunks 
 }
 
 /* Chunk c's up and down GEMMs (both schedules): the rows from `rows`,
- * H saved in training, A and Y in the workspace. */
+ * H saved in training, A and Y in the workspace. own_rt (own_x): a chunk
+ * of this rank's own rows alone gathers them from x itself, own_rt[r]
+ * being row r's position in the own slice (its token). */
 static smoe_status chunk_forward(const smoe_ep_layer *ep, const smoe_saved_view *v,
                                  const int32_t *off2, int c, int sms, const int *abort,
-                                 const bf16 *rows, const smoe_forward_args *args, int training,
-                                 bf16 *a, bf16 *y, char *scratch, cudaStream_t s)
+                                 const bf16 *rows, const int32_t *own_rt,
+                                 const smoe_forward_args *args, int training, bf16 *a, bf16 *y,
+                                 char *scratch, cudaStream_t s)
 {
     const ep_cuda *X = ep->cuda;
     smoe_gemm_problem p = chunk_problem(ep, &X->fw, v, off2, c, sms, abort);
-    SMOE_FORWARD_IF_ERROR(gemm_ran(X->g.ops.up(&p, rows, (const bf16 *)args->w1,
+    smoe_gemm_problem pu = p;
+    int64_t v0, v1;
+    if (own_rt && piece(ep, &X->fw, c, ep->r, &v0, &v1)) {
+        /* the chunks are one source's rows each where x itself travels */
+        SMOE_RETURN_ERROR_IF(has_peer_piece(ep, &X->fw, c), SMOE_ERROR_INTERNAL,
+                             "expert parallelism: chunk %d mixes this rank's own rows (read "
+                             "from x) with a peer's", c);
+        pu.row_token = own_rt;
+        rows = (const bf16 *)args->x;
+    }
+    SMOE_FORWARD_IF_ERROR(gemm_ran(X->g.ops.up(&pu, rows, (const bf16 *)args->w1,
                                                (const bf16 *)args->b1,
                                                training ? (bf16 *)v->h : NULL, a, scratch, s),
                                    "up"));
@@ -652,6 +670,10 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
          * connects a communicator's peers at its first call, a wait for the
          * peer's host, so every rank calls the communicators in one order) */
         const int whole = ep_whole_x(ep, T);
+        /* own_x: this rank's own rows, at their tokens' positions too, are
+         * not copied: an own chunk's up GEMM reads x itself (keep_x keeps
+         * the copy, in the saved block) */
+        const int own_x = whole && !X->ce && K->nc > 1 && !(training && ep->desc.keep_x);
         if (whole) TRY(fork_streams(ep, s));
         if (whole && X->ce) {
             TRY(ce_whole_stage(ep, args->x, (char *)recv_rows, T, row));
@@ -711,8 +733,8 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
                                      (size_t)P * (size_t)C * (size_t)Km * sizeof(pair_msg), s));
             k_ep_pack<<<blocks_for(n_ent * 32, 256), 256, 0, s>>>(
                 n_ent, (int)Kq, X->sl, (int)Km, El, d, (const bf16 *)args->x, toff, aexp,
-                ascore, dest, (int32_t *)(ws + W.ent_row), eoff, whole, pidx, send_rows,
-                recv_rows, (pair_msg *)(ws + W.send_pairs), abort);
+                ascore, dest, (int32_t *)(ws + W.ent_row), eoff, whole, own_x, pidx,
+                send_rows, recv_rows, (pair_msg *)(ws + W.send_pairs), abort);
             TRYL("k_ep_pack");
         } else {
             TRYC(cudaMemsetAsync(eoff, 0, (size_t)(P + 1) * 4, s));
@@ -724,7 +746,8 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         int32_t *msg2_recv = (int32_t *)(ws + W.msg2_recv);
         /* the second message is read from every peer (none comes when C = 0) */
         TRYC(cudaMemsetAsync(msg2_recv, 0, (size_t)P * 8, s));
-        k_ep_msg<<<1, 32, 0, s>>>(P, self, C, eoff, whole ? (int)T : -1, msg_send, st, rep);
+        k_ep_msg<<<1, 32, 0, s>>>(P, self, C, eoff, whole ? (int)T : -1, own_x, msg_send, st,
+                                  rep);
         TRYL("k_ep_msg");
         /* 3. counts, status and pairs (small: on this stream, on the
          * messages' communicator where there is one), then the rows on the
@@ -825,6 +848,12 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
                 (int32_t *)(sb + S.off2), -1, eoff, self, C, 0, abort);
             TRYL("k_ep_chunk_off");
         }
+        int32_t *own_rt = own_x ? (int32_t *)(ws + W.own_rt) : NULL;
+        if (own_x) {
+            k_ep_rebase<<<blocks_for(ep->rows, 256), 256, 0, s>>>(
+                ep->rows, v.row_token, ep_slot(X->sl, self, 0), own_rt, abort);
+            TRYL("k_ep_rebase");
+        }
         MARK(0, s, 0, "metadata", -1);
         /* 5. the experts, chunk by chunk; each peer's rows' partial sums to
          * their source after its chunk (this rank's own rows are summed
@@ -842,8 +871,8 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             const int peers = c < X->sl.H;
             if (peers) TRYC(cudaStreamWaitEvent(s, X->ev[EV_IN + c], 0));
             MARK(0, s, 0, "in, chunk", c);
-            TRY(chunk_forward(ep, &v, off2, c, X->sms_overlap, abort, recv_rows, args, training,
-                              a, y, ws + W.gemm, s));
+            TRY(chunk_forward(ep, &v, off2, c, X->sms_overlap, abort, recv_rows, NULL, args,
+                              training, a, y, ws + W.gemm, s));
             MARK(0, s, 0, "gemms, chunk", c);
             if (!peers) continue;
             TRY(smoe_cuda_aggregate_forward(v1 - v0, d, v.token_offset + v0, 0, v.assign_row,
@@ -862,8 +891,8 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             const int c = K->order[i];
             TRY(chunk_wait(ep, &z, c, s));
             MARK(0, s, 0, "in, chunk", c);
-            TRY(chunk_forward(ep, &v, off2, c, sms_now(ep, &z), abort, recv_rows, args, training,
-                              a, y, ws + W.gemm, s));
+            TRY(chunk_forward(ep, &v, off2, c, sms_now(ep, &z), abort, recv_rows, own_rt, args,
+                              training, a, y, ws + W.gemm, s));
             MARK(0, s, 0, "gemms, chunk", c);
             for (int q = 0; q < P; q++) {
                 int64_t v0, v1;

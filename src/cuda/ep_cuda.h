@@ -209,11 +209,11 @@ __global__ void k_ep_pack(int64_t n_ent, int Kq, ep_slots sl, int Km, int64_t El
                           const bf16 *__restrict__ x, const int32_t *__restrict__ toff,
                           const int32_t *__restrict__ aexp, const float *__restrict__ ascore,
                           const int32_t *__restrict__ dest, const int32_t *__restrict__ ent_row,
-                          const int32_t *__restrict__ eoff, int whole, int32_t *pidx,
+                          const int32_t *__restrict__ eoff, int whole, int own_x, int32_t *pidx,
                           bf16 *send_rows, bf16 *recv_rows, pair_msg *send_pairs,
                           const int *abort);
 __global__ void k_ep_msg(int P, int self, int64_t C, const int32_t *__restrict__ eoff, int whole,
-                         int32_t *msg, smoe_dev_status *st, smoe_dev_report rep);
+                         int own_x, int32_t *msg, smoe_dev_status *st, smoe_dev_report rep);
 __global__ void k_ep_peers(int P, int self, const int32_t *__restrict__ msg, smoe_dev_status *st,
                            smoe_dev_report rep);
 __global__ void k_ep_row_counts(int64_t Tv, ep_slots sl, int Km, const int32_t *__restrict__ msg,
@@ -231,6 +231,8 @@ __global__ void k_ep_chunk_off(int El, int nc, ep_bounds bd, const int32_t *__re
                                const int32_t *__restrict__ row_token, int32_t *off2, int cs,
                                const int32_t *__restrict__ eoff, int self, int64_t C, int share,
                                const int *abort);
+__global__ void k_ep_rebase(int64_t n, const int32_t *__restrict__ in, int64_t base, int32_t *out,
+                            const int *abort);
 __global__ void k_ep_iota(int64_t n, int32_t *v, const int *abort);
 __global__ void k_ep_outputs(int T, int E, const int32_t *__restrict__ toff,
                              const int32_t *__restrict__ aexp, int32_t *counts,

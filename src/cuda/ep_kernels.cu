@@ -49,12 +49,13 @@ __global__ void k_ep_entries(int T, int P, int64_t El, int Kq, const int32_t *__
  * to send[pidx] (recv[pidx] for this rank's own experts: no exchange), the
  * token's pairs on q (pick order) to pairs[(q C + i) Km ...]. whole: x
  * itself is the peers' slice, so a peer's position is the token's and its
- * row is not copied. */
+ * row is not copied; own_x (with whole): the same for this rank's own
+ * (the up GEMM reads them from x). */
 __global__ void k_ep_pack(int64_t n_ent, int Kq, ep_slots sl, int Km, int64_t El, int64_t d,
                           const bf16 *__restrict__ x, const int32_t *__restrict__ toff,
                           const int32_t *__restrict__ aexp, const float *__restrict__ ascore,
                           const int32_t *__restrict__ dest, const int32_t *__restrict__ ent_row,
-                          const int32_t *__restrict__ eoff, int whole, int32_t *pidx,
+                          const int32_t *__restrict__ eoff, int whole, int own_x, int32_t *pidx,
                           bf16 *send_rows, bf16 *recv_rows, pair_msg *send_pairs,
                           const int *abort)
 {
@@ -64,7 +65,7 @@ __global__ void k_ep_pack(int64_t n_ent, int Kq, ep_slots sl, int Km, int64_t El
     if (e >= n_ent) return;
     const int q = dest[e];
     const int t = (int)(e / Kq);
-    const int peer = whole && q != sl.self;
+    const int peer = whole && (q != sl.self || own_x); /* position t, no copy */
     int64_t p = -1, u = -1;
     if (q >= 0) {
         const int64_t i = peer ? (int64_t)t : (int64_t)ent_row[e] - eoff[q];
@@ -99,13 +100,14 @@ __global__ void k_ep_pack(int64_t n_ent, int Kq, ep_slots sl, int Km, int64_t El
 
 /* The counts message to every rank: [rows for it, this rank's status]; a
  * destination past capacity sets the status (the first such rank). whole
- * (>= 0): every peer gets the whole slice of `whole` rows (x itself). */
+ * (>= 0): every peer gets the whole slice of `whole` rows (x itself), and
+ * with own_x this rank too. */
 __global__ void k_ep_msg(int P, int self, int64_t C, const int32_t *__restrict__ eoff, int whole,
-                         int32_t *msg, smoe_dev_status *st, smoe_dev_report rep)
+                         int own_x, int32_t *msg, smoe_dev_status *st, smoe_dev_report rep)
 {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     for (int q = 0; q < P; ++q) {
-        const int c = whole >= 0 && q != self ? whole : eoff[q + 1] - eoff[q];
+        const int c = whole >= 0 && (q != self || own_x) ? whole : eoff[q + 1] - eoff[q];
         if (c > C && st->code == SMOE_DEV_OK) {
             st->code = SMOE_DEV_EP_OVERFLOW;
             st->first_bad = q;
@@ -115,7 +117,7 @@ __global__ void k_ep_msg(int P, int self, int64_t C, const int32_t *__restrict__
         }
     }
     for (int q = 0; q < P; ++q) {
-        msg[2 * q] = whole >= 0 && q != self ? whole : eoff[q + 1] - eoff[q];
+        msg[2 * q] = whole >= 0 && (q != self || own_x) ? whole : eoff[q + 1] - eoff[q];
         msg[2 * q + 1] = st->code;
     }
 }
@@ -247,6 +249,16 @@ __global__ void k_ep_chunk_off(int El, int nc, ep_bounds bd, const int32_t *__re
         else hi = mid;
     }
     off2[i] = lo;
+}
+
+/* out[r] = in[r] - base: the rows' slots as positions in this rank's own
+ * slice (own_x: the up GEMM of an own chunk gathers from x itself). */
+__global__ void k_ep_rebase(int64_t n, const int32_t *__restrict__ in, int64_t base, int32_t *out,
+                            const int *abort)
+{
+    SMOE_DEV_RETURN_IF_ABORTED(abort);
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = (int32_t)(in[i] - base);
 }
 
 __global__ void k_ep_iota(int64_t n, int32_t *v, const int *abort)
