@@ -126,6 +126,29 @@ static __device__ __forceinline__ void agg_write_header(smoe_saved_header *heade
     }
 }
 
+/* acc += row_score[r[j]] y[r[j]] (SCORED; else y[r[j]]) for j <
+ * AGG_UNROLL in order (r[j] < 0 skipped), columns c .. c + VEC - 1: the
+ * rows' loads all in flight before the sums. */
+template <int VEC, bool SCORED>
+static __device__ __forceinline__ void agg_fma_group(float *acc, const int *r,
+                                                     const float *__restrict__ row_score,
+                                                     const bf16 *__restrict__ y, int64_t d,
+                                                     int64_t c)
+{
+    float sc[AGG_UNROLL], v[AGG_UNROLL][VEC];
+#pragma unroll
+    for (int j = 0; j < AGG_UNROLL; ++j) {
+        sc[j] = r[j] < 0 ? 0.0f : SCORED ? row_score[r[j]] : 1.0f;
+        if (r[j] >= 0) vec_io<VEC>::load(y + (int64_t)r[j] * d + c, v[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < AGG_UNROLL; ++j) {
+        if (r[j] < 0) continue;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[i] = fmaf(sc[j], v[j][i], acc[i]);
+    }
+}
+
 /* acc += sum over a in [a0, a1) of row_score[r_a] y[r_a] (SCORED; else
  * y[r_a]) for columns c .. c + VEC - 1, r_a = assign_row[a] (-1 skipped),
  * in order, four rows' loads in flight at once. */
@@ -139,20 +162,9 @@ static __device__ __forceinline__ void agg_rows_into(float *acc, int a0, int a1,
     int a = a0;
     for (; a + AGG_UNROLL <= a1; a += AGG_UNROLL) {
         int r[AGG_UNROLL];
-        float sc[AGG_UNROLL], v[AGG_UNROLL][VEC];
 #pragma unroll
         for (int j = 0; j < AGG_UNROLL; ++j) r[j] = assign_row[a + j];
-#pragma unroll
-        for (int j = 0; j < AGG_UNROLL; ++j) {
-            sc[j] = r[j] < 0 ? 0.0f : SCORED ? row_score[r[j]] : 1.0f;
-            if (r[j] >= 0) vec_io<VEC>::load(y + (int64_t)r[j] * d + c, v[j]);
-        }
-#pragma unroll
-        for (int j = 0; j < AGG_UNROLL; ++j) {
-            if (r[j] < 0) continue;
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) acc[i] = fmaf(sc[j], v[j][i], acc[i]);
-        }
+        agg_fma_group<VEC, SCORED>(acc, r, row_score, y, d, c);
     }
     for (; a < a1; ++a) {
         const int r = assign_row[a];
@@ -378,20 +390,9 @@ k_aggregate_forward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ a
         for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
         for (int a = 0; a < K; a += AGG_UNROLL) {
             int r[AGG_UNROLL];
-            float sc[AGG_UNROLL], v[AGG_UNROLL][VEC];
 #pragma unroll
             for (int j = 0; j < AGG_UNROLL; ++j) r[j] = a + j < K ? rows[a + j] : -1;
-#pragma unroll
-            for (int j = 0; j < AGG_UNROLL; ++j) {
-                sc[j] = r[j] < 0 ? 0.0f : SCORED ? row_score[r[j]] : 1.0f;
-                if (r[j] >= 0) vec_io<VEC>::load(y + (int64_t)r[j] * d + c, v[j]);
-            }
-#pragma unroll
-            for (int j = 0; j < AGG_UNROLL; ++j) {
-                if (r[j] < 0) continue;
-#pragma unroll
-                for (int i = 0; i < VEC; ++i) acc[i] = fmaf(sc[j], v[j][i], acc[i]);
-            }
+            agg_fma_group<VEC, SCORED>(acc, r, row_score, y, d, c);
         }
         vec_io<VEC>::store(out + t * d + c, acc);
     }
