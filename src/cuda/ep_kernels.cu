@@ -65,10 +65,10 @@ __global__ void k_ep_pack(int64_t n_ent, int Kq, ep_slots sl, int Km, int64_t El
     if (e >= n_ent) return;
     const int q = dest[e];
     const int t = (int)(e / Kq);
-    const int peer = whole && (q != sl.self || own_x); /* position t, no copy */
+    const int at_token = whole && (q != sl.self || own_x); /* position t, no copy */
     int64_t p = -1, u = -1;
     if (q >= 0) {
-        const int64_t i = peer ? (int64_t)t : (int64_t)ent_row[e] - eoff[q];
+        const int64_t i = at_token ? (int64_t)t : (int64_t)ent_row[e] - eoff[q];
         if (i < sl.C) {
             p = ep_slot(sl, q, i);
             u = (int64_t)q * sl.C + i;
@@ -78,7 +78,7 @@ __global__ void k_ep_pack(int64_t n_ent, int Kq, ep_slots sl, int Km, int64_t El
     if (p < 0) return;
     const uint4 *src = reinterpret_cast<const uint4 *>(x + (int64_t)t * d);
     uint4 *dst = reinterpret_cast<uint4 *>((q == sl.self ? recv_rows : send_rows) + p * d);
-    for (int64_t i = lane; !peer && i < d / 8; i += 32) dst[i] = src[i];
+    for (int64_t i = lane; !at_token && i < d / 8; i += 32) dst[i] = src[i];
     if (lane == 0) {
         int k = 0;
         for (int a = toff[t]; a < toff[t + 1]; ++a) {
