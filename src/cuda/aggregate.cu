@@ -126,10 +126,10 @@ static __device__ __forceinline__ void agg_write_header(smoe_saved_header *heade
     }
 }
 
-/* acc += row_score[r[j]] y[r[j]] (SCORED; else y[r[j]]) for j <
+/* acc += row_score[r[j]] y[r[j]] for j <
  * AGG_UNROLL in order (r[j] < 0 skipped), columns c .. c + VEC - 1: the
  * rows' loads all in flight before the sums. */
-template <int VEC, bool SCORED>
+template <int VEC>
 static __device__ __forceinline__ void agg_fma_group(float *acc, const int *r,
                                                      const float *__restrict__ row_score,
                                                      const bf16 *__restrict__ y, int64_t d,
@@ -138,7 +138,7 @@ static __device__ __forceinline__ void agg_fma_group(float *acc, const int *r,
     float sc[AGG_UNROLL], v[AGG_UNROLL][VEC];
 #pragma unroll
     for (int j = 0; j < AGG_UNROLL; ++j) {
-        sc[j] = r[j] < 0 ? 0.0f : SCORED ? row_score[r[j]] : 1.0f;
+        sc[j] = r[j] < 0 ? 0.0f : row_score[r[j]];
         if (r[j] >= 0) vec_io<VEC>::load(y + (int64_t)r[j] * d + c, v[j]);
     }
 #pragma unroll
@@ -149,10 +149,9 @@ static __device__ __forceinline__ void agg_fma_group(float *acc, const int *r,
     }
 }
 
-/* acc += sum over a in [a0, a1) of row_score[r_a] y[r_a] (SCORED; else
- * y[r_a]) for columns c .. c + VEC - 1, r_a = assign_row[a] (-1 skipped),
+/* acc += sum over a in [a0, a1) of row_score[r_a] y[r_a] for columns c .. c + VEC - 1, r_a = assign_row[a] (-1 skipped),
  * in order, four rows' loads in flight at once. */
-template <int VEC, bool SCORED>
+template <int VEC>
 static __device__ __forceinline__ void agg_rows_into(float *acc, int a0, int a1,
                                                      const int32_t *__restrict__ assign_row,
                                                      const float *__restrict__ row_score,
@@ -164,12 +163,12 @@ static __device__ __forceinline__ void agg_rows_into(float *acc, int a0, int a1,
         int r[AGG_UNROLL];
 #pragma unroll
         for (int j = 0; j < AGG_UNROLL; ++j) r[j] = assign_row[a + j];
-        agg_fma_group<VEC, SCORED>(acc, r, row_score, y, d, c);
+        agg_fma_group<VEC>(acc, r, row_score, y, d, c);
     }
     for (; a < a1; ++a) {
         const int r = assign_row[a];
         if (r < 0) continue;
-        const float s = SCORED ? row_score[r] : 1.0f;
+        const float s = row_score[r];
         float v[VEC];
         vec_io<VEC>::load(y + (int64_t)r * d + c, v);
 #pragma unroll
@@ -177,9 +176,7 @@ static __device__ __forceinline__ void agg_rows_into(float *acc, int a0, int a1,
     }
 }
 
-/* SCORED: rows scaled by row_score; else by 1 (the expert-parallel
- * combine sums partials). A compile-time choice: nothing added to the loop. */
-template <int VEC, bool SCORED>
+template <int VEC>
 __global__ void __launch_bounds__(AGG_THREADS)
 k_aggregate_forward(int64_t T, int64_t d, const int32_t *__restrict__ token_offset,
                     const int32_t *__restrict__ assign_row, const float *__restrict__ row_score,
@@ -194,7 +191,7 @@ k_aggregate_forward(int64_t T, int64_t d, const int32_t *__restrict__ token_offs
             float acc[VEC];
 #pragma unroll
             for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
-            agg_rows_into<VEC, SCORED>(acc, a0, a1, assign_row, row_score, y, d, c);
+            agg_rows_into<VEC>(acc, a0, a1, assign_row, row_score, y, d, c);
             vec_io<VEC>::store(out + t * d + c, acc);
         }
     }
@@ -226,7 +223,7 @@ k_aggregate_combine(int64_t T, int64_t d, const int32_t *__restrict__ ent_offset
                 const int p = pidx[e];
                 if (p < 0) continue;
                 if (dest[e] == self) {
-                    agg_rows_into<VEC, true>(acc, slot_offset[p], slot_offset[p + 1], assign_row,
+                    agg_rows_into<VEC>(acc, slot_offset[p], slot_offset[p + 1], assign_row,
                                              row_score, y, d, c);
                 } else {
                     float v[VEC];
@@ -371,7 +368,7 @@ static __device__ __forceinline__ void agg_item(int64_t g, int64_t cols, bool na
 
 /* Any K (the exactly-K rows with K not 2, 4 or 8): the token's rows
  * AGG_UNROLL at a time, the indices past K predicated off. */
-template <int VEC, bool SCORED>
+template <int VEC>
 __global__ void __launch_bounds__(AGG_THREADS)
 k_aggregate_forward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ assign_row,
                       const float *__restrict__ row_score, const bf16 *__restrict__ y,
@@ -392,7 +389,7 @@ k_aggregate_forward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ a
             int r[AGG_UNROLL];
 #pragma unroll
             for (int j = 0; j < AGG_UNROLL; ++j) r[j] = a + j < K ? rows[a + j] : -1;
-            agg_fma_group<VEC, SCORED>(acc, r, row_score, y, d, c);
+            agg_fma_group<VEC>(acc, r, row_score, y, d, c);
         }
         vec_io<VEC>::store(out + t * d + c, acc);
     }
@@ -430,7 +427,7 @@ static __device__ __forceinline__ void agg_kc_items(int64_t g0, int64_t S, int64
  * loaded, then every row piece of every item (IPT KC loads in flight, kept
  * raw), then each item is summed in assignment order and stored. Bitwise
  * the same sums as k_aggregate_forward_k's. */
-template <int VEC, bool SCORED, int KC, int IPT>
+template <int VEC, int KC, int IPT>
 __global__ void __launch_bounds__(AGG_THREADS)
 k_aggregate_forward_kc(int64_t T, int64_t d, int /* K: KC */,
                        const int32_t *__restrict__ assign_row,
@@ -452,7 +449,7 @@ k_aggregate_forward_kc(int64_t T, int64_t d, int /* K: KC */,
         for (int i = 0; i < IPT; ++i)
 #pragma unroll
             for (int a = 0; a < KC; ++a) {
-                sc[i][a] = r[i][a] < 0 ? 0.0f : SCORED ? row_score[r[i][a]] : 1.0f;
+                sc[i][a] = r[i][a] < 0 ? 0.0f : row_score[r[i][a]];
                 if (r[i][a] >= 0) v[i][a].load(y + (int64_t)r[i][a] * d + c[i]);
             }
 #pragma unroll
@@ -655,21 +652,15 @@ smoe_status smoe_cuda_aggregate_forward(int64_t T, int64_t d, const int32_t *tok
                                         const int *abort, cudaStream_t stream)
 {
     const bool v8 = d % 8 == 0 && aligned16(y) && aligned16(out);
-    /* the kernel by k_uniform, the column width by v8, SCORED by row_score;
-     * then K and the items per thread of the exactly-K kernels */
+    SMOE_RETURN_ERROR_IF(!row_score, SMOE_ERROR_INTERNAL, "aggregate forward: no row scores");
+    /* the kernel by k_uniform, the column width by v8; then K and the items
+     * per thread of the exactly-K kernels */
 #define AGG_FWD(KERNEL, GRID, OFFS, ...)                                                         \
     do {                                                                                         \
-        if (row_score) {                                                                         \
-            if (v8) KERNEL<8, true, ##__VA_ARGS__><<<GRID(8), AGG_THREADS, 0, stream>>>(         \
-                T, d, OFFS, assign_row, row_score, y, out, header, h, abort);                    \
-            else KERNEL<1, true, ##__VA_ARGS__><<<GRID(1), AGG_THREADS, 0, stream>>>(            \
-                T, d, OFFS, assign_row, row_score, y, out, header, h, abort);                    \
-        } else {                                                                                 \
-            if (v8) KERNEL<8, false, ##__VA_ARGS__><<<GRID(8), AGG_THREADS, 0, stream>>>(        \
-                T, d, OFFS, assign_row, row_score, y, out, header, h, abort);                    \
-            else KERNEL<1, false, ##__VA_ARGS__><<<GRID(1), AGG_THREADS, 0, stream>>>(           \
-                T, d, OFFS, assign_row, row_score, y, out, header, h, abort);                    \
-        }                                                                                        \
+        if (v8) KERNEL<8, ##__VA_ARGS__><<<GRID(8), AGG_THREADS, 0, stream>>>(                   \
+            T, d, OFFS, assign_row, row_score, y, out, header, h, abort);                        \
+        else KERNEL<1, ##__VA_ARGS__><<<GRID(1), AGG_THREADS, 0, stream>>>(                      \
+            T, d, OFFS, assign_row, row_score, y, out, header, h, abort);                        \
     } while (0)
 #define AGG_GRID_ITEMS(V) agg_grid(T * (d / (V)), AGG_THREADS)
 #define AGG_GRID_ITEMS2(V) agg_grid(T * (d / (V)), 2 * AGG_THREADS)

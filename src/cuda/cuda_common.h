@@ -247,8 +247,8 @@ smoe_status smoe_cuda_metadata_beside(int64_t E, int64_t cap, smoe_assign_dev in
 /* ------------------------------------------------------------ aggregate.cu */
 
 /* Forward: out[t] = sum_a row_score[row_a] * y[row_a] over the token's
- * assignments (fp32 sums in assignment order; row_score NULL: 1; rows -1
- * skipped), bf16 out. The assignments of token t are [token_offset[t],
+ * assignments (fp32 sums in assignment order; rows -1 skipped), bf16
+ * out. The assignments of token t are [token_offset[t],
  * token_offset[t + 1]), or with k_uniform > 0 (every token has exactly
  * that many: top-K routing without token rounding) t k_uniform ..
  * (t + 1) k_uniform - 1, read without token_offset. The forward's last

@@ -916,18 +916,13 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         }
         /* 6. per token, over its entries in rank order: this rank's own
          * rows (score x Y, the pairs in order) and the partial sums the
-         * peers sent back, in fp32 */
-        if (T > 0) {
+         * peers sent back, in fp32 (T = 0: the saved block's header alone,
+         * status included) */
+        if (T > 0 || training)
             TRY(smoe_cuda_aggregate_combine(
                 T, d, ent_off, dest, self, pidx, v.token_offset, v.assign_row, v.row_score, y,
                 (const bf16 *)part_recv, (bf16 *)args->out,
                 training ? (smoe_saved_header *)(sb + S.header) : NULL, hdr, abort, s));
-        } else if (training) {
-            /* no token to aggregate: the header alone (status included) */
-            TRY(smoe_cuda_aggregate_forward(0, d, ent_off, 0, pidx, NULL, (const bf16 *)part_recv,
-                                            NULL, (smoe_saved_header *)(sb + S.header), hdr,
-                                            abort, s));
-        }
         if (args->router_logits || args->expert_counts) {
             k_ep_outputs<<<blocks_for(T * E > E ? T * E : E, 256), 256, 0, s>>>(
                 (int)T, (int)E, toff, aexp, args->expert_counts, lg,

@@ -19,9 +19,9 @@
  *     rows: forward and backward with token offsets and with exactly K rows
  *     per token (k_uniform), bit for bit against each other and against a
  *     host sum in the same order (fmaf), d = 64, 40 and 20 (16-byte and
- *     scalar columns), scored and unscored, the backward with the per-pair
- *     router term and the column term into bf16, and with a dense fp32
- *     term accumulated into fp32 in two token chunks;
+ *     scalar columns), scored and unscored (scores of 1), the backward
+ *     with the per-pair router term and the column term into bf16, and
+ *     with a dense fp32 term accumulated into fp32 in two token chunks;
  *   - the small and edge cases twice: with the metadata's cooperative
  *     launch (as the layer runs it where the tiles fit) and through its
  *     two-launch path (smoe_cuda_metadata_beside, as the expert-parallel
@@ -200,6 +200,10 @@ static void check_aggregate(const dev_run *r, const host_run *g, int64_t T, int6
         float *dl = (float *)tu_dev_put(dlh, (size_t)R * 4);
         float *ex = (float *)tu_dev_put(exh, (size_t)(T * d) * 4);
         float *col = (float *)tu_dev_put(colh, (size_t)d * 4);
+        /* unscored: every row's score 1 (the kernels always scale) */
+        float *ones_h = (float *)malloc((size_t)R * 4 + 4);
+        for (int64_t i = 0; i < R; i++) ones_h[i] = 1.0f;
+        float *ones = (float *)tu_dev_put(ones_h, (size_t)R * 4 + 4);
         bf16 *ob = (bf16 *)tu_dev_alloc((size_t)(T * d) * 2);
         float *of = (float *)tu_dev_alloc((size_t)(T * d) * 4);
         uint16_t *want_b = (uint16_t *)malloc((size_t)(T * d) * 2);
@@ -226,7 +230,7 @@ static void check_aggregate(const dev_run *r, const host_run *g, int64_t T, int6
                 tu_dev_poison(ob, (size_t)(T * d) * 2);
                 CHECK_OK(smoe_cuda_aggregate_forward(T, d, ku ? NULL : r->as.token_offset,
                                                      ku ? (int)K : 0, r->arow,
-                                                     scored ? r->rsc : NULL, y, ob, NULL, hdr,
+                                                     scored ? r->rsc : ones, y, ob, NULL, hdr,
                                                      NULL, 0));
                 uint16_t *got = (uint16_t *)tu_dev_fetch(ob, (size_t)(T * d) * 2);
                 CHECK(!memcmp(got, want_b, (size_t)(T * d) * 2),
@@ -286,7 +290,8 @@ static void check_aggregate(const dev_run *r, const host_run *g, int64_t T, int6
             free(got);
         }
         free(yh); free(dlh); free(exh); free(colh); free(dx0); free(wrh); free(want_b);
-        free(want_f);
+        free(want_f); free(ones_h);
+        cudaFree(ones);
         cudaFree(y); cudaFree(wr); cudaFree(dl); cudaFree(ex); cudaFree(col); cudaFree(ob);
         cudaFree(of);
     }

@@ -1213,8 +1213,9 @@ static smoe_status vk_run(const char *name, const smoe_gemm_problem *p, const bf
      * backward -4%), so BN stays 256; where they cover as many, vk_bn takes
      * 192 for these tiles; 128-wide tiles (N <= 128) keep 128 rows (not
      * measured). */
-    const int bn = vk_bn(N, tma_st && !clm);
-    const int m256 = tma_st && bn == 192 && !clm;
+    const int tall = tma_st && !clm; /* the tile may run 256 rows high */
+    const int bn = vk_bn(N, tall);
+    const int m256 = tall && bn == 192;
     const int bm = m256 ? 256 : VK_BM;
     const int64_t tiles_m = (M + bm - 1) / bm;
     const int64_t tiles_n = (N + bn - 1) / bn;
