@@ -205,7 +205,7 @@ typedef enum smoe_backend {
 typedef struct smoe_layer_desc {
     int64_t d;                   /* hidden size */
     int64_t n;                   /* expert intermediate size */
-    int64_t E;                   /* experts */
+    int64_t E;                   /* experts, at most 65536 */
     int64_t K;                   /* experts per token (token-choice modes) */
     smoe_activation activation;
     smoe_w1_layout w1_layout;    /* only read for gated activations */

@@ -62,7 +62,7 @@ static void saved_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, ep_sav
     s->A = A;
     s->header = o; o += al(sizeof(smoe_saved_header));
     s->token_offset = o; o += al((t + 1) * 4);
-    s->assign_expert = o; o += al((size_t)A * 4);
+    s->assign_expert = o; o += al((size_t)A * 2);
     s->assign_row = o; o += al((size_t)A * 4);
     s->score = o; o += al((size_t)A * fs);
     s->logits = o; o += al(ep_saves_logits(L) ? t * E * fs : 0);
@@ -232,7 +232,7 @@ static smoe_saved_view source_view(const ep_saved *s, char *base)
     memset(&v, 0, sizeof v);
     v.header = (smoe_saved_header *)(base + s->header);
     v.token_offset = (int32_t *)(base + s->token_offset);
-    v.assign_expert = (int32_t *)(base + s->assign_expert);
+    v.assign_expert = (uint16_t *)(base + s->assign_expert);
     v.assign_row = (int32_t *)(base + s->assign_row);
     v.row_score = (float *)(base + s->score);
     v.logits = (float *)(base + s->logits);
@@ -343,7 +343,7 @@ smoe_status smoe_ep_layer_forward(smoe_ep_layer *ep, const smoe_forward_args *ar
         for (int64_t t = 0; t <= T; t++) v.token_offset[t] = 0;
         for (int64_t a = 0; a < A; a++) {
             v.token_offset[args->pair_token[a] + 1]++;
-            v.assign_expert[a] = args->pair_expert[a];
+            v.assign_expert[a] = (uint16_t)args->pair_expert[a];
             ascore[a] = (double)args->pair_score[a];
         }
         for (int64_t t = 0; t < T; t++) v.token_offset[t + 1] += v.token_offset[t];

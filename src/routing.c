@@ -169,21 +169,21 @@ static smoe_status route_token_choice(const smoe_layer_desc *desc, int64_t T, co
     for (int64_t t = 0; t < T; t++) {
         const float *l = logits + t * E;
         const double *l64 = logits64 ? logits64 + t * E : NULL;
-        int32_t *ex = out->expert + t * K;
+        uint16_t *ex = out->expert + t * K;
         double *sc = out->score + t * K;
         out->token_offset[t] = (int32_t)(t * K);
         if (desc->routing == SMOE_ROUTING_SIGMOID_TOPK) {
             /* keys in p, group keys in lk; the K sigmoids in lk after */
             smoe_sigmoid_select(desc, l, bias, p, lk, gidx, idx);
             for (int64_t k = 0; k < K; k++) {
-                ex[k] = idx[k];
+                ex[k] = (uint16_t)idx[k];
                 lk[k] = smoe_sigmoid(l64 ? l64[idx[k]] : (double)l[idx[k]]);
             }
             smoe_sigmoid_scores(desc, lk, sc);
             continue;
         }
         smoe_topk_select(l, E, K, idx);
-        for (int64_t k = 0; k < K; k++) ex[k] = idx[k];
+        for (int64_t k = 0; k < K; k++) ex[k] = (uint16_t)idx[k];
         if (desc->routing == SMOE_ROUTING_TOPK_SOFTMAX) {
             /* softmax over the K selected logits, largest first */
             double sum = 0.0;
@@ -319,7 +319,7 @@ static smoe_status route_rounding(const smoe_layer_desc *desc, int64_t T, const 
             SMOE_RETURN_ERROR_IF(R >= out->cap, SMOE_ERROR_INTERNAL,
                                  "token rounding: more than the capacity of %lld rows",
                                  (long long)out->cap);
-            out->expert[R] = (int32_t)e;
+            out->expert[R] = (uint16_t)e;
             out->score[R] = tc[t * E + e] ? pscore[t * E + e] / zscore[t] : pscore[t * E + e];
             R++;
         }

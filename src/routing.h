@@ -48,7 +48,7 @@ void smoe_softmax_probs(const float *l32, const double *l64, int64_t E, double *
  * token's experts by descending score; token rounding: by expert index). */
 typedef struct smoe_assignments {
     int32_t *token_offset; /* (T+1) pairs of token t: [token_offset[t], token_offset[t+1]) */
-    int32_t *expert;       /* (cap) */
+    uint16_t *expert;      /* (cap); E <= SMOE_MAX_EXPERTS */
     double *score;         /* (cap) */
     int64_t cap;           /* capacity of expert/score */
     int64_t R;             /* out: pairs written */

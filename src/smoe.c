@@ -162,7 +162,7 @@ void smoe_saved_layout_make(const smoe_layer *layer, int64_t T, int64_t cap,
     out->assign_row = off;
     off = align_up(off + (size_t)cap * 4);
     out->assign_expert = off;
-    off = align_up(off + (size_t)cap * 4);
+    off = align_up(off + (size_t)cap * 2);
     out->token_offset = off;
     off = align_up(off + (size_t)(T + 1) * 4);
     out->expert_offset = off;
@@ -183,7 +183,7 @@ smoe_saved_view smoe_saved_view_make(const smoe_saved_layout *l, void *base)
     v.row_score = (float *)(b + l->row_score);
     v.row_token = (int32_t *)(b + l->row_token);
     v.assign_row = (int32_t *)(b + l->assign_row);
-    v.assign_expert = (int32_t *)(b + l->assign_expert);
+    v.assign_expert = (uint16_t *)(b + l->assign_expert);
     v.token_offset = (int32_t *)(b + l->token_offset);
     v.expert_offset = (int32_t *)(b + l->expert_offset);
     v.logits = l->logits ? (float *)(b + l->logits) : NULL;
@@ -631,7 +631,7 @@ smoe_status smoe_route_cpu_biased(const smoe_layer_desc *desc, int64_t T, const 
     SMOE_RETURN_ERROR_IF(!mem, SMOE_ERROR_OUT_OF_MEMORY, "%s: malloc(%zu) failed", fn, bytes);
     smoe_assignments as;
     as.score = (double *)mem;
-    as.expert = (int32_t *)(mem + (size_t)cap * 8);
+    as.expert = (uint16_t *)(mem + (size_t)cap * 8);
     as.token_offset = (int32_t *)(mem + (size_t)cap * 12);
     as.cap = cap;
     as.R = 0;

@@ -84,7 +84,8 @@ int smoe_saves_logits(const smoe_layer *layer);
  *   row_score    (cap) fp32            routing score of each row
  *   row_token    (cap) int32           token of each row (gather index)
  *   assign_row   (cap) int32           row of each assignment
- *   assign_expert(cap) int32           expert of each assignment
+ *   assign_expert(cap) uint16          expert of each assignment (16 bits:
+ *                                      E <= SMOE_MAX_EXPERTS)
  *   token_offset (T+1) int32           assignments of token t are
  *                                      [token_offset[t], token_offset[t+1])
  *   expert_offset(E+1) int32           rows of expert e are
@@ -97,6 +98,10 @@ int smoe_saves_logits(const smoe_layer *layer);
  * then point at doubles).
  */
 #define SMOE_ALIGN 256
+
+/* The saved block keeps each pair's expert in 16 bits (128 KiB less per 64K
+ * pairs than int32), so a layer has at most this many experts. */
+#define SMOE_MAX_EXPERTS 65536
 
 typedef struct smoe_saved_layout {
     int64_t T, cap;
@@ -113,7 +118,8 @@ typedef struct smoe_saved_view {
     struct smoe_saved_header *header;
     void *h;
     float *row_score;
-    int32_t *row_token, *assign_row, *assign_expert, *token_offset, *expert_offset;
+    int32_t *row_token, *assign_row, *token_offset, *expert_offset;
+    uint16_t *assign_expert;
     float *logits; /* NULL if absent */
 } smoe_saved_view;
 

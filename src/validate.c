@@ -74,8 +74,10 @@ smoe_status smoe_desc_validate(const smoe_layer_desc *desc)
                          (long long)desc->d);
     SMOE_RETURN_ERROR_IF(desc->n <= 0, SMOE_ERROR_INVALID_SIZE, "desc.n = %lld, must be > 0",
                          (long long)desc->n);
-    SMOE_RETURN_ERROR_IF(desc->E <= 0 || desc->E > INT32_MAX, SMOE_ERROR_INVALID_SIZE,
-                         "desc.E = %lld, must be in [1, %d]", (long long)desc->E, INT32_MAX);
+    SMOE_RETURN_ERROR_IF(desc->E <= 0 || desc->E > SMOE_MAX_EXPERTS, SMOE_ERROR_INVALID_SIZE,
+                         "desc.E = %lld, must be in [1, %d] (the saved block keeps each "
+                         "pair's expert in 16 bits)",
+                         (long long)desc->E, SMOE_MAX_EXPERTS);
     SMOE_RETURN_ERROR_IF((unsigned)desc->routing > SMOE_ROUTING_SIGMOID_TOPK,
                          SMOE_ERROR_INVALID_VALUE,
                          "desc.routing = %d is not a smoe_routing", (int)desc->routing);

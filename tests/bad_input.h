@@ -336,6 +336,8 @@ static void test_create(void) {
     D = good_desc(); D.n = -7;  create_case("n=-7", D, SMOE_ERROR_INVALID_SIZE, "-7");
     D = good_desc(); D.E = 0;   create_case("E=0", D, SMOE_ERROR_INVALID_SIZE, "E");
     D = good_desc(); D.E = -2;  create_case("E=-2", D, SMOE_ERROR_INVALID_SIZE, "-2");
+    D = good_desc(); D.E = 65537;
+    create_case("E=65537 (16-bit experts)", D, SMOE_ERROR_INVALID_SIZE, "65536");
     D = good_desc(); D.K = 0;   create_case("K=0", D, SMOE_ERROR_INVALID_SIZE, "K");
     D = good_desc(); D.K = 9;   create_case("K=9 > E=4", D, SMOE_ERROR_INVALID_SIZE, "9");
     D = good_desc(); D.K = -1;  create_case("K=-1", D, SMOE_ERROR_INVALID_SIZE, "-1");

@@ -28,6 +28,11 @@
  *     output and saved block as the same values in fp32, bit for bit
  *     (every routing mode with a router; bf16 and f64 layers); any other
  *     dtype is refused (INVALID_VALUE) before anything is written.
+ *   - E = 65536, the most the block's 16-bit experts hold: a layer whose
+ *     only live experts are 0, 21845, 43690 and 65535 gives the output and
+ *     every gradient of the 4-expert layer of those experts bit for bit
+ *     (TOPK_SOFTMAX, renormalised SIGMOID_TOPK, GENERAL), and exact zeros
+ *     for the other experts.
  */
 #include "testutil.h"
 
@@ -73,7 +78,7 @@ static void test_saved_bytes(tu_rng *rng) {
         }
         size_t fs = D.dtype == SMOE_DTYPE_F64 ? 8 : 4;
         size_t need = ALIGN /* header */ + (size_t)R * (size_t)F.P.hc * tu_dtype_size(D.dtype) +
-                      (size_t)R * (fs + 12) +
+                      (size_t)R * (fs + 10) + /* score; token, row 4 bytes, expert 2 */
                       (size_t)(T + 1) * 4 + (size_t)(D.E + 1) * 4;
         if (D.routing == SMOE_ROUTING_SOFTMAX_TOPK || tr) need += (size_t)(T * D.E) * fs;
         CHECK(S >= need && S <= need + 9 * ALIGN, "saved_bytes %zu, the header's account %zu", S, need);
@@ -616,6 +621,133 @@ static void test_consume(tu_rng *rng) {
     CHECK(smoe_layer_desc_default().consume_saved == 0, "the default consumes");
 }
 
+/* Rows of a per-expert gradient: expert e's `w` values at e * w. */
+static int rows_match(const float *g4, const float *gl, int64_t w, const int64_t *map) {
+    for (int64_t e = 0; e < 4; e++)
+        if (memcmp(g4 + e * w, gl + map[e] * w, (size_t)w * sizeof(float)) != 0) return 0;
+    return 1;
+}
+
+static int64_t nonzero_elsewhere(const float *gl, int64_t E, int64_t w, const int64_t *map) {
+    int64_t nz = 0;
+    for (int64_t e = 0, j = 0; e < E; e++) {
+        if (j < 4 && e == map[j]) {
+            j++;
+            continue;
+        }
+        for (int64_t i = 0; i < w; i++) nz += gl[e * w + i] != 0.0f;
+    }
+    return nz;
+}
+
+static void test_max_experts(tu_rng *rng) {
+    static const int64_t map[4] = {0, 21845, 43690, 65535};
+    static const smoe_routing modes[3] = {SMOE_ROUTING_TOPK_SOFTMAX, SMOE_ROUTING_SIGMOID_TOPK,
+                                          SMOE_ROUTING_GENERAL};
+    for (int m = 0; m < 3; m++) {
+        smoe_layer_desc D4 = smoe_layer_desc_default();
+        D4.d = 8; D4.n = 4; D4.E = 4; D4.K = 2;
+        D4.routing = modes[m];
+        D4.renormalize = m == 1;
+        D4.has_bias = 1;
+        D4.dtype = SMOE_DTYPE_F32;
+        D4.backend = SMOE_BACKEND_CPU;
+        smoe_layer_desc DL = D4;
+        DL.E = 65536;
+        const int64_t T = 6, d = D4.d, n = D4.n, EL = DL.E;
+        tu_case("E = 65536 against E = 4, %s", tu_mode_name(&D4));
+        tu_problem P4, PL;
+        tu_problem_init(&P4, &D4, T, rng, 1.0, 0.5);
+        /* a constant first feature with router weight 8 on it: the four
+         * experts' logits near 8, every other expert's 0 */
+        for (int64_t t = 0; t < T; t++) P4.x[t * d] = 1.0;
+        for (int64_t e = 0; e < 4; e++) P4.wr[e * d] = 8.0;
+        if (m == 2) tu_problem_general(&P4, rng, 0.6);
+        tu_problem_init(&PL, &DL, T, rng, 1.0, 0.5);
+        const int64_t hc = P4.hc;
+        memcpy(PL.x, P4.x, (size_t)(T * d) * sizeof(double));
+        memset(PL.wr, 0, (size_t)(EL * d) * sizeof(double));
+        memset(PL.w1, 0, (size_t)(EL * hc * d) * sizeof(double));
+        memset(PL.w2, 0, (size_t)(EL * d * n) * sizeof(double));
+        memset(PL.b1, 0, (size_t)(EL * hc) * sizeof(double));
+        memset(PL.b2, 0, (size_t)(EL * d) * sizeof(double));
+        if (PL.ebias) memset(PL.ebias, 0, (size_t)EL * sizeof(double));
+        for (int64_t e = 0; e < 4; e++) {
+            const int64_t f = map[e];
+            memcpy(PL.wr + f * d, P4.wr + e * d, (size_t)d * sizeof(double));
+            memcpy(PL.w1 + f * hc * d, P4.w1 + e * hc * d, (size_t)(hc * d) * sizeof(double));
+            memcpy(PL.w2 + f * d * n, P4.w2 + e * d * n, (size_t)(d * n) * sizeof(double));
+            memcpy(PL.b1 + f * hc, P4.b1 + e * hc, (size_t)hc * sizeof(double));
+            memcpy(PL.b2 + f * d, P4.b2 + e * d, (size_t)d * sizeof(double));
+            if (PL.ebias) PL.ebias[f] = P4.ebias[e];
+        }
+        if (m == 2) {
+            free(PL.pt); free(PL.pe); free(PL.ps);
+            PL.pairs = P4.pairs;
+            PL.pt = (int32_t *)malloc((size_t)P4.pairs * 4 + 4);
+            PL.pe = (int32_t *)malloc((size_t)P4.pairs * 4 + 4);
+            PL.ps = tu_alloc_d((size_t)P4.pairs + 1);
+            for (int64_t i = 0; i < P4.pairs; i++) {
+                PL.pt[i] = P4.pt[i];
+                PL.pe[i] = (int32_t)map[P4.pe[i]];
+                PL.ps[i] = P4.ps[i];
+            }
+        } else {
+            tu_problem_route(&P4, 0);
+            tu_problem_route(&PL, 0);
+        }
+        /* the reference routes both alike (the test's premise) */
+        int same = P4.pairs == PL.pairs && P4.pairs > 0;
+        int top = 0;
+        for (int64_t i = 0; same && i < P4.pairs; i++) {
+            same = PL.pt[i] == P4.pt[i] && PL.pe[i] == map[P4.pe[i]] && PL.ps[i] == P4.ps[i];
+            top |= PL.pe[i] == 65535;
+        }
+        if (CHECK(same && top, "the reference routes the two layers differently or never to "
+                               "expert 65535 (%lld pairs)",
+                  (long long)P4.pairs)) {
+            smoe_layer *L4 = tu_layer(&D4), *LL = tu_layer(&DL);
+            tu_bufs B4, BL;
+            tu_bufs_make(&B4, &P4, L4, 0);
+            tu_bufs_make(&BL, &PL, LL, 0);
+            float *G = (float *)malloc((size_t)(T * d) * sizeof(float));
+            for (int64_t i = 0; i < T * d; i++) G[i] = (float)tu_normal(rng);
+            tu_grads g4, gl;
+            tu_grads_alloc(&g4, &P4, SMOE_DTYPE_F32);
+            tu_grads_alloc(&gl, &PL, SMOE_DTYPE_F32);
+            if (tu_run_backward(L4, &P4, &B4, G, NULL, &g4, 0) &&
+                tu_run_backward(LL, &PL, &BL, G, NULL, &gl, 0)) {
+                CHECK(!memcmp(B4.out, BL.out, (size_t)(T * d) * 4), "out differs");
+                CHECK(!memcmp(g4.g[TU_GX], gl.g[TU_GX], (size_t)(T * d) * 4), "dx differs");
+                if (m == 2)
+                    CHECK(!memcmp(g4.g[TU_GPS], gl.g[TU_GPS], (size_t)P4.pairs * 4),
+                          "dpair_score differs");
+                const int idx[5] = {TU_GWR, TU_GW1, TU_GB1, TU_GW2, TU_GB2};
+                const int64_t w[5] = {d, hc * d, hc, d * n, d};
+                for (int i = 0; i < 5; i++) {
+                    if (!g4.g[idx[i]]) continue;
+                    CHECK(rows_match((const float *)g4.g[idx[i]], (const float *)gl.g[idx[i]],
+                                     w[i], map),
+                          "%s of the four experts differs", tu_grad_name[idx[i]]);
+                    const int64_t nz =
+                        nonzero_elsewhere((const float *)gl.g[idx[i]], EL, w[i], map);
+                    CHECK(nz == 0, "%s: %lld nonzero values for experts without pairs",
+                          tu_grad_name[idx[i]], (long long)nz);
+                }
+            }
+            tu_grads_free(&g4);
+            tu_grads_free(&gl);
+            free(G);
+            tu_bufs_free(&B4);
+            tu_bufs_free(&BL);
+            smoe_layer_free(L4);
+            smoe_layer_free(LL);
+        }
+        tu_problem_free(&P4);
+        tu_problem_free(&PL);
+    }
+}
+
 int main(int argc, char **argv) {
     tu_rng rng = tu_rng_make(tu_init(argc, argv, 4242));
     test_saved_bytes(&rng);
@@ -623,5 +755,6 @@ int main(int argc, char **argv) {
     test_determinism(&rng);
     test_consume(&rng);
     test_router_dtypes(&rng);
+    test_max_experts(&rng);
     return tu_summary("test_saved");
 }

@@ -622,7 +622,7 @@ def _ep_saved_bound(T, P, E, K, d, n, activation, routing, dtype, max_tokens, ca
                                        L.SMOE_ROUTING_SIGMOID_TOPK) else 0
     sections = (_SAVED_HEADER,            # header
                 (T + 1) * 4,              # token_offset
-                A * 4, A * 4, A * fs,     # assign_expert, assign_row, scores
+                A * 2, A * 4, A * fs,     # assign_expert (uint16), assign_row, scores
                 logits,                   # logits (SOFTMAX_TOPK, SIGMOID_TOPK)
                 T * P * 4,                # slot (CPU); pidx (CUDA: T min(K, P))
                 2 * P * 8 + 8,            # counts (CPU)

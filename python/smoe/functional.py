@@ -326,7 +326,7 @@ def saved_bytes(T, pairs, *, d, n, E, K, activation, routing, rounding, round_ti
     off = _align(off + cap * fsize)                    # row_score
     off = _align(off + cap * 4)                        # row_token
     off = _align(off + cap * 4)                        # assign_row
-    off = _align(off + cap * 4)                        # assign_expert
+    off = _align(off + cap * 2)                        # assign_expert (uint16)
     off = _align(off + (T + 1) * 4)                    # token_offset
     off = _align(off + (E + 1) * 4)                    # expert_offset
     if routing in (L.SMOE_ROUTING_SOFTMAX_TOPK, L.SMOE_ROUTING_SIGMOID_TOPK) or (

@@ -379,7 +379,7 @@ static smoe_status cpu_forward(smoe_layer *layer, const smoe_forward_args *args,
         for (int64_t t = 0; t <= T; t++) v.token_offset[t] = 0;
         for (int64_t a = 0; a < args->pairs; a++) {
             v.token_offset[args->pair_token[a] + 1]++;
-            v.assign_expert[a] = args->pair_expert[a];
+            v.assign_expert[a] = (uint16_t)args->pair_expert[a];
             w.ascore[a] = (double)args->pair_score[a];
         }
         for (int64_t t = 0; t < T; t++) v.token_offset[t + 1] += v.token_offset[t];
@@ -468,8 +468,7 @@ static smoe_status check_saved(const smoe_layer *layer, const smoe_saved_view *v
     for (int64_t t = 0; ok && t < T; t++) ok = v->token_offset[t] <= v->token_offset[t + 1];
     for (int32_t r = 0; ok && r < R; r++) ok = v->row_token[r] >= 0 && v->row_token[r] < T;
     for (int32_t a = 0; ok && a < R; a++)
-        ok = v->assign_row[a] >= 0 && v->assign_row[a] < R && v->assign_expert[a] >= 0 &&
-             v->assign_expert[a] < E;
+        ok = v->assign_row[a] >= 0 && v->assign_row[a] < R && v->assign_expert[a] < E;
     SMOE_RETURN_ERROR_IF(!ok, SMOE_ERROR_INVALID_VALUE,
                          "smoe_layer_backward: the saved block was not filled by a training "
                          "forward with T = %lld (rows %d, capacity %lld)",

@@ -244,7 +244,7 @@ template <int VEC>
 static __device__ __forceinline__ void agg_backward_chunk(float *acc, const int *r,
                                                           const float (*v)[VEC], int64_t a_first,
                                                           const float *assign_dl,
-                                                          const int32_t *assign_expert,
+                                                          const uint16_t *assign_expert,
                                                           const bf16 *wr, int64_t d, int64_t c)
 {
 #pragma unroll
@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(AGG_THREADS)
 k_aggregate_backward(int64_t T, int64_t d, const int32_t *__restrict__ token_offset,
                      const int32_t *__restrict__ assign_row, const bf16 *__restrict__ dxt,
                      const float *__restrict__ extra, const float *__restrict__ assign_dl,
-                     const int32_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
+                     const uint16_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
                      const float *__restrict__ col, void *__restrict__ dx, int dx_f32,
                      int accumulate, const int *abort)
 {
@@ -477,7 +477,7 @@ __global__ void __launch_bounds__(AGG_THREADS)
 k_aggregate_backward_kc(int64_t T, int64_t d, int /* K: KC */,
                         const int32_t *__restrict__ assign_row, const bf16 *__restrict__ dxt,
                         const float *__restrict__ extra, const float *__restrict__ assign_dl,
-                        const int32_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
+                        const uint16_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
                         const float *__restrict__ col, void *__restrict__ dx, int dx_f32,
                         int accumulate, const int *abort)
 {
@@ -541,7 +541,7 @@ __global__ void __launch_bounds__(AGG_THREADS)
 k_aggregate_backward_k(int64_t T, int64_t d, int K, const int32_t *__restrict__ assign_row,
                        const bf16 *__restrict__ dxt, const float *__restrict__ extra,
                        const float *__restrict__ assign_dl,
-                       const int32_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
+                       const uint16_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
                        const float *__restrict__ col, void *__restrict__ dx, int dx_f32,
                        int accumulate, const int *abort)
 {
@@ -590,7 +590,7 @@ __global__ void __launch_bounds__(AGG_THREADS)
 k_aggregate_backward_slab(int64_t T, int64_t d, int E, const int32_t *__restrict__ assign_row,
                           const bf16 *__restrict__ dxt, const float *__restrict__ extra,
                           const float *__restrict__ assign_dl,
-                          const int32_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
+                          const uint16_t *__restrict__ assign_expert, const bf16 *__restrict__ wr,
                           const float *__restrict__ col, void *__restrict__ dx, int dx_f32,
                           int accumulate, const int *abort)
 {
@@ -712,7 +712,7 @@ smoe_status smoe_cuda_aggregate_combine(int64_t T, int64_t d, const int32_t *ent
 smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *token_offset,
                                          int k_uniform, const int32_t *assign_row,
                                          const bf16 *dxt, const float *extra,
-                                         const float *assign_dl, const int32_t *assign_expert,
+                                         const float *assign_dl, const uint16_t *assign_expert,
                                          const bf16 *wr, int64_t E, const float *col,
                                          void *dx, smoe_dtype dx_dtype, int accumulate,
                                          const int *abort, cudaStream_t stream)

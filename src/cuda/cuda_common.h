@@ -138,6 +138,8 @@ typedef struct smoe_assign_dev {
     float *score;          /* (cap) */
     int32_t *token_offset; /* (T+1) */
     int32_t *count;        /* (1) number of pairs, <= cap */
+    uint16_t *expert16;    /* (cap) or NULL: the metadata copies `expert` here
+                              in 16 bits (the saved block's assign_expert) */
     const int *abort;      /* the call's status code: GENERAL's copy and the
                               metadata's writers do nothing when it is set */
 } smoe_assign_dev;
@@ -286,7 +288,7 @@ smoe_status smoe_cuda_aggregate_combine(int64_t T, int64_t d, const int32_t *ent
 smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *token_offset,
                                          int k_uniform, const int32_t *assign_row,
                                          const bf16 *dxt, const float *extra,
-                                         const float *assign_dl, const int32_t *assign_expert,
+                                         const float *assign_dl, const uint16_t *assign_expert,
                                          const bf16 *wr, int64_t E, const float *col, void *dx,
                                          smoe_dtype dx_dtype, int accumulate, const int *abort,
                                          cudaStream_t stream);
@@ -301,7 +303,7 @@ smoe_status smoe_cuda_aggregate_backward(int64_t T, int64_t d, const int32_t *to
  * (T, K) int32: token rounding's token-choice experts, recomputed. */
 smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int rounding,
                                      const float *logits, const int32_t *token_offset,
-                                     const int32_t *assign_expert, const int32_t *assign_row,
+                                     const uint16_t *assign_expert, const int32_t *assign_row,
                                      const float *row_score, const float *ds,
                                      const void *dlogits_extra, smoe_dtype extra_dt, bf16 *split,
                                      int32_t *tc_scratch, float *assign_dl, const int *abort,

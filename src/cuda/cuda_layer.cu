@@ -105,7 +105,8 @@ typedef struct ws_layout {
     /* forward */
     size_t logits, assign_token, assign_score, assign_count;
     size_t m_h_unused, m_row_score, m_row_token, m_assign_row, m_assign_expert, m_token_offset,
-        m_expert_offset; /* the metadata of an inference forward (no saved block) */
+        m_expert_offset; /* the metadata of an inference forward (no saved block);
+                            m_assign_expert: the routing's experts, always */
     size_t route_scratch, md_scratch, a, y, f_gemm; /* f_gemm: cuBLAS's scratch too */
     size_t fwd_end;
     /* backward (overlaps the forward region) */
@@ -459,12 +460,14 @@ static smoe_status forward_impl(smoe_layer *layer, const smoe_forward_args *args
         v.row_score = (float *)(ws + w.m_row_score);
         v.row_token = (int32_t *)(ws + w.m_row_token);
         v.assign_row = (int32_t *)(ws + w.m_assign_row);
-        v.assign_expert = (int32_t *)(ws + w.m_assign_expert);
         v.token_offset = (int32_t *)(ws + w.m_token_offset);
         v.expert_offset = (int32_t *)(ws + w.m_expert_offset);
     }
+    /* the routing's experts in int32 here; the metadata copies them to the
+     * saved block's 16-bit assign_expert */
     smoe_assign_dev as;
-    as.expert = v.assign_expert;
+    as.expert = (int32_t *)(ws + w.m_assign_expert);
+    as.expert16 = training ? v.assign_expert : NULL;
     as.token = (int32_t *)(ws + w.assign_token);
     as.score = (float *)(ws + w.assign_score);
     as.token_offset = v.token_offset;

@@ -117,7 +117,7 @@ static void gsaved_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gsave
     memset(s, 0, sizeof *s);
     s->header = o; o += al(sizeof(smoe_saved_header));
     s->token_offset = o; o += al((t + 1) * 4);
-    s->assign_expert = o; o += al(A * 4);
+    s->assign_expert = o; o += al(A * 2);
     s->assign_row = o; o += al(A * 4);
     s->row_score = o; o += al(A * 4);
     s->logits = o; o += al(ep_saves_logits(L) ? t * (size_t)L->E * 4 : 0);
@@ -138,9 +138,11 @@ static void gsaved_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gsave
 
 /* The workspace. The experts' buffers: a, y (forward) and dh, a_scaled,
  * dxt, ds (backward) share one region; m_*: the experts' metadata of an
- * inference forward (a training forward's is in the saved block). */
+ * inference forward (a training forward's is in the saved block), except
+ * m_assign_expert, the triples' experts in int32 always (the saved block
+ * has them in 16 bits); as_expert: the routing's experts in int32. */
 typedef struct gws {
-    size_t status, router, logits, as_token, as_count, ent_dest, ent_token, ent_score,
+    size_t status, router, logits, as_expert, as_token, as_count, ent_dest, ent_token, ent_score,
         ent_count, eoff, ent_row, rtok, rsc, md, msg_send, msg_recv, msg2_send, msg2_recv,
         send_rows, recv_rows, send_do, recv_do, send_pairs, recv_pairs, vt_cnt, pt, ps, part,
         part_recv, send_ds, recv_ds, ds_assign, dxr, m_row_score, m_row_token, m_assign_row,
@@ -167,6 +169,7 @@ static void gws_make(const smoe_ep_layer *ep, int64_t T, int64_t pairs, gws *w)
     w->status = o; o += SMOE_DEV_STATUS_BYTES;
     w->router = o; o += al(smoe_cuda_router_ws_bytes(ep->full, T));
     w->logits = o; o += al(t * E * 4);
+    w->as_expert = o; o += al(A * 4);
     w->as_token = o; o += al(A * 4);
     w->as_count = o; o += al(4);
     w->ent_dest = o; o += al(ent * 4);
@@ -680,13 +683,16 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             MARK(0, X->cs, 1, "x staged", -1);
         }
         int32_t *toff = (int32_t *)(sb + S.token_offset);
-        int32_t *aexp = (int32_t *)(sb + S.assign_expert);
+        /* the routing's experts in int32 here; k_ep_entries copies them to
+         * the saved block's 16-bit assign_expert */
+        int32_t *aexp = (int32_t *)(ws + W.as_expert);
         float *ascore = (float *)(sb + S.row_score);
         float *lg = (training && ep_saves_logits(L))
                         ? (float *)(sb + S.logits)
                         : (float *)(ws + W.logits);
         smoe_assign_dev as;
         as.expert = aexp;
+        as.expert16 = NULL;
         as.token = (int32_t *)(ws + W.as_token);
         as.score = ascore;
         as.token_offset = toff;
@@ -710,12 +716,14 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         int32_t *ent_off = (int32_t *)(sb + S.ent_off), *eoff = (int32_t *)(ws + W.eoff);
         if (T > 0) {
             k_ep_entries<<<blocks_for(T, 128), 128, 0, s>>>(
-                (int)T, P, El, (int)Kq, toff, aexp, dest, (int32_t *)(ws + W.ent_token),
-                (float *)(ws + W.ent_score), ent_off, (int32_t *)(ws + W.ent_count), abort);
+                (int)T, P, El, (int)Kq, toff, aexp, (uint16_t *)(sb + S.assign_expert), dest,
+                (int32_t *)(ws + W.ent_token), (float *)(ws + W.ent_score), ent_off,
+                (int32_t *)(ws + W.ent_count), abort);
             TRYL("k_ep_entries");
         }
         smoe_assign_dev en;
         en.expert = dest;
+        en.expert16 = NULL;
         en.token = (int32_t *)(ws + W.ent_token);
         en.score = (float *)(ws + W.ent_score);
         en.token_offset = ent_off;
@@ -801,7 +809,6 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             v.row_score = (float *)(ws + W.m_row_score);
             v.row_token = (int32_t *)(ws + W.m_row_token);
             v.assign_row = (int32_t *)(ws + W.m_assign_row);
-            v.assign_expert = (int32_t *)(ws + W.m_assign_expert);
             v.token_offset = (int32_t *)(ws + W.m_token_offset);
             v.expert_offset = (int32_t *)(ws + W.m_expert_offset);
         }
@@ -816,8 +823,8 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         MARK(0, s, 0, "slots counted", -1);
         k_ep_triples<<<blocks_for(Tv, 256), 256, 0, s>>>(
             Tv, X->sl, (int)Km, ep->rows, (const pair_msg *)(ws + W.recv_pairs), v.token_offset,
-            (int32_t *)(ws + W.pt), v.assign_expert, (float *)(ws + W.ps),
-            (int32_t *)(sb + S.tri_slot), st);
+            (int32_t *)(ws + W.pt), (int32_t *)(ws + W.m_assign_expert), v.assign_expert,
+            (float *)(ws + W.ps), (int32_t *)(sb + S.tri_slot), st);
         TRYL("k_ep_triples");
         k_ep_rows_check<<<1, 32, 0, s>>>(P, ep->rows, total, msg2_send, st, rep);
         TRYL("k_ep_rows_check");
@@ -825,7 +832,8 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         TRYL("k_ep_rows_final");
         MARK(0, s, 0, "triples", -1);
         smoe_assign_dev tr;
-        tr.expert = v.assign_expert;
+        tr.expert = (int32_t *)(ws + W.m_assign_expert);
+        tr.expert16 = NULL; /* k_ep_triples wrote the 16-bit copy */
         tr.token = (int32_t *)(ws + W.pt);
         tr.score = (float *)(ws + W.ps);
         tr.token_offset = v.token_offset;
@@ -973,7 +981,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         const int32_t *pidx = (const int32_t *)(sb + S.pidx);
         const int32_t *ent_off = (const int32_t *)(sb + S.ent_off);
         const int32_t *toff = (const int32_t *)(sb + S.token_offset);
-        const int32_t *aexp = (const int32_t *)(sb + S.assign_expert);
+        const uint16_t *aexp = (const uint16_t *)(sb + S.assign_expert);
         const int32_t *off2 = (const int32_t *)(sb + S.off2);
         smoe_saved_view v = smoe_saved_view_make(&S.ex, sb + S.experts);
         /* keep_x: x's rows are in the saved block, only dout travels */
@@ -1176,7 +1184,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             smoe_saved_view u;
             memset(&u, 0, sizeof u);
             u.token_offset = (int32_t *)toff;
-            u.assign_expert = (int32_t *)aexp;
+            u.assign_expert = (uint16_t *)aexp;
             u.assign_row = (int32_t *)(sb + S.assign_row);
             u.row_score = (float *)(sb + S.row_score);
             u.logits = ep_saves_logits(L) ? (float *)(sb + S.logits) : NULL;

@@ -202,8 +202,8 @@ typedef struct pair_msg { /* one pair of a row: local expert (-1: none), score *
 } pair_msg;
 
 __global__ void k_ep_entries(int T, int P, int64_t El, int Kq, const int32_t *__restrict__ toff,
-                             const int32_t *__restrict__ aexp, int32_t *dest, int32_t *tok,
-                             float *score, int32_t *ent_off, int32_t *ent_count,
+                             const int32_t *__restrict__ aexp, uint16_t *aexp16, int32_t *dest,
+                             int32_t *tok, float *score, int32_t *ent_off, int32_t *ent_count,
                              const int *abort);
 __global__ void k_ep_pack(int64_t n_ent, int Kq, ep_slots sl, int Km, int64_t El, int64_t d,
                           const bf16 *__restrict__ x, const int32_t *__restrict__ toff,
@@ -222,7 +222,8 @@ __global__ void k_ep_row_counts(int64_t Tv, ep_slots sl, int Km, const int32_t *
 __global__ void k_ep_triples(int64_t Tv, ep_slots sl, int Km, int64_t rows,
                              const pair_msg *__restrict__ pairs,
                              const int32_t *__restrict__ off, int32_t *pt,
-                             int32_t *pe, float *ps, int32_t *tri_slot, const smoe_dev_status *st);
+                             int32_t *pe, uint16_t *pe16, float *ps, int32_t *tri_slot,
+                             const smoe_dev_status *st);
 __global__ void k_ep_rows_check(int P, int64_t rows, const int32_t *total, int32_t *msg,
                                 smoe_dev_status *st, smoe_dev_report rep);
 __global__ void k_ep_status_msg(int P, int32_t *msg, const smoe_dev_status *st);
@@ -249,7 +250,7 @@ __global__ void k_ep_ds_scatter(int64_t v0, int64_t v1, int64_t own0, int64_t ow
                                 float *send_ds, float *recv_ds, const int *abort);
 __global__ void k_ep_ds_gather(int T, int Kq, int Km, int64_t El, ep_slots sl,
                                const int32_t *__restrict__ toff,
-                               const int32_t *__restrict__ aexp,
+                               const uint16_t *__restrict__ aexp,
                                const int32_t *__restrict__ pidx,
                                const float *__restrict__ recv_ds, float *ds, const int *abort);
 __global__ void k_ep_dps_out(int64_t A, const float *__restrict__ ds, float *out, int accumulate,

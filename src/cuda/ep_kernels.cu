@@ -12,10 +12,11 @@
 /* ------------------------------------------------------------ kernels */
 
 /* Each token's destination ranks, ascending, Kq entries per token (-1
- * pads): the "assignments" of the metadata sort with E = P. */
+ * pads): the "assignments" of the metadata sort with E = P. Also copies the
+ * routing's experts (int32) to the saved block's 16-bit assign_expert. */
 __global__ void k_ep_entries(int T, int P, int64_t El, int Kq, const int32_t *__restrict__ toff,
-                             const int32_t *__restrict__ aexp, int32_t *dest, int32_t *tok,
-                             float *score, int32_t *ent_off, int32_t *ent_count,
+                             const int32_t *__restrict__ aexp, uint16_t *aexp16, int32_t *dest,
+                             int32_t *tok, float *score, int32_t *ent_off, int32_t *ent_count,
                              const int *abort)
 {
     SMOE_DEV_RETURN_IF_ABORTED(abort);
@@ -26,7 +27,10 @@ __global__ void k_ep_entries(int T, int P, int64_t El, int Kq, const int32_t *__
     }
     if (t >= T) return;
     unsigned long long mask = 0ull;
-    for (int a = toff[t]; a < toff[t + 1]; ++a) mask |= 1ull << (int)(aexp[a] / El);
+    for (int a = toff[t]; a < toff[t + 1]; ++a) {
+        mask |= 1ull << (int)(aexp[a] / El);
+        aexp16[a] = (uint16_t)aexp[a];
+    }
     int j = 0;
     for (int q = 0; q < P; ++q) {
         if (!(mask >> q & 1ull)) continue;
@@ -158,11 +162,13 @@ __global__ void k_ep_row_counts(int64_t Tv, ep_slots sl, int Km, const int32_t *
 }
 
 /* The triples in token-major order (none when more than `rows`: the
- * check after this sets the status). */
+ * check after this sets the status); pe16, if not NULL, gets the experts
+ * in 16 bits too (the saved block's). */
 __global__ void k_ep_triples(int64_t Tv, ep_slots sl, int Km, int64_t rows,
                              const pair_msg *__restrict__ pairs,
                              const int32_t *__restrict__ off, int32_t *pt,
-                             int32_t *pe, float *ps, int32_t *tri_slot, const smoe_dev_status *st)
+                             int32_t *pe, uint16_t *pe16, float *ps, int32_t *tri_slot,
+                             const smoe_dev_status *st)
 {
     const int64_t v = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (v >= Tv || st->code != SMOE_DEV_OK || off[Tv] > rows) return;
@@ -176,6 +182,7 @@ __global__ void k_ep_triples(int64_t Tv, ep_slots sl, int Km, int64_t rows,
         if (m.e < 0 || i >= off[v + 1]) continue;
         pt[i] = (int32_t)v;
         pe[i] = m.e;
+        if (pe16) pe16[i] = (uint16_t)m.e;
         ps[i] = m.s;
         tri_slot[i] = (int32_t)(u * Km + k);
         ++i;
@@ -337,7 +344,7 @@ __global__ void k_ep_ds_scatter(int64_t v0, int64_t v1, int64_t own0, int64_t ow
  * its row there. */
 __global__ void k_ep_ds_gather(int T, int Kq, int Km, int64_t El, ep_slots sl,
                                const int32_t *__restrict__ toff,
-                               const int32_t *__restrict__ aexp,
+                               const uint16_t *__restrict__ aexp,
                                const int32_t *__restrict__ pidx,
                                const float *__restrict__ recv_ds, float *ds, const int *abort)
 {

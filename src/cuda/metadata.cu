@@ -155,6 +155,7 @@ k_md_place(smoe_assign_dev in, int64_t cap, int E, int nchunk,
         const int64_t a = (int64_t)c * MD_CHUNK + b + lane;
         const bool inside = a < n;
         int e = inside ? in.expert[a] : -1;
+        if (inside && in.expert16) in.expert16[a] = (uint16_t)e;
         if (e >= E) e = -1;
         const unsigned peers = __match_any_sync(0xffffffffu, e);
         if (e >= 0) {
@@ -294,6 +295,7 @@ static __device__ __forceinline__ unsigned md2_load(const smoe_assign_dev &in, i
             ex[r] = in.expert[a];
             tk[r] = in.token[a];
             sc[r] = in.score[a];
+            if (in.expert16) in.expert16[a] = (uint16_t)ex[r];
         }
     }
     return inside;

@@ -61,7 +61,7 @@ static __device__ __forceinline__ void store_split(double v, const void *__restr
 
 /* The token's pair for expert e (assignments [a0, a1)): its dS and score. */
 static __device__ __forceinline__ bool pair_lookup(int e, int a0, int a1,
-                                                   const int32_t *__restrict__ assign_expert,
+                                                   const uint16_t *__restrict__ assign_expert,
                                                    const int32_t *__restrict__ assign_row,
                                                    const float *__restrict__ ds,
                                                    const float *__restrict__ row_score,
@@ -81,7 +81,7 @@ static __device__ __forceinline__ bool pair_lookup(int e, int a0, int a1,
 __global__ void k_router_dlogits(int T, int E, int K, int mode, int renormalize, int tr,
                                  double scale, const float *__restrict__ logits,
                                  const int32_t *__restrict__ token_offset,
-                                 const int32_t *__restrict__ assign_expert,
+                                 const uint16_t *__restrict__ assign_expert,
                                  const int32_t *__restrict__ assign_row,
                                  const float *__restrict__ row_score, const float *__restrict__ ds,
                                  const void *__restrict__ extra, int extra_bf16,
@@ -201,7 +201,7 @@ __global__ void k_router_dlogits(int T, int E, int K, int mode, int renormalize,
 
 __global__ void __launch_bounds__(DLW_WARPS * 32)
 k_router_dlogits_topk_warp(int T, int E, const int32_t *__restrict__ token_offset,
-                           const int32_t *__restrict__ assign_expert,
+                           const uint16_t *__restrict__ assign_expert,
                            const int32_t *__restrict__ assign_row,
                            const float *__restrict__ row_score, const float *__restrict__ ds,
                            const void *__restrict__ extra, int extra_bf16,
@@ -367,7 +367,7 @@ int smoe_cuda_router_sparse(const smoe_layer_desc *desc, int rounding, const voi
 
 smoe_status smoe_cuda_router_dlogits(const smoe_layer_desc *desc, int64_t T, int rounding,
                                      const float *logits, const int32_t *token_offset,
-                                     const int32_t *assign_expert, const int32_t *assign_row,
+                                     const uint16_t *assign_expert, const int32_t *assign_row,
                                      const float *row_score, const float *ds,
                                      const void *dlogits_extra, smoe_dtype extra_dt, bf16 *split,
                                      int32_t *tc_scratch, float *assign_dl, const int *abort,

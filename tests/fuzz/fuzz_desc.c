@@ -12,7 +12,7 @@ static int enum_ok(int v, int last) { return v >= 0 && v <= last; }
 
 /* The rules of smoe.h's descriptor, written from the header. */
 static int breaks_a_rule(const smoe_layer_desc *D) {
-    if (D->d <= 0 || D->n <= 0 || D->E <= 0 || D->E > INT32_MAX) return 1;
+    if (D->d <= 0 || D->n <= 0 || D->E <= 0 || D->E > 65536) return 1;
     if (D->routing == SMOE_ROUTING_GENERAL ? (D->K < 0 || D->K > D->E)
                                            : (D->K < 1 || D->K > D->E))
         return 1;

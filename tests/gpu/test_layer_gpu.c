@@ -369,7 +369,7 @@ static routed routed_from_saved(const run_out *r, int64_t T, int f64)
     routed o;
     const char *b = (const char *)r->saved;
     const int32_t *toff = (const int32_t *)(b + r->sl.token_offset);
-    const int32_t *aexp = (const int32_t *)(b + r->sl.assign_expert);
+    const uint16_t *aexp = (const uint16_t *)(b + r->sl.assign_expert);
     const int32_t *arow = (const int32_t *)(b + r->sl.assign_row);
     o.R = toff[T];
     o.tok = (int32_t *)malloc((size_t)o.R * 4 + 4);
@@ -409,7 +409,7 @@ static void check_metadata(const run_out *r, const smoe_layer_desc *D, int64_t T
     const int64_t E = D->E;
     const int32_t *toff = (const int32_t *)(b + r->sl.token_offset);
     const int32_t *eoff = (const int32_t *)(b + r->sl.expert_offset);
-    const int32_t *aexp = (const int32_t *)(b + r->sl.assign_expert);
+    const uint16_t *aexp = (const uint16_t *)(b + r->sl.assign_expert);
     const int32_t *arow = (const int32_t *)(b + r->sl.assign_row);
     const int32_t *rtok = (const int32_t *)(b + r->sl.row_token);
     const float *rsc = (const float *)(b + r->sl.row_score);

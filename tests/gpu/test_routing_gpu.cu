@@ -59,6 +59,7 @@ static void dev_run_alloc(dev_run *r, const smoe_layer_desc *D, int64_t T, int64
     r->as.score = (float *)tu_dev_alloc((size_t)cap * 4);
     r->as.token_offset = (int32_t *)tu_dev_alloc(((size_t)T + 1) * 4);
     r->as.count = (int32_t *)tu_dev_alloc(4);
+    r->as.expert16 = (uint16_t *)tu_dev_alloc((size_t)cap * 2);
     r->as.abort = NULL; /* no device-side check before these kernels */
     r->eoff = (int32_t *)tu_dev_alloc(((size_t)D->E + 1) * 4);
     r->arow = (int32_t *)tu_dev_alloc((size_t)cap * 4);
@@ -74,13 +75,14 @@ static void dev_run_free(dev_run *r)
     cudaFree(r->as.expert); cudaFree(r->as.token); cudaFree(r->as.score);
     cudaFree(r->as.token_offset); cudaFree(r->as.count); cudaFree(r->eoff); cudaFree(r->arow);
     cudaFree(r->rtok); cudaFree(r->rsc); cudaFree(r->counts); cudaFree(r->rscratch);
-    cudaFree(r->mscratch);
+    cudaFree(r->mscratch); cudaFree(r->as.expert16);
 }
 
 /* Host copy of the results. */
 struct host_run {
     int32_t R;
     int32_t *ex, *tok, *toff, *eoff, *arow, *rtok, *counts;
+    uint16_t *ex16; /* the metadata's 16-bit copy of ex */
     float *sc, *rsc;
 };
 
@@ -90,6 +92,7 @@ static host_run fetch_run(const dev_run *r)
     tu_dev_get(&h.R, r->as.count, 4);
     size_t R = (size_t)(h.R >= 0 && h.R <= r->cap ? h.R : 0);
     h.ex = (int32_t *)tu_dev_fetch(r->as.expert, R * 4);
+    h.ex16 = (uint16_t *)tu_dev_fetch(r->as.expert16, R * 2 + 2);
     h.tok = (int32_t *)tu_dev_fetch(r->as.token, R * 4);
     h.sc = (float *)tu_dev_fetch(r->as.score, R * 4);
     h.toff = (int32_t *)tu_dev_fetch(r->as.token_offset, ((size_t)r->T + 1) * 4);
@@ -104,14 +107,15 @@ static host_run fetch_run(const dev_run *r)
 static void host_run_free(host_run *h)
 {
     free(h->ex); free(h->tok); free(h->sc); free(h->toff); free(h->eoff); free(h->arow);
-    free(h->rtok); free(h->rsc); free(h->counts);
+    free(h->rtok); free(h->rsc); free(h->counts); free(h->ex16);
 }
 
 static int same_run(const host_run *a, const host_run *b, int64_t T, int64_t E)
 {
     if (a->R != b->R) return 0;
     size_t R = (size_t)a->R;
-    return !memcmp(a->ex, b->ex, R * 4) && !memcmp(a->tok, b->tok, R * 4) &&
+    return !memcmp(a->ex, b->ex, R * 4) && !memcmp(a->ex16, b->ex16, R * 2) &&
+           !memcmp(a->tok, b->tok, R * 4) &&
            !memcmp(a->sc, b->sc, R * 4) && !memcmp(a->toff, b->toff, (size_t)(T + 1) * 4) &&
            !memcmp(a->eoff, b->eoff, (size_t)(E + 1) * 4) && !memcmp(a->arow, b->arow, R * 4) &&
            !memcmp(a->rtok, b->rtok, R * 4) && !memcmp(a->rsc, b->rsc, R * 4);
@@ -140,9 +144,11 @@ static void check_metadata(const host_run *h, int64_t T, int64_t E)
             hit[r] = 1;
             ok2 &= h->tok[a] == t && h->rtok[r] == t;
             ok2 &= r >= h->eoff[h->ex[a]] && r < h->eoff[h->ex[a] + 1];
+            ok2 &= h->ex16[a] == h->ex[a];
             ok2 &= !memcmp(&h->rsc[r], &h->sc[a], 4);
         }
-    CHECK(ok2, "assign_row a permutation; row_token / row_score / expert ranges match");
+    CHECK(ok2, "assign_row a permutation; row_token / row_score / expert ranges / the 16-bit "
+               "experts match");
     free(hit);
 }
 
@@ -254,8 +260,8 @@ static void check_aggregate(const dev_run *r, const host_run *g, int64_t T, int6
             tu_dev_poison(ob, (size_t)(T * d) * 2);
             CHECK_OK(smoe_cuda_aggregate_backward(T, d, ku ? NULL : r->as.token_offset,
                                                   ku ? (int)K : 0, r->arow, y, NULL, dl,
-                                                  r->as.expert, wr, E, col, ob, SMOE_DTYPE_BF16, 0,
-                                                  NULL, 0));
+                                                  r->as.expert16, wr, E, col, ob, SMOE_DTYPE_BF16,
+                                                  0, NULL, 0));
             uint16_t *got = (uint16_t *)tu_dev_fetch(ob, (size_t)(T * d) * 2);
             CHECK(!memcmp(got, want_b, (size_t)(T * d) * 2),
                   "aggregate backward into bf16 (d %lld, %s) differs from the host's sums",
@@ -377,6 +383,7 @@ static void run_case(int64_t T, int64_t E, int64_t K, smoe_routing routing, int 
     tu_dev_poison(dlg16, (size_t)(T * E + 8) * 2);
     for (int rep = 0; rep < 2; rep++) {
         tu_dev_poison(r.as.expert, (size_t)cap * 4);
+        tu_dev_poison(r.as.expert16, (size_t)cap * 2);
         tu_dev_poison(r.rsc, (size_t)cap * 4);
         CUDA_OK(cudaEventRecord(e0, 0));
         CHECK_OK(smoe_cuda_route(&D, T, tr, dlg, dbias, rep == 1 ? dlg16 + lg16_shift : NULL, r.as,
