@@ -92,7 +92,7 @@ static host_run fetch_run(const dev_run *r)
     tu_dev_get(&h.R, r->as.count, 4);
     size_t R = (size_t)(h.R >= 0 && h.R <= r->cap ? h.R : 0);
     h.ex = (int32_t *)tu_dev_fetch(r->as.expert, R * 4);
-    h.ex16 = (uint16_t *)tu_dev_fetch(r->as.expert16, R * 2 + 2);
+    h.ex16 = (uint16_t *)tu_dev_fetch(r->as.expert16, R * 2);
     h.tok = (int32_t *)tu_dev_fetch(r->as.token, R * 4);
     h.sc = (float *)tu_dev_fetch(r->as.score, R * 4);
     h.toff = (int32_t *)tu_dev_fetch(r->as.token_offset, ((size_t)r->T + 1) * 4);
