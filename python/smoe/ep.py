@@ -598,7 +598,7 @@ def _ep_saved_bound(T, P, E, K, d, n, activation, routing, dtype, max_tokens, ca
     dtype), computed in Python: also for a symbolic T under torch.compile,
     and before the handle exists (creating it is collective: the first
     real call does). It is the sum of every section of both backends'
-    layouts (src/ep.c's saved_make and src/cuda/ep_cuda.cu's gsaved_make),
+    layouts (src/ep_calls.c's saved_make and src/cuda/ep_cuda.cu's gsaved_make),
     each at its larger size, the experts' part being
     smoe.functional.saved_bytes() of their GENERAL layer; the operator
     checks the library's size against it at every call; keep_x adds the
