@@ -126,9 +126,9 @@ static __device__ __forceinline__ void agg_write_header(smoe_saved_header *heade
     }
 }
 
-/* acc += row_score[r[j]] y[r[j]] for j <
- * AGG_UNROLL in order (r[j] < 0 skipped), columns c .. c + VEC - 1: the
- * rows' loads all in flight before the sums. */
+/* acc += row_score[r[j]] y[r[j]] for j < AGG_UNROLL in order (r[j] < 0
+ * skipped), columns c .. c + VEC - 1: the rows' loads all in flight before
+ * the sums. */
 template <int VEC>
 static __device__ __forceinline__ void agg_fma_group(float *acc, const int *r,
                                                      const float *__restrict__ row_score,
@@ -149,8 +149,9 @@ static __device__ __forceinline__ void agg_fma_group(float *acc, const int *r,
     }
 }
 
-/* acc += sum over a in [a0, a1) of row_score[r_a] y[r_a] for columns c .. c + VEC - 1, r_a = assign_row[a] (-1 skipped),
- * in order, four rows' loads in flight at once. */
+/* acc += sum over a in [a0, a1) of row_score[r_a] y[r_a], r_a =
+ * assign_row[a] (-1 skipped), columns c .. c + VEC - 1, in order, four
+ * rows' loads in flight at once. */
 template <int VEC>
 static __device__ __forceinline__ void agg_rows_into(float *acc, int a0, int a1,
                                                      const int32_t *__restrict__ assign_row,
@@ -224,7 +225,7 @@ k_aggregate_combine(int64_t T, int64_t d, const int32_t *__restrict__ ent_offset
                 if (p < 0) continue;
                 if (dest[e] == self) {
                     agg_rows_into<VEC>(acc, slot_offset[p], slot_offset[p + 1], assign_row,
-                                             row_score, y, d, c);
+                                       row_score, y, d, c);
                 } else {
                     float v[VEC];
                     vec_io<VEC>::load(part + (int64_t)p * d + c, v);
