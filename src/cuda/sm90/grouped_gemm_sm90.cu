@@ -322,21 +322,22 @@ enum {
  *        Qwen3-30B-A3B and gpt-oss-120b's shapes, +6-9% with the down rule
  *        below: bench/RESULTS.md, 2026-11-27); below 256 columns 128 x 128
  *        with 6 stages and a producer warp per stage.
- *  down  ping-pong 128 x 192 where the reduction n is short (n <= 512:
- *        +1-4% at 30B-n512 and 120B-n512 over the TMA-store tile, 2026-11-27;
- *        n < 1024 where d <= 2048: Qwen3-30B-A3B's n = 768 +3% forward in
- *        the layer, OLMoE-1B-7B's n = 1024 0.99x, 3 rounds, session 16;
- *        or n <= 1024 where d % 192 == 0: d = 4096 leaves a 64-column last
- *        n-tile) or where d is a multiple of 192 but not of 256 (gpt-oss's
- *        2880, grouped from 8 MiB: 128 x 256 would leave a quarter-full last
- *        tile); else 128 x 256, with the TMA-store epilogue at 512 < n <=
- *        1024 and E <= 256 (+3% at 120B-n1024's shape; layer forward +2-5%
- *        at 30B-n1024: rungs 10-11; the ping-pong there measured 0.98x);
- *        for d > 4096 the ping-pong, grouped from 8 MiB (GLM-4.5 +5%,
+ *  down  ping-pong 128 x 192 where the reduction n is short (n <= 1024:
+ *        n <= 512 +1-4% at 30B-n512 and 120B-n512 over the TMA-store tile,
+ *        2026-11-27; Qwen3-30B-A3B's n = 768 +3% forward in the layer,
+ *        session 16; at n = 1024 the H100 had measured the TMA-store tile
+ *        ahead (30B-n1024 and OLMoE-1B-7B 0.98-0.99x with the ping-pong,
+ *        rungs 10-11 and session 16), but with today's kernels on an H200
+ *        the ping-pong reads layer forward +2% at 30B-n1024, 120B-n1024 and
+ *        OLMoE-1B-7B, 3 interleaved rounds, ranges apart, session 48) or
+ *        where d is a multiple of 192 but not of 256 (gpt-oss's 2880,
+ *        grouped from 8 MiB: 128 x 256 would leave a quarter-full last
+ *        tile); for d > 4096 the ping-pong, grouped from 8 MiB (GLM-4.5 +5%,
  *        DeepSeek-V3 +1%; at d = 4096, GLM-4.5-Air and Qwen3-235B-A22B,
- *        it lost 2-3% to 128 x 256: 2026-11-27).
- *  dxt   as down's rule without the E <= 256 case (reduction h_cols), the
- *        plain 128 x 256 tile otherwise; its ping-pong grouped from 4 MiB
+ *        it lost 2-3% to 128 x 256: 2026-11-27); else 128 x 256. (The
+ *        TMA-store rows stay in the table, for the tests and bench_gemm.)
+ *  dxt   the ping-pong where the reduction h_cols is at most 512, or 1024
+ *        where d % 192 == 0; the plain 128 x 256 tile otherwise; its ping-pong grouped from 4 MiB
  *        (30B-n256: layer backward +3%, bench_gemm 4.15 -> 3.69 ms on
  *        random routing, session 23; 1.4B and 7B keep row order). At
  *        gpt-oss-120b's d = 2880 the ping-pong grouped measured 3.48 ms
@@ -530,10 +531,9 @@ static void sm90_plan(const smoe_gemm_problem *p, smoe_gemm_plan *plan)
         plan->row[SMOE_GEMM_DOWN] = 6;
     } else {
         const int gr = sm90_grouped(n, d, 16);
-        if (n <= 512 || (n < 1024 && d <= 2048) || (n <= 1024 && d % 192 == 0))
+        if (n <= 1024)
             plan->row[SMOE_GEMM_DOWN] = gr;
         else if (d % 256 != 0 && d % 192 == 0) plan->row[SMOE_GEMM_DOWN] = sm90_grouped(n, d, 8);
-        else if (E <= 256 && n <= 1024) plan->row[SMOE_GEMM_DOWN] = 2 + gr;
         else if (d > 4096) plan->row[SMOE_GEMM_DOWN] = sm90_grouped(n, d, 8);
         else plan->row[SMOE_GEMM_DOWN] = 4 + gr;
     }
