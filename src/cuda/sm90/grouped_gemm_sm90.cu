@@ -336,8 +336,10 @@ enum {
  *        DeepSeek-V3 +1%; at d = 4096, GLM-4.5-Air and Qwen3-235B-A22B,
  *        it lost 2-3% to 128 x 256: 2026-11-27); else 128 x 256. (The
  *        TMA-store rows stay in the table, for the tests and bench_gemm.)
- *  dxt   the ping-pong where the reduction h_cols is at most 512, or 1024
- *        where d % 192 == 0; the plain 128 x 256 tile otherwise; its ping-pong grouped from 4 MiB
+ *  dxt   the ping-pong where the reduction h_cols is at most 1024 (in row
+ *        order at 512 < h_cols <= 1024 where d % 192 != 0: layer backward
+ *        +2% at 30B-n512 and 120B-n512 on an H200, 3 interleaved rounds,
+ *        ranges apart, session 48), the plain 128 x 256 tile otherwise; its ping-pong grouped from 4 MiB
  *        (30B-n256: layer backward +3%, bench_gemm 4.15 -> 3.69 ms on
  *        random routing, session 23; 1.4B and 7B keep row order). At
  *        gpt-oss-120b's d = 2880 the ping-pong grouped measured 3.48 ms
@@ -542,8 +544,9 @@ static void sm90_plan(const smoe_gemm_problem *p, smoe_gemm_plan *plan)
      * session 23) */
     if (!(p->gated && p->w1_layout == SMOE_W1_CONCATENATED)) {
         const int gr = sm90_grouped(hc, d, 16), pp_gr = sm90_grouped(hc, d, 4);
-        plan->row[SMOE_GEMM_DXT] = d < 256 ? 4
+        plan->row[SMOE_GEMM_DXT] = d < 256                                      ? 4
                                    : (hc <= 512 || (hc <= 1024 && d % 192 == 0)) ? pp_gr
+                                   : hc <= 1024                                  ? 0
                                                                                  : 2 + gr;
     }
     /* dh (K = d, N = n): the 128 x 128 ping-pong where d <= 1536, so that
