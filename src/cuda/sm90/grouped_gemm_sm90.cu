@@ -339,9 +339,10 @@ enum {
  *  dxt   the ping-pong where the reduction h_cols is at most 1024 (in row
  *        order at 512 < h_cols <= 1024 where d % 192 != 0: layer backward
  *        +2% at 30B-n512 and 120B-n512 on an H200, 3 interleaved rounds,
- *        ranges apart, session 48), the plain 128 x 256 tile otherwise; its ping-pong grouped from 4 MiB
- *        (30B-n256: layer backward +3%, bench_gemm 4.15 -> 3.69 ms on
- *        random routing, session 23; 1.4B and 7B keep row order). At
+ *        ranges apart, session 48), the plain 128 x 256 tile otherwise;
+ *        its ping-pong grouped from 4 MiB (30B-n256: layer backward +3%,
+ *        bench_gemm 4.15 -> 3.69 ms on random routing, session 23; 1.4B
+ *        and 7B keep row order). At
  *        gpt-oss-120b's d = 2880 the ping-pong grouped measured 3.48 ms
  *        against the 256-wide tile's 3.96 alone but only +1% in the layer
  *        (ranges overlapping), and -8% at GLM-4.5-Air: not taken.
