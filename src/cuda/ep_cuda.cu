@@ -1121,13 +1121,13 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
                 if (has_peer_piece(ep, K, c)) MARK(1, X->cs, 1, "partials back, chunk", c);
             }
         }
-        /* dW2 needs dout and the peers' status (their header checks, which
-         * came with dout) before any weight gradient is written. With
-         * chunks it runs beside the last partial sums still in flight
-         * (leaving their SMs), then every exchange done (x arrived, the
-         * partials through) and dW1 on every SM. Without, the exchanges end
-         * first: a persistent GEMM beside NCCL's kernel on its SMs would
-         * wait for them with its share of the tiles. */
+        /* The weight gradients need dout and x and the peers' status (their
+         * header checks, which came with dout) before any of them is
+         * written. With chunks the first (dW2, or dW1 where dw1_beside)
+         * runs beside the last partial sums still in flight (leaving their
+         * SMs), then, every exchange done, the other on every SM. Without,
+         * the exchanges end first: a persistent GEMM beside NCCL's kernel
+         * on its SMs would wait for them with its share of the tiles. */
         const int tail = P > 1 && K->nc > 1;
         if (P > 1 && !tail) {
             TRY(join_streams(ep, s));
@@ -1141,36 +1141,37 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
             MARK(1, s, 0, "exchanges in", -1);
         }
         const smoe_gemm_problem *g = &X->g.problem;
-        {
+        for (int step = 0; step < 2; step++) {
+            const int w1 = (step == 0) == (X->dw1_beside != 0), beside = tail && step == 0;
             smoe_gemm_problem p = chunk_problem(ep, K, &v, off2, -1,
-                                                tail ? X->sms_overlap : X->g.num_sms, abort);
-            if (args->dw2.ptr)
-                TRY(gemm_ran(X->g.ops.dw2(&p, rdo, a_scaled, args->dw2.ptr, args->dw2.dtype,
-                                          args->dw2.accumulate, ws + W.gemm, s),
-                             "dw2"));
-            if (args->db2.ptr)
-                TRY(smoe_cuda_expert_colsum(El, d, v.expert_offset, rdo, v.row_token,
-                                            v.row_score, g->n, g->gated, g->w1_layout, 0,
-                                            args->db2.ptr, args->db2.dtype, args->db2.accumulate,
-                                            abort, s));
-            MARK(1, s, 0, "dw2", -1);
-        }
-        if (tail) {
-            TRY(join_streams(ep, s));
-            z.sending = 0;
-            MARK(1, s, 0, "join", -1);
-        }
-        {
-            smoe_gemm_problem p = chunk_problem(ep, K, &v, off2, -1, X->g.num_sms, abort);
-            if (args->dw1.ptr)
-                TRY(gemm_ran(X->g.ops.dw1(&p, dh, rx, args->dw1.ptr, args->dw1.dtype,
-                                          args->dw1.accumulate, ws + W.gemm, s),
-                             "dw1"));
-            if (args->db1.ptr)
-                TRY(smoe_cuda_expert_colsum(El, g->h_cols, v.expert_offset, dh, NULL, NULL,
-                                            g->n, g->gated, g->w1_layout, 1, args->db1.ptr,
-                                            args->db1.dtype, args->db1.accumulate, abort, s));
-            MARK(1, s, 0, "dw1", -1);
+                                                beside ? X->sms_overlap : X->g.num_sms, abort);
+            if (!w1) {
+                if (args->dw2.ptr)
+                    TRY(gemm_ran(X->g.ops.dw2(&p, rdo, a_scaled, args->dw2.ptr, args->dw2.dtype,
+                                              args->dw2.accumulate, ws + W.gemm, s),
+                                 "dw2"));
+                if (args->db2.ptr)
+                    TRY(smoe_cuda_expert_colsum(El, d, v.expert_offset, rdo, v.row_token,
+                                                v.row_score, g->n, g->gated, g->w1_layout, 0,
+                                                args->db2.ptr, args->db2.dtype,
+                                                args->db2.accumulate, abort, s));
+                MARK(1, s, 0, "dw2", -1);
+            } else {
+                if (args->dw1.ptr)
+                    TRY(gemm_ran(X->g.ops.dw1(&p, dh, rx, args->dw1.ptr, args->dw1.dtype,
+                                              args->dw1.accumulate, ws + W.gemm, s),
+                                 "dw1"));
+                if (args->db1.ptr)
+                    TRY(smoe_cuda_expert_colsum(El, g->h_cols, v.expert_offset, dh, NULL, NULL,
+                                                g->n, g->gated, g->w1_layout, 1, args->db1.ptr,
+                                                args->db1.dtype, args->db1.accumulate, abort, s));
+                MARK(1, s, 0, "dw1", -1);
+            }
+            if (beside) {
+                TRY(join_streams(ep, s));
+                z.sending = 0;
+                MARK(1, s, 0, "join", -1);
+            }
         }
         /* this rank's tokens: dS per assignment, the router, dx */
         float *dsa = (float *)(ws + W.ds_assign);

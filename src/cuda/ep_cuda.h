@@ -162,6 +162,8 @@ typedef struct ep_cuda {
     int n_ev;
     ep_chunks fw, bw; /* the forward's and the backward's chunks */
     int sms_overlap; /* the GEMMs' SMs while an exchange is in flight */
+    int dw1_beside;  /* the backward: dW1 (not dW2) beside the last partial
+                        sums, dW2 after the join (ep_nccl.cu) */
     smoe_cuda_gemms g;
     ep_slots sl;     /* the received rows' layout */
     /* copy engines (sl.H parts, own_end): the zero-CTA communicator, the

@@ -403,8 +403,9 @@ static void chunks_make(ep_chunks *K, int P, int r, int64_t C, int split, int ha
  * the peers' in the order they arrive, each one's partial sums sent back
  * while the next computes, and the second half of this rank's own last
  * (forward and backward alike, but for the forward's halves at P = 2
- * where n <= 512; the backward's weight gradients follow, beside the last partial
- * sums). */
+ * where n <= 512, and the backward at P = 2 on NCCL's kernels, whose own
+ * rows are one chunk; the backward's weight gradients follow, one of them
+ * beside the last partial sums). */
 static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
 {
     const char *fn = "smoe_ep_layer_create";
@@ -500,24 +501,35 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
      * chunk hides the last part's partial sums, which take longer beside
      * the GEMMs than the first part's rows do alone (4 x H200, same call:
      * forward 0.14-0.55 ms faster on four shapes, fwd+bwd 0.11-0.37 ms on
-     * three; a quarter no better); half at P = 2. The backward measured
-     * best with bd's halves (bench/RESULTS.md session 20): split by rows,
-     * its first own chunk's dx partials wait for the second, where they
-     * no longer fill the wait for dout's first part. */
+     * three; a quarter no better); half at P = 2. The backward, where it
+     * splits its own rows (P >= 4, the copy engines), measured best with
+     * bd's halves (bench/RESULTS.md session 20): split by rows, its first
+     * own chunk's dx partials wait for the second, where they no longer
+     * fill the wait for dout's first part. */
     F->own_b = !split || F->nc == 1 ? -1 : X->ce ? H + 1 : F->order[F->nc - 1];
     F->own_share = P >= 4 ? 33 : 50;
-    /* The backward's own rows split at 65% of the C own slots instead of
-     * half, at P = 2 on NCCL's kernels (after F took B's bounds: the
-     * forward finds its own split on the device). The first own chunk's
-     * GEMMs then last until the peer's dout has arrived: at half, the peer's
-     * chunk waited 0.17-0.31 ms for it at 30B-n512 (SMOE_EP_TRACE, 2 x
-     * H200, session 45). Same calls, 5 rounds (exp/ep-own-shares'
-     * SMOE_EP_BW_OWN): 30B-n512's backward 14.51-14.63 -> 14.25-14.45 ms
-     * at 65% (60 and 70 in between), 120B-n1024 even; 3 more rounds in
-     * session 46 with the branch's tests passed: 14.36-14.45 -> 14.35-14.41
-     * (even), so over the 8 about -0.8%. */
-    if (!X->ce && split && B->nc > 1 && P == 2)
-        B->bd.b[B->order[B->nc - 1]] = (int64_t)r * ep->C + ep->C * 65 / 100;
+    /* The backward at P = 2 on NCCL's kernels: this rank's own rows in one
+     * chunk, first (their GEMMs last until the peer's dout has arrived), then
+     * the peer's; the peer's dx partial sums then come back beside a weight
+     * gradient instead of beside a last own chunk: dW2 where it outlasts
+     * their exchange, else dW1 (dw1_beside), the other after the join on
+     * every SM. The GEMMs' time grows with every chunk (each expert's rows
+     * cut into more m-tiles, ragged ends and tails: 30B-n512's backward
+     * chunk GEMMs 6.3-6.4 ms in three chunks against 5.4-5.5 in one, with
+     * the exchanges as local copies, SMOE_EP_TRACE, session 49). dW2 takes
+     * a time that grows with K n against theirs (30B-n512, K n = 4096: dW2
+     * 1.87 ms, the partial sums 2.48 ms beside it; 120B-n1024, K n = 8192,
+     * dW2 outlasts them). Same binary, 3
+     * interleaved rounds (2 x H200, session 49) against session 48's
+     * schedule (own rows split at 65%, the second part last, dW2 beside):
+     * backward 30B-n512 14.17-14.32 -> 13.97-13.98 ms (dW2 beside instead:
+     * 14.33-14.41), 120B-n1024 26.04-26.17 -> 25.46-25.61 (dW1 beside
+     * instead: 25.71-25.74); per GPU 81.8-83.2% -> 83.7-84.1% and 86.4-87.8%
+     * -> 88.3-88.4% of the single layer. */
+    if (!X->ce && split && B->nc > 1 && P == 2) {
+        chunks_make(B, P, r, ep->C, 0, 0);
+        X->dw1_beside = (int64_t)ep->desc.layer.K * ep->desc.layer.n < 8192;
+    }
     /* 0: four SMs per rank, 8 to 32 (best measured: 8 at P = 2, 16 at P = 4;
      * more peers want more of NCCL's channels at once); copy engines: 8 (the
      * rows need none; the counts, pairs and dS messages go faster with 8
