@@ -20,7 +20,8 @@
  * 4. -q 1 runs the layer's defaults alone (copy_engines = 0: the layer
  * picks) and the single layer: the quick line for an A/B of two builds;
  * -q 2 the layer's defaults without the single layer. With -q, -g sets the
- * quick run's copy_engines (1: the copy engines, -1: NCCL's kernels). Both
+ * quick run's copy_engines (1: the copy engines, -1: NCCL's kernels) and -m
+ * its comm_sms (before session 49 -m was ignored there). Both
  * print first a line of each rank's own median forward and backward (a rank
  * that waits for a slower one reads it in its backward, which starts when
  * its own forward ends). With SMOE_EP_TRACE=1 (smoe.h) every EP layer
@@ -194,7 +195,7 @@ static void *rank_main(void *arg) {
         ed.capacity = c->capacity;
         ed.expert_rows = c->expert_rows;
         ed.overlap = R->ep == 3 ? -1 : R->c->overlap;
-        ed.comm_sms = R->ep >= 5 ? 0 : c->comm_sms;
+        ed.comm_sms = R->ep == 5 || R->ep == 6 ? 0 : c->comm_sms; /* -m: quick runs too */
         ed.keep_x = R->ep == 4 || R->ep == 6;
         ed.copy_engines = R->ep == 7 ? c->ce : R->ep >= 5 ? 1 : -1;
         SMOE_OK(smoe_ep_layer_create(&ed, &EPL));
