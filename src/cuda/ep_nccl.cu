@@ -509,23 +509,23 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
     F->own_b = !split || F->nc == 1 ? -1 : X->ce ? H + 1 : F->order[F->nc - 1];
     F->own_share = P >= 4 ? 33 : 50;
     /* The backward at P = 2 on NCCL's kernels: this rank's own rows in one
-     * chunk, first (their GEMMs last until the peer's dout has arrived), then
-     * the peer's; the peer's dx partial sums then come back beside a weight
-     * gradient instead of beside a last own chunk: dW2 where it outlasts
-     * their exchange, else dW1 (dw1_beside), the other after the join on
-     * every SM. The GEMMs' time grows with every chunk (each expert's rows
-     * cut into more m-tiles, ragged ends and tails: 30B-n512's backward
-     * chunk GEMMs 6.3-6.4 ms in three chunks against 5.4-5.5 in one, with
-     * the exchanges as local copies, SMOE_EP_TRACE, session 49). dW2 takes
-     * a time that grows with K n against theirs (30B-n512, K n = 4096: dW2
-     * 1.87 ms, the partial sums 2.48 ms beside it; 120B-n1024, K n = 8192,
-     * dW2 outlasts them). Same binary, 3
-     * interleaved rounds (2 x H200, session 49) against session 48's
-     * schedule (own rows split at 65%, the second part last, dW2 beside):
-     * backward 30B-n512 14.17-14.32 -> 13.97-13.98 ms (dW2 beside instead:
-     * 14.33-14.41), 120B-n1024 26.04-26.17 -> 25.46-25.61 (dW1 beside
-     * instead: 25.71-25.74); per GPU 81.8-83.2% -> 83.7-84.1% and 86.4-87.8%
-     * -> 88.3-88.4% of the single layer. */
+     * chunk, first (their GEMMs last until the peer's dout has arrived),
+     * then the peer's; the peer's dx partial sums then come back beside a
+     * weight gradient instead of beside a last own chunk: dW2 where it
+     * outlasts their exchange, else dW1 (dw1_beside; general routing, K =
+     * 0, too), the other after the join on every SM. The GEMMs' time grows
+     * with every chunk (each expert's rows cut into more m-tiles, ragged
+     * ends and tails: 30B-n512's backward chunk GEMMs 6.3-6.4 ms in three
+     * chunks against 5.4-5.5 in one, with the exchanges as local copies,
+     * SMOE_EP_TRACE, session 49). dW2's time against the partial sums'
+     * grows with K n (30B-n512, K n = 4096: dW2 1.87 ms, the partial sums
+     * 2.48 ms beside it; 120B-n1024, K n = 8192: dW2 outlasts them). Same
+     * binary, 3 interleaved rounds (2 x H200, session 49) against session
+     * 48's schedule (own rows split at 65%, the second part last, dW2
+     * beside): backward 30B-n512 14.17-14.32 -> 13.97-13.98 ms (dW2 beside
+     * instead: 14.33-14.41), 120B-n1024 26.04-26.17 -> 25.46-25.61 (dW1
+     * beside instead: 25.71-25.74); per GPU 81.8-83.2% -> 83.7-84.1% and
+     * 86.4-87.8% -> 88.3-88.4% of the single layer. */
     if (!X->ce && split && B->nc > 1 && P == 2) {
         chunks_make(B, P, r, ep->C, 0, 0);
         X->dw1_beside = (int64_t)ep->desc.layer.K * ep->desc.layer.n < 8192;
