@@ -1142,7 +1142,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
         }
         const smoe_gemm_problem *g = &X->g.problem;
         for (int step = 0; step < 2; step++) {
-            const int w1 = (step == 0) == (X->dw1_beside != 0), beside = tail && step == 0;
+            const int w1 = step == 0 ? X->dw1_beside : !X->dw1_beside, beside = tail && step == 0;
             smoe_gemm_problem p = chunk_problem(ep, K, &v, off2, -1,
                                                 beside ? X->sms_overlap : X->g.num_sms, abort);
             if (!w1) {
