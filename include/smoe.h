@@ -520,9 +520,14 @@ typedef struct smoe_ep_desc {
                                forward's start, no pack of its rows):
                                1 = on (SMOE_ERROR_UNSUPPORTED without
                                the Hopper GEMMs), -1 = off (exchange, then
-                               compute), 0 = on where the Hopper GEMMs run and
-                               capacity * d * 2 >= 128 MiB (where it measured
-                               faster; smoe_ep_layer_path_name says which) */
+                               compute), 2 = in the backward only (the
+                               forward exchanges, then computes; NCCL's
+                               kernels, not with copy_engines = 1), 0 = on
+                               where the Hopper GEMMs run and capacity * d *
+                               2 >= 128 MiB, in the backward only where it
+                               is >= 64 MiB and K * n <= 8192 (where each
+                               measured faster; smoe_ep_layer_path_name
+                               says which) */
     int comm_sms;           /* CUDA, overlap: SMs the GEMMs leave to NCCL while
                                an exchange is in flight (and the most CTAs the
                                layer's own NCCL communicator launches): 0 =
@@ -554,7 +559,7 @@ typedef struct smoe_ep_desc {
                                when it holds them: create and free them in
                                the same order on every rank, run them one
                                at a time (one stream). Needs the Hopper GEMMs,
-                               overlap >= 0 and ranks whose GPUs reach each
+                               overlap 0 or 1 and ranks whose GPUs reach each
                                other's memory (one NVLink domain: NCCL
                                registers the window) (else
                                SMOE_ERROR_UNSUPPORTED); the CPU backend

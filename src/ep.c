@@ -87,8 +87,8 @@ static smoe_status desc_checks(const smoe_ep_desc *desc, int P, const char *fn)
                        "%s: layer.consume_saved = 1: the expert-parallel backward only reads "
                        "its saved block (not supported with expert parallelism; set it to 0)",
                        fn);
-    else if (desc->overlap < -1 || desc->overlap > 1)
-        st = smoe_fail(SMOE_ERROR_INVALID_VALUE, "%s: overlap = %d, must be -1, 0 or 1", fn,
+    else if (desc->overlap < -1 || desc->overlap > 2)
+        st = smoe_fail(SMOE_ERROR_INVALID_VALUE, "%s: overlap = %d, must be -1, 0, 1 or 2", fn,
                        desc->overlap);
     else if (desc->comm_sms < -1 || desc->comm_sms > 1024)
         st = smoe_fail(SMOE_ERROR_INVALID_VALUE, "%s: comm_sms = %d, must be in [-1, 1024]", fn,
@@ -102,15 +102,15 @@ static smoe_status desc_checks(const smoe_ep_desc *desc, int P, const char *fn)
     else if (desc->copy_engines == 1 && L->backend == SMOE_BACKEND_CPU)
         st = smoe_fail(SMOE_ERROR_UNSUPPORTED,
                        "%s: copy_engines = 1: the CPU backend's exchanges are host copies", fn);
-    else if (desc->copy_engines == 1 && desc->overlap == -1)
+    else if (desc->copy_engines == 1 && (desc->overlap == -1 || desc->overlap == 2))
         st = smoe_fail(SMOE_ERROR_UNSUPPORTED,
-                       "%s: copy_engines = 1 with overlap = -1: the copy engines' exchanges "
-                       "run beside the expert GEMMs (overlap 0 or 1)",
-                       fn);
-    else if (desc->overlap == 1 && L->backend == SMOE_BACKEND_CPU)
+                       "%s: copy_engines = 1 with overlap = %d: the copy engines' exchanges "
+                       "run beside the expert GEMMs in both directions (overlap 0 or 1)",
+                       fn, desc->overlap);
+    else if (desc->overlap >= 1 && L->backend == SMOE_BACKEND_CPU)
         st = smoe_fail(SMOE_ERROR_UNSUPPORTED,
-                       "%s: overlap = 1 (required): the CPU backend exchanges, then computes",
-                       fn);
+                       "%s: overlap = %d (required): the CPU backend exchanges, then computes",
+                       fn, desc->overlap);
     return st;
 }
 

@@ -388,7 +388,10 @@ int main(int argc, char **argv) {
         c = base_case(2, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_DTYPE_F64);
         c.overlap = 1; /* the CPU backend exchanges, then computes */
         run_case("overlap required on the CPU", &c, &rng, 0, SMOE_ERROR_UNSUPPORTED, "overlap");
-        c.overlap = 2;
+        c.overlap = 2; /* the backward's: the same */
+        run_case("backward overlap required on the CPU", &c, &rng, 0, SMOE_ERROR_UNSUPPORTED,
+                 "overlap = 2");
+        c.overlap = 3;
         run_case("overlap out of range", &c, &rng, 0, SMOE_ERROR_INVALID_VALUE, "overlap");
         c.overlap = -1;
         c.comm_sms = -2;

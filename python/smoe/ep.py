@@ -857,15 +857,15 @@ _ORDERED = _register_ordered()
 def check_ep_options(max_tokens, capacity, expert_rows, overlap, comm_sms, who, keep_x=False,
                      copy_engines=None):
     """The exchange's options as smoe.EPMoE takes them (smoe_ep_desc's):
-    max_tokens, capacity, expert_rows ints >= 0, overlap -1, 0 or 1,
+    max_tokens, capacity, expert_rows ints >= 0, overlap -1, 0, 1 or 2,
     comm_sms an int >= -1, keep_x a bool, copy_engines None (the library
     decides) or a bool; a SmoeValueError naming the one that is not."""
     for name, v in (("max_tokens", max_tokens), ("capacity", capacity),
                     ("expert_rows", expert_rows)):
         _check_int(v, who + ": " + name, 0)
-    if overlap not in (-1, 0, 1):
-        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "%s: overlap = %r, must be -1, 0 or 1"
-                             % (who, overlap))
+    if overlap not in (-1, 0, 1, 2):
+        raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE,
+                             "%s: overlap = %r, must be -1, 0, 1 or 2" % (who, overlap))
     _check_int(comm_sms, who + ": comm_sms", -1)
     if keep_x not in (False, True):  # (0 and 1 compare equal to them)
         raise SmoeValueError(L.SMOE_ERROR_INVALID_VALUE, "%s: keep_x = %r, must be a bool"
@@ -1076,9 +1076,9 @@ class EPMoE(nn.Module):
     max_tokens) and expert_rows ((row, expert) pairs one rank computes, 0 =
     the worst case) as in smoe_ep_desc: a call beyond them fails on every
     rank, raised by the layer's next call or smoe.EPMoE.check_device().
-    overlap (0 = the library decides, 1 = on, -1 = off) and comm_sms (SMs
-    left to NCCL beside the GEMMs, 0 = 4 per rank within [8, 32], 8 with
-    copy_engines) as in smoe_ep_desc.
+    overlap (0 = the library decides, 1 = on, -1 = off, 2 = the backward
+    only) and comm_sms (SMs left to NCCL beside the GEMMs, 0 = 4 per rank
+    within [8, 32], 8 with copy_engines) as in smoe_ep_desc.
     keep_x=True keeps the rows of x this rank received for the backward,
     which then sends only the output gradient (one exchange of the three
     fewer) for P * capacity * d elements more in the saved activation per

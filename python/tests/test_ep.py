@@ -416,7 +416,7 @@ def test_routing_options_refused_as_smoe_moe_refuses_them(kw):
     (dict(activation_function="swish"), r"smoe.EPMoE: activation_function = 'swish', must be"),
     (dict(w1_layout="fused"), r"smoe.EPMoE: w1_layout = 'fused', must be one of"),
     (dict(aux_loss_scope="global"), r"smoe.EPMoE: aux_loss_scope = 'global', must be 'local'"),
-    (dict(overlap=2), r"smoe.EPMoE: overlap = 2, must be -1, 0 or 1"),
+    (dict(overlap=3), r"smoe.EPMoE: overlap = 3, must be -1, 0, 1 or 2"),
     (dict(comm_sms=-2), r"smoe.EPMoE: comm_sms = -2, must be >= -1"),
     (dict(keep_x=2), r"smoe.EPMoE: keep_x = 2, must be a bool"),
     (dict(copy_engines=2), r"smoe.EPMoE: copy_engines = 2, must be None \(automatic\) or a "

@@ -228,7 +228,7 @@ def test_replace_blocks_expert_parallel_refusals():
     (g1,) = smoe.EPGroup.in_process(1)
     with pytest.raises(ValueError, match=r"max_tokens = None, must be an int"):
         smoe.hf.replace_moe_blocks(model, ep_group=g1)
-    with pytest.raises(ValueError, match=r"overlap = 3, must be -1, 0 or 1"):
+    with pytest.raises(ValueError, match=r"overlap = 3, must be -1, 0, 1 or 2"):
         smoe.hf.replace_moe_blocks(model, ep_group=g1, max_tokens=8, overlap=3)
     with pytest.raises(ValueError, match=r"keep_x = 2, must be a bool"):
         smoe.hf.replace_moe_blocks(model, ep_group=g1, max_tokens=8, keep_x=2)

@@ -331,6 +331,7 @@ typedef struct sched {
     int waited[64][2];
     int rounds_left;
     int sending;
+    int comm; /* smoe_ep_p2p_group's: 0 the layer's, 2 the caller's */
 } sched;
 
 static sched sched_make(const smoe_ep_layer *ep, const ep_chunks *K)
@@ -338,6 +339,7 @@ static sched sched_make(const smoe_ep_layer *ep, const ep_chunks *K)
     sched z;
     memset(&z, 0, sizeof z);
     z.K = K;
+    z.comm = K == &ep->cuda->fw && ep->cuda->fw_caller ? 2 : 0;
     z.rounds_left = (ep->P - 1) * (K->halves ? 2 : 1);
     return z;
 }
@@ -416,7 +418,7 @@ static smoe_status chunk_send(const smoe_ep_layer *ep, sched *z, int c, const cb
     if (!n) return SMOE_SUCCESS;
     SMOE_CUDA_CHECK(cudaEventRecord(X->ev[EV_IN + 2 * P + c], s));
     SMOE_CUDA_CHECK(cudaStreamWaitEvent(X->cs, X->ev[EV_IN + 2 * P + c], 0));
-    SMOE_FORWARD_IF_ERROR(smoe_ep_p2p_group(ep, op, n, X->cs));
+    SMOE_FORWARD_IF_ERROR(smoe_ep_p2p_group(ep, op, n, z->comm, X->cs));
     z->sending = 1;
     return SMOE_SUCCESS;
 }
@@ -425,9 +427,11 @@ static smoe_status chunk_send(const smoe_ep_layer *ep, sched *z, int c, const cb
  * stream has packed: round k sends to r + k and receives from r - k, nb
  * buffers of rows [i0, i1) of each C-row slice (and the 8-byte message msg
  * when given); event ev_each + k after round k (ev_each < 0: none). The
- * send buffers hold a slice per rank, or with whole (x itself) one for all. */
+ * send buffers hold a slice per rank, or with whole (x itself) one for all;
+ * comm as smoe_ep_p2p_group's. */
 static smoe_status rounds(const smoe_ep_layer *ep, const cbuf *b, int nb, const int32_t *msg_send,
-                          int32_t *msg_recv, int64_t i0, int64_t i1, int ev_each, int whole)
+                          int32_t *msg_recv, int64_t i0, int64_t i1, int ev_each, int whole,
+                          int comm)
 {
     const ep_cuda *X = ep->cuda;
     const int P = ep->P, r = ep->r;
@@ -450,7 +454,7 @@ static smoe_status rounds(const smoe_ep_layer *ep, const cbuf *b, int nb, const 
             op[n].from = from;
             n++;
         }
-        SMOE_FORWARD_IF_ERROR(smoe_ep_p2p_group(ep, op, n, X->cs));
+        SMOE_FORWARD_IF_ERROR(smoe_ep_p2p_group(ep, op, n, comm, X->cs));
         if (ev_each >= 0) SMOE_CUDA_CHECK(cudaEventRecord(X->ev[ev_each + k], X->cs));
     }
     return SMOE_SUCCESS;
@@ -763,7 +767,7 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         const cbuf x1[2] = {{(const char *)msg_send, (char *)msg_recv, 8},
                             {ws + W.send_pairs, ws + W.recv_pairs,
                              (size_t)C * (size_t)Km * sizeof(pair_msg)}};
-        TRY(smoe_ep_alltoall(ep, x1, 2, 1, s));
+        TRY(smoe_ep_alltoall(ep, x1, 2, X->fw_caller ? 2 : 1, s));
         k_ep_peers<<<1, 32, 0, s>>>(P, self, msg_recv, st, rep);
         TRYL("k_ep_peers");
         MARK(0, s, 0, "counts and pairs", -1);
@@ -791,12 +795,12 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
             const cbuf rb[1] = {{whole ? (const char *)args->x : (const char *)send_rows,
                                  (char *)recv_rows, row}};
             if (K->halves) { /* every slice's first halves, then the second */
-                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C / 2, EV_IN, whole));
+                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C / 2, EV_IN, whole, 0));
                 MARK(0, X->cs, 1, "rows, half", 0);
-                TRY(rounds(ep, rb, 1, NULL, NULL, C / 2, C, EV_IN + P, whole));
+                TRY(rounds(ep, rb, 1, NULL, NULL, C / 2, C, EV_IN + P, whole, 0));
                 MARK(0, X->cs, 1, "rows, half", 1);
             } else {
-                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C, EV_IN, whole));
+                TRY(rounds(ep, rb, 1, NULL, NULL, 0, C, EV_IN, whole, X->fw_caller ? 2 : 0));
                 MARK(0, X->cs, 1, "rows", -1);
             }
         }
@@ -1036,12 +1040,12 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
              * marks the end of what the backward receives */
             const cbuf db[1] = {{whole ? (const char *)args->dout : (const char *)sdo, (char *)rdo,
                                  (size_t)d * 2}};
-            TRY(rounds(ep, db, 1, msg_send, msg_recv, 0, C, EV_IN, whole));
+            TRY(rounds(ep, db, 1, msg_send, msg_recv, 0, C, EV_IN, whole, 0));
             MARK(1, X->cs, 1, "dout", -1);
             if (!keep) {
                 const cbuf xb[1] = {{whole ? (const char *)args->x : (const char *)sx, (char *)rx,
                                      (size_t)d * 2}};
-                TRY(rounds(ep, xb, 1, NULL, NULL, 0, C, -1, whole));
+                TRY(rounds(ep, xb, 1, NULL, NULL, 0, C, -1, whole, 0));
                 MARK(1, X->cs, 1, "x", -1);
             }
             TRYC(cudaEventRecord(X->ev[EV_X], X->cs));
@@ -1091,7 +1095,7 @@ smoe_status smoe_ep_cuda_backward(smoe_ep_layer *ep, const smoe_backward_args *a
                 op[n].to = op[n].from = q;
                 n++;
             }
-            TRY(smoe_ep_p2p_group(ep, op, n, X->cs));
+            TRY(smoe_ep_p2p_group(ep, op, n, 0, X->cs));
             MARK(1, X->cs, 1, "dS back", -1);
             z.rounds_left = 0;
         }

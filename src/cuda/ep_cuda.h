@@ -39,10 +39,12 @@ typedef struct p2p_op {
 } p2p_op;
 
 /* One group of point-to-point pairs on stream s, over the layer's
- * communicator; the exchange of n <= 2 buffers with every rank, itself
- * included (rank r's slice q goes to rank q's slice r), over the layer's
- * communicator or (msg = 1) its messages' one where it has one. */
-smoe_status smoe_ep_p2p_group(const smoe_ep_layer *ep, const p2p_op *op, int n, cudaStream_t s);
+ * communicator (comm 0) or the caller's (comm 2); the exchange of n <= 2
+ * buffers with every rank, itself included (rank r's slice q goes to rank
+ * q's slice r), over the layer's communicator (msg 0), its messages' one
+ * where it has one (msg 1) or the caller's (msg 2). */
+smoe_status smoe_ep_p2p_group(const smoe_ep_layer *ep, const p2p_op *op, int n, int comm,
+                              cudaStream_t s);
 smoe_status smoe_ep_alltoall(const smoe_ep_layer *ep, const cbuf *x, int n, int msg,
                              cudaStream_t s);
 /* Copy engines: ncclAlltoAll of `bytes` per rank from send to recv (both in
@@ -164,6 +166,9 @@ typedef struct ep_cuda {
     int sms_overlap; /* the GEMMs' SMs while an exchange is in flight */
     int dw1_beside;  /* the backward: dW1 (not dW2) beside the last partial
                         sums, dW2 after the join (ep_nccl.cu) */
+    int fw_caller;   /* the overlap in the backward only: the forward's
+                        exchanges, which run alone, on the caller's
+                        communicator (NCCL's own CTAs), not the layer's R */
     smoe_cuda_gemms g;
     ep_slots sl;     /* the received rows' layout */
     /* copy engines (sl.H parts, own_end): the zero-CTA communicator, the

@@ -148,9 +148,19 @@ static smoe_status p2p_group(nccl_comm comm, const p2p_op *op, int n, cudaStream
     return SMOE_SUCCESS;
 }
 
-smoe_status smoe_ep_p2p_group(const smoe_ep_layer *ep, const p2p_op *op, int n, cudaStream_t s)
+/* 0: the layer's communicator, 1: its messages' one where it has one, 2:
+ * the caller's */
+static nccl_comm comm_pick(const smoe_ep_layer *ep, int which)
 {
-    return p2p_group(comm_of(ep), op, n, s);
+    if (which == 2) return (nccl_comm)ep->desc.nccl_comm;
+    if (which == 1 && ep->cuda && ep->cuda->mcomm) return ep->cuda->mcomm;
+    return comm_of(ep);
+}
+
+smoe_status smoe_ep_p2p_group(const smoe_ep_layer *ep, const p2p_op *op, int n, int comm,
+                              cudaStream_t s)
+{
+    return p2p_group(comm_pick(ep, comm), op, n, s);
 }
 
 /* The exchange of several buffers with every rank, itself included (n <= 2):
@@ -168,7 +178,7 @@ smoe_status smoe_ep_alltoall(const smoe_ep_layer *ep, const cbuf *x, int n, int 
             op[k].to = op[k].from = q;
             k++;
         }
-    return p2p_group(msg && ep->cuda && ep->cuda->mcomm ? ep->cuda->mcomm : comm_of(ep), op, k, s);
+    return p2p_group(comm_pick(ep, msg), op, k, s);
 }
 
 smoe_status smoe_ep_ce_alltoall(const smoe_ep_layer *ep, const char *send, char *recv, size_t bytes,
@@ -414,10 +424,10 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
     ep->cuda = X;
     const int P = ep->P, r = ep->r;
     X->g = smoe_cuda_layer_gemms(ep->experts, ep->rows);
-    SMOE_RETURN_ERROR_IF(ep->desc.overlap == 1 && !X->g.views, SMOE_ERROR_UNSUPPORTED,
-                         "%s: overlap = 1, but this layer's expert GEMMs (%s) take no view of "
+    SMOE_RETURN_ERROR_IF(ep->desc.overlap >= 1 && !X->g.views, SMOE_ERROR_UNSUPPORTED,
+                         "%s: overlap = %d, but this layer's expert GEMMs (%s) take no view of "
                          "their rows (the Hopper GEMMs do)",
-                         fn, smoe_layer_path_name(ep->experts));
+                         fn, ep->desc.overlap, smoe_layer_path_name(ep->experts));
     const int split = ep->C >= 2 ? 1 : 0; /* this rank's own rows in two */
     /* overlap = 0: on where each exchange sends at least 128 MiB to a peer.
      * Measured on 2 H100s (bench/RESULTS.md, "Expert parallelism"): with
@@ -427,6 +437,16 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
      * exchanges they hide (1.5-9 points lost). */
     const double slice = (double)ep->C * (double)ep->desc.layer.d * 2.0;
     const int want = ep->desc.overlap == 1 || (ep->desc.overlap == 0 && slice >= 128.0 * 1048576.0);
+    /* The backward alone (overlap = 2, or 0 where the slices are 64 MiB or
+     * more and K n <= 8192: the rows' GEMM work per exchanged byte goes
+     * as K n). 2 x H200, P = 2, same call, 2 rounds (session 48):
+     * Qwen3-like (64 MiB slices, K n = 6144) backward 5.44 / 5.56 ms
+     * sequential, 5.28 / 5.21 with the overlap, while its forward lost
+     * with it (2.88 / 2.95 -> 3.50 / 3.53); Mixtral-like (64 MiB, K n =
+     * 28672) lost both ways (backward 19.58 / 19.60 -> 20.20 / 20.06). */
+    const int64_t kn = (int64_t)ep->desc.layer.K * ep->desc.layer.n;
+    const int want_b = want || ep->desc.overlap == 2 ||
+                       (ep->desc.overlap == 0 && slice >= 64.0 * 1048576.0 && kn <= 8192);
     /* copy engines: each exchange in H parts (2 measured better than 4 at
      * P = 4, bench/RESULTS.md "copy engines") */
     const int H = 2;
@@ -443,7 +463,7 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
     const int ce_syms = g_nccl.AlltoAll && g_nccl.MemAlloc && g_nccl.MemFree &&
                         g_nccl.CommWindowRegister && g_nccl.CommWindowDeregister;
     const int ce_auto = ep->desc.copy_engines == 0 && !no_ce && P >= 4 && X->g.views &&
-                        ep->desc.overlap >= 0 && ce_syms;
+                        (ep->desc.overlap == 0 || ep->desc.overlap == 1) && ce_syms;
     X->ce = (ep->desc.copy_engines == 1 || ce_auto) && P > 1 && ep->C > 0;
     X->sl.C = ep->C;
     X->sl.P = P;
@@ -452,7 +472,7 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
     X->sl.Ch = X->ce ? (ep->C + H - 1) / H : ep->C;
     X->sl.own_end = X->ce;
     ep_chunks *B = &X->bw, *F = &X->fw;
-    B->nc = X->ce ? H + 1 + split : want && X->g.views && P > 1 ? P + split : 1;
+    B->nc = X->ce ? H + 1 + split : want_b && X->g.views && P > 1 ? P + split : 1;
     B->own_b = -1;
     if (X->ce) {
         /* this rank's first half, the parts as they arrive, its second half */
@@ -492,7 +512,20 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
      * without them (4 x H200, session 33, same call: fwd+bwd 66.7% -> 75.5%
      * of the single layer per GPU; where the time goes was not traced). */
     *F = *B;
-    if (!X->ce && B->nc > 1 && split && P == 2 && ep->desc.layer.n <= 512 && ep->desc.layer.K <= 8)
+    if (!X->ce && B->nc > 1 && !want) {
+        /* the backward alone: one forward chunk, its exchanges on the
+         * caller's communicator (2 x H200, Qwen3-like at P = 2: forward
+         * 4.12-4.21 ms on the layer's, 8 CTAs at most, against 2.89-2.99
+         * on the caller's) */
+        X->fw_caller = 1;
+        F->nc = 1;
+        F->bd.b[0] = 0;
+        F->bd.b[1] = (int64_t)P * ep->C;
+        F->order[0] = 0;
+        F->halves = 0;
+    }
+    if (!X->ce && want && B->nc > 1 && split && P == 2 && ep->desc.layer.n <= 512 &&
+        ep->desc.layer.K <= 8)
         chunks_make(F, P, r, ep->C, split, 1);
     /* The forward's own chunks split at a share of this rank's own rows
      * (found on the device), not of the C slots as the backward's (bd's C /
@@ -628,8 +661,10 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
                  X->mcomm ? "; x itself sent where T = capacity" : "");
     else if (B->nc > 1)
         snprintf(ep->path, sizeof ep->path,
-                 "%s; ep: overlap, %d chunks, %d SMs left to NCCL beside the GEMMs%s",
-                 smoe_layer_path_name(ep->experts), B->nc, X->g.num_sms - X->sms_overlap,
+                 "%s; ep: overlap%s, %d chunks, %d SMs left to NCCL beside the GEMMs%s",
+                 smoe_layer_path_name(ep->experts),
+                 F->nc == 1 ? " in the backward only (the forward exchanges, then computes)" : "",
+                 B->nc, X->g.num_sms - X->sms_overlap,
                  X->mcomm ? "; x itself sent where T = capacity" : "");
     else
         snprintf(ep->path, sizeof ep->path, "%s; ep: no overlap (exchange, then compute)",

@@ -33,6 +33,9 @@
  *    halves and keep_x, with every pair on one rank's experts; the uneven
  *    cases have one rank at capacity and the others packing), and without
  *    the overlap (packed: the path must not say it);
+ *    overlap = 2 (the backward's alone; the path says so): with a bias,
+ *    GENERAL with keep_x, accumulate and a CUDA graph, every rank at
+ *    capacity (x itself, router logits);
  *    overlap = 1 on the portable GEMMs is refused on every rank;
  *  - copy_engines (P >= 2, Hopper): the three routing modes, a CUDA graph,
  *    keep_x (bitwise against the same case without it), an odd capacity
@@ -41,7 +44,7 @@
  *    equal to the first's); every rank at capacity (x itself by
  *    all-gathers: with a CUDA graph, with keep_x, with every pair on one
  *    rank; at an odd capacity packed, the path must not say it); refused
- *    on the portable GEMMs and with overlap = -1;
+ *    on the portable GEMMs and with overlap = -1 or 2;
  *  - refused at create on every rank: descriptions that differ (compared
  *    over NCCL), E not a multiple of P (each rank's own check).
  * Needs libnccl (the loader's libnccl.so.2 or $SMOE_NCCL_LIBRARY); skips
@@ -102,6 +105,8 @@ typedef struct gcase {
                           travel in halves, 2: must not */
     int path_whole;    /* 1: at P >= 2 the path name must say x itself travels
                           where T = capacity, 2: must not */
+    int path_bwonly;   /* 1: at P >= 2 the path name must say the overlap is the
+                          backward's only */
     int share;         /* a second layer of the same description (copy engines:
                           it shares the first's window) runs the second run */
     int logits;        /* token choice: router logits out and a dlogits_extra in,
@@ -125,6 +130,7 @@ typedef struct grank {
     int ce_on;     /* the path name says copy engines */
     int halves_on; /* the path name says the forward's halves */
     int whole_on;  /* the path name says x itself travels where T = capacity */
+    int bwonly_on; /* the path name says the overlap is the backward's only */
     int inf_same;  /* an inference forward gave the training forward's out */
     pthread_barrier_t *bar; /* SMOE_EP_BARRIER=1: every rank's thread meets here */
 } grank;
@@ -178,6 +184,7 @@ static void *rank_main(void *arg) {
     R->ce_on = strstr(smoe_ep_layer_path_name(L), "ep: copy engines") != NULL;
     R->halves_on = strstr(smoe_ep_layer_path_name(L), "rows in halves") != NULL;
     R->whole_on = strstr(smoe_ep_layer_path_name(L), "x itself sent") != NULL;
+    R->bwonly_on = strstr(smoe_ep_layer_path_name(L), "in the backward only") != NULL;
     smoe_ep_layer *L1 = L, *L2 = NULL;
     if (c->share) {
         R->st_create = smoe_ep_layer_create(&ed, &L2);
@@ -554,6 +561,9 @@ static void run_case(const char *name, const gcase *c, tu_rng *rng) {
             CHECK(R[q].whole_on == (c->path_whole == 1),
                   "rank %d: the path %s that x itself travels", q,
                   c->path_whole == 1 ? "does not say" : "says");
+        for (int q = 0; q < NP && ok && NP > 1 && c->path_bwonly; q++)
+            CHECK(R[q].bwonly_on, "rank %d: the path does not say the overlap is the "
+                  "backward's only", q);
         for (int q = 0; q < NP && ok; q++)
             CHECK(R[q].inf_same, "rank %d: the inference forward's out differs from training's",
                   q);
@@ -829,6 +839,28 @@ int main(int argc, char **argv) {
         c.overflow = 1;
         c.overlap = 1;
         run_case("Hopper, overlap, capacity too small", &c, &rng);
+        /* overlap = 2: the forward exchanges, then computes; the backward
+         * in chunks (with x itself where T = capacity, halves never) */
+        c = base_case(P, SMOE_ROUTING_SOFTMAX_TOPK, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 64; c.D.has_bias = 1;
+        c.overlap = 2;
+        c.path_bwonly = 1;
+        c.path_halves = 2;
+        run_case("Hopper, overlap in the backward only", &c, &rng);
+        c = base_case(P, SMOE_ROUTING_GENERAL, SMOE_BACKEND_SM90);
+        c.D.d = 128; c.D.n = 64;
+        c.overlap = 2;
+        c.path_bwonly = 1;
+        c.graph = 1;
+        c.accumulate = 1;
+        c.keep_x = 1;
+        run_case("Hopper, overlap in the backward only, keep_x, CUDA graph replays", &c, &rng);
+        c = at_capacity(P, SMOE_ROUTING_TOPK_SOFTMAX, 64, 48); /* x itself travels */
+        c.overlap = 2;
+        c.path_bwonly = 1;
+        c.path_whole = 1;
+        c.logits = 1;
+        run_case("Hopper, overlap in the backward only, every rank at capacity", &c, &rng);
         /* copy engines (W1 interleaved: the Hopper dX~ GEMM's view) */
         for (int m = 0; m < 3; m++) {
             c = base_case(P, modes[m], SMOE_BACKEND_SM90);
@@ -893,6 +925,9 @@ int main(int argc, char **argv) {
         c.overlap = -1;
         c.refused = "overlap = -1";
         run_case("copy engines with overlap = -1", &c, &rng);
+        c.overlap = 2;
+        c.refused = "overlap = 2";
+        run_case("copy engines with overlap = 2", &c, &rng);
         /* copy_engines = 0: copy engines from P = 4 on the Hopper GEMMs
          * with overlap >= 0, NCCL's kernels otherwise */
         c = base_case(P, SMOE_ROUTING_TOPK_SOFTMAX, SMOE_BACKEND_SM90);
