@@ -514,10 +514,12 @@ typedef struct smoe_ep_desc {
                                rank's in two, the peers' halves travelling
                                one after the other), on a communicator the
                                layer splits from nccl_comm at create (on
-                               NCCL's kernels a second, of one CTA, for the
-                               forward's counts; a rank whose T is the
-                               capacity then sends x itself from the
-                               forward's start, no pack of its rows):
+                               NCCL's kernels a rank whose T is the
+                               capacity sends x itself, no pack of its
+                               rows: after the counts and pairs where K <=
+                               8, else from the forward's start, the
+                               counts beside it on a second communicator
+                               of one CTA):
                                1 = on (SMOE_ERROR_UNSUPPORTED without
                                the Hopper GEMMs), -1 = off (exchange, then
                                compute), 2 = in the backward only (the

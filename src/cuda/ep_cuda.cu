@@ -475,7 +475,7 @@ static smoe_status rounds(const smoe_ep_layer *ep, const cbuf *b, int nb, const 
 static int ep_whole_x(const smoe_ep_layer *ep, int64_t T)
 {
     if (ep->cuda->ce) return ep->cuda->ce_whole; /* every rank, one collective */
-    return ep->cuda->mcomm && ep->P > 1 && T > 0 && T == ep->C;
+    return ep->cuda->x_whole && ep->P > 1 && T > 0 && T == ep->C;
 }
 
 /* Copy engines with x itself: NCCL (2.28) runs a collective on the copy
@@ -767,10 +767,12 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         const cbuf x1[2] = {{(const char *)msg_send, (char *)msg_recv, 8},
                             {ws + W.send_pairs, ws + W.recv_pairs,
                              (size_t)C * (size_t)Km * sizeof(pair_msg)}};
-        TRY(smoe_ep_alltoall(ep, x1, 2, X->fw_caller ? 2 : 1, s));
+        TRY(smoe_ep_alltoall(ep, x1, 2, X->fw_caller ? 2 : X->pairs_first ? 0 : 1, s));
         k_ep_peers<<<1, 32, 0, s>>>(P, self, msg_recv, st, rep);
         TRYL("k_ep_peers");
         MARK(0, s, 0, "counts and pairs", -1);
+        /* pairs_first: x's rows leave after the counts and pairs */
+        if (whole && X->pairs_first) TRY(fork_streams(ep, s));
         sched z = sched_make(ep, K);
         if (P > 1 && X->ce) {
             /* copy engines: part h of every slice, one all-to-all each

@@ -151,14 +151,17 @@ typedef struct ep_cuda {
                         at create: clusters of one CTA, at most comm_sms CTAs);
                         else the caller's */
     int own_comm;
-    nccl_comm mcomm; /* with overlap on NCCL's kernels: a second one (one CTA)
-                        for the forward's counts and pairs, which then need
-                        not wait behind the rows (NCCL runs one
-                        communicator's calls one after the other; every
-                        rank calls mcomm first, then comm: NCCL connects a
-                        communicator's peers at its first call); with it
-                        a rank whose T is the capacity sends x itself
-                        (ep_cuda.cu's ep_whole_x) */
+    nccl_comm mcomm; /* with overlap on NCCL's kernels where the forward's
+                        counts and pairs do not go first (pairs_first): a
+                        second one (one CTA) for them, beside x's rows
+                        (NCCL runs one communicator's calls one after the
+                        other; every rank calls mcomm first, then comm:
+                        NCCL connects a communicator's peers at its first
+                        call) */
+    int x_whole;     /* overlap on NCCL's kernels: a rank whose T is the
+                        capacity sends x itself (ep_cuda.cu's ep_whole_x) */
+    int pairs_first; /* the forward's counts and pairs on comm (its R CTAs),
+                        not on mcomm, and x's rows after them (ep_nccl.cu) */
     cudaStream_t cs;
     cudaEvent_t *ev;
     int n_ev;
