@@ -45,6 +45,7 @@ static struct {
     ncclResult_t (*CommSplit)(ncclComm_t, int, int, ncclComm_t *, ncclConfig_t *);
     ncclResult_t (*MemAlloc)(void **, size_t);
     ncclResult_t (*CommWindowRegister)(ncclComm_t, void *, size_t, ncclWindow_t *, int);
+    ncclResult_t (*CommRegister)(ncclComm_t, void *, size_t, void **);
     ncclResult_t (*AlltoAll)(const void *, void *, size_t, ncclDataType_t, ncclComm_t,
                              cudaStream_t);
     ncclResult_t (*Send)(const void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
@@ -56,10 +57,14 @@ static struct {
 
 /* the exchanges: p2p = ncclSend/Recv to every other rank in a group;
  * a2a = ncclAlltoAll (own slice included) */
-enum { X_NONE, X_P2P_DEFAULT, X_P2P_K8, X_P2P_CE, X_A2A_K8, X_A2A_CE };
+enum { X_NONE, X_P2P_DEFAULT, X_P2P_K8, X_P2P_CE, X_A2A_K8, X_A2A_CE, X_P2P_K8R, X_P2P_K4,
+       X_P2P_K4R };
 static const char *xname[] = {"(none)", "p2p, default comm", "p2p, 8 one-CTA clusters",
                               "p2p, zero-CTA comm + windows", "a2a, 8 one-CTA clusters",
-                              "a2a, zero-CTA comm + windows"};
+                              "a2a, zero-CTA comm + windows",
+                              "p2p, 8 one-CTA clusters, registered",
+                              "p2p, 4 one-CTA clusters",
+                              "p2p, 4 one-CTA clusters, registered"};
 /* gemm: the GEMM chain beside (2: the exchange launched first); parts:
  * the exchange as that many all-to-alls of 1/parts of the bytes */
 typedef struct mode {
@@ -70,6 +75,10 @@ static const mode modes[] = {
     {X_A2A_K8, 0, 1}, {X_A2A_CE, 0, 1},      {X_A2A_CE, 0, 4}, {X_P2P_K8, 1, 1},
     {X_P2P_CE, 1, 1}, {X_A2A_K8, 1, 1},      {X_A2A_CE, 1, 1}, {X_A2A_CE, 2, 1},
     {X_A2A_CE, 2, 4},
+    /* ncclCommRegister'd send and receive buffers (NCCL's p2p over NVLink
+     * then writes straight into the peer's buffer, no FIFO copy) */
+    {X_P2P_K8R, 0, 1}, {X_P2P_K4, 0, 1}, {X_P2P_K4R, 0, 1},
+    {X_P2P_K8R, 1, 1}, {X_P2P_K4, 1, 1}, {X_P2P_K4R, 1, 1},
 };
 enum { NM = sizeof modes / sizeof modes[0], MAXR = 16 };
 
@@ -89,8 +98,13 @@ static void *rank_main(void *arg)
     k8.cgaClusterSize = 1;
     k8.maxCTAs = 8;
     ce.CTAPolicy = NCCL_CTA_POLICY_ZERO;
-    ncclComm_t ck8 = NULL, cce = NULL;
+    ncclConfig_t k8r = k8, k4 = k8, k4r = k8;
+    k4.maxCTAs = k4r.maxCTAs = 4;
+    ncclComm_t ck8 = NULL, cce = NULL, ck8r = NULL, ck4 = NULL, ck4r = NULL;
     NOK(f.CommSplit(c->base, 0, c->r, &ck8, &k8));
+    NOK(f.CommSplit(c->base, 0, c->r, &ck8r, &k8r));
+    NOK(f.CommSplit(c->base, 0, c->r, &ck4, &k4));
+    NOK(f.CommSplit(c->base, 0, c->r, &ck4r, &k4r));
     NOK(f.CommSplit(c->base, 0, c->r, &cce, &ce));
     char *sb = NULL, *rb = NULL;
     const size_t all = c->bytes * (size_t)c->P;
@@ -101,6 +115,18 @@ static void *rank_main(void *arg)
     ncclWindow_t ws = NULL, wr = NULL;
     NOK(f.CommWindowRegister(cce, sb, all, &ws, NCCL_WIN_COLL_SYMMETRIC));
     NOK(f.CommWindowRegister(cce, rb, all, &wr, NCCL_WIN_COLL_SYMMETRIC));
+    /* the registered modes: their own buffers (a buffer is either
+     * registered on a communicator or not for every rank) */
+    char *sr = NULL, *rr = NULL;
+    NOK(f.MemAlloc((void **)&sr, all));
+    NOK(f.MemAlloc((void **)&rr, all));
+    CUDA_OK(cudaMemset(sr, 1, all));
+    CUDA_OK(cudaMemset(rr, 0, all));
+    void *h8s = NULL, *h8r = NULL, *h4s = NULL, *h4r = NULL;
+    NOK(f.CommRegister(ck8r, sr, all, &h8s));
+    NOK(f.CommRegister(ck8r, rr, all, &h8r));
+    NOK(f.CommRegister(ck4r, sr, all, &h4s));
+    NOK(f.CommRegister(ck4r, rr, all, &h4r));
     const int G = 8192;
     __nv_bfloat16 *A, *B, *Cm;
     CUDA_OK(cudaMalloc(&A, (size_t)G * G * 2));
@@ -126,8 +152,14 @@ static void *rank_main(void *arg)
             CUDA_OK(cudaEventRecord(e0, s));
             CUDA_OK(cudaStreamWaitEvent(cs, e0, 0));
             const int x = modes[m].x;
-            ncclComm_t cm = x == X_P2P_DEFAULT ? c->base
-                            : (x == X_P2P_K8 || x == X_A2A_K8) ? ck8 : cce;
+            ncclComm_t cm = x == X_P2P_DEFAULT                 ? c->base
+                            : (x == X_P2P_K8 || x == X_A2A_K8) ? ck8
+                            : x == X_P2P_K8R                   ? ck8r
+                            : x == X_P2P_K4                    ? ck4
+                            : x == X_P2P_K4R                   ? ck4r
+                                                               : cce;
+            const int reg = x == X_P2P_K8R || x == X_P2P_K4R;
+            char *xs = reg ? sr : sb, *xr = reg ? rr : rb;
             const size_t part = c->bytes / (size_t)modes[m].parts;
             if (modes[m].gemm == 2)
                 for (int k = 0; k < modes[m].parts; k++)
@@ -150,8 +182,8 @@ static void *rank_main(void *arg)
                 NOK(f.GroupStart());
                 for (int q = 0; q < c->P; q++) {
                     if (q == c->r) continue;
-                    NOK(f.Send(sb + q * c->bytes, c->bytes, ncclUint8, q, cm, cs));
-                    NOK(f.Recv(rb + q * c->bytes, c->bytes, ncclUint8, q, cm, cs));
+                    NOK(f.Send(xs + q * c->bytes, c->bytes, ncclUint8, q, cm, cs));
+                    NOK(f.Recv(xr + q * c->bytes, c->bytes, ncclUint8, q, cm, cs));
                 }
                 NOK(f.GroupEnd());
             }
@@ -168,6 +200,8 @@ static void *rank_main(void *arg)
     const int q = (c->r + 1) % c->P;
     CUDA_OK(cudaMemcpy(&probe, rb + (size_t)q * c->bytes + c->bytes - 1, 1, cudaMemcpyDeviceToHost));
     if (probe != 1) fprintf(stderr, "rank %d: slice %d not received\n", c->r, q);
+    CUDA_OK(cudaMemcpy(&probe, rr + (size_t)q * c->bytes + c->bytes - 1, 1, cudaMemcpyDeviceToHost));
+    if (probe != 1) fprintf(stderr, "rank %d: slice %d not received (registered)\n", c->r, q);
     /* the CE all-to-all in a CUDA graph: captured, replayed, the data there */
     CUDA_OK(cudaMemset(sb, 2, all));
     CUDA_OK(cudaMemset(rb, 0, all));
@@ -215,7 +249,7 @@ int main(int argc, char **argv)
         }                                                                             \
     } while (0)
     SYM(GetVersion); SYM(CommInitAll); SYM(CommSplit); SYM(MemAlloc);
-    SYM(CommWindowRegister); SYM(AlltoAll); SYM(Send); SYM(Recv);
+    SYM(CommWindowRegister); SYM(CommRegister); SYM(AlltoAll); SYM(Send); SYM(Recv);
     SYM(GroupStart); SYM(GroupEnd); SYM(GetErrorString);
     int ver = 0;
     f.GetVersion(&ver);
