@@ -443,7 +443,10 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
      * Qwen3-like (64 MiB slices, K n = 6144) backward 5.44 / 5.56 ms
      * sequential, 5.28 / 5.21 with the overlap, while its forward lost
      * with it (2.88 / 2.95 -> 3.50 / 3.53); Mixtral-like (64 MiB, K n =
-     * 28672) lost both ways (backward 19.58 / 19.60 -> 20.20 / 20.06). */
+     * 28672) lost both ways (backward 19.58 / 19.60 -> 20.20 / 20.06).
+     * With the backward's two chunks (session 49), 3 rounds (session 50):
+     * Qwen3-like backward 5.36-5.51 -> 5.09-5.27 ms, forward even;
+     * OLMoE-like (K n = 8192) even both ways, 2 rounds. */
     const int64_t kn = (int64_t)ep->desc.layer.K * ep->desc.layer.n;
     const int want_b = want || ep->desc.overlap == 2 ||
                        (ep->desc.overlap == 0 && slice >= 64.0 * 1048576.0 && kn <= 8192);
