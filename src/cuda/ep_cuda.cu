@@ -475,7 +475,7 @@ static smoe_status rounds(const smoe_ep_layer *ep, const cbuf *b, int nb, const 
 static int ep_whole_x(const smoe_ep_layer *ep, int64_t T)
 {
     if (ep->cuda->ce) return ep->cuda->ce_whole; /* every rank, one collective */
-    return ep->cuda->x_whole && ep->P > 1 && T > 0 && T == ep->C;
+    return ep->cuda->own_comm && ep->P > 1 && T > 0 && T == ep->C; /* the overlap */
 }
 
 /* Copy engines with x itself: NCCL (2.28) runs a collective on the copy

@@ -158,8 +158,6 @@ typedef struct ep_cuda {
                         other; every rank calls mcomm first, then comm:
                         NCCL connects a communicator's peers at its first
                         call) */
-    int x_whole;     /* overlap on NCCL's kernels: a rank whose T is the
-                        capacity sends x itself (ep_cuda.cu's ep_whole_x) */
     int pairs_first; /* the forward's counts and pairs on comm (its R CTAs),
                         not on mcomm, and x's rows after them (ep_nccl.cu) */
     cudaStream_t cs;

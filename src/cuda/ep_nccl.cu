@@ -608,14 +608,14 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
                              g_nccl.GetErrorString(nr));
         X->comm = mine;
         X->own_comm = 1;
-        /* NCCL's kernels: a rank whose T is the capacity sends x itself.
-         * Where a row carries at most 8 pairs (64 bytes of pairs against d
-         * * 2 of row), the forward's counts and pairs go first on comm,
-         * with its R CTAs, and x's rows after them (pairs_first); else x's
-         * rows leave at the forward's start and the counts and pairs, which
-         * the expert side needs first, go beside them on a second
-         * communicator of one CTA (mcomm; NCCL runs one communicator's
-         * calls in order). At 30B-n512 mcomm's CTA took 0.24 ms for the 2
+        /* NCCL's kernels: a rank whose T is the capacity sends x itself
+         * (ep_cuda.cu's ep_whole_x). Where a row carries at most 8 pairs
+         * (64 bytes of pairs against d * 2 of row), the forward's counts
+         * and pairs go first on comm, with its R CTAs, and x's rows after
+         * them (pairs_first); else x's rows leave at the forward's start
+         * and the counts and pairs, which the expert side needs first, go
+         * beside them on a second communicator of one CTA (mcomm; NCCL
+         * runs one communicator's calls in order). At 30B-n512 mcomm's CTA took 0.24 ms for the 2
          * MiB of pairs beside the rows, comm 0.10 ms ahead of them, and the
          * rows' later start cost nothing. 2 x H200, P = 2, same call, 3
          * interleaved rounds (session 50): forward 30B-n512 7.63-7.71 ->
@@ -624,7 +624,6 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
          * backward-only overlap's forward (F->nc = 1) sends both on the
          * caller's communicator. Decided from the description alone: every
          * rank calls the same communicators in the same order. */
-        X->x_whole = !X->ce;
         X->pairs_first = !X->ce && F->nc > 1 && ep->Kmax <= 8;
         if (!X->ce && F->nc > 1 && !X->pairs_first) {
             cfg.maxCTAs = 1;
@@ -674,18 +673,16 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
     else if (B->nc > 1 && F->halves)
         snprintf(ep->path, sizeof ep->path,
                  "%s; ep: overlap, %d chunks (forward: %d, every peer's rows in halves), %d SMs "
-                 "left to NCCL beside the GEMMs%s%s",
+                 "left to NCCL beside the GEMMs; x itself sent where T = capacity%s",
                  smoe_layer_path_name(ep->experts), B->nc, F->nc, X->g.num_sms - X->sms_overlap,
-                 X->x_whole ? "; x itself sent where T = capacity" : "",
                  X->pairs_first ? ", after the pairs" : "");
     else if (B->nc > 1)
         snprintf(ep->path, sizeof ep->path,
-                 "%s; ep: overlap%s, %d chunks, %d SMs left to NCCL beside the GEMMs%s%s",
+                 "%s; ep: overlap%s, %d chunks, %d SMs left to NCCL beside the GEMMs; x itself "
+                 "sent where T = capacity%s",
                  smoe_layer_path_name(ep->experts),
                  F->nc == 1 ? " in the backward only (the forward exchanges, then computes)" : "",
-                 B->nc, X->g.num_sms - X->sms_overlap,
-                 X->x_whole ? "; x itself sent where T = capacity" : "",
-                 X->pairs_first ? ", after the pairs" : "");
+                 B->nc, X->g.num_sms - X->sms_overlap, X->pairs_first ? ", after the pairs" : "");
     else
         snprintf(ep->path, sizeof ep->path, "%s; ep: no overlap (exchange, then compute)",
                  smoe_layer_path_name(ep->experts));
