@@ -675,13 +675,15 @@ smoe_status smoe_ep_cuda_forward(smoe_ep_layer *ep, const smoe_forward_args *arg
         /* x itself to every peer: its exchange's stream waits for nothing
          * after this point (enqueued after the counts all the same: NCCL
          * connects a communicator's peers at its first call, a wait for the
-         * peer's host, so every rank calls the communicators in one order) */
+         * peer's host, so every rank calls the communicators in one order),
+         * or with pairs_first for nothing after the counts and pairs (the
+         * fork there) */
         const int whole = ep_whole_x(ep, T);
         /* own_x: this rank's own rows, at their tokens' positions too, are
          * not copied: an own chunk's up GEMM reads x itself (keep_x keeps
          * the copy, in the saved block) */
         const int own_x = whole && !X->ce && K->nc > 1 && !(training && ep->desc.keep_x);
-        if (whole) TRY(fork_streams(ep, s));
+        if (whole && !X->pairs_first) TRY(fork_streams(ep, s));
         if (whole && X->ce) {
             TRY(ce_whole_stage(ep, args->x, (char *)recv_rows, T, row));
             MARK(0, X->cs, 1, "x staged", -1);

@@ -615,9 +615,9 @@ static smoe_status cuda_state_make(smoe_ep_layer *ep, int no_ce, int *nowin)
          * them (pairs_first); else x's rows leave at the forward's start
          * and the counts and pairs, which the expert side needs first, go
          * beside them on a second communicator of one CTA (mcomm; NCCL
-         * runs one communicator's calls in order). At 30B-n512 mcomm's CTA took 0.24 ms for the 2
-         * MiB of pairs beside the rows, comm 0.10 ms ahead of them, and the
-         * rows' later start cost nothing. 2 x H200, P = 2, same call, 3
+         * runs one communicator's calls in order). At 30B-n512 mcomm's CTA
+         * took 0.24 ms for the 2 MiB of pairs beside the rows, comm 0.10 ms
+         * ahead of them, and the rows' later start cost nothing. 2 x H200, P = 2, same call, 3
          * interleaved rounds (session 50): forward 30B-n512 7.63-7.71 ->
          * 7.43-7.56 ms, 120B-n1024 12.58-12.63 -> 12.38-12.43; at K = 16
          * (4 MiB of pairs, 30B-n256) it lost, 9.49-9.67 -> 9.74-9.80. The
